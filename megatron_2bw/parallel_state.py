@@ -1,0 +1,201 @@
+"""Process groups for tensor (t), pipeline (d) and data (w) parallelism.
+
+Rank order follows Megatron-LM: tensor ranks are adjacent (they exchange activations every
+layer, so they belong on one server), then data-parallel replicas, then pipeline stages::
+
+    rank = pipeline_rank * (t * w) + data_rank * t + tensor_rank
+
+Worked example, 8 processes with t = 2, d = 2, w = 2 (two servers of four GPUs)::
+
+    tensor groups    [0, 1] [2, 3] [4, 5] [6, 7]     each pair splits every layer
+    data groups      [0, 2] [1, 3] [4, 6] [5, 7]     replicas all-reduce gradients inside a server
+    pipeline groups  [0, 4] [1, 5] [2, 6] [3, 7]     stage 0 on server 0, stage 1 on server 1
+    embedding groups [0, 4] [1, 5] [2, 6] [3, 7]     first + last stage (tied embeddings)
+    model groups     [0, 1, 4, 5] [2, 3, 6, 7]       one full model: grad norm, overflow flag
+
+Only the point-to-point activation traffic crosses servers, as PipeDream-2BW wants.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import ParallelConfig
+from .errors import ConfigError
+
+
+def rank_of(t: int, w: int, tp: int, dp: int, pp: int) -> int:
+    return pp * (t * w) + dp * t + tp
+
+
+def coords_of(rank: int, t: int, w: int) -> tuple[int, int, int]:
+    """(tensor_rank, data_rank, pipeline_rank) of a global rank."""
+    return rank % t, (rank // t) % w, rank // (t * w)
+
+
+def layout_groups(t: int, d: int, w: int) -> dict[str, list[list[int]]]:
+    """All process groups of a layout as lists of global ranks (pure; used by tests and set-up)."""
+    tensor = [[rank_of(t, w, i, dp, pp) for i in range(t)] for pp in range(d) for dp in range(w)]
+    data = [[rank_of(t, w, tp, j, pp) for j in range(w)] for pp in range(d) for tp in range(t)]
+    pipeline = [[rank_of(t, w, tp, dp, k) for k in range(d)] for dp in range(w) for tp in range(t)]
+    embedding = [sorted({p[0], p[-1]}) for p in pipeline]
+    model = [
+        sorted(rank_of(t, w, tp, dp, pp) for tp in range(t) for pp in range(d)) for dp in range(w)
+    ]
+    return {"tensor": tensor, "data": data, "pipeline": pipeline, "embedding": embedding, "model": model}
+
+
+@dataclass
+class ParallelState:
+    """This process's place in the layout and its process groups (None when the group is size 1)."""
+
+    rank: int
+    world_size: int
+    t: int
+    d: int
+    w: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    pipeline_ranks: list[int]
+    tp_group: object | None = None
+    dp_group: object | None = None
+    pp_group: object | None = None
+    embedding_group: object | None = None
+    model_group: object | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.d - 1
+
+    @property
+    def prev_rank(self) -> int | None:
+        return None if self.is_first_stage else self.pipeline_ranks[self.pp_rank - 1]
+
+    @property
+    def next_rank(self) -> int | None:
+        return None if self.is_last_stage else self.pipeline_ranks[self.pp_rank + 1]
+
+    @property
+    def layout(self) -> ParallelConfig:
+        return ParallelConfig(self.t, self.d, self.w)
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelState":
+        """The trivial layout of one process, with no process groups."""
+        return cls(0, 1, 1, 1, 1, 0, 0, 0, [0], device=torch.device(device))
+
+
+def _first_slurm_host() -> str:
+    """The first host of the SLURM job (the rendezvous address)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # Fallback parser for the common forms "host1,host2" and "prefix[01-04,07]".
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise ConfigError(f"cannot find the first host of SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+
+
+def distributed_env() -> dict[str, str | int]:
+    """Rank, world size, local rank and rendezvous address from torchrun's or SLURM's environment."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
+            "master_port": int(env.get("MASTER_PORT", 29500)),
+        }
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job = int(env.get("SLURM_JOB_ID", "0") or 0)
+        return {
+            "rank": int(env["SLURM_PROCID"]),
+            "world_size": int(env["SLURM_NTASKS"]),
+            "local_rank": int(env.get("SLURM_LOCALID", 0)),
+            "master_addr": env.get("MASTER_ADDR") or _first_slurm_host(),
+            "master_port": int(env.get("MASTER_PORT", 20000 + job % 20000)),
+        }
+    return {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 29500}
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def initialize(
+    parallel: ParallelConfig,
+    *,
+    backend: str | None = None,
+    device: str | None = None,
+    timeout_minutes: float = 10.0,
+) -> ParallelState:
+    """Start ``torch.distributed`` (if the world has more than one process) and build all groups.
+
+    The layout is checked against the world size before any group or collective exists.
+    """
+    env = distributed_env()
+    world = int(env["world_size"])
+    parallel = parallel.resolve(world)
+    dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev_type == "cuda":
+        torch.cuda.set_device(int(env["local_rank"]) % max(torch.cuda.device_count(), 1))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    t, d, w = parallel.tensor, parallel.pipeline, parallel.data
+    rank = int(env["rank"])
+    if world == 1 and not dist.is_initialized():
+        return ParallelState.single(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend or default_backend(dev.type),
+            init_method=f"tcp://{env['master_addr']}:{env['master_port']}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return build_state(t, d, w, dev)
+
+
+def build_state(t: int, d: int, w: int, device: torch.device) -> ParallelState:
+    """Create every group of the layout (all ranks call ``new_group`` in the same order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if t * d * w != world:
+        raise ConfigError(f"layout t={t} x d={d} x w={w} does not match world size {world}")
+    tp_rank, dp_rank, pp_rank = coords_of(rank, t, w)
+    groups = layout_groups(t, d, w)
+    mine: dict[str, object | None] = {}
+    for name, lists in groups.items():
+        mine[name] = None
+        for ranks in lists:
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[name] = g
+    pipeline_ranks = next(p for p in groups["pipeline"] if rank in p)
+    return ParallelState(
+        rank, world, t, d, w, tp_rank, dp_rank, pp_rank, pipeline_ranks,
+        tp_group=mine["tensor"], dp_group=mine["data"], pp_group=mine["pipeline"],
+        embedding_group=mine["embedding"], model_group=mine["model"], device=device,
+    )
