@@ -1,0 +1,191 @@
+"""Tokenizers under Megatron's ``--tokenizer-type`` names, loaded from local files only.
+
+One small interface (``vocab_size``, ``tokenize``, ``detokenize`` and the special ids) hides
+SentencePiece and the transformers tokenizers from the data pipeline. Nothing is ever
+downloaded: every file is checked to exist first (a missing one is a ConfigError naming the
+flag), and transformers is always called with ``local_files_only=True``.
+
+A Tokenizer pickles as its constructor arguments, so a multiprocessing pool can rebuild it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from ..errors import ConfigError
+
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "HuggingFaceTokenizer",
+)
+
+# Pieces the SentencePiece trainer (tools/train_tokenizer.py) reserves for BERT-style use.
+SP_EOD, SP_PAD, SP_CLS, SP_SEP, SP_MASK = "<eod>", "[PAD]", "[CLS]", "[SEP]", "[MASK]"
+
+
+class Tokenizer:
+    """Text <-> token ids, plus special ids (None where the vocabulary has no such token)."""
+
+    vocab_size: int
+    eod: int | None = None
+    pad: int | None = None
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+
+    def __init__(self, build_args: tuple) -> None:
+        self._build_args = build_args
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def __reduce__(self):
+        return (build_tokenizer, self._build_args)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def _need_file(path: str | None, flag: str, tokenizer_type: str) -> str:
+    if not path:
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path} does not exist")
+    return path
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A ``.model`` file. eod is the model's eos (tools/train_tokenizer.py names it ``<eod>``)."""
+
+    def __init__(self, model_file: str, build_args: tuple) -> None:
+        super().__init__(build_args)
+        import sentencepiece as spm
+
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as e:
+            raise ConfigError(f"--tokenizer-model {model_file} is not a SentencePiece model: {_first_line(e)}") from None
+        sp = self._sp
+        self.vocab_size = int(sp.get_piece_size())
+        self.eod = self._special(sp.eos_id(), SP_EOD, "</s>")
+        self.pad = self._special(sp.pad_id(), SP_PAD, "<pad>")
+        self.cls = self._special(-1, SP_CLS, "<cls>")
+        self.sep = self._special(-1, SP_SEP, "<sep>")
+        self.mask = self._special(-1, SP_MASK, "<mask>")
+
+    def _special(self, builtin: int, *pieces: str) -> int | None:
+        """The model's built-in id if enabled, else the first of ``pieces`` present in the vocabulary."""
+        if builtin >= 0:
+            return int(builtin)
+        for piece in pieces:
+            i = self._sp.piece_to_id(piece)
+            if self._sp.id_to_piece(i) == piece:
+                return int(i)
+        return None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class HFTokenizer(Tokenizer):
+    """A transformers tokenizer; ``tokenize`` adds no [CLS]/[SEP]/BOS (the datasets place those)."""
+
+    def __init__(self, hf, build_args: tuple, eod: int | None) -> None:
+        super().__init__(build_args)
+        self._hf = hf
+        self.vocab_size = len(hf)
+        self.eod = eod
+        self.pad = hf.pad_token_id
+        self.cls = hf.cls_token_id
+        self.sep = hf.sep_token_id
+        self.mask = hf.mask_token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._hf.decode([int(i) for i in ids])
+
+
+def _load_gpt2(vocab_file: str, merge_file: str):
+    try:
+        from transformers import GPT2TokenizerFast
+
+        return GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
+    except ImportError:
+        from transformers import GPT2Tokenizer
+
+        return GPT2Tokenizer(vocab_file=vocab_file, merges_file=merge_file)
+
+
+def _load_bert(vocab_file: str, lower_case: bool):
+    try:
+        from transformers import BertTokenizerFast
+
+        return BertTokenizerFast(vocab_file=vocab_file, do_lower_case=lower_case)
+    except ImportError:
+        from transformers import BertTokenizer
+
+        return BertTokenizer(vocab_file=vocab_file, do_lower_case=lower_case)
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+) -> Tokenizer:
+    """The tokenizer Megatron's ``--tokenizer-type`` names, from local files."""
+    args = (tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type), args)
+    if tokenizer_type == "GPT2BPETokenizer":
+        vocab = _need_file(vocab_file, "--vocab-file", tokenizer_type)
+        merges = _need_file(merge_file, "--merge-file", tokenizer_type)
+        try:
+            hf = _load_gpt2(vocab, merges)
+        except Exception as e:  # noqa: BLE001 - any load failure is bad input
+            raise ConfigError(f"--vocab-file {vocab} / --merge-file {merges}: cannot load GPT-2 BPE: {_first_line(e)}") from None
+        eod = hf.get_vocab().get("<|endoftext|>")
+        return HFTokenizer(hf, args, eod)
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        vocab = _need_file(vocab_file, "--vocab-file", tokenizer_type)
+        try:
+            hf = _load_bert(vocab, tokenizer_type == "BertWordPieceLowerCase")
+        except Exception as e:  # noqa: BLE001 - any load failure is bad input
+            raise ConfigError(f"--vocab-file {vocab}: cannot load a WordPiece vocabulary: {_first_line(e)}") from None
+        for name in ("cls_token_id", "sep_token_id", "mask_token_id", "pad_token_id"):
+            if getattr(hf, name) is None or getattr(hf, name) == hf.unk_token_id:
+                token = getattr(hf, name.replace("_id", ""))
+                raise ConfigError(f"--vocab-file {vocab} has no {token} token")
+        # As Megatron's BERT tokenizer: [SEP] doubles as the end-of-document token.
+        return HFTokenizer(hf, args, hf.sep_token_id)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer directory)")
+        if not os.path.exists(tokenizer_model):
+            raise ConfigError(f"--tokenizer-model {tokenizer_model} does not exist (only local tokenizers are loaded)")
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any load failure is bad input
+            raise ConfigError(f"--tokenizer-model {tokenizer_model}: cannot load a tokenizer: {_first_line(e)}") from None
+        eod = hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id
+        return HFTokenizer(hf, args, eod)
+    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")

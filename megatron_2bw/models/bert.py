@@ -1,0 +1,95 @@
+"""BERT: bidirectional encoder with a masked-LM head (tied embeddings) and a sentence-order head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..fused import Kernels, layer_norm
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.group import TPGroup
+from ..tensor_parallel.init import normal_full
+from ..tensor_parallel.random import RNGTracker
+from .embedding import Embedding, tied_logits, word_embedding
+from .transformer import TransformerLayer
+
+
+def _linear(cfg: ModelConfig, seed: int, name: str, out_f: int, in_f: int) -> nn.Linear:
+    """A replicated (not tensor-parallel) linear with layout-independent init."""
+    lin = nn.Linear(in_f, out_f)
+    with torch.no_grad():
+        lin.weight.copy_(normal_full((out_f, in_f), cfg.init_method_std, seed, name))
+        lin.bias.zero_()
+    return lin
+
+
+class BertHead(nn.Module):
+    """Final LayerNorm; masked-LM transform + tied logits (+ vocab-parallel bias); SOP pooler + classifier."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None):
+        super().__init__()
+        self.tp = tp
+        h = cfg.hidden_size
+        self.ln = layer_norm(h, cfg.layernorm_epsilon, kernels)
+        self.lm_dense = _linear(cfg, seed, "head.lm_dense", h, h)
+        self.lm_ln = layer_norm(h, cfg.layernorm_epsilon, kernels)
+        self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
+        self.lm_bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size(tp.size) // tp.size))
+        self.lm_bias.tensor_parallel = tp.size > 1
+        self.pooler = _linear(cfg, seed, "head.pooler", h, h)
+        self.sop = _linear(cfg, seed, "head.sop", 2, h)
+
+    def forward(self, x: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.ln(x)
+        lm = self.lm_ln(F.gelu(self.lm_dense(x), approximate="tanh"))
+        logits = tied_logits(lm, self.word_weight, self.tp, self.lm_bias)
+        sop = self.sop(torch.tanh(self.pooler(x[:, 0])))
+        return logits, sop
+
+
+def build_layers(
+    cfg: ModelConfig, tp: TPGroup, seed: int, start: int, end: int,
+    rng: RNGTracker | None = None, kernels: Kernels | None = None,
+) -> list[nn.Module]:
+    """Layers ``start .. end-1`` of [embedding, L bidirectional transformer layers, BERT head]."""
+    L = cfg.num_layers
+    layers: list[nn.Module] = []
+    emb = None
+    for i in range(start, end):
+        if i == 0:
+            emb = Embedding(cfg, tp, seed)
+            layers.append(emb)
+        elif i <= L:
+            layers.append(TransformerLayer(cfg, tp, seed, i - 1, causal=False, rng=rng, kernels=kernels))
+        else:
+            layers.append(BertHead(cfg, tp, seed, kernels, emb.word.weight if emb is not None else None))
+    return layers
+
+
+class BertLoss:
+    """Masked-LM loss (mean over masked positions) plus sentence-order-prediction loss."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        self.vocab_size, self.tp = cfg.vocab_size, tp
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
+        logits, sop = output
+        losses = vocab_parallel_cross_entropy(logits, batch["labels"], self.vocab_size, self.tp)
+        mask = batch["loss_mask"]
+        lm = (losses * mask).sum() / mask.sum().clamp(min=1)
+        return lm + F.cross_entropy(sop.float(), batch["sop_label"])
+
+
+def make_batch(sample: dict) -> dict:
+    """Microbatch tensors from stacked BERT samples; padding becomes a boolean attention mask."""
+    pad = sample["padding_mask"].bool()
+    return {
+        "tokens": sample["tokens"],
+        "token_types": sample["token_types"],
+        "labels": sample["labels"],
+        "loss_mask": sample["loss_mask"].float(),
+        "sop_label": sample["sop_label"].long().view(-1),
+        "attention_mask": pad[:, None, None, :],
+    }

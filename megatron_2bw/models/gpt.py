@@ -1,0 +1,68 @@
+"""GPT: causal language model with tied input/output embeddings, as an ordered list of layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..fused import Kernels, layer_norm
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.group import TPGroup
+from ..tensor_parallel.random import RNGTracker
+from .embedding import Embedding, tied_logits, word_embedding
+from .transformer import TransformerLayer
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm and the logits through the tied word embedding (this rank's vocab slice)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None):
+        super().__init__()
+        self.tp = tp
+        self.ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        # Same stage as the embedding: share its Parameter. Otherwise build the identical copy.
+        self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
+
+    def forward(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
+        return tied_logits(self.ln(x), self.word_weight, self.tp)
+
+
+def build_layers(
+    cfg: ModelConfig, tp: TPGroup, seed: int, start: int, end: int,
+    rng: RNGTracker | None = None, kernels: Kernels | None = None,
+) -> list[nn.Module]:
+    """Layers ``start .. end-1`` of [embedding, L transformer layers, head]; only these are built."""
+    L = cfg.num_layers
+    layers: list[nn.Module] = []
+    emb = None
+    for i in range(start, end):
+        if i == 0:
+            emb = Embedding(cfg, tp, seed)
+            layers.append(emb)
+        elif i <= L:
+            layers.append(TransformerLayer(cfg, tp, seed, i - 1, causal=True, rng=rng, kernels=kernels))
+        else:
+            layers.append(GPTHead(cfg, tp, seed, kernels, emb.word.weight if emb is not None else None))
+    return layers
+
+
+class GPTLoss:
+    """Mean LM loss over the tokens selected by ``loss_mask`` (vocab-parallel, never gathers logits)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        self.vocab_size, self.tp = cfg.vocab_size, tp
+
+    def __call__(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        losses = vocab_parallel_cross_entropy(logits, batch["labels"], self.vocab_size, self.tp)
+        mask = batch["loss_mask"]
+        return (losses * mask).sum() / mask.sum().clamp(min=1)
+
+
+def make_batch(tokens: torch.Tensor) -> dict:
+    """Microbatch tensors from ``[b, s+1]`` token samples: inputs, shifted labels, loss mask."""
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones(tokens.shape[0], tokens.shape[1] - 1),
+    }

@@ -1,0 +1,54 @@
+"""What the pipeline needs from a model: build a stage's layers, the loss, and microbatch tensors.
+
+The pipeline never imports GPT or BERT; it takes a ``ModelSpec``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..fused import Kernels
+from ..tensor_parallel.group import TPGroup
+from ..tensor_parallel.random import RNGTracker
+from . import bert, gpt
+from .stages import stage_range
+
+
+@dataclass
+class ModelSpec:
+    cfg: ModelConfig
+    tp: TPGroup
+    seed: int
+    rng: RNGTracker | None = None
+    kernels: Kernels | None = None
+
+    @property
+    def num_items(self) -> int:
+        """Length of the ordered layer list: embedding, transformer layers, head."""
+        return self.cfg.num_layers + 2
+
+    def build(self, start: int, end: int) -> list[nn.Module]:
+        mod = gpt if self.cfg.kind == "gpt" else bert
+        return mod.build_layers(self.cfg, self.tp, self.seed, start, end, self.rng, self.kernels)
+
+    def build_stage(self, d: int, r: int) -> list[nn.Module]:
+        return self.build(*stage_range(self.cfg.num_layers, d, r))
+
+    def loss_fn(self) -> Callable[[object, dict], torch.Tensor]:
+        return gpt.GPTLoss(self.cfg, self.tp) if self.cfg.kind == "gpt" else bert.BertLoss(self.cfg, self.tp)
+
+    def make_batch(self, sample) -> dict:
+        """Tensors of one microbatch from stacked samples (GPT: ``[b, s+1]`` tokens; BERT: dict)."""
+        return gpt.make_batch(sample) if self.cfg.kind == "gpt" else bert.make_batch(sample)
+
+
+def run_layers(layers: list[nn.Module], batch: dict, x=None):
+    """Plain sequential forward of a layer list (the single-process reference path)."""
+    for layer in layers:
+        x = layer(x, batch)
+    return x

@@ -1,0 +1,87 @@
+"""Pipeline schedule actions: the vocabulary shared by the schedule generator, the checker
+and the executor, so that a schedule is plain data that can be printed, compared and verified
+before any process runs it."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+
+class Op(enum.Enum):
+    """One thing a stage does; the value is the short label used in printed schedules."""
+
+    RECV_ACT = "RA"
+    FORWARD = "F"
+    SEND_ACT = "SA"
+    RECV_GRAD = "RG"
+    BACKWARD = "B"
+    SEND_GRAD = "SG"
+    REDUCE_GRADS = "R"
+    APPLY_UPDATE = "U"
+
+
+MICROBATCH_OPS: frozenset[Op] = frozenset(
+    {Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT, Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD}
+)
+"""Ops that act on one microbatch (``mb`` is meaningful); the others act on a whole step."""
+
+COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD})
+"""Ops that run the model on a weight version (``version`` is meaningful)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one stage's program.
+
+    ``mb`` is the global 0-based microbatch index counted from the start of training,
+    ``step`` the optimizer step it belongs to (``mb // m``; for REDUCE_GRADS / APPLY_UPDATE
+    the step whose gradients they handle) and ``version`` the weight version W(v) a
+    FORWARD / BACKWARD runs on. Unused fields stay -1.
+    """
+
+    op: Op
+    mb: int = -1
+    step: int = -1
+    version: int = -1
+
+    def __str__(self) -> str:
+        label = self.op.value
+        if self.op is Op.FORWARD or self.op is Op.BACKWARD:
+            return f"{label}{self.mb}v{self.version}"
+        if self.op is Op.REDUCE_GRADS or self.op is Op.APPLY_UPDATE:
+            return f"{label}{self.step}"
+        return f"{label}{self.mb}"
+
+
+def format_actions(actions: Iterable[Action]) -> str:
+    """One stage's program on one line (``F0v0 SA0 RG0 B0v0 SG0 ...``), for logs and tests."""
+    return " ".join(str(a) for a in actions)
+
+
+_TOKEN = re.compile(r"(RA|SA|RG|SG|F|B|R|U)(\d+)(?:v(\d+))?")
+_BY_LABEL: dict[str, Op] = {op.value: op for op in Op}
+
+
+def parse_action(token: str, m: int) -> Action:
+    """Inverse of ``str(Action)``; ``m`` (microbatches per step) restores the ``step`` field."""
+    if m < 1:
+        raise ConfigError(f"microbatches per step must be >= 1, got m={m}")
+    match = _TOKEN.fullmatch(token)
+    if match is None:
+        raise ConfigError(f"cannot parse schedule action {token!r}")
+    op, number, version = _BY_LABEL[match.group(1)], int(match.group(2)), match.group(3)
+    if (version is not None) != (op in COMPUTE_OPS):
+        raise ConfigError(f"action {token!r}: only F and B carry a version (F3v1)")
+    if op in MICROBATCH_OPS:
+        return Action(op, number, number // m, -1 if version is None else int(version))
+    return Action(op, step=number)
+
+
+def parse_actions(line: str, m: int) -> list[Action]:
+    """Inverse of :func:`format_actions`, so tests and tools can write schedules by hand."""
+    return [parse_action(token, m) for token in line.split()]

@@ -1,0 +1,91 @@
+"""Megatron's tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Weights are created full with ``init.normal_full`` and sliced, so a layer at t = 4 holds exactly
+the rows/columns of the dense layer that its rank owns. Parameters that are sharded carry
+``tensor_parallel = True``; the rest are replicated across the tensor group (gradient norms count
+them once).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .group import TPGroup
+from .init import normal_full, shard
+from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+
+
+def _mark(p: nn.Parameter, sharded: bool) -> nn.Parameter:
+    p.tensor_parallel = sharded
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by output rows across ranks; Y stays split unless gathered."""
+
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPGroup, *, seed: int, name: str, std: float,
+        bias: bool = True, gather_output: bool = False, full_weight: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if out_features % tp.size:
+            raise ValueError(f"{name}: {out_features} outputs not divisible by tensor size {tp.size}")
+        self.tp, self.gather_output = tp, gather_output
+        full = full_weight if full_weight is not None else normal_full((out_features, in_features), std, seed, name)
+        self.weight = _mark(nn.Parameter(shard(full, 0, tp.rank, tp.size)), tp.size > 1)
+        self.bias = _mark(nn.Parameter(torch.zeros(out_features // tp.size)), tp.size > 1) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by input columns; partial sums all-reduced, bias added once."""
+
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPGroup, *, seed: int, name: str, std: float, bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"{name}: {in_features} inputs not divisible by tensor size {tp.size}")
+        self.tp = tp
+        full = normal_full((out_features, in_features), std, seed, name)
+        self.weight = _mark(nn.Parameter(shard(full, 1, tp.rank, tp.size)), tp.size > 1)
+        self.bias = _mark(nn.Parameter(torch.zeros(out_features)), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose (padded) vocabulary rows are split across ranks; lookups are all-reduced.
+
+    ``padded_vocab`` is a multiple of 128 * t; rows past the real vocabulary are zero and never
+    looked up (and are masked out of the softmax by the vocab-parallel cross-entropy).
+    """
+
+    def __init__(
+        self, vocab_size: int, padded_vocab: int, dim: int, tp: TPGroup, *, seed: int, name: str, std: float,
+    ) -> None:
+        super().__init__()
+        if padded_vocab % tp.size:
+            raise ValueError(f"{name}: padded vocabulary {padded_vocab} not divisible by tensor size {tp.size}")
+        self.tp, self.vocab_size, self.padded_vocab = tp, vocab_size, padded_vocab
+        self.per_rank = padded_vocab // tp.size
+        self.start = tp.rank * self.per_rank
+        full = torch.zeros(padded_vocab, dim)
+        full[:vocab_size] = normal_full((vocab_size, dim), std, seed, name)
+        self.weight = _mark(nn.Parameter(shard(full, 0, tp.rank, tp.size)), tp.size > 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp)

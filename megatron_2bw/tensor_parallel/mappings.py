@@ -1,0 +1,97 @@
+"""The four autograd mappings between tensor-parallel regions (Megatron's mappings.py).
+
+Each is a conjugate pair: what forward does, backward does the dual (identity <-> all-reduce,
+split <-> gather). All act on the last dimension; a size-1 group makes them identities.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .group import TPGroup
+
+
+def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def _split(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.size == 1:
+        return x
+    return x.chunk(tp.size, dim=-1)[tp.rank].contiguous()
+
+
+def _gather(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.clone() if ctx.tp.size > 1 else g, ctx.tp), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return _all_reduce(x.clone() if tp.size > 1 else x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _split(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.tp), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.tp), None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Identity forward, all-reduce backward: enters a column-parallel region."""
+    return x if tp.size == 1 else _Copy.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """All-reduce forward, identity backward: leaves a row-parallel region."""
+    return x if tp.size == 1 else _Reduce.apply(x, tp)
+
+
+def scatter_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; gather in backward."""
+    return x if tp.size == 1 else _Scatter.apply(x, tp)
+
+
+def gather_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Concatenate all ranks' slices of the last dimension; split in backward."""
+    return x if tp.size == 1 else _Gather.apply(x, tp)

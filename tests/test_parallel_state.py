@@ -1,0 +1,104 @@
+"""Process groups match the documented layout; bad layouts fail fast with one line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_2bw.config import ParallelConfig
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.parallel_state import build_state, distributed_env, layout_groups
+from multiproc import run_workers
+
+# The worked example in parallel_state.py's docstring, written out independently.
+DOCUMENTED_222 = {
+    "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    "embedding": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    "model": [[0, 1, 4, 5], [2, 3, 6, 7]],
+}
+
+
+def test_layout_groups_pure():
+    assert {k: sorted(v) for k, v in layout_groups(2, 2, 2).items()} == DOCUMENTED_222
+    g = layout_groups(1, 4, 2)
+    assert sorted(g["pipeline"]) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert sorted(g["embedding"]) == [[0, 6], [1, 7]]
+    # every group kind partitions the world
+    for t, d, w in [(2, 4, 1), (4, 2, 2), (1, 1, 8), (8, 1, 1)]:
+        for name, groups in layout_groups(t, d, w).items():
+            if name == "embedding":
+                continue
+            assert sorted(r for grp in groups for r in grp) == list(range(t * d * w)), name
+
+
+def _groups_worker():
+    state = build_state(2, 2, 2, torch.device("cpu"))
+    mine = {
+        "tensor": state.tp_group, "data": state.dp_group, "pipeline": state.pp_group,
+        "embedding": state.embedding_group, "model": state.model_group,
+    }
+    ranks = {k: dist.get_process_group_ranks(g) for k, g in mine.items()}
+    # a collective on each group sums exactly its members' ranks
+    sums = {}
+    for k, g in mine.items():
+        x = torch.tensor([float(state.rank)])
+        dist.all_reduce(x, group=g)
+        sums[k] = x.item()
+    return state.rank, (state.tp_rank, state.dp_rank, state.pp_rank), state.prev_rank, state.next_rank, ranks, sums
+
+
+def test_groups_on_8_processes_match_documented_layout():
+    for rank, coords, prev, nxt, ranks, sums in run_workers(_groups_worker, 8):
+        for name, groups in DOCUMENTED_222.items():
+            expected = next(g for g in groups if rank in g)
+            assert sorted(ranks[name]) == expected, (rank, name)
+            assert sums[name] == sum(expected), (rank, name)
+        tp_rank, dp_rank, pp_rank = coords
+        assert rank == pp_rank * 4 + dp_rank * 2 + tp_rank
+        assert (prev, nxt) == ((None, rank + 4) if pp_rank == 0 else (rank - 4, None))
+
+
+def test_bad_layout_refused_before_any_group():
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by tensor-model-parallel-size 4"):
+        ParallelConfig(4, 1).resolve(6)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        ParallelConfig(0, 1)
+    assert ParallelConfig(2, 2).resolve(8).data == 2
+
+
+def test_bad_layout_one_line_error_from_a_process():
+    """Through the initializer: one line on stderr, non-zero exit, no process group started."""
+    code = (
+        "import sys\n"
+        "from megatron_2bw.config import ParallelConfig\n"
+        "from megatron_2bw.errors import ConfigError\n"
+        "from megatron_2bw.parallel_state import initialize\n"
+        "try:\n"
+        "    initialize(ParallelConfig(2, 2))\n"
+        "except ConfigError as e:\n"
+        "    print(f'error: {e}', file=sys.stderr); sys.exit(2)\n"
+    )
+    env = dict(os.environ, RANK="0", WORLD_SIZE="6", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "error: world size 6 is not divisible by tensor-model-parallel-size 2 x pipeline-model-parallel-size 2"
+    ]
+
+
+def test_slurm_environment(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-09,12]")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the fallback parser
+    env = distributed_env()
+    assert env == {"rank": 5, "world_size": 16, "local_rank": 1, "master_addr": "gpu07", "master_port": 24242}

@@ -1,0 +1,151 @@
+"""Write a few MB of real English text that every machine with Python already has.
+
+The text is the docstrings of the standard library (module, class and function docstrings,
+found with ``ast``) and its long prose string literals (``pydoc_data`` holds the language
+reference), filtered to English prose paragraphs, one document per module (long ones cut at ~8 KB), one ``{"text": ...}`` JSON object per line.
+No download is needed and files are visited in sorted order, so the same Python gives the
+same corpus byte for byte.
+
+    python tools/build_demo_corpus.py --output data/corpus.jsonl --max-mb 4
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import ast  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sysconfig  # noqa: E402
+from typing import Iterator  # noqa: E402
+
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings", "lib2to3"}
+MIN_CHARS = 40
+LONG_LITERAL = 200
+DOC_CHARS = 8000
+
+
+def stdlib_sources(root: str) -> Iterator[str]:
+    """``.py`` files under ``root`` in sorted order, skipping tests and installed packages."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(("test_", ".")))
+        for name in sorted(filenames):
+            if name.endswith(".py") and not name.startswith("test_"):
+                yield os.path.join(dirpath, name)
+
+
+def _is_prose(text: str, min_ratio: float = 0.75) -> bool:
+    """Mostly letters and spaces, nearly all ASCII: drops tables, escapes and non-English text."""
+    if len(text) < MIN_CHARS or sum(not c.isascii() for c in text) > 0.02 * len(text):
+        return False
+    letters = sum(c.isalpha() or c == " " for c in text)
+    return letters / len(text) > min_ratio
+
+
+def clean_docstring(doc: str) -> str:
+    """Reflow prose paragraphs onto one line each; drop doctests and code blocks.
+
+    An indented paragraph is usually code, so it is kept only when it reads as a sentence.
+    """
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", doc):
+        lines = block.split("\n")
+        if any(line.lstrip().startswith((">>>", "...")) for line in lines):
+            continue
+        para = re.sub(r"\s+", " ", block).strip()
+        indented = lines[0].startswith((" ", "\t"))
+        if _is_prose(para, 0.85 if indented else 0.75) and (not indented or para.endswith(".")):
+            paragraphs.append(para)
+    return "\n".join(paragraphs)
+
+
+def module_document(path: str) -> str:
+    """One module's docstrings and long prose string constants, in source order."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
+        return ""
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, kinds) and n.body and isinstance(n.body[0], ast.Expr)
+    }
+    # Long non-docstring literals carry real prose too (pydoc_data/topics.py is the language reference).
+    strings = sorted(
+        (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and (id(n) in docstrings or len(n.value) >= LONG_LITERAL)
+        ),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
+    docs = (clean_docstring(inspect.cleandoc(n.value)) for n in strings)
+    return "\n".join(d for d in docs if d)
+
+
+def split_document(text: str, max_chars: int = DOC_CHARS) -> list[str]:
+    """Cut a module's text at paragraph boundaries into documents of about ``max_chars``.
+
+    A few modules (pydoc_data's language reference) are hundreds of KB; as single documents
+    they would make the document-level train/valid/test split lopsided.
+    """
+    docs: list[str] = []
+    current: list[str] = []
+    size = 0
+    for para in text.split("\n") if text else []:
+        if current and size + len(para) > max_chars:
+            docs.append("\n".join(current))
+            current, size = [], 0
+        current.append(para)
+        size += len(para) + 1
+    if current:
+        docs.append("\n".join(current))
+    return docs
+
+
+def build_corpus(output: str, max_mb: float, root: str | None = None) -> tuple[int, int]:
+    """Write documents until the next one would pass ``max_mb``; return (documents, bytes)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    limit = int(max_mb * 1_000_000)
+    ndocs = nbytes = 0
+    with open(output, "w", encoding="utf-8") as out:
+        for path in stdlib_sources(root):
+            for text in split_document(module_document(path)):
+                line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
+                size = len(line.encode("utf-8"))
+                if nbytes + size > limit:
+                    return ndocs, nbytes
+                out.write(line)
+                ndocs += 1
+                nbytes += size
+    return ndocs, nbytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, help="JSONL file to write")
+    parser.add_argument("--max-mb", type=float, default=4.0, help="stop before the corpus passes this size (MB)")
+    args = parser.parse_args(argv)
+    if args.max_mb <= 0:
+        print(f"error: --max-mb must be positive, got {args.max_mb}", file=sys.stderr)
+        return 2
+    try:
+        ndocs, nbytes = build_corpus(args.output, args.max_mb)
+    except OSError as e:
+        print(f"error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(f"wrote {ndocs} documents, {nbytes / 1e6:.2f} MB to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
