@@ -116,3 +116,64 @@ class ParallelConfig:
     def world_size(self) -> int:
         _require(self.data is not None, "ParallelConfig.data is unresolved; call resolve(world_size)")
         return self.tensor * self.pipeline * self.data
+
+
+SCHEDULES = ("2bw", "flush", "gpipe")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Schedule, microbatching and memory options of the pipeline engine."""
+
+    schedule: str = "2bw"
+    micro_batch_size: int = 1
+    num_microbatches: int = 1  # m: microbatches per optimizer step per pipeline
+    recompute: bool = False
+    track_memory: bool = True  # measure stashed activation bytes via saved-tensor hooks
+
+    def __post_init__(self) -> None:
+        _require(self.schedule in SCHEDULES, f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
+        _require(self.num_microbatches >= 1, f"microbatches per step must be >= 1, got {self.num_microbatches}")
+
+    def check_depth(self, d: int) -> None:
+        _require(
+            self.schedule != "2bw" or self.num_microbatches >= d,
+            f"PipeDream-2BW needs at least d microbatches per step: m={self.num_microbatches} < d={d} "
+            f"(raise --global-batch-size or lower --micro-batch-size)",
+        )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer, precision and gradient handling (shared by every schedule)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0  # 0 disables clipping
+    dtype: str = "fp32"
+    loss_scale: float | None = None  # fp16: None = dynamic scaling
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    dp_bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        _require(self.dtype in DTYPES, f"precision must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
+        _require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+        _require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}")
+        _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "--adam-beta1/2 must be in [0, 1)")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -41,7 +42,8 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) 
             result = fn(*args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        # plain pickle bytes: tensors travel by value, not through shared memory that dies with us
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -69,7 +71,7 @@ def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0) ->
                     raise RuntimeError(f"{fn.__name__}: a worker died with exit code {dead[0].exitcode}")
                 continue
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break  # peers of a failed rank may block; fail fast

@@ -2,9 +2,10 @@
 
 The text is the docstrings of the standard library (module, class and function docstrings,
 found with ``ast``) and its long prose string literals (``pydoc_data`` holds the language
-reference), filtered to English prose paragraphs, one document per module (long ones cut at ~8 KB), one ``{"text": ...}`` JSON object per line.
-No download is needed and files are visited in sorted order, so the same Python gives the
-same corpus byte for byte.
+reference), filtered to English prose paragraphs: one document per module (long ones cut at
+~8 KB), one ``{"text": ...}`` JSON object per line. No download is needed and files are
+visited in sorted order, so the same Python gives the same corpus byte for byte. CPython 3.11
+yields about 1.9 MB in all; ``--max-mb`` only caps it.
 
     python tools/build_demo_corpus.py --output data/corpus.jsonl --max-mb 4
 """

@@ -127,7 +127,7 @@ class IndexedDatasetBuilder:
         self.close()
 
 
-def _read_index(idx_path: str, bin_size: int):
+def _read_index(idx_path: str, bin_path: str, bin_size: int):
     """Parse and validate an ``.idx``; return (dtype, sizes, pointers, doc_idx) as read-only views."""
     try:
         idx_size = os.path.getsize(idx_path)
@@ -169,8 +169,8 @@ def _read_index(idx_path: str, bin_size: int):
         if pointers.min() < 0 or ends.max() > bin_size:
             bad = int(np.argmax((pointers < 0) | (ends > bin_size)))
             raise ConfigError(
-                f"index file {idx_path} is corrupt or its .bin is truncated: sequence {bad} spans bytes "
-                f"[{int(pointers[bad])}, {int(ends[bad])}) but the data file has {bin_size} bytes"
+                f"data file {bin_path} is truncated or index file {idx_path} is corrupt: sequence {bad} spans "
+                f"bytes [{int(pointers[bad])}, {int(ends[bad])}) but the data file has {bin_size} bytes"
             )
     if doc_idx[0] != 0 or np.any(np.diff(doc_idx) < 0) or doc_idx[-1] > n:
         raise ConfigError(f"index file {idx_path} is corrupt: its document index is not increasing within [0, {n}]")
@@ -187,7 +187,7 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise ConfigError(f"{what} file {path} does not exist (data prefix {prefix!r})")
         bin_size = os.path.getsize(bin_path)
-        self._dtype, self._sizes, self._pointers, self._doc_idx = _read_index(idx_path, bin_size)
+        self._dtype, self._sizes, self._pointers, self._doc_idx = _read_index(idx_path, bin_path, bin_size)
         # An empty file cannot be memory-mapped; an empty buffer serves the (necessarily empty) items.
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.empty(0, np.uint8)
 
@@ -248,3 +248,15 @@ class IndexedDataset:
         """Tokens per document (int64), vectorized over the item sizes."""
         cum = np.concatenate([[0], np.cumsum(self._sizes, dtype=np.int64)])
         return cum[self._doc_idx[1:]] - cum[self._doc_idx[:-1]]
+
+    def token_stream(self) -> np.ndarray | None:
+        """All tokens as one zero-copy array when items lie back to back (as the builder writes
+        them), for whole-dataset scans such as a max; None if the ``.bin`` has gaps or reorders."""
+        n = len(self)
+        if n == 0:
+            return np.empty(0, dtype=self._dtype)
+        nbytes = self._sizes.astype(np.int64) * self._dtype.itemsize
+        if np.any(self._pointers[1:] != self._pointers[:-1] + nbytes[:-1]):
+            return None
+        count = int(self._sizes.sum(dtype=np.int64))
+        return np.frombuffer(self._bin, dtype=self._dtype, count=count, offset=int(self._pointers[0]))

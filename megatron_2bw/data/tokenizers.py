@@ -10,6 +10,8 @@ A Tokenizer pickles as its constructor arguments, so a multiprocessing pool can 
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 from typing import Sequence
 
@@ -107,6 +109,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, hf, build_args: tuple, eod: int | None) -> None:
         super().__init__(build_args)
+        hf.model_max_length = 1 << 60  # documents are never truncated here: silence length warnings
         self._hf = hf
         self.vocab_size = len(hf)
         self.eod = eod
@@ -115,6 +118,11 @@ class HFTokenizer(Tokenizer):
         self.sep = hf.sep_token_id
         self.mask = hf.mask_token_id
 
+    @property
+    def hf(self):
+        """The wrapped transformers tokenizer (e.g. to ``save_pretrained`` it)."""
+        return self._hf
+
     def tokenize(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False)
 
@@ -122,26 +130,32 @@ class HFTokenizer(Tokenizer):
         return self._hf.decode([int(i) for i in ids])
 
 
+def _takes_files(cls) -> bool:
+    """transformers 4 tokenizers take ``vocab_file``; 5 takes ``vocab`` (and would silently
+    build a placeholder vocabulary from an unknown ``vocab_file`` keyword)."""
+    return "vocab_file" in inspect.signature(cls.__init__).parameters
+
+
 def _load_gpt2(vocab_file: str, merge_file: str):
-    try:
-        from transformers import GPT2TokenizerFast
+    from transformers import GPT2TokenizerFast
 
+    if _takes_files(GPT2TokenizerFast):
         return GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
-    except ImportError:
-        from transformers import GPT2Tokenizer
-
-        return GPT2Tokenizer(vocab_file=vocab_file, merges_file=merge_file)
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merge_file, encoding="utf-8") as f:
+        merges = [tuple(line.split(" ")) for line in f.read().split("\n") if line and not line.startswith("#version")]
+    return GPT2TokenizerFast(vocab=vocab, merges=merges)
 
 
 def _load_bert(vocab_file: str, lower_case: bool):
-    try:
-        from transformers import BertTokenizerFast
+    from transformers import BertTokenizerFast
 
+    if _takes_files(BertTokenizerFast):
         return BertTokenizerFast(vocab_file=vocab_file, do_lower_case=lower_case)
-    except ImportError:
-        from transformers import BertTokenizer
-
-        return BertTokenizer(vocab_file=vocab_file, do_lower_case=lower_case)
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = {token.rstrip("\n"): i for i, token in enumerate(f.readlines())}
+    return BertTokenizerFast(vocab=vocab, do_lower_case=lower_case)
 
 
 def build_tokenizer(

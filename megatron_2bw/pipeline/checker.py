@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from .actions import Action, Op
 from .schedules import inflight_limit, stage_actions, validate_pipeline
 
@@ -275,6 +276,8 @@ def check_actions(
 ) -> CheckReport:
     """Check hand-made or generated stage programs (one list per stage) for a drained segment."""
     validate_pipeline(schedule, d, m)
+    if first_step < 0 or num_steps < 1:
+        raise ConfigError(f"a segment needs first_step >= 0 and num_steps >= 1, got {first_step}, {num_steps}")
     if len(stages) != d:
         raise ScheduleError(f"expected programs for {d} stages, got {len(stages)}")
     world = _World(

@@ -13,6 +13,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
 
+    def __deepcopy__(self, memo) -> "TPGroup":
+        return self  # a handle to a process group: copies of a model share it
+
     @classmethod
     def from_state(cls, state) -> "TPGroup":
         return cls(state.tp_group, state.tp_rank, state.t)

@@ -23,6 +23,9 @@ class RNGTracker:
         self.device = torch.device(device)
         self._state = self._make_state(seed + _TP_SEED_OFFSET + tp_rank)
 
+    def __deepcopy__(self, memo) -> "RNGTracker":
+        return self  # weight versions of a stage share one RNG stream
+
     def _make_state(self, seed: int) -> torch.Tensor:
         if self.device.type == "cuda":
             saved = torch.cuda.get_rng_state(self.device)

@@ -1,0 +1,187 @@
+"""JSONL text -> Megatron ``PREFIX_{key}_document.bin/.idx``, as Megatron's preprocess_data.py.
+
+Each JSON line is one document; every ``--json-keys`` field is tokenized into one item (and
+one document) of its own indexed dataset, with the end-of-document id appended under
+``--append-eod``. Empty documents are skipped, as Megatron does. JSON is parsed and checked
+in the calling process (so a bad line is reported by its number); only tokenization goes
+to the worker pool, whose order-preserving ``imap`` keeps documents in input order, fed a
+bounded window of batches at a time so memory stays flat on big inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from .indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
+from .tokenizers import Tokenizer
+
+BATCH_DOCS = 64
+READ_AHEAD_BATCHES = 16  # per worker
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's naming: ``PREFIX_{key}_document``."""
+    return f"{output_prefix}_{key}_document"
+
+
+def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, dict[str, str]]]:
+    """Yield (line number, bytes read, {key: text}) per non-blank line; bad input is a ConfigError."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--input {path} does not exist")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: invalid JSON: {e.msg} at column {e.colno}") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            texts = {}
+            for key in json_keys:
+                if key not in obj:
+                    raise ConfigError(f"{path}:{lineno}: no key {key!r} (from --json-keys); keys are {sorted(obj)}")
+                if not isinstance(obj[key], str):
+                    raise ConfigError(f"{path}:{lineno}: key {key!r} is a {type(obj[key]).__name__}, not a string")
+                texts[key] = obj[key]
+            yield lineno, len(raw), texts
+
+
+def encode_document(tokenizer: Tokenizer, texts: dict[str, str], append_eod: bool) -> dict[str, list[int]]:
+    """Token ids per key; an empty text stays empty (and gets no eod), as in Megatron."""
+    out = {}
+    for key, text in texts.items():
+        ids = tokenizer.tokenize(text) if text else []
+        if ids and append_eod:
+            ids = list(ids) + [tokenizer.eod]
+        out[key] = ids
+    return out
+
+
+# A batch: documents ({key: text}) and the number of input bytes they came from (for the bar).
+Batch = tuple[list[dict[str, str]], int]
+Encoded = tuple[list[dict[str, list[int]]], int]
+
+# Worker-process state: set once per pool worker by its initializer, never in the parent.
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer: Tokenizer, append_eod: bool) -> None:
+    _WORKER["tokenizer"], _WORKER["append_eod"] = tokenizer, append_eod
+
+
+def _encode_batch(batch: Batch) -> Encoded:
+    docs, nbytes = batch
+    return [encode_document(_WORKER["tokenizer"], texts, _WORKER["append_eod"]) for texts in docs], nbytes
+
+
+def _batches(records: Iterator[tuple[int, int, dict[str, str]]]) -> Iterator[Batch]:
+    docs: list[dict[str, str]] = []
+    nbytes = 0
+    for _, size, texts in records:
+        docs.append(texts)
+        nbytes += size
+        if len(docs) == BATCH_DOCS:
+            yield docs, nbytes
+            docs, nbytes = [], 0
+    if docs:
+        yield docs, nbytes
+
+
+def _windows(batches: Iterator[Batch], n: int) -> Iterator[list[Batch]]:
+    """Groups of ``n`` batches: bounds read-ahead, since ``Pool.imap`` would queue the whole input."""
+    while window := list(islice(batches, n)):
+        yield window
+
+
+@dataclass
+class PreprocessResult:
+    """What was written: one dataset prefix per JSON key, and counts for the log line."""
+
+    prefixes: dict[str, str]
+    documents: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+def preprocess_jsonl(
+    input_path: str,
+    output_prefix: str,
+    tokenizer: Tokenizer,
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    progress: bool = True,
+) -> PreprocessResult:
+    """Tokenize ``input_path`` into one indexed dataset per key; ``workers == 1`` uses no pool.
+
+    On any error the partial ``.bin`` files are removed, so no half-written dataset remains.
+    """
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if not json_keys:
+        raise ConfigError("--json-keys needs at least one key")
+    if append_eod and tokenizer.eod is None:
+        raise ConfigError(f"--append-eod: tokenizer {tokenizer!r} has no end-of-document token")
+    if not os.path.isfile(input_path):
+        raise ConfigError(f"--input {input_path} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+
+    from tqdm import tqdm
+
+    dtype = best_fitting_dtype(tokenizer.vocab_size)
+    prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    result = PreprocessResult(prefixes, {k: 0 for k in json_keys}, {k: 0 for k in json_keys})
+    builders = {key: IndexedDatasetBuilder(data_file_path(p), dtype) for key, p in prefixes.items()}
+    bar = tqdm(
+        total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="preprocess",
+        disable=not (progress and sys.stderr.isatty()),
+    )
+    try:
+        batches = _batches(read_jsonl(input_path, json_keys))
+        if workers == 1:
+            encoded = (([encode_document(tokenizer, t, append_eod) for t in docs], n) for docs, n in batches)
+            _write(encoded, builders, result, bar)
+        else:
+            with mp.Pool(workers, initializer=_init_worker, initargs=(tokenizer, append_eod)) as pool:
+                for window in _windows(batches, READ_AHEAD_BATCHES * workers):
+                    _write(pool.imap(_encode_batch, window), builders, result, bar)
+        for key, builder in builders.items():
+            builder.finalize(index_file_path(prefixes[key]))
+    except BaseException:
+        for key, builder in builders.items():
+            builder.close()
+            for path in (data_file_path(prefixes[key]), index_file_path(prefixes[key])):
+                if os.path.exists(path):
+                    os.remove(path)
+        raise
+    finally:
+        bar.close()
+    return result
+
+
+def _write(encoded: Iterator[Encoded], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult, bar) -> None:
+    for docs, nbytes in encoded:
+        bar.update(nbytes)
+        for doc in docs:
+            for key, ids in doc.items():
+                if not ids:
+                    continue
+                builders[key].add_item(np.asarray(ids, dtype=np.int64))
+                builders[key].end_document()
+                result.documents[key] += 1
+                result.tokens[key] += len(ids)

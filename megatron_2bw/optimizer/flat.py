@@ -1,0 +1,83 @@
+"""Adam(W) and SGD over one flat fp32-or-model-dtype buffer, in place or out of place.
+
+2BW writes W(t+1) into the idle weight buffer while in-flight microbatches still read W(t), so
+the update must be able to read ``src`` and write ``dst`` (a different buffer). Working on flat
+buffers makes each update a handful of vectorized passes, with no Python loop over parameters.
+Weight decay applies to the first ``n_decay`` elements (matrices; biases and norms come after).
+Optimizer state is not versioned: it always follows the newest weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class FlatAdam:
+    def __init__(self, numel: int, n_decay: int, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, device="cpu"):
+        self.n_decay, self.betas, self.eps, self.weight_decay = n_decay, betas, eps, weight_decay
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.steps = 0
+
+    def update(self, src: torch.Tensor, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """dst = AdamW(src, grad); ``grad`` is fp32 and already unscaled and clipped; dst may be src."""
+        b1, b2 = self.betas
+        self.steps += 1
+        self.exp_avg.lerp_(grad, 1 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        bc1, bc2 = 1 - b1**self.steps, 1 - b2**self.steps
+        denom = self.exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(self.eps)
+        step = denom.reciprocal_().mul_(self.exp_avg)  # reuses denom's memory
+        _decayed_step(src, dst, step, lr / bc1, lr * self.weight_decay, self.n_decay)
+
+    def state_dict(self) -> dict:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
+        self.steps = int(sd["steps"])
+
+
+class FlatSGD:
+    def __init__(self, numel: int, n_decay: int, *, momentum=0.0, weight_decay=0.0, device="cpu"):
+        self.n_decay, self.momentum, self.weight_decay = n_decay, momentum, weight_decay
+        self.buf = torch.zeros(numel, dtype=torch.float32, device=device) if momentum else None
+        self.steps = 0
+
+    def update(self, src: torch.Tensor, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        self.steps += 1
+        step = grad
+        if self.buf is not None:
+            self.buf.mul_(self.momentum).add_(grad)
+            step = self.buf
+        _decayed_step(src, dst, step, lr, lr * self.weight_decay, self.n_decay)
+
+    def state_dict(self) -> dict:
+        return {"buf": self.buf, "steps": self.steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.buf is not None:
+            self.buf.copy_(sd["buf"])
+        self.steps = int(sd["steps"])
+
+
+def _decayed_step(src, dst, step, step_lr: float, decay: float, n_decay: int) -> None:
+    """dst = src * (1 - decay) - step_lr * step on the decayed part; dst = src - step_lr * step after it."""
+    if step.dtype != dst.dtype:
+        step = step.to(dst.dtype)
+    if decay and n_decay:
+        torch.add(src[:n_decay] * (1 - decay), step[:n_decay], alpha=-step_lr, out=dst[:n_decay])
+        torch.add(src[n_decay:], step[n_decay:], alpha=-step_lr, out=dst[n_decay:])
+    else:
+        torch.add(src, step, alpha=-step_lr, out=dst)
+
+
+def build_optimizer(cfg, numel: int, n_decay: int, device) -> FlatAdam | FlatSGD:
+    """The flat optimizer named by an ``OptimizerConfig``."""
+    if cfg.optimizer == "adam":
+        return FlatAdam(numel, n_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                        weight_decay=cfg.weight_decay, device=device)
+    return FlatSGD(numel, n_decay, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, device=device)

@@ -1,0 +1,102 @@
+"""Train a tiny model with the pipeline engine under any layout; shared by the engine tests.
+
+``train_tiny`` runs in a single process (layout 1x1x1) or inside ``run_workers`` processes
+(layout from the world size). Data: a fixed random token set; step t's global batch is samples
+[t*B, (t+1)*B), replica j takes its contiguous B/w slice, cut into m microbatches; so every
+layout sees the same global batches and the single-process run is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.models.presets import get_preset
+from megatron_2bw.models.spec import ModelSpec
+from megatron_2bw.models.stages import stage_range
+from megatron_2bw.parallel_state import ParallelState, build_state
+from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.tensor_parallel.random import RNGTracker
+
+
+def matching_shard(dense: torch.Tensor, local: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:
+    """The slice of a dense tensor that a tensor-parallel shard holds (zero-padding a vocab dim)."""
+    for dim in range(dense.dim()):
+        if dense.shape[dim] != local.shape[dim]:
+            extra = local.shape[dim] * t - dense.shape[dim]
+            if extra > 0:
+                shape = list(dense.shape)
+                shape[dim] = extra
+                dense = torch.cat([dense, dense.new_zeros(shape)], dim)
+            return dense.chunk(t, dim=dim)[tp_rank]
+    return dense
+
+
+def train_tiny(
+    schedule: str, *, layout: tuple[int, int, int] | None = None, steps: int = 6, global_batch: int = 8,
+    micro: int = 1, kind: str = "gpt-tiny", recompute: bool = False, dtype: str = "fp32", optimizer: str = "adam",
+    lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
+    dropout: float = 0.0, weight_decay: float = 0.01,
+) -> dict:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t, d, w = layout
+        state = build_state(t, d, w, torch.device("cpu"))
+    else:
+        state = ParallelState.single()
+    t, d, w = state.t, state.d, state.w
+    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout)
+    seed = 1234
+    torch.manual_seed(seed)
+    tracker = RNGTracker(seed, state.tp_rank)
+    spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker)
+    m = global_batch // (micro * w)
+    pipe = PipelineConfig(schedule, micro, m, recompute=recompute)
+    opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
+                          adam_beta2=0.99, initial_loss_scale=2.0**12)
+    stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
+                          (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker)
+    if inject_inf is not None and state.rank == inject_inf[0]:
+        stage.inject_inf_steps.add(inject_inf[1])
+    g = torch.Generator().manual_seed(99)
+    n = global_batch * steps
+    if cfg.kind == "gpt":
+        data = torch.randint(0, cfg.vocab_size, (n, cfg.seq_length + 1), generator=g)
+    else:
+        s = cfg.seq_length
+        data = dict(
+            tokens=torch.randint(0, cfg.vocab_size, (n, s), generator=g), token_types=(torch.arange(s) >= s // 2).long().expand(n, s),
+            labels=torch.randint(0, cfg.vocab_size, (n, s), generator=g), loss_mask=(torch.rand(n, s, generator=g) < 0.3).float(),
+            padding_mask=torch.ones(n, s), sop_label=torch.randint(0, 2, (n,), generator=g),
+        )
+
+    def get_batch(mb: int) -> dict:
+        step, i = divmod(mb, m)
+        lo = step * global_batch + state.dp_rank * (global_batch // w) + i * micro
+        sl = slice(lo, lo + micro)
+        return spec.make_batch(data[sl] if cfg.kind == "gpt" else {k: v[sl] for k, v in data.items()})
+
+    results = []
+    for seg in segments or (steps,):
+        results += stage.train(seg, get_batch, lambda step: lr)
+    losses = [r.loss for r in results]
+    if state.is_last_stage and w > 1:
+        x = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(x, group=state.dp_group)
+        losses = (x / w).tolist()
+    start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
+    head = cfg.num_layers + 1
+    params = {}
+    for name, view in stage.weights.named_flat(stage.weights.slot(stage.step) if schedule == "2bw" else 0).items():
+        idx, rest = name.split(".", 1)
+        gname = f"{start + int(idx)}.{rest}"
+        if gname.startswith(f"{head}.word_weight"):
+            gname = "0.word.weight"
+        params[gname] = view.detach().float().clone()
+    return {
+        "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.is_last_stage,
+        "losses": losses if state.is_last_stage else None, "params": params,
+        "norms": [r.grad_norm for r in results], "skipped": [r.skipped for r in results],
+        "scales": [r.loss_scale for r in results], "stats": stage.stats.as_dict(), "m": m,
+    }

@@ -1,0 +1,109 @@
+"""Train a SentencePiece BPE tokenizer on a JSONL corpus: writes PREFIX.model and PREFIX.vocab.
+
+    python tools/train_tokenizer.py --input corpus.jsonl --vocab-size 8000 --model-prefix data/tok
+
+The model reserves what the GPT and BERT pipelines need: ``<eod>`` is the model's eos (the
+end-of-document id), ``[PAD]`` its pad, and ``[CLS] [SEP] [MASK]`` are user-defined
+symbols. Byte fallback makes every string encodable and every round trip exact, and the
+identity normalizer keeps text as written. Each paragraph (line of a document) is one
+training sentence; at most ``--input-sentence-size`` of them are sampled, which keeps
+training on a few MB to seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+from typing import Iterator, Sequence  # noqa: E402
+
+from megatron_2bw.data.preprocess import read_jsonl  # noqa: E402
+from megatron_2bw.data.tokenizers import SP_CLS, SP_EOD, SP_MASK, SP_PAD, SP_SEP  # noqa: E402
+from megatron_2bw.errors import ConfigError  # noqa: E402
+
+MIN_VOCAB = 300  # 256 byte pieces + reserved symbols + some characters
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def sentences(path: str, json_keys: Sequence[str]) -> Iterator[str]:
+    """Non-empty paragraphs of every document, in file order."""
+    for _, _, texts in read_jsonl(path, json_keys):
+        for text in texts.values():
+            for para in text.split("\n"):
+                if para.strip():
+                    yield para
+
+
+def train(
+    input_path: str, vocab_size: int, model_prefix: str, json_keys: Sequence[str] = ("text",),
+    input_sentence_size: int = 300_000, num_threads: int = 1,
+) -> str:
+    """Train and return the path of the ``.model`` file."""
+    import sentencepiece as spm
+
+    if vocab_size < MIN_VOCAB:
+        raise ConfigError(f"--vocab-size {vocab_size} is too small: byte fallback alone needs 256 pieces (use >= {MIN_VOCAB})")
+    # Read (and validate) the whole input before training starts, so a bad line is a clean error.
+    corpus = list(sentences(input_path, json_keys))
+    if not corpus:
+        raise ConfigError(f"--input {input_path} has no text under --json-keys {' '.join(json_keys)}")
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(corpus),
+            model_prefix=model_prefix,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,
+            byte_fallback=True,
+            character_coverage=0.9995,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            unk_id=0,
+            eos_id=1,
+            eos_piece=SP_EOD,
+            pad_id=2,
+            pad_piece=SP_PAD,
+            bos_id=-1,
+            user_defined_symbols=[SP_CLS, SP_SEP, SP_MASK],
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            max_sentence_length=1 << 16,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except (RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"SentencePiece training failed: {first}") from None
+    return model_prefix + ".model"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="JSONL corpus")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--input-sentence-size", type=int, default=300_000, help="sample at most this many paragraphs")
+    p.add_argument("--num-threads", type=int, default=1)
+    try:
+        args = p.parse_args(argv)
+        model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys,
+                      args.input_sentence_size, args.num_threads)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {model} and {args.model_prefix}.vocab")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
