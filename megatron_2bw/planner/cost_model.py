@@ -1,0 +1,244 @@
+"""Predicted time per batch of a candidate layout: the paper's throughput equation, extended.
+
+The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline every
+``max_i max(T_comp_i + T_comm_i, T_allreduce_i / m)``. Here, term by term (one GPU, one stage):
+
+- ``compute``: forward + backward of the stage's blocks for one microbatch; with recomputation the
+  transformer layers run their forward twice (compute x 4/3 when backward = 2 x forward); the
+  embedding and head are not recomputed (Megatron's ``--recompute-activations``).
+- ``tensor_comm``: the tensor-parallel all-reduces of that microbatch (and of the recomputed forward),
+  ring cost ``2(t-1)/t * bytes / bw`` over the server's NVLink.
+- ``p2p``: ``2 * (|A_in| / bw_in + |A_out| / bw_out)`` - the paper's ``2|A_in+out|/bw``: activations
+  and their gradients. A boundary inside a server uses NVLink; one between servers shares the
+  server's NIC with every GPU of the server sending across it at the same time (all ``t*w`` GPUs of
+  a stage, at most a server's worth). Each tensor rank sends the whole activation.
+- ``allreduce``: once per batch, the stage's gradients across its ``w`` replicas. Ring cost
+  ``2(n-1)/n * bytes / bw``; replicas inside one server (``t*w <= devices per server``) use NVLink,
+  otherwise hierarchically: NVLink inside each server, then the NIC carries ``2(n_s-1)/n_s`` of the
+  gradient of every data-parallel group on the server (``n_s`` servers). With several stages the
+  first and last also all-reduce the tied word embedding between them (Megatron's scheme).
+- ``optimizer``: the Adam step, memory-bound: ~32 bytes read/written per parameter over HBM.
+
+Per batch of ``m`` microbatches, with ``slot`` the slowest stage's ``compute + tensor_comm + p2p``:
+
+- 2BW: ``max(m * slot, allreduce) + optimizer``. No flush, so no bubble in steady state, and the
+  all-reduce overlaps the next batch's microbatches (they run on the other weight version).
+- Flush and GPipe: ``(m + d - 1) * slot + allreduce + optimizer``: the ``d - 1`` extra slots are the
+  bubble of filling and draining the pipeline, and the all-reduce waits for the drain.
+- Sequential (inter-layer model parallelism without pipelining): one microbatch at a time through
+  all stages, each boundary crossed once each way: ``m * sum_i slot_i`` (boundaries counted once).
+
+Not modelled: overlap of p2p with compute (Megatron's sends are blocking), contention between p2p
+and all-reduce on the NIC, network latency (messages here are megabytes), the first step's warm-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Cluster
+from .layer_costs import MicrobatchCosts
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, stage_layers, stage_params
+
+# Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
+GRAD_PASSES = 3  # unscale + inf/NaN check, gradient norm for clipping, the update's read
+
+
+def optimizer_traffic_bytes(pb: ParamBytes) -> int:
+    """Bytes one parameter's optimizer step reads and writes: master and moments read and written,
+    the half-precision weight written, the gradient read by each of its passes (32 for fp16 Adam)."""
+    return 2 * (pb.master + pb.optimizer_state) + pb.weight + GRAD_PASSES * pb.grad
+
+
+def ring_allreduce_time(nbytes: float, n: int, bandwidth: float) -> float:
+    """NCCL ring all-reduce: each GPU sends and receives ``2(n-1)/n`` of the buffer."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def p2p_time(in_bytes: float, out_bytes: float, in_bandwidth: float, out_bandwidth: float) -> float:
+    """The paper's ``2|A_in+out|/bw``: each boundary tensor goes one way forward and its gradient back."""
+    t = 0.0
+    if in_bytes:
+        t += 2 * in_bytes / in_bandwidth
+    if out_bytes:
+        t += 2 * out_bytes / out_bandwidth
+    return t
+
+
+def bubble_slots(schedule: str, d: int) -> int:
+    """Extra microbatch slots per batch: fill and drain for schedules that flush, none for 2BW."""
+    return d - 1 if schedule in ("flush", "gpipe") else 0
+
+
+def recompute_forward_passes(recompute: bool) -> int:
+    """Forward passes of a transformer layer per microbatch: two with recomputation."""
+    return 2 if recompute else 1
+
+
+# ---- placement: rank = stage * (t*w) + replica * t + tensor_rank; server = rank // G ------------
+
+def tensor_bandwidth(t: int, cluster: Cluster) -> float:
+    """Bus bandwidth of a tensor group's ring: NVLink when it sits in one server.
+
+    A group wider than a server (the search never builds one; the paper's tensor-MP baseline on
+    64 GPUs did) fills its servers, and its ring crosses each server's NIC once each way.
+    """
+    G = cluster.devices_per_server
+    if t <= G and G % t == 0:
+        return cluster.intra_server_allreduce_bandwidth
+    return cluster.inter_server_bandwidth
+
+
+def boundary_bandwidth(t: int, w: int, boundary: int, cluster: Cluster) -> float:
+    """Per-GPU bandwidth from stage ``boundary`` to stage ``boundary + 1``.
+
+    Rank ``r`` of the sending stage talks to rank ``r + t*w``. Inside one server that is NVLink;
+    across servers the sending server's NIC is shared by all of its GPUs that cross at once.
+    """
+    G, tw = cluster.devices_per_server, t * w
+    if tw >= G:
+        return cluster.inter_server_bandwidth / G
+    first = boundary * tw
+    crossing = sum(1 for r in range(first, first + tw) if r % G >= G - tw)
+    if crossing == 0:
+        return cluster.intra_server_p2p_bandwidth
+    return cluster.inter_server_bandwidth / crossing
+
+
+def data_parallel_allreduce_time(nbytes: float, t: int, w: int, cluster: Cluster) -> float:
+    """All-reduce of ``nbytes`` per GPU across ``w`` replicas placed ``t`` ranks apart."""
+    if w <= 1 or nbytes <= 0:
+        return 0.0
+    G = cluster.devices_per_server
+    if t * w <= G and G % (t * w) == 0:
+        return ring_allreduce_time(nbytes, w, cluster.intra_server_allreduce_bandwidth)
+    k = max(1, min(w, G // t))          # replicas per server
+    servers = -(-w // k)
+    groups_per_server = max(1, G // k)  # data-parallel groups sharing one NIC
+    intra = ring_allreduce_time(nbytes, k, cluster.intra_server_allreduce_bandwidth)
+    inter = groups_per_server * ring_allreduce_time(nbytes, servers, cluster.inter_server_bandwidth)
+    return intra + inter
+
+
+def tied_embedding_sync_time(nbytes: float, t: int, w: int, d: int, cluster: Cluster) -> float:
+    """All-reduce of the word-embedding gradient between the first and the last stage."""
+    if d <= 1 or nbytes <= 0:
+        return 0.0
+    G, tw = cluster.devices_per_server, t * w
+    if tw * d <= G and G % (tw * d) == 0:
+        return ring_allreduce_time(nbytes, 2, cluster.intra_server_allreduce_bandwidth)
+    return ring_allreduce_time(nbytes, 2, cluster.inter_server_bandwidth / min(tw, G))
+
+
+# ---- per stage and per batch --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage, one GPU: per-microbatch terms and per-batch terms, in seconds."""
+
+    stage: int
+    compute_s: float
+    tensor_comm_s: float
+    p2p_s: float
+    allreduce_s: float
+    optimizer_s: float
+
+    @property
+    def slot_s(self) -> float:
+        """Time this stage needs per microbatch."""
+        return self.compute_s + self.tensor_comm_s + self.p2p_s
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Per-batch time of a candidate and its parts; ``samples_per_sec`` is what the search ranks."""
+
+    stages: tuple[StageTime, ...]
+    slot_s: float
+    pipeline_s: float
+    bubble_s: float
+    exposed_allreduce_s: float
+    optimizer_s: float
+    batch_s: float
+    samples_per_sec: float
+
+
+def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int, cluster: Cluster,
+               in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
+    """The terms of one stage (see the module docstring)."""
+    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
+    layers = stage_layers(num_layers, d)
+    passes = recompute_forward_passes(cand.recompute)
+    lay, emb, head = costs.layer, costs.embedding, costs.head
+
+    # (block, count, forward passes): only the transformer layers are recomputed.
+    blocks = [(lay, layers, passes)] + ([(emb, 1, 1)] if stage == 0 else []) + ([(head, 1, 1)] if stage == d - 1 else [])
+    compute = sum(n * (f * b.forward_s + b.backward_s) for b, n, f in blocks)
+    tp_bytes = sum(n * (f * b.tp_allreduce_forward_bytes + b.tp_allreduce_backward_bytes) for b, n, f in blocks)
+    # Token ids come from the data loader, and the loss stays on the last stage.
+    in_bytes = 0 if stage == 0 else lay.input_bytes
+    out_bytes = 0 if stage == d - 1 else lay.output_bytes
+    grads = stage_params(costs, num_layers, d, stage) * param_bytes.grad
+    allreduce = data_parallel_allreduce_time(grads, t, w, cluster)
+    if stage in (0, d - 1):
+        allreduce += tied_embedding_sync_time(costs.tied_params * param_bytes.grad, t, w, d, cluster)
+    return StageTime(
+        stage=stage,
+        compute_s=compute,
+        tensor_comm_s=ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster)),
+        p2p_s=p2p_time(in_bytes, out_bytes, in_bandwidth, out_bandwidth),
+        allreduce_s=allreduce,
+        optimizer_s=stage_params(costs, num_layers, d, stage) * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
+    )
+
+
+def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
+                param_bytes: ParamBytes = ParamBytes()) -> tuple[StageTime, ...]:
+    """Every distinct stage: the first, the last, and one middle stage per pattern of its links."""
+    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
+    bw = [boundary_bandwidth(t, w, i, cluster) for i in range(d - 1)]
+    picked: dict[tuple[float, float], int] = {}
+    for i in range(1, d - 1):
+        picked.setdefault((bw[i - 1], bw[i]), i)
+    wanted = sorted({0, d - 1, *picked.values()})
+    inf = float("inf")
+    return tuple(
+        stage_time(costs, cand, num_layers, i, cluster, bw[i - 1] if i > 0 else inf, bw[i] if i < d - 1 else inf, param_bytes)
+        for i in wanted
+    )
+
+
+def predict(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
+            param_bytes: ParamBytes = ParamBytes()) -> Prediction:
+    """Time per batch and samples per second of ``cand``."""
+    d, m = cand.pipeline_parallel, cand.num_micro_batches
+    stages = stage_times(costs, cand, num_layers, cluster, param_bytes)
+    slot = max(s.slot_s for s in stages)
+    allreduce = max(s.allreduce_s for s in stages)
+    optimizer = max(s.optimizer_s for s in stages)
+    bubble = bubble_slots(cand.schedule, d) * slot
+    if cand.schedule == "2bw":
+        pipeline = m * slot
+        exposed = max(0.0, allreduce - pipeline)
+    elif cand.schedule == SEQUENTIAL:
+        per_stage = {s.stage: s for s in stages}
+        # Every stage's compute, and each boundary's transfer once (both of its ends count it).
+        total = 0.0
+        bw = [boundary_bandwidth(cand.tensor_parallel, cand.data_parallel, i, cluster) for i in range(d - 1)]
+        inf = float("inf")
+        for i in range(d):
+            s = per_stage.get(i) or stage_time(costs, cand, num_layers, i, cluster,
+                                               bw[i - 1] if i > 0 else inf, bw[i] if i < d - 1 else inf, param_bytes)
+            total += s.compute_s + s.tensor_comm_s + s.p2p_s / 2
+        pipeline = m * total
+        exposed = allreduce
+    else:
+        pipeline = m * slot + bubble
+        exposed = allreduce
+    batch = pipeline + exposed + optimizer
+    return Prediction(
+        stages=stages, slot_s=slot, pipeline_s=pipeline, bubble_s=bubble, exposed_allreduce_s=exposed,
+        optimizer_s=optimizer, batch_s=batch, samples_per_sec=cand.global_batch_size / batch,
+    )

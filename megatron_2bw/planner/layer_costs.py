@@ -1,0 +1,309 @@
+"""What one microbatch costs in each kind of block: time, parameters, activation bytes.
+
+The planner's only view of the model. The model is ``num_layers`` identical transformer layers,
+with the embedding on the first stage and the head (final LayerNorm, output layer, loss) on the
+last. Costs come from one of two places, in the same ``LayerCosts`` table:
+
+- ``analytic_layer_costs``: FLOPs and bytes counted from the model shape, timed with the device's
+  peak FLOP/s times the efficiency curve of ``efficiency.py``. Stated as an estimate in the output.
+- ``load_profile``: a JSON file a profiler wrote from measurements (schema below).
+
+Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm, ``f`` = FFN size):
+
+- Forward FLOPs of one layer: ``(2bs(4h^2 + 2hf) + 4bs^2h) / t`` (QKV, projection and the two MLP
+  GEMMs, plus the two attention batched GEMMs); backward = 2 x forward. Head: ``2bshV/t``.
+- Activation bytes one layer keeps for its backward (Korthikanti et al. 2022, "Reducing activation
+  recomputation", generalised to ``f`` and to dropout being off), ``e`` = bytes per element.
+  Replicated across the tensor group: the two LayerNorm inputs, the QKV
+  input and the MLP input (``4bshe``) and the two hidden-dropout masks (``2bsh``, 1 byte each);
+  split by ``t``: Q, K, V and the projection input (``4bshe``), the GeLU input and output
+  (``2bsfe``), the softmax output (``ab s^2 e``) and, with attention dropout, its mask and output
+  (``ab s^2 (1 + e)``). For fp16, f = 4h, dropout on, t = 1 this is the paper-era ``sbh(34 + 5as/h)``.
+- The head keeps the final LayerNorm's input and output and the fp32 softmax of the logits
+  (Megatron's vocab-parallel cross-entropy runs in fp32): ``2bshe + 4bsV/t``; while it runs it also
+  holds the fp16 logits and their fp32 copy (``(e + 4) bsV/t`` transient).
+- Tensor parallelism all-reduces ``bshe`` twice per layer forward and twice backward, once in the
+  embedding forward and once in the head backward. These are *not* in ``forward_s``/``backward_s``:
+  the cost model times them on the links they use.
+
+Profile JSON (``--profile FILE``), one entry per (tensor-parallel size, microbatch size) measured::
+
+    {
+      "format": "megatron_2bw-profile-v1",
+      "source": "who measured what, where",
+      "entries": [
+        {"tensor_parallel": 1, "micro_batch_size": 4,
+         "tied_params": 115909632,          # word-embedding params per GPU shared by embedding and head
+         "layer":     {"forward_s": 0.0052, "backward_s": 0.0104, "params": 63713280,
+                       "stash_bytes": 328204288, "input_bytes": 9437184, "output_bytes": 9437184,
+                       "workspace_bytes": 328204288,
+                       "tp_allreduce_forward_bytes": 0, "tp_allreduce_backward_bytes": 0},
+         "embedding": {...same keys...},
+         "head":      {...same keys...}}
+      ]
+    }
+
+Per block: ``forward_s``/``backward_s`` are seconds for one microbatch on one GPU (a profiler at
+``t > 1`` measures them including the tensor-parallel all-reduces and writes
+``tp_allreduce_*_bytes = 0``); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
+forward keeps for the backward, including the block's input; ``input_bytes``/``output_bytes`` the
+tensors crossing its boundaries; ``workspace_bytes`` the extra peak while it runs. The search only
+considers the (t, b) pairs a profile has.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .efficiency import layer_work
+from .hardware import Cluster
+
+PROFILE_FORMAT = "megatron_2bw-profile-v1"
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+TOKEN_ID_BYTES = 8          # int64 token ids: the first stage's input
+SOFTMAX_BYTES = 4           # the cross-entropy keeps its softmax in fp32
+# Memory traffic of the fp32 cross-entropy per logit (cast, max, subtract, exp, sum, divide; then
+# the backward's in-place gradient and its cast back): about a dozen passes over 2-4 byte elements.
+CE_FORWARD_BYTES = 30
+CE_BACKWARD_BYTES = 14
+# The embedding is a gather and an add: read the rows, read the positions, write the sum, dropout.
+EMBEDDING_PASSES = 4
+
+
+def activation_bytes(precision: str) -> int:
+    """Bytes per activation element for a training precision."""
+    if precision not in ACTIVATION_BYTES:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
+    return ACTIVATION_BYTES[precision]
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block (a transformer layer, the embedding or the head) for one microbatch on one GPU."""
+
+    forward_s: float
+    backward_s: float
+    params: int
+    stash_bytes: int
+    input_bytes: int
+    output_bytes: int
+    workspace_bytes: int = 0
+    tp_allreduce_forward_bytes: int = 0
+    tp_allreduce_backward_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for key, value in asdict(self).items():
+            if value < 0:
+                raise ConfigError(f"block cost {key} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class MicrobatchCosts:
+    """The three block kinds at one (tensor-parallel size, microbatch size).
+
+    ``tied_params``: word-embedding parameters (per GPU) that the embedding and the head share.
+    With one stage they are one tensor; with several, the last stage holds a copy (counted in
+    ``head.params``) whose gradient is all-reduced with the first stage's every step.
+    """
+
+    layer: BlockCost
+    embedding: BlockCost
+    head: BlockCost
+    tied_params: int = 0
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Costs per (t, b). ``source`` says where they came from, for the output."""
+
+    source: str
+    table: Mapping[tuple[int, int], MicrobatchCosts]
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            raise ConfigError(f"layer costs from {self.source} have no entries")
+
+    def at(self, tensor_parallel: int, micro_batch_size: int) -> MicrobatchCosts | None:
+        return self.table.get((tensor_parallel, micro_batch_size))
+
+    def tensor_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({t for t, _ in self.table}))
+
+    def micro_batch_sizes(self, tensor_parallel: int) -> tuple[int, ...]:
+        return tuple(sorted(b for t, b in self.table if t == tensor_parallel))
+
+    def to_json(self) -> dict[str, Any]:
+        """The profile schema of this module's docstring (what ``load_profile`` reads back)."""
+        entries = []
+        for (t, b), c in sorted(self.table.items()):
+            entries.append({"tensor_parallel": t, "micro_batch_size": b, "tied_params": c.tied_params,
+                            "layer": asdict(c.layer), "embedding": asdict(c.embedding), "head": asdict(c.head)})
+        return {"format": PROFILE_FORMAT, "source": self.source, "entries": entries}
+
+
+# ---- counting: parameters, FLOPs, bytes ---------------------------------------------------------
+
+def layer_params(model: ModelConfig, t: int) -> int:
+    """Parameters of one transformer layer on one GPU (Megatron split; row-parallel biases replicated)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return (3 * h * h + 3 * h + h * h + h * f + f + f * h) // t + h + h + 4 * h
+
+
+def tied_params(model: ModelConfig, t: int) -> int:
+    """The vocab-parallel word embedding on one GPU (padded vocabulary)."""
+    return model.padded_vocab_size(t) * model.hidden_size // t
+
+
+def embedding_params(model: ModelConfig, t: int) -> int:
+    h = model.hidden_size
+    return tied_params(model, t) + model.max_position_embeddings * h + model.num_tokentypes * h
+
+
+def head_params(model: ModelConfig, t: int) -> int:
+    """Final LayerNorm, the tied output layer's copy, and BERT's LM transform, bias, pooler, NSP head."""
+    h = model.hidden_size
+    n = 2 * h + tied_params(model, t)
+    if model.kind == "bert":
+        n += (h * h + h + 2 * h) + model.padded_vocab_size(t) // t + (h * h + h) + (2 * h + 2)
+    return n
+
+
+def layer_forward_flops(model: ModelConfig, b: int, t: int) -> float:
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
+    return (2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) / t
+
+
+def head_forward_flops(model: ModelConfig, b: int, t: int) -> float:
+    s, h = model.seq_length, model.hidden_size
+    flops = 2 * b * s * h * model.padded_vocab_size(t) / t
+    if model.kind == "bert":
+        flops += 2 * b * s * h * h  # LM transform (replicated)
+    return flops
+
+
+def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
+    """Bytes one layer keeps for its backward, its input included (see the module docstring)."""
+    s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    replicated = 4 * b * s * h * e + (2 * b * s * h if model.hidden_dropout > 0 else 0)
+    split = 4 * b * s * h * e + 2 * b * s * f * e + a * b * s * s * e
+    if model.attention_dropout > 0:
+        split += a * b * s * s * (1 + e)
+    return replicated + split // t
+
+
+# ---- the analytic estimate ----------------------------------------------------------------------
+
+def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int) -> MicrobatchCosts:
+    """Costs of one microbatch of ``b`` on one GPU of a ``t``-way tensor group, from FLOPs and bytes."""
+    e = activation_bytes(precision)
+    s, h = model.seq_length, model.hidden_size
+    vocab = model.padded_vocab_size(t) // t
+    speed = cluster.peak(precision) * cluster.efficiency.fraction(layer_work(b, s, h, t))
+    hidden = b * s * h * e  # one hidden-state tensor
+
+    layer_fwd = layer_forward_flops(model, b, t) / speed
+    stash = layer_stash_bytes(model, b, t, e)
+    layer = BlockCost(
+        forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
+        stash_bytes=stash, input_bytes=hidden, output_bytes=hidden,
+        # The gradients of a layer's activations exist while its backward runs: about its stash again.
+        workspace_bytes=stash,
+        tp_allreduce_forward_bytes=2 * hidden if t > 1 else 0,
+        tp_allreduce_backward_bytes=2 * hidden if t > 1 else 0,
+    )
+
+    emb_time = EMBEDDING_PASSES * hidden / cluster.memory_bandwidth
+    embedding = BlockCost(
+        forward_s=emb_time, backward_s=emb_time, params=embedding_params(model, t),
+        stash_bytes=(b * s * h if model.hidden_dropout > 0 else 0),
+        input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=hidden,
+        tp_allreduce_forward_bytes=hidden if t > 1 else 0,
+    )
+
+    logits = b * s * vocab
+    head_fwd = head_forward_flops(model, b, t) / speed
+    bert_extra = 3 * hidden if model.kind == "bert" else 0
+    head = BlockCost(
+        forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
+        backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
+        params=head_params(model, t),
+        stash_bytes=2 * hidden + SOFTMAX_BYTES * logits + bert_extra,
+        input_bytes=hidden, output_bytes=0,
+        workspace_bytes=(e + 4) * logits,
+        tp_allreduce_forward_bytes=3 * b * s * 4 if t > 1 else 0,  # max, sum, target logit (fp32)
+        tp_allreduce_backward_bytes=hidden if t > 1 else 0,
+    )
+    return MicrobatchCosts(layer, embedding, head, tied_params=tied_params(model, t))
+
+
+def analytic_layer_costs(model: ModelConfig, cluster: Cluster, precision: str,
+                         tensor_sizes: Iterable[int], micro_batch_sizes: Iterable[int]) -> LayerCosts:
+    """The analytic estimate on a (t, b) grid."""
+    sizes = tuple(micro_batch_sizes)
+    table = {(t, b): analytic_microbatch_costs(model, cluster, precision, t, b) for t in tensor_sizes for b in sizes}
+    eff = cluster.efficiency
+    source = (f"analytic estimate from FLOPs and bytes ({cluster.device}, {precision} peak "
+              f"{cluster.peak(precision) / 1e12:g} TFLOP/s x efficiency curve max {eff.max_fraction:g}, "
+              f"half at {eff.half_work:g} elements); no profile")
+    return LayerCosts(source, table)
+
+
+# ---- profiles -----------------------------------------------------------------------------------
+
+def _block(data: Any, where: str) -> BlockCost:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected an object")
+    required = ("forward_s", "backward_s", "params", "stash_bytes", "input_bytes", "output_bytes")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)}")
+    unknown = set(data) - set(BlockCost.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    try:
+        return BlockCost(**{k: (float(v) if k.endswith("_s") else int(v)) for k, v in data.items()})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def layer_costs_from_json(data: Any, source: str) -> LayerCosts:
+    """Parse the profile schema (the module docstring); every problem is a one-line ``ConfigError``."""
+    if not isinstance(data, Mapping) or data.get("format") != PROFILE_FORMAT:
+        raise ConfigError(f"profile {source}: expected a JSON object with \"format\": \"{PROFILE_FORMAT}\"")
+    entries = data.get("entries")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"profile {source}: 'entries' must be a non-empty list")
+    table: dict[tuple[int, int], MicrobatchCosts] = {}
+    for i, entry in enumerate(entries):
+        where = f"profile {source} entry {i}"
+        try:
+            t, b = int(entry["tensor_parallel"]), int(entry["micro_batch_size"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{where}: needs integer tensor_parallel and micro_batch_size") from None
+        if t < 1 or b < 1:
+            raise ConfigError(f"{where}: tensor_parallel and micro_batch_size must be >= 1")
+        if (t, b) in table:
+            raise ConfigError(f"{where}: duplicate (tensor_parallel={t}, micro_batch_size={b})")
+        table[(t, b)] = MicrobatchCosts(
+            _block(entry.get("layer"), f"{where} layer"), _block(entry.get("embedding"), f"{where} embedding"),
+            _block(entry.get("head"), f"{where} head"), tied_params=int(entry.get("tied_params", 0)),
+        )
+    label = data.get("source") or "unnamed"
+    return LayerCosts(f"profile {source} ({label})", table)
+
+
+def load_profile(path: str) -> LayerCosts:
+    """Read a ``--profile FILE``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--profile file {path!r} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--profile {path!r} is not readable JSON: {exc}".replace("\n", " ")) from None
+    return layer_costs_from_json(data, path)

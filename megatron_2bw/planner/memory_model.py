@@ -1,0 +1,228 @@
+"""Bytes per GPU of a candidate layout, stage by stage: the paper's formulas plus what they omit.
+
+The paper (notation of PIPEDREAM_2BW.md; ``|W|/d`` a stage's weights, ``A_total/d`` the activations
+of one microbatch through a stage, ``A_input`` a stage's input)::
+
+    2BW, recomputation:       2|W|/d + A_total/d     + d * A_input
+    2BW, no recomputation:    2|W|/d + d * A_total/d  (+ d * A_input, inside A_total here)
+    GPipe (recomputes):        |W|/d + A_total/d     + m * A_input
+    PipeDream-Flush:           |W|/d and at most d microbatches in flight
+
+Here ``A_total`` counts each layer's input (it is what the first LayerNorm keeps), so the no-
+recomputation formula's separate ``d * A_input`` (the received tensor) is not counted twice.
+Recomputation is Megatron's ``--recompute-activations``: the transformer layers are re-run from
+their input, the embedding and head are not (their stashes stay per microbatch in flight). The
+count of microbatches in flight is per stage: stage ``i`` of a 1F1B schedule (2BW, Flush) holds
+``min(d - i, m)``, GPipe's stages hold all ``m``, a non-pipelined sequential run holds one. Only
+equal splits are modelled (``d`` divides the layers), as in the paper's planner.
+
+What real runs also pay, and the paper's formula leaves out:
+
+- Gradients and optimizer state: mixed-precision Adam keeps an fp16 weight (2 bytes), fp16 gradient
+  (2), fp32 master weight (4) and two fp32 moments (8): 16 bytes per parameter; 2BW adds its second
+  fp16 weight version (2). fp32 training: 4 + 4 + 0 + 8.
+- The embedding on the first stage and the head on the last, which with a 50k vocabulary weigh as
+  much as several layers; with more than one stage the last stage holds its own copy of the tied
+  word embedding (Megatron's scheme), with its own gradient and optimizer state.
+- The head's logits: the fp32 softmax of every microbatch in flight on the last stage, and the
+  fp16 logits plus their fp32 copy while the cross-entropy runs (``workspace``).
+- The transient working memory of the block running (the gradients of its activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .layer_costs import MicrobatchCosts
+
+SCHEDULES = ("2bw", "flush", "gpipe")
+# Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
+# A baseline of the paper's comparison, not a schedule of the trainer.
+SEQUENTIAL = "sequential"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: the layout (t, d, w), microbatch b, m per batch, recompute, schedule."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    micro_batch_size: int
+    num_micro_batches: int
+    recompute: bool
+    schedule: str
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.schedule not in SCHEDULES + (SEQUENTIAL,):
+            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "2bw" and self.num_micro_batches < self.pipeline_parallel:
+            raise ConfigError(
+                f"2bw needs at least as many microbatches per batch as stages: m={self.num_micro_batches} < d={self.pipeline_parallel}"
+            )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.data_parallel
+
+
+@dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per parameter of each copy kept; ``per_param`` is the usual 16 of mixed-precision Adam."""
+
+    weight: int = 2
+    grad: int = 2
+    master: int = 4
+    optimizer_state: int = 8
+
+    @classmethod
+    def for_precision(cls, precision: str) -> "ParamBytes":
+        if precision in ("fp16", "bf16"):
+            return cls(2, 2, 4, 8)
+        if precision == "fp32":
+            return cls(4, 4, 0, 8)
+        raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
+
+    @property
+    def per_param(self) -> int:
+        return self.weight + self.grad + self.master + self.optimizer_state
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's bytes per GPU, term by term."""
+
+    stage: int
+    params: int
+    weights: int
+    second_weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.second_weights + self.grads + self.optimizer + self.activations + self.workspace
+
+
+def weight_versions(schedule: str) -> int:
+    """2BW double-buffers its weights; every other schedule keeps one version."""
+    return 2 if schedule == "2bw" else 1
+
+
+def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at its peak."""
+    if schedule == "gpipe":
+        return m
+    if schedule == SEQUENTIAL:
+        return 1
+    return min(d - stage, m)
+
+
+def stage_layers(num_layers: int, d: int) -> int:
+    """Layers per stage; the planner only splits evenly (the paper's Algorithm 1 does the same)."""
+    if num_layers % d:
+        raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {d}")
+    return num_layers // d
+
+
+def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
+    """Parameters on one GPU of ``stage``: its layers, the embedding (first), the head (last)."""
+    n = stage_layers(num_layers, d) * costs.layer.params
+    if stage == 0:
+        n += costs.embedding.params
+    if stage == d - 1:
+        n += costs.head.params
+        if d == 1:
+            n -= costs.tied_params  # one stage: the output layer *is* the embedding
+    return n
+
+
+def stage_input_bytes(costs: MicrobatchCosts, stage: int) -> int:
+    """``A_input``: the input of the stage's transformer layers, per microbatch (what it receives,
+    or on the first stage the embedding's output)."""
+    return costs.layer.input_bytes
+
+
+def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int) -> int:
+    """``A_total/d``: what one microbatch leaves for the backward in a stage's transformer layers."""
+    return stage_layers(num_layers, d) * costs.layer.stash_bytes
+
+
+def edge_activation_bytes(costs: MicrobatchCosts, d: int, stage: int) -> int:
+    """Per microbatch, the embedding's stash and token ids (first stage) and the head's (last):
+    never recomputed, so kept for every microbatch in flight."""
+    extra = 0
+    if stage == 0:
+        extra += costs.embedding.input_bytes + costs.embedding.stash_bytes
+    if stage == d - 1:
+        extra += costs.head.stash_bytes
+    return extra
+
+
+def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int) -> int:
+    """Activations held at the stage's peak: stashes of the microbatches in flight.
+
+    Without recomputation every in-flight microbatch keeps all of its activations. With it
+    (Megatron's ``--recompute-activations``: the transformer layers are re-run from their input),
+    each in-flight microbatch keeps only the layers' input, plus the full activations of the one
+    microbatch being recomputed. The embedding and the head are never recomputed.
+    """
+    d = cand.pipeline_parallel
+    n = in_flight(cand.schedule, d, cand.num_micro_batches, stage)
+    layers = layer_activation_bytes(costs, num_layers, d)
+    edge = edge_activation_bytes(costs, d, stage)
+    if cand.recompute:
+        return n * (stage_input_bytes(costs, stage) + edge) + layers
+    return n * (layers + edge)
+
+
+def workspace_bytes(costs: MicrobatchCosts, d: int, stage: int) -> int:
+    """The largest transient of the blocks the stage runs."""
+    ws = costs.layer.workspace_bytes
+    if stage == 0:
+        ws = max(ws, costs.embedding.workspace_bytes)
+    if stage == d - 1:
+        ws = max(ws, costs.head.workspace_bytes)
+    return ws
+
+
+def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int,
+                 param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
+    """Bytes per GPU of one stage, term by term."""
+    p = stage_params(costs, num_layers, cand.pipeline_parallel, stage)
+    return StageMemory(
+        stage=stage,
+        params=p,
+        weights=p * param_bytes.weight,
+        second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
+        grads=p * param_bytes.grad,
+        optimizer=p * (param_bytes.master + param_bytes.optimizer_state),
+        activations=activation_bytes(costs, cand, num_layers, stage),
+        workspace=workspace_bytes(costs, cand.pipeline_parallel, stage),
+    )
+
+
+def representative_stages(d: int) -> tuple[int, ...]:
+    """Stages whose memory can differ: the first two and the last (the rest lie between)."""
+    return tuple(sorted({0, min(1, d - 1), d - 1}))
+
+
+def plan_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int,
+                param_bytes: ParamBytes = ParamBytes()) -> tuple[StageMemory, ...]:
+    """Memory of the stages that can be the peak.
+
+    Stage 0 has the embedding and the most microbatches in flight; the last stage has the head;
+    stage 1 is the fullest stage with neither. Every other stage holds fewer stashes than stage 1
+    and the same weights, so it can never be the maximum.
+    """
+    return tuple(stage_memory(costs, cand, num_layers, s, param_bytes) for s in representative_stages(cand.pipeline_parallel))

@@ -1,0 +1,284 @@
+"""What the planner prints: the ranked table, JSON, the trainer flags, and the paper's comparisons.
+
+Everything here formats or re-runs the search; no cost or memory arithmetic lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..models.presets import get_preset
+from .hardware import GiB, Cluster, load_cluster
+from .layer_costs import LayerCosts, analytic_microbatch_costs
+from .memory_model import SEQUENTIAL, Candidate
+from .search import Evaluated, PlanRequest, SearchResult, default_costs, evaluate, search
+
+PAPER_CLUSTER = "aws-p3.16xlarge"
+PAPER_SEQ_LENGTH = 512
+# Megatron's default dropout, which the paper's runs used (our presets default to 0 for tests).
+PAPER_DROPOUT = 0.1
+
+
+def paper_model(name: str) -> ModelConfig:
+    """One of the paper's models as it was trained: sequence 512, Megatron's dropout 0.1."""
+    return get_preset(name, seq_length=PAPER_SEQ_LENGTH, max_position_embeddings=PAPER_SEQ_LENGTH,
+                      hidden_dropout=PAPER_DROPOUT, attention_dropout=PAPER_DROPOUT)
+
+
+# ---- one configuration --------------------------------------------------------------------------
+
+def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
+    """The ``pretrain_gpt.py`` (or ``pretrain_bert.py``) command line that runs ``ev``."""
+    c, m = ev.candidate, request.model
+    args = [f"pretrain_{m.kind}.py",
+            "--tensor-model-parallel-size", str(c.tensor_parallel),
+            "--pipeline-model-parallel-size", str(c.pipeline_parallel),
+            "--micro-batch-size", str(c.micro_batch_size),
+            "--global-batch-size", str(c.global_batch_size),
+            "--pipeline-schedule", c.schedule]
+    if c.recompute:
+        args.append("--recompute-activations")
+    args += ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+             "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
+             "--max-position-embeddings", str(m.max_position_embeddings)]
+    if m.ffn_hidden_size != 4 * m.hidden_size:
+        args += ["--ffn-hidden-size", str(m.ffn_hidden_size)]
+    args += ["--hidden-dropout", f"{m.hidden_dropout:g}", "--attention-dropout", f"{m.attention_dropout:g}"]
+    if request.precision in ("fp16", "bf16"):
+        args.append(f"--{request.precision}")
+    return args
+
+
+def describe(ev: Evaluated) -> dict[str, Any]:
+    """The JSON fields of one configuration."""
+    c, p = ev.candidate, ev.prediction
+    return {
+        "tensor_parallel": c.tensor_parallel, "pipeline_parallel": c.pipeline_parallel,
+        "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
+        "num_micro_batches": c.num_micro_batches, "global_batch_size": c.global_batch_size,
+        "recompute": c.recompute, "schedule": c.schedule,
+        "samples_per_sec": round(ev.samples_per_sec, 3),
+        "memory_bytes_per_gpu": ev.memory_bytes_per_gpu,
+        "memory_bytes_by_stage": {str(s.stage): s.total for s in ev.memory},  # the stages that can peak
+        "batch_seconds": round(p.batch_s, 6) if p else None,
+        "bubble_seconds": round(p.bubble_s, 6) if p else None,
+        "exposed_allreduce_seconds": round(p.exposed_allreduce_s, 6) if p else None,
+    }
+
+
+def _stage_memory_text(ev: Evaluated) -> str:
+    return "/".join(f"{s.total / GiB:.1f}" for s in ev.memory)
+
+
+def format_table(result: SearchResult, top: int = 10) -> str:
+    """The ranked table, with where the costs came from and the best configuration's flags."""
+    req = result.request
+    cl, m = req.cluster, req.model
+    lines = [
+        f"model: {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+        f"seq {m.seq_length}, vocab {m.vocab_size} ({m.num_parameters() / 1e9:.2f}B parameters), {req.precision}",
+        f"cluster: {cl.name}: {req.num_gpus} x {cl.device}, {cl.devices_per_server} per server, "
+        f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU; global batch {req.global_batch_size}",
+        f"costs: {result.costs_source}",
+        f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms; "
+        f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
+        "",
+        f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>6} {'schedule':>8} "
+        f"{'samples/s':>10} {'GiB/GPU':>7}  GiB: stage 0/1/last",
+    ]
+    for i, ev in enumerate(result.ranked[:top], 1):
+        c = ev.candidate
+        sched = c.schedule if c.pipeline_parallel > 1 else "none"
+        lines.append(
+            f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
+            f"{c.num_micro_batches:>4} {'yes' if c.recompute else 'no':>6} {sched:>8} {ev.samples_per_sec:>10.1f} "
+            f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {_stage_memory_text(ev)}"
+        )
+    lines += ["", "best configuration:", "  " + " ".join(pretrain_command(result.best, req))]
+    return "\n".join(lines)
+
+
+def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
+    """The same as ``format_table`` as JSON: ``best`` and every feasible configuration in ``ranked``."""
+    req = result.request
+    ranked = result.ranked if top is None else result.ranked[:top]
+    return {
+        "model": {"kind": req.model.kind, "num_layers": req.model.num_layers, "hidden_size": req.model.hidden_size,
+                  "num_attention_heads": req.model.num_attention_heads, "seq_length": req.model.seq_length,
+                  "vocab_size": req.model.vocab_size, "num_parameters": req.model.num_parameters()},
+        "cluster": req.cluster.name, "num_gpus": req.num_gpus, "global_batch_size": req.global_batch_size,
+        "precision": req.precision, "costs_source": result.costs_source,
+        "considered": result.considered, "feasible": len(result.ranked), "search_seconds": round(result.seconds, 4),
+        "best": {**describe(result.best), "command": pretrain_command(result.best, req)},
+        "ranked": [describe(ev) for ev in ranked],
+    }
+
+
+# ---- the paper's comparisons --------------------------------------------------------------------
+
+# What the paper reports (PIPEDREAM_2BW.md), as "2BW is X times faster than ...".
+PAPER_RATIOS = {
+    "PipeDream-Flush": "1.6x small B, 1.15x B=2048",
+    "GPipe": "up to 3.2x",
+    "tensor MP": "1.3x 1 server, 20x 64 GPUs",
+    "no pipelining": "not stated",
+}
+
+Selector = Callable[[Candidate], bool]
+BASELINES: dict[str, Selector] = {
+    "PipeDream-Flush": lambda c: c.schedule == "flush" and c.pipeline_parallel > 1,
+    "GPipe": lambda c: c.schedule == "gpipe",
+    "tensor MP": lambda c: c.pipeline_parallel == 1 and c.tensor_parallel > 1,
+    "no pipelining": lambda c: c.schedule == SEQUENTIAL and c.tensor_parallel == 1,
+}
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One scenario of the paper: the best configuration each system gets from the same model."""
+
+    model_name: str
+    num_gpus: int
+    global_batch_size: int
+    best: dict[str, Evaluated | None]
+
+    def ratio(self, system: str) -> float | None:
+        """2BW's samples/s over ``system``'s (None when either does not fit)."""
+        ours, theirs = self.best.get("2BW"), self.best.get(system)
+        if ours is None or theirs is None or theirs.samples_per_sec <= 0:
+            return None
+        return ours.samples_per_sec / theirs.samples_per_sec
+
+
+PAPER_SCENARIOS = (("gpt-2.2b", 8, 512), ("gpt-2.2b", 64, 512), ("gpt-2.2b", 64, 2048),
+                   ("gpt-3.8b", 64, 512), ("gpt-3.8b", 64, 2048))
+
+
+def _best(result: SearchResult, keep: Selector) -> Evaluated | None:
+    return next((ev for ev in result.ranked if keep(ev.candidate)), None)
+
+
+def compare_systems(model: ModelConfig, cluster: Cluster, num_gpus: int, global_batch_size: int,
+                    name: str = "", costs: LayerCosts | None = None) -> ComparisonRow:
+    """Best 2BW, Flush, GPipe, tensor-parallel-only and non-pipelined configurations for one scenario."""
+    req = PlanRequest(model, cluster, num_gpus, global_batch_size,
+                      schedules=("2bw", "flush", "gpipe", SEQUENTIAL))
+    costs = costs or default_costs(req)
+    result = search(req, costs, require_fit=False)
+    best: dict[str, Evaluated | None] = {"2BW": _best(result, lambda c: c.schedule == "2bw")}
+    for system, keep in BASELINES.items():
+        best[system] = _best(result, keep)
+    return ComparisonRow(name or f"{model.kind}-{model.num_parameters() / 1e9:.1f}b", num_gpus, global_batch_size, best)
+
+
+def paper_comparison(cluster: Cluster | None = None,
+                     scenarios: Iterable[tuple[str, int, int]] = PAPER_SCENARIOS) -> list[ComparisonRow]:
+    """The paper's comparisons (its models, cluster, batch sizes), predicted by this planner."""
+    cluster = cluster or load_cluster(PAPER_CLUSTER)
+    return [compare_systems(paper_model(name), cluster, n, b, name) for name, n, b in scenarios]
+
+
+def _short(ev: Evaluated | None) -> str:
+    if ev is None:
+        return "does not fit"
+    c = ev.candidate
+    rc = "rc" if c.recompute else ""
+    return f"{ev.samples_per_sec:.1f} t{c.tensor_parallel}d{c.pipeline_parallel}w{c.data_parallel}b{c.micro_batch_size}{rc}"
+
+
+def _scenario(r: ComparisonRow) -> str:
+    return f"{r.model_name} N={r.num_gpus} B={r.global_batch_size}"
+
+
+def format_paper_comparison(rows: list[ComparisonRow]) -> str:
+    """Predicted samples/s of each system's best configuration, 2BW's speed-ups, and the paper's."""
+    systems = ["2BW", *BASELINES]
+    lines = ["Predicted samples/s, best configuration of each system (t d w b, rc = recomputation):", ""]
+    head = f"{'scenario':<22}" + "".join(f"{s:>22}" for s in systems)
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{_scenario(r):<22}" + "".join(f"{_short(r.best[s]):>22}" for s in systems))
+    lines += ["", "2BW speed-up over each baseline, predicted, and as the paper reports it:", ""]
+    head = f"{'scenario':<22}" + "".join(f"{'vs ' + s:>28}" for s in BASELINES)
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        cells = "".join(f"{(f'{x:.2f}x' if (x := r.ratio(s)) is not None else 'n/a'):>28}" for s in BASELINES)
+        lines.append(f"{_scenario(r):<22}" + cells)
+    lines.append(f"{'paper':<22}" + "".join(f"{PAPER_RATIOS[s]:>28}" for s in BASELINES))
+    return "\n".join(lines)
+
+
+# ---- the largest model that fits ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MaxModelRow:
+    """The most layers (a multiple of d) of a given shape that fit with d stages, and its size."""
+
+    pipeline_parallel: int
+    schedule: str
+    num_layers: int
+    num_parameters: int
+    memory_bytes_per_gpu: int
+
+
+def _fits(template: ModelConfig, layers: int, cluster: Cluster, d: int, w: int, schedule: str,
+          precision: str) -> Evaluated | None:
+    """``template`` with ``layers`` layers on ``d`` stages at its most frugal setting, if it fits."""
+    model = replace(template, num_layers=layers)
+    req = PlanRequest(model, cluster, d * w, d * w, precision, max_micro_batch_size=1)
+    costs = LayerCosts("max-model", {(1, 1): analytic_microbatch_costs(model, cluster, precision, 1, 1)})
+    ev = evaluate(Candidate(1, d, w, 1, d, True, schedule), costs, req)
+    return ev if ev.prediction is not None else None
+
+
+def max_model_size(template: ModelConfig, cluster: Cluster, num_gpus: int, depths: Iterable[int],
+                   schedule: str = "2bw", precision: str = "fp16", max_layers_per_stage: int = 4096) -> list[MaxModelRow]:
+    """For each depth ``d``: the largest ``template``-shaped model (more layers) that fits.
+
+    The most memory-frugal setting is used: microbatch 1, recomputation, ``t = 1``, ``w = N/d``,
+    and ``m = d`` microbatches per batch (the fewest 2BW allows; Flush then keeps up to ``d`` in flight).
+    """
+    rows = []
+    for d in depths:
+        if num_gpus % d:
+            raise ConfigError(f"pipeline depth {d} does not divide --num-gpus {num_gpus}")
+        w = num_gpus // d
+        lo, hi = 0, 1
+        while hi <= max_layers_per_stage and _fits(template, hi * d, cluster, d, w, schedule, precision):
+            lo, hi = hi, hi * 2
+        hi = min(hi, max_layers_per_stage + 1)
+        while hi - lo > 1:  # largest k in [lo, hi) that fits
+            mid = (lo + hi) // 2
+            if _fits(template, mid * d, cluster, d, w, schedule, precision):
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            rows.append(MaxModelRow(d, schedule, 0, 0, 0))
+            continue
+        model = replace(template, num_layers=lo * d)
+        ev = _fits(template, lo * d, cluster, d, w, schedule, precision)
+        rows.append(MaxModelRow(d, schedule, lo * d, model.num_parameters(), ev.memory_bytes_per_gpu))
+    return rows
+
+
+def format_max_model(rows: list[MaxModelRow], template: ModelConfig, cluster: Cluster, num_gpus: int) -> str:
+    """One line per depth, one column per schedule: the largest model's layers and parameters."""
+    schedules = list(dict.fromkeys(r.schedule for r in rows))
+    by = {(r.pipeline_parallel, r.schedule): r for r in rows}
+    lines = [f"Largest GPT of hidden {template.hidden_size}, {template.num_attention_heads} heads, seq "
+             f"{template.seq_length} (more layers) on {num_gpus} x {cluster.device} "
+             f"({cluster.usable_memory_bytes / GiB:.1f} GiB usable): t = 1, w = N/d, microbatch 1, "
+             "recomputation, m = d", "",
+             f"{'d':>4}" + "".join(f"{s + ': layers, params':>26}" for s in schedules)]
+    for d in dict.fromkeys(r.pipeline_parallel for r in rows):
+        cells = []
+        for sched in schedules:
+            r = by.get((d, sched))
+            cells.append(f"{(f'{r.num_layers}, {r.num_parameters / 1e9:.1f}B' if r and r.num_layers else 'none'):>26}")
+        lines.append(f"{d:>4}" + "".join(cells))
+    lines += ["", "paper: about 30B parameters fit at d = 64 with 2BW"]
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""The planner's search (the paper's Algorithm 1, widened): every layout, ranked by throughput.
+
+Enumerated: every ``(t, d, w)`` with ``t*d*w = N``, where ``t`` divides the server size, the
+attention heads and the FFN size (tensor groups never leave a server), and ``d`` divides the number
+of layers (equal stages); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
+power-of-two microbatch ``b`` up to a limit, recomputation on and off, and each schedule (2BW,
+Flush, GPipe). The number of microbatches per batch is fixed by the global batch,
+``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and 2BW needs ``m >= d``. A layout
+whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
+samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .cost_model import Prediction, predict
+from .hardware import GiB, Cluster
+from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
+from .memory_model import SCHEDULES, SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for; validated here so the CLI can print one line and exit."""
+
+    model: ModelConfig
+    cluster: Cluster
+    num_gpus: int
+    global_batch_size: int
+    precision: str = "fp16"
+    max_micro_batch_size: int = 64
+    schedules: tuple[str, ...] = SCHEDULES  # SEQUENTIAL may be added: the paper's no-pipelining baseline
+    recompute_options: tuple[bool, ...] = (False, True)
+    no_pipelining: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1:
+            raise ConfigError(f"--num-gpus must be positive, got {self.num_gpus}")
+        if self.global_batch_size < 1:
+            raise ConfigError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        if self.max_micro_batch_size < 1:
+            raise ConfigError(f"--max-micro-batch-size must be positive, got {self.max_micro_batch_size}")
+        if self.precision not in ACTIVATION_BYTES:
+            raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
+        self.cluster.peak(self.precision)
+        allowed = SCHEDULES + (SEQUENTIAL,)
+        bad = [s for s in self.schedules if s not in allowed]
+        if bad or not self.schedules:
+            raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
+
+    @property
+    def param_bytes(self) -> ParamBytes:
+        return ParamBytes.for_precision(self.precision)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A candidate with its memory (the stages that can peak) and, if it fits, its prediction."""
+
+    candidate: Candidate
+    memory: tuple[StageMemory, ...]
+    prediction: Prediction | None
+
+    @property
+    def memory_bytes_per_gpu(self) -> int:
+        return max(s.total for s in self.memory)
+
+    @property
+    def samples_per_sec(self) -> float:
+        return self.prediction.samples_per_sec if self.prediction else 0.0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Feasible candidates, best first, and how many were looked at."""
+
+    request: PlanRequest
+    costs_source: str
+    ranked: tuple[Evaluated, ...]
+    considered: int
+    too_big: int
+    smallest_infeasible: Evaluated | None = field(default=None, compare=False)
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Evaluated:
+        return self.ranked[0]
+
+
+def tensor_sizes(model: ModelConfig, cluster: Cluster, num_gpus: int) -> tuple[int, ...]:
+    """``t`` that fit in a server, divide the heads and FFN, and divide ``N``."""
+    G = cluster.devices_per_server
+    return tuple(t for t in range(1, G + 1)
+                 if G % t == 0 and num_gpus % t == 0
+                 and model.num_attention_heads % t == 0 and model.ffn_hidden_size % t == 0)
+
+
+def pipeline_depths(model: ModelConfig, num_gpus: int, t: int) -> tuple[int, ...]:
+    """``d`` that divide the layers and leave a whole number of replicas."""
+    return tuple(d for d in range(1, model.num_layers + 1)
+                 if model.num_layers % d == 0 and num_gpus % (t * d) == 0)
+
+
+def micro_batch_sizes(limit: int) -> tuple[int, ...]:
+    """Powers of two up to ``limit``."""
+    out, b = [], 1
+    while b <= limit:
+        out.append(b)
+        b *= 2
+    return tuple(out)
+
+
+def default_costs(request: PlanRequest) -> LayerCosts:
+    """The analytic estimate on the grid the search needs."""
+    return analytic_layer_costs(request.model, request.cluster, request.precision,
+                                tensor_sizes(request.model, request.cluster, request.num_gpus),
+                                micro_batch_sizes(request.max_micro_batch_size))
+
+
+def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
+    """Every candidate of the search space (see the module docstring)."""
+    N, B = request.num_gpus, request.global_batch_size
+    valid_t = set(tensor_sizes(request.model, request.cluster, N))
+    for t in costs.tensor_sizes():
+        if t not in valid_t:
+            continue
+        for d in pipeline_depths(request.model, N, t):
+            if d == 1 and not request.no_pipelining:
+                continue
+            w = N // (t * d)
+            schedules = ("flush",) if d == 1 else request.schedules
+            for b in costs.micro_batch_sizes(t):
+                if b > request.max_micro_batch_size or B % (b * w):
+                    continue
+                m = B // (b * w)
+                for schedule in schedules:
+                    if schedule == "2bw" and m < d:
+                        continue
+                    for recompute in request.recompute_options:
+                        yield Candidate(t, d, w, b, m, recompute, schedule)
+
+
+def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
+    """Memory first; the time only for what fits."""
+    c = costs.at(cand.tensor_parallel, cand.micro_batch_size)
+    if c is None:
+        raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}")
+    memory = plan_memory(c, cand, request.model.num_layers, request.param_bytes)
+    if max(s.total for s in memory) > request.cluster.usable_memory_bytes:
+        return Evaluated(cand, memory, None)
+    return Evaluated(cand, memory, predict(c, cand, request.model.num_layers, request.cluster, request.param_bytes))
+
+
+def _rank_key(e: Evaluated) -> tuple:
+    c = e.candidate
+    return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute)
+
+
+def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit: bool = True) -> SearchResult:
+    """Rank every feasible candidate; ``ConfigError`` if none fits (unless ``require_fit`` is off)."""
+    start = time.perf_counter()
+    costs = costs or default_costs(request)
+    feasible: list[Evaluated] = []
+    considered = too_big = 0
+    smallest: Evaluated | None = None
+    for cand in candidates(request, costs):
+        considered += 1
+        ev = evaluate(cand, costs, request)
+        if ev.prediction is None:
+            too_big += 1
+            if smallest is None or ev.memory_bytes_per_gpu < smallest.memory_bytes_per_gpu:
+                smallest = ev
+        else:
+            feasible.append(ev)
+    feasible.sort(key=_rank_key)
+    result = SearchResult(request, costs.source, tuple(feasible), considered, too_big, smallest,
+                          time.perf_counter() - start)
+    if require_fit and not feasible:
+        m = request.model
+        what = (f"{m.kind} with {m.num_layers} layers, hidden {m.hidden_size} on {request.num_gpus} GPUs "
+                f"of {request.cluster.usable_memory_bytes / GiB:.1f} GiB usable, global batch {request.global_batch_size}")
+        if considered == 0:
+            raise ConfigError(f"no layout of {what}: no (t, d, w, b) divides the GPUs, layers and global batch")
+        raise ConfigError(f"nothing fits: {what}; the smallest of {considered} candidates needs "
+                          f"{smallest.memory_bytes_per_gpu / GiB:.1f} GiB per GPU")
+    return result

@@ -1,0 +1,125 @@
+"""Output: the flags of the best configuration, JSON, the paper's comparisons, and the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_2bw.planner.hardware import load_cluster
+from megatron_2bw.planner.report import (
+    BASELINES, format_paper_comparison, max_model_size, paper_comparison, paper_model, plan_json, pretrain_command,
+)
+from megatron_2bw.planner.search import PlanRequest, default_costs, search
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plan  # noqa: E402
+
+V100 = load_cluster("aws-p3.16xlarge")
+BEST_FIELDS = {"tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "recompute",
+               "schedule", "samples_per_sec", "memory_bytes_per_gpu"}
+
+
+@pytest.fixture(scope="module")
+def result_2p2b():
+    return search(PlanRequest(paper_model("gpt-2.2b"), V100, 64, 512))
+
+
+def test_pretrain_flags(result_2p2b):
+    best = result_2p2b.best
+    argv = pretrain_command(best, result_2p2b.request)
+    assert argv[0] == "pretrain_gpt.py"
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    c = best.candidate
+    assert flags["--tensor-model-parallel-size"] == str(c.tensor_parallel)
+    assert flags["--pipeline-model-parallel-size"] == str(c.pipeline_parallel)
+    assert flags["--micro-batch-size"] == str(c.micro_batch_size)
+    assert flags["--global-batch-size"] == "512"
+    assert flags["--pipeline-schedule"] in ("2bw", "flush", "gpipe")
+    assert ("--recompute-activations" in argv) == c.recompute
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--fp16"):
+        assert flag in argv
+
+
+def test_json_has_best_and_every_feasible(result_2p2b):
+    data = json.loads(json.dumps(plan_json(result_2p2b)))
+    assert BEST_FIELDS <= set(data["best"])
+    assert len(data["ranked"]) == len(result_2p2b.ranked)
+    assert all(BEST_FIELDS <= set(r) for r in data["ranked"])
+    assert data["best"]["samples_per_sec"] == data["ranked"][0]["samples_per_sec"]
+    assert "analytic estimate" in data["costs_source"]
+
+
+def test_paper_comparison_table():
+    rows = paper_comparison()
+    table = format_paper_comparison(rows)
+    print("\n" + table)
+    assert len(rows) == 5 and "paper" in table
+    for r in rows:
+        assert r.best["2BW"] is not None
+        for system in BASELINES:
+            ratio = r.ratio(system)
+            if ratio is not None:
+                assert ratio >= 1.0, (r.model_name, r.num_gpus, r.global_batch_size, system, ratio)
+    # The paper's trend: Flush closes in on 2BW as the batch (and so m) grows.
+    by = {(r.model_name, r.num_gpus, r.global_batch_size): r for r in rows}
+    assert by[("gpt-2.2b", 64, 2048)].ratio("PipeDream-Flush") < by[("gpt-2.2b", 64, 512)].ratio("PipeDream-Flush")
+
+
+def test_max_model_grows_with_depth_and_matches_the_paper():
+    rows = max_model_size(paper_model("gpt-3.8b"), V100, 64, [1, 4, 16, 64])
+    sizes = [r.num_parameters for r in rows]
+    print("\n" + ", ".join(f"d={r.pipeline_parallel}: {r.num_parameters / 1e9:.1f}B" for r in rows))
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+    assert 15e9 <= sizes[-1] <= 60e9  # the paper: about 30B at d = 64
+    assert all(r.memory_bytes_per_gpu <= V100.usable_memory_bytes for r in rows)
+
+
+def test_cli_table_and_json(capsys):
+    assert plan.main(["--model-preset", "gpt-2.2b", "--num-gpus", "64", "--global-batch-size", "512", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "analytic estimate" in out and "pretrain_gpt.py" in out and "--pipeline-schedule" in out
+    assert plan.main(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+                      "--vocab-size", "8000", "--num-gpus", "8", "--global-batch-size", "32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert BEST_FIELDS <= set(data["best"]) and data["ranked"]
+
+
+def test_cli_profile(tmp_path, capsys):
+    req = PlanRequest(paper_model("gpt-355m"), V100, 8, 64)
+    profile = tmp_path / "profile.json"
+    data = default_costs(req).to_json()
+    data["source"] = "unit test"
+    profile.write_text(json.dumps(data))
+    assert plan.main(["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "64",
+                      "--profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "profile" in out and "unit test" in out and "analytic" not in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model-preset", "nope", "--num-gpus", "8", "--global-batch-size", "8"], "unknown --model-preset"),
+    (["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "8", "--cluster", "nope"], "unknown --cluster"),
+    (["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "8", "--profile", "/no/file.json"], "does not exist"),
+    (["--model-preset", "gpt-355m", "--num-gpus", "0", "--global-batch-size", "8"], "must be positive"),
+    (["--model-preset", "gpt-3.8b", "--num-gpus", "1", "--global-batch-size", "8"], "nothing fits"),
+    (["--model-preset", "gpt-355m", "--num-gpus", "8"], "--global-batch-size is required"),
+    (["--num-gpus", "8", "--global-batch-size", "8"], "give --model-preset"),
+    (["--no-such-flag"], "unrecognized"),
+])
+def test_cli_errors(argv, match, capsys):
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err and err.count("\n") == 1
+
+
+def test_cli_paper_flags_and_subprocess(capsys):
+    assert plan.main(["--max-model", "--model-preset", "gpt-3.8b", "--num-gpus", "64"]) == 0
+    assert "30B" in capsys.readouterr().out
+    # Run as a script from another directory: tools/plan.py puts the repository on sys.path itself.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--paper-comparison"],
+                          cwd="/", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2BW speed-up" in proc.stdout
