@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .optimizer.flat import fused_adamw_available
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class Kernels:
 
     layer_norm: str = "torch"  # "apex" (FusedLayerNorm) or "torch" (nn.LayerNorm)
     attention: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention: flash/mem-efficient on CUDA)
-    optimizer: str = "torch-foreach"  # "torch-fused" on CUDA, else torch foreach/vectorized
+    optimizer: str = "torch-fused-adamw"  # torch._fused_adamw_ (CPU and CUDA), else "torch-vectorized"
 
     def describe(self) -> str:
         return f"layer_norm={self.layer_norm} attention={self.attention} optimizer={self.optimizer}"
@@ -45,7 +46,7 @@ def select_kernels(mode: str = "auto", device_type: str = "cpu") -> Kernels:
     k = Kernels(
         layer_norm="apex" if use_apex else "torch",
         attention="sdpa",
-        optimizer="torch-fused" if device_type == "cuda" else "torch-foreach",
+        optimizer="torch-fused-adamw" if fused_adamw_available() else "torch-vectorized",
     )
     log.info("fused kernels: %s", k.describe())
     return k
