@@ -61,3 +61,15 @@ def test_2bw_and_flush_agree_at_step_0_and_differ_after(reference):
     a, b = reference["2bw"]["losses"], reference["flush"]["losses"]
     assert a[0] == b[0]
     assert all(abs(x - y) > 1e-6 for x, y in zip(a[1:], b[1:])), (a, b)
+
+
+def _segmented(layout):
+    return {seg: train_tiny("2bw", layout=layout, segments=seg, **KW) for seg in ((6,), (2, 1, 3))}
+
+
+def test_draining_at_boundaries_changes_no_work():
+    """2BW drained after steps 2 and 3 (as for evaluation or a checkpoint) trains bitwise the same."""
+    for o in run_workers(_segmented, 2, (1, 2, 1)):
+        a, b = o[(6,)], o[(2, 1, 3)]
+        assert a["losses"] == b["losses"]
+        assert all(a["params"][k].equal(b["params"][k]) for k in a["params"])
