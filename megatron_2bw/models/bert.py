@@ -11,9 +11,7 @@ from ..fused import Kernels, layer_norm
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import normal_full
-from ..tensor_parallel.random import RNGTracker
-from .embedding import Embedding, tied_logits, word_embedding
-from .transformer import TransformerLayer
+from .embedding import tied_logits, word_embedding
 
 
 def _linear(cfg: ModelConfig, seed: int, name: str, out_f: int, in_f: int) -> nn.Linear:
@@ -47,25 +45,6 @@ class BertHead(nn.Module):
         logits = tied_logits(lm, self.word_weight, self.tp, self.lm_bias)
         sop = self.sop(torch.tanh(self.pooler(x[:, 0])))
         return logits, sop
-
-
-def build_layers(
-    cfg: ModelConfig, tp: TPGroup, seed: int, start: int, end: int,
-    rng: RNGTracker | None = None, kernels: Kernels | None = None,
-) -> list[nn.Module]:
-    """Layers ``start .. end-1`` of [embedding, L bidirectional transformer layers, BERT head]."""
-    L = cfg.num_layers
-    layers: list[nn.Module] = []
-    emb = None
-    for i in range(start, end):
-        if i == 0:
-            emb = Embedding(cfg, tp, seed)
-            layers.append(emb)
-        elif i <= L:
-            layers.append(TransformerLayer(cfg, tp, seed, i - 1, causal=False, rng=rng, kernels=kernels))
-        else:
-            layers.append(BertHead(cfg, tp, seed, kernels, emb.word.weight if emb is not None else None))
-    return layers
 
 
 class BertLoss:

@@ -9,9 +9,7 @@ from ..config import ModelConfig
 from ..fused import Kernels, layer_norm
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
-from ..tensor_parallel.random import RNGTracker
-from .embedding import Embedding, tied_logits, word_embedding
-from .transformer import TransformerLayer
+from .embedding import tied_logits, word_embedding
 
 
 class GPTHead(nn.Module):
@@ -26,25 +24,6 @@ class GPTHead(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         return tied_logits(self.ln(x), self.word_weight, self.tp)
-
-
-def build_layers(
-    cfg: ModelConfig, tp: TPGroup, seed: int, start: int, end: int,
-    rng: RNGTracker | None = None, kernels: Kernels | None = None,
-) -> list[nn.Module]:
-    """Layers ``start .. end-1`` of [embedding, L transformer layers, head]; only these are built."""
-    L = cfg.num_layers
-    layers: list[nn.Module] = []
-    emb = None
-    for i in range(start, end):
-        if i == 0:
-            emb = Embedding(cfg, tp, seed)
-            layers.append(emb)
-        elif i <= L:
-            layers.append(TransformerLayer(cfg, tp, seed, i - 1, causal=True, rng=rng, kernels=kernels))
-        else:
-            layers.append(GPTHead(cfg, tp, seed, kernels, emb.word.weight if emb is not None else None))
-    return layers
 
 
 class GPTLoss:

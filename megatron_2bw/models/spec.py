@@ -16,6 +16,8 @@ from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
 from . import bert, gpt
+from .embedding import Embedding
+from .transformer import TransformerLayer
 from .stages import stage_range
 
 
@@ -33,8 +35,25 @@ class ModelSpec:
         return self.cfg.num_layers + 2
 
     def build(self, start: int, end: int) -> list[nn.Module]:
-        mod = gpt if self.cfg.kind == "gpt" else bert
-        return mod.build_layers(self.cfg, self.tp, self.seed, start, end, self.rng, self.kernels)
+        """Layers ``start .. end-1`` of [embedding, L transformer layers, head]; only these are built.
+
+        A head on the same stage as the embedding shares its word-embedding Parameter; on
+        another stage it builds an identical copy (kept tied by the pipeline).
+        """
+        cfg, gpt_model = self.cfg, self.cfg.kind == "gpt"
+        head_cls = gpt.GPTHead if gpt_model else bert.BertHead
+        layers: list[nn.Module] = []
+        emb = None
+        for i in range(start, end):
+            if i == 0:
+                emb = Embedding(cfg, self.tp, self.seed)
+                layers.append(emb)
+            elif i <= cfg.num_layers:
+                layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=gpt_model, rng=self.rng,
+                                               kernels=self.kernels))
+            else:
+                layers.append(head_cls(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else None))
+        return layers
 
     def build_stage(self, d: int, r: int) -> list[nn.Module]:
         return self.build(*stage_range(self.cfg.num_layers, d, r))
