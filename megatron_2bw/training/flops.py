@@ -1,0 +1,29 @@
+"""Model FLOPs per step and TFLOP/s per device, with Megatron's formula.
+
+Per iteration (Narayanan et al., 2021, eq. 3), for ``L`` layers, hidden ``h``, sequence ``s``,
+vocabulary ``V`` and global batch ``B``::
+
+    F = 24 * c * B * s * L * h^2 * (1 + s / (6 h) + V / (16 L h))
+
+with ``c = 3`` (forward + backward = 3 forwards) or ``c = 4`` with activation recomputation
+(one more forward). It counts the matrix multiplies only, the same for GPT and BERT (BERT's
+small heads are left out), so it is a *model* FLOP estimate: what the hardware did, minus
+overheads, not what a profiler would measure.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+
+def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False) -> float:
+    L, h, s, V = cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.vocab_size
+    c = 4 if recompute else 3
+    return 24.0 * c * global_batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def tflops_per_device(cfg: ModelConfig, global_batch: int, step_seconds: float, world_size: int,
+                      recompute: bool = False) -> float:
+    if step_seconds <= 0:
+        return 0.0
+    return flops_per_step(cfg, global_batch, recompute) / (step_seconds * world_size * 1e12)

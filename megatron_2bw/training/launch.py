@@ -1,0 +1,112 @@
+"""The shared main of ``pretrain_gpt.py`` and ``pretrain_bert.py``: parse -> validate -> init -> build -> train.
+
+Everything that can be wrong with the input is checked before ``init_process_group``:
+flags and layout (``arguments.build_config``, no torch needed), then files (kernels,
+tokenizer, data and vocabulary, the checkpoint to resume). A mistake prints one line,
+``error: ...``, and exits with status 2 before any collective exists, so no peer is left
+waiting. Failures after start-up (a dead peer, a bug) print one line per rank and exit 1
+without waiting on teardown (``loop.run``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import asdict, dataclass
+
+from ..arguments import RunConfig, build_config, env_world, parse_args
+from ..errors import ConfigError
+
+log = logging.getLogger("megatron_2bw")
+
+
+@dataclass
+class Prepared:
+    """A validated run: configs (vocabulary from the tokenizer), kernels, datasets, the checkpoint to resume."""
+
+    cfg: RunConfig
+    rank: int
+    kernels: object
+    tokenizer: object
+    train_ds: object
+    valid_ds: object
+    test_ds: object
+    checkpoint: dict | None = None
+    resumed_from: int | None = None
+    start_step: int = 0
+    start_sample: int = 0
+
+
+def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[int, int, int]:
+    """Samples needed per split: the remaining training batches, one valid slot per evaluation, one test pass."""
+    tc = cfg.training
+    B = tc.global_batch_size
+    train = start_sample + max(tc.train_iters - start_step, 0) * B
+    valid = (tc.train_iters // tc.eval_interval + 1) * tc.eval_iters * B
+    test = tc.eval_iters * B
+    return train, valid, test
+
+
+def prepare(cfg: RunConfig, rank: int) -> Prepared:
+    """File checks, before any process group: kernels, tokenizer, checkpoint, datasets."""
+    # torch is imported only where needed (checkpoint, kernels), so most bad input fails fast.
+    from ..data import build_datasets, build_tokenizer
+
+    dc = cfg.data
+    tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
+    cfg = cfg.with_vocab(tokenizer.vocab_size)
+    cfg.model.check_tensor_parallel(cfg.parallel.tensor)
+
+    prep = Prepared(cfg, rank, None, tokenizer, None, None, None)
+    tc = cfg.training
+    if tc.load:
+        from ..parallel_state import coords_of
+        from . import checkpointing
+
+        it = checkpointing.find_checkpoint(tc.load, tc.save)
+        if it is None:
+            log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
+        else:
+            t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
+            tp, _, pp = coords_of(rank, t, w)
+            sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
+            checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer))
+            prep.checkpoint, prep.resumed_from = sd, it
+            prep.start_step = int(sd["stage"]["step"])
+            prep.start_sample = int(sd["data"]["consumed_train_samples"])
+            if sd["layout"]["w"] != w:
+                log.info(" checkpoint was written with data-parallel size %d; this run uses %d (replicas are identical)",
+                         sd["layout"]["w"], w)
+
+    sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
+    extra = {"masked_lm_prob": dc.mask_prob, "short_seq_prob": dc.short_seq_prob} if cfg.kind == "bert" else {}
+    prep.train_ds, prep.valid_ds, prep.test_ds = build_datasets(
+        cfg.kind, list(dc.data_path), dc.split, cfg.model.seq_length, sizes, tc.seed, tokenizer, **extra,
+    )
+    if prep.train_ds is None and tc.train_iters > prep.start_step:
+        raise ConfigError(f"--split {dc.split!r} leaves no training documents")
+    if tc.eval_iters > 0 and prep.valid_ds is None:
+        log.info(" --split %r leaves no validation documents: no evaluation", dc.split)
+    from ..fused import select_kernels
+
+    prep.kernels = select_kernels(cfg.system.fused_kernels, cfg.system.device)
+    return prep
+
+
+def main(kind: str, argv: list[str] | None = None) -> int:
+    """Run ``pretrain_{kind}.py``; returns the exit status (2: bad input, before any collective)."""
+    from .metrics import setup_logging
+
+    rank, world = 0, 1
+    try:
+        rank, world = env_world()
+        setup_logging(rank)
+        args = parse_args(argv, kind)
+        cfg = build_config(args, kind, world)
+        prep = prepare(cfg, rank)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from .loop import run
+
+    return run(prep)

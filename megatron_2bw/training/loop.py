@@ -1,0 +1,326 @@
+"""The training loop: segments of pipelined steps, evaluation, checkpoints and reporting.
+
+The engine (``PipelineStage.train``) runs a *segment* of steps and ends drained. A segment
+runs from the current step to the next boundary that needs a drained pipeline or the loss:
+a log line, an evaluation, a checkpoint, the exit interval or the end of training. Between
+boundaries 2BW never flushes; with ``--log-interval 100`` the pipeline drains once per 100
+steps (the flushing schedules drain every step anyway, by design).
+
+At each boundary one small all-reduce (float64, a few dozen numbers) brings the per-step
+losses of the last stage (averaged over data-parallel replicas), the evaluation loss and
+every stage's memory statistics to all ranks; rank 0 logs them. Nothing is synchronized per
+step beyond what the schedule itself does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state
+from ..arguments import describe
+from ..errors import ConfigError
+from ..models.spec import ModelSpec
+from ..pipeline.executor import PipelineStage
+from ..tensor_parallel.group import TPGroup
+from ..tensor_parallel.random import RNGTracker, seed_everything
+from . import checkpointing
+from .data_iter import MicrobatchProvider
+from .flops import tflops_per_device
+from .lr_schedule import lr_at
+from .metrics import Metrics, train_log_line
+
+log = logging.getLogger("megatron_2bw")
+
+FAULT_RANK = "MEGATRON_2BW_FAULT_KILL_RANK"
+FAULT_ITER = "MEGATRON_2BW_FAULT_KILL_ITER"
+# Stage statistics gathered at boundaries, in this order (see pipeline/accounting.py).
+STAT_KEYS = ("weight_versions", "max_live_versions", "max_inflight", "stashed_bytes", "peak_stashed_bytes",
+             "weight_bytes", "grad_bytes", "optimizer_bytes", "cuda_peak_bytes", "update_wait_s")
+_INT_STATS = set(STAT_KEYS) - {"update_wait_s"}
+
+
+def next_boundary(step: int, train_iters: int, intervals: list[int | None]) -> int:
+    """The first step count after ``step`` that is a multiple of an interval, or ``train_iters``."""
+    end = train_iters
+    for k in intervals:
+        if k:
+            end = min(end, (step // k + 1) * k)
+    return end
+
+
+def _hits(count: int, interval: int | None) -> bool:
+    return bool(interval) and count % interval == 0
+
+
+def fault_hook(rank: int, m: int):
+    """Fault injection for tests: rank ``$MEGATRON_2BW_FAULT_KILL_RANK`` dies (``os._exit(1)``) when it
+    starts a microbatch of step ``$MEGATRON_2BW_FAULT_KILL_ITER`` (0-based), mid-segment."""
+    if os.environ.get(FAULT_RANK) is None or int(os.environ[FAULT_RANK]) != rank:
+        return None
+    kill_at = int(os.environ.get(FAULT_ITER, "0"))
+
+    def check(mb: int) -> None:
+        if mb // m >= kill_at:
+            print(f"error: rank {rank}: fault injection ({FAULT_RANK}={rank} {FAULT_ITER}={kill_at}): "
+                  f"exiting at iteration {mb // m}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    return check
+
+
+class Trainer:
+    def __init__(self, prep, state: parallel_state.ParallelState) -> None:
+        self.prep, self.cfg, self.state = prep, prep.cfg, state
+        cfg, tc = self.cfg, self.cfg.training
+        # Megatron: one seed per pipeline stage (independent dropout), the same across tensor/data ranks.
+        stage_seed = tc.seed + 100 * state.pp_rank
+        seed_everything(stage_seed, state.device)
+        self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
+        spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels)
+        self.spec = spec
+        b, s, h = cfg.pipeline.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
+        self.stage = PipelineStage(
+            lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
+            (b, s, h), rng_tracker=self.tracker,
+        )
+        if prep.checkpoint is not None:
+            checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device)
+            prep.checkpoint = None  # free the CPU copy
+        self.m = cfg.pipeline.num_microbatches
+        self.B = tc.global_batch_size
+        self.provider = MicrobatchProvider(
+            prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.w,
+            dp_rank=state.dp_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
+        )
+        self.fault = fault_hook(state.rank, self.m)
+        self.metrics: Metrics | None = None
+        self.evals_done = 0
+
+    # ------------------------------------------------------------------ collectives at boundaries
+    def _stage_row(self) -> list[float]:
+        st = self.stage.stats.as_dict()
+        return [float(st[k] if st[k] is not None else -1) for k in STAT_KEYS]
+
+    def gather(self, losses: list[float | None], extra: list[float | None]) -> tuple[list[float], list[float], list[dict]]:
+        """All-reduce: step losses (mean over replicas), extra last-stage values, every stage's stats."""
+        s = self.state
+        n, e, k = len(losses), len(extra), len(STAT_KEYS)
+        vec = torch.zeros(n + e + s.d * k, dtype=torch.float64)
+        if s.is_last_stage and s.tp_rank == 0:
+            vec[:n] = torch.tensor([x if x is not None else float("nan") for x in losses], dtype=torch.float64) / s.w
+            vec[n:n + e] = torch.tensor([x if x is not None else float("nan") for x in extra], dtype=torch.float64) / s.w
+        if s.tp_rank == 0 and s.dp_rank == 0:
+            vec[n + e + s.pp_rank * k:n + e + (s.pp_rank + 1) * k] = torch.tensor(self._stage_row(), dtype=torch.float64)
+        if dist.is_initialized():
+            dev = s.device if s.device.type == "cuda" else torch.device("cpu")
+            buf = vec.to(dev)
+            dist.all_reduce(buf)
+            vec = buf.cpu()
+        vals = vec.tolist()
+        stages = []
+        for r in range(s.d):
+            row = vals[n + e + r * k:n + e + (r + 1) * k]
+            d = {"stage": r}
+            for key, v in zip(STAT_KEYS, row):
+                d[key] = (int(v) if v >= 0 else None) if key in _INT_STATS else v
+            stages.append(d)
+        return vals[:n], vals[n:n + e], stages
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, dataset, round_index: int) -> float | None:
+        """Mean loss over ``--eval-iters`` global batches of ``dataset`` on the newest weights (last stage)."""
+        tc, s = self.cfg.training, self.state
+        provider = MicrobatchProvider(
+            dataset, self.spec.make_batch, global_batch=self.B, micro_batch=self.cfg.pipeline.micro_batch_size,
+            m=self.m, w=s.w, dp_rank=s.dp_rank, device=s.device, start_step=0,
+            start_sample=round_index * tc.eval_iters * self.B,
+        )
+        return self.stage.evaluate(tc.eval_iters * self.m, provider)
+
+    def _eval_boundary(self, split: str, dataset, round_index: int, iteration: int) -> None:
+        loss = self.evaluate(dataset, round_index)
+        _, (mean,), _ = self.gather([], [loss])
+        if self.metrics is not None:
+            self.metrics.eval(iteration, split, mean, self.cfg.training.eval_iters * self.B)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, completed: int) -> None:
+        tc, s = self.cfg.training, self.state
+        t0 = time.perf_counter()
+
+        def make_payload() -> dict:
+            return checkpointing.payload(
+                self.stage, iteration=completed, state=s, tracker=self.tracker,
+                consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
+                config=describe(self.cfg), args=self.cfg.args,
+            )
+
+        path = checkpointing.save(tc.save, completed, s, make_payload)
+        dt = time.perf_counter() - t0
+        if self.metrics is not None:
+            log.info(" saved checkpoint at iteration %d to %s (%.2f s)", completed, path, dt)
+            self.metrics.write({"type": "checkpoint", "iteration": completed - 1, "completed_iterations": completed,
+                                "path": path, "seconds": dt, "time": time.time()})
+
+    # ------------------------------------------------------------------ start-up summary
+    def summary(self) -> None:
+        cfg, s = self.cfg, self.state
+        _, _, stages = self.gather([], [])
+        if self.metrics is None:
+            return
+        mb = lambda key: "/".join(f"{st[key] / 2**20:.1f}" for st in stages)  # noqa: E731
+        params = cfg.model.num_parameters()
+        resumed = f" | resumed from iteration {self.stage.step}" if self.prep.resumed_from is not None else ""
+        log.info(
+            "%s %.2fM parameters | layout t=%d d=%d w=%d (%d processes, %s on %s) | schedule %s, b=%d m=%d B=%d%s | "
+            "precision %s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
+            cfg.kind.upper(), params / 1e6, s.t, s.d, s.w, s.world_size, cfg.system.backend, cfg.system.device,
+            cfg.pipeline.schedule, cfg.pipeline.micro_batch_size, self.m, self.B,
+            " +recompute" if cfg.pipeline.recompute else "", cfg.optimizer.dtype, self.prep.kernels.describe(),
+            mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
+        )
+        self.metrics.write({
+            "type": "start", "time": time.time(), "world_size": s.world_size,
+            "layout": {"t": s.t, "d": s.d, "w": s.w}, "schedule": cfg.pipeline.schedule,
+            "micro_batch_size": cfg.pipeline.micro_batch_size, "num_microbatches": self.m, "global_batch_size": self.B,
+            "precision": cfg.optimizer.dtype, "kernels": asdict(self.prep.kernels), "parameters": params,
+            "resumed_from": self.prep.resumed_from, "stages": stages, "config": describe(cfg),
+        })
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> int:
+        cfg, tc, s = self.cfg, self.cfg.training, self.state
+        stage = self.stage
+        if s.rank == 0:
+            self.metrics = Metrics(path=tc.metrics_file, tensorboard_dir=tc.tensorboard_dir,
+                                   train_iters=tc.train_iters, start_iter=stage.step)
+        self.summary()
+        get_batch = self.provider
+        if self.fault is not None:
+            fault, provider = self.fault, self.provider
+
+            def get_batch(mb: int) -> dict:
+                fault(mb)
+                return provider(mb)
+
+        lr_fn = lambda t: lr_at(cfg.lr, t)  # noqa: E731
+        seq = cfg.model.seq_length
+        window: list[dict] = []  # train records since the last log line
+        reason = "train_iters"
+        last_saved = stage.step if self.prep.resumed_from is not None else None
+        can_eval = self.prep.valid_ds is not None and tc.eval_iters > 0
+        last_eval = None
+        t_start = time.time()
+        while stage.step < tc.train_iters:
+            first = stage.step
+            end = next_boundary(first, tc.train_iters, [tc.log_interval, tc.eval_interval if can_eval else None,
+                                                        tc.save_interval, tc.exit_interval])
+            t0 = time.perf_counter()
+            results = stage.train(end - first, get_batch, lr_fn)
+            dt = (time.perf_counter() - t0) / (end - first)
+            do_eval = can_eval and _hits(end, tc.eval_interval)
+            last_eval = end if do_eval else last_eval
+            eval_loss = self.evaluate(self.prep.valid_ds, end // tc.eval_interval - 1) if do_eval else None
+            losses, (eval_mean,), stages = self.gather([r.loss for r in results], [eval_loss])
+            exiting = _hits(end, tc.exit_interval) and end < tc.train_iters
+            if self.metrics is not None:
+                sps = self.B / dt
+                tfl = tflops_per_device(cfg.model, self.B, dt, s.world_size, cfg.pipeline.recompute)
+                for r, loss in zip(results, losses):
+                    rec = {
+                        "iteration": r.step, "loss": loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                        "loss_scale": r.loss_scale, "skipped": r.skipped, "samples_per_sec": sps,
+                        "tokens_per_sec": sps * seq, "tflops_per_device": tfl, "step_time_s": dt,
+                        "consumed_samples": self.provider.consumed_samples(r.step + 1), "global_batch_size": self.B,
+                        "time": time.time(),
+                    }
+                    self.metrics.train_step(rec)
+                    window.append(rec)
+                self.metrics.progress(end - first, losses[-1] if losses else None)
+                if _hits(end, tc.log_interval) or end == tc.train_iters or exiting:
+                    self._log_window(window, end, stages)
+                    window = []
+                if do_eval:
+                    self.metrics.eval(end - 1, "valid", eval_mean, tc.eval_iters * self.B)
+            if tc.save and (_hits(end, tc.save_interval) or exiting):
+                self.save(end)
+                last_saved = end
+            if exiting:
+                reason = "exit_interval"
+                log.info(" exiting at iteration %d (--exit-interval %d)", end, tc.exit_interval)
+                break
+        done = stage.step
+        if reason == "train_iters":
+            if tc.save and last_saved != done and done > 0:
+                self.save(done)
+            if can_eval and last_eval != done:  # the final evaluation has its own slot of the valid set
+                self._eval_boundary("valid", self.prep.valid_ds, tc.train_iters // tc.eval_interval, done - 1)
+            if self.prep.test_ds is not None and tc.eval_iters > 0:
+                self._eval_boundary("test", self.prep.test_ds, 0, done - 1)
+        if self.metrics is not None:
+            self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
+                                "seconds": time.time() - t_start, "time": time.time()})
+            self.metrics.close()
+        return 0
+
+    def _log_window(self, window: list[dict], completed: int, stages: list[dict]) -> None:
+        if not window:
+            return
+        tc = self.cfg.training
+        losses = [r["loss"] for r in window if r["loss"] is not None and math.isfinite(r["loss"])]
+        last = window[-1]
+        time_s = sum(r["step_time_s"] for r in window) / len(window)
+        log.info(train_log_line(
+            iteration=completed, train_iters=tc.train_iters, consumed=last["consumed_samples"],
+            loss=sum(losses) / len(losses) if losses else None, lr=last["lr"], grad_norm=last["grad_norm"],
+            loss_scale=last["loss_scale"], skipped=sum(bool(r["skipped"]) for r in window), ms_per_iter=1e3 * time_s,
+            samples_per_sec=self.B / time_s, tokens_per_sec=self.B * self.cfg.model.seq_length / time_s,
+            tflops=last["tflops_per_device"], global_batch=self.B,
+        ))
+        self.metrics.stages(completed - 1, stages)
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        k in text for k in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timeout", "NCCL", "Gloo")
+    )
+
+
+def run(prep) -> int:
+    """Initialize the process groups, train, and tear down; a failure ends this process quickly."""
+    cfg = prep.cfg
+    state = parallel_state.initialize(
+        cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
+    )
+    trainer = None
+    try:
+        trainer = Trainer(prep, state)
+        code = trainer.train()
+    except ConfigError as e:  # a mismatch only visible once the model is built
+        print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except Exception as e:  # noqa: BLE001 - report in one line, never hang in teardown
+        where = f" at iteration {trainer.stage.step}" if trainer is not None else ""
+        what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if _is_comm_error(e):
+            print(f"error: rank {state.rank}: lost contact with a peer process{where} "
+                  f"(did another rank fail?): {type(e).__name__}: {what}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: rank {state.rank}: training failed{where}: {type(e).__name__}: {what}", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return code

@@ -1,0 +1,144 @@
+"""What a run reports: log lines, a JSONL metrics file, TensorBoard events and a progress bar.
+
+Only the logging rank (global rank 0) holds a ``Metrics``; it receives every number already
+reduced (see ``loop.py``). The metrics file gets one JSON object per line; its keys are
+documented in docs/training.md. Non-finite numbers (an overflowed gradient norm) are written
+as ``null`` so the file stays strict JSON. TensorBoard is used when ``--tensorboard-dir`` is
+given and the ``tensorboard`` package imports; when it does not, a warning says so. The tqdm
+bar appears only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+log = logging.getLogger("megatron_2bw")
+
+_MB = 2**20
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class _TqdmHandler(logging.Handler):
+    """Writes log records above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never kill training
+            self.handleError(record)
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0; warnings and errors only (prefixed with the rank) elsewhere."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+class Metrics:
+    def __init__(self, *, path: str | None, tensorboard_dir: str | None, train_iters: int, start_iter: int,
+                 progress: bool | None = None) -> None:
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")
+        self.tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=tensorboard_dir)
+            except ImportError:
+                log.warning("--tensorboard-dir %s ignored: the tensorboard package is not installed", tensorboard_dir)
+        self.bar = None
+        if progress if progress is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=train_iters, initial=start_iter, unit="it", dynamic_ncols=True, leave=True)
+            root = logging.getLogger()
+            for h in root.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, _TqdmHandler):
+                    tq = _TqdmHandler()
+                    tq.setFormatter(h.formatter)
+                    root.handlers[root.handlers.index(h)] = tq
+
+    # ------------------------------------------------------------------ records
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(_clean(record), sort_keys=False) + "\n")
+            self.file.flush()
+
+    def scalars(self, prefix: str, values: dict, step: int) -> None:
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None and math.isfinite(v):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def train_step(self, record: dict) -> None:
+        self.write({"type": "train", **record})
+        self.scalars("train", {k: record[k] for k in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_sec",
+                                                      "tokens_per_sec", "tflops_per_device") if record.get(k) is not None},
+                     record["iteration"])
+
+    def progress(self, n: int, loss: float | None) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def eval(self, iteration: int, split: str, loss: float, samples: int) -> None:
+        ppl = math.exp(min(loss, 20.0))
+        self.write({"type": "eval", "iteration": iteration, "split": split, "loss": loss, "ppl": ppl,
+                    "samples": samples, "time": time.time()})
+        self.scalars(split, {"loss": loss, "ppl": ppl}, iteration)
+        log.info(" %s loss at iteration %d | lm loss %.6E | lm loss PPL %.6E", split, iteration, loss, ppl)
+
+    def stages(self, iteration: int, stages: list[dict]) -> None:
+        self.write({"type": "stages", "iteration": iteration, "stages": stages})
+        parts = []
+        for s in stages:
+            parts.append(
+                f"[{s['stage']}] versions {s['weight_versions']} (live {s['max_live_versions']}) "
+                f"in-flight {s['max_inflight']} stashed {s['stashed_bytes'] / _MB:.2f}/{s['peak_stashed_bytes'] / _MB:.2f} MB"
+            )
+        log.info(" stages: %s", " | ".join(parts))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def train_log_line(*, iteration: int, train_iters: int, consumed: int, loss: float | None, lr: float,
+                   grad_norm: float, loss_scale: float, skipped: int, ms_per_iter: float, samples_per_sec: float,
+                   tokens_per_sec: float, tflops: float, global_batch: int) -> str:
+    """Megatron's iteration line (``iteration`` is the count of completed steps, as in Megatron)."""
+    loss_txt = f"{loss:.6E}" if loss is not None else "n/a"
+    return (
+        f" iteration {iteration:8d}/{train_iters:8d} | consumed samples {consumed:12d} | "
+        f"elapsed time per iteration (ms): {ms_per_iter:.1f} | learning rate: {lr:.3E} | "
+        f"global batch size: {global_batch:5d} | lm loss: {loss_txt} | loss scale: {loss_scale:.1f} | "
+        f"grad norm: {grad_norm:.3f} | skipped: {skipped} | samples/s: {samples_per_sec:.2f} | "
+        f"tokens/s: {tokens_per_sec:.0f} | TFLOP/s/device: {tflops:.4f}"
+    )

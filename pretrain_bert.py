@@ -1,0 +1,19 @@
+"""Pre-train BERT with PipeDream-2BW (default), PipeDream-Flush or GPipe, Megatron-LM's flags.
+
+    torchrun --nproc-per-node 4 pretrain_bert.py --model-preset bert-demo --pipeline-model-parallel-size 2 \\
+        --micro-batch-size 4 --global-batch-size 16 --train-iters 200 --lr 1e-3 --device cpu \\
+        --data-path demo_data/demo_8000_text_document --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model demo_data/tok_8000.model
+
+See docs/training.md for every flag, the metrics file and the checkpoint layout.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_2bw.training.launch import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main("bert"))

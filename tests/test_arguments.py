@@ -1,0 +1,119 @@
+"""Megatron flags -> validated config dataclasses (pure: no process, no file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_2bw.arguments import build_config, env_world, parse_args
+from megatron_2bw.errors import ConfigError
+
+DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]
+MINIMAL = ["--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--device", "cpu", *DATA]
+
+
+def cfg_of(argv, kind="gpt", world=1):
+    return build_config(parse_args(argv, kind), kind, world)
+
+
+def test_every_megatron_flag_of_the_issue_is_accepted():
+    argv = [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "100",
+        "--lr", "1e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+        "--weight-decay", "0.1", "--clip-grad", "0.5", "--adam-beta1", "0.8", "--adam-beta2", "0.95",
+        "--optimizer", "adam", "--hidden-dropout", "0.0", "--attention-dropout", "0.05", "--seed", "7", "--fp16",
+        "--loss-scale", "1024", "--recompute-activations", "--data-path", "0.3", "a", "0.7", "b", "--split", "98,1,1",
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt", "--save", "s",
+        "--load", "s", "--save-interval", "50", "--log-interval", "5", "--eval-interval", "20", "--eval-iters", "3",
+        "--exit-interval", "60", "--pipeline-schedule", "flush", "--metrics-file", "m.jsonl",
+        "--distributed-backend", "gloo", "--distributed-timeout-minutes", "3", "--device", "cpu",
+        "--fused-kernels", "torch",
+    ]
+    cfg = cfg_of(argv, world=8)
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data) == (2, 2, 2)
+    assert cfg.pipeline.schedule == "flush" and cfg.pipeline.recompute and cfg.pipeline.num_microbatches == 4
+    assert cfg.optimizer.dtype == "fp16" and cfg.optimizer.loss_scale == 1024 and cfg.optimizer.adam_beta2 == 0.95
+    assert cfg.model.max_position_embeddings == 64 and cfg.model.attention_dropout == 0.05
+    assert cfg.model.hidden_dropout == 0.0
+    assert (cfg.lr.decay_style, cfg.lr.warmup_iters, cfg.lr.decay_iters, cfg.lr.min_lr) == ("cosine", 10, 100, 1e-5)
+    assert cfg.training.exit_interval == 60 and cfg.data.data_path == ("0.3", "a", "0.7", "b")
+    assert cfg.system.timeout_minutes == 3 and cfg.system.fused_kernels == "torch"
+    json.dumps(cfg.args)  # stored in checkpoints
+
+
+def test_preset_with_explicit_overrides():
+    cfg = cfg_of(["--model-preset", "gpt-tiny", "--num-layers", "8", "--hidden-size", "128", *MINIMAL])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (8, 128, 512)
+    assert cfg.model.num_attention_heads == 4 and cfg.model.hidden_dropout == 0.0  # the preset's
+    longer = cfg_of(["--model-preset", "gpt-tiny", "--seq-length", "64", *MINIMAL])
+    assert longer.model.seq_length == 64 and longer.model.max_position_embeddings == 64
+    assert cfg.with_vocab(1000).model.vocab_size == 1000
+
+
+def test_without_preset_megatron_defaults():
+    cfg = cfg_of(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "8", *MINIMAL],
+                 kind="bert")
+    assert cfg.model.kind == "bert" and cfg.model.num_tokentypes == 2
+    assert cfg.model.hidden_dropout == 0.1 and cfg.model.attention_dropout == 0.1
+    assert cfg.pipeline.schedule == "2bw" and cfg.optimizer.dtype == "fp32"
+    assert cfg.training.global_batch_size == 2 and cfg.training.seed == 1234 and cfg.data.split == "969, 30, 1"
+    with pytest.raises(ConfigError, match="--num-layers is required"):
+        cfg_of(MINIMAL)
+
+
+@pytest.mark.parametrize("flags, schedule", [
+    ([], "2bw"), (["--pipeline-no-flushes"], "2bw"), (["--gpipe"], "gpipe"),
+    (["--pipeline-schedule", "flush"], "flush"), (["--pipeline-schedule", "2bw", "--pipeline-no-flushes"], "2bw"),
+])
+def test_schedule_spellings(flags, schedule):
+    assert cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, *flags]).pipeline.schedule == schedule
+
+
+def test_batch_and_layout_from_world_size():
+    cfg = cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--pipeline-model-parallel-size", "2",
+                  "--global-batch-size", "32"], world=8)
+    assert cfg.parallel.data == 4 and cfg.pipeline.num_microbatches == 4
+    with pytest.raises(ConfigError, match="m=1 < d=2"):
+        cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--pipeline-model-parallel-size", "2"], world=4)
+    flush = cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--pipeline-model-parallel-size", "2",
+                    "--pipeline-schedule", "flush"], world=4)
+    assert flush.pipeline.num_microbatches == 1  # m < d is legal (if wasteful) for the flushing schedules
+
+
+def test_warmup_fraction_and_checkpoint_alias():
+    cfg = cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--lr-warmup-fraction", "0.25", "--checkpoint-activations"])
+    assert cfg.lr.warmup_iters == 2 and cfg.pipeline.recompute
+    with pytest.raises(ConfigError, match="not both"):
+        cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--lr-warmup-fraction", "0.25", "--lr-warmup-iters", "1"])
+
+
+def test_device_resolution():
+    args = parse_args(["--model-preset", "gpt-tiny", *MINIMAL, "--device", "auto"], "gpt")
+    assert build_config(args, "gpt", 1, cuda_available=False).system.device == "cpu"
+    on_gpu = build_config(args, "gpt", 1, cuda_available=True).system
+    assert (on_gpu.device, on_gpu.backend) == ("cuda", "nccl")
+    args = parse_args(["--model-preset", "gpt-tiny", *MINIMAL, "--device", "cuda"], "gpt")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        build_config(args, "gpt", 1, cuda_available=False)
+
+
+def test_env_world(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert env_world() == (0, 1)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert env_world() == (3, 8)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert env_world() == (1, 4)  # torchrun's variables win, as in parallel_state.distributed_env
+
+
+def test_parser_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="invalid choice"):
+        parse_args([*MINIMAL, "--optimizer", "lamb"], "gpt")
+    with pytest.raises(ConfigError, match="required"):
+        parse_args([], "bert")
