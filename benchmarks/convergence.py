@@ -1,0 +1,444 @@
+"""Convergence on CPU: PipeDream-2BW against PipeDream-Flush (vanilla semantics) at d = 2, equal steps.
+
+Both runs are the real trainer (``pretrain_gpt.py`` under ``torch.distributed.run``, 2 processes,
+d = 2, w = 1, one torch thread each) with the same seed, data order, global batch, learning-rate
+schedule and model (preset ``gpt-demo`` at sequence length 64, the flags of ``scripts/demo.sh``),
+on the demo corpus (the Python documentation; built and cached under ``demo_data/`` exactly as
+``scripts/demo.sh`` does). Only ``--pipeline-schedule`` differs. Flush computes every batch on
+the newest weights, ``W(t+1) = W(t) - lr * grad f_t(W(t))``; 2BW uses the 1-stale gradient
+``grad f_t(W(t-1))``, so the two curves are not identical, and the question is whether 2BW's
+validation loss stays within 1% of Flush's after the same number of steps.
+
+Outputs:
+
+- ``--png``: loss against step and against training wall time; the training loss raw (faint)
+  and smoothed (trailing mean over ``--smooth`` steps), the validation loss as markers.
+- ``--json``: ``{"runs": [{"schedule", "final_valid_loss", "final_train_loss", "steps", "seconds",
+  "time_to_loss": {"target", "seconds", "step"}, ...}], "valid_loss_ratio_2bw_over_flush", ...}``.
+
+Definitions:
+
+- ``final_valid_loss``: the last validation evaluation (after the last step, ``--eval-iters``
+  global batches of the validation split, forward only on the newest weights); both runs
+  evaluate the same samples at the same steps, so the ratio is a paired comparison.
+- ``final_train_loss``: the smoothed training loss at the last step.
+- ``seconds``: training wall time, the sum of the trainer's ``step_time_s`` over all steps
+  (each segment's wall time including its pipeline fill and drain; evaluations, start-up and
+  process launch excluded). ``wall_seconds`` is the whole subprocess, launch included.
+- ``time_to_loss``: ``target`` = ``--target-factor`` (1.05) x Flush's final smoothed training
+  loss; ``step`` is the first step at which a run's smoothed training loss is <= target and
+  ``seconds`` its training wall time up to and including that step (step times inside a logging
+  segment are the segment's mean, so resolution is one ``--log-interval``'s mean step time).
+  ``null`` when a run never reaches the target.
+- ``--sweep-lr LR ...`` repeats the pair at other peak learning rates (min lr scaled alike) and
+  adds ``lr_sweep`` (final losses and ratio per learning rate) to the JSON; ``--sweep-png`` plots it.
+
+Timings on a shared 2-core machine are noisy; losses are deterministic up to float reduction
+order (gloo, fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+ROOT = common.ROOT
+SCHEDULES = ("2bw", "flush")
+
+
+# ---------------------------------------------------------------------------------------- data
+def ensure_data(data_dir: str, vocab: int, max_mb: float, python: str = sys.executable) -> tuple[str, str]:
+    """The three cached steps of ``scripts/demo.sh``: corpus, SentencePiece model, indexed dataset.
+
+    Returns (data prefix, tokenizer model). Each step runs only when its output is missing, so
+    with the default paths it reuses what ``scripts/demo.sh`` built (and the other way round).
+    """
+    os.makedirs(data_dir, exist_ok=True)
+    corpus = os.path.join(data_dir, "corpus.jsonl")
+    tok = os.path.join(data_dir, f"tok_{vocab}")
+    prefix = os.path.join(data_dir, f"demo_{vocab}")
+    tools = os.path.join(ROOT, "tools")
+
+    def run(cmd):
+        subprocess.run([python, *cmd], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+    if not _nonempty(corpus):
+        run([os.path.join(tools, "build_demo_corpus.py"), "--output", corpus + ".tmp", "--max-mb", str(max_mb)])
+        os.replace(corpus + ".tmp", corpus)
+    if not _nonempty(tok + ".model"):
+        run([os.path.join(tools, "train_tokenizer.py"), "--input", corpus, "--vocab-size", str(vocab),
+             "--model-prefix", tok])
+    if not _nonempty(prefix + "_text_document.idx"):
+        run([os.path.join(tools, "preprocess_data.py"), "--input", corpus, "--output-prefix", prefix,
+             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok + ".model", "--append-eod"])
+    return prefix + "_text_document", tok + ".model"
+
+
+def _nonempty(path: str) -> bool:
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+# ---------------------------------------------------------------------------------------- one run
+def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metrics: str, lr: float | None = None) -> list[str]:
+    global_batch = args.micro_batch * args.m  # w = 1
+    lr = args.lr if lr is None else lr
+    min_lr = args.min_lr * lr / args.lr  # the same decay ratio at every learning rate
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "pretrain_gpt.py"),
+           "--model-preset", args.preset, "--seq-length", str(args.seq), "--device", "cpu",
+           "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+           "--micro-batch-size", str(args.micro_batch), "--global-batch-size", str(global_batch),
+           "--train-iters", str(args.iters),
+           "--lr", str(lr), "--min-lr", str(min_lr), "--lr-decay-style", "cosine",
+           "--lr-warmup-iters", str(args.warmup), "--weight-decay", "0.01", "--clip-grad", "1.0",
+           "--seed", str(args.seed),
+           "--data-path", data_prefix, "--split", "98,2,0",
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok_model,
+           "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
+           "--eval-iters", str(args.eval_iters), "--metrics-file", metrics]
+    if args.model_flags:
+        cmd += args.model_flags
+    return cmd
+
+
+def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None) -> dict:
+    out_dir = args.out_dir if lr is None else os.path.join(args.out_dir, f"lr_{lr:g}")
+    os.makedirs(out_dir, exist_ok=True)
+    metrics = os.path.join(out_dir, f"metrics_{schedule}.jsonl")
+    log = os.path.join(out_dir, f"log_{schedule}.txt")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("MEGATRON_2BW_FAULT_KILL_RANK", None)
+    busy0, own0 = common.cpu_busy_seconds(), _children_cpu()
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        rc = run_group(cmd, args.timeout, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if rc is None:
+        raise RuntimeError(f"{schedule}: training did not finish within {args.timeout:.0f} s (log: {log})")
+    wall = time.time() - t0
+    own = _children_cpu() - own0
+    busy = common.cpu_busy_seconds() - busy0
+    if rc != 0:
+        with open(log) as f:
+            tail = "".join(f.readlines()[-15:])
+        raise RuntimeError(f"{schedule}: trainer exited with status {rc} (log: {log}):\n{tail}")
+    run = parse_metrics(metrics, args.smooth)
+    run.update(schedule=schedule, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
+               foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None)
+    print(f"{schedule} (lr {run['lr']:g}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
+          f"{common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss {common.fmt(run['final_train_loss'], '.4f')}",
+          flush=True)
+    return run
+
+
+def run_group(cmd: list[str], timeout: float, **kw) -> int | None:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (torchrun and its
+    workers) and return None, else the exit status."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        return None
+    except BaseException:  # Ctrl-C: take the workers down too
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        raise
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def smooth(xs: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def parse_metrics(path: str, window: int) -> dict:
+    """Train/eval curves of a metrics file (the last line per (type, iteration, split) wins)."""
+    rows: dict[tuple, dict] = {}
+    start = end = None
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["type"] == "start":
+                start = r
+            elif r["type"] == "end":
+                end = r
+            elif r["type"] in ("train", "eval"):
+                rows[r["type"], r["iteration"], r.get("split")] = r
+    train = sorted((r for (t, _, _), r in rows.items() if t == "train"), key=lambda r: r["iteration"])
+    valid = sorted((r for (t, _, s), r in rows.items() if t == "eval" and s == "valid"), key=lambda r: r["iteration"])
+    steps = [r["iteration"] + 1 for r in train]  # completed steps after that train line
+    losses = [r["loss"] if r["loss"] is not None else math.nan for r in train]
+    elapsed, acc = [], 0.0
+    for r in train:
+        acc += r["step_time_s"]
+        elapsed.append(acc)
+    sm = smooth(losses, window)
+    t_of_step = dict(zip(steps, elapsed))
+    return {
+        "steps": len(train),
+        "seconds": elapsed[-1] if elapsed else None,
+        "final_train_loss": sm[-1] if sm else None,
+        "final_train_loss_raw": losses[-1] if losses else None,
+        "final_valid_loss": valid[-1]["loss"] if valid else None,
+        "samples_per_sec_median": common.median(r["samples_per_sec"] for r in train),
+        "skipped_steps": sum(1 for r in train if r.get("skipped")),
+        "parameters": start.get("parameters") if start else None,
+        "global_batch_size": start.get("global_batch_size") if start else None,
+        "num_microbatches": start.get("num_microbatches") if start else None,
+        "trainer_seconds": end.get("seconds") if end else None,
+        "curve": {"step": steps, "seconds": elapsed, "train_loss": losses, "train_loss_smoothed": sm},
+        "valid": {"step": [r["iteration"] + 1 for r in valid], "loss": [r["loss"] for r in valid],
+                  "seconds": [t_of_step.get(r["iteration"] + 1) for r in valid]},
+    }
+
+
+def time_to_loss(run: dict, target: float) -> dict:
+    c = run["curve"]
+    for step, sec, loss in zip(c["step"], c["seconds"], c["train_loss_smoothed"]):
+        if loss <= target:
+            return {"target": target, "step": step, "seconds": sec}
+    return {"target": target, "step": None, "seconds": None}
+
+
+def sweep_entry(lr: float, min_lr: float, runs: list[dict]) -> dict:
+    """One learning rate of the sweep: final losses and the (compact) curves of both schedules."""
+    by = {r["schedule"]: r for r in runs}
+    v2, vf = (by.get("2bw") or {}).get("final_valid_loss"), (by.get("flush") or {}).get("final_valid_loss")
+    return {"lr": lr, "min_lr": min_lr, "valid_loss_ratio_2bw_over_flush": v2 / vf if v2 and vf else None,
+            "runs": [{"schedule": r["schedule"], "final_valid_loss": r["final_valid_loss"],
+                      "final_train_loss": r["final_train_loss"], "seconds": r["seconds"], "steps": r["steps"],
+                      "curve": {"step": r["curve"]["step"], "train_loss_smoothed": r["curve"]["train_loss_smoothed"]},
+                      "valid": r["valid"]} for r in runs]}
+
+
+# ---------------------------------------------------------------------------------------- plot
+def plot_sweep(sweep: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    cmap = plt.get_cmap("viridis")
+    lo = []
+    for i, e in enumerate(sweep):
+        color = cmap(i / max(1, len(sweep) - 1) * 0.85)
+        for r in e["runs"]:
+            ls = "-" if r["schedule"] == "2bw" else "--"
+            ax.plot(r["curve"]["step"], r["curve"]["train_loss_smoothed"], ls, color=color, lw=1.4,
+                    label=f"lr {e['lr']:g} {LABELS.get(r['schedule'], r['schedule'])}")
+            ax.plot(r["valid"]["step"], r["valid"]["loss"], "o" if r["schedule"] == "2bw" else "s", color=color, ms=4,
+                    mfc="none" if r["schedule"] == "flush" else color)
+            lo += [x for x in r["curve"]["train_loss_smoothed"] if x == x]
+    if lo:
+        a, b = min(lo), max(lo)
+        ax.set_ylim(a - 0.1 * (b - a) - 0.05, min(b, a + 0.6 * (b - a) + 0.5))
+    ax.set_xlabel("training step")
+    ax.set_ylabel("LM loss (smoothed train: lines; validation: markers)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+COLORS = {"2bw": "tab:blue", "flush": "tab:orange"}
+LABELS = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush"}
+
+
+def plot(runs: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, xkey, xlabel in ((axes[0], "step", "training step"), (axes[1], "seconds", "training wall time (s)")):
+        for r in runs:
+            s, c, v = r["schedule"], r["curve"], r["valid"]
+            color = COLORS.get(s)
+            ax.plot(c[xkey], c["train_loss"], color=color, alpha=0.2, lw=0.8)
+            ax.plot(c[xkey], c["train_loss_smoothed"], color=color, lw=1.6, label=f"{LABELS.get(s, s)} train (smoothed)")
+            vx = [x for x in v[xkey] if x is not None]
+            ax.plot(vx, v["loss"][: len(vx)], "o--", color=color, ms=5, lw=1, label=f"{LABELS.get(s, s)} validation")
+            t = r.get("time_to_loss") or {}
+            if t.get(xkey) is not None:
+                ax.axvline(t[xkey], color=color, ls=":", lw=1)
+        tgt = (runs[0].get("time_to_loss") or {}).get("target")
+        if tgt is not None:
+            ax.axhline(tgt, color="gray", ls=":", lw=1, label="time-to-loss target")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("LM loss (nats/token)")
+    all_losses = [x for r in runs for x in r["curve"]["train_loss_smoothed"] if x == x]
+    if all_losses:  # hide the first steps' ~9.0 so the end of the curves is readable
+        lo, hi = min(all_losses), max(all_losses)
+        axes[0].set_ylim(lo - 0.1 * (hi - lo) - 0.05, min(hi, lo + 0.6 * (hi - lo) + 0.5))
+    axes[1].legend(fontsize=8, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=300, help="training steps of each run")
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-iters", type=int, default=4, help="global batches per validation evaluation")
+    p.add_argument("--log-interval", type=int, default=50, help="segment length (2BW drains only at segment ends)")
+    p.add_argument("--micro-batch", type=int, default=2, help="b")
+    p.add_argument("--m", type=int, default=4, help="microbatches per step (>= d = 2); global batch = b * m")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--preset", default="gpt-demo")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr", type=float, default=2e-4)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--smooth", type=int, default=20, help="training-loss smoothing window (steps)")
+    p.add_argument("--target-factor", type=float, default=1.05, help="time-to-loss target = this x Flush's final smoothed train loss")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--data-dir", default=None, help="cached corpus/tokenizer/dataset (default demo_data, quick: demo_data/quick)")
+    p.add_argument("--vocab", type=int, default=None, help="tokenizer vocabulary (default 8000, quick: 500)")
+    p.add_argument("--corpus-mb", type=float, default=None, help="corpus size when it is built (default 4, quick: 0.3)")
+    p.add_argument("--out-dir", default=None, help="metrics files and logs (default runs/convergence[_quick])")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run before it is killed")
+    p.add_argument("--sweep-lr", type=float, nargs="*", default=[], metavar="LR",
+                   help="also run both schedules at these peak learning rates (min lr scaled alike): a sensitivity table")
+    p.add_argument("--sweep-png", help="write the learning-rate sweep's curves here (with --sweep-lr)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 10 steps, small corpus: a smoke run (< 40 s)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="write the loss curves here")
+    args = p.parse_args(argv)
+    args.model_flags = []
+    if args.quick:
+        args.iters, args.eval_interval, args.eval_iters, args.log_interval = 10, 5, 2, 5
+        args.seq, args.micro_batch, args.m, args.smooth, args.warmup = 32, 2, 2, 3, 2
+        args.preset = "gpt-tiny"
+        args.model_flags = ["--max-position-embeddings", str(args.seq)]
+        args.timeout = min(args.timeout, 120.0)
+    data_dir = args.data_dir or os.path.join(ROOT, "demo_data", "quick" if args.quick else "")
+    vocab = args.vocab or (500 if args.quick else 8000)
+    corpus_mb = args.corpus_mb or (0.3 if args.quick else 4)
+    args.out_dir = args.out_dir or os.path.join(ROOT, "runs", "convergence_quick" if args.quick else "convergence")
+    if args.m < 2:
+        p.error("2BW needs m >= d = 2")
+    if "flush" not in args.schedules:
+        p.error("the comparison needs the flush run (it defines the target)")
+
+    machine = common.machine_info()
+    t0 = time.time()
+    data_prefix, tok_model = ensure_data(data_dir, vocab, corpus_mb)
+    data_s = time.time() - t0
+    runs = [run_one(args, s, data_prefix, tok_model) for s in args.schedules]
+    by = {r["schedule"]: r for r in runs}
+    flush = by["flush"]
+    target = args.target_factor * flush["final_train_loss"]
+    for r in runs:
+        r["time_to_loss"] = time_to_loss(r, target)
+    ratio = None
+    if "2bw" in by and by["2bw"]["final_valid_loss"] and flush["final_valid_loss"]:
+        ratio = by["2bw"]["final_valid_loss"] / flush["final_valid_loss"]
+    speed = None
+    if "2bw" in by and by["2bw"]["seconds"] and flush["seconds"]:
+        speed = flush["seconds"] / by["2bw"]["seconds"]
+    ttl = None
+    t2, tf = (by.get("2bw") or {}).get("time_to_loss", {}).get("seconds"), flush["time_to_loss"]["seconds"]
+    if t2 and tf:
+        ttl = tf / t2
+    sweep = [sweep_entry(args.lr, args.min_lr, runs)]
+    for lr in args.sweep_lr:
+        if lr == args.lr:
+            continue
+        pair = [run_one(args, sched, data_prefix, tok_model, lr) for sched in args.schedules]
+        sweep.append(sweep_entry(lr, args.min_lr * lr / args.lr, pair))
+    sweep.sort(key=lambda e: e["lr"])
+    machine["elapsed_s"] = round(time.time() - t0, 1)
+
+    cols = [("schedule", "schedule", ""), ("steps", "steps", ""), ("final_valid_loss", "valid loss", ".4f"),
+            ("final_train_loss", "train loss (sm)", ".4f"), ("seconds", "train s", ".1f"),
+            ("samples_per_sec_median", "samples/s", ".2f"), ("ttl_step", "ttl step", ""), ("ttl_s", "ttl s", ".1f"),
+            ("foreign_load_cpus", "other load", ".2f")]
+    show = [dict(r, ttl_step=r["time_to_loss"]["step"], ttl_s=r["time_to_loss"]["seconds"]) for r in runs]
+    print()
+    print(f"{args.preset}, seq {args.seq}, d=2 w=1, b={args.micro_batch} m={args.m} (global batch "
+          f"{args.micro_batch * args.m}), {args.iters} steps; time-to-loss target {target:.4f}")
+    print(common.table(show, cols))
+    print(f"valid loss ratio 2BW / Flush: {common.fmt(ratio, '.4f')} (target <= 1.01); "
+          f"training-time speedup Flush/2BW: {common.fmt(speed, '.3f')}")
+    if len(sweep) > 1:
+        print("\nlearning-rate sweep (final valid loss):")
+        print(common.table([dict(lr=e["lr"], **{f"v_{r['schedule']}": r["final_valid_loss"] for r in e["runs"]},
+                                 ratio=e["valid_loss_ratio_2bw_over_flush"]) for e in sweep],
+                           [("lr", "peak lr", "g"), ("v_2bw", "2BW", ".4f"), ("v_flush", "Flush", ".4f"), ("ratio", "2BW/Flush", ".4f")]))
+        if args.sweep_png:
+            plot_sweep(sweep, args.sweep_png, f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, "
+                                              f"{args.iters} steps: smoothed training loss per peak learning rate")
+    title = (f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, {args.iters} steps on "
+             f"{machine['cpus_usable']} CPUs; valid loss 2BW/Flush = {common.fmt(ratio, '.4f')}")
+    if args.png:
+        plot(runs, args.png, title)
+    common.write_json(args.json, {
+        "runs": runs,
+        "valid_loss_ratio_2bw_over_flush": ratio,
+        "lr_sweep": sweep,
+        "valid_loss_target_ratio": 1.01,
+        "valid_loss_within_target": (ratio <= 1.01) if ratio is not None else None,
+        "train_time_speedup_2bw_vs_flush": speed,
+        "time_to_loss_speedup_2bw_vs_flush": ttl,
+        "machine": machine,
+        "config": dict(preset=args.preset, seq=args.seq, d=2, w=1, micro_batch=args.micro_batch, m=args.m,
+                       global_batch=args.micro_batch * args.m, iters=args.iters, eval_interval=args.eval_interval,
+                       eval_iters=args.eval_iters, log_interval=args.log_interval, lr=args.lr, min_lr=args.min_lr,
+                       lr_decay="cosine", warmup=args.warmup, weight_decay=0.01, clip_grad=1.0, seed=args.seed,
+                       precision="fp32", smooth_window=args.smooth, target_factor=args.target_factor,
+                       target_definition="target_factor x flush final smoothed training loss; first step whose "
+                                         "smoothed training loss <= target",
+                       seconds_definition="sum of step_time_s (segment wall time incl. fill/drain; evals excluded)",
+                       data=os.path.relpath(data_prefix, ROOT), vocab=vocab, data_prep_s=round(data_s, 1),
+                       quick=args.quick),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
