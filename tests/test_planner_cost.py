@@ -74,7 +74,7 @@ def test_recompute_is_forward_twice():
     assert plain.compute_s == pytest.approx(2 * (1 + 2))
     assert again.compute_s / plain.compute_s == pytest.approx(4 / 3)
     last = stage_time(COSTS, Candidate(1, 2, 1, 1, 4, True, "flush"), L, 1, TOY, 50.0, float("inf"))
-    assert last.compute_s == pytest.approx(2 * (2 * 1 + 2) + 1.5)  # the head is not recomputed
+    assert last.compute_s == pytest.approx(2 * (2 * 1 + 2) + 2.0)  # the head is recomputed too (whole stage)
 
 
 def test_stage_terms_and_batch_time_by_schedule():

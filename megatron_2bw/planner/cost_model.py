@@ -173,8 +173,8 @@ def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: 
     passes = recompute_forward_passes(cand.recompute)
     lay, emb, head = costs.layer, costs.embedding, costs.head
 
-    # (block, count, forward passes): only the transformer layers are recomputed.
-    blocks = [(lay, layers, passes)] + ([(emb, 1, 1)] if stage == 0 else []) + ([(head, 1, 1)] if stage == d - 1 else [])
+    # (block, count, forward passes): our engine recomputes the whole stage, embedding and head included.
+    blocks = [(lay, layers, passes)] + ([(emb, 1, passes)] if stage == 0 else []) + ([(head, 1, passes)] if stage == d - 1 else [])
     compute = sum(n * (f * b.forward_s + b.backward_s) for b, n, f in blocks)
     tp_bytes = sum(n * (f * b.tp_allreduce_forward_bytes + b.tp_allreduce_backward_bytes) for b, n, f in blocks)
     # Token ids come from the data loader, and the loss stays on the last stage.

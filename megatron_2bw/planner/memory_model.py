@@ -159,8 +159,7 @@ def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int) -> i
 
 
 def edge_activation_bytes(costs: MicrobatchCosts, d: int, stage: int) -> int:
-    """Per microbatch, the embedding's stash and token ids (first stage) and the head's (last):
-    never recomputed, so kept for every microbatch in flight."""
+    """Per microbatch, the embedding's stash and token ids (first stage) and the head's (last)."""
     extra = 0
     if stage == 0:
         extra += costs.embedding.input_bytes + costs.embedding.stash_bytes
@@ -172,17 +171,19 @@ def edge_activation_bytes(costs: MicrobatchCosts, d: int, stage: int) -> int:
 def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int) -> int:
     """Activations held at the stage's peak: stashes of the microbatches in flight.
 
-    Without recomputation every in-flight microbatch keeps all of its activations. With it
-    (Megatron's ``--recompute-activations``: the transformer layers are re-run from their input),
-    each in-flight microbatch keeps only the layers' input, plus the full activations of the one
-    microbatch being recomputed. The embedding and the head are never recomputed.
+    Without recomputation every in-flight microbatch keeps all of its activations. With it, as
+    our engine does it (the whole stage is re-run from what it received, embedding and head
+    included), each in-flight microbatch keeps only the stage's input (token ids on stage 0),
+    plus the full activations of the one microbatch being recomputed.
     """
     d = cand.pipeline_parallel
     n = in_flight(cand.schedule, d, cand.num_micro_batches, stage)
     layers = layer_activation_bytes(costs, num_layers, d)
     edge = edge_activation_bytes(costs, d, stage)
     if cand.recompute:
-        return n * (stage_input_bytes(costs, stage) + edge) + layers
+        # our engine re-runs the whole stage from what it received (embedding and head included)
+        received = costs.embedding.input_bytes if stage == 0 else stage_input_bytes(costs, stage)
+        return n * received + layers + edge
     return n * (layers + edge)
 
 
