@@ -1,0 +1,86 @@
+"""Run a function on N local gloo processes with a hard timeout (tests and benchmarks).
+
+``run_workers(fn, n, *args)`` starts ``n`` spawned processes on a fresh free port, calls
+``fn(*args)`` in each after ``torch.distributed`` is initialized (gloo), and returns the list of
+per-rank return values. A worker that raises fails the call with its traceback; a job that does
+not finish within ``timeout`` seconds is killed and fails: a hang is a failure, never a stuck CI.
+``fn`` must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        try:
+            result = fn(*args)
+        finally:
+            dist.destroy_process_group()
+        # plain pickle bytes: tensors travel by value, not through shared memory that dies with us
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(results) + len(errors) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise TimeoutError(f"{fn.__name__} on {world} processes did not finish within {timeout:.0f}s (hang?)")
+            try:
+                rank, ok, value = queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: check for dead workers
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and queue.empty():
+                    raise RuntimeError(f"{fn.__name__}: a worker died with exit code {dead[0].exitcode}")
+                continue
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break  # peers of a failed rank may block; fail fast
+        if errors:
+            raise RuntimeError(f"{fn.__name__} failed on {world} processes:\n" + "\n".join(errors))
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()

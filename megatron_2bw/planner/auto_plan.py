@@ -1,0 +1,206 @@
+"""``--auto-plan``: profile the model on this device (or read a saved profile), then run the search.
+
+    choice = auto_plan(model_cfg, num_gpus=64, global_batch=512, cluster="dgx-h200",
+                       profile_path="gpt-2.2b.profile.json", precision="bf16")
+    t, d, w, b, recompute, schedule = choice
+
+``profile_path``: read it if it exists; otherwise profile here and write it there, so a job array
+profiles once and every later job reuses the file (profile on the kind of GPU you will train on).
+Without ``profile_path`` the profile is measured and kept in memory only.
+
+What a single device can measure: ``t = 1`` (``tensor_parallel=(1,)``, the default). Larger ``t``
+need ``t`` local devices (``tensor_parallel=(1, 2, 4, 8)`` spawns one process per device, see
+``profiler.profile_tensor_parallel``). The search only considers the ``(t, b)`` pairs a profile has.
+
+``cluster``: a ``Cluster``, a preset name or a JSON file (``hardware.py``). ``None`` picks the preset
+whose device name matches this GPU (H200, H100, A100, V100) with the device's real memory, or on a
+CPU a description of this host (its memory; rough bandwidths) - fine for tests and demos, state a
+real cluster for anything else. The chosen plan and where its numbers came from are logged.
+
+In a distributed job call :func:`auto_plan_on_rank0` after ``init_process_group``: rank 0 plans
+and broadcasts, so every rank builds the same layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .efficiency import EfficiencyCurve
+from .hardware import GiB, Cluster, load_cluster
+from .layer_costs import LayerCosts, load_profile
+from .memory_model import SCHEDULES
+from .search import PlanRequest, SearchResult, micro_batch_sizes, search
+
+log = logging.getLogger(__name__)
+
+# Substrings of torch.cuda.get_device_name -> shipped cluster preset.
+DEVICE_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80gb"), ("V100", "aws-p3.16xlarge"))
+
+
+class PlanChoice(NamedTuple):
+    """What the trainer needs: tensor, pipeline and data parallel sizes, microbatch, recompute, schedule."""
+
+    t: int
+    d: int
+    w: int
+    b: int
+    recompute: bool
+    schedule: str
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The choice plus everything behind it."""
+
+    choice: PlanChoice
+    num_micro_batches: int
+    result: SearchResult
+    costs: LayerCosts
+    cluster: Cluster
+    profile_path: str | None
+    profiled_here: bool
+
+    def describe(self) -> str:
+        c, ev = self.choice, self.result.best
+        return (f"auto-plan: t={c.t} d={c.d} w={c.w} b={c.b} m={self.num_micro_batches} "
+                f"recompute={'on' if c.recompute else 'off'} schedule={c.schedule}: "
+                f"{ev.samples_per_sec:.1f} samples/s predicted, {ev.memory_bytes_per_gpu / GiB:.2f} GiB/GPU "
+                f"on {self.cluster.name}; costs from {self.costs.source}")
+
+
+def host_cluster(device: torch.device | None = None, num_gpus: int = 1) -> Cluster:
+    """A cluster description of this machine (see the module docstring)."""
+    dev = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        preset = next((p for key, p in DEVICE_PRESETS if key in name), None)
+        if preset is None:
+            raise ConfigError(f"no cluster preset matches {name!r}; pass cluster= (a preset name or a JSON file)")
+        base = load_cluster(preset)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return replace(base, device=name, device_memory_bytes=total,
+                       reserved_memory_bytes=min(base.reserved_memory_bytes, total // 4))
+    mem = _host_memory_bytes()
+    return Cluster(
+        name="this-host-cpu", device="CPU (this host)", device_memory_bytes=mem,
+        reserved_memory_bytes=mem // 4, peak_flops={"fp32": 1e11, "bf16": 1e11, "fp16": 1e11},
+        memory_bandwidth=1e10, devices_per_server=max(num_gpus, 1), intra_server_allreduce_bandwidth=2e9,
+        intra_server_p2p_bandwidth=2e9, inter_server_bandwidth=1.25e9, efficiency=EfficiencyCurve(0.5, 1e5),
+        description="this host's CPU processes over loopback (rough numbers; for tests and demos)",
+    )
+
+
+def _host_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GiB
+
+
+def _cluster(cluster: Cluster | str | None, device: torch.device, num_gpus: int) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str):
+        return load_cluster(cluster)
+    return host_cluster(device, num_gpus)
+
+
+def profile_or_load(
+    model_cfg: ModelConfig, *, profile_path: str | os.PathLike | None, device: torch.device, precision: str,
+    sizes: Sequence[int], tensor_parallel: Iterable[int] = (1,), warmup: int = 2, reps: int = 5,
+    log_fn: Callable[[str], None] | None = None,
+) -> tuple[LayerCosts, bool]:
+    """Costs from ``profile_path`` when it exists, else measured here (and written there if given)."""
+    from . import profiler  # noqa: PLC0415 - imports the models; only when profiling
+
+    if profile_path is not None and Path(profile_path).is_file():
+        return load_profile(str(profile_path)), False
+    profiles = []
+    for t in sorted(set(tensor_parallel)):
+        if t == 1:
+            profiles.append(profiler.profile_model(model_cfg, sizes, device=device, dtype=precision, warmup=warmup,
+                                                   reps=reps, log=log_fn, skip_oom=True))
+        else:
+            profiles.append(profiler.profile_tensor_parallel(model_cfg, t, sizes, device_type=device.type,
+                                                             dtype=precision, warmup=warmup, reps=reps))
+    prof = profiler.merge_profiles(profiles)
+    if profile_path is not None:
+        prof.write(profile_path)
+        (log_fn or log.info)(f"profile written to {profile_path}")
+    return prof.layer_costs(), True
+
+
+def auto_plan_details(
+    model_cfg: ModelConfig, num_gpus: int, global_batch: int, cluster: Cluster | str | None = None,
+    profile_path: str | os.PathLike | None = None, device: str | torch.device | None = None, *,
+    precision: str = "fp32", max_micro_batch_size: int = 64, micro_batch_sizes_to_profile: Sequence[int] | None = None,
+    tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULES, recompute_options=(False, True),
+    warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None,
+) -> AutoPlan:
+    """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
+    from .profiler import resolve_device  # noqa: PLC0415
+
+    dev = resolve_device(device)
+    cl = _cluster(cluster, dev, num_gpus)
+    sizes = tuple(micro_batch_sizes_to_profile or [b for b in micro_batch_sizes(max_micro_batch_size)
+                                                   if b <= global_batch])
+    costs, here = profile_or_load(model_cfg, profile_path=profile_path, device=dev, precision=precision, sizes=sizes,
+                                  tensor_parallel=tensor_parallel, warmup=warmup, reps=reps, log_fn=log_fn)
+    request = PlanRequest(model_cfg, cl, num_gpus, global_batch, precision, max_micro_batch_size=max_micro_batch_size,
+                          schedules=schedules, recompute_options=tuple(recompute_options))
+    result = search(request, costs)
+    c = result.best.candidate
+    plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
+                               c.schedule), c.num_micro_batches, result, costs, cl,
+                    str(profile_path) if profile_path is not None else None, here)
+    (log_fn or log.info)(plan.describe())
+    return plan
+
+
+def auto_plan(
+    model_cfg: ModelConfig, num_gpus: int, global_batch: int, cluster: Cluster | str | None = None,
+    profile_path: str | os.PathLike | None = None, device: str | torch.device | None = None, **kwargs,
+) -> PlanChoice:
+    """Profile (or load ``profile_path``), search, and return the best ``(t, d, w, b, recompute, schedule)``.
+
+    Keyword arguments as :func:`auto_plan_details` (``precision``, ``max_micro_batch_size``, ...).
+    A layout nothing fits raises ``ConfigError`` with the smallest candidate's memory.
+    """
+    return auto_plan_details(model_cfg, num_gpus, global_batch, cluster, profile_path, device, **kwargs).choice
+
+
+def auto_plan_on_rank0(
+    model_cfg: ModelConfig, num_gpus: int, global_batch: int, cluster: Cluster | str | None = None,
+    profile_path: str | os.PathLike | None = None, device: str | torch.device | None = None, **kwargs,
+) -> PlanChoice:
+    """:func:`auto_plan` for a job already inside ``torch.distributed`` (the default group): rank 0
+    profiles (or loads) and searches, every rank returns its choice - ranks must never plan apart,
+    as measured profiles differ slightly from GPU to GPU. A ``ConfigError`` on rank 0 (nothing fits)
+    is raised on every rank. Without an initialized process group it is plain :func:`auto_plan`."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return auto_plan(model_cfg, num_gpus, global_batch, cluster, profile_path, device, **kwargs)
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", tuple(auto_plan(model_cfg, num_gpus, global_batch, cluster, profile_path, device, **kwargs)))
+        except ConfigError as exc:
+            box[0] = ("error", str(exc))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise ConfigError(value)
+    return PlanChoice(*value)

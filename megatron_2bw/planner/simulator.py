@@ -1,0 +1,430 @@
+"""Event-driven simulation of the engine's pipeline schedules, with times and memory.
+
+The simulator runs the very action lists the engine executes (``schedules.stage_actions``), one
+per stage, with the checker's semantics (``pipeline/checker.py``) plus a clock per stage:
+
+- ``FORWARD`` / ``BACKWARD`` take the stage's per-microbatch time (from a profile or from the
+  cost model's per-block times); with recomputation the backward includes the re-run forward.
+- ``SEND_ACT`` / ``SEND_GRAD`` never block (the engine's ``isend``). The message occupies its
+  link (one per boundary and direction) for ``bytes / bandwidth`` after the later of the send and
+  the link's previous message, and arrives ``latency`` after that.
+- ``RECV_ACT`` / ``RECV_GRAD`` complete at ``max(the stage's clock, the message's arrival)``: the
+  engine posts receives ahead, so only the wait for the data costs time.
+- ``REDUCE_GRADS(t)`` starts the stage's asynchronous reduction chain at the stage's clock. The
+  chain is collective over the model group (the global gradient norm and, with several stages,
+  the tied-embedding all-reduce): it is done for every stage at
+  ``max_r(launch_r + reduce_s_r) + collective_s``, and chains finish in step order. It costs the
+  stage ``reduce_busy_s`` of its own time (0 where the collectives have their own engines, as
+  NCCL on GPUs; on a CPU, gloo's threads take that from the compute).
+- ``APPLY_UPDATE(t)`` waits for chain ``t`` and then takes ``update_s`` (the optimizer step).
+
+Outputs (:class:`SimResult`): every action's start and end per stage; the steady-state time per
+step; the bubble fraction; per-stage memory over time (weights, gradients and optimizer state,
+plus the stashed activations of every microbatch in flight, plus the transient of a backward).
+
+Step boundaries: ``S_t`` is when stage 0 starts the first forward of step ``t``. The steady-state
+step time is ``(S_{n-1} - S_1) / (n - 2)`` over a segment of ``n >= 3`` steps: the intervals from
+step 1 on, which leaves out the first step's pipeline fill and the segment's final drain (2BW has
+both only there; the flushing schedules have them inside every interval anyway). The measured
+engine times are taken at the same points (``tests/test_simulator.py``).
+
+Recomputation, as our engine does it (``recompute_scope="stage"``): a stage's forward runs without
+autograd and keeps only its input; its backward re-runs the whole stage's forward (embedding and
+head included) and then the backward, so its transient is one microbatch's full activations.
+``recompute_scope="layers"`` models Megatron's ``--recompute-activations`` (only the transformer
+layers re-run; the embedding's and head's stashes stay per microbatch), which is what
+``memory_model.activation_bytes`` and ``cost_model`` assume.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..errors import ConfigError
+from ..pipeline.actions import Action, Op
+from ..pipeline.schedules import stage_actions, validate_pipeline
+from .cost_model import ring_allreduce_time, stage_time, boundary_bandwidth, tensor_bandwidth
+from .hardware import Cluster
+from .layer_costs import MicrobatchCosts
+from .memory_model import Candidate, ParamBytes, stage_layers, stage_memory, stage_params
+
+RECOMPUTE_SCOPES = ("stage", "layers")
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage's costs per microbatch (seconds, bytes)."""
+
+    forward_s: float
+    backward_s: float
+    update_s: float = 0.0           # APPLY_UPDATE: the optimizer step
+    reduce_s: float = 0.0           # REDUCE_GRADS: the stage's asynchronous gradient reductions
+    reduce_busy_s: float = 0.0      # of which the stage's own processor is busy (CPU collectives)
+    output_bytes: int = 0           # what SEND_ACT sends (and the next stage's SEND_GRAD sends back)
+    static_bytes: int = 0           # weights (every version), gradients, optimizer state
+    stash_bytes: int = 0            # kept per microbatch from its FORWARD's end to its BACKWARD's end
+    backward_extra_bytes: int = 0   # held while a BACKWARD runs (recomputed activations)
+    workspace_bytes: int = 0        # held while any FORWARD / BACKWARD runs
+
+    def __post_init__(self) -> None:
+        for k in ("forward_s", "backward_s", "update_s", "reduce_s", "reduce_busy_s"):
+            v = getattr(self, k)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"stage cost {k} must be a finite number >= 0, got {v}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of one stage boundary."""
+
+    bandwidth: float = math.inf  # bytes/s
+    latency_s: float = 0.0
+
+    def occupancy(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth if nbytes and math.isfinite(self.bandwidth) else 0.0
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Event:
+    """One executed action of one stage. Receives record the wait for their message."""
+
+    stage: int
+    op: Op
+    mb: int
+    step: int
+    version: int
+    start: float
+    end: float
+
+    @property
+    def label(self) -> str:
+        return str(Action(self.op, self.mb, self.step, self.version))
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns; times in seconds, memory in bytes per GPU."""
+
+    schedule: str
+    d: int
+    m: int
+    first_step: int
+    num_steps: int
+    events: list[list[Event]]                    # per stage, in program order
+    step_starts: list[float]                     # S_t: stage 0 starts step t's first forward
+    makespan: float
+    memory: list[list[tuple[float, int]]]        # per stage: (time, bytes) after each change
+    activation_memory: list[list[tuple[float, int]]]
+    static_bytes: list[int]
+
+    @property
+    def step_time_s(self) -> float:
+        """Steady-state time per step (see the module docstring)."""
+        s, n = self.step_starts, self.num_steps
+        if n >= 3:
+            return (s[-1] - s[1]) / (n - 2)
+        if n == 2:
+            return s[1] - s[0]
+        return self.makespan
+
+    @property
+    def window(self) -> tuple[float, float]:
+        """The steady-state interval the step time and the bubble are measured over."""
+        s, n = self.step_starts, self.num_steps
+        if n >= 3:
+            return s[1], s[-1]
+        if n == 2:
+            return s[0], s[1]
+        return 0.0, self.makespan
+
+    def busy_s(self, stage: int, ops=(Op.FORWARD, Op.BACKWARD, Op.APPLY_UPDATE, Op.REDUCE_GRADS)) -> float:
+        """Time ``stage`` spends in ``ops`` inside the steady-state window."""
+        lo, hi = self.window
+        return sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in self.events[stage] if e.op in ops)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle fraction of the stages over the steady-state window: neither computing, updating,
+        nor busy with a reduction (waiting for messages or for the pipeline)."""
+        lo, hi = self.window
+        if hi <= lo:
+            return 0.0
+        return 1.0 - sum(self.busy_s(r) for r in range(self.d)) / (self.d * (hi - lo))
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        return [max(b for _, b in mem) for mem in self.memory]
+
+    @property
+    def peak_activation_bytes(self) -> list[int]:
+        """Per stage: most bytes of stashed activations (plus a backward's recomputed ones) at once;
+        what the engine measures as ``stats.peak_stashed_bytes``."""
+        return [max(b for _, b in mem) for mem in self.activation_memory]
+
+    @property
+    def max_inflight(self) -> list[int]:
+        out = []
+        for evs in self.events:
+            n = best = 0
+            for e in evs:
+                if e.op is Op.FORWARD:
+                    n += 1
+                    best = max(best, n)
+                elif e.op is Op.BACKWARD:
+                    n -= 1
+            out.append(best)
+        return out
+
+    def summary(self) -> dict:
+        return {
+            "schedule": self.schedule, "d": self.d, "m": self.m, "num_steps": self.num_steps,
+            "step_time_s": self.step_time_s, "bubble_fraction": self.bubble_fraction, "makespan_s": self.makespan,
+            "step_starts_s": self.step_starts, "peak_bytes": self.peak_bytes,
+            "peak_activation_bytes": self.peak_activation_bytes, "static_bytes": self.static_bytes,
+            "max_inflight": self.max_inflight,
+        }
+
+
+# ---- the simulation -----------------------------------------------------------------------------
+
+class SimulationError(RuntimeError):
+    """The action lists deadlock or do not match (the checker would have refused them)."""
+
+
+def simulate(
+    schedule: str, d: int, m: int, stages: Sequence[StageCosts], *, num_steps: int = 6, first_step: int = 0,
+    links: Sequence[Link] | Link | None = None, collective_s: float = 0.0,
+    actions: Sequence[Sequence[Action]] | None = None,
+) -> SimResult:
+    """Run every stage's action list with times; see the module docstring.
+
+    ``links[i]`` is the boundary between stages ``i`` and ``i+1`` (both directions alike); one
+    ``Link`` applies to every boundary; ``None`` makes transfers free. ``actions`` overrides the
+    generated programs (for hand-made schedules; they must pass the checker).
+    """
+    validate_pipeline(schedule, d, m)
+    if len(stages) != d:
+        raise ConfigError(f"need costs for {d} stages, got {len(stages)}")
+    if num_steps < 1:
+        raise ConfigError(f"simulate at least one step, got num_steps={num_steps}")
+    if links is None or isinstance(links, Link):
+        links = [links or Link()] * max(d - 1, 0)
+    if len(links) != max(d - 1, 0):
+        raise ConfigError(f"need {d - 1} links for {d} stages, got {len(links)}")
+    progs = [list(a) for a in actions] if actions is not None else [
+        stage_actions(schedule, d, r, m, first_step, num_steps) for r in range(d)]
+
+    # Channels: act[r] carries r -> r+1, grad[r] carries r+1 -> r; entries (mb, arrival time).
+    act = [deque() for _ in range(d)]
+    grad = [deque() for _ in range(d)]
+    link_free = {("act", r): 0.0 for r in range(d)} | {("grad", r): 0.0 for r in range(d)}
+    launched: dict[int, dict[int, float]] = {}   # step -> stage -> chain done time of that stage
+    done_at: dict[int, float] = {}               # step -> chain done for every stage
+    last_done = 0.0
+    clock = [0.0] * d
+    pc = [0] * d
+    events: list[list[Event]] = [[] for _ in range(d)]
+    # memory bookkeeping
+    stash: list[dict[int, int]] = [{} for _ in range(d)]
+    act_mem: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in range(d)]
+    mem: list[list[tuple[float, int]]] = [[(0.0, s.static_bytes)] for s in stages]
+    step_starts: dict[int, float] = {}
+
+    def record(r: int, t: float, activations: int, transient: int = 0) -> None:
+        act_mem[r].append((t, activations))
+        mem[r].append((t, stages[r].static_bytes + activations + transient))
+
+    def send(kind: str, r_from: int, boundary: int, mb: int, nbytes: int) -> None:
+        link = links[boundary]
+        start = max(clock[r_from], link_free[(kind, boundary)])
+        link_free[(kind, boundary)] = start + link.occupancy(nbytes)
+        (act if kind == "act" else grad)[boundary].append((mb, start + link.occupancy(nbytes) + link.latency_s))
+
+    def run_stage(r: int) -> bool:
+        """Advance stage r until it blocks or ends; True if it made progress."""
+        nonlocal last_done
+        st, prog = stages[r], progs[r]
+        moved = False
+        while pc[r] < len(prog):
+            a = prog[pc[r]]
+            op, now = a.op, clock[r]
+            if op is Op.FORWARD:
+                end = now + st.forward_s
+                if r == 0 and a.mb % m == 0:
+                    step_starts.setdefault(a.step, now)
+                held = sum(stash[r].values())
+                if st.workspace_bytes:
+                    mem[r].append((now, st.static_bytes + held + st.workspace_bytes))
+                stash[r][a.mb] = st.stash_bytes
+                record(r, end, held + st.stash_bytes)
+            elif op is Op.BACKWARD:
+                end = now + st.backward_s
+                held = sum(stash[r].values())  # this microbatch's stash included until the end
+                record(r, now, held + st.backward_extra_bytes, st.workspace_bytes)
+                stash[r].pop(a.mb, None)
+                record(r, end, sum(stash[r].values()))
+            elif op is Op.SEND_ACT:
+                send("act", r, r, a.mb, st.output_bytes)
+                end = now
+            elif op is Op.SEND_GRAD:
+                send("grad", r, r - 1, a.mb, stages[r - 1].output_bytes)
+                end = now
+            elif op in (Op.RECV_ACT, Op.RECV_GRAD):
+                chan = act[r - 1] if op is Op.RECV_ACT else grad[r]
+                if not chan:
+                    return moved
+                mb, arrival = chan[0]
+                if mb != a.mb:
+                    raise SimulationError(f"stage {r} {a}: the channel's next message is microbatch {mb}")
+                chan.popleft()
+                end = max(now, arrival)
+            elif op is Op.REDUCE_GRADS:
+                launched.setdefault(a.step, {})[r] = now + st.reduce_s
+                if len(launched[a.step]) == d:
+                    last_done = max(last_done, max(launched[a.step].values()) + collective_s)
+                    done_at[a.step] = last_done
+                end = now + st.reduce_busy_s
+            elif op is Op.APPLY_UPDATE:
+                if a.step not in done_at:
+                    return moved
+                now = max(now, done_at[a.step])
+                end = now + st.update_s
+            else:  # pragma: no cover - Op is closed
+                raise SimulationError(f"unknown op {op}")
+            events[r].append(Event(r, op, a.mb, a.step, a.version, clock[r] if op is not Op.APPLY_UPDATE else now, end))
+            clock[r] = end
+            pc[r] += 1
+            moved = True
+        return moved
+
+    while True:
+        progressed = False
+        for r in range(d):
+            if pc[r] < len(progs[r]) and run_stage(r):
+                progressed = True
+        if all(pc[r] == len(progs[r]) for r in range(d)):
+            break
+        if not progressed:
+            stuck = ", ".join(f"stage {r} at {progs[r][pc[r]]}" for r in range(d) if pc[r] < len(progs[r]))
+            raise SimulationError(f"deadlock: {stuck}")
+    for r in range(d):
+        if act[r] or grad[r]:
+            raise SimulationError(f"messages between stages {r} and {r + 1} were never received")
+    starts = [step_starts[t] for t in range(first_step, first_step + num_steps)]
+    return SimResult(schedule, d, m, first_step, num_steps, events, starts, max(clock), mem, act_mem,
+                     [s.static_bytes for s in stages])
+
+
+# ---- stage costs from block costs ---------------------------------------------------------------
+
+def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int):
+    layers = stage_layers(num_layers, d)
+    blocks = [("layer", costs.layer, layers)]
+    if r == 0:
+        blocks.insert(0, ("embedding", costs.embedding, 1))
+    if r == d - 1:
+        blocks.append(("head", costs.head, 1))
+    return blocks
+
+
+def stage_costs(
+    costs: MicrobatchCosts, cand: Candidate, num_layers: int, *, recompute_scope: str = "stage",
+    forward_nograd_s: Mapping[str, float] | None = None, update_s: Sequence[float] | float | None = None,
+    reduce_s: Sequence[float] | float = 0.0, tensor_bandwidth_Bps: float | None = None,
+    param_bytes: ParamBytes | None = None,
+) -> list[StageCosts]:
+    """Per-stage costs of ``cand`` (one pipeline: ``t`` and ``w`` only change the per-GPU numbers).
+
+    ``forward_nograd_s``: per block (``embedding``/``layer``/``head``), the forward without autograd
+    that a recomputing stage runs first (a profile measures it; default the training forward).
+    ``update_s``/``reduce_s``: per stage (or one number for all); ``update_s=None`` leaves updates free.
+    ``tensor_bandwidth_Bps``: adds the tensor-parallel all-reduces of ``tp_allreduce_*_bytes``.
+    """
+    if recompute_scope not in RECOMPUTE_SCOPES:
+        raise ConfigError(f"recompute_scope must be one of {', '.join(RECOMPUTE_SCOPES)}, got {recompute_scope!r}")
+    d, t = cand.pipeline_parallel, cand.tensor_parallel
+    pb = param_bytes or ParamBytes()
+    nograd = dict(forward_nograd_s or {})
+
+    def per_stage(x, r):
+        if x is None:
+            return 0.0
+        return float(x[r]) if isinstance(x, Sequence) else float(x)
+
+    out = []
+    for r in range(d):
+        blocks = _stage_blocks(costs, num_layers, d, r)
+        fwd = sum(n * b.forward_s for _, b, n in blocks)
+        bwd = sum(n * b.backward_s for _, b, n in blocks)
+        full_stash = sum(n * b.stash_bytes for _, b, n in blocks)
+        if r == 0:
+            full_stash += costs.embedding.input_bytes  # token ids (the embedding saves them)
+        ws = max(b.workspace_bytes for _, b, _ in blocks)
+        tp_f = sum(n * b.tp_allreduce_forward_bytes for _, b, n in blocks)
+        tp_b = sum(n * b.tp_allreduce_backward_bytes for _, b, n in blocks)
+        stage_input = costs.embedding.input_bytes if r == 0 else costs.layer.input_bytes
+        extra = 0
+        if cand.recompute and recompute_scope == "stage":
+            first_fwd = sum(n * nograd.get(name, b.forward_s) for name, b, n in blocks)
+            bwd += fwd
+            tp_b += tp_f
+            fwd = first_fwd
+            stash, extra = stage_input, full_stash
+        elif cand.recompute:  # Megatron: the layers re-run from their input; embedding/head keep theirs
+            name, lay, n = next(x for x in blocks if x[0] == "layer")
+            edge = full_stash - n * lay.stash_bytes
+            fwd = fwd - n * lay.forward_s + n * nograd.get("layer", lay.forward_s)
+            bwd += n * lay.forward_s
+            tp_b += n * lay.tp_allreduce_forward_bytes
+            stash, extra = costs.layer.input_bytes + edge, n * lay.stash_bytes
+        else:
+            stash = full_stash
+        if tensor_bandwidth_Bps and t > 1:
+            fwd += ring_allreduce_time(tp_f, t, tensor_bandwidth_Bps)
+            bwd += ring_allreduce_time(tp_b, t, tensor_bandwidth_Bps)
+        sm = stage_memory(costs, cand, num_layers, r, pb)
+        out.append(StageCosts(
+            forward_s=fwd, backward_s=bwd, update_s=per_stage(update_s, r), reduce_s=per_stage(reduce_s, r),
+            output_bytes=0 if r == d - 1 else costs.layer.output_bytes,
+            static_bytes=sm.weights + sm.second_weights + sm.grads + sm.optimizer,
+            stash_bytes=stash, backward_extra_bytes=extra, workspace_bytes=ws,
+        ))
+    return out
+
+
+def cluster_links(cand: Candidate, cluster: Cluster) -> list[Link]:
+    """The boundaries' per-GPU bandwidths of the cost model (``cost_model.boundary_bandwidth``)."""
+    t, w = cand.tensor_parallel, cand.data_parallel
+    return [Link(boundary_bandwidth(t, w, i, cluster)) for i in range(cand.pipeline_parallel - 1)]
+
+
+def simulate_plan(
+    costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster, *, num_steps: int = 6,
+    param_bytes: ParamBytes | None = None, recompute_scope: str = "stage",
+    forward_nograd_s: Mapping[str, float] | None = None, optimizer=None,
+) -> SimResult:
+    """Simulate ``cand`` with the cost model's terms: block times per stage, p2p over the cluster's
+    links, the data-parallel and tied-embedding all-reduces as the reduction chain, and the
+    optimizer step (``optimizer``: a measured ``profiler.OptimizerCost``, else the cost model's
+    memory-bandwidth estimate)."""
+    pb = param_bytes or ParamBytes()
+    d = cand.pipeline_parallel
+    links = cluster_links(cand, cluster)
+    inf = math.inf
+    terms = [stage_time(costs, cand, num_layers, r, cluster, links[r - 1].bandwidth if r > 0 else inf,
+                        links[r].bandwidth if r < d - 1 else inf, pb) for r in range(d)]
+    if optimizer is not None:
+        update = [optimizer.seconds(stage_params(costs, num_layers, d, r)) for r in range(d)]
+    else:
+        update = [s.optimizer_s for s in terms]
+    stages = stage_costs(costs, cand, num_layers, recompute_scope=recompute_scope, forward_nograd_s=forward_nograd_s,
+                         update_s=update, reduce_s=[s.allreduce_s for s in terms],
+                         tensor_bandwidth_Bps=tensor_bandwidth(cand.tensor_parallel, cluster), param_bytes=pb)
+    return simulate(cand.schedule, d, cand.num_micro_batches, stages, num_steps=num_steps, links=links)

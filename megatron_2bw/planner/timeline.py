@@ -1,0 +1,130 @@
+"""Pictures of a simulated pipeline: a Chrome trace (``chrome://tracing`` / Perfetto) and a PNG.
+
+Chrome trace: the JSON object format (``{"traceEvents": [...]}``), one process ("pipeline"),
+one thread row (``tid``) per stage, named ``stage r``. Each FORWARD / BACKWARD / APPLY_UPDATE is a
+complete event (``"ph": "X"``, microseconds) named like the schedules print them (``F3v1``,
+``B3v1``, ``U0``) with its microbatch, step and weight version in ``args``; receive waits are
+``wait RA3`` events (category ``wait``); step starts are instant events; each stage's memory is a
+counter track (``"ph": "C"``: static, activations). Open it in chrome://tracing or ui.perfetto.dev.
+
+PNG (matplotlib, Agg backend): one row per stage, forwards light and backwards dark in the colour
+of their microbatch (tab10 without its grey, by microbatch index within the step), updates grey, the start of
+every step a dashed line; below it, each stage's memory over time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..pipeline.actions import Op
+from .simulator import SimResult
+
+_US = 1e6
+_COMPUTE = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.APPLY_UPDATE: "update"}
+
+
+def chrome_trace(result: SimResult, *, title: str | None = None) -> dict[str, Any]:
+    """The trace as a dict (see the module docstring)."""
+    pid = 0
+    name = title or f"{result.schedule} d={result.d} m={result.m}"
+    ev: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}]
+    for r in range(result.d):
+        ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": r, "args": {"name": f"stage {r}"}})
+        ev.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": r, "args": {"sort_index": r}})
+    for stage_events in result.events:
+        for e in stage_events:
+            if e.op in _COMPUTE:
+                args = {"step": e.step}
+                if e.op is not Op.APPLY_UPDATE:
+                    args.update(microbatch=e.mb, version=e.version)
+                ev.append({"name": e.label, "cat": _COMPUTE[e.op], "ph": "X", "pid": pid, "tid": e.stage,
+                           "ts": e.start * _US, "dur": (e.end - e.start) * _US, "args": args})
+            elif e.op in (Op.RECV_ACT, Op.RECV_GRAD) and e.end > e.start:
+                ev.append({"name": f"wait {e.label}", "cat": "wait", "ph": "X", "pid": pid, "tid": e.stage,
+                           "ts": e.start * _US, "dur": (e.end - e.start) * _US, "args": {"microbatch": e.mb}})
+    for t, s in enumerate(result.step_starts):
+        ev.append({"name": f"step {result.first_step + t}", "ph": "i", "s": "g", "pid": pid, "tid": 0, "ts": s * _US})
+    for r, (mem, act) in enumerate(zip(result.memory, result.activation_memory)):
+        for (t, total), (_, a) in zip(mem, act):
+            ev.append({"name": f"memory stage {r}", "ph": "C", "pid": pid, "tid": r, "ts": t * _US,
+                       "args": {"static": result.static_bytes[r], "activations": max(total - result.static_bytes[r], 0)}})
+    ev.sort(key=lambda x: (x.get("ts", -1), x["tid"]))
+    return {"traceEvents": ev, "displayTimeUnit": "ms",
+            "otherData": {k: v for k, v in result.summary().items() if not isinstance(v, list)}}
+
+
+def write_chrome_trace(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:
+    p = Path(path)
+    p.write_text(json.dumps(chrome_trace(result, title=title)))
+    return p
+
+
+def write_png(result: SimResult, path: str | Path, *, title: str | None = None, memory: bool = True,
+              dpi: int = 110) -> Path:
+    """The timeline (and memory) as a PNG; see the module docstring."""
+    import matplotlib  # noqa: PLC0415 - optional dependency, imported when used
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.patches import Patch  # noqa: PLC0415
+
+    d, m = result.d, result.m
+    span = result.makespan or 1.0
+    unit, scale = ("ms", 1e3) if span < 10 else ("s", 1.0)
+    rows = 2 if memory else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(min(4 + 0.12 * sum(len(e) for e in result.events) / d, 22), 1.0 + 0.55 * d + (2.6 if memory else 0)),
+                             squeeze=False, gridspec_kw={"height_ratios": [max(d, 2), 3][:rows]}, sharex=True)
+    ax = axes[0][0]
+    tab = matplotlib.colormaps["tab10"]
+    palette = [tab(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # tab10 without its grey (updates are grey)
+
+    def cmap(i: int):
+        return palette[i % len(palette)]
+    for r, stage_events in enumerate(result.events):
+        y = d - 1 - r
+        for e in stage_events:
+            if e.op not in _COMPUTE or e.end <= e.start:
+                continue
+            x, w = e.start * scale, (e.end - e.start) * scale
+            if e.op is Op.APPLY_UPDATE:
+                ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="0.35", edgecolor="black", linewidth=0.3)
+                continue
+            color = cmap(e.mb % m)
+            fwd = e.op is Op.FORWARD
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=color, alpha=0.45 if fwd else 1.0,
+                           edgecolor="black", linewidth=0.3)
+            if w > span * scale / 120:
+                ax.text(x + w / 2, y, f"{e.mb}", ha="center", va="center", fontsize=6)
+    for t, s in enumerate(result.step_starts):
+        ax.axvline(s * scale, color="black", linestyle="--", linewidth=0.7)
+        ax.text(s * scale, d - 0.45, f" step {result.first_step + t}", fontsize=7, va="bottom")
+    ax.set_yticks(range(d))
+    ax.set_yticklabels([f"stage {d - 1 - i}" for i in range(d)])
+    ax.set_ylim(-0.6, d - 0.1 + 0.35)
+    ax.set_xlim(0, span * scale)
+    ax.legend(handles=[Patch(facecolor=cmap(0), alpha=0.45, label="forward"), Patch(facecolor=cmap(0), label="backward"),
+                       Patch(facecolor="0.35", label="optimizer update")], loc="upper right", fontsize=7, ncol=3,
+              bbox_to_anchor=(1.0, 1.18))
+    head = title or f"{result.schedule}  d={d}  m={m}"
+    ax.set_title(f"{head}:  {result.step_time_s * scale:.3g} {unit}/step steady state, "
+                 f"bubble {100 * result.bubble_fraction:.1f}%", fontsize=9, loc="left")
+    if memory:
+        mx = axes[1][0]
+        for r in range(d):
+            pts = result.memory[r]
+            xs = [t * scale for t, _ in pts] + [span * scale]
+            ys = [b / 2**20 for _, b in pts] + [pts[-1][1] / 2**20]
+            mx.step(xs, ys, where="post", label=f"stage {r}", linewidth=1.0)
+        mx.set_ylabel("MiB")
+        mx.set_xlabel(f"time ({unit})")
+        mx.legend(fontsize=7, ncol=min(d, 8), loc="upper right")
+        mx.set_title("memory per GPU: weights, gradients, optimizer state + stashed activations", fontsize=8, loc="left")
+    else:
+        ax.set_xlabel(f"time ({unit})")
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p, dpi=dpi)
+    plt.close(fig)
+    return p

@@ -1,0 +1,130 @@
+"""Profile a model's blocks on this device and write a planner profile (``--profile FILE``).
+
+    python tools/profile.py --model-preset gpt-2.2b --micro-batch-sizes 1 2 4 8 --precision bf16 \\
+        --out gpt-2.2b.h200.json [--tensor-parallel 1 2 4 8] [--reps 10 --warmup 3]
+    python tools/plan.py --model-preset gpt-2.2b --num-gpus 64 --global-batch-size 512 \\
+        --cluster dgx-h200 --precision bf16 --profile gpt-2.2b.h200.json
+
+Per microbatch size it measures the embedding, one transformer layer and the head (with the loss):
+forward and backward time (median of ``--reps`` after ``--warmup``, CUDA-synchronized), parameters,
+input/output bytes and the bytes autograd stashes, plus the optimizer step's time per parameter.
+The file follows ``megatron_2bw/planner/layer_costs.py``'s schema (with extra keys its loader
+ignores). Sizes at ``t > 1`` spawn ``t`` processes, one per local GPU (gloo processes on a CPU).
+Model shape flags override a preset. Bad input prints one ``error: ...`` line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# This file is named like the standard library's ``profile`` (which cProfile imports): keep its
+# folder off the import path so that name still means the standard library's module.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+from megatron_2bw.config import ModelConfig  # noqa: E402
+from megatron_2bw.errors import ConfigError  # noqa: E402
+from megatron_2bw.models.presets import GPT2_VOCAB, get_preset  # noqa: E402
+
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "ffn_hidden_size",
+         "max_position_embeddings")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset, or the shape flags; flags override a preset)")
+    m.add_argument("--model-preset")
+    m.add_argument("--model-kind", choices=("gpt", "bert"))
+    for flag in SHAPE:
+        m.add_argument("--" + flag.replace("_", "-"), type=int)
+    m.add_argument("--hidden-dropout", type=float, default=0.0)
+    m.add_argument("--attention-dropout", type=float, default=0.0)
+    r = p.add_argument_group("measurement")
+    r.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    r.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], help="tensor-parallel sizes (t > 1 spawns t processes)")
+    r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    r.add_argument("--device", help="cuda, cuda:1 or cpu (default: CUDA when available)")
+    r.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    r.add_argument("--reps", type=int, default=5)
+    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--no-optimizer", action="store_true", help="skip timing the optimizer step")
+    r.add_argument("--keep-going", action="store_true", help="on CUDA, stop at the first b that runs out of memory")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", required=True, help="profile JSON to write")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    over = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
+    if args.model_kind:
+        over["kind"] = args.model_kind
+    over["hidden_dropout"], over["attention_dropout"] = args.hidden_dropout, args.attention_dropout
+    if args.model_preset:
+        if "seq_length" in over and "max_position_embeddings" not in over:
+            over["max_position_embeddings"] = over["seq_length"]
+        return get_preset(args.model_preset, **over)
+    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    missing = [k for k in need if k not in over]
+    if missing:
+        raise ConfigError("give --model-preset or the shape flags (missing "
+                          + " ".join("--" + k.replace("_", "-") for k in missing) + ")")
+    over.setdefault("vocab_size", GPT2_VOCAB)
+    return ModelConfig(**over)
+
+
+def run(argv: list[str]) -> str:
+    args = build_parser().parse_args(argv)
+    cfg = model_from_args(args)
+    import torch  # noqa: PLC0415
+
+    from megatron_2bw.planner import profiler  # noqa: PLC0415
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but CUDA is not available")
+    start = time.perf_counter()
+    parts = []
+    for t in sorted(set(args.tensor_parallel)):
+        kw = dict(dtype=args.precision, warmup=args.warmup, reps=args.reps, optimizer=not args.no_optimizer)
+        if t == 1:
+            parts.append(profiler.profile_model(cfg, args.micro_batch_sizes, device=args.device, skip_oom=args.keep_going,
+                                                log=lambda s: print(f"t=1 {s}", file=sys.stderr), **kw))
+        else:
+            dev = torch.device(args.device) if args.device else None
+            parts.append(profiler.profile_tensor_parallel(cfg, t, args.micro_batch_sizes,
+                                                          device_type=dev.type if dev else None,
+                                                          threads=args.threads or 1, skip_oom=args.keep_going, **kw))
+    prof = profiler.merge_profiles(parts)
+    prof.write(args.out)
+    lines = [f"wrote {args.out}: {len(prof.entries)} (t, b) entries in {time.perf_counter() - start:.1f} s; {prof.source}"]
+    for (t, b), e in sorted(prof.entries.items()):
+        lines.append(f"  t={t} b={b}: layer fwd {e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms "
+                     f"stash {e.layer.stash_bytes / 2**20:.2f} MiB; head fwd {e.head.forward_s * 1e3:.3f} ms "
+                     f"bwd {e.head.backward_s * 1e3:.3f} ms stash {e.head.stash_bytes / 2**20:.2f} MiB")
+    if prof.optimizer:
+        lines.append(f"  optimizer step: {prof.optimizer.fixed_s * 1e6:.1f} us + {prof.optimizer.per_param_s * 1e9:.3f} ns/param")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        print(run(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

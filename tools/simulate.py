@@ -1,0 +1,170 @@
+"""Simulate a pipeline schedule: step time, bubble, memory per stage, a Chrome trace and a PNG.
+
+    python tools/simulate.py --schedule 2bw --d 4 --m 8 --profile gpt-2.2b.h200.json \\
+        --cluster dgx-h200 --trace out.json --png out.png
+    python tools/simulate.py --schedule flush --d 4 --m 8 --model-preset gpt-2.2b --cluster dgx-h200 \\
+        --precision bf16 --b 4 --recompute --png flush.png
+
+It runs the engine's own per-stage action lists (``pipeline/schedules.py``) with per-action times:
+forward/backward from the profile (or the analytic estimate of ``layer_costs.py`` without one),
+transfers over the cluster's links, the optimizer step and the gradient all-reduces (which 2BW
+overlaps with the next step). The cost model's closed-form prediction is printed beside it.
+Open the trace in chrome://tracing or https://ui.perfetto.dev. Bad input: one ``error:`` line, status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from megatron_2bw.config import ModelConfig  # noqa: E402
+from megatron_2bw.errors import ConfigError  # noqa: E402
+from megatron_2bw.models.presets import GPT2_VOCAB, get_preset  # noqa: E402
+from megatron_2bw.planner.cost_model import predict  # noqa: E402
+from megatron_2bw.planner.hardware import GiB, load_cluster  # noqa: E402
+from megatron_2bw.planner.layer_costs import analytic_microbatch_costs  # noqa: E402
+from megatron_2bw.planner.memory_model import Candidate, ParamBytes  # noqa: E402
+from megatron_2bw.planner.profiler import load_full_profile  # noqa: E402
+from megatron_2bw.planner.simulator import RECOMPUTE_SCOPES, simulate_plan  # noqa: E402
+
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "ffn_hidden_size",
+         "max_position_embeddings")
+DEFAULT_CLUSTER = "aws-p3.16xlarge"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("pipeline")
+    s.add_argument("--schedule", choices=("2bw", "flush", "gpipe"), required=True)
+    s.add_argument("--d", type=int, required=True, help="pipeline depth (stages)")
+    s.add_argument("--m", type=int, required=True, help="microbatches per step per pipeline")
+    s.add_argument("--b", type=int, help="microbatch size (default: the profile's smallest, else 1)")
+    s.add_argument("--t", type=int, default=1, help="tensor-parallel size")
+    s.add_argument("--w", type=int, default=1, help="data-parallel width (sets the all-reduce cost)")
+    s.add_argument("--recompute", action="store_true")
+    s.add_argument("--recompute-scope", choices=RECOMPUTE_SCOPES, default="stage",
+                   help="stage: our engine re-runs the whole stage; layers: Megatron re-runs only the transformer layers")
+    s.add_argument("--steps", type=int, default=6, help="steps in the simulated segment (>= 3 for a steady state)")
+    m = p.add_argument_group("model and costs")
+    m.add_argument("--profile", help="a profile from tools/profile.py (else the analytic estimate)")
+    m.add_argument("--model-preset")
+    m.add_argument("--model-kind", choices=("gpt", "bert"))
+    for flag in SHAPE:
+        m.add_argument("--" + flag.replace("_", "-"), type=int)
+    m.add_argument("--hidden-dropout", type=float, default=None)
+    m.add_argument("--attention-dropout", type=float, default=None)
+    m.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"preset or JSON file (default {DEFAULT_CLUSTER})")
+    m.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
+                   help="default: the profile's, else fp16 (sets bytes per parameter and activation)")
+    o = p.add_argument_group("output")
+    o.add_argument("--trace", help="write a Chrome trace (JSON) here")
+    o.add_argument("--png", help="write a timeline PNG here")
+    o.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def _model(args, from_profile: ModelConfig | None) -> ModelConfig:
+    over = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
+    for k in ("hidden_dropout", "attention_dropout"):
+        if getattr(args, k) is not None:
+            over[k] = getattr(args, k)
+    if args.model_kind:
+        over["kind"] = args.model_kind
+    if args.model_preset:
+        if "seq_length" in over and "max_position_embeddings" not in over:
+            over["max_position_embeddings"] = over["seq_length"]
+        return get_preset(args.model_preset, **over)
+    if from_profile is not None:
+        from dataclasses import replace  # noqa: PLC0415
+
+        return replace(from_profile, **over) if over else from_profile
+    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    if any(k not in over for k in need):
+        raise ConfigError("give --model-preset, the shape flags, or a --profile that records its model")
+    over.setdefault("vocab_size", GPT2_VOCAB)
+    return ModelConfig(**over)
+
+
+def run(argv: list[str]) -> str:
+    args = build_parser().parse_args(argv)
+    for k in ("d", "m", "t", "w", "steps"):
+        if getattr(args, k) < 1:
+            raise ConfigError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    cluster = load_cluster(args.cluster)
+    loaded = load_full_profile(args.profile) if args.profile else None
+    model = _model(args, loaded.model if loaded else None)
+    optimizer = None
+    nograd = None
+    precision = args.precision or (loaded.meta.get("dtype") if loaded else None) or "fp16"
+    if loaded is not None:
+        sizes = loaded.costs.micro_batch_sizes(args.t)
+        if not sizes:
+            raise ConfigError(f"profile {args.profile} has no entries for t={args.t} (has t in {loaded.costs.tensor_sizes()})")
+        b = args.b or sizes[0]
+        costs = loaded.costs.at(args.t, b)
+        if costs is None:
+            raise ConfigError(f"profile {args.profile} has no b={b} at t={args.t} (has b in {sizes})")
+        optimizer = loaded.optimizer
+        nograd = {blk: v for blk in ("embedding", "layer", "head")
+                  if (v := loaded.forward_nograd_s(args.t, b, blk)) is not None}
+        source = loaded.costs.source
+    else:
+        b = args.b or 1
+        costs = analytic_microbatch_costs(model, cluster, precision, args.t, b)
+        source = f"analytic estimate ({cluster.device}, {precision})"
+    cand = Candidate(args.t, args.d, args.w, b, args.m, args.recompute, args.schedule)
+    pb = ParamBytes.for_precision(precision)
+    res = simulate_plan(costs, cand, model.num_layers, cluster, num_steps=args.steps, param_bytes=pb,
+                        recompute_scope=args.recompute_scope, forward_nograd_s=nograd, optimizer=optimizer)
+    pred = predict(costs, cand, model.num_layers, cluster, pb)
+    title = f"{args.schedule} d={args.d} m={args.m} b={b} t={args.t} w={args.w}" + (" recompute" if args.recompute else "")
+    if args.trace:
+        from megatron_2bw.planner.timeline import write_chrome_trace  # noqa: PLC0415
+
+        write_chrome_trace(res, args.trace, title=title)
+    if args.png:
+        from megatron_2bw.planner.timeline import write_png  # noqa: PLC0415
+
+        write_png(res, args.png, title=title)
+    summary = res.summary()
+    summary.update(samples_per_sec=cand.global_batch_size / res.step_time_s if res.step_time_s else None,
+                   cost_model_batch_s=pred.batch_s, costs_source=source, micro_batch_size=b)
+    lines = [
+        f"{title}; {model.kind}, {model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}",
+        f"costs: {source}",
+        f"simulated step time (steady state): {res.step_time_s * 1e3:.3f} ms   "
+        f"({summary['samples_per_sec']:.1f} samples/s at global batch {cand.global_batch_size})",
+        f"bubble: {100 * res.bubble_fraction:.1f}% of stage time idle in steady state",
+        f"cost model (closed form): {pred.batch_s * 1e3:.3f} ms per batch",
+        "peak memory per stage (GiB, weights+grads+optimizer + activations): "
+        + " ".join(f"{x / GiB:.2f}" for x in res.peak_bytes),
+        "peak stashed activations per stage (MiB): " + " ".join(f"{x / 2**20:.1f}" for x in res.peak_activation_bytes),
+    ]
+    if args.trace:
+        lines.append(f"trace: {args.trace}")
+    if args.png:
+        lines.append(f"png: {args.png}")
+    return json.dumps(summary, indent=2) if args.json else "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        print(run(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
