@@ -65,7 +65,11 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, help="default 2bw")
     g.add_argument("--pipeline-no-flushes", action="store_true", help="2021 spelling of --pipeline-schedule 2bw")
     g.add_argument("--gpipe", action="store_true", help="2021 spelling of --pipeline-schedule gpipe")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, help="required unless --auto-plan")
+    g.add_argument("--auto-plan", action="store_true",
+                   help="let the planner choose t, d, --micro-batch-size, recomputation and the schedule")
+    g.add_argument("--auto-plan-profile", help="profile JSON to plan from (written here by a single-process run)")
+    g.add_argument("--cluster", help="--auto-plan: cluster preset or JSON file (default: describe this machine)")
     g.add_argument("--global-batch-size", type=int, help="default: micro batch size x data-parallel size")
     g.add_argument("--recompute-activations", action="store_true")
     g.add_argument("--checkpoint-activations", action="store_true", help="old spelling of --recompute-activations")
@@ -298,6 +302,7 @@ def parallel_config(args: argparse.Namespace, model: ModelConfig, world_size: in
 def batch_sizes(args: argparse.Namespace, w: int) -> tuple[int, int]:
     """(global batch B, microbatches per step per pipeline m) with B = b * m * w."""
     b = args.micro_batch_size
+    _require(b is not None, "--micro-batch-size is required (or give --auto-plan)")
     _require(b >= 1, f"--micro-batch-size must be >= 1, got {b}")
     B = args.global_batch_size if args.global_batch_size is not None else b * w
     _require(B >= 1, f"--global-batch-size must be >= 1, got {B}")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from ..arguments import RunConfig, build_config, env_world, parse_args
 from ..errors import ConfigError
+from .auto_layout import apply_auto_plan
 
 log = logging.getLogger("megatron_2bw")
 
@@ -101,7 +102,7 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     try:
         rank, world = env_world()
         setup_logging(rank)
-        args = parse_args(argv, kind)
+        args = apply_auto_plan(parse_args(argv, kind), kind, world)
         cfg = build_config(args, kind, world)
         prep = prepare(cfg, rank)
     except ConfigError as e:
