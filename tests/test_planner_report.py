@@ -1,6 +1,7 @@
 """Output: the flags of the best configuration, JSON, the paper's comparisons, and the CLI."""
 
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ from megatron_2bw.planner.report import (
 from megatron_2bw.planner.search import PlanRequest, default_costs, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import plan  # noqa: E402
+_spec = importlib.util.spec_from_file_location("tool_plan", os.path.join(ROOT, "tools", "plan.py"))
+plan = importlib.util.module_from_spec(_spec)  # loaded by path: tools/ never goes on sys.path
+_spec.loader.exec_module(plan)
 
 V100 = load_cluster("aws-p3.16xlarge")
 BEST_FIELDS = {"tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "recompute",

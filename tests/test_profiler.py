@@ -95,7 +95,7 @@ def test_profile_round_trips_through_the_planner(tiny, tmp_path, capsys):
 
 
 def test_profile_tool(tmp_path, capsys):
-    tool = _tool("profile")
+    tool = _tool("profile_model")
     out = tmp_path / "p.json"
     assert tool.main(["--model-preset", "bert-tiny", "--micro-batch-sizes", "2", "--reps", "1", "--warmup", "0",
                       "--threads", "1", "--out", str(out)]) == 0

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage: our engine re-runs the whole stage; layers: Megatron re-runs only the transformer layers")
     s.add_argument("--steps", type=int, default=6, help="steps in the simulated segment (>= 3 for a steady state)")
     m = p.add_argument_group("model and costs")
-    m.add_argument("--profile", help="a profile from tools/profile.py (else the analytic estimate)")
+    m.add_argument("--profile", help="a profile from tools/profile_model.py (else the analytic estimate)")
     m.add_argument("--model-preset")
     m.add_argument("--model-kind", choices=("gpt", "bert"))
     for flag in SHAPE:

@@ -3,7 +3,7 @@
 It runs before validation and before any process group, like every other input check, so every
 rank must reach the same choice on its own. One process profiles its device (or loads
 ``--auto-plan-profile``); a multi-process job plans from a profile file made beforehand (by a
-single-process ``--auto-plan`` run or ``tools/profile.py``): ranks that profiled apart could
+single-process ``--auto-plan`` run or ``tools/profile_model.py``): ranks that profiled apart could
 pick different layouts and hang each other.
 """
 
@@ -37,7 +37,7 @@ def apply_auto_plan(args: argparse.Namespace, kind: str, world: int) -> argparse
     if world > 1 and not (path and os.path.isfile(path)):
         raise ConfigError(
             f"--auto-plan with {world} processes needs --auto-plan-profile FILE made beforehand "
-            "(a single-process --auto-plan run or tools/profile.py writes it): ranks must not profile apart"
+            "(a single-process --auto-plan run or tools/profile_model.py writes it): ranks must not profile apart"
         )
     from dataclasses import replace  # noqa: PLC0415
 

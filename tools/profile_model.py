@@ -1,6 +1,6 @@
 """Profile a model's blocks on this device and write a planner profile (``--profile FILE``).
 
-    python tools/profile.py --model-preset gpt-2.2b --micro-batch-sizes 1 2 4 8 --precision bf16 \\
+    python tools/profile_model.py --model-preset gpt-2.2b --micro-batch-sizes 1 2 4 8 --precision bf16 \\
         --out gpt-2.2b.h200.json [--tensor-parallel 1 2 4 8] [--reps 10 --warmup 3]
     python tools/plan.py --model-preset gpt-2.2b --num-gpus 64 --global-batch-size 512 \\
         --cluster dgx-h200 --precision bf16 --profile gpt-2.2b.h200.json
@@ -18,11 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# This file is named like the standard library's ``profile`` (which cProfile imports): keep its
-# folder off the import path so that name still means the standard library's module.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import time  # noqa: E402
