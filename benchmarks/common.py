@@ -1,0 +1,223 @@
+"""Helpers shared by the benchmarks: model flags, data, process spawning, statistics and output.
+
+Nothing here measures anything by itself. The benchmarks are scripts (``python
+benchmarks/<name>.py``); this module sits beside them and is imported as ``common``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterable, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout without installing the package
+    sys.path.insert(0, ROOT)
+
+
+# ---------------------------------------------------------------------------------------- model flags
+def add_model_args(p: argparse.ArgumentParser, *, layers=4, hidden=256, heads=4, seq=128, micro_batch=4,
+                   vocab=1000) -> None:
+    g = p.add_argument_group("model (a GPT built from megatron_2bw's layers)")
+    g.add_argument("--layers", type=int, default=layers, help="transformer layers (divisible by every d)")
+    g.add_argument("--hidden", type=int, default=hidden)
+    g.add_argument("--heads", type=int, default=heads)
+    g.add_argument("--seq", type=int, default=seq, help="sequence length")
+    g.add_argument("--micro-batch", type=int, default=micro_batch, help="b, samples per microbatch")
+    g.add_argument("--vocab", type=int, default=vocab, help="vocabulary (padded to a multiple of 128)")
+
+
+def model_dict(args: argparse.Namespace) -> dict:
+    """ModelConfig fields of the flags (a plain dict: it travels to spawned processes)."""
+    return dict(kind="gpt", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                seq_length=args.seq, max_position_embeddings=args.seq, vocab_size=args.vocab)
+
+
+def token_pool(cfg, n: int, b: int, seed: int = 99):
+    """``n`` fixed random microbatches of GPT token samples, ``[n, b, s+1]`` (int64)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (n, b, cfg.seq_length + 1), generator=g)
+
+
+# ---------------------------------------------------------------------------------------- machine
+def machine_info() -> dict:
+    import torch
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    info = {
+        "cpu": model or platform.processor(), "logical_cpus": os.cpu_count(), "cpus_usable": affinity,
+        "loadavg_at_start": load, "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "torch_threads_per_process": 1,
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def cpu_busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all processes, every core), from /proc/stat.
+
+    Differences over a segment, minus our own processes' CPU time, give the load that other jobs
+    put on the machine while we measured (0 where /proc/stat is missing)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    v = [int(x) for x in fields]
+    busy = v[0] + v[1] + v[2] + sum(v[5:8])  # user nice system irq softirq steal (not idle, iowait)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(max_cpus: float, timeout_s: float, sample_s: float = 1.0) -> float:
+    """Sleep until the machine's busy CPUs (sampled over ``sample_s``) drop under ``max_cpus``;
+    give up after ``timeout_s``. Call while our own processes idle. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        b0 = cpu_busy_seconds()
+        time.sleep(sample_s)
+        if (cpu_busy_seconds() - b0) / sample_s < max_cpus:
+            break
+    return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------------------- processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        try:
+            result = fn(*args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable, world: int, *args: Any, timeout: float = 1800.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world`` spawned gloo processes (1 torch thread each, no core pinning).
+
+    The processes are started once and live for the whole call, so every round of a benchmark
+    runs inside the same process group. Returns the per-rank results; raises on a worker error
+    or when ``timeout`` seconds pass (a hang fails, never blocks forever).
+    """
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads there
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{fn.__name__} on {world} processes did not finish within {timeout:.0f}s")
+            try:
+                rank, ok, value = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{fn.__name__}: a worker died with exit code {dead[0].exitcode}")
+                continue
+            if not ok:
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            results[rank] = pickle.loads(value)
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---------------------------------------------------------------------------------------- statistics
+def median(xs: Iterable[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def ideal_vs_single(system: str, d: int, m: int) -> float:
+    """Bubble-limited speedup over one process with perfectly balanced stages and free transfers."""
+    if system in ("single", "engine_d1"):
+        return 1.0
+    if system == "2bw":
+        return float(d)
+    return d * m / (m + d - 1)  # flush, gpipe, torch_1f1b, torch_gpipe: a fill and a drain every step
+
+
+# ---------------------------------------------------------------------------------------- output
+def fmt(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def table(rows: Sequence[dict], cols: Sequence[tuple[str, str, str]]) -> str:
+    """Plain-text table; ``cols`` are (key, header, format spec)."""
+    cells = [[h for _, h, _ in cols]] + [[fmt(r.get(k), s) for k, _, s in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, obj: dict) -> None:
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.write("\n")
+    print(f"wrote {path}")

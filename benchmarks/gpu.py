@@ -1,0 +1,211 @@
+"""Single-GPU tokens/s and model FLOP utilization of GPT 355M and 1.3B (bf16) with our layers.
+
+Two loops per model, on the same layers (``ModelSpec`` with ``select_kernels('auto', 'cuda')``):
+
+- ``engine_2bw_d1``: our ``PipelineStage`` with d = 1, PipeDream-2BW, bf16 weights and gradients,
+  fp32 master weights and Adam moments, global-norm clipping (the trainer's real path).
+- ``plain``: a plain loop over the same layer list in pure bf16 (bf16 parameters updated by
+  ``torch.optim.AdamW(fused=True)``, no fp32 master): the compute roofline of these layers.
+
+Model FLOPs per token = ``6 N + 12 L s h`` (weights, forward and backward, plus the attention
+score and value matmuls with no causal discount, as in Narayanan et al. 2021); MFU = achieved
+FLOP/s over the device's dense bf16 peak (H100/H200 989 TFLOP/s, A100 312).
+
+A pipeline of two stages on one GPU (two processes sharing it over gloo) would only measure the
+transport, so it is not run. On a machine without CUDA this exits 0 after printing
+"no CUDA device; skipped" (``--allow-cpu`` runs a tiny model on the CPU to exercise the code).
+Runtime on an H200: about 2-3 minutes, most of it building the 1.3B model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+DEFAULT_MICRO = {"gpt-355m": 8, "gpt-1.3b": 4}
+
+
+def peak_flops(name: str) -> float | None:
+    for key, value in PEAK_BF16:
+        if key in name.upper():
+            return value
+    return None
+
+
+def flops_per_token(cfg) -> float:
+    return 6.0 * cfg.num_parameters() + 12.0 * cfg.num_layers * cfg.seq_length * cfg.hidden_size
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(spec, cfg, b: int, n: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (n, b, cfg.seq_length + 1), generator=g)
+    return [{k: v.to(device) for k, v in spec.make_batch(t).items()} for t in tokens]
+
+
+def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, device) -> dict:
+    import torch
+
+    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.parallel_state import ParallelState
+    from megatron_2bw.pipeline.executor import PipelineStage
+
+    state = ParallelState.single(device)
+    pipe = PipelineConfig("2bw", b, m, recompute=False, track_memory=False)
+    opt = OptimizerConfig("adam", lr=1e-4, dtype=dtype, clip_grad=1.0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    stage = PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state, pipe, opt,
+                          (b, cfg.seq_length, cfg.hidden_size))
+    build_s = time.perf_counter() - t0
+    batches = _batches(spec, cfg, b, 2 * m, device)
+
+    def get_batch(mb):
+        return batches[mb % len(batches)]
+
+    stage.train(warmup, get_batch, lambda t: 1e-4)
+    _sync(device)
+    t0 = time.perf_counter()
+    res = stage.train(steps, get_batch, lambda t: 1e-4)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    out = dict(seconds=dt, steps=steps, build_s=build_s, last_loss=res[-1].loss,
+               skipped=sum(r.skipped for r in res))
+    if device.type == "cuda":
+        out["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del stage
+    return out
+
+
+def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device) -> dict:
+    import torch
+    from torch import nn
+
+    from megatron_2bw.models.spec import run_layers
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    layers = nn.ModuleList(spec.build(0, cfg.num_layers + 2)).to(device=device, dtype=dtype)
+    build_s = time.perf_counter() - t0
+    params = list(layers.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    loss_fn = spec.loss_fn()
+    batches = _batches(spec, cfg, b, 2 * m, device)
+    loss = None
+
+    def step(k):
+        nonlocal loss
+        for i in range(m):
+            batch = batches[(k * m + i) % len(batches)]
+            loss = loss_fn(run_layers(layers, batch), batch) / m
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for k in range(warmup):
+        step(k)
+    _sync(device)
+    t0 = time.perf_counter()
+    for k in range(steps):
+        step(warmup + k)
+    _sync(device)
+    dt = time.perf_counter() - t0
+    out = dict(seconds=dt, steps=steps, build_s=build_s, last_loss=loss.item() * m)
+    if device.type == "cuda":
+        out["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del layers, opt, params
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["gpt-355m", "gpt-1.3b"])
+    p.add_argument("--micro-batch", type=int, default=0, help="b (default: 8 for 355M, 4 for 1.3B)")
+    p.add_argument("--m", type=int, default=4, help="microbatches per step")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--systems", nargs="+", default=["engine_2bw_d1", "plain"], choices=["engine_2bw_d1", "plain"])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run a tiny fp32 model on the CPU (tests the script)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from megatron_2bw.fused import select_kernels
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.tensor_parallel.group import TPGroup
+
+    machine = common.machine_info()
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("no CUDA device; skipped")
+        common.write_json(args.json, {"skipped": True, "reason": "no CUDA device", "results": [], "machine": machine})
+        return 0
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype_name, dtype = ("bf16", torch.bfloat16) if cuda else ("fp32", torch.float32)
+    models = args.models if cuda else ["gpt-tiny"]
+    kernels = select_kernels("auto", device.type)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    peak = peak_flops(name) if cuda else None
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    results = []
+    for model in models:
+        cfg = get_preset(model)
+        b = args.micro_batch or DEFAULT_MICRO.get(model, 2)
+        spec = ModelSpec(cfg, TPGroup(), 1234, kernels=kernels)
+        tokens_per_step = args.m * b * cfg.seq_length
+        fpt = flops_per_token(cfg)
+        for system in args.systems:
+            try:
+                if system == "engine_2bw_d1":
+                    r = run_engine(spec, cfg, b, args.m, args.steps, args.warmup, dtype_name, device)
+                else:
+                    r = run_plain(spec, cfg, b, args.m, args.steps, args.warmup, dtype, device)
+                tps = r["steps"] * tokens_per_step / r["seconds"]
+                row = dict(model=model, system=system, params=cfg.num_parameters(), micro_batch=b, m=args.m,
+                           seq=cfg.seq_length, dtype=dtype_name, tokens_per_sec=tps,
+                           model_tflops_per_sec=tps * fpt / 1e12,
+                           mfu=(tps * fpt / peak) if peak else None, **r)
+            except torch.cuda.OutOfMemoryError as exc:  # type: ignore[attr-defined]
+                row = dict(model=model, system=system, error=f"out of memory: {exc}".splitlines()[0])
+            results.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    cols = [("model", "model", ""), ("system", "system", ""), ("micro_batch", "b", ""), ("m", "m", ""),
+            ("tokens_per_sec", "tokens/s", ".0f"), ("model_tflops_per_sec", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
+            ("peak_memory_GiB", "peak GiB", ".1f"), ("build_s", "build s", ".1f")]
+    print(f"\n{name}: peak bf16 {peak / 1e12 if peak else '-'} TFLOP/s; kernels {kernels.describe()}")
+    print(common.table(results, cols))
+    common.write_json(args.json, {
+        "skipped": False, "results": results, "machine": dict(machine, device=name, peak_bf16_flops=peak),
+        "config": dict(models=models, m=args.m, steps=args.steps, warmup=args.warmup, kernels=kernels.describe(),
+                       flops_per_token="6N + 12 L s h", pipeline_on_one_gpu="not run (two processes on one GPU over gloo measures only the transport)"),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

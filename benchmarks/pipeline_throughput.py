@@ -1,0 +1,569 @@
+"""Pipeline throughput on CPU: our 2BW / Flush / GPipe against one process and torch.distributed.pipelining.
+
+Every system trains the same GPT layers (``ModelSpec``), split into the same stages
+(``stage_range``), on the same microbatches, with the same update work (AdamW with weight
+decay, global-norm clipping at 1.0, tied word-embedding gradient all-reduced between the first
+and last stage), one torch thread per process and no core pinning:
+
+- ``single``: one process, the whole model, a plain loop: m forward/backward passes
+  accumulating gradients, ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (the fastest
+  torch CPU optimizer; a strong baseline).
+- ``engine_d1``: our engine with d = 1 (PipeDream-Flush) on the same model: executor overhead.
+- ``2bw``, ``flush``, ``gpipe``: our engine at depth d.
+- ``torch_1f1b``, ``torch_gpipe``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
+  ``ScheduleGPipe`` over ``PipelineStage``s wrapping the very same stage layer lists, plus an
+  AdamW(fused) step after the same tied-embedding and clipping all-reduces.
+
+Fairness: the d processes are spawned once and every round of every system runs inside that
+process group. ``single`` and ``engine_d1`` run on rank 0 while the other ranks wait in a gloo
+barrier (blocking, not spinning: the waiting ranks' CPU time is measured and reported), so the
+one-process baseline has a whole core, exactly like one stage of the pipelines.
+
+Measurement: the machine's speed drifts (other jobs, turbo), so systems run in alternating
+rounds (round k: single, engine_d1, 2bw, flush, gpipe, torch_1f1b, torch_gpipe, each a segment
+of K steps); every ratio is taken inside one round and the medians over rounds are reported.
+Throughput is steady state: on stage 0 the time from the first forward of step 1 to the first
+forward of step K-1 of a segment, so it covers K-2 whole steps (bubbles, reductions and updates
+included) and excludes only the fill before and the drain after the segment, which a long 2BW
+run pays once. The wall-clock throughput of the whole segment is reported next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+SYSTEMS = ("single", "engine_d1", "2bw", "flush", "gpipe", "torch_1f1b", "torch_gpipe")
+OURS = ("2bw", "flush", "gpipe")
+TORCH = {"torch_1f1b": "Schedule1F1B", "torch_gpipe": "ScheduleGPipe"}
+LR = 1e-4
+CLIP = 1.0
+WD = 0.01
+
+
+# ============================================================================ runners (inside a worker)
+class _Ctx:
+    """What every runner of one worker shares: the model spec, the loss, the data, the groups."""
+
+    def __init__(self, conf: dict):
+        import torch
+        import torch.distributed as dist
+
+        from megatron_2bw.config import ModelConfig
+        from megatron_2bw.models.spec import ModelSpec
+        from megatron_2bw.parallel_state import build_state
+        from megatron_2bw.tensor_parallel.group import TPGroup
+
+        self.conf = conf
+        self.d = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.state = build_state(1, self.d, 1, torch.device("cpu"))
+        self.cfg = ModelConfig(**conf["model"])
+        self.b = conf["micro_batch"]
+        torch.manual_seed(1234)
+        self.spec = ModelSpec(self.cfg, TPGroup(), 1234)
+        self.loss_fn = self.spec.loss_fn()
+        tokens = common.token_pool(self.cfg, conf["pool"], self.b)
+        self.batches = [self.spec.make_batch(t) for t in tokens]  # microbatch i = batches[i % pool]
+        self.act_shape = (self.b, self.cfg.seq_length, self.cfg.hidden_size)
+
+
+class Runner:
+    """One system at one m: ``run(K)`` trains a segment of K steps.
+
+    Returns stage 0's K step-start times (the first forward of each step) and the end time."""
+
+    def run(self, k: int) -> list[float]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class SingleRunner(Runner):
+    """The plain single-process loop (rank 0 only)."""
+
+    def __init__(self, ctx: _Ctx, m: int):
+        import torch
+        from torch import nn
+
+        self.ctx, self.m = ctx, m
+        L = ctx.cfg.num_layers
+        self.layers = nn.ModuleList(ctx.spec.build(0, L + 2))
+        self.params = list(self.layers.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+        self.next_mb = 0
+
+    def run(self, k: int) -> list[float]:
+        import time as _t
+
+        import torch
+
+        from megatron_2bw.models.spec import run_layers
+
+        ctx, m, marks = self.ctx, self.m, []
+        for _ in range(k):
+            marks.append(_t.perf_counter())
+            for _ in range(m):
+                batch = ctx.batches[self.next_mb % len(ctx.batches)]
+                self.next_mb += 1
+                loss = ctx.loss_fn(run_layers(self.layers, batch), batch) / m
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP, foreach=True)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        marks.append(_t.perf_counter())
+        return marks
+
+
+class EngineRunner(Runner):
+    """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone)."""
+
+    def __init__(self, ctx: _Ctx, schedule: str, m: int, single: bool = False):
+        from megatron_2bw.config import OptimizerConfig, PipelineConfig
+        from megatron_2bw.parallel_state import ParallelState
+        from megatron_2bw.pipeline.executor import PipelineStage
+
+        self.ctx, self.m = ctx, m
+        state = ParallelState.single() if single else ctx.state
+        d, r = state.d, state.pp_rank
+        pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"])
+        opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=CLIP, dtype="fp32")
+        self.stage = PipelineStage(lambda: ctx.spec.build_stage(d, r), ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+
+    def run(self, k: int) -> list[float]:
+        import time as _t
+
+        ctx, m, marks = self.ctx, self.m, {}
+        batches, n = ctx.batches, len(ctx.batches)
+
+        def get_batch(mb: int) -> dict:
+            if mb % m == 0 and mb // m not in marks:
+                marks[mb // m] = _t.perf_counter()
+            return batches[mb % n]
+
+        self.stage.train(k, get_batch, lambda step: LR)
+        return [marks[t] for t in sorted(marks)] + [_t.perf_counter()]
+
+
+class _TorchStageModule:
+    """Built lazily (torch import): an nn.Module running one stage's layer list on plain tensors."""
+
+    @staticmethod
+    def make(layers, first: bool):
+        from torch import nn
+
+        class StageModule(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.ModuleList(layers)
+                self.first = first
+
+            def forward(self, x):
+                if self.first:  # the first stage's input is the token ids
+                    batch, x = {"tokens": x}, None
+                else:
+                    batch = {}
+                for layer in self.layers:
+                    x = layer(x, batch)
+                return x
+
+        return StageModule()
+
+
+class TorchRunner(Runner):
+    """``torch.distributed.pipelining`` Schedule1F1B / ScheduleGPipe over the same stage layers."""
+
+    def __init__(self, ctx: _Ctx, which: str, m: int):
+        import torch
+        from torch.distributed import pipelining as pp
+
+        self.ctx, self.m = ctx, m
+        st = ctx.state
+        d, r = st.d, st.pp_rank
+        self.module = _TorchStageModule.make(ctx.spec.build_stage(d, r), first=st.is_first_stage)
+        self.stage = pp.PipelineStage(self.module, r, d, torch.device("cpu"))
+        ones = torch.ones(ctx.b, ctx.cfg.seq_length)
+        gpt_loss = ctx.loss_fn
+
+        def loss_fn(out, target):  # the same masked-mean LM loss as the engine's
+            return gpt_loss(out, {"labels": target, "loss_mask": ones})
+
+        cls = getattr(pp, TORCH[which])
+        self.schedule = cls(self.stage, m, loss_fn=loss_fn)  # scale_grads=True: mean over microbatches
+        self.params = list(self.module.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+        # the tied word embedding: first and last stage hold a copy; all-reduce its gradient
+        self.shared = [p for p in self.params if getattr(p, "shared_embedding", False)] if d > 1 else []
+        # each parameter counted once in the global norm (the tied copy only on the first stage)
+        self.norm_params = [p for p in self.params if st.is_first_stage or not getattr(p, "shared_embedding", False)]
+        n = len(ctx.batches)
+        self.inputs, self.targets = [], []
+        for s in range(max(1, n // m)):  # whole-batch inputs: m microbatches concatenated
+            mbs = [ctx.batches[(s * m + i) % n] for i in range(m)]
+            self.inputs.append(torch.cat([b["tokens"] for b in mbs]))
+            self.targets.append(torch.cat([b["labels"] for b in mbs]))
+        self.next_step = 0
+
+    def run(self, k: int) -> list[float]:
+        import time as _t
+
+        import torch
+        import torch.distributed as dist
+
+        st, marks = self.ctx.state, []
+        for _ in range(k):
+            marks.append(_t.perf_counter())
+            i = self.next_step % len(self.inputs)
+            self.next_step += 1
+            if st.is_first_stage:
+                self.schedule.step(self.inputs[i])
+            elif st.is_last_stage:
+                self.schedule.step(target=self.targets[i], return_outputs=False)
+            else:
+                self.schedule.step()
+            for p in self.shared:
+                dist.all_reduce(p.grad, group=st.embedding_group)
+            grads = [p.grad for p in self.norm_params if p.grad is not None]
+            sumsq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
+            dist.all_reduce(sumsq, group=st.model_group)
+            coef = CLIP / (math.sqrt(float(sumsq)) + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        marks.append(_t.perf_counter())
+        return marks
+
+
+def _stage_compute_ms(ctx: _Ctx, reps: int) -> list[float]:
+    """Forward+backward ms of one microbatch through each stage alone (one stage at a time).
+
+    The pipelines' ceiling is sum(stage times) / max(stage time): stages are cut by layers, and
+    the first stage (embedding) is lighter than the last (head and cross-entropy).
+    """
+    import time as _t
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    st = ctx.state
+    layers = nn.ModuleList(ctx.spec.build_stage(st.d, st.pp_rank))
+    out = []
+    for r in range(st.d):
+        dist.barrier()
+        if r == st.pp_rank:
+            ts = []
+            for i in range(reps + 1):
+                batch = ctx.batches[i % len(ctx.batches)]
+                x = None if st.is_first_stage else torch.randn(ctx.act_shape, requires_grad=True)
+                t0 = _t.perf_counter()
+                y = x
+                for layer in layers:
+                    y = layer(y, batch)
+                if st.is_last_stage:
+                    ctx.loss_fn(y, batch).backward()
+                else:
+                    y.backward(torch.ones_like(y))
+                if i:
+                    ts.append((_t.perf_counter() - t0) * 1e3)
+            t = torch.tensor([sorted(ts)[len(ts) // 2]], dtype=torch.float64)
+        else:
+            t = torch.zeros(1, dtype=torch.float64)
+        dist.all_reduce(t)  # only rank r contributed
+        out.append(float(t))
+    return out
+
+
+def install_p2p_plan() -> bool:
+    """Make the engine hand P2P each segment's receive plan (the change proposed for executor.py).
+
+    A no-op returning False when ``PipelineStage.train`` already does it."""
+    import inspect
+
+    from megatron_2bw.pipeline import executor as ex
+    from megatron_2bw.pipeline.actions import Op
+    from megatron_2bw.pipeline.schedules import stage_actions
+
+    if "p2p.plan(" in inspect.getsource(ex.PipelineStage.train):
+        return False
+    orig = ex.PipelineStage.train
+
+    def train(self, num_steps, get_batch, lr_fn):
+        s = self.state
+        acts = stage_actions(self.pipe.schedule, s.d, s.pp_rank, self.pipe.num_microbatches, self.step, num_steps)
+        self.p2p.plan([("act" if a.op is Op.RECV_ACT else "grad", a.mb) for a in acts if a.op in (Op.RECV_ACT, Op.RECV_GRAD)])
+        return orig(self, num_steps, get_batch, lr_fn)
+
+    ex.PipelineStage.train = train
+    return True
+
+
+def worker(conf: dict) -> dict:
+    """Runs inside each of the d processes: build every system, then the rounds."""
+    if conf.get("p2p_plan"):
+        install_p2p_plan()
+    import time as _t
+
+    import torch
+    import torch.distributed as dist
+
+    ctx = _Ctx(conf)
+    rank, d = ctx.rank, ctx.d
+    systems = conf["systems"]
+    runners: dict[tuple[str, int], Runner] = {}
+    for m in conf["ms"]:
+        for s in systems:
+            if s in ("single", "engine_d1"):
+                if rank == 0:
+                    runners[s, m] = SingleRunner(ctx, m) if s == "single" else EngineRunner(ctx, "flush", m, single=True)
+            elif s in OURS:
+                runners[s, m] = EngineRunner(ctx, s, m)
+            else:
+                runners[s, m] = TorchRunner(ctx, s, m)
+
+    prof_system = conf.get("profile_system")
+    prof = cProfile.Profile() if prof_system else None
+    records = []  # (round, system, m, steady_s, steady_steps, wall_s, steps)
+    idle_cpu = []  # CPU seconds the waiting ranks used per wall second while rank 0 ran alone
+    balance = []
+
+    def segment(s: str, m: int, k: int, rnd: int) -> dict:
+        """One segment of system ``s``; rank 0 gets its record (others get {})."""
+        alone = s in ("single", "engine_d1")
+        if conf["wait_quiet_s"] > 0 and rnd >= 0:
+            if rank == 0:
+                quiet_wait.append(common.wait_for_quiet(conf["quiet_cpus"], conf["wait_quiet_s"]))
+        dist.barrier()
+        busy0 = common.cpu_busy_seconds() if rank == 0 else 0.0
+        w0, c0 = _t.perf_counter(), _t.process_time()
+        marks = None
+        if rank == 0 or not alone:
+            use_prof = prof is not None and s == prof_system and rnd >= 0
+            if use_prof:
+                prof.enable()
+            marks = runners[s, m].run(k - 1 if alone else k)
+            if use_prof:
+                prof.disable()
+        dist.barrier()
+        wall = _t.perf_counter() - w0
+        cpu = _t.process_time() - c0
+        busy = common.cpu_busy_seconds() - busy0 if rank == 0 else 0.0
+        if alone and rank != 0 and rnd >= 0:
+            idle_cpu.append(cpu / wall)
+        ours = torch.tensor([cpu], dtype=torch.float64)
+        dist.all_reduce(ours)  # CPU seconds of all our ranks (every thread) during the segment
+        if rank != 0 or rnd < 0:
+            return {}
+        # pipelines: step 1 .. step k-2 (no fill, no drain); one process: k-1 steps, 1 .. k-2 the same
+        return dict(round=rnd, system=s, m=m, steady_s=marks[k - 1] - marks[1], steady_steps=k - 2,
+                    wall_s=wall, steps=k - 1 if alone else k, own_cpus=float(ours) / wall,
+                    foreign_cpus=max(0.0, busy - float(ours)) / wall if busy > 0 else None)
+
+    def one(s: str, m: int, k: int, rnd: int) -> None:
+        """A segment; with --retry-noisy, re-run (up to N times) while other jobs loaded the machine."""
+        for attempt in range(1 + (conf["retry_noisy"] if rnd >= 0 else 0)):
+            rec = segment(s, m, k, rnd)
+            noisy = torch.tensor([1.0 if rec and (rec["foreign_cpus"] or 0.0) >= conf["quiet_cpus"] else 0.0])
+            dist.all_reduce(noisy)  # rank 0 decides for everyone
+            if rec:
+                rec["attempts"] = attempt + 1
+            if not float(noisy) or attempt == conf["retry_noisy"]:
+                break
+        if rec:
+            records.append(rec)
+
+    quiet_wait: list[float] = []
+    # warm-up: every system once (shape inference of torch's stages, allocator, caches)
+    for m in conf["ms"]:
+        for s in systems:
+            one(s, m, max(2, conf["warmup_steps"]), -1)
+    for rnd in range(conf["rounds"]):
+        balance.append(_stage_compute_ms(ctx, conf["balance_reps"]))
+        for m in conf["ms"]:
+            k = max(3, conf["steps"] or 2 + math.ceil(conf["window_microbatches"] / m))
+            for s in systems:
+                one(s, m, k, rnd)
+        if rank == 0:
+            print(f"[d={d}] round {rnd + 1}/{conf['rounds']} done", flush=True)
+    if prof is not None and conf.get("profile_dir"):
+        os.makedirs(conf["profile_dir"], exist_ok=True)
+        prof.dump_stats(os.path.join(conf["profile_dir"], f"{prof_system}_d{d}_rank{rank}.pstats"))
+    return {"rank": rank, "records": records, "idle_cpu": idle_cpu, "balance_ms": balance, "quiet_wait_s": quiet_wait}
+
+
+# ============================================================================ driver
+def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
+    """Per (system, m): medians over rounds of throughput and of the ratios taken inside each round.
+
+    A (round, m) group is *quiet* when the other jobs' load stayed under ``quiet_cpus`` during
+    every segment of it; the ``quiet_*`` fields repeat the medians over quiet groups only.
+    """
+    recs = out["records"]
+    b, quiet_cpus = conf["micro_batch"], conf["quiet_cpus"]
+    by = {(r["round"], r["system"], r["m"]): r for r in recs}
+
+    def sps(r):
+        return r["steady_steps"] * r["m"] * b / r["steady_s"] if r else None
+
+    def ratio(x, y):
+        return x / y if x and y else None
+
+    results, quiet_groups = [], {}
+    for m in conf["ms"]:
+        for rnd in range(conf["rounds"]):
+            loads = [r.get("foreign_cpus") for r in recs if r["round"] == rnd and r["m"] == m]
+            quiet_groups[rnd, m] = bool(loads) and all(x is not None and x < quiet_cpus for x in loads)
+        for s in conf["systems"]:
+            per_round = []
+            for rnd in range(conf["rounds"]):
+                r = by.get((rnd, s, m))
+                if r is None:
+                    continue
+                one, t1 = by.get((rnd, "single", m)), by.get((rnd, "torch_1f1b", m))
+                wall = r["steps"] * m * b / r["wall_s"]
+                wall_single = one and one["steps"] * m * b / one["wall_s"]
+                per_round.append(dict(sps=sps(r), vs_single=ratio(sps(r), sps(one)), vs_t1=ratio(sps(r), sps(t1)),
+                                      wall=wall, wall_vs_single=ratio(wall, wall_single),
+                                      foreign=r.get("foreign_cpus"), quiet=quiet_groups[rnd, m]))
+            if not per_round:
+                continue
+            ideal = common.ideal_vs_single(s, d, m)
+            vs = [p["vs_single"] for p in per_round if p["vs_single"] is not None]
+            quiet = [p for p in per_round if p["quiet"]]
+            row = {
+                "system": s, "d": 1 if s in ("single", "engine_d1") else d, "m": m,
+                "samples_per_sec": common.median(p["sps"] for p in per_round),
+                "speedup_vs_single": common.median(vs),
+                "ratio_vs_torch_1f1b": common.median(p["vs_t1"] for p in per_round),
+                "ideal_vs_single": ideal,
+                "ideal_vs_torch_1f1b": ideal / common.ideal_vs_single("torch_1f1b", d, m),
+                "wall_samples_per_sec": common.median(p["wall"] for p in per_round),
+                "wall_speedup_vs_single": common.median(p["wall_vs_single"] for p in per_round),
+                "speedup_vs_single_min": min(vs) if vs else None,
+                "speedup_vs_single_max": max(vs) if vs else None,
+                "speedup_vs_single_per_round": [p["vs_single"] for p in per_round],
+                "ratio_vs_torch_1f1b_per_round": [p["vs_t1"] for p in per_round],
+                "rounds": len(per_round),
+                "foreign_load_cpus": common.median(p["foreign"] for p in per_round),
+                "quiet_rounds": len(quiet),
+                "quiet_speedup_vs_single": common.median(p["vs_single"] for p in quiet),
+                "quiet_ratio_vs_torch_1f1b": common.median(p["vs_t1"] for p in quiet),
+                "compared_in_world_d": d,
+            }
+            if s == "engine_d1":
+                row["overhead_vs_single_pct"] = _overhead(row["speedup_vs_single"])
+                row["quiet_overhead_vs_single_pct"] = _overhead(row["quiet_speedup_vs_single"])
+            results.append(row)
+    rounds_load = []
+    for rnd in range(conf["rounds"]):
+        xs = [r["foreign_cpus"] for r in recs if r["round"] == rnd and r.get("foreign_cpus") is not None]
+        rounds_load.append(sum(xs) / len(xs) if xs else None)
+    bal = out["balance_ms"]
+    stage_ms = [common.median(r[i] for r in bal) for i in range(d)] if bal else []
+    extra = {
+        "stage_compute_ms_per_microbatch": stage_ms,
+        "balance_ceiling_vs_single": (sum(stage_ms) / max(stage_ms)) if stage_ms else None,
+        "foreign_load_cpus_per_round": rounds_load,
+        "quiet_wait_s_per_segment": out.get("quiet_wait_s"),
+        "records": recs,
+    }
+    return results, extra
+
+
+def _overhead(speedup: float | None) -> float | None:
+    """Step-time overhead in % of a system whose throughput is ``speedup`` x the plain loop's."""
+    return 100.0 * (1.0 / speedup - 1.0) if speedup else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--d", type=int, nargs="+", default=[2], help="pipeline depths (one process each; d=4 on 2 cores oversubscribes)")
+    p.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="microbatches per step")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians of per-round ratios)")
+    p.add_argument("--steps", type=int, default=0, help="steps K per segment of a pipeline, >= 3 (default: 2 + enough steps for --window-microbatches); one process runs K-1")
+    p.add_argument("--window-microbatches", type=int, default=16)
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--quiet-cpus", type=float, default=0.3,
+                   help="a round of one m is 'quiet' when other jobs used less than this many CPUs in each of its segments")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                   help="before each segment, wait up to S seconds (<= 240) for the other jobs' load to drop under --quiet-cpus")
+    p.add_argument("--retry-noisy", type=int, default=0, metavar="N",
+                   help="re-run a segment up to N times while other jobs' load exceeded --quiet-cpus during it "
+                        "(the same rule for every system; the last attempt is kept)")
+    p.add_argument("--p2p-plan", action="store_true",
+                   help="engine: pre-post each segment's receives (P2P.plan; the executor change proposed in the README)")
+    p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
+    p.add_argument("--quick", action="store_true", help="tiny model, m=4, one round: a smoke run (< 30 s)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile-system", choices=SYSTEMS, help="cProfile this system on every rank")
+    p.add_argument("--profile-dir", default="benchmarks/results/profile")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab = 4, 64, 4, 32, 2, 256
+        args.m, args.rounds, args.steps, args.warmup_steps = [4], 1, 3, 2
+    conf = dict(model=common.model_dict(args), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
+                steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
+                systems=list(args.systems), track_memory=args.track_memory, pool=64,
+                p2p_plan=args.p2p_plan, quiet_cpus=args.quiet_cpus, retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
+                balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
+    for d in args.d:
+        if args.layers % d:
+            p.error(f"--layers {args.layers} is not divisible by d={d}")
+        if d > min(args.m) and "2bw" in args.systems:
+            p.error(f"2BW needs m >= d: m={min(args.m)} < d={d}")
+    machine = common.machine_info()
+    t0 = time.time()
+    all_results, per_d = [], {}
+    for d in args.d:
+        outs = common.spawn(worker, d, conf, timeout=3600)
+        results, extra = summarize(d, conf, outs[0])
+        idle = [x for o in outs[1:] for x in o["idle_cpu"]]
+        extra["waiting_ranks_cpu_share"] = common.median(idle)
+        per_d[str(d)] = extra
+        all_results += results
+    machine["elapsed_s"] = round(time.time() - t0, 1)
+    overhead = {str(r["m"]): r.get("overhead_vs_single_pct") for r in all_results if r["system"] == "engine_d1" and r["compared_in_world_d"] == args.d[0]}
+
+    cols = [("system", "system", ""), ("d", "d", ""), ("m", "m", ""), ("samples_per_sec", "samples/s", ".2f"),
+            ("speedup_vs_single", "x single", ".3f"), ("ideal_vs_single", "ideal", ".3f"),
+            ("ratio_vs_torch_1f1b", "x torch1F1B", ".3f"), ("ideal_vs_torch_1f1b", "ideal", ".3f"),
+            ("wall_speedup_vs_single", "wall x single", ".3f"),
+            ("speedup_vs_single_min", "min", ".3f"), ("speedup_vs_single_max", "max", ".3f"),
+            ("foreign_load_cpus", "other load", ".2f"), ("quiet_rounds", "quiet", ""),
+            ("quiet_speedup_vs_single", "q x single", ".3f"), ("quiet_ratio_vs_torch_1f1b", "q x t1F1B", ".3f")]
+    print()
+    print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, b {args.micro_batch}, vocab {args.vocab}; "
+          f"medians of {args.rounds} rounds; {machine['cpus_usable']} CPUs, 1 thread/process")
+    for d in args.d:
+        e = per_d[str(d)]
+        print(f"\nd = {d}: stage fwd+bwd ms/microbatch {[round(x, 1) for x in e['stage_compute_ms_per_microbatch']]}; "
+              f"balance ceiling {common.fmt(e['balance_ceiling_vs_single'], '.3f')}x single; "
+              f"waiting ranks' CPU share {common.fmt(e['waiting_ranks_cpu_share'], '.3f')}; "
+              f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
+        print(common.table([r for r in all_results if r["compared_in_world_d"] == d], cols))
+    print(f"\nexecutor overhead at d=1 (engine flush vs plain loop), % step time: "
+          + ", ".join(f"m={m}: {common.fmt(v, '+.1f')}" for m, v in overhead.items()))
+    common.write_json(args.json, {
+        "results": all_results, "machine": machine,
+        "config": dict(model=conf["model"], micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
+                       steps=args.steps or "auto", window_microbatches=args.window_microbatches,
+                       warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
+                       track_memory=args.track_memory, quick=args.quick, p2p_plan=args.p2p_plan,
+                       quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
+                       throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1"),
+        "per_d": per_d, "executor_overhead_d1_pct": overhead,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Smoke test of the benchmarks: each CPU benchmark runs with its tiniest settings and writes the
+JSON schema its README documents. Timings are not checked (the CI machine is shared and noisy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import gpu  # noqa: E402
+import memory  # noqa: E402
+import pipeline_throughput  # noqa: E402
+
+
+def _load(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_pipeline_throughput_quick(tmp_path):
+    out = tmp_path / "throughput.json"
+    assert pipeline_throughput.main(["--quick", "--json", str(out)]) == 0
+    data = _load(out)
+    assert {"results", "machine", "config"} <= set(data)
+    rows = data["results"]
+    assert {r["system"] for r in rows} == set(pipeline_throughput.SYSTEMS)
+    for r in rows:
+        for key in ("system", "d", "m", "samples_per_sec", "speedup_vs_single", "ratio_vs_torch_1f1b"):
+            assert key in r, key
+        assert r["samples_per_sec"] > 0
+        assert r["d"] == (1 if r["system"] in ("single", "engine_d1") else 2)
+        assert r["m"] == 4
+    single = next(r for r in rows if r["system"] == "single")
+    assert single["speedup_vs_single"] == pytest.approx(1.0)
+    t1 = next(r for r in rows if r["system"] == "torch_1f1b")
+    assert t1["ratio_vs_torch_1f1b"] == pytest.approx(1.0)
+    assert "4" in data["executor_overhead_d1_pct"]
+    assert data["machine"]["torch_threads_per_process"] == 1
+
+
+def test_memory_quick(tmp_path):
+    out = tmp_path / "memory.json"
+    assert memory.main(["--quick", "--json", str(out)]) == 0
+    rows = _load(out)["results"]
+    assert {(r["schedule"], r["recompute"]) for r in rows} == {(s, rc) for s in memory.SCHEDULES for rc in (False, True)}
+    for r in rows:
+        assert r["d"] == 2 and r["stage"] in (0, 1)
+        assert r["weight_versions"] == (2 if r["schedule"] == "2bw" else 1)
+        assert r["measured_weight_bytes"] == r["paper_weight_bytes"]
+        assert r["measured_stash_bytes"] > 0
+        assert r["max_inflight"] == r["expected_inflight"]
+        for key in ("paper_activation_bytes", "exact_activation_bytes", "A_input_bytes", "A_stage_bytes"):
+            assert r[key] > 0, key
+
+
+def test_gpu_skips_or_runs_tiny(tmp_path):
+    out = tmp_path / "gpu.json"
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: run benchmarks/gpu.py by hand")
+    assert gpu.main(["--json", str(out)]) == 0
+    assert _load(out)["skipped"] is True
+    assert gpu.main(["--allow-cpu", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
+    rows = _load(out)["results"]
+    assert {r["system"] for r in rows} == {"engine_2bw_d1", "plain"}
+    assert all(r["tokens_per_sec"] > 0 for r in rows)
