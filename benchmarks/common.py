@@ -10,13 +10,10 @@ import argparse
 import datetime
 import json
 import os
-import pickle
 import platform
-import socket
 import statistics
 import sys
 import time
-import traceback
 from typing import Any, Callable, Iterable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,76 +107,19 @@ def wait_for_quiet(max_cpus: float, timeout_s: float, sample_s: float = 1.0) -> 
 
 
 # ---------------------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-        try:
-            result = fn(*args)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
-
-
 def spawn(fn: Callable, world: int, *args: Any, timeout: float = 1800.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` spawned gloo processes (1 torch thread each, no core pinning).
 
     The processes are started once and live for the whole call, so every round of a benchmark
-    runs inside the same process group. Returns the per-rank results; raises on a worker error
-    or when ``timeout`` seconds pass (a hang fails, never blocks forever).
+    runs inside the same process group (the package's ``local_workers``, with a longer collective
+    timeout: a rank may wait at a barrier while the other measures the single-process baseline).
     """
-    import queue as queue_mod
-
-    import torch.multiprocessing as mp
+    from megatron_2bw.local_workers import run_workers
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads there
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{fn.__name__} on {world} processes did not finish within {timeout:.0f}s")
-            try:
-                rank, ok, value = q.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{fn.__name__}: a worker died with exit code {dead[0].exitcode}")
-                continue
-            if not ok:
-                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
-            results[rank] = pickle.loads(value)
-        return [results[r] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    return run_workers(fn, world, *args, timeout=timeout, pg_timeout=300.0)
 
 
-# ---------------------------------------------------------------------------------------- statistics
 def median(xs: Iterable[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None

@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -> None:
+def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, pg_timeout: float) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -36,7 +36,7 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) 
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
             result = fn(*args)
@@ -48,11 +48,11 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) 
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0, pg_timeout: float = 120.0) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, pg_timeout), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
