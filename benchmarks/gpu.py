@@ -132,7 +132,6 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
     out = dict(seconds=dt, steps=steps, build_s=build_s, last_loss=loss.item() * m)
     if device.type == "cuda":
         out["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-    del layers, opt, params
     return out
 
 

@@ -443,6 +443,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                 "speedup_vs_single": common.median(vs),
                 "ratio_vs_torch_1f1b": common.median(p["vs_t1"] for p in per_round),
                 "ideal_vs_single": ideal,
+                "ideal_vs_single_on_cores": min(ideal, conf["cpus"]),  # d processes share the machine's cores
                 "ideal_vs_torch_1f1b": ideal / common.ideal_vs_single("torch_1f1b", d, m),
                 "wall_samples_per_sec": common.median(p["wall"] for p in per_round),
                 "wall_speedup_vs_single": common.median(p["wall_vs_single"] for p in per_round),
@@ -513,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     conf = dict(model=common.model_dict(args), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
                 steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
                 systems=list(args.systems), track_memory=args.track_memory, pool=64,
-                p2p_plan=args.p2p_plan, quiet_cpus=args.quiet_cpus, retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
+                cpus=common.machine_info()["cpus_usable"], p2p_plan=args.p2p_plan, quiet_cpus=args.quiet_cpus,
+                retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
                 balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
     for d in args.d:
         if args.layers % d:
@@ -550,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
               f"waiting ranks' CPU share {common.fmt(e['waiting_ranks_cpu_share'], '.3f')}; "
               f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
         print(common.table([r for r in all_results if r["compared_in_world_d"] == d], cols))
-    print(f"\nexecutor overhead at d=1 (engine flush vs plain loop), % step time: "
+    print("\nexecutor overhead at d=1 (engine flush vs plain loop), % step time: "
           + ", ".join(f"m={m}: {common.fmt(v, '+.1f')}" for m, v in overhead.items()))
     common.write_json(args.json, {
         "results": all_results, "machine": machine,
