@@ -132,7 +132,8 @@ class EngineRunner(Runner):
         self.ctx, self.m = ctx, m
         state = ParallelState.single() if single else ctx.state
         d, r = state.d, state.pp_rank
-        pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"])
+        pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"],
+                              p2p_mode=ctx.conf["p2p_mode"])
         opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=CLIP, dtype="fp32")
         self.stage = PipelineStage(lambda: ctx.spec.build_stage(d, r), ctx.loss_fn, state, pipe, opt, ctx.act_shape)
 
@@ -281,34 +282,8 @@ def _stage_compute_ms(ctx: _Ctx, reps: int) -> list[float]:
     return out
 
 
-def install_p2p_plan() -> bool:
-    """Make the engine hand P2P each segment's receive plan (the change proposed for executor.py).
-
-    A no-op returning False when ``PipelineStage.train`` already does it."""
-    import inspect
-
-    from megatron_2bw.pipeline import executor as ex
-    from megatron_2bw.pipeline.actions import Op
-    from megatron_2bw.pipeline.schedules import stage_actions
-
-    if "p2p.plan(" in inspect.getsource(ex.PipelineStage.train):
-        return False
-    orig = ex.PipelineStage.train
-
-    def train(self, num_steps, get_batch, lr_fn):
-        s = self.state
-        acts = stage_actions(self.pipe.schedule, s.d, s.pp_rank, self.pipe.num_microbatches, self.step, num_steps)
-        self.p2p.plan([("act" if a.op is Op.RECV_ACT else "grad", a.mb) for a in acts if a.op in (Op.RECV_ACT, Op.RECV_GRAD)])
-        return orig(self, num_steps, get_batch, lr_fn)
-
-    ex.PipelineStage.train = train
-    return True
-
-
 def worker(conf: dict) -> dict:
     """Runs inside each of the d processes: build every system, then the rounds."""
-    if conf.get("p2p_plan"):
-        install_p2p_plan()
     import time as _t
 
     import torch
@@ -500,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retry-noisy", type=int, default=0, metavar="N",
                    help="re-run a segment up to N times while other jobs' load exceeded --quiet-cpus during it "
                         "(the same rule for every system; the last attempt is kept)")
-    p.add_argument("--p2p-plan", action="store_true",
-                   help="engine: pre-post each segment's receives (P2P.plan; the executor change proposed in the README)")
+    p.add_argument("--p2p-mode", choices=("prefetch", "grouped"), default="prefetch",
+                   help="engine transfers: receives posted ahead (gloo's default) or batch_isend_irecv groups (NCCL's)")
     p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
     p.add_argument("--quick", action="store_true", help="tiny model, m=4, one round: a smoke run (< 30 s)")
     p.add_argument("--json", help="write the results here")
@@ -514,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     conf = dict(model=common.model_dict(args), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
                 steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
                 systems=list(args.systems), track_memory=args.track_memory, pool=64,
-                cpus=common.machine_info()["cpus_usable"], p2p_plan=args.p2p_plan, quiet_cpus=args.quiet_cpus,
+                cpus=common.machine_info()["cpus_usable"], p2p_mode=args.p2p_mode, quiet_cpus=args.quiet_cpus,
                 retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
                 balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
     for d in args.d:
@@ -559,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(model=conf["model"], micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
                        warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
-                       track_memory=args.track_memory, quick=args.quick, p2p_plan=args.p2p_plan,
+                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
                        throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1"),
         "per_d": per_d, "executor_overhead_d1_pct": overhead,

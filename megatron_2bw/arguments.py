@@ -17,7 +17,7 @@ import argparse
 import os
 from dataclasses import asdict, dataclass, replace
 
-from .config import SCHEDULES, ModelConfig, OptimizerConfig, ParallelConfig, PipelineConfig
+from .config import P2P_MODES, SCHEDULES, ModelConfig, OptimizerConfig, ParallelConfig, PipelineConfig
 from .errors import ConfigError
 
 DECAY_STYLES = ("linear", "cosine", "constant")
@@ -63,6 +63,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, help="default 2bw")
+    g.add_argument("--p2p-mode", choices=P2P_MODES, default="auto",
+                   help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
+                        "per peer, as NCCL requires) or auto (grouped except on gloo)")
     g.add_argument("--pipeline-no-flushes", action="store_true", help="2021 spelling of --pipeline-schedule 2bw")
     g.add_argument("--gpipe", action="store_true", help="2021 spelling of --pipeline-schedule gpipe")
     g.add_argument("--micro-batch-size", type=int, help="required unless --auto-plan")
@@ -378,6 +381,7 @@ def build_config(
     B, m = batch_sizes(args, parallel.data)
     pipe = PipelineConfig(
         schedule_of(args), args.micro_batch_size, m, recompute=args.recompute_activations or args.checkpoint_activations,
+        p2p_mode=args.p2p_mode,
     )
     pipe.check_depth(parallel.pipeline)
     opt = optimizer_config(args)

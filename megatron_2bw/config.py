@@ -119,6 +119,7 @@ class ParallelConfig:
 
 
 SCHEDULES = ("2bw", "flush", "gpipe")
+P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -131,11 +132,15 @@ class PipelineConfig:
     num_microbatches: int = 1  # m: microbatches per optimizer step per pipeline
     recompute: bool = False
     track_memory: bool = True  # measure stashed activation bytes via saved-tensor hooks
+    # stage-to-stage transfers: "prefetch" posts receives ahead (gloo), "grouped" issues each run of
+    # transfers with one peer as one batch_isend_irecv group (required by NCCL); "auto" picks by backend
+    p2p_mode: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.schedule in SCHEDULES, f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
         _require(self.num_microbatches >= 1, f"microbatches per step must be >= 1, got {self.num_microbatches}")
+        _require(self.p2p_mode in P2P_MODES, f"--p2p-mode must be one of {', '.join(P2P_MODES)}, got {self.p2p_mode!r}")
 
     def check_depth(self, d: int) -> None:
         _require(

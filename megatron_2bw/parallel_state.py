@@ -175,6 +175,8 @@ def initialize(
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),
+            # NCCL: create the communicators now, so a first batch_isend_irecv among a subset of ranks is legal
+            device_id=dev if dev.type == "cuda" else None,
         )
     return build_state(t, d, w, dev)
 

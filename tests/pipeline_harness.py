@@ -38,7 +38,7 @@ def train_tiny(
     schedule: str, *, layout: tuple[int, int, int] | None = None, steps: int = 6, global_batch: int = 8,
     micro: int = 1, kind: str = "gpt-tiny", recompute: bool = False, dtype: str = "fp32", optimizer: str = "adam",
     lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
-    dropout: float = 0.0, weight_decay: float = 0.01,
+    dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto",
 ) -> dict:
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
@@ -52,7 +52,7 @@ def train_tiny(
     tracker = RNGTracker(seed, state.tp_rank)
     spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker)
     m = global_batch // (micro * w)
-    pipe = PipelineConfig(schedule, micro, m, recompute=recompute)
+    pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12)
     stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,

@@ -32,6 +32,7 @@ from ..tensor_parallel.random import RNGTracker
 from .accounting import SavedBytes, StageStats
 from .actions import Op
 from .grad_reducer import GradReducer
+from .grouping import comm_groups
 from .p2p import P2P
 from .recompute import RNGSnapshot
 from .schedules import stage_actions
@@ -70,12 +71,12 @@ class PipelineStage:
         )
         self.optimizer = build_optimizer(opt, self.weights.numel, self.weights.n_decay, state.device)
         self.scaler = build_scaler(opt)
-        self.p2p = P2P(state.prev_rank, state.next_rank, act_shape, dtype, state.device)
+        self.p2p = P2P(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
         bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(dtype).bits * 8
         self.reducer = GradReducer(
             dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
             w=state.w, shared_range=self.weights.shared_range, bucket_numel=bucket,
-            has_embedding_group=state.d > 1 and state.embedding_group is not None,
+            has_embedding_group=state.d > 1 and state.embedding_group is not None, device=state.device,
         )
         self.saved = SavedBytes(self.weights.storages)
         self.stats = StageStats(
@@ -107,12 +108,25 @@ class PipelineStage:
         """Run steps ``self.step .. self.step + num_steps - 1`` and drain; returns their results."""
         s = self.state
         actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, self.pipe.num_microbatches, self.step, num_steps)
-        recv_idx = [i for i, a in enumerate(actions) if a.op in (Op.RECV_ACT, Op.RECV_GRAD)]
-        ahead = 0  # receives posted so far (prefetch: the next receive of the list is always posted)
         results: list[StepResult] = []
         for layer_list in self.weights.slots:
             layer_list.train()
-        for i, a in enumerate(actions):
+        if self.p2p.grouped:
+            groups, recv_idx = comm_groups(actions), []
+        else:
+            groups = {}
+            recv_idx = [i for i, a in enumerate(actions) if a.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+            # keep the next receives of each kind posted (gloo); the executor's prefetch below is the fallback
+            self.p2p.plan([("act" if actions[i].op is Op.RECV_ACT else "grad", actions[i].mb) for i in recv_idx])
+        ahead = 0  # receives posted so far (prefetch: the next receive of the list is always posted)
+        i, n = 0, len(actions)
+        while i < n:
+            end = groups.get(i)
+            if end is not None:
+                self._exchange(actions[i:end])
+                i = end
+                continue
+            a = actions[i]
             while ahead < len(recv_idx) and recv_idx[ahead] <= i + 1:
                 b = actions[recv_idx[ahead]]
                 self.p2p.post_recv("act" if b.op is Op.RECV_ACT else "grad", b.mb)
@@ -134,11 +148,20 @@ class PipelineStage:
                 self._reduce(a.step)
             elif op is Op.APPLY_UPDATE:
                 results.append(self._apply(a.step, lr_fn(a.step)))
-            self.reducer.progress()
+            i += 1
         self.p2p.drain()
         if self.state.device.type == "cuda":
             self.stats.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.state.device)
         return results
+
+    def _exchange(self, acts) -> None:
+        """One group of transfers with one peer (grouped mode): issued together, waited together."""
+        sends = [("act", self._out.pop(a.mb)) if a.op is Op.SEND_ACT else ("grad", self._grad_out.pop(a.mb))
+                 for a in acts if a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD]
+        recvs = [a for a in acts if a.op is Op.RECV_ACT or a.op is Op.RECV_GRAD]
+        got = self.p2p.exchange(sends, [("act" if a.op is Op.RECV_ACT else "grad", a.mb) for a in recvs])
+        for a, buf in zip(recvs, got):
+            (self._in_act if a.op is Op.RECV_ACT else self._in_grad)[a.mb] = buf
 
     def _forward(self, a, get_batch) -> None:
         layers = self.weights.slots[self._slot(a.version)]

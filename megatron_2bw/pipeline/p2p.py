@@ -15,10 +15,13 @@ the segment's ordered receives and keeps the next ``ahead`` of each kind posted 
 posted in plan order, which is the order the peer sends them, so matching by (peer, tag) is
 exact. Without a plan the behaviour is the executor's one-action prefetch.
 
-Plans apply to gloo only. NCCL runs the sends and receives between two ranks on one stream in
-issue order, so a receive posted ahead of a send to the same peer can deadlock against the peer
-doing the same (each receive waits for a send queued behind the other's receive); there,
-``plan()`` is ignored.
+Plans and the executor's one-action prefetch apply to the "prefetch" mode, for gloo, whose
+sends and receives match independently per (peer, tag). NCCL runs the transfers between two
+ranks on one stream in issue order, where a receive posted ahead of a send to the same peer
+deadlocks against the peer doing the same. The "grouped" mode (the default except on gloo)
+never posts ahead: :meth:`exchange` issues each run of transfers with one peer as one
+``batch_isend_irecv`` group and waits for all of it, sends included, which is the rendezvous
+model that ``grouping.check_grouped`` proves deadlock-free for every schedule.
 """
 
 from __future__ import annotations
@@ -33,16 +36,21 @@ _TAG = {"act": 1, "grad": 2}
 
 class P2P:
     def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, *, ahead: int = 2) -> None:
+                 device: torch.device, *, ahead: int = 2, mode: str = "auto") -> None:
         self.prev, self.next, self.shape, self.dtype, self.device = prev_rank, next_rank, shape, dtype, device
         self.ahead = max(int(ahead), 1)
         self._recvs: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
         self._sends: deque[tuple[torch.Tensor, object]] = deque()
         self._plan: dict[str, deque[int]] = {"act": deque(), "grad": deque()}
         self._posted = {"act": 0, "grad": 0}  # receives of each kind posted and not yet consumed
+        if mode == "auto":
+            mode = "prefetch" if not dist.is_initialized() or dist.get_backend() == "gloo" else "grouped"
+        if mode not in ("prefetch", "grouped"):
+            raise ValueError(f"unknown p2p mode {mode!r}")
+        self.mode = mode
+        self.grouped = mode == "grouped"
         # receives posted early are safe on gloo (independent matching per peer and tag), not on NCCL
-        self.can_plan = (prev_rank is not None or next_rank is not None) and dist.is_initialized() \
-            and dist.get_backend() == "gloo"
+        self.can_plan = (prev_rank is not None or next_rank is not None) and dist.is_initialized() and not self.grouped
 
     # ------------------------------------------------------------------ receives
     def plan(self, recvs) -> None:
@@ -93,6 +101,27 @@ class P2P:
         self._fill()  # the next planned receive goes up before we block on this one
         work.wait()
         return buf
+
+    # ------------------------------------------------------------------ grouped
+    def exchange(self, sends: list[tuple[str, torch.Tensor]], recvs: list[tuple[str, int]]) -> list[torch.Tensor]:
+        """Issue ``sends`` and ``recvs`` as one ``batch_isend_irecv`` group and wait for all of it.
+
+        Returns the received tensors in the order of ``recvs``. Transfers of one kind keep their
+        list order, which is the order the peer issues the counterparts in.
+        """
+        ops, bufs = [], []
+        for kind, tensor in sends:
+            tensor = tensor.detach()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, self.next if kind == "act" else self.prev, tag=_TAG[kind]))
+        for kind, _ in recvs:
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            bufs.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, self.prev if kind == "act" else self.next, tag=_TAG[kind]))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return bufs
 
     # ------------------------------------------------------------------ sends
     def send(self, kind: str, tensor: torch.Tensor) -> None:
