@@ -117,3 +117,14 @@ def test_parser_errors_are_config_errors():
         parse_args([*MINIMAL, "--optimizer", "lamb"], "gpt")
     with pytest.raises(ConfigError, match="required"):
         parse_args([], "bert")
+
+
+def test_p2p_mode_flag():
+    base = ["--model-preset", "gpt-tiny", *MINIMAL]
+    assert cfg_of(base).pipeline.p2p_mode == "auto"
+    assert cfg_of([*base, "--p2p-mode", "grouped"]).pipeline.p2p_mode == "grouped"
+    with pytest.raises(ConfigError, match="--p2p-mode: invalid choice"):
+        parse_args([*MINIMAL, "--p2p-mode", "eager"], "gpt")
+    from megatron_2bw.config import PipelineConfig
+    with pytest.raises(ConfigError, match="--p2p-mode"):
+        PipelineConfig(p2p_mode="eager")
