@@ -9,12 +9,23 @@ the newest weights, ``W(t+1) = W(t) - lr * grad f_t(W(t))``; 2BW uses the 1-stal
 ``grad f_t(W(t-1))``, so the two curves are not identical, and the question is whether 2BW's
 validation loss stays within 1% of Flush's after the same number of steps.
 
+The pair runs once per ``--seeds`` value (default two seeds; the seed sets the initialization,
+the training data order and which validation sequences are drawn). Each seed's 2BW/Flush ratio
+is a paired comparison; the headline ratio is their mean, and the Flush-vs-Flush difference
+between seeds is the noise floor a 2BW gap must exceed to mean anything. Defaults (``DEFAULTS``):
+global batch 8 (b = 2, m = 4), 500 steps, Adam lr 1e-3 with a linear warm-up over 10% of the
+steps (50) and cosine decay to 1e-4, validation every 50 steps over 25 global batches (200
+sequences); each run trains for 2-3 min on 2 cores (3-4 min wall). See ``benchmarks/README.md`` and
+``docs/benchmarks.md`` for the settings tried before these.
+
 Outputs:
 
 - ``--png``: loss against step and against training wall time; the training loss raw (faint)
   and smoothed (trailing mean over ``--smooth`` steps), the validation loss as markers.
-- ``--json``: ``{"runs": [{"schedule", "final_valid_loss", "final_train_loss", "steps", "seconds",
-  "time_to_loss": {"target", "seconds", "step"}, ...}], "valid_loss_ratio_2bw_over_flush", ...}``.
+- ``--json``: ``{"runs": [{"schedule", "seed", "final_valid_loss", "final_train_loss", "steps", "seconds",
+  "time_to_loss": {"target", "seconds", "step"}, ...}] (every seed's pair), "valid_loss_ratio_2bw_over_flush"
+  (mean over seeds), "valid_loss_ratio_per_seed", "flush_seed_spread", "seed_noise" (see ``seed_summary``),
+  "lr_sweep", "exploration" (with ``--exploration``), "config", "machine", ...}``.
 
 Definitions:
 
@@ -25,12 +36,12 @@ Definitions:
 - ``seconds``: training wall time, the sum of the trainer's ``step_time_s`` over all steps
   (each segment's wall time including its pipeline fill and drain; evaluations, start-up and
   process launch excluded). ``wall_seconds`` is the whole subprocess, launch included.
-- ``time_to_loss``: ``target`` = ``--target-factor`` (1.05) x Flush's final smoothed training
-  loss; ``step`` is the first step at which a run's smoothed training loss is <= target and
+- ``time_to_loss``: ``target`` = ``--target-factor`` (1.05) x the same seed's Flush final smoothed
+  training loss; ``step`` is the first step at which a run's smoothed training loss is <= target and
   ``seconds`` its training wall time up to and including that step (step times inside a logging
   segment are the segment's mean, so resolution is one ``--log-interval``'s mean step time).
   ``null`` when a run never reaches the target.
-- ``--sweep-lr LR ...`` repeats the pair at other peak learning rates (min lr scaled alike) and
+- ``--sweep-lr LR ...`` repeats the pair (first seed only) at other peak learning rates (min lr scaled alike) and
   adds ``lr_sweep`` (final losses and ratio per learning rate) to the JSON; ``--sweep-png`` plots it.
 
 Timings on a shared 2-core machine are noisy; losses are deterministic up to float reduction
@@ -90,7 +101,8 @@ def _nonempty(path: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- one run
-def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metrics: str, lr: float | None = None) -> list[str]:
+def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metrics: str, lr: float | None = None,
+                    seed: int | None = None) -> list[str]:
     global_batch = args.micro_batch * args.m  # w = 1
     lr = args.lr if lr is None else lr
     min_lr = args.min_lr * lr / args.lr  # the same decay ratio at every learning rate
@@ -102,7 +114,7 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
            "--train-iters", str(args.iters),
            "--lr", str(lr), "--min-lr", str(min_lr), "--lr-decay-style", "cosine",
            "--lr-warmup-iters", str(args.warmup), "--weight-decay", "0.01", "--clip-grad", "1.0",
-           "--seed", str(args.seed),
+           "--seed", str(args.seeds[0] if seed is None else seed),
            "--data-path", data_prefix, "--split", "98,2,0",
            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok_model,
            "--log-interval", str(args.log_interval), "--eval-interval", str(args.eval_interval),
@@ -112,14 +124,15 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
     return cmd
 
 
-def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None) -> dict:
-    out_dir = args.out_dir if lr is None else os.path.join(args.out_dir, f"lr_{lr:g}")
+def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None, seed: int | None = None) -> dict:
+    seed = args.seeds[0] if seed is None else seed
+    out_dir = os.path.join(args.out_dir, f"seed_{seed}") if lr is None else os.path.join(args.out_dir, f"lr_{lr:g}_seed_{seed}")
     os.makedirs(out_dir, exist_ok=True)
     metrics = os.path.join(out_dir, f"metrics_{schedule}.jsonl")
     log = os.path.join(out_dir, f"log_{schedule}.txt")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr)
+    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr, seed)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MEGATRON_2BW_FAULT_KILL_RANK", None)
     busy0, own0 = common.cpu_busy_seconds(), _children_cpu()
@@ -138,9 +151,9 @@ def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | N
             tail = "".join(f.readlines()[-15:])
         raise RuntimeError(f"{schedule}: trainer exited with status {rc} (log: {log}):\n{tail}")
     run = parse_metrics(metrics, args.smooth)
-    run.update(schedule=schedule, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
+    run.update(schedule=schedule, seed=seed, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
                foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None)
-    print(f"{schedule} (lr {run['lr']:g}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
+    print(f"{schedule} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
           f"{common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss {common.fmt(run['final_train_loss'], '.4f')}",
           flush=True)
     return run
@@ -283,26 +296,36 @@ LABELS = {"2bw": "PipeDream-2BW", "flush": "PipeDream-Flush"}
 
 
 def plot(runs: list[dict], path: str, title: str) -> None:
+    """Loss against step (left) and training wall time (right). With several seeds the first
+    seed's runs are drawn in full (raw and smoothed training loss, validation markers, time-to-loss
+    lines) and every further seed's as a thinner smoothed line with hollow validation markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    seeds = list(dict.fromkeys(r.get("seed") for r in runs))
+    styles = ["-", "--", "-.", ":"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, xkey, xlabel in ((axes[0], "step", "training step"), (axes[1], "seconds", "training wall time (s)")):
         for r in runs:
             s, c, v = r["schedule"], r["curve"], r["valid"]
+            k = seeds.index(r.get("seed"))
+            tag = f"{LABELS.get(s, s)}" + (f" seed {r.get('seed')}" if len(seeds) > 1 else "")
             color = COLORS.get(s)
-            ax.plot(c[xkey], c["train_loss"], color=color, alpha=0.2, lw=0.8)
-            ax.plot(c[xkey], c["train_loss_smoothed"], color=color, lw=1.6, label=f"{LABELS.get(s, s)} train (smoothed)")
+            if k == 0:
+                ax.plot(c[xkey], c["train_loss"], color=color, alpha=0.2, lw=0.8)
+            ax.plot(c[xkey], c["train_loss_smoothed"], styles[k % len(styles)], color=color, lw=1.6 if k == 0 else 1.1,
+                    label=f"{tag} train (smoothed)")
             vx = [x for x in v[xkey] if x is not None]
-            ax.plot(vx, v["loss"][: len(vx)], "o--", color=color, ms=5, lw=1, label=f"{LABELS.get(s, s)} validation")
+            ax.plot(vx, v["loss"][: len(vx)], "o" if k == 0 else "s", ls="--" if k == 0 else "none", color=color, ms=5, lw=1,
+                    mfc=color if k == 0 else "none", label=f"{tag} validation")
             t = r.get("time_to_loss") or {}
-            if t.get(xkey) is not None:
+            if k == 0 and t.get(xkey) is not None:
                 ax.axvline(t[xkey], color=color, ls=":", lw=1)
         tgt = (runs[0].get("time_to_loss") or {}).get("target")
         if tgt is not None:
-            ax.axhline(tgt, color="gray", ls=":", lw=1, label="time-to-loss target")
+            ax.axhline(tgt, color="gray", ls=":", lw=1, label="time-to-loss target" + (f" (seed {seeds[0]})" if len(seeds) > 1 else ""))
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("LM loss (nats/token)")
@@ -310,30 +333,88 @@ def plot(runs: list[dict], path: str, title: str) -> None:
     if all_losses:  # hide the first steps' ~9.0 so the end of the curves is readable
         lo, hi = min(all_losses), max(all_losses)
         axes[0].set_ylim(lo - 0.1 * (hi - lo) - 0.05, min(hi, lo + 0.6 * (hi - lo) + 0.5))
-    axes[1].legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    if len(seeds) > 1:  # many entries: one legend under both panels, clear of the curves
+        handles, labels = axes[1].get_legend_handles_labels()
+        fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3, frameon=False)
+        fig.set_size_inches(11, 5.4)
+        fig.tight_layout(rect=(0, 0.14, 1, 1))
+    else:
+        axes[1].legend(fontsize=8, loc="upper right")
+        fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
 
 
+# ---------------------------------------------------------------------------------------- seeds
+def seed_summary(runs: list[dict]) -> dict:
+    """Per-seed paired ratios and the seed-to-seed noise floor of the final validation loss.
+
+    - ``per_seed``: ``[{"seed", "final_valid_loss": {schedule: loss}, "valid_loss_ratio_2bw_over_flush"}]``; each
+      ratio is paired (both schedules of a seed see the same initialization, data order and validation samples).
+    - ``valid_loss_ratio_mean``: mean of the per-seed ratios (the headline number).
+    - ``flush_seed_spread``: (max - min) / mean of Flush's final validation losses over the seeds, i.e.
+      ``|flush(s1) - flush(s2)| / flush`` for two seeds: how much the loss moves when only the seed changes
+      (initialization, data order, which validation sequences are drawn). ``2bw_seed_spread`` likewise.
+    - ``ratio_spread``: max - min of the per-seed ratios.
+    - ``gap_above_noise``: ``mean ratio - 1 > flush_seed_spread`` (None with one seed).
+    """
+    seeds = list(dict.fromkeys(r["seed"] for r in runs))
+    per_seed = []
+    for sd in seeds:
+        fin = {r["schedule"]: r["final_valid_loss"] for r in runs if r["seed"] == sd}
+        v2, vf = fin.get("2bw"), fin.get("flush")
+        per_seed.append({"seed": sd, "final_valid_loss": fin,
+                         "valid_loss_ratio_2bw_over_flush": v2 / vf if v2 and vf else None})
+    ratios = [e["valid_loss_ratio_2bw_over_flush"] for e in per_seed if e["valid_loss_ratio_2bw_over_flush"] is not None]
+
+    def spread(schedule):
+        xs = [e["final_valid_loss"].get(schedule) for e in per_seed]
+        xs = [x for x in xs if x]
+        return (max(xs) - min(xs)) / (sum(xs) / len(xs)) if len(xs) > 1 else None
+
+    def mean_of(schedule):
+        xs = [e["final_valid_loss"].get(schedule) for e in per_seed if e["final_valid_loss"].get(schedule)]
+        return sum(xs) / len(xs) if xs else None
+
+    mean_ratio = sum(ratios) / len(ratios) if ratios else None
+    fs = spread("flush")
+    return {
+        "seeds": seeds,
+        "per_seed": per_seed,
+        "valid_loss_ratio_mean": mean_ratio,
+        "ratio_spread": max(ratios) - min(ratios) if len(ratios) > 1 else None,
+        "mean_final_valid_loss": {s: mean_of(s) for s in SCHEDULES if mean_of(s) is not None},
+        "flush_seed_spread": fs,
+        "2bw_seed_spread": spread("2bw"),
+        "gap_above_noise": (mean_ratio - 1 > fs) if mean_ratio is not None and fs is not None else None,
+    }
+
+
 # ---------------------------------------------------------------------------------------- main
+DEFAULTS = dict(iters=500, warmup=50, lr=1e-3, min_lr=1e-4, micro_batch=2, m=4, eval_iters=25, eval_interval=50)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=300, help="training steps of each run")
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--eval-iters", type=int, default=4, help="global batches per validation evaluation")
+    p.add_argument("--iters", type=int, default=DEFAULTS["iters"], help="training steps of each run")
+    p.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"])
+    p.add_argument("--eval-iters", type=int, default=DEFAULTS["eval_iters"],
+                   help="global batches per validation evaluation (x global batch = validation sequences)")
     p.add_argument("--log-interval", type=int, default=50, help="segment length (2BW drains only at segment ends)")
-    p.add_argument("--micro-batch", type=int, default=2, help="b")
-    p.add_argument("--m", type=int, default=4, help="microbatches per step (>= d = 2); global batch = b * m")
+    p.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"], help="b")
+    p.add_argument("--m", type=int, default=DEFAULTS["m"], help="microbatches per step (>= d = 2); global batch = b * m")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--preset", default="gpt-demo")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr", type=float, default=2e-4)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--min-lr", type=float, default=DEFAULTS["min_lr"])
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warm-up steps (default 10%% of --iters)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234, 5678],
+                   help="run both schedules once per seed (initialization, data order and validation draw); the spread "
+                        "of Flush over the seeds is the noise floor of the comparison")
+    p.add_argument("--seed", type=int, default=None, help="shorthand for --seeds SEED (one seed, no noise floor)")
     p.add_argument("--smooth", type=int, default=20, help="training-loss smoothing window (steps)")
     p.add_argument("--target-factor", type=float, default=1.05, help="time-to-loss target = this x Flush's final smoothed train loss")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
@@ -343,16 +424,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=None, help="metrics files and logs (default runs/convergence[_quick])")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run before it is killed")
     p.add_argument("--sweep-lr", type=float, nargs="*", default=[], metavar="LR",
-                   help="also run both schedules at these peak learning rates (min lr scaled alike): a sensitivity table")
+                   help="also run both schedules at these peak learning rates (min lr scaled alike; first seed only): "
+                        "a sensitivity table")
     p.add_argument("--sweep-png", help="write the learning-rate sweep's curves here (with --sweep-lr)")
-    p.add_argument("--quick", action="store_true", help="tiny model, 10 steps, small corpus: a smoke run (< 40 s)")
+    p.add_argument("--exploration", metavar="FILE",
+                   help="a JSON list of earlier measured settings (see docs/data/convergence.json's 'exploration') "
+                        "copied into the output JSON so the report can show how the defaults were chosen")
+    p.add_argument("--quick", action="store_true", help="tiny model, 10 steps, small corpus: a smoke run (~30 s per seed)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the loss curves here")
     args = p.parse_args(argv)
+    if args.seed is not None:
+        args.seeds = [args.seed]
+    args.seeds = list(dict.fromkeys(args.seeds))
     args.model_flags = []
     if args.quick:
         args.iters, args.eval_interval, args.eval_iters, args.log_interval = 10, 5, 2, 5
         args.seq, args.micro_batch, args.m, args.smooth, args.warmup = 32, 2, 2, 3, 2
+        args.lr, args.min_lr = 2e-3, 2e-4
         args.preset = "gpt-tiny"
         args.model_flags = ["--max-position-embeddings", str(args.seq)]
         args.timeout = min(args.timeout, 120.0)
@@ -364,28 +453,38 @@ def main(argv: list[str] | None = None) -> int:
         p.error("2BW needs m >= d = 2")
     if "flush" not in args.schedules:
         p.error("the comparison needs the flush run (it defines the target)")
+    exploration = None
+    if args.exploration:
+        with open(args.exploration) as f:
+            exploration = json.load(f)
 
     machine = common.machine_info()
     t0 = time.time()
     data_prefix, tok_model = ensure_data(data_dir, vocab, corpus_mb)
     data_s = time.time() - t0
-    runs = [run_one(args, s, data_prefix, tok_model) for s in args.schedules]
-    by = {r["schedule"]: r for r in runs}
-    flush = by["flush"]
-    target = args.target_factor * flush["final_train_loss"]
-    for r in runs:
-        r["time_to_loss"] = time_to_loss(r, target)
-    ratio = None
-    if "2bw" in by and by["2bw"]["final_valid_loss"] and flush["final_valid_loss"]:
-        ratio = by["2bw"]["final_valid_loss"] / flush["final_valid_loss"]
-    speed = None
-    if "2bw" in by and by["2bw"]["seconds"] and flush["seconds"]:
-        speed = flush["seconds"] / by["2bw"]["seconds"]
-    ttl = None
-    t2, tf = (by.get("2bw") or {}).get("time_to_loss", {}).get("seconds"), flush["time_to_loss"]["seconds"]
-    if t2 and tf:
-        ttl = tf / t2
-    sweep = [sweep_entry(args.lr, args.min_lr, runs)]
+    runs = [run_one(args, s, data_prefix, tok_model, seed=sd) for sd in args.seeds for s in args.schedules]
+    for sd in args.seeds:  # the time-to-loss target is per seed: Flush's own final smoothed training loss
+        pair = [r for r in runs if r["seed"] == sd]
+        target = args.target_factor * next(r for r in pair if r["schedule"] == "flush")["final_train_loss"]
+        for r in pair:
+            r["time_to_loss"] = time_to_loss(r, target)
+    noise = seed_summary(runs)
+    ratio = noise["valid_loss_ratio_mean"]
+
+    def mean_ratio(num_of, den_of):  # mean over seeds of num(2bw)/num(flush) style ratios
+        xs = []
+        for sd in args.seeds:
+            by = {r["schedule"]: r for r in runs if r["seed"] == sd}
+            a, b = num_of(by), den_of(by)
+            if a and b:
+                xs.append(a / b)
+        return sum(xs) / len(xs) if xs else None
+
+    speed = mean_ratio(lambda by: by["flush"]["seconds"], lambda by: (by.get("2bw") or {}).get("seconds"))
+    ttl = mean_ratio(lambda by: by["flush"]["time_to_loss"]["seconds"],
+                     lambda by: ((by.get("2bw") or {}).get("time_to_loss") or {}).get("seconds"))
+    first = [r for r in runs if r["seed"] == args.seeds[0]]
+    sweep = [sweep_entry(args.lr, args.min_lr, first)]
     for lr in args.sweep_lr:
         if lr == args.lr:
             continue
@@ -394,32 +493,41 @@ def main(argv: list[str] | None = None) -> int:
     sweep.sort(key=lambda e: e["lr"])
     machine["elapsed_s"] = round(time.time() - t0, 1)
 
-    cols = [("schedule", "schedule", ""), ("steps", "steps", ""), ("final_valid_loss", "valid loss", ".4f"),
-            ("final_train_loss", "train loss (sm)", ".4f"), ("seconds", "train s", ".1f"),
+    cols = [("schedule", "schedule", ""), ("seed", "seed", ""), ("steps", "steps", ""), ("final_valid_loss", "valid loss", ".4f"),
+            ("final_train_loss", "train loss (sm)", ".4f"), ("seconds", "train s", ".1f"), ("wall_seconds", "wall s", ".1f"),
             ("samples_per_sec_median", "samples/s", ".2f"), ("ttl_step", "ttl step", ""), ("ttl_s", "ttl s", ".1f"),
             ("foreign_load_cpus", "other load", ".2f")]
     show = [dict(r, ttl_step=r["time_to_loss"]["step"], ttl_s=r["time_to_loss"]["seconds"]) for r in runs]
+    gb = args.micro_batch * args.m
     print()
-    print(f"{args.preset}, seq {args.seq}, d=2 w=1, b={args.micro_batch} m={args.m} (global batch "
-          f"{args.micro_batch * args.m}), {args.iters} steps; time-to-loss target {target:.4f}")
+    print(f"{args.preset}, seq {args.seq}, d=2 w=1, b={args.micro_batch} m={args.m} (global batch {gb}), {args.iters} steps, "
+          f"warm-up {args.warmup}, lr {args.lr:g} -> {args.min_lr:g}; validation {args.eval_iters * gb} sequences; "
+          f"seeds {args.seeds}")
     print(common.table(show, cols))
-    print(f"valid loss ratio 2BW / Flush: {common.fmt(ratio, '.4f')} (target <= 1.01); "
+    print(common.table([dict(seed=e["seed"], v2=e["final_valid_loss"].get("2bw"), vf=e["final_valid_loss"].get("flush"),
+                             ratio=e["valid_loss_ratio_2bw_over_flush"]) for e in noise["per_seed"]],
+                       [("seed", "seed", ""), ("v2", "2BW valid", ".4f"), ("vf", "Flush valid", ".4f"), ("ratio", "2BW/Flush", ".4f")]))
+    print(f"valid loss ratio 2BW / Flush, mean over seeds: {common.fmt(ratio, '.4f')} (target <= 1.01); Flush seed-to-seed "
+          f"spread {common.fmt(noise['flush_seed_spread'], '.4f')}; 2BW gap above noise: {noise['gap_above_noise']}; "
           f"training-time speedup Flush/2BW: {common.fmt(speed, '.3f')}")
     if len(sweep) > 1:
-        print("\nlearning-rate sweep (final valid loss):")
+        print(f"\nlearning-rate sweep (final valid loss, seed {args.seeds[0]}):")
         print(common.table([dict(lr=e["lr"], **{f"v_{r['schedule']}": r["final_valid_loss"] for r in e["runs"]},
                                  ratio=e["valid_loss_ratio_2bw_over_flush"]) for e in sweep],
                            [("lr", "peak lr", "g"), ("v_2bw", "2BW", ".4f"), ("v_flush", "Flush", ".4f"), ("ratio", "2BW/Flush", ".4f")]))
         if args.sweep_png:
             plot_sweep(sweep, args.sweep_png, f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, "
-                                              f"{args.iters} steps: smoothed training loss per peak learning rate")
-    title = (f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, {args.iters} steps on "
-             f"{machine['cpus_usable']} CPUs; valid loss 2BW/Flush = {common.fmt(ratio, '.4f')}")
+                                              f"{args.iters} steps, seed {args.seeds[0]}: smoothed training loss per peak learning rate")
+    title = (f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, {args.iters} steps, "
+             f"{len(args.seeds)} seed(s) on {machine['cpus_usable']} CPUs; valid loss 2BW/Flush = {common.fmt(ratio, '.4f')}")
     if args.png:
         plot(runs, args.png, title)
-    common.write_json(args.json, {
+    out = {
         "runs": runs,
         "valid_loss_ratio_2bw_over_flush": ratio,
+        "valid_loss_ratio_per_seed": [e["valid_loss_ratio_2bw_over_flush"] for e in noise["per_seed"]],
+        "seed_noise": noise,
+        "flush_seed_spread": noise["flush_seed_spread"],
         "lr_sweep": sweep,
         "valid_loss_target_ratio": 1.01,
         "valid_loss_within_target": (ratio <= 1.01) if ratio is not None else None,
@@ -427,16 +535,21 @@ def main(argv: list[str] | None = None) -> int:
         "time_to_loss_speedup_2bw_vs_flush": ttl,
         "machine": machine,
         "config": dict(preset=args.preset, seq=args.seq, d=2, w=1, micro_batch=args.micro_batch, m=args.m,
-                       global_batch=args.micro_batch * args.m, iters=args.iters, eval_interval=args.eval_interval,
-                       eval_iters=args.eval_iters, log_interval=args.log_interval, lr=args.lr, min_lr=args.min_lr,
-                       lr_decay="cosine", warmup=args.warmup, weight_decay=0.01, clip_grad=1.0, seed=args.seed,
+                       global_batch=gb, iters=args.iters, eval_interval=args.eval_interval,
+                       eval_iters=args.eval_iters, valid_sequences=args.eval_iters * gb, log_interval=args.log_interval,
+                       lr=args.lr, min_lr=args.min_lr, lr_decay="cosine", warmup=args.warmup, weight_decay=0.01,
+                       clip_grad=1.0, seed=args.seeds[0], seeds=args.seeds, optimizer="adam (betas 0.9, 0.999)",
                        precision="fp32", smooth_window=args.smooth, target_factor=args.target_factor,
-                       target_definition="target_factor x flush final smoothed training loss; first step whose "
-                                         "smoothed training loss <= target",
+                       target_definition="target_factor x flush final smoothed training loss of the same seed; first step "
+                                         "whose smoothed training loss <= target",
+                       ratio_definition="mean over seeds of (2BW final valid loss / Flush final valid loss of the same seed)",
                        seconds_definition="sum of step_time_s (segment wall time incl. fill/drain; evals excluded)",
                        data=os.path.relpath(data_prefix, ROOT), vocab=vocab, data_prep_s=round(data_s, 1),
                        quick=args.quick),
-    })
+    }
+    if exploration is not None:
+        out["exploration"] = exploration
+    common.write_json(args.json, out)
     return 0
 
 

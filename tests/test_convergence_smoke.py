@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks/convergence.py (--quick: two real 10-step trainer runs) and of
+"""Smoke tests of benchmarks/convergence.py (--quick: two seeds x two real 10-step trainer runs) and of
 benchmarks/report.py --from-json (markdown and plots from small fake JSON files). Losses and
 timings are not judged here: the quick model is too small and the machine is shared."""
 
@@ -22,25 +22,46 @@ def _run(cmd, timeout):
 
 def test_convergence_quick(tmp_path):
     js, png = tmp_path / "conv.json", tmp_path / "conv.png"
+    seeds = [1234, 7]
     _run([sys.executable, os.path.join(BENCH, "convergence.py"), "--quick", "--json", str(js), "--png", str(png),
-          "--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data")], timeout=150)
+          "--seeds", *map(str, seeds), "--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data")],
+         timeout=150)
     data = json.loads(js.read_text())
     assert png.is_file() and png.stat().st_size > 1000
     assert {r["schedule"] for r in data["runs"]} == {"2bw", "flush"}
-    by = {r["schedule"]: r for r in data["runs"]}
+    assert sorted((r["seed"], r["schedule"]) for r in data["runs"]) == [(s, k) for s in sorted(seeds) for k in ("2bw", "flush")]
     for r in data["runs"]:
-        for key in ("schedule", "final_valid_loss", "final_train_loss", "steps", "seconds", "time_to_loss"):
+        for key in ("schedule", "seed", "final_valid_loss", "final_train_loss", "steps", "seconds", "time_to_loss"):
             assert key in r, key
         assert r["steps"] == 10
         assert r["seconds"] > 0
         assert 0 < r["final_valid_loss"] < 20 and 0 < r["final_train_loss"] < 20
         assert set(r["time_to_loss"]) == {"target", "seconds", "step"}
         assert len(r["curve"]["step"]) == 10 and r["valid"]["step"] == [5, 10]
-    # the target is defined on flush, so flush always reaches it
-    assert by["flush"]["time_to_loss"]["step"] is not None
+    ratios = []
+    for seed in seeds:
+        by = {r["schedule"]: r for r in data["runs"] if r["seed"] == seed}
+        # the target is defined on the same seed's flush run, so flush always reaches it
+        assert by["flush"]["time_to_loss"]["step"] is not None
+        assert by["2bw"]["time_to_loss"]["target"] == by["flush"]["time_to_loss"]["target"]
+        ratios.append(by["2bw"]["final_valid_loss"] / by["flush"]["final_valid_loss"])
+    noise = data["seed_noise"]
+    assert [e["seed"] for e in noise["per_seed"]] == seeds
+    for e, r in zip(noise["per_seed"], ratios):
+        assert abs(e["valid_loss_ratio_2bw_over_flush"] - r) < 1e-12
+    assert data["valid_loss_ratio_per_seed"] == [e["valid_loss_ratio_2bw_over_flush"] for e in noise["per_seed"]]
     ratio = data["valid_loss_ratio_2bw_over_flush"]
-    assert abs(ratio - by["2bw"]["final_valid_loss"] / by["flush"]["final_valid_loss"]) < 1e-12
-    assert data["config"]["quick"] is True and data["config"]["d"] == 2
+    assert abs(ratio - sum(ratios) / len(ratios)) < 1e-12 and ratio == noise["valid_loss_ratio_mean"]
+    flush = [e["final_valid_loss"]["flush"] for e in noise["per_seed"]]
+    spread = abs(flush[0] - flush[1]) / (sum(flush) / 2)
+    assert abs(data["flush_seed_spread"] - spread) < 1e-12 and noise["flush_seed_spread"] == data["flush_seed_spread"]
+    assert spread > 0  # different seeds: different initialization, data order and validation draw
+    assert noise["gap_above_noise"] == (ratio - 1 > spread)
+    assert abs(noise["ratio_spread"] - abs(ratios[0] - ratios[1])) < 1e-12
+    assert data["lr_sweep"][0]["valid_loss_ratio_2bw_over_flush"] == ratios[0]  # the sweep uses the first seed
+    cfg = data["config"]
+    assert cfg["quick"] is True and cfg["d"] == 2 and cfg["seeds"] == seeds and cfg["seed"] == seeds[0]
+    assert cfg["valid_sequences"] == cfg["eval_iters"] * cfg["global_batch"]
 
 
 def _fake_jsons(d):
@@ -81,9 +102,9 @@ def _fake_jsons(d):
                                                "config": {"model": {"num_layers": 4, "hidden_size": 64, "seq_length": 32},
                                                           "micro_batch": 2, "steps": 2, "precision": "fp32"}}))
     runs = []
-    for s, end in (("2bw", 5.05), ("flush", 5.0)):
+    for seed, s, end in ((1234, "2bw", 5.05), (1234, "flush", 5.0), (5678, "2bw", 5.151), (5678, "flush", 5.1)):
         losses = [6.0 - 0.1 * i for i in range(10)]
-        runs.append(dict(schedule=s, final_valid_loss=end, final_train_loss=5.2, steps=10, seconds=1.0, wall_seconds=5.0,
+        runs.append(dict(schedule=s, seed=seed, final_valid_loss=end, final_train_loss=5.2, steps=10, seconds=1.0, wall_seconds=5.0,
                          samples_per_sec_median=40.0, foreign_load_cpus=0.1,
                          time_to_loss={"target": 5.46, "step": 7, "seconds": 0.7},
                          curve={"step": list(range(1, 11)), "seconds": [0.1 * i for i in range(1, 11)],
@@ -92,13 +113,22 @@ def _fake_jsons(d):
     (d / "convergence.json").write_text(json.dumps({
         "lr_sweep": [{"lr": lr, "min_lr": lr / 10, "valid_loss_ratio_2bw_over_flush": 1.01,
                       "runs": [dict(r, curve={"step": r["curve"]["step"], "train_loss_smoothed": r["curve"]["train_loss"]})
-                               for r in runs]} for lr in (1e-3, 2e-3)],
-        "runs": runs, "valid_loss_ratio_2bw_over_flush": 1.01, "train_time_speedup_2bw_vs_flush": 1.2,
+                               for r in runs[:2]]} for lr in (1e-3, 2e-3)],
+        "runs": runs, "valid_loss_ratio_2bw_over_flush": 1.01, "valid_loss_ratio_per_seed": [1.01, 1.01],
+        "flush_seed_spread": 0.1 / 5.05,
+        "seed_noise": {"seeds": [1234, 5678], "valid_loss_ratio_mean": 1.01, "ratio_spread": 0.0,
+                       "per_seed": [{"seed": 1234, "final_valid_loss": {"2bw": 5.05, "flush": 5.0}, "valid_loss_ratio_2bw_over_flush": 1.01},
+                                    {"seed": 5678, "final_valid_loss": {"2bw": 5.151, "flush": 5.1}, "valid_loss_ratio_2bw_over_flush": 1.01}],
+                       "mean_final_valid_loss": {"2bw": 5.1005, "flush": 5.05}, "flush_seed_spread": 0.1 / 5.05,
+                       "2bw_seed_spread": 0.101 / 5.1005, "gap_above_noise": False},
+        "exploration": [{"label": "fake short warm-up", "global_batch": 4, "iters": 10, "warmup": 1, "lr": 2e-3, "seed": 1234,
+                         "valid_sequences": 8, "valid_2bw": 5.3, "valid_flush": 5.0, "note": "fake miss"}],
+        "train_time_speedup_2bw_vs_flush": 1.2,
         "time_to_loss_speedup_2bw_vs_flush": 1.1, "machine": machine,
         "config": {"preset": "gpt-tiny", "seq": 32, "micro_batch": 2, "m": 2, "global_batch": 4, "iters": 10,
                    "eval_interval": 5, "eval_iters": 2, "log_interval": 5, "lr": 2e-3, "min_lr": 2e-4, "warmup": 2,
                    "weight_decay": 0.01, "clip_grad": 1.0, "precision": "fp32", "seed": 1234, "data": "x", "vocab": 500,
-                   "smooth_window": 3, "target_factor": 1.05, "quick": True}}))
+                   "smooth_window": 3, "target_factor": 1.05, "quick": True, "seeds": [1234, 5678], "valid_sequences": 8}}))
     (d / "gpu.json").write_text(json.dumps({
         "skipped": False, "machine": dict(machine, device="NVIDIA H200", peak_bf16_flops=989e12),
         "config": {"m": 4, "steps": 8, "warmup": 3, "kernels": "torch", "flops_per_token": "6N + 12 L s h"},
@@ -117,9 +147,13 @@ def test_report_from_json(tmp_path):
     text = doc.read_text()
     for needle in ("# Benchmarks", "## Summary", "Fake CPU @ 1 GHz", "Pipeline throughput", "Memory per stage",
                    "Convergence", "NVIDIA H200", "out of memory: fake", "1.0100", "What the numbers mean",
-                   "Learning-rate sensitivity", "img/convergence_lr.png"):
+                   "Learning-rate sensitivity", "img/convergence_lr.png", "Per seed", "5678", "noise floor",
+                   "0.0198", "How the defaults were chosen", "fake short warm-up", "1.0600"):
         assert needle in text, needle
-    assert "**pass**" in text and "**FAIL**" not in text  # every fake number meets its target
+    conv = text[text.index("## 3. Convergence"):text.index("## 4.")]
+    assert "**FAIL**" in conv  # only the exploration row that misses 1%
+    rest = text.replace(conv, "")
+    assert "**pass**" in rest and "**FAIL**" not in rest  # every other fake number meets its target
     for name in ("throughput", "memory", "convergence"):
         assert (img / f"{name}.png").is_file(), name
         assert f"img/{name}.png" in text, name
