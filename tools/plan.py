@@ -21,7 +21,7 @@ import json  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 
 from megatron_2bw.config import ModelConfig  # noqa: E402
-from megatron_2bw.errors import ConfigError  # noqa: E402
+from megatron_2bw.errors import ConfigError, run_cli  # noqa: E402
 from megatron_2bw.models.presets import GPT2_VOCAB, get_preset  # noqa: E402
 from megatron_2bw.planner.hardware import load_cluster  # noqa: E402
 from megatron_2bw.planner.layer_costs import load_profile  # noqa: E402
@@ -119,12 +119,7 @@ def run(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        print(run(sys.argv[1:] if argv is None else argv))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

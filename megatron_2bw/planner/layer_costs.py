@@ -297,13 +297,17 @@ def layer_costs_from_json(data: Any, source: str) -> LayerCosts:
     return LayerCosts(f"profile {source} ({label})", table)
 
 
-def load_profile(path: str) -> LayerCosts:
-    """Read a ``--profile FILE``."""
+def read_profile_json(path: str | Path) -> dict:
+    """The JSON of a ``--profile FILE``; a missing or unreadable file is a one-line ConfigError."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--profile file {path!r} does not exist")
+        raise ConfigError(f"--profile file {str(path)!r} does not exist")
     try:
-        data = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--profile {path!r} is not readable JSON: {exc}".replace("\n", " ")) from None
-    return layer_costs_from_json(data, path)
+        raise ConfigError(f"--profile {str(path)!r} is not readable JSON: {exc}".replace("\n", " ")) from None
+
+
+def load_profile(path: str) -> LayerCosts:
+    """Read a ``--profile FILE``."""
+    return layer_costs_from_json(read_profile_json(path), path)

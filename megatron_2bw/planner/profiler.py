@@ -62,7 +62,7 @@ from ..models.presets import get_preset
 from ..models.spec import ModelSpec
 from ..pipeline.accounting import SavedBytes
 from ..tensor_parallel.group import TPGroup
-from .layer_costs import BlockCost, LayerCosts, MicrobatchCosts, layer_costs_from_json
+from .layer_costs import BlockCost, LayerCosts, MicrobatchCosts, layer_costs_from_json, read_profile_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCKS = ("embedding", "layer", "head")
@@ -355,13 +355,7 @@ class LoadedProfile:
 
 def load_full_profile(path: str | Path) -> LoadedProfile:
     """Read a profile file: ``LayerCosts`` via the planner's own parser, plus this module's extras."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--profile file {str(path)!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--profile {str(path)!r} is not readable JSON: {exc}".replace("\n", " ")) from None
+    data = read_profile_json(path)
     costs = layer_costs_from_json(data, str(path))
     measured = {(int(e["tensor_parallel"]), int(e["micro_batch_size"])): e.get("measured", {}) for e in data["entries"]}
     opt = data.get("optimizer")
