@@ -8,12 +8,9 @@
 See docs/training.md for every flag, the metrics file and the checkpoint layout.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from megatron_2bw.training.launch import main  # noqa: E402
+from megatron_2bw.training.launch import main
 
 if __name__ == "__main__":
     sys.exit(main("gpt"))

@@ -60,9 +60,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
+import common
 
 ROOT = common.ROOT
 SCHEDULES = ("2bw", "flush")

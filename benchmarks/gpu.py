@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
+import common
 
 PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 DEFAULT_MICRO = {"gpt-355m": 8, "gpt-1.3b": 4}

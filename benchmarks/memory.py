@@ -28,12 +28,9 @@ They are compared, stage by stage, with:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
+import common
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 MiB = 2**20

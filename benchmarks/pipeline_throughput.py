@@ -37,9 +37,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
+import common
 
 SYSTEMS = ("single", "engine_d1", "2bw", "flush", "gpipe", "torch_1f1b", "torch_gpipe")
 OURS = ("2bw", "flush", "gpipe")

@@ -24,10 +24,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
-import convergence  # noqa: E402  (its plots and run_group)
+import common
+import convergence  # its plots and run_group
 
 ROOT = common.ROOT
 BENCH = os.path.dirname(os.path.abspath(__file__))

@@ -12,24 +12,20 @@ set aside (Linux run-delay and steal counters).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 import dataclasses
 import json
+import os
 import statistics
+import sys
 import threading
 import time
 
 import torch
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.local_workers import run_workers
 from megatron_2bw.planner.memory_model import Candidate
 from megatron_2bw.planner.simulator import Link, simulate, stage_costs
+from megatron_2bw.testing.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 

@@ -20,13 +20,11 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import common  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import common
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 class TinyLM(nn.Module):

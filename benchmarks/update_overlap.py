@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig  # noqa: E402
-from megatron_2bw.local_workers import run_workers  # noqa: E402
-from megatron_2bw.models.spec import ModelSpec  # noqa: E402
-from megatron_2bw.parallel_state import build_state  # noqa: E402
-from megatron_2bw.pipeline.executor import PipelineStage  # noqa: E402
-from megatron_2bw.tensor_parallel.group import TPGroup  # noqa: E402
+from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+from megatron_2bw.models.spec import ModelSpec
+from megatron_2bw.parallel_state import build_state
+from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.testing.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 

@@ -1,14 +1,17 @@
-"""Validated configuration dataclasses: model shape and parallel layout.
+"""Validated configuration dataclasses of one training run (model, layout, pipeline, optimizer, ...).
 
 Every check happens where the object is built, so a bad layout is refused before any
-process group or collective exists.
+process group or collective exists. The command-line flags that fill these fields are one
+table in ``cli.py``; nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from .errors import ConfigError
+from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -118,7 +121,6 @@ class ParallelConfig:
         return self.tensor * self.pipeline * self.data
 
 
-SCHEDULES = ("2bw", "flush", "gpipe")
 P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -137,16 +139,23 @@ class PipelineConfig:
     p2p_mode: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.schedule in SCHEDULES, f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        _require(
+            self.schedule in SCHEDULE_NAMES,
+            f"--pipeline-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}",
+        )
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
         _require(self.num_microbatches >= 1, f"microbatches per step must be >= 1, got {self.num_microbatches}")
         _require(self.p2p_mode in P2P_MODES, f"--p2p-mode must be one of {', '.join(P2P_MODES)}, got {self.p2p_mode!r}")
 
     def check_depth(self, d: int) -> None:
+        """Refuse fewer microbatches per step than the schedule needs at depth ``d``."""
+        need = get_schedule(self.schedule).min_microbatches(d)
+        m = self.num_microbatches
+        at_least = f"d microbatches per step: m={m} < d={d}" if need == d else f"{need} microbatches per step: m={m}"
         _require(
-            self.schedule != "2bw" or self.num_microbatches >= d,
-            f"PipeDream-2BW needs at least d microbatches per step: m={self.num_microbatches} < d={d} "
-            f"(raise --global-batch-size or lower --micro-batch-size)",
+            m >= need,
+            f"PipeDream-{self.schedule.upper()} needs at least {at_least} "
+            "(raise --global-batch-size or lower --micro-batch-size)",
         )
 
 
@@ -182,3 +191,157 @@ class OptimizerConfig:
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+
+DECAY_STYLES = ("linear", "cosine", "constant")
+
+
+@dataclass(frozen=True)
+class LRConfig:
+    """Megatron's learning-rate schedule: linear warm-up, then linear/cosine/constant decay to min_lr."""
+
+    lr: float
+    min_lr: float = 0.0
+    decay_style: str = "linear"
+    warmup_iters: int = 0
+    decay_iters: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.decay_style in DECAY_STYLES, f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}")
+        _require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
+        _require(self.warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.warmup_iters}")
+        _require(self.decay_iters >= 1, f"--lr-decay-iters must be >= 1, got {self.decay_iters}")
+        _require(
+            self.warmup_iters <= self.decay_iters,
+            f"--lr-warmup-iters {self.warmup_iters} exceeds the decay iterations {self.decay_iters}",
+        )
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Length of the run, its batch, and when to log, evaluate, save and exit."""
+
+    train_iters: int
+    global_batch_size: int
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+    metrics_file: str | None = None
+    tensorboard_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.train_iters >= 1, f"--train-iters must be >= 1, got {self.train_iters}")
+        _require(self.global_batch_size >= 1, f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
+            v = getattr(self, name)
+            _require(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        _require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
+        _require(self.save_interval is None or self.save is not None, "--save-interval needs --save DIR")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Indexed dataset prefixes (or a weighted blend), the split, and the tokenizer's files."""
+
+    data_path: tuple[str, ...]
+    split: str
+    tokenizer_type: str
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    mask_prob: float = 0.15  # BERT only
+    short_seq_prob: float = 0.1  # BERT only
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """Where the run executes: the resolved device, the process-group backend and kernels."""
+
+    device: str  # resolved: "cpu" or "cuda"
+    backend: str
+    timeout_minutes: float = 10.0
+    fused_kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_minutes > 0, f"--distributed-timeout-minutes must be positive, got {self.timeout_minutes}")
+        _require(
+            not (self.backend == "nccl" and self.device != "cuda"),
+            "--distributed-backend nccl needs --device cuda (use gloo on CPU)",
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The choices the layout flags make and ``--auto-plan`` makes instead: t, d, b, recompute, schedule."""
+
+    tensor: int
+    pipeline: int
+    micro_batch_size: int | None
+    recompute: bool
+    schedule: str
+
+
+def layout_configs(
+    layout: Layout, model: ModelConfig, global_batch_size: int | None, world_size: int, p2p_mode: str = "auto",
+) -> tuple[ParallelConfig, PipelineConfig, int]:
+    """(ParallelConfig, PipelineConfig, global batch B) of ``layout``, checked against the model and world.
+
+    ``B`` defaults to ``b * w``; the microbatches per step and pipeline are ``m = B / (b * w)``.
+    """
+    par = ParallelConfig(layout.tensor, layout.pipeline)
+    model.check_tensor_parallel(par.tensor)
+    _require(
+        model.num_layers % par.pipeline == 0,
+        f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {par.pipeline}",
+    )
+    par = par.resolve(world_size)
+    b, w = layout.micro_batch_size, par.data
+    _require(b is not None, "--micro-batch-size is required (or give --auto-plan)")
+    _require(b >= 1, f"--micro-batch-size must be >= 1, got {b}")
+    B = global_batch_size if global_batch_size is not None else b * w
+    _require(B >= 1, f"--global-batch-size must be >= 1, got {B}")
+    _require(
+        B % (b * w) == 0,
+        f"--global-batch-size {B} is not divisible by --micro-batch-size {b} x data-parallel size {w}",
+    )
+    pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode)
+    pipe.check_depth(par.pipeline)
+    return par, pipe, B
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs, validated; ``parallel.data`` is resolved against the world size."""
+
+    kind: str
+    model: ModelConfig
+    parallel: ParallelConfig
+    pipeline: PipelineConfig
+    optimizer: OptimizerConfig
+    lr: LRConfig
+    training: TrainingConfig
+    data: DataConfig
+    system: SystemConfig
+
+    SECTIONS = ("model", "parallel", "pipeline", "optimizer", "lr", "training", "data", "system")
+
+    def with_vocab(self, vocab_size: int) -> "RunConfig":
+        """The model's vocabulary is the tokenizer's (as in Megatron)."""
+        return replace(self, model=replace(self.model, vocab_size=vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able nested dict of every section (stored in checkpoints and the metrics file)."""
+        return {"kind": self.kind, **{name: asdict(getattr(self, name)) for name in self.SECTIONS}}
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """Megatron-style flat arguments (flag name -> value) that reproduce this run, for checkpoints."""
+        from .cli import megatron_args  # noqa: PLC0415 - the flag table lives with the parser
+
+        return megatron_args(self)

@@ -2,7 +2,9 @@
 
 The choice is made once per process (``select_kernels``), logged once, and can be forced with
 ``--fused-kernels {auto,apex,torch}``. No try/except import silently changes behaviour: the
-chosen path is always reported.
+chosen path is always reported. Attention always runs ``F.scaled_dot_product_attention`` and
+the optimizer picks torch's fused AdamW itself when the build has it (``optimizer.flat``), so
+neither is a choice made here.
 """
 
 from __future__ import annotations
@@ -15,24 +17,22 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .optimizer.flat import fused_adamw_available
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """The implementations in use; passed to the model builders and optimizer."""
+    """The implementations in use; passed to the model builders."""
 
     layer_norm: str = "torch"  # "apex" (FusedLayerNorm) or "torch" (nn.LayerNorm)
-    attention: str = "sdpa"  # "sdpa" (F.scaled_dot_product_attention: flash/mem-efficient on CUDA)
-    optimizer: str = "torch-fused-adamw"  # torch._fused_adamw_ (CPU and CUDA), else "torch-vectorized"
 
     def describe(self) -> str:
-        return f"layer_norm={self.layer_norm} attention={self.attention} optimizer={self.optimizer}"
+        return f"layer_norm={self.layer_norm}"
 
 
 def apex_available() -> bool:
+    """apex is installed and CUDA is usable (apex's kernels are CUDA-only)."""
     return importlib.util.find_spec("apex") is not None and torch.cuda.is_available()
 
 
@@ -43,11 +43,7 @@ def select_kernels(mode: str = "auto", device_type: str = "cpu") -> Kernels:
     use_apex = mode == "apex" or (mode == "auto" and device_type == "cuda" and apex_available())
     if mode == "apex" and not (device_type == "cuda" and apex_available()):
         raise ConfigError("--fused-kernels apex needs CUDA and an importable apex; neither path was forced silently")
-    k = Kernels(
-        layer_norm="apex" if use_apex else "torch",
-        attention="sdpa",
-        optimizer="torch-fused-adamw" if fused_adamw_available() else "torch-vectorized",
-    )
+    k = Kernels(layer_norm="apex" if use_apex else "torch")
     log.info("fused kernels: %s", k.describe())
     return k
 

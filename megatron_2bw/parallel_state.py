@@ -88,10 +88,6 @@ class ParallelState:
     def next_rank(self) -> int | None:
         return None if self.is_last_stage else self.pipeline_ranks[self.pp_rank + 1]
 
-    @property
-    def layout(self) -> ParallelConfig:
-        return ParallelConfig(self.t, self.d, self.w)
-
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelState":
         """The trivial layout of one process, with no process groups."""
@@ -138,6 +134,18 @@ def distributed_env() -> dict[str, str | int]:
             "master_port": int(env.get("MASTER_PORT", 20000 + job % 20000)),
         }
     return {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": "127.0.0.1", "master_port": 29500}
+
+
+# What the backends put in an exception's text when a peer process died or stopped answering: torch
+# raises the backends' failures as plain RuntimeError (DistError only on some paths and versions),
+# so the text is the one signal common to every version; see ``is_peer_failure``.
+PEER_FAILURE_MARKERS = ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timeout", "NCCL", "Gloo")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` most likely means another rank failed (so this rank's own traceback is noise)."""
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or any(k in text for k in PEER_FAILURE_MARKERS)
 
 
 def default_backend(device_type: str) -> str:

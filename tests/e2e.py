@@ -28,6 +28,8 @@ import time
 
 import pytest
 
+from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_RANK_ENV
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 LAUNCH_TIMEOUT = 240  # seconds; a tiny run takes ~10-30 s on two busy cores
@@ -58,7 +60,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any launcher variables (so a child never thinks it is a rank)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-           and not k.startswith(("SLURM_", "TORCHELASTIC_", "MEGATRON_2BW_FAULT_"))}
+           and k not in (KILL_RANK_ENV, KILL_ITER_ENV) and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -279,7 +281,7 @@ def gpt_2bw_killed(corpus, gpt_2bw_run, tmp_path_factory) -> KilledRun:
     """``gpt_2bw_run``'s flags, rank 1 killed mid-step 13 (checkpoints at 10), then a restart with --load."""
     out = tmp_path_factory.mktemp("gpt_2bw_killed")
     save = str(out / "ckpt")
-    env = clean_env(MEGATRON_2BW_FAULT_KILL_RANK=str(KILL_RANK), MEGATRON_2BW_FAULT_KILL_ITER=str(KILL_ITER))
+    env = clean_env(**{KILL_RANK_ENV: str(KILL_RANK), KILL_ITER_ENV: str(KILL_ITER)})
     killed = torchrun(gpt_2bw_run.script, [*gpt_2bw_run.args, "--save", save, "--save-interval", "10",
                                            "--metrics-file", str(out / "killed.jsonl")], env=env)
     stragglers = processes_with(str(out))

@@ -1,3 +1,3 @@
-"""The one helper multi-process tests use (it lives in the package so benchmarks share it)."""
+"""The one helper multi-process tests use (it lives in the package so benchmarks and the profiler share it)."""
 
-from megatron_2bw.local_workers import free_port, run_workers  # noqa: F401
+from megatron_2bw.testing.local_workers import free_port, run_workers  # noqa: F401

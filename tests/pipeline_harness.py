@@ -17,8 +17,10 @@ from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.stages import stage_range
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
+from megatron_2bw.testing.faults import FaultInjector
 
 
 def matching_shard(dense: torch.Tensor, local: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:
@@ -55,10 +57,11 @@ def train_tiny(
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12)
+    start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
+    names = GlobalNames(start, tied="0.word.weight")  # the embedding's word weight in the full model
+    faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
-                          (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker)
-    if inject_inf is not None and state.rank == inject_inf[0]:
-        stage.inject_inf_steps.add(inject_inf[1])
+                          (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)
     g = torch.Generator().manual_seed(99)
     n = global_batch * steps
     if cfg.kind == "gpt":
@@ -85,15 +88,7 @@ def train_tiny(
         x = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(x, group=state.dp_group)
         losses = (x / w).tolist()
-    start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
-    head = cfg.num_layers + 1
-    params = {}
-    for name, view in stage.weights.named_flat(stage.weights.slot(stage.step) if schedule == "2bw" else 0).items():
-        idx, rest = name.split(".", 1)
-        gname = f"{start + int(idx)}.{rest}"
-        if gname.startswith(f"{head}.word_weight"):
-            gname = "0.word.weight"
-        params[gname] = view.detach().float().clone()
+    params = {name: view.detach().float().clone() for name, view in stage.newest_state().items()}
     return {
         "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.is_last_stage,
         "losses": losses if state.is_last_stage else None, "params": params,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_2bw.arguments import build_config, env_world, parse_args
+from megatron_2bw.cli import build_config, env_world, parse_args
 from megatron_2bw.errors import ConfigError
 
 DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]

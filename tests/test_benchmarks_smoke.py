@@ -10,6 +10,8 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+# benchmarks/ is a directory of scripts, not a package: they import their sibling ``common``, and the
+# processes they spawn import the script's module by name, so the directory itself goes on the path.
 sys.path.insert(0, BENCH)
 
 import gpu  # noqa: E402

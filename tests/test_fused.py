@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.fused import layer_norm, select_kernels
+from megatron_2bw.fused import Kernels, layer_norm, select_kernels
 
 
 def test_cpu_auto_uses_torch_paths_and_logs_the_choice(caplog):
     with caplog.at_level(logging.INFO, logger="megatron_2bw.fused"):
         k = select_kernels("auto", "cpu")
-    assert k.layer_norm == "torch" and k.attention == "sdpa"
-    assert [r.getMessage() for r in caplog.records] == [f"fused kernels: {k.describe()}"]
+    assert k == Kernels(layer_norm="torch")
+    assert len(caplog.records) == 1  # one line per selection, whatever its wording
     assert isinstance(layer_norm(8, 1e-5, k), torch.nn.LayerNorm)
 
 

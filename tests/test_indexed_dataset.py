@@ -123,6 +123,12 @@ CORRUPTIONS = {
     "pointer past end": (lambda p: _patch(p + ".idx", POINTERS_AT + 8, struct.pack("<q", 10**6)), ".idx", "sequence 1"),
     "negative size": (lambda p: _patch(p + ".idx", SIZES_AT, struct.pack("<i", -5)), ".idx", "negative size"),
     "bad doc_idx": (lambda p: _patch(p + ".idx", POINTERS_AT + 32, struct.pack("<q", 9)), ".idx", "document index"),
+    # The dtype byte changed from uint16 (8) to uint8 (1): every pointer is then twice the running size sum.
+    "dtype uint16 -> uint8": (lambda p: _patch(p + ".idx", 17, bytes([1])), ".idx", "sequence 1 starts at byte 6 but the sizes before it give byte 3 for dtype uint8"),
+    "dtype uint16 -> int32": (lambda p: _patch(p + ".idx", 17, bytes([4])), ".idx", "sequence 1 starts at byte 6 but the sizes before it give byte 12 for dtype int32"),
+    "pointer gap": (lambda p: _patch(p + ".idx", POINTERS_AT + 24, struct.pack("<q", 18)), ".idx", "sequence 3 starts at byte 18"),
+    "longer bin": (lambda p: open(p + ".bin", "ab").write(b"\x00" * 4), ".bin", "has 24 bytes but index file"),
+    "doc_idx short of the sequences": (lambda p: _patch(p + ".idx", POINTERS_AT + 32 + 24, struct.pack("<q", 3)), ".idx", "rise from 0 to the 4 sequences"),
 }
 
 
@@ -134,3 +140,61 @@ def test_corrupt_files_give_one_line_config_error(prefix, case):
         IndexedDataset(prefix)
     msg = str(e.value)
     assert "\n" not in msg and expected in msg and prefix + names in msg, msg
+
+
+def test_index_beside_another_datasets_larger_bin(tmp_path):
+    """An .idx copied beside a .bin of another (larger) dataset: refused, naming both files."""
+    small = write(str(tmp_path / "small"))
+    big = write(str(tmp_path / "big"), ITEMS * 3, [[0, 1], [2, 3], [4, 5, 6, 7, 8, 9, 10, 11]])
+    os.replace(big + ".bin", small + ".bin")
+    with pytest.raises(ConfigError) as e:
+        IndexedDataset(small)
+    msg = str(e.value)
+    assert "\n" not in msg and small + ".bin" in msg and small + ".idx" in msg
+    assert "has 60 bytes but index file" in msg and "describes 20 (4 sequences of uint16)" in msg
+
+
+def test_items_after_the_last_document_end_form_a_document(tmp_path):
+    prefix = str(tmp_path / "open")
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    builder.add_item(np.array([1, 2]))
+    builder.end_document()
+    builder.add_item(np.array([3]))
+    builder.finalize(prefix + ".idx")
+    ds = IndexedDataset(prefix)
+    assert ds.doc_idx.tolist() == [0, 1, 2] and ds[1].tolist() == [3]
+
+
+def test_builder_writes_nothing_under_the_final_names_until_finalize(tmp_path):
+    old = write(str(tmp_path / "ds"))
+    before = {ext: open(old + ext, "rb").read() for ext in (".bin", ".idx")}
+    with IndexedDatasetBuilder(old + ".bin", np.uint16) as b:
+        b.add_item(np.array([9, 9, 9]))
+        b.end_document()
+        assert {ext: open(old + ext, "rb").read() for ext in (".bin", ".idx")} == before
+        # an error here (no finalize) leaves the old dataset and no temporary files
+    assert {ext: open(old + ext, "rb").read() for ext in (".bin", ".idx")} == before
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]
+
+
+def test_open_dataset_keeps_its_tokens_when_rewritten(tmp_path):
+    """A reader's memory map survives a rewrite of its files (rename, never in-place truncation)."""
+    prefix = write(str(tmp_path / "ds"))
+    ds = IndexedDataset(prefix)
+    inode = os.stat(prefix + ".bin").st_ino
+    write(prefix, [[5]], [[0]])
+    assert os.stat(prefix + ".bin").st_ino != inode
+    assert [ds[i].tolist() for i in range(len(ds))] == ITEMS  # the old inode, still mapped
+    assert IndexedDataset(prefix)[0].tolist() == [5]
+
+
+def test_temporaries_of_killed_writers_are_removed(tmp_path):
+    """A writer killed with -9 leaves hidden temporaries; the next build removes those whose
+    process is gone and keeps those of a live one."""
+    dead, alive = 2**22 + 7, os.getppid()  # above any pid_max; our parent is alive
+    stale = [tmp_path / f".ds.bin.tmp-{dead}", tmp_path / f".ds.idx.tmp-{dead}"]
+    live = tmp_path / f".ds.bin.tmp-{alive}"
+    for path in stale + [live]:
+        path.write_bytes(b"partial")
+    write(str(tmp_path / "ds"))
+    assert sorted(os.listdir(tmp_path)) == sorted(["ds.bin", "ds.idx", live.name])

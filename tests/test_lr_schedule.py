@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_2bw.arguments import LRConfig
+from megatron_2bw.config import LRConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.training.lr_schedule import lr_at
 

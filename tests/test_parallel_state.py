@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_2bw.config import ParallelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.parallel_state import build_state, distributed_env, layout_groups
+from megatron_2bw.parallel_state import build_state, distributed_env, is_peer_failure, layout_groups
 from multiproc import run_workers
 
 # The worked example in parallel_state.py's docstring, written out independently.
@@ -61,6 +61,23 @@ def test_groups_on_8_processes_match_documented_layout():
         tp_rank, dp_rank, pp_rank = coords
         assert rank == pp_rank * 4 + dp_rank * 2 + tp_rank
         assert (prev, nxt) == ((None, rank + 4) if pp_rank == 0 else (rank - 4, None))
+
+
+def _peer_leaves_worker() -> tuple[str, bool] | None:
+    """Rank 1 leaves the job; rank 0's receive from it fails: the error a rank sees when a peer dies."""
+    if dist.get_rank() == 1:
+        return None
+    try:
+        dist.recv(torch.zeros(4), src=1)
+    except Exception as e:  # noqa: BLE001 - the backend's own error is what is classified
+        return f"{type(e).__name__}: {e}", is_peer_failure(e)
+    return "no error", False
+
+
+def test_peer_failure_is_recognised_from_the_backends_real_error():
+    (text, peer), _ = run_workers(_peer_leaves_worker, 2, timeout=120, pg_timeout=20)
+    assert peer, text
+    assert not is_peer_failure(ValueError("shape [2, 3] does not match [3, 2]"))
 
 
 def test_bad_layout_refused_before_any_group():

@@ -2,6 +2,7 @@
 
 import json
 import importlib.util
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import sys
 import pytest
 
 from megatron_2bw.planner.hardware import load_cluster
+from megatron_2bw.cli import model_config, parse_args
 from megatron_2bw.planner.report import (
-    BASELINES, format_paper_comparison, max_model_size, paper_comparison, paper_model, plan_json, pretrain_command,
+    BASELINES, PAPER_MAX_MODEL_DEPTH, PAPER_MAX_MODEL_PARAMETERS, format_paper_comparison, max_model_size,
+    paper_comparison, paper_model, plan_json, pretrain_command,
 )
 from megatron_2bw.planner.search import PlanRequest, default_costs, search
 
@@ -33,16 +36,13 @@ def test_pretrain_flags(result_2p2b):
     best = result_2p2b.best
     argv = pretrain_command(best, result_2p2b.request)
     assert argv[0] == "pretrain_gpt.py"
-    flags = dict(zip(argv[1::2], argv[2::2]))
+    args = parse_args([*argv[1:], "--train-iters", "1", "--lr", "1e-3"], "gpt")  # the trainer's parser
     c = best.candidate
-    assert flags["--tensor-model-parallel-size"] == str(c.tensor_parallel)
-    assert flags["--pipeline-model-parallel-size"] == str(c.pipeline_parallel)
-    assert flags["--micro-batch-size"] == str(c.micro_batch_size)
-    assert flags["--global-batch-size"] == "512"
-    assert flags["--pipeline-schedule"] in ("2bw", "flush", "gpipe")
-    assert ("--recompute-activations" in argv) == c.recompute
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--fp16"):
-        assert flag in argv
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (c.tensor_parallel, c.pipeline_parallel)
+    assert (args.micro_batch_size, args.global_batch_size) == (c.micro_batch_size, 512)
+    assert args.pipeline_schedule == c.schedule and args.recompute_activations == c.recompute and args.fp16
+    m = model_config(args, "gpt")  # the trainer's model of these flags: the paper's, dropout 0.1 included
+    assert m == replace(paper_model("gpt-2.2b"), vocab_size=m.vocab_size) and m.hidden_dropout == 0.1
 
 
 def test_json_has_best_and_every_feasible(result_2p2b):
@@ -58,13 +58,16 @@ def test_paper_comparison_table():
     rows = paper_comparison()
     table = format_paper_comparison(rows)
     print("\n" + table)
-    assert len(rows) == 5 and "paper" in table
+    assert len(rows) == 5
     for r in rows:
         assert r.best["2BW"] is not None
+        scenario = f"{r.model_name} N={r.num_gpus} B={r.global_batch_size}"
+        line = [x for x in table.splitlines() if x.startswith(scenario)][-1]  # its row of the speed-up table
         for system in BASELINES:
             ratio = r.ratio(system)
             if ratio is not None:
                 assert ratio >= 1.0, (r.model_name, r.num_gpus, r.global_batch_size, system, ratio)
+                assert f"{ratio:.2f}x" in line
     # The paper's trend: Flush closes in on 2BW as the batch (and so m) grows.
     by = {(r.model_name, r.num_gpus, r.global_batch_size): r for r in rows}
     assert by[("gpt-2.2b", 64, 2048)].ratio("PipeDream-Flush") < by[("gpt-2.2b", 64, 512)].ratio("PipeDream-Flush")
@@ -118,10 +121,17 @@ def test_cli_errors(argv, match, capsys):
 
 
 def test_cli_paper_flags_and_subprocess(capsys):
-    assert plan.main(["--max-model", "--model-preset", "gpt-3.8b", "--num-gpus", "64"]) == 0
-    assert "30B" in capsys.readouterr().out
-    # Run as a script from another directory: tools/plan.py puts the repository on sys.path itself.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--paper-comparison"],
+    assert plan.main(["--max-model", "--model-preset", "gpt-3.8b", "--num-gpus", "64", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    deepest = next(r for r in rows if r["schedule"] == "2bw" and r["pipeline_parallel"] == PAPER_MAX_MODEL_DEPTH)
+    assert 0.5 <= deepest["num_parameters"] / PAPER_MAX_MODEL_PARAMETERS <= 2  # the paper: about 30B at d = 64
+    assert deepest["num_layers"] % PAPER_MAX_MODEL_DEPTH == 0
+    # Run as a script from another directory: the installed package serves its imports.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--paper-comparison", "--json"],
                           cwd="/", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "2BW speed-up" in proc.stdout
+    scenarios = json.loads(proc.stdout)
+    assert len(scenarios) == 5
+    for s in scenarios:
+        assert set(s["speedup_2bw"]) == set(BASELINES)
+        assert all(x is None or x >= 1.0 for x in s["speedup_2bw"].values()), s

@@ -127,3 +127,81 @@ def test_preprocess_cli_bad_input(tmp_path, sp_model):  # noqa: F811
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "bad.jsonl:2: invalid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- integrity: failures leave existing datasets intact; empty and plain-text input ---------
+
+
+def _snapshot(prefix: str) -> dict[str, bytes]:
+    return {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failed_run_leaves_the_existing_dataset_intact(tmp_path, tok, workers):
+    good = write_jsonl(tmp_path / "good.jsonl", DOCS)
+    prefix = preprocess_jsonl(good, str(tmp_path / "ds"), tok).prefixes["text"]
+    before = _snapshot(prefix)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a new first document"}\n{"text": broken}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:2: invalid JSON"):
+        preprocess_jsonl(str(bad), str(tmp_path / "ds"), tok, workers=workers)
+    assert _snapshot(prefix) == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ds_text_document.bin", "ds_text_document.idx", "good.jsonl"]
+    expected = [tok.tokenize(d["text"]) for d in DOCS if d["text"]]
+    ds = IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+
+
+def test_open_dataset_reads_its_old_tokens_after_re_preprocessing(tmp_path, tok):
+    """Re-preprocessing over a running job's data renames new files in: the job's memory map
+    keeps the old inode (no SIGBUS, no mixed tokens); a new reader sees the new data."""
+    first = write_jsonl(tmp_path / "a.jsonl", DOCS)
+    prefix = preprocess_jsonl(first, str(tmp_path / "ds"), tok).prefixes["text"]
+    running = IndexedDataset(prefix)
+    old = [running[i].tolist() for i in range(len(running))]
+    second = write_jsonl(tmp_path / "b.jsonl", [{"text": "A different, much shorter corpus."}])
+    preprocess_jsonl(second, str(tmp_path / "ds"), tok)
+    assert [running[i].tolist() for i in range(len(running))] == old
+    assert old == [tok.tokenize(d["text"]) for d in DOCS if d["text"]]
+    assert IndexedDataset(prefix)[0].tolist() == tok.tokenize("A different, much shorter corpus.")
+
+
+@pytest.mark.parametrize("lines", [[], ['{"text": ""}', '{"text": ""}']], ids=["no documents", "empty texts"])
+def test_empty_corpus_is_refused(tmp_path, tok, lines):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(line + "\n" for line in lines) + "\n")
+    with pytest.raises(ConfigError) as e:
+        preprocess_jsonl(str(src), str(tmp_path / "ds"), tok)
+    msg = str(e.value)
+    assert "\n" not in msg and "in.jsonl has no non-empty text under key 'text'" in msg
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_plain_text_input_says_what_to_do(tmp_path, tok):
+    src = tmp_path / "corpus.txt"
+    src.write_text("Just some prose, one paragraph per line.\nAnother line.\n")
+    with pytest.raises(ConfigError) as e:
+        preprocess_jsonl(str(src), str(tmp_path / "ds"), tok, json_keys=("body",))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{src}:1: not JSON (the line starts 'Just some prose, one')")
+    assert 'must be JSONL, one JSON object per line' in msg and '{"body": "first document ..."}' in msg
+    assert "--json-keys" in msg and "Expecting value" not in msg
+
+
+def test_preprocess_cli_refuses_an_empty_corpus(tmp_path, sp_model):  # noqa: F811
+    src = tmp_path / "empty.jsonl"
+    src.write_text('{"text": ""}\n')
+    proc = run_tool(
+        "preprocess_data.py", "--input", str(src), "--output-prefix", str(tmp_path / "cli"),
+        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert "empty.jsonl has no non-empty text under key 'text'" in proc.stderr
+
+
+def test_a_byte_order_mark_is_not_an_error(tmp_path, tok):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes('\ufeff{"text": "Written by an editor that adds a BOM."}\n'.encode("utf-8"))
+    prefix = preprocess_jsonl(str(src), str(tmp_path / "ds"), tok).prefixes["text"]
+    assert IndexedDataset(prefix)[0].tolist() == tok.tokenize("Written by an editor that adds a BOM.")

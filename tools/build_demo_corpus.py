@@ -12,18 +12,17 @@ yields about 1.9 MB in all; ``--max-mb`` only caps it.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import json
 import os
+import re
 import sys
+import sysconfig
+from typing import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import argparse  # noqa: E402
-import ast  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import sysconfig  # noqa: E402
-from typing import Iterator  # noqa: E402
+from megatron_2bw.cli import OneLineParser, run_cli
+from megatron_2bw.errors import ConfigError
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings", "lib2to3"}
 MIN_CHARS = 40
@@ -131,21 +130,23 @@ def build_corpus(output: str, max_mb: float, root: str | None = None) -> tuple[i
     return ndocs, nbytes
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(argv: list[str]) -> str:
+    """Build the corpus from the command line; return the line saying what was written."""
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--max-mb", type=float, default=4.0, help="stop before the corpus passes this size (MB)")
     args = parser.parse_args(argv)
     if args.max_mb <= 0:
-        print(f"error: --max-mb must be positive, got {args.max_mb}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--max-mb must be positive, got {args.max_mb}")
     try:
         ndocs, nbytes = build_corpus(args.output, args.max_mb)
     except OSError as e:
-        print(f"error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    print(f"wrote {ndocs} documents, {nbytes / 1e6:.2f} MB to {args.output}")
-    return 0
+        raise ConfigError(f"cannot write --output {args.output}: {e.strerror or e}") from None
+    return f"wrote {ndocs} documents, {nbytes / 1e6:.2f} MB to {args.output}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -6,48 +6,33 @@
     python tools/plan.py --max-model --model-preset gpt-3.8b --num-gpus 64 [--json]
 
 Without ``--profile`` the per-layer times are an analytic estimate from FLOPs and bytes (the output
-says so). Bad input prints one ``error: ...`` line on stderr and exits with status 2.
+says so). The model flags follow the trainer's rule (``cli.model_config``). Bad input prints one
+``error: ...`` line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
 import sys
+from dataclasses import asdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-from dataclasses import asdict  # noqa: E402
-
-from megatron_2bw.config import ModelConfig  # noqa: E402
-from megatron_2bw.errors import ConfigError, run_cli  # noqa: E402
-from megatron_2bw.models.presets import GPT2_VOCAB, get_preset  # noqa: E402
-from megatron_2bw.planner.hardware import load_cluster  # noqa: E402
-from megatron_2bw.planner.layer_costs import load_profile  # noqa: E402
-from megatron_2bw.planner.report import (  # noqa: E402
-    PAPER_CLUSTER, PAPER_DROPOUT, format_max_model, format_paper_comparison, format_table, max_model_size,
-    paper_comparison, plan_json, describe,
+from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.planner.hardware import load_cluster
+from megatron_2bw.planner.layer_costs import load_profile
+from megatron_2bw.planner.report import (
+    PAPER_CLUSTER, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
+    plan_json, describe,
 )
-from megatron_2bw.planner.search import PlanRequest, search  # noqa: E402
-
-MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, status 2, like every other bad input
-        raise ConfigError(message)
+from megatron_2bw.planner.search import PlanRequest, search
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("model (a preset, or the shape flags; flags override a preset)")
-    m.add_argument("--model-preset")
-    m.add_argument("--model-kind", choices=("gpt", "bert"))
-    for flag in MODEL_FLAGS + ("vocab_size", "ffn_hidden_size", "max_position_embeddings"):
-        m.add_argument("--" + flag.replace("_", "-"), type=int)
-    m.add_argument("--hidden-dropout", type=float, default=PAPER_DROPOUT, help="default 0.1 (Megatron's and the paper's)")
-    m.add_argument("--attention-dropout", type=float, default=PAPER_DROPOUT, help="default 0.1")
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
     r = p.add_argument_group("run")
     r.add_argument("--num-gpus", type=int)
     r.add_argument("--cluster", default=PAPER_CLUSTER, help=f"preset name or JSON file (default {PAPER_CLUSTER})")
@@ -64,22 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """A preset with flag overrides, or a model entirely from flags."""
-    overrides = {k: getattr(args, k) for k in MODEL_FLAGS + ("vocab_size", "ffn_hidden_size", "max_position_embeddings")
-                 if getattr(args, k) is not None}
-    if args.model_kind:
-        overrides["kind"] = args.model_kind
-    overrides["hidden_dropout"], overrides["attention_dropout"] = args.hidden_dropout, args.attention_dropout
-    if args.model_preset:
-        if "seq_length" in overrides and "max_position_embeddings" not in overrides:
-            overrides["max_position_embeddings"] = overrides["seq_length"]
-        return get_preset(args.model_preset, **overrides)
-    missing = [k for k in MODEL_FLAGS if k not in overrides]
-    if missing:
-        raise ConfigError("give --model-preset, or all of " + " ".join("--" + k.replace("_", "-") for k in MODEL_FLAGS)
-                          + f" (missing {' '.join('--' + k.replace('_', '-') for k in missing)})")
-    overrides.setdefault("vocab_size", GPT2_VOCAB)
-    return ModelConfig(**overrides)
+    """The model of the flags, by the trainer's rule."""
+    return model_config(args)
 
 
 def _require(value, flag: str) -> None:
@@ -103,7 +74,7 @@ def run(argv: list[str]) -> str:
         raise ConfigError(f"--num-gpus must be positive, got {args.num_gpus}")
     if args.max_model:
         depths = [d for d in (2**i for i in range(args.num_gpus.bit_length())) if args.num_gpus % d == 0]
-        rows = [r for sched in ("2bw", "flush", "gpipe")
+        rows = [r for sched in SCHEDULE_NAMES
                 for r in max_model_size(model, cluster, args.num_gpus, depths, sched, args.precision)]
         if args.json:
             return json.dumps([asdict(r) for r in rows], indent=2)

@@ -3,34 +3,27 @@
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/demo \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod
 
-Flags follow Megatron-LM's tools/preprocess_data.py. Bad input is one ``error: ...`` line on
-stderr and exit status 2; the work itself is megatron_2bw.data.preprocess.
+The input is JSONL: one JSON object per line, the document under a "text" key (or the keys named
+by --json-keys). Flags follow Megatron-LM's tools/preprocess_data.py. The files are written under
+temporary names and renamed at the end, so a failed run leaves an existing dataset as it was.
+Bad input is one ``error: ...`` line on stderr and exit status 2; the work itself is
+megatron_2bw.data.preprocess.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import argparse  # noqa: E402
-
-from megatron_2bw.data.preprocess import preprocess_jsonl  # noqa: E402
-from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron_2bw.errors import ConfigError  # noqa: E402
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Usage mistakes are bad input too: one line, exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
+from megatron_2bw.cli import OneLineParser, run_cli
+from megatron_2bw.data.preprocess import preprocess_jsonl
+from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_2bw.errors import ConfigError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="JSONL file, one document per line")
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help='JSONL file, one JSON object per line: {"text": "..."}')
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)")
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
@@ -42,22 +35,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str]) -> str:
+    """Preprocess and return the summary (one line per JSON key)."""
+    args = parse_args(argv)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     try:
-        args = parse_args(argv)
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
-        result = preprocess_jsonl(
-            args.input, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.workers,
-        )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    for key, prefix in result.prefixes.items():
-        print(f"{key}: {result.documents[key]} documents, {result.tokens[key]} tokens -> {prefix}.bin/.idx")
-    return 0
+        result = preprocess_jsonl(args.input, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.workers)
+    except OSError as e:  # a full disk or an unwritable directory: name the file and the errno text
+        raise ConfigError(f"{e.filename or args.output_prefix}: {e.strerror or e}") from None
+    return "\n".join(
+        f"{key}: {result.documents[key]} documents, {result.tokens[key]} tokens -> {prefix}.bin/.idx"
+        for key, prefix in result.prefixes.items()
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -10,41 +10,23 @@ forward and backward time (median of ``--reps`` after ``--warmup``, CUDA-synchro
 input/output bytes and the bytes autograd stashes, plus the optimizer step's time per parameter.
 The file follows ``megatron_2bw/planner/layer_costs.py``'s schema (with extra keys its loader
 ignores). Sizes at ``t > 1`` spawn ``t`` processes, one per local GPU (gloo processes on a CPU).
-Model shape flags override a preset. Bad input prints one ``error: ...`` line and exits with 2.
+Model flags follow the trainer's rule (``cli.model_config``). Bad input prints one ``error: ...`` line and exits with 2.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import argparse  # noqa: E402
-import time  # noqa: E402
-
-from megatron_2bw.config import ModelConfig  # noqa: E402
-from megatron_2bw.errors import ConfigError, run_cli  # noqa: E402
-from megatron_2bw.models.presets import GPT2_VOCAB, get_preset  # noqa: E402
-
-SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "ffn_hidden_size",
-         "max_position_embeddings")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise ConfigError(message)
+from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("model (a preset, or the shape flags; flags override a preset)")
-    m.add_argument("--model-preset")
-    m.add_argument("--model-kind", choices=("gpt", "bert"))
-    for flag in SHAPE:
-        m.add_argument("--" + flag.replace("_", "-"), type=int)
-    m.add_argument("--hidden-dropout", type=float, default=0.0)
-    m.add_argument("--attention-dropout", type=float, default=0.0)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p)
     r = p.add_argument_group("measurement")
     r.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     r.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], help="tensor-parallel sizes (t > 1 spawns t processes)")
@@ -54,28 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reps", type=int, default=5)
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--no-optimizer", action="store_true", help="skip timing the optimizer step")
-    r.add_argument("--keep-going", action="store_true", help="on CUDA, stop at the first b that runs out of memory")
+    r.add_argument("--keep-going", action="store_true", help="on CUDA, when a b runs out of memory, write the smaller sizes measured so far instead of failing")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, help="profile JSON to write")
     return p
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    over = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
-    if args.model_kind:
-        over["kind"] = args.model_kind
-    over["hidden_dropout"], over["attention_dropout"] = args.hidden_dropout, args.attention_dropout
-    if args.model_preset:
-        if "seq_length" in over and "max_position_embeddings" not in over:
-            over["max_position_embeddings"] = over["seq_length"]
-        return get_preset(args.model_preset, **over)
-    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    missing = [k for k in need if k not in over]
-    if missing:
-        raise ConfigError("give --model-preset or the shape flags (missing "
-                          + " ".join("--" + k.replace("_", "-") for k in missing) + ")")
-    over.setdefault("vocab_size", GPT2_VOCAB)
-    return ModelConfig(**over)
+    """The model of the flags, by the trainer's rule."""
+    return model_config(args)
 
 
 def run(argv: list[str]) -> str:

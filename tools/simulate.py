@@ -14,38 +14,28 @@ Open the trace in chrome://tracing or https://ui.perfetto.dev. Bad input: one ``
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
+from megatron_2bw.planner.cost_model import predict
+from megatron_2bw.planner.hardware import GiB, load_cluster
+from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
+from megatron_2bw.planner.memory_model import Candidate, ParamBytes
+from megatron_2bw.planner.profiler import load_full_profile
+from megatron_2bw.planner.simulator import RECOMPUTE_SCOPES, simulate_plan
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-from megatron_2bw.config import ModelConfig  # noqa: E402
-from megatron_2bw.errors import ConfigError, run_cli  # noqa: E402
-from megatron_2bw.models.presets import GPT2_VOCAB, get_preset  # noqa: E402
-from megatron_2bw.planner.cost_model import predict  # noqa: E402
-from megatron_2bw.planner.hardware import GiB, load_cluster  # noqa: E402
-from megatron_2bw.planner.layer_costs import analytic_microbatch_costs  # noqa: E402
-from megatron_2bw.planner.memory_model import Candidate, ParamBytes  # noqa: E402
-from megatron_2bw.planner.profiler import load_full_profile  # noqa: E402
-from megatron_2bw.planner.simulator import RECOMPUTE_SCOPES, simulate_plan  # noqa: E402
-
-SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "ffn_hidden_size",
-         "max_position_embeddings")
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise ConfigError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("pipeline")
-    s.add_argument("--schedule", choices=("2bw", "flush", "gpipe"), required=True)
+    s.add_argument("--schedule", choices=SCHEDULE_NAMES, required=True)
     s.add_argument("--d", type=int, required=True, help="pipeline depth (stages)")
     s.add_argument("--m", type=int, required=True, help="microbatches per step per pipeline")
     s.add_argument("--b", type=int, help="microbatch size (default: the profile's smallest, else 1)")
@@ -55,14 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recompute-scope", choices=RECOMPUTE_SCOPES, default="stage",
                    help="stage: our engine re-runs the whole stage; layers: Megatron re-runs only the transformer layers")
     s.add_argument("--steps", type=int, default=6, help="steps in the simulated segment (>= 3 for a steady state)")
-    m = p.add_argument_group("model and costs")
-    m.add_argument("--profile", help="a profile from tools/profile_model.py (else the analytic estimate)")
-    m.add_argument("--model-preset")
-    m.add_argument("--model-kind", choices=("gpt", "bert"))
-    for flag in SHAPE:
-        m.add_argument("--" + flag.replace("_", "-"), type=int)
-    m.add_argument("--hidden-dropout", type=float, default=None)
-    m.add_argument("--attention-dropout", type=float, default=None)
+    add_model_flags(p)
+    m = p.add_argument_group("costs")
+    m.add_argument("--profile", help="a profile from tools/profile_model.py (else the analytic estimate); "
+                                     "without --model-preset its model is the base the model flags override")
     m.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"preset or JSON file (default {DEFAULT_CLUSTER})")
     m.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
                    help="default: the profile's, else fp16 (sets bytes per parameter and activation)")
@@ -73,26 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model(args, from_profile: ModelConfig | None) -> ModelConfig:
-    over = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
-    for k in ("hidden_dropout", "attention_dropout"):
-        if getattr(args, k) is not None:
-            over[k] = getattr(args, k)
-    if args.model_kind:
-        over["kind"] = args.model_kind
-    if args.model_preset:
-        if "seq_length" in over and "max_position_embeddings" not in over:
-            over["max_position_embeddings"] = over["seq_length"]
-        return get_preset(args.model_preset, **over)
-    if from_profile is not None:
-        from dataclasses import replace  # noqa: PLC0415
-
-        return replace(from_profile, **over) if over else from_profile
-    need = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    if any(k not in over for k in need):
-        raise ConfigError("give --model-preset, the shape flags, or a --profile that records its model")
-    over.setdefault("vocab_size", GPT2_VOCAB)
-    return ModelConfig(**over)
+def model_from_args(args: argparse.Namespace, from_profile: ModelConfig | None = None) -> ModelConfig:
+    """The model of the flags by the trainer's rule, a profile's model standing in for a preset."""
+    return model_config(args, base=from_profile)
 
 
 def run(argv: list[str]) -> str:
@@ -102,7 +71,7 @@ def run(argv: list[str]) -> str:
             raise ConfigError(f"--{k} must be >= 1, got {getattr(args, k)}")
     cluster = load_cluster(args.cluster)
     loaded = load_full_profile(args.profile) if args.profile else None
-    model = _model(args, loaded.model if loaded else None)
+    model = model_from_args(args, loaded.model if loaded else None)
     optimizer = None
     nograd = None
     precision = args.precision or (loaded.meta.get("dtype") if loaded else None) or "fp16"

@@ -14,22 +14,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Iterator, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import argparse  # noqa: E402
-from typing import Iterator, Sequence  # noqa: E402
-
-from megatron_2bw.data.preprocess import read_jsonl  # noqa: E402
-from megatron_2bw.data.tokenizers import SP_CLS, SP_EOD, SP_MASK, SP_PAD, SP_SEP  # noqa: E402
-from megatron_2bw.errors import ConfigError  # noqa: E402
+from megatron_2bw.cli import OneLineParser, run_cli
+from megatron_2bw.data.preprocess import read_jsonl
+from megatron_2bw.data.tokenizers import SP_CLS, SP_EOD, SP_MASK, SP_PAD, SP_SEP
+from megatron_2bw.errors import ConfigError
 
 MIN_VOCAB = 300  # 256 byte pieces + reserved symbols + some characters
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
 
 
 def sentences(path: str, json_keys: Sequence[str]) -> Iterator[str]:
@@ -86,23 +78,22 @@ def train(
     return model_prefix + ".model"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = _OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="JSONL corpus")
+def run(argv: list[str]) -> str:
+    """Train from the command line; return the line naming the files written."""
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help='JSONL corpus, one JSON object per line: {"text": "..."}')
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--input-sentence-size", type=int, default=300_000, help="sample at most this many paragraphs")
     p.add_argument("--num-threads", type=int, default=1)
-    try:
-        args = p.parse_args(argv)
-        model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys,
-                      args.input_sentence_size, args.num_threads)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {model} and {args.model_prefix}.vocab")
-    return 0
+    args = p.parse_args(argv)
+    model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys, args.input_sentence_size, args.num_threads)
+    return f"wrote {model} and {args.model_prefix}.vocab"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

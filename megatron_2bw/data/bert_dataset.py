@@ -45,17 +45,8 @@ class BertDataset:
         masked_lm_prob: float = 0.15,
         short_seq_prob: float = 0.1,
     ) -> None:
-        if seq_length < 5:
-            raise ConfigError(f"BERT needs --seq-length >= 5 ([CLS] A [SEP] B [SEP]), got {seq_length}")
-        if num_samples < 1:
-            raise ConfigError(f"BertDataset needs at least one sample, got num_samples={num_samples}")
-        if not 0.0 < masked_lm_prob < 1.0:
-            raise ConfigError(f"masked_lm_prob must be in (0, 1), got {masked_lm_prob}")
-        if not 0.0 <= short_seq_prob <= 1.0:
-            raise ConfigError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
-        for name, v in (("cls", cls), ("sep", sep), ("mask", mask), ("pad", pad)):
-            if v is None or not 0 <= v < vocab_size:
-                raise ConfigError(f"BERT needs a [{name.upper()}] token id in [0, {vocab_size}), got {v}")
+        _check_arguments(seq_length, num_samples, masked_lm_prob, short_seq_prob, vocab_size,
+                         {"cls": cls, "sep": sep, "mask": mask, "pad": pad})
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples = num_samples
@@ -67,36 +58,8 @@ class BertDataset:
         self.max_tokens = seq_length - 3
 
         documents = np.asarray(documents, dtype=np.int64)
-        first, last = indexed.doc_idx[documents], indexed.doc_idx[documents + 1]
-        n_items = last - first
-        # Sentences: every item of a multi-item document; chunks of a single-item document.
-        chunk = max(1, seq_length // 4)
-        items = np.repeat(first, n_items) + _ranks(n_items)
-        item_doc = np.repeat(np.arange(len(documents)), n_items)
-        sizes = indexed.sizes[items].astype(np.int64)
-        single = n_items[item_doc] == 1
-        n_sent = np.where(single, -(-sizes // chunk), (sizes > 0).astype(np.int64))
-        sent_single = np.repeat(single, n_sent)
-        self._sent_item = np.repeat(items, n_sent)
-        self._sent_offset = np.where(sent_single, _ranks(n_sent) * chunk, 0)
-        rest = np.repeat(sizes, n_sent) - self._sent_offset
-        self._sent_len = np.where(sent_single, np.minimum(rest, chunk), rest)
-        sent_doc = np.repeat(item_doc, n_sent)
-
-        # Blocks: a sentence belongs to block floor(start-in-document / max_tokens) of its document.
-        cum = np.concatenate([[0], np.cumsum(self._sent_len)])
-        doc_first_sent = np.searchsorted(sent_doc, np.arange(len(documents)), side="left")
-        start_in_doc = cum[:-1] - cum[doc_first_sent[sent_doc]]
-        key_change = np.ones(len(sent_doc), dtype=bool)
-        if len(sent_doc) > 1:
-            block_no = start_in_doc // self.max_tokens
-            key_change[1:] = (sent_doc[1:] != sent_doc[:-1]) | (block_no[1:] != block_no[:-1])
-        block_start = np.flatnonzero(key_change)
-        block_end = np.append(block_start[1:], len(sent_doc))
-        block_tokens = cum[block_end] - cum[block_start]
-        usable = block_tokens >= 2  # A and B need a token each
-        self._block_start = block_start[usable]
-        self._block_end = block_end[usable]
+        self._sent_item, self._sent_offset, self._sent_len, sent_doc = _sentences(indexed, documents, seq_length)
+        self._block_start, self._block_end = _blocks(self._sent_len, sent_doc, len(documents), self.max_tokens)
         if len(self._block_start) == 0:
             raise ConfigError(
                 f"no document among the {len(documents)} given to BertDataset from {indexed.prefix} has 2 tokens for a sentence pair"
@@ -171,6 +134,61 @@ class BertDataset:
             "padding_mask": padding_mask,
             "sop_label": np.int64(sop),
         }
+
+
+def _check_arguments(seq_length: int, num_samples: int, masked_lm_prob: float, short_seq_prob: float,
+                     vocab_size: int, specials: dict[str, int | None]) -> None:
+    if seq_length < 5:
+        raise ConfigError(f"BERT needs --seq-length >= 5 ([CLS] A [SEP] B [SEP]), got {seq_length}")
+    if num_samples < 1:
+        raise ConfigError(f"BertDataset needs at least one sample, got num_samples={num_samples}")
+    if not 0.0 < masked_lm_prob < 1.0:
+        raise ConfigError(f"masked_lm_prob must be in (0, 1), got {masked_lm_prob}")
+    if not 0.0 <= short_seq_prob <= 1.0:
+        raise ConfigError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
+    for name, v in specials.items():
+        if v is None or not 0 <= v < vocab_size:
+            raise ConfigError(f"BERT needs a [{name.upper()}] token id in [0, {vocab_size}), got {v}")
+
+
+def _sentences(indexed: IndexedDataset, documents: np.ndarray, seq_length: int):
+    """(item, token offset, length, document position) per sentence, vectorized.
+
+    Sentences are every item of a multi-item document, and ``seq_length // 4``-token chunks of
+    a single-item document (what tools/preprocess_data.py writes); empty items give none.
+    """
+    first, last = indexed.doc_idx[documents], indexed.doc_idx[documents + 1]
+    n_items = last - first
+    chunk = max(1, seq_length // 4)
+    items = np.repeat(first, n_items) + _ranks(n_items)
+    item_doc = np.repeat(np.arange(len(documents)), n_items)
+    sizes = indexed.sizes[items].astype(np.int64)
+    single = n_items[item_doc] == 1
+    n_sent = np.where(single, -(-sizes // chunk), (sizes > 0).astype(np.int64))
+    sent_single = np.repeat(single, n_sent)
+    sent_item = np.repeat(items, n_sent)
+    sent_offset = np.where(sent_single, _ranks(n_sent) * chunk, 0)
+    rest = np.repeat(sizes, n_sent) - sent_offset
+    sent_len = np.where(sent_single, np.minimum(rest, chunk), rest)
+    return sent_item, sent_offset, sent_len, np.repeat(item_doc, n_sent)
+
+
+def _blocks(sent_len: np.ndarray, sent_doc: np.ndarray, n_docs: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) sentence ranges of the blocks with at least 2 tokens (A and B need one each).
+
+    A sentence belongs to block ``floor(start-in-document / max_tokens)`` of its document.
+    """
+    cum = np.concatenate([[0], np.cumsum(sent_len)])
+    doc_first_sent = np.searchsorted(sent_doc, np.arange(n_docs), side="left")
+    start_in_doc = cum[:-1] - cum[doc_first_sent[sent_doc]]
+    key_change = np.ones(len(sent_doc), dtype=bool)
+    if len(sent_doc) > 1:
+        block_no = start_in_doc // max_tokens
+        key_change[1:] = (sent_doc[1:] != sent_doc[:-1]) | (block_no[1:] != block_no[:-1])
+    block_start = np.flatnonzero(key_change)
+    block_end = np.append(block_start[1:], len(sent_doc))
+    usable = cum[block_end] - cum[block_start] >= 2
+    return block_start[usable], block_end[usable]
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

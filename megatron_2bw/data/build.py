@@ -62,14 +62,7 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int, max_tokens: int = VOCA
     bigger ones only 64 evenly spaced windows totalling ``max_tokens`` tokens are checked, so a
     stray id elsewhere can slip through this check (the embedding lookup would then fail).
     """
-    stream = indexed.token_stream()
-    if stream is not None:
-        views = _windows(stream, max_tokens)
-    else:  # items out of order in the .bin: check evenly spaced items up to the budget
-        n = len(indexed)
-        step = max(1, int(np.ceil(indexed.sizes.sum(dtype=np.int64) / max(max_tokens, 1))))
-        views = [indexed.get(int(i)) for i in range(0, n, step)]
-    views = [v for v in views if v.size]
+    views = [v for v in _windows(indexed.token_stream(), max_tokens) if v.size]
     if not views:
         return
     lo = min(int(v.min()) for v in views)

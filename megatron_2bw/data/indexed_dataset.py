@@ -7,9 +7,15 @@ project can be read by the other. The ``.idx`` layout (all little-endian):
     number of sequences uint64 | number of documents + 1 uint64 |
     sizes int32[n] | pointers int64[n] (byte offsets into .bin) | doc_idx int64[docs + 1]
 
-The reader validates the index against the ``.bin`` size up front (vectorized over sizes and
-pointers, never reading the ``.bin``), so a corrupt file fails with one line instead of a
-segfault or garbage tokens deep inside training.
+The reader checks the whole index against the ``.bin`` up front (vectorized, never reading the
+``.bin``): header fields, pointers equal to the running sum of sizes times the item size, a
+document index that rises from 0 to the number of sequences, and a ``.bin`` of exactly the
+described length. A changed dtype byte or an ``.idx`` beside another dataset's ``.bin`` thus
+fails with one line instead of training on garbage tokens.
+
+The builder writes both files under temporary names and renames them into place when it
+finalizes: a failed run leaves an existing dataset untouched, and a job that has the old files
+memory-mapped keeps reading the old inodes instead of dying with SIGBUS on a truncated file.
 """
 
 from __future__ import annotations
@@ -63,18 +69,44 @@ def _dtype_code(dtype) -> int:
     return _CODES[dt]
 
 
+def _temporary_path(path: str, pid: int | None = None) -> str:
+    """A sibling name (same filesystem, so the final rename is atomic) unique to one process."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.tmp-{os.getpid() if pid is None else pid}")
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Delete temporary siblings of ``path`` left by killed writers (their process is gone)."""
+    head, tail = os.path.split(path)
+    prefix = f".{tail}.tmp-"
+    for name in os.listdir(head or "."):
+        pid = name[len(prefix):]
+        if not (name.startswith(prefix) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            os.remove(os.path.join(head, name))
+        except OSError:
+            pass  # alive (or not ours to signal): leave it
+
+
 class IndexedDatasetBuilder:
     """Appends token arrays to a ``.bin`` and writes the matching ``.idx`` on :meth:`finalize`.
 
     An item is one sequence (Megatron: a sentence, or a whole document); :meth:`end_document`
-    closes the document made of the items added since the previous call.
+    closes the document made of the items added since the previous call. Nothing is visible
+    under the final names until :meth:`finalize` renames both files into place.
     """
 
     def __init__(self, bin_path: str, dtype=np.int32) -> None:
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype)
         _dtype_code(self.dtype)
-        self._file = open(bin_path, "wb")
+        _remove_stale_temporaries(bin_path)
+        self._tmp_bin = _temporary_path(bin_path)
+        self._tmp_idx: str | None = None
+        self._file = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
         if self.dtype.kind in "iu":
@@ -98,14 +130,24 @@ class IndexedDatasetBuilder:
         self._doc_idx.append(len(self._sizes))
 
     def finalize(self, idx_path: str) -> None:
-        """Close the ``.bin`` and write the ``.idx``; items after the last end_document form no document."""
+        """Write the ``.idx``, then rename both files into place (``.bin`` first).
+
+        Items added after the last :meth:`end_document` form one last document, so the document
+        index always ends at the number of sequences (what the reader requires).
+        """
+        if self._doc_idx[-1] != len(self._sizes):
+            self.end_document()
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         sizes = np.asarray(self._sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes) > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
-        with open(idx_path, "wb") as f:
+        _remove_stale_temporaries(idx_path)
+        self._tmp_idx = _temporary_path(idx_path)
+        with open(self._tmp_idx, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", _dtype_code(self.dtype)))
@@ -114,11 +156,18 @@ class IndexedDatasetBuilder:
             f.write(sizes.astype("<i4").tobytes(order="C"))
             f.write(pointers.astype("<i8").tobytes(order="C"))
             f.write(doc_idx.astype("<i8").tobytes(order="C"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(self._tmp_idx, idx_path)
 
     def close(self) -> None:
-        """Close without writing an index (after an error)."""
+        """Close and remove the temporary files (after an error; a no-op after finalize)."""
         if not self._file.closed:
             self._file.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            if path and os.path.exists(path):
+                os.remove(path)
 
     def __enter__(self) -> "IndexedDatasetBuilder":
         return self
@@ -127,8 +176,8 @@ class IndexedDatasetBuilder:
         self.close()
 
 
-def _read_index(idx_path: str, bin_path: str, bin_size: int):
-    """Parse and validate an ``.idx``; return (dtype, sizes, pointers, doc_idx) as read-only views."""
+def _read_header(idx_path: str) -> tuple[np.dtype, int, int, int]:
+    """Check magic, version, dtype code and the file length; return (dtype, n, ndoc, idx size)."""
     try:
         idx_size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
@@ -157,23 +206,52 @@ def _read_index(idx_path: str, bin_path: str, bin_size: int):
         raise ConfigError(f"index file {idx_path} has {idx_size - expected} unexpected trailing bytes")
     if ndoc < 1:
         raise ConfigError(f"index file {idx_path} has an empty document index (needs at least one entry)")
-    dtype = np.dtype(DTYPES[code])
+    return np.dtype(DTYPES[code]), n, ndoc, idx_size
+
+
+def _check_pointers(idx_path: str, bin_path: str, bin_size: int, dtype: np.dtype, sizes, pointers) -> None:
+    """Pointers must be the running byte sum of the sizes, and the ``.bin`` exactly that long."""
+    n, item = len(sizes), dtype.itemsize
+    if n and sizes.min() < 0:
+        raise ConfigError(f"index file {idx_path} is corrupt: sequence {int(np.argmin(sizes))} has a negative size")
+    nbytes = sizes.astype(np.int64) * item
+    expected = np.zeros(n, dtype=np.int64)
+    if n > 1:
+        np.cumsum(nbytes[:-1], out=expected[1:])
+    if n and np.any(pointers != expected):
+        bad = int(np.argmax(pointers != expected))
+        raise ConfigError(
+            f"index file {idx_path} is corrupt: sequence {bad} starts at byte {int(pointers[bad])} but the sizes before it "
+            f"give byte {int(expected[bad])} for dtype {dtype} ({item} bytes per token); its dtype code or pointers are wrong"
+        )
+    ends = pointers + nbytes
+    if n and ends.max() > bin_size:
+        bad = int(np.argmax(ends > bin_size))
+        raise ConfigError(
+            f"data file {bin_path} is truncated or index file {idx_path} is corrupt: sequence {bad} spans "
+            f"bytes [{int(pointers[bad])}, {int(ends[bad])}) but the data file has {bin_size} bytes"
+        )
+    total = int(ends[-1]) if n else 0
+    if bin_size != total:
+        raise ConfigError(
+            f"data file {bin_path} has {bin_size} bytes but index file {idx_path} describes {total} "
+            f"({n} sequences of {dtype}): the two files do not belong to the same dataset"
+        )
+
+
+def _read_index(idx_path: str, bin_path: str, bin_size: int):
+    """Parse and validate an ``.idx``; return (dtype, sizes, pointers, doc_idx) as read-only views."""
+    dtype, n, ndoc, _ = _read_header(idx_path)
     buf = np.memmap(idx_path, mode="r", dtype=np.uint8)
     sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=HEADER_SIZE)
     pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=HEADER_SIZE + 4 * n)
     doc_idx = np.frombuffer(buf, dtype="<i8", count=ndoc, offset=HEADER_SIZE + 12 * n)
-    if n:
-        if sizes.min() < 0:
-            raise ConfigError(f"index file {idx_path} is corrupt: sequence {int(np.argmin(sizes))} has a negative size")
-        ends = pointers + sizes.astype(np.int64) * dtype.itemsize
-        if pointers.min() < 0 or ends.max() > bin_size:
-            bad = int(np.argmax((pointers < 0) | (ends > bin_size)))
-            raise ConfigError(
-                f"data file {bin_path} is truncated or index file {idx_path} is corrupt: sequence {bad} spans "
-                f"bytes [{int(pointers[bad])}, {int(ends[bad])}) but the data file has {bin_size} bytes"
-            )
-    if doc_idx[0] != 0 or np.any(np.diff(doc_idx) < 0) or doc_idx[-1] > n:
-        raise ConfigError(f"index file {idx_path} is corrupt: its document index is not increasing within [0, {n}]")
+    _check_pointers(idx_path, bin_path, bin_size, dtype, sizes, pointers)
+    if doc_idx[0] != 0 or np.any(np.diff(doc_idx) < 0) or doc_idx[-1] != n:
+        raise ConfigError(
+            f"index file {idx_path} is corrupt: its document index must rise from 0 to the {n} sequences, "
+            f"got [{int(doc_idx[0])} .. {int(doc_idx[-1])}]{' and decreasing steps' if np.any(np.diff(doc_idx) < 0) else ''}"
+        )
     return dtype, sizes, pointers, doc_idx
 
 
@@ -249,14 +327,7 @@ class IndexedDataset:
         cum = np.concatenate([[0], np.cumsum(self._sizes, dtype=np.int64)])
         return cum[self._doc_idx[1:]] - cum[self._doc_idx[:-1]]
 
-    def token_stream(self) -> np.ndarray | None:
-        """All tokens as one zero-copy array when items lie back to back (as the builder writes
-        them), for whole-dataset scans such as a max; None if the ``.bin`` has gaps or reorders."""
-        n = len(self)
-        if n == 0:
-            return np.empty(0, dtype=self._dtype)
-        nbytes = self._sizes.astype(np.int64) * self._dtype.itemsize
-        if np.any(self._pointers[1:] != self._pointers[:-1] + nbytes[:-1]):
-            return None
-        count = int(self._sizes.sum(dtype=np.int64))
-        return np.frombuffer(self._bin, dtype=self._dtype, count=count, offset=int(self._pointers[0]))
+    def token_stream(self) -> np.ndarray:
+        """All tokens as one zero-copy array, for whole-dataset scans such as a max (the reader
+        has checked that items lie back to back and fill the ``.bin``)."""
+        return np.frombuffer(self._bin, dtype=self._dtype, count=int(self._sizes.sum(dtype=np.int64)))

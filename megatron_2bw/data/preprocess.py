@@ -43,12 +43,14 @@ def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, 
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ConfigError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark, as some editors write
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: invalid JSON: {e.msg} at column {e.colno}") from None
+                raise ConfigError(_json_error(path, lineno, line, e, json_keys)) from None
             if not isinstance(obj, dict):
                 raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             texts = {}
@@ -59,6 +61,17 @@ def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, 
                     raise ConfigError(f"{path}:{lineno}: key {key!r} is a {type(obj[key]).__name__}, not a string")
                 texts[key] = obj[key]
             yield lineno, len(raw), texts
+
+
+def _json_error(path: str, lineno: int, line: str, e: json.JSONDecodeError, json_keys: Sequence[str]) -> str:
+    """A line that does not even start like JSON is most likely plain text: say what the format is."""
+    if line.lstrip()[:1] in ("{", "[", '"'):
+        return f"{path}:{lineno}: invalid JSON: {e.msg} at column {e.colno}"
+    example = json.dumps({json_keys[0] if json_keys else "text": "first document ..."})
+    return (
+        f"{path}:{lineno}: not JSON (the line starts {line.strip()[:20]!r}): the input must be JSONL, one JSON object "
+        f"per line with the document under a key, e.g. {example}; choose the keys with --json-keys"
+    )
 
 
 def encode_document(tokenizer: Tokenizer, texts: dict[str, str], append_eod: bool) -> dict[str, list[int]]:
@@ -128,7 +141,9 @@ def preprocess_jsonl(
 ) -> PreprocessResult:
     """Tokenize ``input_path`` into one indexed dataset per key; ``workers == 1`` uses no pool.
 
-    On any error the partial ``.bin`` files are removed, so no half-written dataset remains.
+    Files are written under temporary names and renamed into place at the end, so an error
+    (or an empty corpus, refused) leaves any existing dataset at ``output_prefix`` unchanged, and
+    a job reading the old files keeps its memory-mapped inodes.
     """
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
@@ -146,12 +161,14 @@ def preprocess_jsonl(
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
     result = PreprocessResult(prefixes, {k: 0 for k in json_keys}, {k: 0 for k in json_keys})
-    builders = {key: IndexedDatasetBuilder(data_file_path(p), dtype) for key, p in prefixes.items()}
+    builders: dict[str, IndexedDatasetBuilder] = {}
     bar = tqdm(
         total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="preprocess",
         disable=not (progress and sys.stderr.isatty()),
     )
     try:
+        for key, p in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(data_file_path(p), dtype)
         batches = _batches(read_jsonl(input_path, json_keys))
         if workers == 1:
             encoded = (([encode_document(tokenizer, t, append_eod) for t in docs], n) for docs, n in batches)
@@ -160,18 +177,24 @@ def preprocess_jsonl(
             with mp.Pool(workers, initializer=_init_worker, initargs=(tokenizer, append_eod)) as pool:
                 for window in _windows(batches, READ_AHEAD_BATCHES * workers):
                     _write(pool.imap(_encode_batch, window), builders, result, bar)
+        _refuse_empty(input_path, result)
         for key, builder in builders.items():
             builder.finalize(index_file_path(prefixes[key]))
-    except BaseException:
-        for key, builder in builders.items():
-            builder.close()
-            for path in (data_file_path(prefixes[key]), index_file_path(prefixes[key])):
-                if os.path.exists(path):
-                    os.remove(path)
-        raise
     finally:
+        for builder in builders.values():
+            builder.close()  # removes the temporary files of a failed run; existing datasets stay
         bar.close()
     return result
+
+
+def _refuse_empty(input_path: str, result: PreprocessResult) -> None:
+    """An empty dataset would only fail later, blamed on --split: refuse it here."""
+    for key, count in result.documents.items():
+        if count == 0:
+            raise ConfigError(
+                f"--input {input_path} has no non-empty text under key {key!r}: nothing to preprocess "
+                f"(each line must be a JSON object like {{\"{key}\": \"document text\"}})"
+            )
 
 
 def _write(encoded: Iterator[Encoded], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult, bar) -> None:

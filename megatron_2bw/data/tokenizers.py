@@ -1,9 +1,16 @@
 """Tokenizers under Megatron's ``--tokenizer-type`` names, loaded from local files only.
 
 One small interface (``vocab_size``, ``tokenize``, ``detokenize`` and the special ids) hides
-SentencePiece and the transformers tokenizers from the data pipeline. Nothing is ever
-downloaded: every file is checked to exist first (a missing one is a ConfigError naming the
-flag), and transformers is always called with ``local_files_only=True``.
+SentencePiece, WordPiece and the transformers tokenizers from the data pipeline. Nothing is
+ever downloaded: every file is checked to exist first (a missing one is a ConfigError naming
+the flag), and transformers is always called with ``local_files_only=True``.
+
+For the same vocabulary files, ids equal Megatron-LM's: GPT-2 BPE and BERT WordPiece read a
+literal ``<|endoftext|>`` or ``[SEP]`` in a document as text (Megatron's tokenizers know no
+special tokens inside text), and BERT follows Google's original rules (wordpiece.py).
+SentencePiece and a Hugging Face directory keep their libraries' own handling of special
+pieces written in the text, as Megatron's wrappers of them do (unlike Megatron's Hugging Face
+wrapper, no BOS/EOS is added to each document here: ``--append-eod`` adds the eod).
 
 A Tokenizer pickles as its constructor arguments, so a multiprocessing pool can rebuild it.
 """
@@ -16,6 +23,7 @@ import os
 from typing import Sequence
 
 from ..errors import ConfigError
+from .wordpiece import WordPiece, load_vocab
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -105,12 +113,22 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A transformers tokenizer; ``tokenize`` adds no [CLS]/[SEP]/BOS (the datasets place those)."""
+    """A transformers tokenizer; ``tokenize`` adds no [CLS]/[SEP]/BOS (the datasets place those).
 
-    def __init__(self, hf, build_args: tuple, eod: int | None) -> None:
+    With ``literal_specials`` a special token written in the text is tokenized as text (a copy
+    of the backend with ``encode_special_tokens`` set, so ``hf`` itself is left unchanged).
+    """
+
+    def __init__(self, hf, build_args: tuple, eod: int | None, literal_specials: bool = False) -> None:
         super().__init__(build_args)
         hf.model_max_length = 1 << 60  # documents are never truncated here: silence length warnings
         self._hf = hf
+        self._backend = None
+        if literal_specials:
+            from tokenizers import Tokenizer as RustTokenizer
+
+            self._backend = RustTokenizer.from_str(hf.backend_tokenizer.to_str())
+            self._backend.encode_special_tokens = True
         self.vocab_size = len(hf)
         self.eod = eod
         self.pad = hf.pad_token_id
@@ -124,10 +142,36 @@ class HFTokenizer(Tokenizer):
         return self._hf
 
     def tokenize(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self._hf.encode(text, add_special_tokens=False)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._hf.decode([int(i) for i in ids])
+
+
+class BertWordPieceTokenizer(Tokenizer):
+    """Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``; [SEP] doubles as eod."""
+
+    def __init__(self, vocab_file: str, lower_case: bool, build_args: tuple) -> None:
+        super().__init__(build_args)
+        try:
+            vocab = load_vocab(vocab_file)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--vocab-file {vocab_file}: cannot read a WordPiece vocabulary: {_first_line(e)}") from None
+        for token in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"):
+            if token not in vocab:
+                raise ConfigError(f"--vocab-file {vocab_file} has no {token} token")
+        self._wp = WordPiece(vocab, lower_case)
+        self.vocab_size = len(vocab)
+        self.pad, self.cls, self.sep, self.mask = (vocab[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
+        self.eod = self.sep
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._wp.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._wp.decode(ids)
 
 
 def _takes_files(cls) -> bool:
@@ -137,25 +181,17 @@ def _takes_files(cls) -> bool:
 
 
 def _load_gpt2(vocab_file: str, merge_file: str):
+    """GPT-2 BPE from vocab.json + merges.txt. As Megatron (and the original GPT-2 code), the
+    merges file's first line is its version header and its last is empty: both are skipped."""
     from transformers import GPT2TokenizerFast
 
-    if _takes_files(GPT2TokenizerFast):
+    if _takes_files(GPT2TokenizerFast):  # transformers 4 reads the merges the same way
         return GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
     with open(vocab_file, encoding="utf-8") as f:
         vocab = json.load(f)
     with open(merge_file, encoding="utf-8") as f:
-        merges = [tuple(line.split(" ")) for line in f.read().split("\n") if line and not line.startswith("#version")]
-    return GPT2TokenizerFast(vocab=vocab, merges=merges)
-
-
-def _load_bert(vocab_file: str, lower_case: bool):
-    from transformers import BertTokenizerFast
-
-    if _takes_files(BertTokenizerFast):
-        return BertTokenizerFast(vocab_file=vocab_file, do_lower_case=lower_case)
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = {token.rstrip("\n"): i for i, token in enumerate(f.readlines())}
-    return BertTokenizerFast(vocab=vocab, do_lower_case=lower_case)
+        merges = [tuple(line.split()) for line in f.read().split("\n")[1:-1]]
+    return GPT2TokenizerFast(vocab=vocab, merges=[m for m in merges if len(m) == 2])
 
 
 def build_tokenizer(
@@ -176,19 +212,10 @@ def build_tokenizer(
         except Exception as e:  # noqa: BLE001 - any load failure is bad input
             raise ConfigError(f"--vocab-file {vocab} / --merge-file {merges}: cannot load GPT-2 BPE: {_first_line(e)}") from None
         eod = hf.get_vocab().get("<|endoftext|>")
-        return HFTokenizer(hf, args, eod)
+        return HFTokenizer(hf, args, eod, literal_specials=True)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         vocab = _need_file(vocab_file, "--vocab-file", tokenizer_type)
-        try:
-            hf = _load_bert(vocab, tokenizer_type == "BertWordPieceLowerCase")
-        except Exception as e:  # noqa: BLE001 - any load failure is bad input
-            raise ConfigError(f"--vocab-file {vocab}: cannot load a WordPiece vocabulary: {_first_line(e)}") from None
-        for name in ("cls_token_id", "sep_token_id", "mask_token_id", "pad_token_id"):
-            if getattr(hf, name) is None or getattr(hf, name) == hf.unk_token_id:
-                token = getattr(hf, name.replace("_id", ""))
-                raise ConfigError(f"--vocab-file {vocab} has no {token} token")
-        # As Megatron's BERT tokenizer: [SEP] doubles as the end-of-document token.
-        return HFTokenizer(hf, args, hf.sep_token_id)
+        return BertWordPieceTokenizer(vocab, tokenizer_type == "BertWordPieceLowerCase", args)
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer directory)")

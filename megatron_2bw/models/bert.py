@@ -61,6 +61,21 @@ class BertLoss:
         return lm + F.cross_entropy(sop.float(), batch["sop_label"])
 
 
+def random_samples(n: int, seq_length: int, vocab_size: int, generator: torch.Generator,
+                   mask_prob: float = 0.15) -> dict:
+    """``n`` stacked random samples in the dataset's layout (segment B is the second half), for
+    measurements and tests that need BERT-shaped data without a corpus."""
+    s = seq_length
+    return dict(
+        tokens=torch.randint(0, vocab_size, (n, s), generator=generator),
+        token_types=(torch.arange(s) >= s // 2).long().expand(n, s).contiguous(),
+        labels=torch.randint(0, vocab_size, (n, s), generator=generator),
+        loss_mask=(torch.rand(n, s, generator=generator) < mask_prob).float(),
+        padding_mask=torch.ones(n, s),
+        sop_label=torch.randint(0, 2, (n,), generator=generator),
+    )
+
+
 def make_batch(sample: dict) -> dict:
     """Microbatch tensors from stacked BERT samples; padding becomes a boolean attention mask."""
     pad = sample["padding_mask"].bool()

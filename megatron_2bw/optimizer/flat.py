@@ -69,18 +69,30 @@ class FlatAdam:
 
 
 class FlatSGD:
+    """SGD with momentum under torch.optim.SGD's rule (dampening 0, no Nesterov).
+
+    Weight decay is added to the gradient before it enters the momentum buffer, as torch and
+    Megatron's apex FusedSGD do, so the buffer carries the decay term too.
+    """
+
     def __init__(self, numel: int, n_decay: int, *, momentum=0.0, weight_decay=0.0, device="cpu"):
         self.n_decay, self.momentum, self.weight_decay = n_decay, momentum, weight_decay
         self.buf = torch.zeros(numel, dtype=torch.float32, device=device) if momentum else None
         self.steps = 0
 
     def update(self, src: torch.Tensor, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """dst = src - lr * buf with buf = momentum * buf + (grad + weight_decay * src); dst may be src."""
         self.steps += 1
-        step = grad
-        if self.buf is not None:
-            self.buf.mul_(self.momentum).add_(grad)
-            step = self.buf
-        _decayed_step(src, dst, step, lr, lr * self.weight_decay, self.n_decay)
+        if self.buf is None:
+            _decayed_step(src, dst, grad, lr, lr * self.weight_decay, self.n_decay)
+            return
+        n = self.n_decay if self.weight_decay else 0
+        self.buf.mul_(self.momentum)
+        if n:
+            self.buf[:n].add_(torch.add(grad[:n], src[:n], alpha=self.weight_decay))
+        self.buf[n:].add_(grad[n:])
+        step = self.buf if self.buf.dtype == dst.dtype else self.buf.to(dst.dtype)
+        torch.add(src, step, alpha=-lr, out=dst)
 
     def state_dict(self) -> dict:
         return {"buf": self.buf, "steps": self.steps}

@@ -24,6 +24,10 @@ class Op(enum.Enum):
     REDUCE_GRADS = "R"
     APPLY_UPDATE = "U"
 
+    # Members are singletons: hash by identity (in C) rather than by Enum's Python-level name hash,
+    # since replays dispatch every action on its op.
+    __hash__ = object.__hash__
+
 
 MICROBATCH_OPS: frozenset[Op] = frozenset(
     {Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT, Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD}

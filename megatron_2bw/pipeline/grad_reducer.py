@@ -30,6 +30,12 @@ import torch
 import torch.distributed as dist
 
 
+def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's part of the squared global gradient norm, shape [1], in fp32."""
+    norms = torch._foreach_norm(views) if views else []
+    return (torch.stack(norms).float().square().sum() if norms else torch.zeros((), device=device)).reshape(1)
+
+
 class _Job:
     """One step's chain on the CPU worker: done when ``event`` is set (``error`` if it failed)."""
 
@@ -65,8 +71,7 @@ class GradReducer:
         if self.use_emb:
             lo, hi = self.shared_range
             dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True).wait()
-        norms = torch._foreach_norm(job.norm_views) if job.norm_views else []
-        sumsq = (torch.stack(norms).float().square().sum() if norms else torch.zeros((), device=grad.device)).reshape(1)
+        sumsq = grad_sumsq(job.norm_views, grad.device)
         if self.model_group is not None:
             dist.all_reduce(sumsq, group=self.model_group, async_op=True).wait()
         job.sumsq = sumsq

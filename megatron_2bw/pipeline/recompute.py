@@ -1,28 +1,59 @@
-"""RNG snapshots for activation recomputation: a replayed forward draws the same dropout masks.
+"""RNG snapshots: the one place that captures and restores random-number-generator state.
 
-The stage saves the default generator state (CPU and, on CUDA, the device's) and the
-tensor-parallel tracker's state before a forward, and restores them around the recomputation
-during backward, then puts the current states back.
+Activation recomputation snapshots the torch generators (CPU and, on CUDA, the device's) and
+the tensor-parallel tracker before a forward, and restores them around the replay during
+backward so that the replay draws the same dropout masks. Checkpoints take the same snapshot
+plus Python's and NumPy's generators (``host_libraries=True``) so a resume continues every
+random stream exactly.
 """
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
 import torch
 
 from ..tensor_parallel.random import RNGTracker
 
 
+@dataclass
 class RNGSnapshot:
-    __slots__ = ("cpu", "cuda", "tracker")
+    torch_cpu: torch.Tensor
+    torch_cuda: torch.Tensor | None = None
+    tracker: Any = None
+    python: Any = None
+    numpy: Any = None
 
-    def __init__(self, device: torch.device, tracker: RNGTracker | None) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.tracker = tracker.get_state() if tracker is not None else None
+    @classmethod
+    def capture(cls, device: torch.device, tracker: RNGTracker | None, *, host_libraries: bool = False) -> RNGSnapshot:
+        """The current states; ``host_libraries`` adds Python's and NumPy's generators."""
+        return cls(
+            torch_cpu=torch.get_rng_state(),
+            torch_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            tracker=tracker.get_state() if tracker is not None else None,
+            python=random.getstate() if host_libraries else None,
+            numpy=np.random.get_state() if host_libraries else None,
+        )
 
     def restore(self, device: torch.device, tracker: RNGTracker | None) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, device)
+        """Put every captured state back (states not captured are left alone)."""
+        if self.python is not None:
+            random.setstate(self.python)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch_cpu)
+        if device.type == "cuda" and self.torch_cuda is not None:
+            torch.cuda.set_rng_state(self.torch_cuda, device)
         if tracker is not None and self.tracker is not None:
             tracker.set_state(self.tracker)
+
+    def as_dict(self) -> dict:
+        """The checkpoint form: keys ``python``, ``numpy``, ``torch_cpu``, ``torch_cuda``, ``tracker``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> RNGSnapshot:
+        return cls(**{f.name: state.get(f.name) for f in fields(cls)})

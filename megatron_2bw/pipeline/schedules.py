@@ -1,66 +1,27 @@
-"""Pipeline schedules as data: the ordered actions of one stage for a drained segment of steps.
+"""Pipeline schedules as data: one :class:`ScheduleSpec` per schedule, the only place schedule facts live.
 
-Generating the whole program up front (instead of interleaving decisions with execution)
-lets the checker prove deadlock freedom, the in-flight bound and the exact 2BW weight-version
-semantics for every (d, m) before a single GPU runs it, and lets the executor be a dumb loop.
+A spec carries what every other module needs to know about its schedule: weight versions and gradient
+buffers the executor keeps, how stale the weights are, the microbatches it needs and keeps in flight,
+its ideal bubble, and the generator of each stage's ordered actions for a drained segment of steps.
+Generating the whole program up front lets the checker prove deadlock freedom, the in-flight bound and
+the exact 2BW weight-version semantics for every (d, m) before a process runs it, and lets the executor
+be a dumb loop.
 
-Conventions (see docs of :class:`~megatron_2bw.pipeline.actions.Action`): microbatches of
-step ``t`` are ``t*m .. t*m+m-1``; RECV_ACT(i) sits just before FORWARD(i), SEND_ACT(i) just
-after it; RECV_GRAD(j) just before BACKWARD(j), SEND_GRAD(j) just after it; stage 0 has no
-RECV_ACT / SEND_GRAD, stage d-1 no SEND_ACT / RECV_GRAD.
+Conventions (see :class:`~megatron_2bw.pipeline.actions.Action`): microbatches of step ``t`` are
+``t*m .. t*m+m-1``; RECV_ACT(i) sits just before FORWARD(i), SEND_ACT(i) just after it; RECV_GRAD(j)
+just before BACKWARD(j), SEND_GRAD(j) just after it; stage 0 has no RECV_ACT / SEND_GRAD, stage d-1
+no SEND_ACT / RECV_GRAD.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .actions import Action, Op
 
-SCHEDULES: tuple[str, ...] = ("2bw", "flush", "gpipe")
-
-
-def validate_pipeline(schedule: str, d: int, m: int) -> None:
-    """Refuse a schedule / depth / microbatch count that no stage could run, with one line."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if d < 1:
-        raise ConfigError(f"pipeline depth must be >= 1, got d={d}")
-    if m < 1:
-        raise ConfigError(f"microbatches per step must be >= 1, got m={m}")
-    if schedule == "2bw" and m < d:
-        raise ConfigError(f"2BW needs at least d microbatches per step: m={m} < d={d}")
-
-
-def _validate_stage(schedule: str, d: int, r: int, m: int) -> None:
-    validate_pipeline(schedule, d, m)
-    if not 0 <= r < d:
-        raise ConfigError(f"pipeline stage must be in 0..{d - 1}, got r={r}")
-
-
-def weight_version(schedule: str, step: int) -> int:
-    """Weight version W(v) every microbatch of ``step`` runs on (forward and backward).
-
-    2BW delays the gradient by one step (batch t runs on W(max(t-1, 0))); the flushing
-    schedules have vanilla semantics (batch t runs on W(t)).
-    """
-    return max(step - 1, 0) if schedule == "2bw" else step
-
-
-def inflight_limit(schedule: str, d: int, r: int, m: int) -> int:
-    """Most microbatches stage ``r`` holds forwarded-but-not-backwarded (activation stashes)."""
-    _validate_stage(schedule, d, r, m)
-    return m if schedule == "gpipe" else min(d - r, m)
-
-
-def bubble_fraction(schedule: str, d: int, m: int) -> float:
-    """Ideal idle fraction per step with equal-cost microbatches, for the planner.
-
-    The flushing schedules pay a fill and a drain every step; 2BW only at the very start
-    (and at a drain before a checkpoint), so its steady-state bubble is zero.
-    """
-    validate_pipeline(schedule, d, m)
-    return 0.0 if schedule == "2bw" else (d - 1) / (m + d - 1)
+Order = list[tuple[bool, int]]  # (is_forward, microbatch) in the order a stage runs them
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -79,8 +40,8 @@ def _fragment(forward: bool, mb: int, step: int, version: int, has_prev: bool, h
     return (*recv, Action(Op.BACKWARD, mb, step, version), *send)
 
 
-def _one_f_one_b(lo: int, count: int, warmup: int) -> list[tuple[bool, int]]:
-    """(is_forward, mb) order of 1F1B over microbatches lo..lo+count-1 with ``warmup`` forwards."""
+def _one_f_one_b(lo: int, count: int, warmup: int) -> Order:
+    """Order of 1F1B over microbatches lo..lo+count-1 with ``warmup`` forwards first."""
     warmup = min(warmup, count)
     order = [(True, lo + i) for i in range(warmup)]
     for i in range(count - warmup):
@@ -90,51 +51,148 @@ def _one_f_one_b(lo: int, count: int, warmup: int) -> list[tuple[bool, int]]:
     return order
 
 
-def _all_forward_all_backward(lo: int, count: int) -> list[tuple[bool, int]]:
-    """GPipe order: every forward, then every backward, both in microbatch order."""
-    return [(True, lo + i) for i in range(count)] + [(False, lo + i) for i in range(count)]
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A flushing 1F1B schedule (PipeDream-Flush); subclasses change what differs.
 
-
-def _flushing_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
-    """GPipe / PipeDream-Flush: each step is filled, drained, reduced and applied on its own."""
-    out: list[Action] = []
-    for t in range(first_step, first_step + num_steps):
-        lo = t * m
-        if schedule == "gpipe":
-            order = _all_forward_all_backward(lo, m)
-        else:
-            order = _one_f_one_b(lo, m, d - r - 1)
-        for forward, mb in order:
-            out.extend(_fragment(forward, mb, t, t, r > 0, r < d - 1))
-        out.append(Action(Op.REDUCE_GRADS, step=t))
-        out.append(Action(Op.APPLY_UPDATE, step=t))
-    return out
-
-
-def _two_bw_actions(d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
-    """PipeDream-2BW: one 1F1B stream across step boundaries with delay-1 weight versions.
-
-    REDUCE_GRADS(t) follows the last backward of step t, so the executor can start the
-    asynchronous reductions at once; APPLY_UPDATE(t) (which makes W(t+1)) waits until just
-    before the first forward that needs W(t+1), i.e. the first of step t+2 (before its
-    RECV_ACT, which stays glued to the forward), so the reductions are hidden behind a whole
-    step of compute. Updates still pending at the end of the segment are applied in step
-    order after the last action, leaving the pipeline drained.
+    ``grad_buffers``: gradient buffers the executor keeps (2 lets step t+1's backwards accumulate
+    while step t's reduction runs); ``stale_steps``: how many updates behind the newest weights a
+    step's microbatches run.
     """
-    lo, end_step = first_step * m, first_step + num_steps
-    out: list[Action] = []
-    has_prev, has_next = r > 0, r < d - 1
-    next_update = first_step  # APPLY_UPDATE(first_step - 1) ran at the end of the previous segment
-    for forward, mb in _one_f_one_b(lo, num_steps * m, d - r - 1):
-        t, i = divmod(mb, m)
-        if forward and i == 0 and t - 2 >= next_update:
-            out.append(Action(Op.APPLY_UPDATE, step=t - 2))
-            next_update = t - 1
-        out.extend(_fragment(forward, mb, t, max(t - 1, 0), has_prev, has_next))
-        if not forward and i == m - 1:
+
+    name: str
+    weight_versions: int = 1
+    grad_buffers: int = 1
+    stale_steps: int = 0
+
+    def min_microbatches(self, d: int) -> int:
+        """Fewest microbatches per step the schedule runs at depth ``d``."""
+        return 1
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        """Most microbatches stage ``r`` holds forwarded but not backwarded (activation stashes)."""
+        return min(d - r, m)
+
+    def bubble(self, d: int, m: int) -> float:
+        """Ideal idle fraction per step with equal-cost microbatches: a fill and a drain every step."""
+        return (d - 1) / (m + d - 1)
+
+    def bubble_slots(self, d: int) -> int:
+        """Extra microbatch slots per step: the fill and the drain."""
+        return d - 1
+
+    def version(self, step: int) -> int:
+        """The weight version W(v) every microbatch of ``step`` runs on (forward and backward)."""
+        return max(step - self.stale_steps, 0)
+
+    def order(self, d: int, r: int, lo: int, count: int) -> Order:
+        """Forward/backward order of stage ``r`` over ``count`` microbatches from ``lo``."""
+        return _one_f_one_b(lo, count, d - r - 1)
+
+    def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        """Each step is filled, drained, reduced and applied on its own."""
+        out: list[Action] = []
+        for t in range(first_step, first_step + num_steps):
+            v = self.version(t)
+            for forward, mb in self.order(d, r, t * m, m):
+                out.extend(_fragment(forward, mb, t, v, r > 0, r < d - 1))
             out.append(Action(Op.REDUCE_GRADS, step=t))
-    out.extend(Action(Op.APPLY_UPDATE, step=t) for t in range(next_update, end_step))
-    return out
+            out.append(Action(Op.APPLY_UPDATE, step=t))
+        return out
+
+
+@dataclass(frozen=True)
+class _GPipe(ScheduleSpec):
+    """GPipe: every forward of a step, then every backward; all ``m`` stashes held at once."""
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        return m
+
+    def order(self, d: int, r: int, lo: int, count: int) -> Order:
+        return [(True, lo + i) for i in range(count)] + [(False, lo + i) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class _TwoBW(ScheduleSpec):
+    """PipeDream-2BW: one 1F1B stream across step boundaries, weights one update stale.
+
+    With fewer than ``d`` microbatches a step's in-flight work would span more than two versions.
+    """
+
+    def min_microbatches(self, d: int) -> int:
+        return d
+
+    def bubble(self, d: int, m: int) -> float:
+        return 0.0  # fill and drain only at the start and at a drain before a checkpoint
+
+    def bubble_slots(self, d: int) -> int:
+        return 0
+
+    def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        """REDUCE_GRADS(t) follows step t's last backward, so the reductions start at once;
+        APPLY_UPDATE(t) (which makes W(t+1)) waits until just before the first forward that
+        needs W(t+1), the first of step t+2 (before its RECV_ACT, which stays glued to the
+        forward), so the reductions hide behind a whole step of compute. Updates still pending
+        at the end of the segment are applied after the last action, leaving it drained."""
+        out: list[Action] = []
+        has_prev, has_next = r > 0, r < d - 1
+        next_update = first_step  # APPLY_UPDATE(first_step - 1) ran at the end of the previous segment
+        versions = {t: self.version(t) for t in range(first_step, first_step + num_steps)}
+        for forward, mb in self.order(d, r, first_step * m, num_steps * m):
+            t, i = divmod(mb, m)
+            if forward and i == 0 and t - 2 >= next_update:
+                out.append(Action(Op.APPLY_UPDATE, step=t - 2))
+                next_update = t - 1
+            out.extend(_fragment(forward, mb, t, versions[t], has_prev, has_next))
+            if not forward and i == m - 1:
+                out.append(Action(Op.REDUCE_GRADS, step=t))
+        out.extend(Action(Op.APPLY_UPDATE, step=t) for t in range(next_update, first_step + num_steps))
+        return out
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "2bw": _TwoBW("2bw", weight_versions=2, grad_buffers=2, stale_steps=1),
+    "flush": ScheduleSpec("flush"),
+    "gpipe": _GPipe("gpipe"),
+}
+SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    """The spec of ``name``; a one-line ``ConfigError`` naming the choices otherwise."""
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    return spec
+
+
+def validate_pipeline(schedule: str, d: int, m: int) -> None:
+    """Refuse a schedule / depth / microbatch count that no stage could run, with one line."""
+    spec = get_schedule(schedule)
+    if d < 1:
+        raise ConfigError(f"pipeline depth must be >= 1, got d={d}")
+    if m < 1:
+        raise ConfigError(f"microbatches per step must be >= 1, got m={m}")
+    if m < spec.min_microbatches(d):
+        raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
+
+
+def _validate_stage(schedule: str, d: int, r: int, m: int) -> ScheduleSpec:
+    validate_pipeline(schedule, d, m)
+    if not 0 <= r < d:
+        raise ConfigError(f"pipeline stage must be in 0..{d - 1}, got r={r}")
+    return get_schedule(schedule)
+
+
+def inflight_limit(schedule: str, d: int, r: int, m: int) -> int:
+    """:meth:`ScheduleSpec.inflight`, after validating the layout."""
+    return _validate_stage(schedule, d, r, m).inflight(d, r, m)
+
+
+def bubble_fraction(schedule: str, d: int, m: int) -> float:
+    """:meth:`ScheduleSpec.bubble`, after validating the layout."""
+    validate_pipeline(schedule, d, m)
+    return get_schedule(schedule).bubble(d, m)
 
 
 def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
@@ -145,11 +203,9 @@ def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_st
     at the next step continues microbatch indices and (for 2BW) weight versions exactly as
     an uninterrupted run would, so checkpoints and evaluations can sit at any step boundary.
     """
-    _validate_stage(schedule, d, r, m)
+    spec = _validate_stage(schedule, d, r, m)
     if first_step < 0:
         raise ConfigError(f"first step must be >= 0, got first_step={first_step}")
     if num_steps < 1:
         raise ConfigError(f"a schedule segment needs at least one step, got num_steps={num_steps}")
-    if schedule == "2bw":
-        return _two_bw_actions(d, r, m, first_step, num_steps)
-    return _flushing_actions(schedule, d, r, m, first_step, num_steps)
+    return spec.actions(d, r, m, first_step, num_steps)

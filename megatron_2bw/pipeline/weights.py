@@ -8,11 +8,17 @@ buffer. The flush schedules keep one version.
 
 Gradients of step t accumulate into grad buffer ``t % 2`` (2BW) so that step t's gradient can
 wait for its asynchronous reductions while step t+1's microbatches already run backward.
+
+Parameters carry two names: the local one (``"1.attn.qkv.weight"``: index in this stage's layer
+list) that checkpoints use to match a stage's buffers, and the global one, the name the
+parameter has in the full single-stage model (``"5.attn.qkv.weight"``), that checkpoint
+payloads and cross-layout comparisons use.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,10 +35,32 @@ def _unique_params(modules: nn.ModuleList) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
+@dataclass(frozen=True)
+class GlobalNames:
+    """Where a stage sits in the full model's layer list, for global parameter names.
+
+    ``first_index`` is the full-model list index of the stage's first layer; ``tied`` is the full
+    model's name of the tied word-embedding weight (parameters marked ``shared_embedding``), so a
+    last stage's copy of it carries the same name as the first stage's original.
+    """
+
+    first_index: int = 0
+    tied: str | None = None
+
+    def of(self, modules: nn.ModuleList, params: list[nn.Parameter]) -> list[str]:
+        """The global name of each of ``params`` (parameters of ``modules``)."""
+        by_id: dict[int, str] = {}
+        for i, module in enumerate(modules):
+            for name, p in module.named_parameters(remove_duplicate=False):
+                by_id.setdefault(id(p), f"{self.first_index + i}.{name}")
+        return [self.tied if self.tied and getattr(p, "shared_embedding", False) else by_id[id(p)] for p in params]
+
+
 class StageWeights:
     def __init__(
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
-        device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True, master_fp32: bool = False,
+        device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
+        names: GlobalNames = GlobalNames(),
     ) -> None:
         first = nn.ModuleList(build()).to(device=device, dtype=dtype)
         named = _unique_params(first)
@@ -40,6 +68,7 @@ class StageWeights:
         order = sorted(range(len(named)), key=lambda i: named[i][1].dim() < 2)
         named = [named[i] for i in order]
         self.names = [n for n, _ in named]
+        self.global_names = names.of(first, [p for _, p in named])
         self.shapes = [p.shape for _, p in named]
         self.sizes = [p.numel() for _, p in named]
         self.offsets = [0]
@@ -69,7 +98,6 @@ class StageWeights:
         self.grad_flat = [torch.zeros(self.numel, dtype=dtype, device=device) for _ in range(num_grad)]
         self.grad_views = [self._views(g) for g in self.grad_flat]
         self._slot_grad: list[int | None] = [None] * num_versions
-        self.master = self.flat[0].float().clone() if master_fp32 else None
 
         ref = self.params[0]
         counted = [
@@ -88,7 +116,12 @@ class StageWeights:
         return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
 
     def slot(self, version: int) -> int:
+        """The buffer holding W(version): versions alternate between the buffers (one buffer: always 0)."""
         return version % self.num_versions
+
+    def layers(self, version: int) -> nn.ModuleList:
+        """The layer list whose parameters hold W(version)."""
+        return self.slots[self.slot(version)]
 
     def grad_buffer(self, step: int) -> int:
         return step % len(self.grad_flat)
@@ -102,12 +135,30 @@ class StageWeights:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.flat) + (self.master.numel() * 4 if self.master is not None else 0)
+        return sum(f.numel() * f.element_size() for f in self.flat)
 
     @property
     def grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grad_flat)
 
-    def named_flat(self, slot: int) -> dict[str, torch.Tensor]:
-        """Parameter name -> view of ``slot``'s buffer (for checkpoints and comparisons)."""
-        return dict(zip(self.names, self._views(self.flat[slot])))
+    def state_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Global parameter name -> view of ``flat``, a buffer laid out like a version (or a copy of one)."""
+        return dict(zip(self.global_names, self._views(flat)))
+
+
+class _Parameters(nn.Module):
+    """Parameters only, half matrices (decayed) and half vectors: a stand-in stage of a given size."""
+
+    def __init__(self, numel: int, per_param: int) -> None:
+        super().__init__()
+        sizes = [min(per_param, numel - o) for o in range(0, numel, per_param)]
+        half = len(sizes) // 2
+        self.matrices = nn.ParameterList([nn.Parameter(torch.zeros(1, n)) for n in sizes[:half]])
+        self.vectors = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes[half:]])
+
+
+def sized_weights(numel: int, *, dtype: torch.dtype, device: torch.device, num_versions: int = 2,
+                  params_per_view: int = 1 << 16) -> StageWeights:
+    """A StageWeights of ``numel`` zero parameters in pieces of ``params_per_view`` (for timing updates)."""
+    return StageWeights(lambda: [_Parameters(numel, params_per_view)], num_versions=num_versions, dtype=dtype,
+                        device=device)

@@ -17,8 +17,9 @@ whose device name matches this GPU (H200, H100, A100, V100) with the device's re
 CPU a description of this host (its memory; rough bandwidths) - fine for tests and demos, state a
 real cluster for anything else. The chosen plan and where its numbers came from are logged.
 
-In a distributed job call :func:`auto_plan_on_rank0` after ``init_process_group``: rank 0 plans
-and broadcasts, so every rank builds the same layout.
+The trainer's ``--auto-plan`` plans before ``init_process_group`` (``training/auto_layout.py``),
+every rank from the same profile file. Code already inside ``torch.distributed`` can call
+:func:`auto_plan_on_rank0` instead: rank 0 plans and broadcasts, so every rank gets the same layout.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from ..config import ModelConfig
+from ..config import Layout, ModelConfig
 from ..errors import ConfigError
+from ..pipeline.schedules import SCHEDULE_NAMES
 from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, load_profile
-from .memory_model import SCHEDULES
 from .search import PlanRequest, SearchResult, micro_batch_sizes, search
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ class PlanChoice(NamedTuple):
     b: int
     recompute: bool
     schedule: str
+
+    @property
+    def layout(self) -> Layout:
+        """The choice as the trainer's config takes it (``cli.build_config(..., layout=)``)."""
+        return Layout(self.t, self.d, self.b, self.recompute, self.schedule)
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ def auto_plan_details(
     model_cfg: ModelConfig, num_gpus: int, global_batch: int, cluster: Cluster | str | None = None,
     profile_path: str | os.PathLike | None = None, device: str | torch.device | None = None, *,
     precision: str = "fp32", max_micro_batch_size: int = 64, micro_batch_sizes_to_profile: Sequence[int] | None = None,
-    tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULES, recompute_options=(False, True),
+    tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULE_NAMES, recompute_options=(False, True),
     warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None,
 ) -> AutoPlan:
     """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
@@ -193,14 +199,15 @@ def auto_plan_on_rank0(
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return auto_plan(model_cfg, num_gpus, global_batch, cluster, profile_path, device, **kwargs)
-    box: list = [None]
+    outcome: list = [None]  # rank 0's ("ok", choice) or ("error", message), broadcast to every rank
     if dist.get_rank() == 0:
         try:
-            box[0] = ("ok", tuple(auto_plan(model_cfg, num_gpus, global_batch, cluster, profile_path, device, **kwargs)))
+            plan = auto_plan(model_cfg, num_gpus, global_batch, cluster, profile_path, device, **kwargs)
+            outcome[0] = ("ok", tuple(plan))
         except ConfigError as exc:
-            box[0] = ("error", str(exc))
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
+            outcome[0] = ("error", str(exc))
+    dist.broadcast_object_list(outcome, src=0)
+    status, value = outcome[0]
     if status == "error":
         raise ConfigError(value)
     return PlanChoice(*value)

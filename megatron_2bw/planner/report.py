@@ -1,6 +1,9 @@
-"""What the planner prints: the ranked table, JSON, the trainer flags, and the paper's comparisons.
+"""What the planner prints: the ranked table, JSON, the trainer's command, and the paper's comparisons.
 
-Everything here formats or re-runs the search; no cost or memory arithmetic lives here.
+Everything here formats results or re-runs the search; the costs and bytes come from
+``search``/``memory_model``. ``max_model_size`` is the one search of its own: a doubling then
+bisection over the number of layers, each probe evaluated by ``search.evaluate``. The trainer's
+command is rendered by ``cli.pretrain_argv`` from the same flag table the trainer parses.
 """
 
 from __future__ import annotations
@@ -8,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from ..config import ModelConfig
+from ..cli import pretrain_argv
+from ..config import Layout, ModelConfig
 from ..errors import ConfigError
 from ..models.presets import get_preset
 from .hardware import GiB, Cluster, load_cluster
@@ -30,26 +34,15 @@ def paper_model(name: str) -> ModelConfig:
 
 # ---- one configuration --------------------------------------------------------------------------
 
+def candidate_layout(c: Candidate) -> Layout:
+    """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule)."""
+    return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule)
+
+
 def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     """The ``pretrain_gpt.py`` (or ``pretrain_bert.py``) command line that runs ``ev``."""
-    c, m = ev.candidate, request.model
-    args = [f"pretrain_{m.kind}.py",
-            "--tensor-model-parallel-size", str(c.tensor_parallel),
-            "--pipeline-model-parallel-size", str(c.pipeline_parallel),
-            "--micro-batch-size", str(c.micro_batch_size),
-            "--global-batch-size", str(c.global_batch_size),
-            "--pipeline-schedule", c.schedule]
-    if c.recompute:
-        args.append("--recompute-activations")
-    args += ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-             "--num-attention-heads", str(m.num_attention_heads), "--seq-length", str(m.seq_length),
-             "--max-position-embeddings", str(m.max_position_embeddings)]
-    if m.ffn_hidden_size != 4 * m.hidden_size:
-        args += ["--ffn-hidden-size", str(m.ffn_hidden_size)]
-    args += ["--hidden-dropout", f"{m.hidden_dropout:g}", "--attention-dropout", f"{m.attention_dropout:g}"]
-    if request.precision in ("fp16", "bf16"):
-        args.append(f"--{request.precision}")
-    return args
+    c = ev.candidate
+    return pretrain_argv(request.model, candidate_layout(c), c.global_batch_size, request.precision)
 
 
 def describe(ev: Evaluated) -> dict[str, Any]:
@@ -119,13 +112,31 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
 
 # ---- the paper's comparisons --------------------------------------------------------------------
 
-# What the paper reports (PIPEDREAM_2BW.md), as "2BW is X times faster than ...".
-PAPER_RATIOS = {
-    "PipeDream-Flush": "1.6x small B, 1.15x B=2048",
-    "GPipe": "up to 3.2x",
-    "tensor MP": "1.3x 1 server, 20x 64 GPUs",
-    "no pipelining": "not stated",
+@dataclass(frozen=True)
+class PaperSpeedup:
+    """A speed-up of 2BW over a baseline that the PipeDream-2BW paper reports, and where it holds."""
+
+    ratio: float
+    condition: str = ""
+    upper_bound: bool = False  # "up to"
+
+    def __str__(self) -> str:
+        text = f"{'up to ' if self.upper_bound else ''}{self.ratio:g}x"
+        return f"{text} {self.condition}" if self.condition else text
+
+
+# The PipeDream-2BW paper's (Narayanan et al., ICML 2021) speed-ups and largest model.
+PAPER_SPEEDUPS: dict[str, tuple[PaperSpeedup, ...]] = {
+    "PipeDream-Flush": (PaperSpeedup(1.6, "small B"), PaperSpeedup(1.15, "B=2048")),
+    "GPipe": (PaperSpeedup(3.2, upper_bound=True),),
+    "tensor MP": (PaperSpeedup(1.3, "1 server"), PaperSpeedup(20, "64 GPUs")),
+    "no pipelining": (),
 }
+PAPER_MAX_MODEL_DEPTH, PAPER_MAX_MODEL_PARAMETERS = 64, 30e9  # about 30B parameters fit at d = 64 with 2BW
+
+
+def paper_speedups_text(system: str) -> str:
+    return ", ".join(map(str, PAPER_SPEEDUPS[system])) or "not stated"
 
 Selector = Callable[[Candidate], bool]
 BASELINES: dict[str, Selector] = {
@@ -207,7 +218,7 @@ def format_paper_comparison(rows: list[ComparisonRow]) -> str:
     for r in rows:
         cells = "".join(f"{(f'{x:.2f}x' if (x := r.ratio(s)) is not None else 'n/a'):>28}" for s in BASELINES)
         lines.append(f"{_scenario(r):<22}" + cells)
-    lines.append(f"{'paper':<22}" + "".join(f"{PAPER_RATIOS[s]:>28}" for s in BASELINES))
+    lines.append(f"{'paper':<22}" + "".join(f"{paper_speedups_text(s):>28}" for s in BASELINES))
     return "\n".join(lines)
 
 
@@ -280,5 +291,5 @@ def format_max_model(rows: list[MaxModelRow], template: ModelConfig, cluster: Cl
             r = by.get((d, sched))
             cells.append(f"{(f'{r.num_layers}, {r.num_parameters / 1e9:.1f}B' if r and r.num_layers else 'none'):>26}")
         lines.append(f"{d:>4}" + "".join(cells))
-    lines += ["", "paper: about 30B parameters fit at d = 64 with 2BW"]
+    lines += ["", f"paper: about {PAPER_MAX_MODEL_PARAMETERS / 1e9:.0f}B parameters fit at d = {PAPER_MAX_MODEL_DEPTH} with 2BW"]
     return "\n".join(lines)

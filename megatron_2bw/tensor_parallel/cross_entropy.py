@@ -12,12 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .group import TPGroup
-
-
-def _allreduce(x: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if tp.size > 1:
-        dist.all_reduce(x, op=op, group=tp.group)
-    return x
+from .mappings import all_reduce
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -31,16 +26,16 @@ class _VocabParallelCE(torch.autograd.Function):
             logits = logits.clone()
             logits[..., max(n_real, 0):] = float("-inf")
         local_max = logits.max(dim=-1).values
-        _allreduce(local_max, tp, dist.ReduceOp.MAX)
+        local_max = all_reduce(local_max, tp, dist.ReduceOp.MAX)
         logits = logits - local_max.unsqueeze(-1)
         local_t = target - start
         outside = (local_t < 0) | (local_t >= per_rank)
         local_t = local_t.masked_fill(outside, 0)
         predicted = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _allreduce(predicted, tp)
+        predicted = all_reduce(predicted, tp)
         exp = logits.exp_()
         sum_exp = exp.sum(dim=-1)
-        _allreduce(sum_exp, tp)
+        sum_exp = all_reduce(sum_exp, tp)
         loss = torch.log(sum_exp) - predicted
         exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(exp, local_t, outside)

@@ -1,7 +1,7 @@
-"""The four autograd mappings between tensor-parallel regions (Megatron's mappings.py).
+"""The autograd mappings between tensor-parallel regions (Megatron's mappings.py, the three used).
 
 Each is a conjugate pair: what forward does, backward does the dual (identity <-> all-reduce,
-split <-> gather). All act on the last dimension; a size-1 group makes them identities.
+gather <-> split). All act on the last dimension; a size-1 group makes them identities.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import torch.distributed as dist
 from .group import TPGroup
 
 
-def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, tp: TPGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """``x`` reduced over the tensor group (in place when ``x`` is contiguous; use the result)."""
     if tp.size == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=tp.group)
+    dist.all_reduce(x, op=op, group=tp.group)
     return x
 
 
@@ -42,28 +43,17 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g.clone() if ctx.tp.size > 1 else g, ctx.tp), None
+        return all_reduce(g.clone() if ctx.tp.size > 1 else g, ctx.tp), None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
-        return _all_reduce(x.clone() if tp.size > 1 else x, tp)
+        return all_reduce(x.clone() if tp.size > 1 else x, tp)
 
     @staticmethod
     def backward(ctx, g):
         return g, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _split(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.tp), None
 
 
 class _Gather(torch.autograd.Function):
@@ -85,11 +75,6 @@ def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """All-reduce forward, identity backward: leaves a row-parallel region."""
     return x if tp.size == 1 else _Reduce.apply(x, tp)
-
-
-def scatter_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension; gather in backward."""
-    return x if tp.size == 1 else _Scatter.apply(x, tp)
 
 
 def gather_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

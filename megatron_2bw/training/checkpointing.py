@@ -7,9 +7,11 @@ Layout (as Megatron-LM)::
     SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt    d > 1  (PPP = pipeline rank)
 
 One file per (tensor, pipeline) rank, written by data-parallel rank 0 of that pair (replicas
-hold identical state). A file holds the newest weights (``model``), the engine's state (both
-2BW weight versions, the fp32 master copy, optimizer and loss-scaler state, the step), every
-RNG state, the data position, the layout and the run's arguments.
+hold identical state). A file holds the newest weights (``model``, keyed by the parameter's name
+in the full single-stage model, e.g. ``5.attn.qkv.weight`` on whichever stage holds layer 4),
+the engine's state (both 2BW weight versions, the fp32 master copy, optimizer and loss-scaler
+state, the step), every RNG state, the data position, the layout and the run's arguments.
+Format 1 keyed ``model`` by stage-local names; the engine state is the same, so it still loads.
 
 Atomicity: each file is written to a temporary name, flushed to disk and renamed; then all
 ranks meet at a barrier; only then does rank 0 replace the pointer file (again by rename). A
@@ -20,21 +22,20 @@ missing, corrupt or mismatched checkpoint is a one-line error, never a hang.
 
 from __future__ import annotations
 
-import glob
 import os
-import random
 import re
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..pipeline.recompute import RNGSnapshot
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 # Model fields that must agree to load weights (dropout and sequence length may change).
 _SHAPE_FIELDS = (
     "kind", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -127,7 +128,7 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
         sd = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
         raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
-    if not isinstance(sd, dict) or sd.get("format") != FORMAT or "stage" not in sd:
+    if not isinstance(sd, dict) or sd.get("format") not in READABLE_FORMATS or "stage" not in sd:
         raise ConfigError(f"checkpoint file {path} is not a megatron_2bw checkpoint (format {FORMAT})")
     lay = sd["layout"]
     if (lay["t"], lay["d"]) != (t, d):
@@ -157,27 +158,6 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict) -> N
             raise ConfigError(f"checkpoint {path} has {field} {a} but this run uses {b}")
     if optimizer["optimizer"] == "sgd" and (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0):
         raise ConfigError(f"checkpoint {path} and this run disagree on whether SGD uses momentum")
-
-
-# --------------------------------------------------------------------------- RNG
-def rng_state(device: torch.device, tracker) -> dict:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "tracker": tracker.get_state() if tracker is not None else None,
-    }
-
-
-def set_rng_state(state: dict, device: torch.device, tracker) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if device.type == "cuda" and state["torch_cuda"] is not None:
-        torch.cuda.set_rng_state(state["torch_cuda"], device)
-    if tracker is not None and state["tracker"] is not None:
-        tracker.set_state(state["tracker"])
 
 
 # --------------------------------------------------------------------------- writing
@@ -222,21 +202,19 @@ def write_tracker(root: str, iteration: int) -> None:
     _fsync_dir(root)
 
 
-def payload(stage, *, iteration: int, state, tracker, consumed_samples: int, global_batch: int,
+def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
             config: dict, args: dict) -> dict:
     """Everything this rank's file holds. ``model`` shares storage with the saved newest version."""
     sd = stage.state_dict()
-    w = stage.weights
-    newest = sd["versions"][w.slot(stage.step) if len(sd["versions"]) > 1 else 0]
-    model = dict(zip(w.names, (newest[o:o + n].view(s) for o, n, s in zip(w.offsets, w.sizes, w.shapes))))
+    state = stage.state
     return {
         "format": FORMAT,
         "iteration": iteration,
         "layout": {"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
                    "schedule": stage.pipe.schedule},
-        "model": model,
+        "model": stage.newest_state(sd),
         "stage": sd,
-        "rng": rng_state(state.device, tracker),
+        "rng": RNGSnapshot.capture(state.device, tracker, host_libraries=True).as_dict(),
         "data": {"consumed_train_samples": consumed_samples, "global_batch_size": global_batch},
         "config": config,
         "args": args,
@@ -265,14 +243,4 @@ def restore(sd: dict, stage, tracker, device: torch.device) -> None:
         stage.load_state_dict(sd["stage"])
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"checkpoint {sd['path']} does not match this stage's parameters ({_first_line(e)})") from None
-    set_rng_state(sd["rng"], device, tracker)
-
-
-def list_iterations(root: str) -> list[int]:
-    """Iterations with a directory under ``root`` (complete or not; the pointer says which is)."""
-    out = []
-    for p in glob.glob(os.path.join(root, "iter_*")):
-        m = re.fullmatch(r"iter_(\d+)", os.path.basename(p))
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+    RNGSnapshot.from_dict(sd["rng"]).restore(device, tracker)

@@ -17,6 +17,7 @@ from ..config import ModelConfig
 
 
 def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False) -> float:
+    """Model FLOPs of one training step (the module docstring's formula)."""
     L, h, s, V = cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.vocab_size
     c = 4 if recompute else 3
     return 24.0 * c * global_batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
@@ -24,6 +25,7 @@ def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False)
 
 def tflops_per_device(cfg: ModelConfig, global_batch: int, step_seconds: float, world_size: int,
                       recompute: bool = False) -> float:
+    """Model TFLOP/s per device for a step of ``step_seconds`` on ``world_size`` devices."""
     if step_seconds <= 0:
         return 0.0
     return flops_per_step(cfg, global_batch, recompute) / (step_seconds * world_size * 1e12)

@@ -1,22 +1,22 @@
 """The shared main of ``pretrain_gpt.py`` and ``pretrain_bert.py``: parse -> validate -> init -> build -> train.
 
 Everything that can be wrong with the input is checked before ``init_process_group``:
-flags and layout (``arguments.build_config``, no torch needed), then files (kernels,
+flags and layout (``cli.build_config``, no torch needed), then files (kernels,
 tokenizer, data and vocabulary, the checkpoint to resume). A mistake prints one line,
-``error: ...``, and exits with status 2 before any collective exists, so no peer is left
-waiting. Failures after start-up (a dead peer, a bug) print one line per rank and exit 1
-without waiting on teardown (``loop.run``).
+``error: ...``, and exits with status 2 before any collective exists (``cli.run_cli``), so no
+peer is left waiting. Failures after start-up (a dead peer, a bug) print one line per rank and
+exit 1 without waiting on teardown (``loop.run``).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import asdict, dataclass
 
-from ..arguments import RunConfig, build_config, env_world, parse_args
+from ..cli import build_config, env_world, parse_args, run_cli
+from ..config import RunConfig
 from ..errors import ConfigError
-from .auto_layout import apply_auto_plan
+from .auto_layout import plan_layout
 
 log = logging.getLogger("megatron_2bw")
 
@@ -48,13 +48,14 @@ def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[i
     return train, valid, test
 
 
-def prepare(cfg: RunConfig, rank: int) -> Prepared:
-    """File checks, before any process group: kernels, tokenizer, checkpoint, datasets."""
+def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepared:
+    """File checks, before any process group: kernels, tokenizer (unless given), checkpoint, datasets."""
     # torch is imported only where needed (checkpoint, kernels), so most bad input fails fast.
     from ..data import build_datasets, build_tokenizer
 
     dc = cfg.data
-    tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
     cfg = cfg.with_vocab(tokenizer.vocab_size)
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
 
@@ -94,20 +95,24 @@ def prepare(cfg: RunConfig, rank: int) -> Prepared:
     return prep
 
 
-def main(kind: str, argv: list[str] | None = None) -> int:
-    """Run ``pretrain_{kind}.py``; returns the exit status (2: bad input, before any collective)."""
+def configure(kind: str, argv: list[str]) -> Prepared:
+    """Parse, plan (``--auto-plan``), validate and check the files of ``pretrain_{kind}.py``'s run."""
     from .metrics import setup_logging
 
-    rank, world = 0, 1
-    try:
-        rank, world = env_world()
-        setup_logging(rank)
-        args = apply_auto_plan(parse_args(argv, kind), kind, world)
-        cfg = build_config(args, kind, world)
-        prep = prepare(cfg, rank)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    from .loop import run
+    rank, world = env_world()
+    setup_logging(rank)
+    args = parse_args(argv, kind)
+    layout, tokenizer = plan_layout(args, kind, world) if args.auto_plan else (None, None)
+    return prepare(build_config(args, kind, world, layout=layout), rank, tokenizer)
 
-    return run(prep)
+
+def main(kind: str, argv: list[str] | None = None) -> int:
+    """Run ``pretrain_{kind}.py``; returns the exit status (2: bad input, before any collective)."""
+
+    def train(args: list[str]) -> int:
+        prep = configure(kind, args)
+        from .loop import run
+
+        return run(prep)
+
+    return run_cli(train, argv)

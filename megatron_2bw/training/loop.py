@@ -21,27 +21,27 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .. import parallel_state
-from ..arguments import describe
+from ..cli import describe, megatron_args
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
+from ..testing.faults import FaultInjector
 from . import checkpointing
 from .data_iter import MicrobatchProvider
 from .flops import tflops_per_device
 from .lr_schedule import lr_at
-from .metrics import Metrics, train_log_line
+from .metrics import Metrics, step_record, train_log_line
 
 log = logging.getLogger("megatron_2bw")
 
-FAULT_RANK = "MEGATRON_2BW_FAULT_KILL_RANK"
-FAULT_ITER = "MEGATRON_2BW_FAULT_KILL_ITER"
 # Stage statistics gathered at boundaries, in this order (see pipeline/accounting.py).
 STAT_KEYS = ("weight_versions", "max_live_versions", "max_inflight", "stashed_bytes", "peak_stashed_bytes",
              "weight_bytes", "grad_bytes", "optimizer_bytes", "cuda_peak_bytes", "update_wait_s")
@@ -57,28 +57,23 @@ def next_boundary(step: int, train_iters: int, intervals: list[int | None]) -> i
     return end
 
 
-def _hits(count: int, interval: int | None) -> bool:
+def _at_interval(count: int, interval: int | None) -> bool:
+    """Whether ``count`` completed steps end an ``interval`` (``None`` or 0: the interval is off)."""
     return bool(interval) and count % interval == 0
 
 
-def fault_hook(rank: int, m: int):
-    """Fault injection for tests: rank ``$MEGATRON_2BW_FAULT_KILL_RANK`` dies (``os._exit(1)``) when it
-    starts a microbatch of step ``$MEGATRON_2BW_FAULT_KILL_ITER`` (0-based), mid-segment."""
-    if os.environ.get(FAULT_RANK) is None or int(os.environ[FAULT_RANK]) != rank:
-        return None
-    kill_at = int(os.environ.get(FAULT_ITER, "0"))
+class BoundaryStats(NamedTuple):
+    """What one boundary all-reduce returns, identical on every rank."""
 
-    def check(mb: int) -> None:
-        if mb // m >= kill_at:
-            print(f"error: rank {rank}: fault injection ({FAULT_RANK}={rank} {FAULT_ITER}={kill_at}): "
-                  f"exiting at iteration {mb // m}", file=sys.stderr, flush=True)
-            os._exit(1)
-
-    return check
+    losses: list[float]  # per step: the last stage's loss, mean over data-parallel replicas
+    extra: list[float]  # last-stage values (the evaluation loss), mean over replicas
+    stages: list[dict]  # every pipeline stage's statistics (STAT_KEYS), one dict per stage
 
 
 class Trainer:
-    def __init__(self, prep, state: parallel_state.ParallelState) -> None:
+    """One rank's training run: the engine, its data, and the boundaries where ranks meet."""
+
+    def __init__(self, prep, state: parallel_state.ParallelState, faults: FaultInjector | None = None) -> None:
         self.prep, self.cfg, self.state = prep, prep.cfg, state
         cfg, tc = self.cfg, self.cfg.training
         # Megatron: one seed per pipeline stage (independent dropout), the same across tensor/data ranks.
@@ -90,7 +85,7 @@ class Trainer:
         b, s, h = cfg.pipeline.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
         self.stage = PipelineStage(
             lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
-            (b, s, h), rng_tracker=self.tracker,
+            (b, s, h), rng_tracker=self.tracker, faults=faults,
         )
         if prep.checkpoint is not None:
             checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device)
@@ -101,17 +96,20 @@ class Trainer:
             prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.w,
             dp_rank=state.dp_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
         )
-        self.fault = fault_hook(state.rank, self.m)
+        self.can_eval = prep.valid_ds is not None and tc.eval_iters > 0
         self.metrics: Metrics | None = None
-        self.evals_done = 0
+        self.window: list[dict] = []  # train records since the last log line
+        self.last_saved: int | None = None
+        self.last_eval: int | None = None
 
     # ------------------------------------------------------------------ collectives at boundaries
     def _stage_row(self) -> list[float]:
         st = self.stage.stats.as_dict()
         return [float(st[k] if st[k] is not None else -1) for k in STAT_KEYS]
 
-    def gather(self, losses: list[float | None], extra: list[float | None]) -> tuple[list[float], list[float], list[dict]]:
-        """All-reduce: step losses (mean over replicas), extra last-stage values, every stage's stats."""
+    def allreduce_step_stats(self, losses: list[float | None], extra: list[float | None]) -> BoundaryStats:
+        """Collective (every rank calls it): one float64 all-reduce of the step losses and ``extra``
+        (last stage, tensor rank 0: mean over replicas) and every stage's statistics (data rank 0)."""
         s = self.state
         n, e, k = len(losses), len(extra), len(STAT_KEYS)
         vec = torch.zeros(n + e + s.d * k, dtype=torch.float64)
@@ -133,7 +131,7 @@ class Trainer:
             for key, v in zip(STAT_KEYS, row):
                 d[key] = (int(v) if v >= 0 else None) if key in _INT_STATS else v
             stages.append(d)
-        return vals[:n], vals[n:n + e], stages
+        return BoundaryStats(vals[:n], vals[n:n + e], stages)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, round_index: int) -> float | None:
@@ -146,11 +144,15 @@ class Trainer:
         )
         return self.stage.evaluate(tc.eval_iters * self.m, provider)
 
-    def _eval_boundary(self, split: str, dataset, round_index: int, iteration: int) -> None:
-        loss = self.evaluate(dataset, round_index)
-        _, (mean,), _ = self.gather([], [loss])
+    def evaluate_and_allreduce(self, dataset, round_index: int, losses: list[float | None]) -> BoundaryStats:
+        """Collective: evaluate on ``dataset`` (``None``: no evaluation at this boundary) and reduce its
+        loss together with the step ``losses``; ``extra[0]`` is the evaluation loss (NaN if none)."""
+        loss = self.evaluate(dataset, round_index) if dataset is not None else None
+        return self.allreduce_step_stats(losses, [loss])
+
+    def _record_eval(self, iteration: int, split: str, loss: float) -> None:
         if self.metrics is not None:
-            self.metrics.eval(iteration, split, mean, self.cfg.training.eval_iters * self.B)
+            self.metrics.eval(iteration, split, loss, self.cfg.training.eval_iters * self.B)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, completed: int) -> None:
@@ -159,22 +161,25 @@ class Trainer:
 
         def make_payload() -> dict:
             return checkpointing.payload(
-                self.stage, iteration=completed, state=s, tracker=self.tracker,
+                self.stage, iteration=completed, tracker=self.tracker,
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
                 config=describe(self.cfg), args=self.cfg.args,
             )
 
         path = checkpointing.save(tc.save, completed, s, make_payload)
         dt = time.perf_counter() - t0
+        self.last_saved = completed
         if self.metrics is not None:
             log.info(" saved checkpoint at iteration %d to %s (%.2f s)", completed, path, dt)
             self.metrics.write({"type": "checkpoint", "iteration": completed - 1, "completed_iterations": completed,
                                 "path": path, "seconds": dt, "time": time.time()})
 
     # ------------------------------------------------------------------ start-up summary
-    def summary(self) -> None:
+    def allreduce_and_log_start(self) -> None:
+        """Collective (every rank calls it): reduce every stage's statistics, then rank 0 logs the
+        start-up line and writes the ``start`` record."""
         cfg, s = self.cfg, self.state
-        _, _, stages = self.gather([], [])
+        stages = self.allreduce_step_stats([], []).stages
         if self.metrics is None:
             return
         mb = lambda key: "/".join(f"{st[key] / 2**20:.1f}" for st in stages)  # noqa: E731
@@ -198,79 +203,81 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> int:
-        cfg, tc, s = self.cfg, self.cfg.training, self.state
-        stage = self.stage
-        if s.rank == 0:
+        """Train to ``--train-iters`` (or ``--exit-interval``) segment by segment; every rank calls it."""
+        tc, stage = self.cfg.training, self.stage
+        if self.state.rank == 0:
             self.metrics = Metrics(path=tc.metrics_file, tensorboard_dir=tc.tensorboard_dir,
                                    train_iters=tc.train_iters, start_iter=stage.step)
-        self.summary()
-        get_batch = self.provider
-        if self.fault is not None:
-            fault, provider = self.fault, self.provider
-
-            def get_batch(mb: int) -> dict:
-                fault(mb)
-                return provider(mb)
-
-        lr_fn = lambda t: lr_at(cfg.lr, t)  # noqa: E731
-        seq = cfg.model.seq_length
-        window: list[dict] = []  # train records since the last log line
+        self.allreduce_and_log_start()
+        lr_fn = lambda t: lr_at(self.cfg.lr, t)  # noqa: E731
+        self.window, self.last_eval = [], None
+        self.last_saved = stage.step if self.prep.resumed_from is not None else None
         reason = "train_iters"
-        last_saved = stage.step if self.prep.resumed_from is not None else None
-        can_eval = self.prep.valid_ds is not None and tc.eval_iters > 0
-        last_eval = None
         t_start = time.time()
         while stage.step < tc.train_iters:
-            first = stage.step
-            end = next_boundary(first, tc.train_iters, [tc.log_interval, tc.eval_interval if can_eval else None,
-                                                        tc.save_interval, tc.exit_interval])
-            t0 = time.perf_counter()
-            results = stage.train(end - first, get_batch, lr_fn)
-            dt = (time.perf_counter() - t0) / (end - first)
-            do_eval = can_eval and _hits(end, tc.eval_interval)
-            last_eval = end if do_eval else last_eval
-            eval_loss = self.evaluate(self.prep.valid_ds, end // tc.eval_interval - 1) if do_eval else None
-            losses, (eval_mean,), stages = self.gather([r.loss for r in results], [eval_loss])
-            exiting = _hits(end, tc.exit_interval) and end < tc.train_iters
-            if self.metrics is not None:
-                sps = self.B / dt
-                tfl = tflops_per_device(cfg.model, self.B, dt, s.world_size, cfg.pipeline.recompute)
-                for r, loss in zip(results, losses):
-                    rec = {
-                        "iteration": r.step, "loss": loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                        "loss_scale": r.loss_scale, "skipped": r.skipped, "samples_per_sec": sps,
-                        "tokens_per_sec": sps * seq, "tflops_per_device": tfl, "step_time_s": dt,
-                        "consumed_samples": self.provider.consumed_samples(r.step + 1), "global_batch_size": self.B,
-                        "time": time.time(),
-                    }
-                    self.metrics.train_step(rec)
-                    window.append(rec)
-                self.metrics.progress(end - first, losses[-1] if losses else None)
-                if _hits(end, tc.log_interval) or end == tc.train_iters or exiting:
-                    self._log_window(window, end, stages)
-                    window = []
-                if do_eval:
-                    self.metrics.eval(end - 1, "valid", eval_mean, tc.eval_iters * self.B)
-            if tc.save and (_hits(end, tc.save_interval) or exiting):
-                self.save(end)
-                last_saved = end
+            end, exiting = self._run_segment(lr_fn)
             if exiting:
                 reason = "exit_interval"
                 log.info(" exiting at iteration %d (--exit-interval %d)", end, tc.exit_interval)
                 break
         done = stage.step
         if reason == "train_iters":
-            if tc.save and last_saved != done and done > 0:
-                self.save(done)
-            if can_eval and last_eval != done:  # the final evaluation has its own slot of the valid set
-                self._eval_boundary("valid", self.prep.valid_ds, tc.train_iters // tc.eval_interval, done - 1)
-            if self.prep.test_ds is not None and tc.eval_iters > 0:
-                self._eval_boundary("test", self.prep.test_ds, 0, done - 1)
+            self._finish(done)
         if self.metrics is not None:
             self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
                                 "seconds": time.time() - t_start, "time": time.time()})
             self.metrics.close()
         return 0
+
+    def _run_segment(self, lr_fn: Callable[[int], float]) -> tuple[int, bool]:
+        """Train to the next boundary, then reduce, record, evaluate and save there; (end, exiting)."""
+        tc, stage = self.cfg.training, self.stage
+        first = stage.step
+        end = next_boundary(first, tc.train_iters, [tc.log_interval, tc.eval_interval if self.can_eval else None,
+                                                    tc.save_interval, tc.exit_interval])
+        t0 = time.perf_counter()
+        results = stage.train(end - first, self.provider, lr_fn)
+        dt = (time.perf_counter() - t0) / (end - first)
+        do_eval = self.can_eval and _at_interval(end, tc.eval_interval)
+        self.last_eval = end if do_eval else self.last_eval
+        stats = self.evaluate_and_allreduce(self.prep.valid_ds if do_eval else None,
+                                            end // tc.eval_interval - 1 if do_eval else 0, [r.loss for r in results])
+        exiting = _at_interval(end, tc.exit_interval) and end < tc.train_iters
+        if self.metrics is not None:
+            self._record_segment(results, stats, dt, end - first, end, exiting)
+            if do_eval:
+                self._record_eval(end - 1, "valid", stats.extra[0])
+        if tc.save and (_at_interval(end, tc.save_interval) or exiting):
+            self.save(end)
+        return end, exiting
+
+    def _record_segment(self, results: list, stats: BoundaryStats, dt: float, steps: int, end: int,
+                        exiting: bool) -> None:
+        """Rank 0: a ``train`` record per step, the progress bar, and the log line at log boundaries."""
+        cfg, tc = self.cfg, self.cfg.training
+        tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, cfg.pipeline.recompute)
+        for r, loss in zip(results, stats.losses):
+            rec = step_record(r, loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
+                              tflops=tfl, consumed_samples=self.provider.consumed_samples(r.step + 1))
+            self.metrics.train_step(rec)
+            self.window.append(rec)
+        self.metrics.progress(steps, stats.losses[-1] if stats.losses else None)
+        if _at_interval(end, tc.log_interval) or end == tc.train_iters or exiting:
+            self._log_window(self.window, end, stats.stages)
+            self.window = []
+
+    def _finish(self, done: int) -> None:
+        """At ``--train-iters``: the last checkpoint, the final validation and the test evaluation."""
+        tc = self.cfg.training
+        if tc.save and self.last_saved != done and done > 0:
+            self.save(done)
+        final = []
+        if self.can_eval and self.last_eval != done:  # the final evaluation has its own slot of the valid set
+            final.append(("valid", self.prep.valid_ds, tc.train_iters // tc.eval_interval))
+        if self.prep.test_ds is not None and tc.eval_iters > 0:
+            final.append(("test", self.prep.test_ds, 0))
+        for split, dataset, round_index in final:
+            self._record_eval(done - 1, split, self.evaluate_and_allreduce(dataset, round_index, []).extra[0])
 
     def _log_window(self, window: list[dict], completed: int, stages: list[dict]) -> None:
         if not window:
@@ -289,22 +296,20 @@ class Trainer:
         self.metrics.stages(completed - 1, stages)
 
 
-def _is_comm_error(e: BaseException) -> bool:
-    text = str(e)
-    return isinstance(e, getattr(dist, "DistError", ())) or any(
-        k in text for k in ("Connection closed", "Connection reset", "Broken pipe", "timed out", "Timeout", "NCCL", "Gloo")
-    )
+def run(prep, faults: FaultInjector | None = None) -> int:
+    """Initialize the process groups, train, and tear down; a failure ends this process quickly.
 
-
-def run(prep) -> int:
-    """Initialize the process groups, train, and tear down; a failure ends this process quickly."""
+    ``faults`` (tests): injected faults; ``None`` takes them from the environment
+    (:meth:`FaultInjector.from_env`), which is how a test reaches processes that ``torchrun`` starts.
+    """
     cfg = prep.cfg
+    faults = faults if faults is not None else FaultInjector.from_env()
     state = parallel_state.initialize(
         cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
     )
     trainer = None
     try:
-        trainer = Trainer(prep, state)
+        trainer = Trainer(prep, state, faults)
         code = trainer.train()
     except ConfigError as e:  # a mismatch only visible once the model is built
         print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
@@ -312,7 +317,7 @@ def run(prep) -> int:
     except Exception as e:  # noqa: BLE001 - report in one line, never hang in teardown
         where = f" at iteration {trainer.stage.step}" if trainer is not None else ""
         what = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if _is_comm_error(e):
+        if parallel_state.is_peer_failure(e):
             print(f"error: rank {state.rank}: lost contact with a peer process{where} "
                   f"(did another rank fail?): {type(e).__name__}: {what}", file=sys.stderr, flush=True)
         else:

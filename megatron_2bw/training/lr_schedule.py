@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ..arguments import LRConfig
+from ..config import LRConfig
 
 
 def lr_at(cfg: LRConfig, step: int) -> float:

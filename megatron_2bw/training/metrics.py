@@ -130,6 +130,18 @@ class Metrics:
             self.file.close()
 
 
+def step_record(result, loss: float | None, *, step_time_s: float, global_batch: int, seq_length: int,
+                tflops: float, consumed_samples: int) -> dict:
+    """The metrics file's ``train`` record of one step (``result``: the engine's ``StepResult``)."""
+    sps = global_batch / step_time_s
+    return {
+        "iteration": result.step, "loss": loss, "lr": result.lr, "grad_norm": result.grad_norm,
+        "loss_scale": result.loss_scale, "skipped": result.skipped, "samples_per_sec": sps,
+        "tokens_per_sec": sps * seq_length, "tflops_per_device": tflops, "step_time_s": step_time_s,
+        "consumed_samples": consumed_samples, "global_batch_size": global_batch, "time": time.time(),
+    }
+
+
 def train_log_line(*, iteration: int, train_iters: int, consumed: int, loss: float | None, lr: float,
                    grad_norm: float, loss_scale: float, skipped: int, ms_per_iter: float, samples_per_sec: float,
                    tokens_per_sec: float, tflops: float, global_batch: int) -> str:

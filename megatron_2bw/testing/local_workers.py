@@ -1,8 +1,8 @@
-"""Run a function on N local gloo processes with a hard timeout (tests and benchmarks).
+"""Run a function on N local processes with a hard timeout (tests, benchmarks, the profiler).
 
 ``run_workers(fn, n, *args)`` starts ``n`` spawned processes on a fresh free port, calls
-``fn(*args)`` in each after ``torch.distributed`` is initialized (gloo), and returns the list of
-per-rank return values. A worker that raises fails the call with its traceback; a job that does
+``fn(*args)`` in each after ``torch.distributed`` is initialized (gloo by default; with
+``backend="nccl"`` rank r first selects GPU r), and returns the list of per-rank return values. A worker that raises fails the call with its traceback; a job that does
 not finish within ``timeout`` seconds is killed and fails: a hang is a failure, never a stuck CI.
 ``fn`` must be a module-level function (it is pickled by name).
 """
@@ -19,12 +19,14 @@ from typing import Any, Callable
 
 
 def free_port() -> int:
+    """A TCP port that is free on this host now (the rendezvous port of one job)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, pg_timeout: float) -> None:
+def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, pg_timeout: float,
+            backend: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -34,8 +36,10 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         try:
@@ -48,11 +52,15 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, 
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 180.0, pg_timeout: float = 120.0) -> list[Any]:
+def run_workers(
+    fn: Callable, world: int, *args: Any, timeout: float = 180.0, pg_timeout: float = 120.0, backend: str = "gloo",
+) -> list[Any]:
+    """``fn(*args)`` on ``world`` fresh processes; the per-rank results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, pg_timeout), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, pg_timeout, backend), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

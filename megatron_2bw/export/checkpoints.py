@@ -1,0 +1,95 @@
+"""The one place checkpoint_util and generate read and write whole models.
+
+Formats read: a Megatron-LM v2.x directory (``latest_checkpointed_iteration.txt`` or an
+iteration dir of ``mp_rank_*`` files, any t x d), a trainer checkpoint of this project
+(``format`` 1 files: per-stage parameter names and engine state), and a Hugging Face model
+directory. Formats written: Megatron-LM v2.x (any t x d) and Hugging Face.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..models.stages import stage_range
+from .hf_format import load_hf_dir, save_hf_dir
+from .megatron_format import Exported, find_iteration_dir, read_megatron_dir, read_rank_files, write_megatron_dir
+from .names import WORD, Split
+from .reshard import unshard
+
+LOADERS = ("auto", "megatron", "hf")
+SAVERS = ("megatron", "hf")
+
+
+def is_trainer_file(sd: dict) -> bool:
+    """A file written by this project's trainer (engine state beside the weights)."""
+    return isinstance(sd, dict) and "stage" in sd and "layout" in sd and "config" in sd
+
+
+def trainer_model_config(config: dict) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
+
+
+def _global_names(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A trainer file's ``model`` by global name.
+
+    Format 1 files name parameters by their index in the stage's own layer list (the head's
+    tied copy is ``{i}.word_weight``); later ones use global names already. A stage that starts
+    past the embedding tells them apart: local indices start at 0.
+    """
+    lay = sd["layout"]
+    start = stage_range(cfg.num_layers, lay["d"], lay["pp_rank"], lay.get("split"))[0]
+    indices = [int(n.split(".", 1)[0]) for n in sd["model"] if n != WORD]
+    offset = start if start > 0 and min(indices) < start else 0
+    out = {}
+    for name, value in sd["model"].items():
+        idx, rest = name.split(".", 1)
+        out[WORD if rest == "word_weight" else f"{offset + int(idx)}.{rest}"] = value.detach().float().clone()
+    return out
+
+
+def read_trainer_iteration(iter_dir: str) -> tuple[Exported, bool]:
+    """A trainer checkpoint's iteration dir as a whole model; also whether it holds optimizer state."""
+    files = read_rank_files(iter_dir)
+    first = files[min(files)]
+    cfg = trainer_model_config(first["config"])
+    parts = {k: _global_names(sd, cfg) for k, sd in files.items()}
+    args = first.get("args") or {}
+    tok = {k: args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if args.get(k)}
+    dtype = first["config"].get("optimizer", {}).get("dtype", "fp32")
+    return Exported(cfg, unshard(cfg, parts), int(first["iteration"]), tok, dtype), True
+
+
+def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
+    """The whole model at ``path``; also whether the source held optimizer state."""
+    if loader not in LOADERS:
+        raise ConfigError(f"--loader must be one of {', '.join(LOADERS)}, got {loader!r}")
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint directory {path} does not exist")
+    is_hf = os.path.isfile(os.path.join(path, "config.json"))
+    if loader == "hf" or (loader == "auto" and is_hf):
+        return load_hf_dir(path), False
+    idir = find_iteration_dir(path)
+    first = read_rank_files(idir)
+    if is_trainer_file(first[min(first)]):
+        return read_trainer_iteration(idir)
+    has_optimizer = any("optimizer" in f for f in first.values())
+    return read_megatron_dir(path), has_optimizer
+
+
+def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,
+                    split: Split = None) -> str:
+    """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
+    if saver not in SAVERS:
+        raise ConfigError(f"--saver must be one of {', '.join(SAVERS)}, got {saver!r}")
+    if saver == "hf":
+        if (t, d) != (1, 1):
+            raise ConfigError("--saver hf writes one whole model: drop --target-tensor/pipeline-parallel-size")
+        save_hf_dir(path, ex)
+        return path
+    return write_megatron_dir(path, ex, t, d, schedule, split)

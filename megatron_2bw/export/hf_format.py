@@ -1,0 +1,207 @@
+"""Our full state dicts <-> Hugging Face ``GPT2LMHeadModel`` / ``MegatronBertForPreTraining``.
+
+Both HF models are pre-LayerNorm like ours. QKV: our rows are [heads, 3, head_dim]; HF keeps
+q, k, v of all heads one after another ([3, heads, head_dim]), GPT-2 as a transposed Conv1D.
+HF vocabularies are the real (unpadded) size. Our GELU is the tanh approximation, which is HF's
+``gelu_new`` (``gelu_fast`` and ``gelu_pytorch_tanh`` compute the same function).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .megatron_format import Exported
+from .names import POSITION, TOKENTYPE, WORD, head_index
+from .reshard import pad_vocab
+
+TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+_GPT_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+_BERT_LAYER = {"ln1": "attention.ln", "ln2": "ln", "attn.proj": "attention.output.dense",
+               "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
+_BERT_HEAD = {"ln": "bert.encoder.ln", "lm_dense": "cls.predictions.transform.dense",
+              "lm_ln": "cls.predictions.transform.LayerNorm", "pooler": "bert.pooler.dense", "sop": "cls.seq_relationship"}
+
+
+def qkv_to_hf(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [heads, 3, head_dim] -> [3, heads, head_dim]."""
+    return x.reshape(heads, 3, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def qkv_from_hf(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [3, heads, head_dim] -> [heads, 3, head_dim]."""
+    return x.reshape(3, heads, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+# --------------------------------------------------------------------------- GPT-2
+def gpt2_config(cfg: ModelConfig):
+    from transformers import GPT2Config  # noqa: PLC0415 - optional at import time
+
+    return GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers, n_head=cfg.num_attention_heads, n_inner=cfg.ffn_hidden_size,
+        activation_function="gelu_new", resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+        attn_pdrop=cfg.attention_dropout, layer_norm_epsilon=cfg.layernorm_epsilon,
+        initializer_range=cfg.init_method_std, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        architectures=["GPT2LMHeadModel"],
+    )
+
+
+def to_hf_gpt2(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's state dict (Conv1D weights are [in, out]: our Linear weights transposed)."""
+    nh = cfg.num_attention_heads
+    word = full[WORD][: cfg.vocab_size]
+    out = {"transformer.wte.weight": word, "transformer.wpe.weight": full[POSITION], "lm_head.weight": word}
+    for i in range(cfg.num_layers):
+        g, h = f"{i + 1}.", f"transformer.h.{i}."
+        out[h + "attn.c_attn.weight"] = qkv_to_hf(full[g + "attn.qkv.weight"], nh).t()
+        out[h + "attn.c_attn.bias"] = qkv_to_hf(full[g + "attn.qkv.bias"], nh)
+        for ours, theirs in _GPT_LAYER.items():
+            w = full[f"{g}{ours}.weight"]
+            out[f"{h}{theirs}.weight"] = w if ours.startswith("ln") else w.t()
+            out[f"{h}{theirs}.bias"] = full[f"{g}{ours}.bias"]
+    hd = head_index(cfg)
+    out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = full[f"{hd}.ln.weight"], full[f"{hd}.ln.bias"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def config_from_gpt2(c) -> ModelConfig:
+    if c.activation_function not in TANH_GELUS:
+        raise ConfigError(f"GPT-2 activation {c.activation_function!r} is not the tanh GELU this model implements")
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or not getattr(c, "scale_attn_weights", True):
+        raise ConfigError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+    return ModelConfig(
+        kind="gpt", num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
+        seq_length=c.n_positions, max_position_embeddings=c.n_positions, vocab_size=c.vocab_size,
+        ffn_hidden_size=c.n_inner or 4 * c.n_embd, hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+        layernorm_epsilon=c.layer_norm_epsilon, init_method_std=c.initializer_range,
+    )
+
+
+def from_hf_gpt2(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_hf_gpt2` (word embedding padded to the t = 1 model's rows)."""
+    nh = cfg.num_attention_heads
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    full = {WORD: pad_vocab(sd["wte.weight"], cfg.padded_vocab_size(1)), POSITION: sd["wpe.weight"]}
+    for i in range(cfg.num_layers):
+        g, h = f"{i + 1}.", f"h.{i}."
+        full[g + "attn.qkv.weight"] = qkv_from_hf(sd[h + "attn.c_attn.weight"].t(), nh)
+        full[g + "attn.qkv.bias"] = qkv_from_hf(sd[h + "attn.c_attn.bias"], nh)
+        for ours, theirs in _GPT_LAYER.items():
+            w = sd[f"{h}{theirs}.weight"]
+            full[f"{g}{ours}.weight"] = w if ours.startswith("ln") else w.t()
+            full[f"{g}{ours}.bias"] = sd[f"{h}{theirs}.bias"]
+    hd = head_index(cfg)
+    full[f"{hd}.ln.weight"], full[f"{hd}.ln.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+    return {k: v.detach().float().contiguous() for k, v in full.items()}
+
+
+# --------------------------------------------------------------------------- Megatron-BERT
+def megatron_bert_config(cfg: ModelConfig):
+    from transformers import MegatronBertConfig  # noqa: PLC0415
+
+    return MegatronBertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_hidden_size, hidden_act="gelu_new",
+        hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
+        max_position_embeddings=cfg.max_position_embeddings, type_vocab_size=cfg.num_tokentypes,
+        layer_norm_eps=cfg.layernorm_epsilon, initializer_range=cfg.init_method_std,
+        architectures=["MegatronBertForPreTraining"],
+    )
+
+
+def _bert_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) for every BERT tensor except QKV and the vocabulary-sized ones."""
+    pairs = [(POSITION, "bert.embeddings.position_embeddings.weight"),
+             (TOKENTYPE, "bert.embeddings.token_type_embeddings.weight")]
+    for i in range(cfg.num_layers):
+        for ours, theirs in _BERT_LAYER.items():
+            pairs += [(f"{i + 1}.{ours}.{p}", f"bert.encoder.layer.{i}.{theirs}.{p}") for p in ("weight", "bias")]
+    hd = head_index(cfg)
+    for ours, theirs in _BERT_HEAD.items():
+        pairs += [(f"{hd}.{ours}.{p}", f"{theirs}.{p}") for p in ("weight", "bias")]
+    return pairs
+
+
+def to_hf_megatron_bert(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MegatronBertForPreTraining's state dict (decoder tied to the word embedding)."""
+    nh, h = cfg.num_attention_heads, cfg.hidden_size
+    word = full[WORD][: cfg.vocab_size]
+    bias = full[f"{head_index(cfg)}.lm_bias"][: cfg.vocab_size]
+    out = {"bert.embeddings.word_embeddings.weight": word, "cls.predictions.decoder.weight": word,
+           "cls.predictions.bias": bias, "cls.predictions.decoder.bias": bias}
+    out.update({theirs: full[ours] for ours, theirs in _bert_pairs(cfg)})
+    for i in range(cfg.num_layers):
+        for p in ("weight", "bias"):
+            q, k, v = qkv_to_hf(full[f"{i + 1}.attn.qkv.{p}"], nh).split(h, 0)
+            for part, x in (("query", q), ("key", k), ("value", v)):
+                out[f"bert.encoder.layer.{i}.attention.self.{part}.{p}"] = x
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def config_from_megatron_bert(c) -> ModelConfig:
+    if c.hidden_act not in TANH_GELUS:
+        raise ConfigError(f"Megatron-BERT activation {c.hidden_act!r} is not the tanh GELU this model implements")
+    return ModelConfig(
+        kind="bert", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+        vocab_size=c.vocab_size, ffn_hidden_size=c.intermediate_size, hidden_dropout=c.hidden_dropout_prob,
+        attention_dropout=c.attention_probs_dropout_prob, layernorm_epsilon=c.layer_norm_eps,
+        init_method_std=c.initializer_range, num_tokentypes=c.type_vocab_size,
+    )
+
+
+def from_hf_megatron_bert(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_hf_megatron_bert`."""
+    rows = cfg.padded_vocab_size(1)
+    full = {WORD: pad_vocab(sd["bert.embeddings.word_embeddings.weight"], rows),
+            f"{head_index(cfg)}.lm_bias": pad_vocab(sd["cls.predictions.bias"], rows)}
+    full.update({ours: sd[theirs] for ours, theirs in _bert_pairs(cfg)})
+    for i in range(cfg.num_layers):
+        for p in ("weight", "bias"):
+            a = f"bert.encoder.layer.{i}.attention.self."
+            qkv = torch.cat([sd[f"{a}{part}.{p}"] for part in ("query", "key", "value")], 0)
+            full[f"{i + 1}.attn.qkv.{p}"] = qkv_from_hf(qkv, cfg.num_attention_heads)
+    return {k: v.detach().float().contiguous() for k, v in full.items()}
+
+
+# --------------------------------------------------------------------------- directories
+def hf_model(ex: Exported):
+    """The HF model object holding ``ex``'s weights (GPT2LMHeadModel or MegatronBertForPreTraining)."""
+    from transformers import GPT2LMHeadModel, MegatronBertForPreTraining  # noqa: PLC0415
+
+    gpt = ex.cfg.kind == "gpt"
+    model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)((gpt2_config if gpt else megatron_bert_config)(ex.cfg))
+    sd = (to_hf_gpt2 if gpt else to_hf_megatron_bert)(ex.cfg, ex.weights)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "position_ids"))]
+    if missing or unexpected:
+        raise ConfigError(f"HF model does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def save_hf_dir(path: str, ex: Exported) -> None:
+    """A directory ``from_pretrained`` loads (config.json + weights)."""
+    os.makedirs(path, exist_ok=True)
+    hf_model(ex).save_pretrained(path)
+
+
+def load_hf_dir(path: str) -> Exported:
+    """A GPT2LMHeadModel or MegatronBertForPreTraining directory as a whole model of ours."""
+    from transformers import AutoConfig, GPT2LMHeadModel, MegatronBertForPreTraining  # noqa: PLC0415
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
+    conf = AutoConfig.from_pretrained(path, local_files_only=True)
+    if conf.model_type == "gpt2":
+        cfg = config_from_gpt2(conf)
+        sd = GPT2LMHeadModel.from_pretrained(path, local_files_only=True).state_dict()
+        return Exported(cfg, from_hf_gpt2(cfg, sd))
+    if conf.model_type == "megatron-bert":
+        cfg = config_from_megatron_bert(conf)
+        sd = MegatronBertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
+        return Exported(cfg, from_hf_megatron_bert(cfg, sd))
+    raise ConfigError(f"{path}: model type {conf.model_type!r} is not supported (gpt2 or megatron-bert)")

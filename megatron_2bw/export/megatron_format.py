@@ -1,0 +1,214 @@
+"""Megatron-LM v2.x checkpoint contents and directories, to and from our full state dicts.
+
+A Megatron file (``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt``) holds ``model`` (nested
+``language_model.{embedding,encoder[,pooler]}`` plus BERT's ``lm_head`` and ``binary_head``),
+``args`` (an ``argparse.Namespace``), ``checkpoint_version`` and ``iteration``. We write
+checkpoint_version 3.0, whose QKV rows are ordered [heads, 3, head_dim]: our own order, so no
+permutation is needed; older versions are permuted on reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .names import Split, megatron_path, names_by_path, stage_names
+from .reshard import reshard, unshard
+
+CHECKPOINT_VERSION = 3.0
+TRACKER = "latest_checkpointed_iteration.txt"
+FILENAME = "model_optim_rng.pt"
+
+
+@dataclass
+class Exported:
+    """A whole model in canonical form: config, full t = 1 state dict in global names, and metadata."""
+
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]
+    iteration: int = 0
+    tokenizer: dict = field(default_factory=dict)  # tokenizer_type, tokenizer_model, vocab_file, merge_file
+    dtype: str = "fp32"
+
+
+def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, split: Split = None) -> argparse.Namespace:
+    """Megatron's training arguments for ``ex`` saved at layout ``t x d`` (fields its loaders read)."""
+    cfg = ex.cfg
+    tok = ex.tokenizer
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, seq_length=cfg.seq_length,
+        make_vocab_size_divisible_by=128, padded_vocab_size=cfg.padded_vocab_size(t),
+        tensor_model_parallel_size=t, pipeline_model_parallel_size=d, model_parallel_size=t,
+        # our GELU is the tanh approximation: Megatron's openai_gelu, unfused
+        bias_gelu_fusion=False, openai_gelu=True, onnx_safe=None,
+        apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False, fp32_residual_connection=False,
+        layernorm_epsilon=cfg.layernorm_epsilon, init_method_std=cfg.init_method_std,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        fp16=ex.dtype == "fp16", bf16=ex.dtype == "bf16", params_dtype=torch.float32,
+        bert_binary_head=cfg.kind == "bert", num_tokentypes=cfg.num_tokentypes,
+        tokenizer_type=tok.get("tokenizer_type"), tokenizer_model=tok.get("tokenizer_model"),
+        vocab_file=tok.get("vocab_file"), merge_file=tok.get("merge_file"),
+        iteration=ex.iteration,
+        # fields of our own (Megatron ignores unknown fields)
+        vocab_size=cfg.vocab_size, model_kind=cfg.kind, pipeline_schedule=schedule,
+        pipeline_split=list(split) if split is not None else None,
+    )
+
+
+def _put(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def megatron_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: int = 0, split: Split = None) -> dict:
+    """The nested ``model`` dict of stage ``r`` of ``d`` from that stage's (possibly sharded) tensors."""
+    model: dict = {}
+    for name in stage_names(cfg, d, r, split):  # embedding, layers in order, then final LayerNorm and heads
+        _put(model, megatron_path(cfg, name, d, r, split), part[name])
+    return model
+
+
+def from_megatron_model(cfg: ModelConfig, model: dict, d: int = 1, r: int = 0, version: float = CHECKPOINT_VERSION,
+                        t: int = 1, split: Split = None) -> dict[str, torch.Tensor]:
+    """Our global names for the tensors of stage ``r`` of ``d`` (QKV rows put in version-3.0 order)."""
+    out = {}
+    for path, name in names_by_path(cfg, d, r, split).items():
+        value = _get(model, path)
+        if value is None:
+            raise ConfigError(f"Megatron checkpoint lacks {'.'.join(path)} (stage {r} of {d})")
+        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+            value = qkv_from_version(value, version, cfg.num_attention_heads // t)
+        out[name] = value
+    return out
+
+
+def qkv_from_version(value: torch.Tensor, version: float, heads: int) -> torch.Tensor:
+    """QKV rows of a Megatron ``checkpoint_version`` as [heads, 3, head_dim] (ours and version 2.0+)."""
+    if version >= 2.0:
+        return value
+    rest = value.shape[1:]
+    hd = value.shape[0] // (3 * heads)
+    if version == 1.0:  # [heads, head_dim, 3]
+        return value.view(heads, hd, 3, *rest).transpose(1, 2).reshape(value.shape).contiguous()
+    return value.view(3, heads, hd, *rest).transpose(0, 1).reshape(value.shape).contiguous()  # [3, heads, hd]
+
+
+def megatron_files(ex: Exported, t: int, d: int, schedule: str | None = None,
+                   split: Split = None) -> dict[tuple[int, int], dict]:
+    """Every (tensor rank, pipeline rank) file's contents for layout ``t x d``."""
+    args = megatron_args(ex, t, d, schedule, split)
+    out = {}
+    for (tp, pp), part in reshard(ex.cfg, ex.weights, t, d, split).items():
+        out[(tp, pp)] = {
+            "model": megatron_model(ex.cfg, part, d, pp, split),
+            "args": args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": ex.iteration,
+        }
+    return out
+
+
+def rank_dir(tp: int, pp: int, d: int) -> str:
+    """Megatron's name: ``mp_rank_TT`` without pipelining, ``mp_rank_TT_PPP`` with it."""
+    return f"mp_rank_{tp:02d}" if d == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+
+
+def write_megatron_dir(root: str, ex: Exported, t: int = 1, d: int = 1, schedule: str | None = None,
+                       split: Split = None) -> str:
+    """Write ``ex`` under ``root`` in Megatron's layout (pointer file last); returns the iteration dir."""
+    idir = os.path.join(root, f"iter_{ex.iteration:07d}")
+    for (tp, pp), contents in megatron_files(ex, t, d, schedule, split).items():
+        path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp"
+        torch.save(contents, tmp)
+        os.replace(tmp, path)
+    with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as f:
+        f.write(f"{ex.iteration}\n")
+    return idir
+
+
+def find_iteration_dir(root: str) -> str:
+    """The directory the pointer file names (``iter_NNNNNNN`` or ``release``), or ``root`` itself if it is one."""
+    if any(re.fullmatch(r"mp_rank_\d+(_\d+)?", n) for n in os.listdir(root)):
+        return root
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{root} holds no Megatron checkpoint (no {TRACKER} and no mp_rank_* directories)")
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        return os.path.join(root, "release")
+    if not re.fullmatch(r"\d+", text):
+        raise ConfigError(f"{path} does not hold an iteration number (got {text[:40]!r})")
+    return os.path.join(root, f"iter_{int(text):07d}")
+
+
+def read_rank_files(idir: str) -> dict[tuple[int, int], dict]:
+    """Every ``mp_rank_*`` file of an iteration directory, keyed by (tensor rank, pipeline rank)."""
+    files = {}
+    for name in sorted(os.listdir(idir)) if os.path.isdir(idir) else ():
+        m = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", name)
+        path = os.path.join(idir, name, FILENAME)
+        if m and os.path.isfile(path):
+            try:
+                files[(int(m.group(1)), int(m.group(2) or 0))] = torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
+                raise ConfigError(f"cannot read {path}: {type(e).__name__}") from None
+    if not files:
+        raise ConfigError(f"{idir} holds no mp_rank_*/{FILENAME} files")
+    return files
+
+
+def config_from_args(args, model: dict) -> ModelConfig:
+    """Our ModelConfig from a Megatron ``args`` namespace and a first stage's ``model`` dict."""
+    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    kind = a.get("model_kind") or ("bert" if "lm_head" in model or "binary_head" in model else "gpt")
+    tokentype = _get(model, ("language_model", "embedding", "tokentype_embeddings", "weight"))
+    if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu"):
+        raise ConfigError("checkpoint uses the exact (erf) GELU; this model implements only the tanh approximation")
+    return ModelConfig(
+        kind=kind, num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
+        seq_length=a.get("seq_length") or a["max_position_embeddings"], max_position_embeddings=a["max_position_embeddings"],
+        vocab_size=a.get("vocab_size") or a["padded_vocab_size"], ffn_hidden_size=a.get("ffn_hidden_size"),
+        hidden_dropout=a.get("hidden_dropout", 0.0), attention_dropout=a.get("attention_dropout", 0.0),
+        layernorm_epsilon=a.get("layernorm_epsilon", 1e-5), init_method_std=a.get("init_method_std", 0.02),
+        num_tokentypes=0 if tokentype is None else tokentype.shape[0],
+    )
+
+
+def read_megatron_dir(root: str) -> Exported:
+    """A Megatron-layout checkpoint (any t x d) as a whole model."""
+    files = read_rank_files(find_iteration_dir(root))
+    first = files[min(files)]
+    if "args" not in first or "model" not in first or "language_model" not in first["model"]:
+        raise ConfigError(f"{root} is not a Megatron-LM checkpoint (no args/model.language_model)")
+    cfg = config_from_args(first["args"], first["model"])
+    d = 1 + max(pp for _, pp in files)
+    t = 1 + max(tp for tp, _ in files)
+    version = float(first.get("checkpoint_version", 0.0))
+    a = vars(first["args"])
+    split = a.get("pipeline_split")
+    parts = {k: from_megatron_model(cfg, f["model"], d, k[1], version, t, split) for k, f in files.items()}
+    tok = {k: a.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if a.get(k)}
+    dtype = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"
+    weights = {n: v.float() for n, v in unshard(cfg, parts).items()}
+    return Exported(cfg, weights, int(first.get("iteration", 0)), tok, dtype)
+

@@ -1,0 +1,41 @@
+"""Our model as one process holds it (t = 1, one stage), read and written by global names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..models.spec import ModelSpec
+from ..tensor_parallel.group import TPGroup
+from .names import full_names
+
+
+def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:
+    """The whole model [embedding, layers, head] at t = 1 in one module list (head tied to the embedding)."""
+    return nn.ModuleList(ModelSpec(cfg, TPGroup(), seed).build(0, cfg.num_layers + 2))
+
+
+def global_state_dict(model: nn.ModuleList) -> dict[str, torch.Tensor]:
+    """Every parameter by global name (``named_parameters`` drops the head's tied copy)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def load_full(model: nn.ModuleList, cfg: ModelConfig, full: dict[str, torch.Tensor]) -> nn.ModuleList:
+    """Copy a full state dict into ``model`` (vocabulary rows cut/padded to the model's)."""
+    params = dict(model.named_parameters())
+    expected = set(full_names(cfg))
+    if set(full) != expected or set(params) != expected:
+        missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
+        raise ConfigError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            value = full[name]
+            if value.shape[0] != p.shape[0] and value.shape[1:] == p.shape[1:]:
+                rows = min(value.shape[0], p.shape[0])
+                p.zero_()
+                p[:rows].copy_(value[:rows])
+            else:
+                p.copy_(value)
+    return model

@@ -1,0 +1,108 @@
+"""Global parameter names of our model and their Megatron-LM v2.x module names.
+
+A global name is ``{list index}.{module path}`` in the model's ordered layer list
+[embedding, layer 0 .. layer L-1, head] (``spec.ModelSpec.build(0, L + 2)``): ``0.word.weight``,
+``0.position``, ``3.attn.qkv.weight`` (transformer layer 2), ``{L+1}.ln.weight``. The head's
+copy of the tied word embedding is not a name of its own: it is ``0.word.weight``.
+
+Megatron paths are tuples of keys into the nested ``model`` dict of a Megatron checkpoint,
+e.g. ``("language_model", "encoder", "layers.0.input_layernorm.weight")``; layer numbers are
+local to the pipeline stage that holds them, as Megatron saves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..models.stages import stage_range
+
+WORD = "0.word.weight"
+POSITION = "0.position"
+TOKENTYPE = "0.tokentype"
+
+# our per-layer module path -> Megatron's (ParallelTransformerLayer in v2.x)
+LAYER_MODULES = {
+    "ln1": "input_layernorm",
+    "attn.qkv": "self_attention.query_key_value",
+    "attn.proj": "self_attention.dense",
+    "ln2": "post_attention_layernorm",
+    "mlp.fc1": "mlp.dense_h_to_4h",
+    "mlp.fc2": "mlp.dense_4h_to_h",
+}
+LAYER_SUFFIXES = [f"{m}.{p}" for m in LAYER_MODULES for p in ("weight", "bias")]
+
+# BERT head: our module path -> Megatron path (lm_head and binary_head sit beside language_model)
+BERT_HEAD = {
+    "lm_dense.weight": ("lm_head", "dense.weight"),
+    "lm_dense.bias": ("lm_head", "dense.bias"),
+    "lm_ln.weight": ("lm_head", "layernorm.weight"),
+    "lm_ln.bias": ("lm_head", "layernorm.bias"),
+    "lm_bias": ("lm_head", "bias"),
+    "pooler.weight": ("language_model", "pooler", "dense.weight"),
+    "pooler.bias": ("language_model", "pooler", "dense.bias"),
+    "sop.weight": ("binary_head", "weight"),
+    "sop.bias": ("binary_head", "bias"),
+}
+
+EMBEDDING_PATHS = {
+    WORD: ("language_model", "embedding", "word_embeddings", "weight"),
+    POSITION: ("language_model", "embedding", "position_embeddings", "weight"),
+    TOKENTYPE: ("language_model", "embedding", "tokentype_embeddings", "weight"),
+}
+# A last stage that is not also the first keeps its own copy of the tied word embedding here.
+HEAD_WORD_PATH = ("word_embeddings_for_head", "weight")
+
+
+def head_index(cfg: ModelConfig) -> int:
+    return cfg.num_layers + 1
+
+
+def full_names(cfg: ModelConfig) -> list[str]:
+    """Every global name of the full model, in layer-list order (tied word embedding once)."""
+    names = [WORD, POSITION] + ([TOKENTYPE] if cfg.num_tokentypes else [])
+    for i in range(1, cfg.num_layers + 1):
+        names += [f"{i}.{s}" for s in LAYER_SUFFIXES]
+    h = head_index(cfg)
+    names += [f"{h}.ln.weight", f"{h}.ln.bias"]
+    if cfg.kind == "bert":
+        names += [f"{h}.{s}" for s in BERT_HEAD]
+    return names
+
+
+Split = Sequence[int] | None  # transformer layers per stage; None: the balanced split
+
+
+def stage_names(cfg: ModelConfig, d: int, r: int, split: Split = None) -> list[str]:
+    """Global names stage ``r`` of ``d`` holds (the last stage also holds the word embedding)."""
+    start, end = stage_range(cfg.num_layers, d, r, split)
+    names = [n for n in full_names(cfg) if start <= int(n.split(".", 1)[0]) < end]
+    if r == d - 1 and start > 0:
+        names.insert(0, WORD)
+    return names
+
+
+def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Split = None) -> tuple[str, ...]:
+    """Where global ``name`` lives in the ``model`` dict of stage ``r`` of ``d`` (local layer numbers)."""
+    idx_text, rest = name.split(".", 1)
+    idx, h = int(idx_text), head_index(cfg)
+    start = stage_range(cfg.num_layers, d, r, split)[0]
+    if name == WORD and start > 0:
+        return HEAD_WORD_PATH
+    if idx == 0 and name in EMBEDDING_PATHS:
+        return EMBEDDING_PATHS[name]
+    if 1 <= idx <= cfg.num_layers:
+        module, param = rest.rsplit(".", 1)
+        local = idx - max(start, 1)
+        return ("language_model", "encoder", f"layers.{local}.{LAYER_MODULES[module]}.{param}")
+    if idx == h and rest.startswith("ln."):
+        return ("language_model", "encoder", f"final_layernorm.{rest[3:]}")
+    if idx == h and cfg.kind == "bert" and rest in BERT_HEAD:
+        return BERT_HEAD[rest]
+    raise ConfigError(f"no Megatron name for parameter {name!r}")
+
+
+def names_by_path(cfg: ModelConfig, d: int = 1, r: int = 0, split: Split = None) -> dict[tuple[str, ...], str]:
+    """Inverse of :func:`megatron_path` over the names stage ``r`` of ``d`` holds."""
+    return {megatron_path(cfg, n, d, r, split): n for n in stage_names(cfg, d, r, split)}

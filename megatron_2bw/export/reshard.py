@@ -1,0 +1,122 @@
+"""Tensor-parallel split/merge of full state dicts and their pipeline-stage slices.
+
+How each parameter is split across t ranks (as ``tensor_parallel/layers.py`` holds it):
+
+* column-parallel (``attn.qkv``, ``mlp.fc1`` weight and bias): contiguous row blocks. The QKV
+  rows are grouped per head ([heads, 3, head_dim], Megatron's checkpoint_version 3.0 order), so
+  a block is whole heads;
+* row-parallel (``attn.proj``, ``mlp.fc2`` weight): contiguous column blocks, bias replicated;
+* vocabulary-parallel (word embedding, BERT's output bias): rows padded to a multiple of
+  128 * t with zeros, then contiguous row blocks;
+* everything else (LayerNorms, positions, BERT's dense head layers) is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .names import WORD, Split, head_index, stage_names
+
+_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")
+_ROW = ("attn.proj.weight", "mlp.fc2.weight")
+
+
+def is_vocab(cfg: ModelConfig, name: str) -> bool:
+    return name == WORD or (cfg.kind == "bert" and name == f"{head_index(cfg)}.lm_bias")
+
+
+def split_dim(cfg: ModelConfig, name: str) -> int | None:
+    """The dimension ``name`` is split along across tensor ranks; None when replicated."""
+    if is_vocab(cfg, name):
+        return 0
+    rest = name.split(".", 1)[1]
+    if rest in _COLUMN:
+        return 0
+    if rest in _ROW:
+        return 1
+    return None
+
+
+def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with its first dimension cut or zero-padded to ``rows``."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], 0)
+
+
+def split_tensor_parallel(cfg: ModelConfig, full: dict[str, torch.Tensor], t: int) -> list[dict[str, torch.Tensor]]:
+    """The ``t`` shards of a full state dict, each as tensor rank r holds it."""
+    cfg.check_tensor_parallel(t)
+    padded = cfg.padded_vocab_size(t)
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(t)]
+    for name, value in full.items():
+        dim = split_dim(cfg, name)
+        if is_vocab(cfg, name):
+            value = pad_vocab(value, padded)
+        pieces = [value] * t if dim is None or t == 1 else value.chunk(t, dim=dim)
+        for r in range(t):
+            shards[r][name] = pieces[r].clone()
+    return shards
+
+
+def merge_tensor_parallel(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full (t = 1) state dict from the shards of every tensor rank, in rank order.
+
+    Vocabulary tensors come back padded to 128 rows' multiple (the t = 1 model's shape);
+    replicated tensors are taken from rank 0 after checking every rank agrees.
+    """
+    t = len(shards)
+    out: dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        dim = split_dim(cfg, name)
+        values = [s[name] for s in shards]
+        if dim is None or t == 1:
+            if any(not torch.equal(values[0], v) for v in values[1:]):
+                raise ConfigError(f"replicated parameter {name} differs between tensor-parallel shards")
+            merged = values[0]
+        else:
+            merged = torch.cat(values, dim)
+        if is_vocab(cfg, name):
+            merged = pad_vocab(merged, cfg.padded_vocab_size(1))
+        out[name] = merged.clone()
+    return out
+
+
+def stage_slice(cfg: ModelConfig, state: dict[str, torch.Tensor], d: int, r: int, split: Split = None) -> dict[str, torch.Tensor]:
+    """The part of a (full or tensor-sharded) state dict that pipeline stage ``r`` of ``d`` holds."""
+    return {n: state[n] for n in stage_names(cfg, d, r, split)}
+
+
+def join_stages(cfg: ModelConfig, stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A whole-model state dict from every stage's slice (checks the tied word-embedding copies agree)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in stages:
+        for name, value in part.items():
+            if name in out:
+                if not torch.equal(out[name], value):
+                    raise ConfigError(f"pipeline stages disagree on the tied parameter {name}")
+                continue
+            out[name] = value
+    missing = [n for n in stage_names(cfg, 1, 0) if n not in out]
+    if missing:
+        raise ConfigError(f"the pipeline stages lack {len(missing)} parameters, e.g. {missing[0]}")
+    return out
+
+
+def reshard(cfg: ModelConfig, full: dict[str, torch.Tensor], t: int, d: int,
+            split: Split = None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """Every (tensor rank, pipeline rank) file's state dict of a ``t x d`` layout."""
+    shards = split_tensor_parallel(cfg, full, t)
+    return {(tp, pp): stage_slice(cfg, shards[tp], d, pp, split) for tp in range(t) for pp in range(d)}
+
+
+def unshard(cfg: ModelConfig, files: dict[tuple[int, int], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`reshard`: the full state dict from every (tensor, pipeline) rank's dict."""
+    t = 1 + max(tp for tp, _ in files)
+    d = 1 + max(pp for _, pp in files)
+    if set(files) != {(a, b) for a in range(t) for b in range(d)}:
+        raise ConfigError(f"checkpoint shards are incomplete for layout t={t} d={d}: have {sorted(files)}")
+    per_tp = [join_stages(cfg, [files[(tp, pp)] for pp in range(d)]) for tp in range(t)]
+    return merge_tensor_parallel(cfg, per_tp)

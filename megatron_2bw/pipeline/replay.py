@@ -1,0 +1,345 @@
+"""One replay engine for the stages' action programs: the deadlock checker, the NCCL-order proof and
+the planner's timed simulator all run their programs through it.
+
+Every stage runs its list strictly in order. A stage runs until it blocks and is resumed only when what
+it waits for happens, so sweeping every small pipeline stays fast. Blocking points:
+
+- a transfer, with pluggable channel semantics: :class:`Fifo` (gloo as the executor uses it: sends never
+  block and queue per boundary and direction; a receive waits for the head message of its queue, which
+  must be its microbatch) or :class:`Rendezvous` (NCCL in issue order: each run of transfers with one peer
+  is one group, done only when every op in it meets its counterpart in the group the peer is blocked on);
+- ``APPLY_UPDATE(t)``, until every stage ran ``REDUCE_GRADS(t)`` (the reductions are collectives).
+
+The optional clock (:class:`Timing`) gives every action a start and an end: compute takes its stage's
+time, a message occupies its link after the later of its send and the link's previous message and
+arrives ``latency`` later, a receive ends at the later of the stage's clock and the arrival, and the
+reduction chain of step t is done for every stage at ``max_r(launch_r + reduce_s_r) + collective_s``,
+chains finishing in step order. Without one, compute takes one unit and everything else is free.
+
+Rules (the checker's semantics) plug in per stage: ``check[op](i, action)`` runs once before each action
+and ``finish()`` when the stage's program ends; both raise to refuse the program.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .actions import Action, Op
+
+BLOCKED = -1  # a handler's answer when the stage must wait
+
+Handler = Callable[[int, int, Action], int]  # (stage, index, action) -> next index or BLOCKED
+
+
+class ScheduleError(AssertionError):
+    """A schedule violates deadlock freedom, the in-flight bound or the version semantics."""
+
+
+class StageRules(Protocol):
+    """Per-stage checks: one callable per op, run before the action, and an end-of-program check."""
+
+    check: Mapping[Op, Callable[[int, Action], None]]
+
+    def finish(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per stage: compute, update and reduction times; per boundary: a message's link occupancy and
+    latency (both directions alike); ``collective_s`` closes every reduction chain."""
+
+    forward_s: Sequence[float]
+    backward_s: Sequence[float]
+    update_s: Sequence[float]
+    reduce_s: Sequence[float]
+    reduce_busy_s: Sequence[float]
+    transfer_s: Sequence[float]
+    latency_s: Sequence[float]
+    collective_s: float = 0.0
+
+    @classmethod
+    def unit(cls, d: int) -> Timing:
+        """Every FORWARD and BACKWARD one slot; transfers, reductions and updates free."""
+        zeros = (0.0,) * d
+        return cls((1.0,) * d, (1.0,) * d, zeros, zeros, zeros, zeros, zeros)
+
+
+@dataclass
+class Trace:
+    """Every action's start and end per stage, in program order."""
+
+    start: list[list[float]]
+    end: list[list[float]]
+    clock: list[float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.clock, default=0.0)
+
+
+_NO_PEER = {
+    Op.RECV_ACT: "stage 0 has no previous stage to receive activations from",
+    Op.SEND_GRAD: "stage 0 has no previous stage to send gradients to",
+    Op.SEND_ACT: "the last stage has no next stage to send activations to",
+    Op.RECV_GRAD: "the last stage has no next stage to receive gradients from",
+}
+
+
+class Replay:
+    """Runs every stage's program with one channel model, an optional clock and optional rules."""
+
+    def __init__(
+        self, programs: Sequence[Sequence[Action]], *, channel: Fifo | Rendezvous | None = None,
+        timing: Timing | None = None, rules: Sequence[StageRules] | None = None,
+        error: type[Exception] = ScheduleError,
+    ) -> None:
+        self.programs = [p if isinstance(p, (list, tuple)) else list(p) for p in programs]
+        d = self.d = len(self.programs)
+        self.timing = timing or Timing.unit(d)
+        self.rules, self.error = rules, error
+        self.pc, self.clock = [0] * d, [0.0] * d
+        self.start = [[0.0] * len(p) for p in self.programs]
+        self.end = [[0.0] * len(p) for p in self.programs]
+        self.resumed = [False] * d  # blocked inside an action: its rules already ran
+        self.ready: deque[int] = deque(range(d))
+        self.launched: dict[int, dict[int, float]] = {}  # step -> stage -> its reduction chain's end
+        self.reduced_at: dict[int, float] = {}  # step -> every stage's chain done
+        self.last_reduced = 0.0
+        self.update_waiters: dict[int, list[int]] = {}
+        self.channel = channel or Fifo()
+        self.handlers: dict[Op, Handler] = {
+            Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
+            Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, **self.channel.attach(self),
+        }
+
+    def fail(self, r: int, i: int, a: Action, msg: str) -> Exception:
+        return self.error(f"stage {r} action #{i} {a}: {msg}")
+
+    def no_peer(self, r: int, i: int, a: Action) -> Exception:
+        """A transfer towards a stage that does not exist."""
+        return self.fail(r, i, a, _NO_PEER[a.op])
+
+    def run(self) -> Trace:
+        """Run to the end; the error names every stuck stage or the messages never received."""
+        ready = self.ready
+        while ready:
+            self._advance(ready.popleft())
+        stuck = [r for r in range(self.d) if self.pc[r] < len(self.programs[r])]
+        if stuck:
+            where = ", ".join(f"stage {r} at #{self.pc[r]} {self.programs[r][self.pc[r]]}" for r in stuck)
+            raise self.error(f"{self.channel.deadlock}: {where}")
+        left = self.channel.leftover()
+        if left is not None:
+            raise self.error(f"messages between stages {left} and {left + 1} were never received")
+        return Trace(self.start, self.end, self.clock)
+
+    def _advance(self, r: int) -> None:
+        """Run stage ``r`` until it blocks or its program ends."""
+        prog, handlers = self.programs[r], self.handlers
+        n, i = len(prog), self.pc[r]
+        if self.resumed[r]:  # the action it blocked in: its rules already ran
+            i = handlers[prog[i].op](r, i, prog[i])
+            if i == BLOCKED:
+                return
+            self.resumed[r] = False
+        check = self.rules[r].check if self.rules is not None else None
+        while i < n:
+            a = prog[i]
+            op = a.op
+            if check is not None:
+                check[op](i, a)
+            nxt = handlers[op](r, i, a)
+            if nxt == BLOCKED:
+                self.pc[r], self.resumed[r] = i, True
+                return
+            i = nxt
+        self.pc[r] = n
+        if self.rules is not None:
+            self.rules[r].finish()
+
+    def _forward(self, r: int, i: int, a: Action) -> int:
+        now = self.clock[r]
+        self.start[r][i] = now
+        self.end[r][i] = self.clock[r] = now + self.timing.forward_s[r]
+        return i + 1
+
+    def _backward(self, r: int, i: int, a: Action) -> int:
+        now = self.clock[r]
+        self.start[r][i] = now
+        self.end[r][i] = self.clock[r] = now + self.timing.backward_s[r]
+        return i + 1
+
+    def _reduce(self, r: int, i: int, a: Action) -> int:
+        """Launch the stage's reduction chain; the last stage to launch closes the collective."""
+        now, t = self.clock[r], self.timing
+        chains = self.launched.setdefault(a.step, {})
+        chains[r] = now + t.reduce_s[r]
+        if len(chains) == self.d:
+            self.last_reduced = max(self.last_reduced, max(chains.values()) + t.collective_s)
+            self.reduced_at[a.step] = self.last_reduced
+            self.ready.extend(self.update_waiters.pop(a.step, ()))
+        self.start[r][i] = now
+        self.end[r][i] = self.clock[r] = now + t.reduce_busy_s[r]
+        return i + 1
+
+    def _update(self, r: int, i: int, a: Action) -> int:
+        done = self.reduced_at.get(a.step)
+        if done is None:
+            self.update_waiters.setdefault(a.step, []).append(r)
+            return BLOCKED
+        start = max(self.clock[r], done)
+        self.start[r][i] = start
+        self.end[r][i] = self.clock[r] = start + self.timing.update_s[r]
+        return i + 1
+
+
+class Fifo:
+    """Sends never block; each boundary and direction is a FIFO queue of (microbatch, arrival).
+
+    Boundary ``b`` sits between stages ``b`` and ``b + 1``.
+    """
+
+    deadlock = "deadlock"
+
+    def attach(self, replay: Replay) -> dict[Op, Handler]:
+        d = replay.d
+        self.replay, self.last = replay, d - 1
+        self.acts: list[deque[tuple[int, float]]] = [deque() for _ in range(d)]
+        self.grads: list[deque[tuple[int, float]]] = [deque() for _ in range(d)]
+        self.act_waiting, self.grad_waiting = [False] * d, [False] * d
+        self.act_free, self.grad_free = [0.0] * d, [0.0] * d  # when each link is next free
+        return {Op.SEND_ACT: self._send_act, Op.SEND_GRAD: self._send_grad,
+                Op.RECV_ACT: self._recv_act, Op.RECV_GRAD: self._recv_grad}
+
+    def _send(self, r: int, i: int, b: int, queue: deque, free: list[float], mb: int) -> None:
+        """Queue a message on boundary ``b``'s link after the later of now and its previous one."""
+        rp = self.replay
+        now, t = rp.clock[r], rp.timing
+        start = now if now > free[b] else free[b]
+        free[b] = start + t.transfer_s[b]
+        queue.append((mb, free[b] + t.latency_s[b]))
+        rp.start[r][i] = rp.end[r][i] = now
+
+    def _recv(self, r: int, i: int, a: Action, queue: deque, sender: int, what: str) -> int:
+        """Take the head message, which must be ``a``'s microbatch; the wait ends at its arrival."""
+        rp = self.replay
+        mb, arrival = queue[0]
+        if mb != a.mb:
+            raise rp.fail(r, i, a, f"mismatched order: stage {sender} sent the {what} of microbatch {mb} first")
+        queue.popleft()
+        now = rp.clock[r]
+        rp.start[r][i] = now
+        rp.end[r][i] = rp.clock[r] = arrival if arrival > now else now
+        return i + 1
+
+    def _send_act(self, r: int, i: int, a: Action) -> int:
+        if r == self.last:
+            raise self.replay.no_peer(r, i, a)
+        self._send(r, i, r, self.acts[r], self.act_free, a.mb)
+        if self.act_waiting[r]:
+            self.act_waiting[r] = False
+            self.replay.ready.append(r + 1)
+        return i + 1
+
+    def _send_grad(self, r: int, i: int, a: Action) -> int:
+        if r == 0:
+            raise self.replay.no_peer(r, i, a)
+        self._send(r, i, r - 1, self.grads[r - 1], self.grad_free, a.mb)
+        if self.grad_waiting[r - 1]:
+            self.grad_waiting[r - 1] = False
+            self.replay.ready.append(r - 1)
+        return i + 1
+
+    def _recv_act(self, r: int, i: int, a: Action) -> int:
+        if r == 0:
+            raise self.replay.no_peer(r, i, a)
+        if not self.acts[r - 1]:
+            self.act_waiting[r - 1] = True
+            return BLOCKED
+        return self._recv(r, i, a, self.acts[r - 1], r - 1, "activations")
+
+    def _recv_grad(self, r: int, i: int, a: Action) -> int:
+        if r == self.last:
+            raise self.replay.no_peer(r, i, a)
+        if not self.grads[r]:
+            self.grad_waiting[r] = True
+            return BLOCKED
+        return self._recv(r, i, a, self.grads[r], r + 1, "gradient")
+
+    def leftover(self) -> int | None:
+        """The first boundary with a message nobody received."""
+        for b in range(self.replay.d):
+            if self.acts[b] or self.grads[b]:
+                return b
+        return None
+
+
+_COUNTERPART = {Op.SEND_ACT: Op.RECV_ACT, Op.RECV_ACT: Op.SEND_ACT, Op.SEND_GRAD: Op.RECV_GRAD, Op.RECV_GRAD: Op.SEND_GRAD}
+
+
+class Rendezvous:
+    """Transfers in issue order, each run with one peer issued as one group (an NCCL group).
+
+    ``groups_of(program)`` gives ``{start: end}`` for every group; a group is done once every op in
+    it met its counterpart (same microbatch) in the group the peer has posted and waits on.
+    """
+
+    deadlock = "grouped transfers deadlock"
+
+    def __init__(self, groups_of: Callable[[Sequence[Action]], dict[int, int]]) -> None:
+        self.groups_of = groups_of
+
+    def attach(self, replay: Replay) -> dict[Op, Handler]:
+        self.replay = replay
+        self.groups = [self.groups_of(p) for p in replay.programs]
+        self.pending: list[set[tuple[Op, int]] | None] = [None] * replay.d  # the posted group's open ops
+        self.done_at = [0.0] * replay.d  # when its last op met its counterpart
+        return dict.fromkeys(_COUNTERPART, self._group)
+
+    def _group(self, r: int, i: int, a: Action) -> int:
+        """Post the group starting at ``i`` (first visit), then wait until it is done."""
+        rp, pending = self.replay, self.pending
+        end = self.groups[r].get(i)
+        if end is None:
+            raise rp.fail(r, i, a, "transfer outside any group")
+        if pending[r] is None:
+            self._post(r, i, end)
+        if pending[r]:
+            return BLOCKED
+        pending[r] = None
+        now, done = rp.clock[r], max(rp.clock[r], self.done_at[r])
+        for j in range(i, end):
+            rp.start[r][j], rp.end[r][j] = now, done
+        rp.clock[r] = done
+        return end
+
+    def _post(self, r: int, i: int, end: int) -> None:
+        rp = self.replay
+        acts = rp.programs[r][i:end]
+        peers = {self._peer(r, i + k, x) for k, x in enumerate(acts)}
+        mine = {(x.op, x.mb) for x in acts}
+        self.pending[r], self.done_at[r] = mine, rp.clock[r]
+        for p in peers:
+            theirs = self.pending[p]
+            if not theirs:
+                continue
+            for op, mb in list(mine):
+                if (_COUNTERPART[op], mb) in theirs:
+                    mine.discard((op, mb))
+                    theirs.discard((_COUNTERPART[op], mb))
+                    met = max(rp.clock[r], self.done_at[p])
+                    self.done_at[r], self.done_at[p] = max(self.done_at[r], met), max(self.done_at[p], met)
+            if not theirs:
+                rp.ready.append(p)
+
+    def _peer(self, r: int, i: int, a: Action) -> int:
+        p = r + (1 if a.op is Op.SEND_ACT or a.op is Op.RECV_GRAD else -1)
+        if not 0 <= p < self.replay.d:
+            raise self.replay.no_peer(r, i, a)
+        return p
+
+    def leftover(self) -> int | None:
+        return None

@@ -1,0 +1,206 @@
+"""Stage-to-stage transfers of activations (forward) and gradients (backward), driven by actions.
+
+The executor hands the transport its segment's action list once (:meth:`Transport.units`) and
+then runs each unit it gets back: a compute or step action on its own, or transfers, which it
+passes to :meth:`Transport.run` with the tensors to send. Which peer, which tag, when receives
+are posted and whether transfers are batched is decided here and nowhere else.
+
+Op order, fixed and the same for every schedule: a stage posts the receive for an activation
+or gradient no later than the action that consumes it (earlier when prefetching), and sends
+right after the compute that produced the tensor, never blocking. Activations only flow
+r -> r+1 and gradients only r+1 -> r, so each direction carries one message kind in
+microbatch order; with non-blocking sends, the schedule checker's simulation proves this order
+cannot deadlock. Shapes are known ahead (``[b, s, h]``), so no shape messages are exchanged.
+
+Two modes:
+
+- ``prefetch`` (gloo): gloo moves a message only once both its send and its receive are posted
+  (the sender waits for the receiver's "ready"), so a receive posted just before it is needed
+  costs a round trip of both processes' I/O threads on the critical path. The segment's
+  receives are planned and the next ``ahead`` of each kind kept posted at all times (each into
+  its own fresh buffer, which the consumer keeps); on top of that every receive is posted at
+  least one action before its slot. Receives of one kind are posted in plan order, which is
+  the order the peer sends them, so matching by (peer, tag) is exact.
+- ``grouped`` (the default except on gloo): NCCL runs the transfers between two ranks on one
+  stream in issue order, where a receive posted ahead of a send to the same peer deadlocks
+  against the peer doing the same. Nothing is posted ahead: each run of transfers with one
+  peer (``grouping.comm_groups``) is one ``batch_isend_irecv`` group, waited for as a whole,
+  sends included, which is the rendezvous model that ``grouping.check_grouped`` proves
+  deadlock-free for every schedule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .actions import Action, Op
+from .grouping import comm_groups
+
+RECV_OPS: frozenset[Op] = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+SEND_OPS: frozenset[Op] = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
+
+# a transfer's message kind is named by its receive op; the tag keeps the kinds apart on the wire
+_KIND: dict[Op, Op] = {Op.RECV_ACT: Op.RECV_ACT, Op.SEND_ACT: Op.RECV_ACT,
+                       Op.RECV_GRAD: Op.RECV_GRAD, Op.SEND_GRAD: Op.RECV_GRAD}
+_TAG: dict[Op, int] = {Op.RECV_ACT: 1, Op.RECV_GRAD: 2}
+
+
+def _outgoing(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+class Transport:
+    """Point-to-point transfers of one stage with its previous and next stage."""
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, *, ahead: int = 2, mode: str = "auto") -> None:
+        self.prev, self.next, self.shape, self.dtype, self.device = prev_rank, next_rank, shape, dtype, device
+        self.ahead = max(int(ahead), 1)
+        if mode == "auto":
+            mode = "prefetch" if not dist.is_initialized() or dist.get_backend() == "gloo" else "grouped"
+        if mode not in ("prefetch", "grouped"):
+            raise ValueError(f"unknown p2p mode {mode!r}")
+        self.mode = mode
+        self.grouped = mode == "grouped"
+        # receives posted early are safe on gloo (independent matching per peer and tag), not on NCCL
+        self.can_plan = (prev_rank is not None or next_rank is not None) and dist.is_initialized() and not self.grouped
+        self._recvs: dict[tuple[Op, int], tuple[torch.Tensor, object]] = {}
+        self._sends: deque[tuple[torch.Tensor, object]] = deque()
+        self._plan: dict[Op, deque[int]] = {Op.RECV_ACT: deque(), Op.RECV_GRAD: deque()}
+        self._posted = {Op.RECV_ACT: 0, Op.RECV_GRAD: 0}  # receives of each kind posted, not yet consumed
+
+    def _peer(self, op: Op) -> int | None:
+        """The rank a transfer goes to or comes from: activations flow forward, gradients backward."""
+        return self.prev if op in (Op.RECV_ACT, Op.SEND_GRAD) else self.next
+
+    # ------------------------------------------------------------------ the segment
+    def units(self, actions: Sequence[Action]) -> Iterator[Sequence[Action]]:
+        """The segment's actions in the units the executor runs one after the other.
+
+        Grouped: each run of transfers with one peer is one unit, every other action its own.
+        Prefetch: one action per unit; the segment's receives are planned, and before a unit is
+        handed out every receive up to the next action is posted.
+        """
+        if self.grouped:
+            groups, i = comm_groups(actions), 0
+            while i < len(actions):
+                end = groups.get(i, i + 1)
+                yield actions[i:end]
+                i = end
+            return
+        recvs = [i for i, a in enumerate(actions) if a.op in RECV_OPS]
+        self.plan([actions[i] for i in recvs])
+        ahead = 0  # receives posted so far: the next receive of the list is always posted
+        for i, a in enumerate(actions):
+            while ahead < len(recvs) and recvs[ahead] <= i + 1:
+                self.post_recv(actions[recvs[ahead]])
+                ahead += 1
+            yield (a,)
+
+    def run(self, unit: Sequence[Action], outgoing: Mapping[Action, torch.Tensor]) -> list[tuple[Action, torch.Tensor]]:
+        """Perform a unit of transfers; ``outgoing`` holds the tensor of each send. Returns ``(receive, tensor)``."""
+        if self.grouped:
+            return self.exchange(unit, outgoing)
+        got = []
+        for a in unit:
+            if a.op in SEND_OPS:
+                self.send(a, outgoing[a])
+            else:
+                got.append((a, self.recv(a)))
+        return got
+
+    # ------------------------------------------------------------------ receives
+    def plan(self, recvs: Sequence[Action]) -> None:
+        """The ordered receives this stage will consume next (a segment's).
+
+        Keeps up to ``ahead`` of each kind posted from now on. Receives already posted are kept;
+        the plan must list the remaining ones in consumption order. Ignored unless on gloo.
+        """
+        if not self.can_plan:
+            return
+        for a in recvs:
+            if (a.op, a.mb) not in self._recvs:
+                self._plan[a.op].append(a.mb)
+        self._fill()
+
+    def _fill(self) -> None:
+        for kind, queue in self._plan.items():
+            while queue and self._posted[kind] < self.ahead:
+                self._post(kind, queue.popleft())
+
+    def _post(self, kind: Op, mb: int) -> None:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self._recvs[(kind, mb)] = (buf, dist.irecv(buf, src=self._peer(kind), tag=_TAG[kind]))
+        self._posted[kind] += 1
+
+    def post_recv(self, a: Action) -> None:
+        """Post receive ``a`` now. Idempotent; with a plan, every planned receive of its kind before it is
+        posted first, so the posting order always equals the sending order."""
+        if (a.op, a.mb) in self._recvs:
+            return
+        queue = self._plan[a.op]
+        if a.mb in queue:
+            while queue:
+                nxt = queue.popleft()
+                self._post(a.op, nxt)
+                if nxt == a.mb:
+                    return
+        self._post(a.op, a.mb)
+
+    def recv(self, a: Action) -> torch.Tensor:
+        """Wait for receive ``a`` (``RECV_ACT`` or ``RECV_GRAD``), posting it first if needed."""
+        self.post_recv(a)
+        buf, work = self._recvs.pop((a.op, a.mb))
+        self._posted[a.op] -= 1
+        self._fill()  # the next planned receive goes up before we block on this one
+        work.wait()
+        return buf
+
+    # ------------------------------------------------------------------ sends
+    def send(self, a: Action, tensor: torch.Tensor) -> None:
+        """Start send ``a`` (``SEND_ACT`` or ``SEND_GRAD``) without waiting; :meth:`drain` waits."""
+        tensor = _outgoing(tensor)
+        kind = _KIND[a.op]
+        self._sends.append((tensor, dist.isend(tensor, dst=self._peer(a.op), tag=_TAG[kind])))
+        self.reap()
+
+    def reap(self) -> None:
+        """Release sends that have completed (keeps their buffers alive until then)."""
+        while self._sends and self._sends[0][1].is_completed():
+            self._sends.popleft()
+
+    # ------------------------------------------------------------------ grouped
+    def exchange(self, unit: Sequence[Action], outgoing: Mapping[Action, torch.Tensor]) -> list[tuple[Action, torch.Tensor]]:
+        """Issue the unit's sends, then its receives, as one ``batch_isend_irecv`` group and wait for all of it.
+
+        Transfers of one kind keep their order in ``unit``, which is the order the peer issues the
+        counterparts in.
+        """
+        ops, got = [], []
+        for a in unit:
+            if a.op in SEND_OPS:
+                ops.append(dist.P2POp(dist.isend, _outgoing(outgoing[a]), self._peer(a.op), tag=_TAG[_KIND[a.op]]))
+        for a in unit:
+            if a.op in RECV_OPS:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                got.append((a, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(a.op), tag=_TAG[a.op]))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return got
+
+    # ------------------------------------------------------------------ end of a segment
+    def drain(self) -> None:
+        """Wait for every send; every receive posted must have been consumed (a plan ends with its segment)."""
+        for _, work in self._sends:
+            work.wait()
+        self._sends.clear()
+        if self._recvs or any(self._plan.values()):
+            left = [f"{k.value}{mb}" for k, mb in sorted(self._recvs, key=lambda x: (x[0].value, x[1]))]
+            left += [f"{k.value}{mb}" for k, q in self._plan.items() for mb in q]
+            raise RuntimeError(f"pipeline segment ended with receives still posted or planned: {left[:4]}")

@@ -1,0 +1,1 @@
+"""Helpers for running the package on several local processes (tests, benchmarks, the profiler)."""

@@ -1,0 +1,51 @@
+"""Faults injected on purpose, for tests: one explicit object handed to the engine.
+
+Like Megatron's ``RerunErrorInjector``, the faults a run should suffer are described once, up
+front, and passed to ``PipelineStage(..., faults=...)``; the engine asks it at two points:
+
+- REDUCE_GRADS(t): :meth:`FaultInjector.poison` writes an inf into the rank's step-t gradient,
+  which must make every rank skip step t (the overflow path);
+- FORWARD of a microbatch of step t: :meth:`FaultInjector.before_forward` ends the process
+  (``os._exit(1)``, no clean-up, as a crash would) on the rank chosen to die.
+
+Processes started by ``torchrun`` get theirs from the environment (:meth:`FaultInjector.from_env`,
+called by the launcher, never by the engine).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+KILL_RANK_ENV = "MEGATRON_2BW_FAULT_KILL_RANK"
+KILL_ITER_ENV = "MEGATRON_2BW_FAULT_KILL_ITER"
+
+
+@dataclass(frozen=True)
+class FaultInjector:
+    poison_grads: frozenset[tuple[int, int]] = frozenset()  # (global rank, step): an inf in that gradient
+    kill_rank: int | None = None  # the global rank that dies ...
+    kill_iteration: int = 0  # ... when it starts a forward of this step (0-based) or a later one
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
+        """The kill fault named by ``$MEGATRON_2BW_FAULT_KILL_RANK`` / ``_ITER``; None when unset."""
+        if environ.get(KILL_RANK_ENV) is None:
+            return None
+        return cls(kill_rank=int(environ[KILL_RANK_ENV]), kill_iteration=int(environ.get(KILL_ITER_ENV, "0")))
+
+    def poison(self, rank: int, step: int, grad: torch.Tensor) -> None:
+        """Make ``grad`` (this rank's flat step-``step`` gradient) non-finite if asked to."""
+        if (rank, step) in self.poison_grads:
+            grad[0] = float("inf")
+
+    def before_forward(self, rank: int, step: int) -> None:
+        """End this process, as a crash would, if it is the rank chosen to die at this step."""
+        if self.kill_rank == rank and step >= self.kill_iteration:
+            print(f"error: rank {rank}: fault injection (kill rank {rank} at iteration {self.kill_iteration}): "
+                  f"exiting at iteration {step}", file=sys.stderr, flush=True)
+            os._exit(1)

@@ -1,0 +1,209 @@
+"""Megatron-LM's log lines, field for field, so Megatron log parsers and dashboards read ours.
+
+The training line is Megatron's ``training_log`` line (timestamp, ``iteration N/T``,
+``consumed samples:``, elapsed ms, ``learning rate:``, ``global batch size:``, one
+``<name>: <value>`` per loss, ``loss scale:``, ``grad norm:``, ``number of skipped
+iterations:``, ``number of nan iterations:``) with this project's fields after Megatron's:
+samples/s, tokens/s, memory, TFLOP/s per device and MFU. The validation line and the memory
+report are Megatron's too.
+
+Numbering: ``iteration N`` is the N-th completed optimizer step (1-based) in every line, the
+training line, the validation line and the checkpoint line alike. The engine counts steps
+from 0; :func:`iteration_of_step` converts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+_MB = 2**20
+# Megatron prints PPL for every loss; a perplexity is only meaningful for a token-level LM loss.
+PPL_KEYS = ("lm loss",)
+
+
+def iteration_of_step(step: int) -> int:
+    """The 1-based Megatron iteration number of the engine's 0-based step index."""
+    if step < 0:
+        raise ValueError(f"step index must be >= 0, got {step}")
+    return step + 1
+
+
+def timestamp(now: datetime | None = None) -> str:
+    """Megatron's ``[YYYY-mm-dd HH:MM:SS]`` prefix (local time, as Megatron prints it)."""
+    return f"[{(now or datetime.now()).strftime('%Y-%m-%d %H:%M:%S')}]"
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Peak memory of the largest rank/stage: CUDA's allocator peak, or the engine's byte counts."""
+
+    peak_bytes: int
+    source: str  # "cuda": torch.cuda.max_memory_allocated; "engine": weights+grads+optimizer+stash
+
+    def field(self) -> str:
+        label = "max allocated (MB)" if self.source == "cuda" else "engine memory (MB)"
+        return f" {label}: {self.peak_bytes / _MB:.1f} |"
+
+
+def memory_from_stages(stages: Sequence[Mapping[str, int | float | None]]) -> MemoryReading | None:
+    """The largest stage's CUDA peak when any stage reports one, else its engine byte count.
+
+    ``stages`` are the per-stage statistics the loop gathers (``weight_bytes``, ``grad_bytes``,
+    ``optimizer_bytes``, ``peak_stashed_bytes``, ``cuda_peak_bytes``).
+    """
+    cuda = [int(s["cuda_peak_bytes"]) for s in stages if s.get("cuda_peak_bytes")]
+    if cuda:
+        return MemoryReading(max(cuda), "cuda")
+    keys = ("weight_bytes", "grad_bytes", "optimizer_bytes", "peak_stashed_bytes")
+    totals = [sum(int(s.get(k) or 0) for k in keys) for s in stages]
+    return MemoryReading(max(totals), "engine") if totals and max(totals) > 0 else None
+
+
+def _loss_fields(losses: Mapping[str, float | None]) -> str:
+    """`` <name>: <value> |`` per finite loss, in Megatron's ``{:.6E}`` (a window with no finite loss prints none)."""
+    return "".join(f" {k}: {v:.6E} |" for k, v in losses.items() if v is not None and math.isfinite(v))
+
+
+def train_log_line(
+    *, iteration: int, train_iters: int, consumed_samples: int, ms_per_iter: float, lr: float, global_batch: int,
+    losses: Mapping[str, float | None], loss_scale: float, grad_norm: float | None, skipped: int, nan: int,
+    samples_per_sec: float, tokens_per_sec: float, memory: MemoryReading | None = None,
+    tflops_per_device: float | None = None, peak_tflops: float | None = None, now: datetime | None = None,
+) -> str:
+    """Megatron's training line, then samples/s, tokens/s, memory, TFLOP/s/device and MFU.
+
+    ``losses`` maps Megatron's loss names to window means: ``{"lm loss": x}`` for GPT,
+    ``{"lm loss": mlm, "sop loss": sop}`` for BERT. ``skipped`` counts steps the optimizer
+    skipped (fp16 overflow); ``nan`` counts steps whose loss was not finite. MFU is printed
+    only when ``peak_tflops`` (the device's dense peak in the run's precision) is known.
+    """
+    s = f" {timestamp(now)} iteration {iteration:8d}/{train_iters:8d} |"
+    s += f" consumed samples: {consumed_samples:12d} |"
+    s += f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
+    s += f" learning rate: {lr:.6E} |"
+    s += f" global batch size: {global_batch:5d} |"
+    s += _loss_fields(losses)
+    s += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None and math.isfinite(grad_norm):
+        s += f" grad norm: {grad_norm:.3f} |"
+    s += f" number of skipped iterations: {skipped:3d} |"
+    s += f" number of nan iterations: {nan:3d} |"
+    s += f" samples/s: {samples_per_sec:.2f} | tokens/s: {tokens_per_sec:.0f} |"
+    if memory is not None:
+        s += memory.field()
+    if tflops_per_device is not None:
+        s += f" TFLOP/s/device: {tflops_per_device:.4f} |"
+        if peak_tflops:
+            s += f" MFU: {100.0 * tflops_per_device / peak_tflops:.2f}% |"
+    return s
+
+
+def validation_line(iteration: int, losses: Mapping[str, float], *, split: str = "valid", final: bool = False,
+                    ppl_keys: Sequence[str] = PPL_KEYS) -> str:
+    """Megatron's evaluation line: `` validation loss at iteration N | lm loss value: ... | lm loss PPL: ... |``.
+
+    During training the prefix is ``iteration N``; the evaluations after training say
+    ``iteration N on validation set`` / ``iteration N on test set`` (Megatron's wording).
+    PPL is printed for ``ppl_keys`` only (BERT: the MLM loss, not the sentence-order loss).
+    """
+    if split not in ("valid", "test"):
+        raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
+    prefix = f"iteration {iteration}"
+    if final or split == "test":
+        prefix += " on validation set" if split == "valid" else " on test set"
+    s = f" validation loss at {prefix} | "
+    for key, value in losses.items():
+        s += f"{key} value: {value:.6E} | "
+        if key in ppl_keys:
+            s += f"{key} PPL: {math.exp(min(20.0, value)):.6E} | "
+    return s
+
+
+def framed(line: str) -> str:
+    """Megatron prints the validation line between two rules of dashes one longer than the line."""
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+def saved_checkpoint_line(iteration: int, path: str, seconds: float) -> str:
+    """Megatron's ``successfully saved checkpoint from iteration`` line (``iteration`` = completed steps)."""
+    return f"  successfully saved checkpoint from iteration {iteration:7d} to {path} ({seconds:.2f} s)"
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(max(seconds, 0.0)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def eta_line(iteration: int, train_iters: int, start_iteration: int, elapsed_s: float) -> str:
+    """A plain-text progress line for logs that are not terminals (where no progress bar is drawn).
+
+    The rate counts the steps of this run only (``iteration - start_iteration``), so a resumed
+    run does not claim the resumed steps as its own speed.
+    """
+    done = iteration - start_iteration
+    rate = done / elapsed_s if elapsed_s > 0 and done > 0 else 0.0
+    remaining = _hms((train_iters - iteration) / rate) if rate > 0 else "?:??:??"
+    return (f" [ETA] iteration {iteration}/{train_iters} | elapsed {_hms(elapsed_s)} | "
+            f"remaining {remaining} | {rate:.2f} it/s")
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """torch.cuda's allocator counters in bytes (Megatron's ``report_memory``)."""
+
+    allocated: int
+    max_allocated: int
+    reserved: int
+    max_reserved: int
+
+
+def cuda_memory(device=None) -> CudaMemory | None:
+    """This process's CUDA allocator counters, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return CudaMemory(torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
+                      torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
+
+
+def memory_report_line(rank: int, iteration: int, cuda: CudaMemory | None = None,
+                       stages: Sequence[Mapping[str, int | float | None]] = ()) -> str:
+    """Megatron's one-time ``[Rank r] (after N iterations) memory (MB) | allocated: ...`` report.
+
+    Without CUDA, the engine's byte counts per stage take the allocator's place (weights,
+    gradients, optimizer state, peak stashed activations).
+    """
+    s = f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+    if cuda is not None:
+        return (s + f" | allocated: {cuda.allocated / _MB:.2f} | max allocated: {cuda.max_allocated / _MB:.2f}"
+                f" | reserved: {cuda.reserved / _MB:.2f} | max reserved: {cuda.max_reserved / _MB:.2f}")
+    for st in stages:
+        s += (f" | stage {st['stage']}: weights: {(st.get('weight_bytes') or 0) / _MB:.2f}"
+              f" grads: {(st.get('grad_bytes') or 0) / _MB:.2f}"
+              f" optimizer: {(st.get('optimizer_bytes') or 0) / _MB:.2f}"
+              f" peak stashed: {(st.get('peak_stashed_bytes') or 0) / _MB:.2f}")
+    return s
+
+
+def peak_tflops_of(device_name: str, precision: str) -> float | None:
+    """Dense peak TFLOP/s of a known GPU (the planner's cluster presets) in ``precision``, else None."""
+    from ..planner.auto_plan import DEVICE_PRESETS
+    from ..planner.hardware import load_cluster
+
+    preset = next((p for key, p in DEVICE_PRESETS if key in device_name), None)
+    if preset is None:
+        return None
+    peaks = load_cluster(preset).peak_flops
+    return peaks[precision] / 1e12 if precision in peaks else None
+
+
+__all__ = [
+    "CudaMemory", "MemoryReading", "PPL_KEYS", "cuda_memory", "eta_line", "framed", "iteration_of_step",
+    "memory_from_stages", "memory_report_line", "peak_tflops_of", "saved_checkpoint_line", "timestamp",
+    "train_log_line", "validation_line",
+]

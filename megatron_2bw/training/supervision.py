@@ -1,0 +1,156 @@
+"""Supervision and file-system checks: workers die with their launcher; ``--save``/``--load`` checked at start-up.
+
+- :func:`install_parent_death_signal`: Linux ``prctl(PR_SET_PDEATHSIG)``. If the launcher
+  (torchrun, or whatever spawned the worker) dies, even by ``kill -9``, the kernel sends the
+  worker SIGKILL, so no orphan keeps training and writing checkpoints while a relaunch starts
+  on the same ``--save``. SIGKILL rather than SIGTERM: a graceful save would race the relaunch.
+- :func:`check_save_dir` / :func:`check_load_path`: before any collective, so a read-only
+  ``--save`` is a one-line error at start-up, not at the first save after hours of work.
+- :func:`os_error_line`: a failed write (a full disk) as one line naming the file and the errno text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import signal
+import sys
+
+from ..errors import ConfigError
+
+PR_SET_PDEATHSIG = 1
+PR_GET_PDEATHSIG = 2
+
+
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def install_parent_death_signal(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies; False where unsupported (not Linux).
+
+    ``expected_parent``: the parent pid seen before the call (default: ``os.getppid()`` now).
+    If the parent is already gone (re-parented before we asked), the signal is raised at once.
+    Note: the kernel tracks the parent *thread*; launchers spawn workers from their main thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid() if expected_parent is None else expected_parent
+    libc = _libc()
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if os.getppid() != parent:
+        os.kill(os.getpid(), int(sig))
+    return True
+
+
+def parent_death_signal() -> int:
+    """The signal currently armed (0: none); Linux only."""
+    value = ctypes.c_int(0)
+    if _libc().prctl(PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return value.value
+
+
+def _blocking_file(path: str) -> str | None:
+    """The first component of ``path`` (from the root) that exists and is not a directory."""
+    cur = os.path.abspath(path)
+    parts = []
+    while True:
+        parts.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    for p in reversed(parts):
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return p
+    return None
+
+
+def _probe_writable(path: str) -> OSError | None:
+    """Create and remove a file in ``path``: permission bits lie for root and read-only mounts."""
+    probe = os.path.join(path, f".write_test.{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return e
+    return None
+
+
+def check_save_dir(path: str, flag: str = "--save") -> str:
+    """``path`` as a writable directory (created when missing); a one-line :class:`ConfigError` otherwise."""
+    blocker = _blocking_file(path)
+    if blocker is not None:
+        what = "is a file" if blocker == os.path.abspath(path) else f"is under {blocker}, which is a file"
+        raise ConfigError(f"{flag} {path} {what}, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+    err = _probe_writable(path)
+    if err is not None:
+        raise ConfigError(f"{flag} {path} is not writable ({err.strerror or err})")
+    return path
+
+
+def check_load_path(path: str, flag: str = "--load") -> None:
+    """``--load`` must name a checkpoint directory: a clear line for a file or a missing path."""
+    if os.path.isdir(path):
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ConfigError(f"{flag} {path} is not readable")
+        return
+    if os.path.lexists(path):
+        raise ConfigError(f"{flag} {path} is a file; it must name a checkpoint directory "
+                          "(the one holding latest_checkpointed_iteration.txt)")
+    blocker = _blocking_file(path)
+    if blocker is not None:
+        raise ConfigError(f"{flag} {path} is under {blocker}, which is a file, not a directory")
+    raise ConfigError(f"{flag} {path} does not exist")
+
+
+def os_error_line(e: OSError, path: str | None = None, action: str = "writing") -> str:
+    """``e`` as one line naming the file and the errno text (``No space left on device``), no traceback."""
+    where = path or e.filename or "?"
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    text = e.strerror or os.strerror(e.errno) if e.errno else str(e)
+    return f"{action} {where} failed: {text}" + (f" ({code})" if code else "")
+
+
+def find_os_error(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (torch.save wraps a full disk as RuntimeError ``unexpected pos ...``)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def describe_save_failure(e: BaseException, path: str, writer_error: OSError | None = None) -> str:
+    """One line for a failed checkpoint or metrics write: the file and the errno text when there is one.
+
+    ``writer_error``: the OSError a wrapping writer saw (see ``manifest.ChecksumWriter.error``);
+    without it a full file system is still recognised from its free space.
+    """
+    oe = writer_error or find_os_error(e)
+    if oe is not None:
+        return os_error_line(oe, path)
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
+        if st.f_bavail * st.f_frsize < (1 << 20):
+            return f"writing {path} failed: No space left on device (ENOSPC; {st.f_bavail * st.f_frsize} bytes free)"
+    except OSError:
+        pass
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"writing {path} failed: {type(e).__name__}: {first}"

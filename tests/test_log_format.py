@@ -1,0 +1,189 @@
+"""Our log lines read back with the regular expressions a Megatron-LM log parser uses."""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime
+
+import pytest
+
+from megatron_2bw.training.log_format import (
+    CudaMemory, MemoryReading, eta_line, framed, iteration_of_step, memory_from_stages, memory_report_line,
+    peak_tflops_of, saved_checkpoint_line, train_log_line, validation_line,
+)
+
+NUM = r"([-+]?[\d.]+(?:E[-+]\d+)?)"
+# One pattern per field, as a Megatron log parser writes them (fields are " name: value |").
+MEGATRON = {
+    "timestamp": r"^ \[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] iteration",
+    "iteration": r"iteration\s+(\d+)/\s*(\d+)",
+    "consumed": r"consumed samples:\s+(\d+)",
+    "ms": r"elapsed time per iteration \(ms\):\s+" + NUM,
+    "lr": r"learning rate:\s+" + NUM,
+    "gbs": r"global batch size:\s+(\d+)",
+    "lm": r"lm loss:\s+" + NUM,
+    "sop": r"sop loss:\s+" + NUM,
+    "scale": r"loss scale:\s+" + NUM,
+    "gnorm": r"grad norm:\s+" + NUM,
+    "skipped": r"number of skipped iterations:\s+(\d+)",
+    "nan": r"number of nan iterations:\s+(\d+)",
+    "sps": r"samples/s:\s+" + NUM,
+    "tps": r"tokens/s:\s+" + NUM,
+    "mem_cuda": r"max allocated \(MB\):\s+" + NUM,
+    "mem_engine": r"engine memory \(MB\):\s+" + NUM,
+    "tflops": r"TFLOP/s/device:\s+" + NUM,
+    "mfu": r"MFU:\s+" + NUM + "%",
+}
+VALID = {
+    "at": r"validation loss at iteration (\d+)( on (?:validation|test) set)? \|",
+    "lm": r"lm loss value:\s+" + NUM,
+    "lm_ppl": r"lm loss PPL:\s+" + NUM,
+    "sop": r"sop loss value:\s+" + NUM,
+    "sop_ppl": r"sop loss PPL:\s+" + NUM,
+}
+
+
+def grab(pattern: str, line: str):
+    m = re.search(pattern, line)
+    return None if m is None else (m.groups() if len(m.groups()) > 1 else m.group(1))
+
+
+def line_for(**over):
+    args = dict(iteration=10, train_iters=150, consumed_samples=160, ms_per_iter=487.04, lr=2.0e-4, global_batch=16,
+                losses={"lm loss": 6.4861473}, loss_scale=65536.0, grad_norm=0.5391, skipped=2, nan=1,
+                samples_per_sec=32.8514, tokens_per_sec=2102.49, memory=MemoryReading(123_456_789, "engine"),
+                tflops_per_device=0.01234, peak_tflops=None, now=datetime(2026, 11, 30, 12, 0, 7))
+    args.update(over)
+    return args, train_log_line(**args)
+
+
+def test_every_megatron_field_parses_back_to_the_input():
+    a, line = line_for()
+    assert datetime.strptime(grab(MEGATRON["timestamp"], line), "%Y-%m-%d %H:%M:%S") == a["now"]
+    assert tuple(map(int, grab(MEGATRON["iteration"], line))) == (a["iteration"], a["train_iters"])
+    assert int(grab(MEGATRON["consumed"], line)) == a["consumed_samples"]
+    assert float(grab(MEGATRON["ms"], line)) == pytest.approx(a["ms_per_iter"], abs=0.05)
+    assert float(grab(MEGATRON["lr"], line)) == pytest.approx(a["lr"], rel=1e-6)
+    assert int(grab(MEGATRON["gbs"], line)) == a["global_batch"]
+    assert float(grab(MEGATRON["lm"], line)) == pytest.approx(a["losses"]["lm loss"], rel=1e-6)
+    assert float(grab(MEGATRON["scale"], line)) == a["loss_scale"]
+    assert float(grab(MEGATRON["gnorm"], line)) == pytest.approx(a["grad_norm"], abs=5e-4)
+    assert int(grab(MEGATRON["skipped"], line)) == a["skipped"]
+    assert int(grab(MEGATRON["nan"], line)) == a["nan"]
+    assert grab(MEGATRON["sop"], line) is None  # GPT: no sentence-order loss
+
+
+def test_field_order_and_widths_are_megatrons():
+    _, line = line_for(iteration=7, train_iters=123456, consumed_samples=112, skipped=0, nan=0)
+    # Megatron: "{:8d}/{:8d}", "{:12d}", "{:5d}", "{:3d}", each field closed by " |".
+    assert line.startswith(" [2026-11-30 12:00:07] iteration        7/  123456 | consumed samples:          112 |")
+    assert " global batch size:    16 |" in line
+    assert " number of skipped iterations:   0 | number of nan iterations:   0 |" in line
+    names = ["iteration", "consumed samples", "elapsed time per iteration", "learning rate", "global batch size",
+             "lm loss", "loss scale", "grad norm", "number of skipped", "number of nan", "samples/s", "tokens/s"]
+    positions = [line.index(n) for n in names]
+    assert positions == sorted(positions)
+
+
+def test_our_fields_after_megatrons_parse_back():
+    a, line = line_for(peak_tflops=0.5)
+    assert float(grab(MEGATRON["sps"], line)) == pytest.approx(a["samples_per_sec"], abs=0.005)
+    assert float(grab(MEGATRON["tps"], line)) == pytest.approx(a["tokens_per_sec"], abs=0.5)
+    assert float(grab(MEGATRON["mem_engine"], line)) == pytest.approx(123_456_789 / 2**20, abs=0.05)
+    assert float(grab(MEGATRON["tflops"], line)) == pytest.approx(a["tflops_per_device"], abs=5e-5)
+    assert float(grab(MEGATRON["mfu"], line)) == pytest.approx(100 * 0.01234 / 0.5, abs=0.005)
+    assert line.index("number of nan iterations") < line.index("samples/s")
+    _, no_peak = line_for(peak_tflops=None)
+    assert grab(MEGATRON["mfu"], no_peak) is None
+
+
+def test_bert_losses_are_separate_fields():
+    a, line = line_for(losses={"lm loss": 7.25, "sop loss": 0.6931})
+    assert float(grab(MEGATRON["lm"], line)) == pytest.approx(7.25, rel=1e-6)
+    assert float(grab(MEGATRON["sop"], line)) == pytest.approx(0.6931, rel=1e-6)
+
+
+def test_a_window_without_a_finite_loss_prints_no_loss_and_counts_nans():
+    _, line = line_for(losses={"lm loss": float("nan")}, nan=10, grad_norm=float("inf"))
+    assert grab(MEGATRON["lm"], line) is None and grab(MEGATRON["gnorm"], line) is None
+    assert int(grab(MEGATRON["nan"], line)) == 10
+
+
+def test_memory_reading_from_stage_statistics():
+    engine = [{"stage": 0, "weight_bytes": 100, "grad_bytes": 50, "optimizer_bytes": 200, "peak_stashed_bytes": 7,
+               "cuda_peak_bytes": None},
+              {"stage": 1, "weight_bytes": 300, "grad_bytes": 150, "optimizer_bytes": 600, "peak_stashed_bytes": 1,
+               "cuda_peak_bytes": None}]
+    assert memory_from_stages(engine) == MemoryReading(300 + 150 + 600 + 1, "engine")
+    cuda = [dict(engine[0], cuda_peak_bytes=5 * 2**20), dict(engine[1], cuda_peak_bytes=9 * 2**20)]
+    reading = memory_from_stages(cuda)
+    assert reading == MemoryReading(9 * 2**20, "cuda")
+    _, line = line_for(memory=reading)
+    assert float(grab(MEGATRON["mem_cuda"], line)) == 9.0
+    assert memory_from_stages([]) is None
+
+
+def test_validation_line_is_megatrons_and_ppl_is_of_the_mlm_loss_only():
+    line = validation_line(10, {"lm loss": 6.753573, "sop loss": 0.55})
+    assert line.startswith(" validation loss at iteration 10 | lm loss value: 6.753573E+00 | lm loss PPL: ")
+    assert grab(VALID["at"], line) == ("10", None)
+    assert float(grab(VALID["lm"], line)) == pytest.approx(6.753573, rel=1e-6)
+    assert float(grab(VALID["lm_ppl"], line)) == pytest.approx(math.exp(6.753573), rel=1e-6)
+    assert float(grab(VALID["sop"], line)) == pytest.approx(0.55, rel=1e-6)
+    assert grab(VALID["sop_ppl"], line) is None
+    # Megatron caps the exponent at 20.
+    assert float(grab(VALID["lm_ppl"], validation_line(3, {"lm loss": 50.0}))) == pytest.approx(math.exp(20), rel=1e-6)
+    assert grab(VALID["at"], validation_line(150, {"lm loss": 1.0}, final=True))[1] == " on validation set"
+    assert grab(VALID["at"], validation_line(150, {"lm loss": 1.0}, split="test"))[1] == " on test set"
+    rules = framed(line).split("\n")
+    assert rules[1] == line and rules[0] == rules[2] == "-" * (len(line) + 1)
+
+
+def test_one_numbering_everywhere():
+    # The engine's 0-based step 9 is the 10th completed step: iteration 10 in every line.
+    n = iteration_of_step(9)
+    _, train = line_for(iteration=n)
+    valid = validation_line(n, {"lm loss": 2.0})
+    ckpt = saved_checkpoint_line(n, "runs/x/iter_0000010", 0.5)
+    assert int(grab(MEGATRON["iteration"], train)[0]) == 10
+    assert int(grab(VALID["at"], valid)[0]) == 10
+    assert int(grab(r"saved checkpoint from iteration\s+(\d+)", ckpt)) == 10
+    with pytest.raises(ValueError):
+        iteration_of_step(-1)
+
+
+def test_eta_line_numbers():
+    line = eta_line(iteration=30, train_iters=150, start_iteration=10, elapsed_s=8.0)  # 20 steps in 8 s
+    m = re.fullmatch(r" \[ETA\] iteration (\d+)/(\d+) \| elapsed (\d+):(\d\d):(\d\d) \| "
+                     r"remaining (\d+):(\d\d):(\d\d) \| ([\d.]+) it/s", line)
+    assert m is not None, line
+    g = [float(x) for x in m.groups()]
+    assert g[:2] == [30, 150]
+    assert g[2] * 3600 + g[3] * 60 + g[4] == 8
+    assert g[5] * 3600 + g[6] * 60 + g[7] == round(120 / (20 / 8.0))  # 120 steps left at 2.5 it/s
+    assert g[8] == 2.5
+    assert "remaining ?:??:??" in eta_line(10, 150, 10, 0.0)
+
+
+def test_memory_report_line():
+    cuda = CudaMemory(allocated=3 * 2**20, max_allocated=5 * 2**20, reserved=8 * 2**20, max_reserved=10 * 2**20)
+    line = memory_report_line(0, 10, cuda)
+    pat = (r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| "
+           r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)")
+    assert [float(x) for x in re.fullmatch(pat, line).groups()] == [0, 10, 3, 5, 8, 10]
+    stages = [{"stage": 0, "weight_bytes": 2**20, "grad_bytes": 2**21, "optimizer_bytes": 2**22,
+               "peak_stashed_bytes": 2**19}]
+    cpu = memory_report_line(0, 1, None, stages)
+    assert [float(x) for x in re.findall(r"(?:weights|grads|optimizer|peak stashed): ([\d.]+)", cpu)] == [1, 2, 4, 0.5]
+
+
+def test_peak_of_a_known_gpu_comes_from_the_cluster_presets():
+    import json
+    from pathlib import Path
+
+    import megatron_2bw.planner as planner
+
+    data = json.loads((Path(planner.__file__).parent / "clusters" / "dgx-h200.json").read_text())
+    assert peak_tflops_of("NVIDIA H200", "bf16") == pytest.approx(float(data["peak_TFLOPs"]["bf16"]))
+    assert peak_tflops_of("Some CPU", "bf16") is None

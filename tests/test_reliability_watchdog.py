@@ -1,0 +1,178 @@
+"""The watchdog names a stopped or hung rank within --stall-timeout-s: judged on a fake clock and store,
+then for real on 4 gloo processes where one rank SIGSTOPs itself while the others wait in a collective."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.training.watchdog import EXIT_STALLED, Watchdog, check_stall_timeout, start_watchdog, watched_ranks
+from multiproc import run_workers
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _ring(world: int, timeout: float = 10.0):
+    """``world`` watchdogs sharing one in-memory store and one fake clock; exits are recorded, not taken."""
+    store, clock, exits, lines = dist.HashStore(), Clock(), [], []
+    dogs = [Watchdog(store, r, world, timeout, interval_s=1.0, exit_fn=exits.append, announce=lines.append,
+                     clock=clock, hosts_store=False) for r in range(world)]
+    return dogs, clock, exits, lines
+
+
+def _advance(dogs, clock, seconds: float, *, skip=(), progress=()) -> None:
+    for _ in range(int(seconds)):
+        clock.t += 1.0
+        for d in dogs:
+            if d.rank in progress:
+                d.progress()
+        for d in dogs:
+            if d.rank not in skip:
+                d.tick()
+
+
+def test_watched_ranks_cover_everyone():
+    world, fanout = 100, 4
+    watchers = {r: [] for r in range(world)}
+    for r in range(world):
+        for w in watched_ranks(r, world, fanout):
+            watchers[w].append(r)
+    assert all(len(v) >= fanout for v in watchers.values())  # every rank has fanout watchers (rank 0 adds one)
+    assert watched_ranks(0, world, fanout) == list(range(1, world))
+    assert watched_ranks(5, 6, 16) == [0, 1, 2, 3, 4]
+
+
+def test_stopped_rank_is_named_once_after_the_timeout():
+    dogs, clock, exits, lines = _ring(4, timeout=10.0)
+    _advance(dogs, clock, 5, progress=range(4))
+    assert exits == [] and all(d.judge(clock.t) is None for d in dogs)
+    # rank 2 stops (SIGSTOP): its thread no longer publishes; the others keep going
+    _advance(dogs, clock, 10, skip={2}, progress={0, 1, 3})
+    assert exits == []  # exactly the timeout has passed: not yet
+    _advance(dogs, clock, 2, skip={2}, progress={0, 1, 3})
+    assert exits == [EXIT_STALLED] * 3
+    assert len(lines) == 1, lines
+    m = re.fullmatch(r"error: rank (\d): watchdog: rank 2 \(host (\S+), pid (\d+)\) stopped responding (\d+) s ago "
+                     r"\(--stall-timeout-s 10\)", lines[0])
+    assert m and m.group(2) == dogs[2].host and int(m.group(3)) == os.getpid()
+    assert 10 < int(m.group(4)) <= 12
+
+
+def test_hang_without_progress_names_the_oldest():
+    dogs, clock, exits, lines = _ring(3, timeout=10.0)
+    _advance(dogs, clock, 3, progress=range(3))
+    _advance(dogs, clock, 4, progress={0, 2})   # rank 1 gets stuck first
+    _advance(dogs, clock, 10, progress=())       # then everyone waits on it
+    assert exits == []  # the newest progress is exactly 10 s old: not yet
+    _advance(dogs, clock, 2, progress=())
+    assert exits and lines, (exits, lines)
+    assert "no rank made progress for" in lines[0] and "the oldest progress is on rank 1 (host" in lines[0]
+    assert "rank 0 (" not in lines[0].split("oldest")[1] and "rank 2 (" not in lines[0].split("oldest")[1]
+
+
+def test_paused_rank_suspends_the_progress_rule_but_not_the_heartbeat():
+    dogs, clock, exits, lines = _ring(2, timeout=10.0)
+    _advance(dogs, clock, 2, progress=range(2))
+    with dogs[0].paused():  # rank 0 saves a checkpoint for a long time; rank 1 waits in the barrier
+        _advance(dogs, clock, 30, progress=())
+        assert exits == []
+        _advance(dogs, clock, 12, skip={1})  # but a stopped peer is still found
+    assert exits and "rank 1 (host" in lines[0] and "stopped responding" in lines[0]
+
+
+def test_start_up_grace_then_hang_before_first_progress():
+    dogs, clock, exits, lines = _ring(2, timeout=5.0)
+    _advance(dogs, clock, 19, progress=())  # grace is 4 x 5 s: still starting up
+    assert exits == []
+    _advance(dogs, clock, 3, progress=())
+    assert exits and "no rank made progress" in lines[0]
+
+
+def test_store_that_stops_answering_is_reported():
+    class DeadStore:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise RuntimeError("Socket Timeout")
+            return fail
+
+    clock, exits, lines = Clock(), [], []
+    dog = Watchdog(DeadStore(), 1, 2, 5.0, interval_s=1.0, exit_fn=exits.append, announce=lines.append, clock=clock,
+                   store_host="10.0.0.1:29500".replace("10.0.0.1", "nodeA"))
+    for _ in range(6):
+        clock.t += 1.0
+        dog.tick()
+    assert exits == [EXIT_STALLED]
+    assert lines[0].startswith("error: rank 1: watchdog: the c10d store at nodeA:29500 has not answered for 6 s")
+
+
+def test_stall_timeout_flag_check():
+    check_stall_timeout(0)
+    check_stall_timeout(30)
+    for bad in (-1, 0.5, float("nan")):
+        with pytest.raises(ConfigError, match="--stall-timeout-s must be 0"):
+            check_stall_timeout(bad)
+
+
+# ------------------------------------------------------------------ 4 real processes
+STALL_S = 6.0
+
+
+def _stop_one_rank(tmpdir: str, victim: int) -> None:
+    rank = dist.get_rank()
+    err = open(os.path.join(tmpdir, f"stderr.{rank}"), "w")
+    os.dup2(err.fileno(), 2)  # the watchdog's line goes to fd 2; keep it per rank
+
+    def record_exit(code: int) -> None:
+        with open(os.path.join(tmpdir, f"exit.{rank}"), "w") as f:
+            f.write(f"{code} {time.time()}\n")
+        os._exit(code)
+
+    wd = start_watchdog(STALL_S, exit_fn=record_exit, interval_s=0.5)
+    wd.progress()
+    dist.barrier()
+    with open(os.path.join(tmpdir, f"pid.{rank}"), "w") as f:
+        f.write(f"{os.getpid()} {time.time()}\n")
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    import torch
+    dist.all_reduce(torch.ones(1))  # blocks forever: the victim never joins
+    raise AssertionError("the collective completed without the stopped rank")
+
+
+def test_sigstopped_rank_is_named_by_a_peer_within_the_timeout(tmp_path):
+    victim = 2
+    with pytest.raises(RuntimeError) as failure:
+        run_workers(_stop_one_rank, 4, str(tmp_path), victim, timeout=120, pg_timeout=100)
+    # run_workers SIGKILLs what is left (the stopped rank) on the way out
+    victim_pid, stopped_at = (float(x) for x in (tmp_path / f"pid.{victim}").read_text().split())
+    deadline = time.time() + 10
+    while time.time() < deadline and not all((tmp_path / f"exit.{r}").exists() for r in (1, 3)):
+        time.sleep(0.2)
+    exits = {r: (tmp_path / f"exit.{r}").read_text().split() for r in (0, 1, 3) if (tmp_path / f"exit.{r}").exists()}
+    assert {1, 3} <= set(exits) and all(int(code) == EXIT_STALLED for code, _ in exits.values()), exits
+    if 0 not in exits:  # rank 0 hosts the store and waits for the claims; its collective may fail first
+        assert "Connection closed by peer" in str(failure.value), str(failure.value)[-2000:]
+    first_exit = min(float(t) for _, t in exits.values())
+    assert STALL_S < first_exit - stopped_at < STALL_S + 5, first_exit - stopped_at
+    reports = [(tmp_path / f"stderr.{r}").read_text() for r in (0, 1, 3)]
+    named = [line for text in reports for line in text.splitlines() if "watchdog" in line]
+    assert len(named) == 1, reports
+    assert f"rank {victim} (host " in named[0] and f"pid {int(victim_pid)})" in named[0]
+    assert "stopped responding" in named[0]
+    assert not (tmp_path / f"exit.{victim}").exists()
+    with pytest.raises(ProcessLookupError):  # it was killed, not left stopped
+        for _ in range(50):
+            os.kill(int(victim_pid), 0)
+            time.sleep(0.1)

@@ -1,0 +1,62 @@
+"""Convert and reshard checkpoints: Megatron-LM v2.x layouts of any t x d, and Hugging Face models.
+
+    python tools/checkpoint_util.py --load-dir ckpt --save-dir ckpt_t1 \\
+        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
+    python tools/checkpoint_util.py --load-dir ckpt --save-dir hf_model --saver hf
+    python tools/checkpoint_util.py --loader hf --load-dir hf_model --save-dir ckpt --target-tensor-parallel-size 2
+
+Flags follow Megatron-LM's tools/checkpoint_util.py. The model is read whole (every shard
+merged), then split again for the target layout: QKV rows by head, the vocabulary padded to a
+multiple of 128 * t, pipeline stages restacked with local layer numbers. ``model`` always holds
+the newest weights, so 2BW -> flush keeps the newest version and flush -> 2BW starts both
+versions equal; the schedule is recorded for the trainer (``--target-schedule``). Optimizer state
+is not moved yet: a source holding it needs ``--no-optimizer`` (weights only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_2bw.cli import OneLineParser, run_cli
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
+
+SCHEDULES = ("2bw", "flush", "gpipe")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load-dir", required=True, help="checkpoint root, iteration dir, or Hugging Face model dir")
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--loader", choices=LOADERS[1:], help="source format (default: Hugging Face if config.json is there)")
+    p.add_argument("--saver", choices=SAVERS, default="megatron")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-schedule", choices=SCHEDULES, help="pipeline schedule the trainer resumes with")
+    p.add_argument("--no-optimizer", action="store_true", help="convert the weights only")
+    return p.parse_args(argv)
+
+
+def run(argv: list[str]) -> str:
+    args = parse_args(argv)
+    t, d = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    if t < 1 or d < 1:
+        raise ConfigError(f"target sizes must be >= 1, got tensor {t} and pipeline {d}")
+    ex, has_optimizer = load_checkpoint(args.load_dir, args.loader or "auto")
+    if has_optimizer and not args.no_optimizer:
+        raise ConfigError(f"{args.load_dir} holds optimizer state, which is not resharded yet; pass --no-optimizer "
+                          "to convert the weights only")
+    where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule)
+    cfg = ex.cfg
+    return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
+            f"at iteration {ex.iteration} to {where} as {args.saver}"
+            + (f" t={t} d={d}" if args.saver == "megatron" else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

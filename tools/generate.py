@@ -1,0 +1,98 @@
+"""Generate text from a GPT checkpoint of any layout (Megatron-LM v2.x, this trainer's, or Hugging Face).
+
+    python tools/generate.py --load ckpt --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file vocab.json --merge-file merges.txt --prompt "Once upon a time" --max-new-tokens 50
+
+Greedy when --temperature is 0; otherwise samples with optional --top-k / --top-p filters,
+reproducibly for a --seed. A key/value cache makes each new token cost one position. Tokens are
+printed as they come; each prompt's continuation ends with a newline. Without tokenizer flags
+the ones saved in the checkpoint are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from megatron_2bw.cli import OneLineParser, run_cli
+from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.checkpoints import load_checkpoint
+from megatron_2bw.export.generation import CachedGPT, Sampling, generate
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint root, iteration dir, or Hugging Face model dir")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--prompt", action="append", default=[], help="repeatable")
+    p.add_argument("--prompt-file", help="one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+    if not prompts:
+        raise ConfigError("give at least one --prompt or a --prompt-file")
+    return prompts
+
+
+def tokenizer_for(args: argparse.Namespace, saved: dict):
+    """The tokenizer the flags name, else the one the checkpoint recorded."""
+    flags = {k: getattr(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    chosen = flags if flags["tokenizer_type"] else {**flags, **saved}
+    if not chosen.get("tokenizer_type"):
+        raise ConfigError("the checkpoint records no tokenizer: give --tokenizer-type and its files")
+    return build_tokenizer(chosen["tokenizer_type"], chosen.get("tokenizer_model"), chosen.get("vocab_file"),
+                           chosen.get("merge_file"))
+
+
+def run(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    prompts = read_prompts(args)
+    ex, _ = load_checkpoint(args.load)
+    tok = tokenizer_for(args, ex.tokenizer)
+    if tok.vocab_size > ex.cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {ex.cfg.vocab_size}")
+    model = CachedGPT(ex.cfg, ex.weights, device=args.device)
+    for i, prompt in enumerate(prompts):
+        ids = tok.tokenize(prompt)
+        print(prompt, end="", flush=True)
+        done = list(ids)
+
+        def stream(token: int) -> None:  # print the text the new token adds (decoded in context)
+            before = tok.detokenize(done)
+            done.append(token)
+            print(tok.detokenize(done)[len(before):], end="", flush=True)
+
+        generate(model, ids, args.max_new_tokens, sampling, seed=args.seed + i, stop=tok.eod, on_token=stream)
+        print(flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
