@@ -64,7 +64,8 @@ def hf_converter(name: str):
         pass
     path = os.path.join(os.environ.get(CONVERTERS_ENV, ""), f"{module}.py")
     if not os.path.isfile(path):
-        pytest.skip(f"transformers has no {module} and ${CONVERTERS_ENV} does not point at it")
+        pytest.skip(f"transformers has no {module}; run: pip download transformers==4.40.2 --no-deps -d W && unzip -j "
+                    f"W/*.whl 'transformers/models/megatron_*/convert_megatron_*' -d DIR; export {CONVERTERS_ENV}=DIR")
     spec = importlib.util.spec_from_file_location(module, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -347,3 +347,15 @@ def test_build_bert_datasets(small_prefix):
     assert len(train) == 20 and len(valid) == 4
     s = train[0]
     assert s["tokens"][0] == 501 and s["tokens"].shape == (32,)
+
+
+def test_too_small_test_split_is_dropped_with_a_warning(tmp_path, caplog):
+    """Megatron's default --split 969,30,1 on a small corpus: the test sliver is dropped, not fatal."""
+    prefix = str(tmp_path / "t")
+    make_indexed(prefix, [[list(range(50))] for _ in range(9)] + [[[1, 2, 3, 4, 5]]])
+    with caplog.at_level("WARNING"):
+        train, valid, test = build_datasets("gpt", [prefix], "8,1,1", 32, (10, 5, 5), seed=0)
+    assert len(train) == 10 and len(valid) == 5 and test is None
+    assert any("no test split" in r.getMessage() and "holds 5 tokens" in r.getMessage() for r in caplog.records)
+    blended = build_datasets("gpt", ["1", prefix, "1", prefix], "8,1,1", 32, (10, 5, 5), seed=0)
+    assert blended[2] is None and len(blended[0]) == 10

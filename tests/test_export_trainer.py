@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from e2e import REPO, run, torchrun
+from e2e import PY, REPO, run, torchrun
 from export_helpers import max_err
 
 from megatron_2bw.export.checkpoints import trainer_model_config
@@ -53,7 +53,7 @@ def _stage_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
 def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path):
     from transformers import GPT2LMHeadModel
 
-    py = os.path.join(REPO, ".venv", "bin", "python") if os.path.exists(os.path.join(REPO, ".venv")) else "python"
+    py = PY
     tool = os.path.join(REPO, "tools", "checkpoint_util.py")
     refused = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "x"), "--saver", "hf"])
     assert refused.returncode == 2 and "--no-optimizer" in refused.stderr

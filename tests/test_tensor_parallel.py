@@ -11,6 +11,7 @@ from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron_2bw.tensor_parallel.mappings import gather_from_tp
 from multiproc import run_workers
+from pipeline_harness import matching_shard
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -20,25 +21,12 @@ def _tp_world() -> TPGroup:
 
 
 def _matching_shard(dense: torch.Tensor, local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """The slice of a dense tensor that this rank's shard holds (the dimension whose size differs)."""
-    for dim in range(dense.dim()):
-        if dense.shape[dim] != local.shape[dim]:
-            extra = local.shape[dim] * tp.size - dense.shape[dim]
-            if extra > 0:  # the vocabulary is padded further at larger t: padded rows are zero
-                shape = list(dense.shape)
-                shape[dim] = extra
-                dense = torch.cat([dense, dense.new_zeros(shape)], dim)
-            return dense.chunk(tp.size, dim=dim)[tp.rank]
-    return dense
+    """The slice of a dense tensor that this rank's shard holds (zero rows where the vocabulary is padded)."""
+    return matching_shard(dense, local, tp.rank, tp.size)
 
 
-def _layers_worker() -> dict:
-    tp = _tp_world()
-    one = TPGroup()
-    torch.manual_seed(0)
-    x = torch.randn(3, 5, 16, requires_grad=True)
-    errs = {}
-    # Column-parallel (gathered output) vs dense.
+def _column_errors(tp: TPGroup, one: TPGroup, x: torch.Tensor, errs: dict) -> None:
+    """Column-parallel (gathered output or not) vs dense."""
     for gather in (True, False):
         col, ref = (ColumnParallelLinear(16, 24, g, seed=7, name="c", std=0.1, gather_output=gather) for g in (tp, one))
         with torch.no_grad():
@@ -55,7 +43,10 @@ def _layers_worker() -> dict:
         torch.testing.assert_close(col.weight.grad, _matching_shard(ref.weight.grad, col.weight, tp), **TOL)
         torch.testing.assert_close(col.bias.grad, _matching_shard(ref.bias.grad, col.bias, tp), **TOL)
         errs[f"column_gather={gather}"] = (ya - yb).abs().max().item()
-    # Row-parallel: input split along the last dim.
+
+
+def _row_and_embedding_errors(tp: TPGroup, one: TPGroup, errs: dict) -> int:
+    """Row-parallel (input split along the last dim) and the vocab-parallel embedding vs dense; the padded vocab."""
     row, ref = (RowParallelLinear(24, 16, g, seed=8, name="r", std=0.1) for g in (tp, one))
     xin = torch.randn(3, 5, 24)
     xa = xin.chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
@@ -78,7 +69,11 @@ def _layers_worker() -> dict:
     (yb * 1.5).sum().backward()
     torch.testing.assert_close(emb.weight.grad, _matching_shard(ref.weight.grad, emb.weight, tp), **TOL)
     errs["embedding"] = (ya - yb).abs().max().item()
-    # Vocab-parallel cross-entropy vs F.cross_entropy over the real vocabulary only.
+    return pad
+
+
+def _cross_entropy_error(tp: TPGroup, pad: int) -> float:
+    """Vocab-parallel cross-entropy vs F.cross_entropy over the real vocabulary only."""
     vocab = 300
     full = torch.randn(6, 9, pad, generator=torch.Generator().manual_seed(4)) * 3
     target = torch.randint(0, vocab, (6, 9), generator=torch.Generator().manual_seed(5))
@@ -92,7 +87,17 @@ def _layers_worker() -> dict:
     (ref_loss * w).sum().backward()
     ref_grad = torch.cat([dense.grad, torch.zeros(6, 9, pad - vocab)], -1)
     torch.testing.assert_close(local.grad, ref_grad.chunk(tp.size, -1)[tp.rank], **TOL)
-    errs["cross_entropy"] = (loss - ref_loss).abs().max().item()
+    return (loss - ref_loss).abs().max().item()
+
+
+def _layers_worker() -> dict:
+    tp, one = _tp_world(), TPGroup()
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    errs: dict[str, float] = {}
+    _column_errors(tp, one, x, errs)
+    pad = _row_and_embedding_errors(tp, one, errs)
+    errs["cross_entropy"] = _cross_entropy_error(tp, pad)
     return errs
 
 

@@ -17,7 +17,9 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.stages import stage_range
 from .hf_format import load_hf_dir, save_hf_dir
-from .megatron_format import Exported, find_iteration_dir, read_megatron_dir, read_rank_files, write_megatron_dir
+from .megatron_format import (
+    Exported, find_iteration_dir, rank_weights, read_megatron_dir, read_rank_files, write_megatron_dir,
+)
 from .names import WORD, Split
 from .reshard import unshard
 
@@ -39,10 +41,14 @@ def _global_names(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A trainer file's ``model`` by global name.
 
     Format 1 files name parameters by their index in the stage's own layer list (the head's
-    tied copy is ``{i}.word_weight``); later ones use global names already. A stage that starts
-    past the embedding tells them apart: local indices start at 0.
+    tied copy is ``{i}.word_weight``); later ones use global names, flat or nested as Megatron's
+    ``model``. A stage that starts past the embedding tells flat local from flat global names:
+    local indices start at 0.
     """
     lay = sd["layout"]
+    if "language_model" in sd["model"]:  # Megatron-format contents
+        return {n: v.detach().float().clone() for n, v in rank_weights(
+            sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split")).items()}
     start = stage_range(cfg.num_layers, lay["d"], lay["pp_rank"], lay.get("split"))[0]
     indices = [int(n.split(".", 1)[0]) for n in sd["model"] if n != WORD]
     offset = start if start > 0 and min(indices) < start else 0

@@ -169,10 +169,18 @@ def from_hf_megatron_bert(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict
 
 
 # --------------------------------------------------------------------------- directories
+def _quiet() -> None:
+    """No progress bars from transformers: the tools print one summary line."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    hf_logging.disable_progress_bar()
+
+
 def hf_model(ex: Exported):
     """The HF model object holding ``ex``'s weights (GPT2LMHeadModel or MegatronBertForPreTraining)."""
     from transformers import GPT2LMHeadModel, MegatronBertForPreTraining  # noqa: PLC0415
 
+    _quiet()
     gpt = ex.cfg.kind == "gpt"
     model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)((gpt2_config if gpt else megatron_bert_config)(ex.cfg))
     sd = (to_hf_gpt2 if gpt else to_hf_megatron_bert)(ex.cfg, ex.weights)
@@ -193,6 +201,7 @@ def load_hf_dir(path: str) -> Exported:
     """A GPT2LMHeadModel or MegatronBertForPreTraining directory as a whole model of ours."""
     from transformers import AutoConfig, GPT2LMHeadModel, MegatronBertForPreTraining  # noqa: PLC0415
 
+    _quiet()
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
     conf = AutoConfig.from_pretrained(path, local_files_only=True)

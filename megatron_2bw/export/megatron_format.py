@@ -110,19 +110,32 @@ def qkv_from_version(value: torch.Tensor, version: float, heads: int) -> torch.T
     return value.view(3, heads, hd, *rest).transpose(0, 1).reshape(value.shape).contiguous()  # [3, heads, hd]
 
 
+def rank_contents(meta: Exported, part: dict[str, torch.Tensor], *, t: int, d: int, pp: int,
+                  schedule: str | None = None, split: Split = None) -> dict:
+    """One rank's Megatron file contents from its global-name shard ``part`` (``meta.weights`` unused).
+
+    The trainer can put these keys in its own files (and its engine state beside them under
+    keys of its own) so that Megatron's loaders and transformers' converters read them.
+    """
+    return {
+        "model": megatron_model(meta.cfg, part, d, pp, split),
+        "args": megatron_args(meta, t, d, schedule, split),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": meta.iteration,
+    }
+
+
+def rank_weights(contents: dict, cfg: ModelConfig, *, t: int, d: int, pp: int, split: Split = None) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`rank_contents`: a rank's global-name shard from its Megatron file contents."""
+    version = float(contents.get("checkpoint_version", 0.0))
+    return from_megatron_model(cfg, contents["model"], d, pp, version, t, split)
+
+
 def megatron_files(ex: Exported, t: int, d: int, schedule: str | None = None,
                    split: Split = None) -> dict[tuple[int, int], dict]:
     """Every (tensor rank, pipeline rank) file's contents for layout ``t x d``."""
-    args = megatron_args(ex, t, d, schedule, split)
-    out = {}
-    for (tp, pp), part in reshard(ex.cfg, ex.weights, t, d, split).items():
-        out[(tp, pp)] = {
-            "model": megatron_model(ex.cfg, part, d, pp, split),
-            "args": args,
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": ex.iteration,
-        }
-    return out
+    return {key: rank_contents(ex, part, t=t, d=d, pp=key[1], schedule=schedule, split=split)
+            for key, part in reshard(ex.cfg, ex.weights, t, d, split).items()}
 
 
 def rank_dir(tp: int, pp: int, d: int) -> str:
@@ -203,10 +216,9 @@ def read_megatron_dir(root: str) -> Exported:
     cfg = config_from_args(first["args"], first["model"])
     d = 1 + max(pp for _, pp in files)
     t = 1 + max(tp for tp, _ in files)
-    version = float(first.get("checkpoint_version", 0.0))
     a = vars(first["args"])
     split = a.get("pipeline_split")
-    parts = {k: from_megatron_model(cfg, f["model"], d, k[1], version, t, split) for k, f in files.items()}
+    parts = {k: rank_weights(f, cfg, t=t, d=d, pp=k[1], split=split) for k, f in files.items()}
     tok = {k: a.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if a.get(k)}
     dtype = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"
     weights = {n: v.float() for n, v in unshard(cfg, parts).items()}

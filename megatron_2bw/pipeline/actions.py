@@ -37,6 +37,14 @@ MICROBATCH_OPS: frozenset[Op] = frozenset(
 COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD})
 """Ops that run the model on a weight version (``version`` is meaningful)."""
 
+TRANSFERS: dict[Op, tuple[int, Op]] = {
+    Op.SEND_ACT: (1, Op.RECV_ACT),
+    Op.RECV_GRAD: (1, Op.SEND_GRAD),
+    Op.RECV_ACT: (-1, Op.SEND_ACT),
+    Op.SEND_GRAD: (-1, Op.RECV_GRAD),
+}
+"""Transfer op -> (peer stage offset, the op the peer runs for the same microbatch)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Action:

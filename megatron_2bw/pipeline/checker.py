@@ -62,6 +62,7 @@ class _StageRules:
         self.first, self.last = r == 0, r == d - 1
         self.lo, n_mb = first_step * m, num_steps * m
         self.limit = spec.inflight(d, r, m)
+        self.versions = [spec.version(t) for t in range(first_step, first_step + num_steps)]
         self.fwd_version = [-1] * n_mb
         self.done_bwd, self.sent_act, self.sent_grad = bytearray(n_mb), bytearray(n_mb), bytearray(n_mb)
         self.got_act, self.got_grad = bytearray(n_mb), bytearray(n_mb)
@@ -101,7 +102,7 @@ class _StageRules:
         j, v = a.mb - self.lo, a.version
         if self.fwd_version[j] >= 0:
             raise self._fail(i, a, "microbatch forwarded twice")
-        want = self.spec.version(a.step)
+        want = self.versions[a.step - self.first_step]
         if v != want:
             raise self._fail(i, a, f"forward on W({v}) but microbatch k={a.mb + 1} must use W({want})")
         if v > self.newest:

@@ -21,24 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .actions import Action, Op
-from .checker import ScheduleError
+from .actions import TRANSFERS, Action, Op
+from .replay import Rendezvous, Replay, ScheduleError
 from .schedules import stage_actions, validate_pipeline
 
-COMM_OPS: frozenset[Op] = frozenset({Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD})
-
-# op -> (peer offset, the op the peer must run, for the same microbatch)
-_PEER: dict[Op, tuple[int, Op]] = {
-    Op.SEND_ACT: (1, Op.RECV_ACT),
-    Op.RECV_GRAD: (1, Op.SEND_GRAD),
-    Op.RECV_ACT: (-1, Op.SEND_ACT),
-    Op.SEND_GRAD: (-1, Op.RECV_GRAD),
-}
+COMM_OPS: frozenset[Op] = frozenset(TRANSFERS)
 
 
 def peer_offset(op: Op) -> int:
     """+1 for transfers with the next stage, -1 for the previous one."""
-    return _PEER[op][0]
+    return TRANSFERS[op][0]
 
 
 def comm_groups(actions: Sequence[Action]) -> dict[int, int]:
@@ -64,7 +56,8 @@ def comm_groups(actions: Sequence[Action]) -> dict[int, int]:
 def check_grouped_actions(
     stages: Sequence[Sequence[Action]], groups_of: Callable[[Sequence[Action]], dict[int, int]] = comm_groups,
 ) -> None:
-    """Simulate all stages with grouped transfers; raise :class:`ScheduleError` on a deadlock.
+    """Replay all stages with grouped transfers (:class:`~.replay.Rendezvous`); raise
+    :class:`ScheduleError` on a deadlock.
 
     A stage issues a group and waits until every op in it is done. An op is done once the peer
     has posted its counterpart (same microbatch) in the group that peer is waiting on, so the
@@ -73,43 +66,7 @@ def check_grouped_actions(
     waits until every stage ran ``REDUCE_GRADS(t)`` (those reductions are collectives).
     ``groups_of`` cuts a program into groups (tests pass other cuttings to show they deadlock).
     """
-    d = len(stages)
-    groups = [groups_of(a) for a in stages]
-    pc = [0] * d
-    reduced: dict[int, int] = {}
-    pending: dict[int, set[tuple[Op, int]]] = {}  # stage -> ops of its current group not yet done
-    while True:
-        before = list(pc)
-        for r in range(d):  # run every stage up to its next group, a blocked update or its end
-            acts = stages[r]
-            while pc[r] < len(acts) and pc[r] not in groups[r]:
-                a = acts[pc[r]]
-                if a.op is Op.APPLY_UPDATE and reduced.get(a.step, 0) < d:
-                    break
-                if a.op is Op.REDUCE_GRADS:
-                    reduced[a.step] = reduced.get(a.step, 0) + 1
-                pc[r] += 1
-            if pc[r] in groups[r] and r not in pending:
-                pending[r] = {(a.op, a.mb) for a in acts[pc[r]:groups[r][pc[r]]]}
-        if all(pc[r] == len(stages[r]) for r in range(d)):
-            return
-        matched = False
-        for r in list(pending):
-            for op, mb in list(pending[r]):
-                off, want = _PEER[op]
-                peer = pending.get(r + off)
-                if peer is not None and (want, mb) in peer:
-                    peer.discard((want, mb))
-                    pending[r].discard((op, mb))
-                    matched = True
-        for r in [r for r, left in pending.items() if not left]:
-            pc[r] = groups[r][pc[r]]
-            del pending[r]
-        if pc == before and not matched:
-            stuck = ", ".join(
-                f"stage {r} at #{pc[r]} {stages[r][pc[r]]}" for r in range(d) if pc[r] < len(stages[r])
-            )
-            raise ScheduleError(f"grouped transfers deadlock: {stuck}")
+    Replay(stages, channel=Rendezvous(groups_of)).run()
 
 
 def check_grouped(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3) -> None:

@@ -10,11 +10,12 @@ it waits for happens, so sweeping every small pipeline stays fast. Blocking poin
   is one group, done only when every op in it meets its counterpart in the group the peer is blocked on);
 - ``APPLY_UPDATE(t)``, until every stage ran ``REDUCE_GRADS(t)`` (the reductions are collectives).
 
-The optional clock (:class:`Timing`) gives every action a start and an end: compute takes its stage's
-time, a message occupies its link after the later of its send and the link's previous message and
-arrives ``latency`` later, a receive ends at the later of the stage's clock and the arrival, and the
-reduction chain of step t is done for every stage at ``max_r(launch_r + reduce_s_r) + collective_s``,
-chains finishing in step order. Without one, compute takes one unit and everything else is free.
+The clock (:class:`Timing`; by default compute takes one unit and everything else is free) ends every
+action at a time: compute takes its stage's time; a message occupies its link after the later of its
+send and the link's previous message and arrives ``latency`` later; a receive ends at the later of the
+stage's clock and the arrival; the reduction chain of step t is done for every stage at
+``max_r(launch_r + reduce_s_r) + collective_s``, chains finishing in step order; an update starts when
+its chain is done.
 
 Rules (the checker's semantics) plug in per stage: ``check[op](i, action)`` runs once before each action
 and ``finish()`` when the stage's program ends; both raise to refuse the program.
@@ -25,9 +26,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
-from .actions import Action, Op
+from .actions import TRANSFERS, Action, Op
 
 BLOCKED = -1  # a handler's answer when the stage must wait
 
@@ -69,15 +71,21 @@ class Timing:
 
 @dataclass
 class Trace:
-    """Every action's start and end per stage, in program order."""
+    """When every action ended, per stage in program order; ``update_start`` where an update waited."""
 
-    start: list[list[float]]
     end: list[list[float]]
-    clock: list[float]
+    update_start: dict[tuple[int, int], float]
+
+    def start(self, r: int, i: int) -> float:
+        """An action starts when the one before it ended (an update: when its reduction was done)."""
+        waited = self.update_start.get((r, i))
+        if waited is not None:
+            return waited
+        return self.end[r][i - 1] if i else 0.0
 
     @property
     def makespan(self) -> float:
-        return max(self.clock, default=0.0)
+        return max((e[-1] for e in self.end if e), default=0.0)
 
 
 _NO_PEER = {
@@ -89,7 +97,7 @@ _NO_PEER = {
 
 
 class Replay:
-    """Runs every stage's program with one channel model, an optional clock and optional rules."""
+    """Runs every stage's program with one channel model, a clock and optional rules."""
 
     def __init__(
         self, programs: Sequence[Sequence[Action]], *, channel: Fifo | Rendezvous | None = None,
@@ -101,8 +109,8 @@ class Replay:
         self.timing = timing or Timing.unit(d)
         self.rules, self.error = rules, error
         self.pc, self.clock = [0] * d, [0.0] * d
-        self.start = [[0.0] * len(p) for p in self.programs]
         self.end = [[0.0] * len(p) for p in self.programs]
+        self.update_start: dict[tuple[int, int], float] = {}
         self.resumed = [False] * d  # blocked inside an action: its rules already ran
         self.ready: deque[int] = deque(range(d))
         self.launched: dict[int, dict[int, float]] = {}  # step -> stage -> its reduction chain's end
@@ -110,17 +118,22 @@ class Replay:
         self.last_reduced = 0.0
         self.update_waiters: dict[int, list[int]] = {}
         self.channel = channel or Fifo()
-        self.handlers: dict[Op, Handler] = {
-            Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
-            Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, **self.channel.attach(self),
+        self.channel.attach(self)
+        self.handlers = [self._stage_handlers(r) for r in range(d)]
+
+    def _stage_handlers(self, r: int) -> dict[Op, Handler]:
+        t = self.timing
+        return {
+            Op.FORWARD: partial(self._compute, t.forward_s[r]), Op.BACKWARD: partial(self._compute, t.backward_s[r]),
+            Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, **self.channel.handlers(r),
         }
 
     def fail(self, r: int, i: int, a: Action, msg: str) -> Exception:
         return self.error(f"stage {r} action #{i} {a}: {msg}")
 
-    def no_peer(self, r: int, i: int, a: Action) -> Exception:
-        """A transfer towards a stage that does not exist."""
-        return self.fail(r, i, a, _NO_PEER[a.op])
+    def no_peer(self, r: int, i: int, a: Action) -> int:
+        """The handler of a transfer towards a stage that does not exist."""
+        raise self.fail(r, i, a, _NO_PEER[a.op])
 
     def run(self) -> Trace:
         """Run to the end; the error names every stuck stage or the messages never received."""
@@ -134,11 +147,11 @@ class Replay:
         left = self.channel.leftover()
         if left is not None:
             raise self.error(f"messages between stages {left} and {left + 1} were never received")
-        return Trace(self.start, self.end, self.clock)
+        return Trace(self.end, self.update_start)
 
     def _advance(self, r: int) -> None:
         """Run stage ``r`` until it blocks or its program ends."""
-        prog, handlers = self.programs[r], self.handlers
+        prog, handlers = self.programs[r], self.handlers[r]
         n, i = len(prog), self.pc[r]
         if self.resumed[r]:  # the action it blocked in: its rules already ran
             i = handlers[prog[i].op](r, i, prog[i])
@@ -148,10 +161,9 @@ class Replay:
         check = self.rules[r].check if self.rules is not None else None
         while i < n:
             a = prog[i]
-            op = a.op
             if check is not None:
-                check[op](i, a)
-            nxt = handlers[op](r, i, a)
+                check[a.op](i, a)
+            nxt = handlers[a.op](r, i, a)
             if nxt == BLOCKED:
                 self.pc[r], self.resumed[r] = i, True
                 return
@@ -160,16 +172,8 @@ class Replay:
         if self.rules is not None:
             self.rules[r].finish()
 
-    def _forward(self, r: int, i: int, a: Action) -> int:
-        now = self.clock[r]
-        self.start[r][i] = now
-        self.end[r][i] = self.clock[r] = now + self.timing.forward_s[r]
-        return i + 1
-
-    def _backward(self, r: int, i: int, a: Action) -> int:
-        now = self.clock[r]
-        self.start[r][i] = now
-        self.end[r][i] = self.clock[r] = now + self.timing.backward_s[r]
+    def _compute(self, seconds: float, r: int, i: int, a: Action) -> int:
+        self.end[r][i] = self.clock[r] = self.clock[r] + seconds
         return i + 1
 
     def _reduce(self, r: int, i: int, a: Action) -> int:
@@ -181,7 +185,6 @@ class Replay:
             self.last_reduced = max(self.last_reduced, max(chains.values()) + t.collective_s)
             self.reduced_at[a.step] = self.last_reduced
             self.ready.extend(self.update_waiters.pop(a.step, ()))
-        self.start[r][i] = now
         self.end[r][i] = self.clock[r] = now + t.reduce_busy_s[r]
         return i + 1
 
@@ -190,94 +193,75 @@ class Replay:
         if done is None:
             self.update_waiters.setdefault(a.step, []).append(r)
             return BLOCKED
-        start = max(self.clock[r], done)
-        self.start[r][i] = start
+        start = self.clock[r] if self.clock[r] > done else done
+        if start > self.clock[r]:
+            self.update_start[(r, i)] = start
         self.end[r][i] = self.clock[r] = start + self.timing.update_s[r]
         return i + 1
 
 
-class Fifo:
-    """Sends never block; each boundary and direction is a FIFO queue of (microbatch, arrival).
+class _Link:
+    """One boundary in one direction: queued (microbatch, arrival), when it is next free, and
+    whether its receiver is blocked on it."""
 
-    Boundary ``b`` sits between stages ``b`` and ``b + 1``.
-    """
+    __slots__ = ("queue", "free", "waiting", "transfer_s", "latency_s")
+
+    def __init__(self, transfer_s: float, latency_s: float) -> None:
+        self.queue: deque[tuple[int, float]] = deque()
+        self.free, self.waiting = 0.0, False
+        self.transfer_s, self.latency_s = transfer_s, latency_s
+
+
+class Fifo:
+    """Sends never block; each boundary (between stages b and b + 1) and direction is a FIFO queue."""
 
     deadlock = "deadlock"
 
-    def attach(self, replay: Replay) -> dict[Op, Handler]:
-        d = replay.d
-        self.replay, self.last = replay, d - 1
-        self.acts: list[deque[tuple[int, float]]] = [deque() for _ in range(d)]
-        self.grads: list[deque[tuple[int, float]]] = [deque() for _ in range(d)]
-        self.act_waiting, self.grad_waiting = [False] * d, [False] * d
-        self.act_free, self.grad_free = [0.0] * d, [0.0] * d  # when each link is next free
-        return {Op.SEND_ACT: self._send_act, Op.SEND_GRAD: self._send_grad,
-                Op.RECV_ACT: self._recv_act, Op.RECV_GRAD: self._recv_grad}
+    def attach(self, replay: Replay) -> None:
+        t, self.replay = replay.timing, replay
+        self.acts = [_Link(t.transfer_s[b], t.latency_s[b]) for b in range(replay.d - 1)]
+        self.grads = [_Link(t.transfer_s[b], t.latency_s[b]) for b in range(replay.d - 1)]
 
-    def _send(self, r: int, i: int, b: int, queue: deque, free: list[float], mb: int) -> None:
-        """Queue a message on boundary ``b``'s link after the later of now and its previous one."""
+    def handlers(self, r: int) -> dict[Op, Handler]:
+        """Stage ``r``'s transfers bound to its links (a missing neighbour refuses them)."""
+        no = self.replay.no_peer
+        first, last = r == 0, r == self.replay.d - 1
+        return {
+            Op.SEND_ACT: no if last else partial(self._send, self.acts[r], r + 1),
+            Op.RECV_GRAD: no if last else partial(self._recv, self.grads[r], r + 1, "gradient"),
+            Op.RECV_ACT: no if first else partial(self._recv, self.acts[r - 1], r - 1, "activations"),
+            Op.SEND_GRAD: no if first else partial(self._send, self.grads[r - 1], r - 1),
+        }
+
+    def _send(self, link: _Link, receiver: int, r: int, i: int, a: Action) -> int:
+        """Queue the message on the link after the later of now and the link's previous message."""
         rp = self.replay
-        now, t = rp.clock[r], rp.timing
-        start = now if now > free[b] else free[b]
-        free[b] = start + t.transfer_s[b]
-        queue.append((mb, free[b] + t.latency_s[b]))
-        rp.start[r][i] = rp.end[r][i] = now
+        now = rp.clock[r]
+        link.free = (now if now > link.free else link.free) + link.transfer_s
+        link.queue.append((a.mb, link.free + link.latency_s))
+        if link.waiting:
+            link.waiting = False
+            rp.ready.append(receiver)
+        rp.end[r][i] = now
+        return i + 1
 
-    def _recv(self, r: int, i: int, a: Action, queue: deque, sender: int, what: str) -> int:
+    def _recv(self, link: _Link, sender: int, what: str, r: int, i: int, a: Action) -> int:
         """Take the head message, which must be ``a``'s microbatch; the wait ends at its arrival."""
+        if not link.queue:
+            link.waiting = True
+            return BLOCKED
         rp = self.replay
-        mb, arrival = queue[0]
+        mb, arrival = link.queue[0]
         if mb != a.mb:
             raise rp.fail(r, i, a, f"mismatched order: stage {sender} sent the {what} of microbatch {mb} first")
-        queue.popleft()
+        link.queue.popleft()
         now = rp.clock[r]
-        rp.start[r][i] = now
         rp.end[r][i] = rp.clock[r] = arrival if arrival > now else now
         return i + 1
 
-    def _send_act(self, r: int, i: int, a: Action) -> int:
-        if r == self.last:
-            raise self.replay.no_peer(r, i, a)
-        self._send(r, i, r, self.acts[r], self.act_free, a.mb)
-        if self.act_waiting[r]:
-            self.act_waiting[r] = False
-            self.replay.ready.append(r + 1)
-        return i + 1
-
-    def _send_grad(self, r: int, i: int, a: Action) -> int:
-        if r == 0:
-            raise self.replay.no_peer(r, i, a)
-        self._send(r, i, r - 1, self.grads[r - 1], self.grad_free, a.mb)
-        if self.grad_waiting[r - 1]:
-            self.grad_waiting[r - 1] = False
-            self.replay.ready.append(r - 1)
-        return i + 1
-
-    def _recv_act(self, r: int, i: int, a: Action) -> int:
-        if r == 0:
-            raise self.replay.no_peer(r, i, a)
-        if not self.acts[r - 1]:
-            self.act_waiting[r - 1] = True
-            return BLOCKED
-        return self._recv(r, i, a, self.acts[r - 1], r - 1, "activations")
-
-    def _recv_grad(self, r: int, i: int, a: Action) -> int:
-        if r == self.last:
-            raise self.replay.no_peer(r, i, a)
-        if not self.grads[r]:
-            self.grad_waiting[r] = True
-            return BLOCKED
-        return self._recv(r, i, a, self.grads[r], r + 1, "gradient")
-
     def leftover(self) -> int | None:
         """The first boundary with a message nobody received."""
-        for b in range(self.replay.d):
-            if self.acts[b] or self.grads[b]:
-                return b
-        return None
-
-
-_COUNTERPART = {Op.SEND_ACT: Op.RECV_ACT, Op.RECV_ACT: Op.SEND_ACT, Op.SEND_GRAD: Op.RECV_GRAD, Op.RECV_GRAD: Op.SEND_GRAD}
+        return next((b for b in range(len(self.acts)) if self.acts[b].queue or self.grads[b].queue), None)
 
 
 class Rendezvous:
@@ -292,12 +276,14 @@ class Rendezvous:
     def __init__(self, groups_of: Callable[[Sequence[Action]], dict[int, int]]) -> None:
         self.groups_of = groups_of
 
-    def attach(self, replay: Replay) -> dict[Op, Handler]:
+    def attach(self, replay: Replay) -> None:
         self.replay = replay
         self.groups = [self.groups_of(p) for p in replay.programs]
         self.pending: list[set[tuple[Op, int]] | None] = [None] * replay.d  # the posted group's open ops
         self.done_at = [0.0] * replay.d  # when its last op met its counterpart
-        return dict.fromkeys(_COUNTERPART, self._group)
+
+    def handlers(self, r: int) -> dict[Op, Handler]:
+        return dict.fromkeys(TRANSFERS, self._group)
 
     def _group(self, r: int, i: int, a: Action) -> int:
         """Post the group starting at ``i`` (first visit), then wait until it is done."""
@@ -310,13 +296,13 @@ class Rendezvous:
         if pending[r]:
             return BLOCKED
         pending[r] = None
-        now, done = rp.clock[r], max(rp.clock[r], self.done_at[r])
+        rp.clock[r] = max(rp.clock[r], self.done_at[r])
         for j in range(i, end):
-            rp.start[r][j], rp.end[r][j] = now, done
-        rp.clock[r] = done
+            rp.end[r][j] = rp.clock[r]
         return end
 
     def _post(self, r: int, i: int, end: int) -> None:
+        """Match the group's ops against the peer's posted group; wake the peer if that completes it."""
         rp = self.replay
         acts = rp.programs[r][i:end]
         peers = {self._peer(r, i + k, x) for k, x in enumerate(acts)}
@@ -327,18 +313,18 @@ class Rendezvous:
             if not theirs:
                 continue
             for op, mb in list(mine):
-                if (_COUNTERPART[op], mb) in theirs:
+                if (TRANSFERS[op][1], mb) in theirs:
                     mine.discard((op, mb))
-                    theirs.discard((_COUNTERPART[op], mb))
+                    theirs.discard((TRANSFERS[op][1], mb))
                     met = max(rp.clock[r], self.done_at[p])
                     self.done_at[r], self.done_at[p] = max(self.done_at[r], met), max(self.done_at[p], met)
             if not theirs:
                 rp.ready.append(p)
 
     def _peer(self, r: int, i: int, a: Action) -> int:
-        p = r + (1 if a.op is Op.SEND_ACT or a.op is Op.RECV_GRAD else -1)
+        p = r + TRANSFERS[a.op][0]
         if not 0 <= p < self.replay.d:
-            raise self.replay.no_peer(r, i, a)
+            self.replay.no_peer(r, i, a)
         return p
 
     def leftover(self) -> int | None:

@@ -2,9 +2,10 @@
 
 ``run_workers(fn, n, *args)`` starts ``n`` spawned processes on a fresh free port, calls
 ``fn(*args)`` in each after ``torch.distributed`` is initialized (gloo by default; with
-``backend="nccl"`` rank r first selects GPU r), and returns the list of per-rank return values. A worker that raises fails the call with its traceback; a job that does
-not finish within ``timeout`` seconds is killed and fails: a hang is a failure, never a stuck CI.
-``fn`` must be a module-level function (it is pickled by name).
+``backend="nccl"`` rank r first selects GPU r), and returns the list of per-rank return values.
+A worker that raises fails the call with its traceback; a job that does not finish within
+``timeout`` seconds is killed and fails: a hang is a failure, never a stuck CI. ``fn`` must be a
+module-level function (it is pickled by name).
 """
 
 from __future__ import annotations
