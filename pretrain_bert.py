@@ -1,4 +1,6 @@
-"""Pre-train BERT with PipeDream-2BW (default), PipeDream-Flush or GPipe, Megatron-LM's flags.
+"""Pre-train BERT with PipeDream-2BW, PipeDream-Flush or GPipe, Megatron-LM's flags.
+
+The schedule defaults to 2BW with several pipeline stages and to Flush with one.
 
     torchrun --nproc-per-node 4 pretrain_bert.py --model-preset bert-demo --pipeline-model-parallel-size 2 \\
         --micro-batch-size 4 --global-batch-size 16 --train-iters 200 --lr 1e-3 --device cpu \\

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .config import (
-    DECAY_STYLES, P2P_MODES, DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, PipelineConfig, RunConfig,
+    DECAY_STYLES, P2P_MODES, DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig,
     SystemConfig, TrainingConfig, layout_configs,
 )
 
@@ -29,6 +29,7 @@ __all__ = [
 from .errors import ConfigError, run_cli
 from .models.presets import GPT2_VOCAB, PRESETS, get_preset
 from .pipeline.schedules import SCHEDULE_NAMES
+from .yaml_cfg import YAML_FLAG, expand_yaml_cfg, explain_unrecognized
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("gloo", "nccl")
@@ -44,10 +45,13 @@ def _require(cond: bool, msg: str) -> None:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is a ConfigError (one line) instead of usage text and exit."""
+    """argparse, but a usage mistake is a ConfigError (one line) instead of usage text and exit.
+
+    An unknown flag's line names the nearest known flag (or says a Megatron flag is not supported).
+    """
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
+        raise ConfigError(explain_unrecognized(message, self))
 
 
 # --------------------------------------------------------------------------- the table
@@ -106,7 +110,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--init-method-std", "model.init_method_std", MODEL, float),
     Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),
     Flag("--pipeline-model-parallel-size", "parallel.pipeline", PAR, int, 1),
-    Flag("--pipeline-schedule", "pipeline.schedule", PAR, choices=SCHEDULE_NAMES, help=f"default {SCHEDULE_NAMES[0]}"),
+    Flag("--pipeline-schedule", "pipeline.schedule", PAR, choices=SCHEDULE_NAMES,
+         help="default: 2bw with more than one pipeline stage, flush with one (where 2BW would only add a stale "
+              "gradient and a second weight copy)"),
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),
@@ -120,7 +126,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--auto-plan-profile", None, PAR, help="profile JSON to plan from (written here by a single-process run)"),
     Flag("--cluster", None, PAR, help="--auto-plan: cluster preset or JSON file (default: describe this machine)"),
     Flag("--global-batch-size", "training.global_batch_size", PAR, int,
-         help="default: micro batch size x data-parallel size"),
+         help="default: micro batch size x data-parallel size x pipeline stages (d microbatches per step, "
+              "the fewest PipeDream-2BW allows)"),
     Flag("--recompute-activations", "pipeline.recompute", PAR, const=True),
     Flag("--checkpoint-activations", "pipeline.recompute", PAR, const=True, alias=True,
          help="old spelling of --recompute-activations"),
@@ -158,6 +165,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--short-seq-prob", "data.short_seq_prob", DATA, float, 0.1, kinds=("bert",)),
     Flag("--save", "training.save", CKPT, help="checkpoint directory to write"),
     Flag("--load", "training.load", CKPT, help="checkpoint directory to resume from"),
+    Flag("--override-resumed-settings", "training.override_resumed_settings", CKPT, const=True,
+         help="resume although data or schedule settings differ from the checkpoint's (each change is logged)"),
     Flag("--save-interval", "training.save_interval", CKPT, int),
     Flag("--log-interval", "training.log_interval", LOG, int, 100),
     Flag("--eval-interval", "training.eval_interval", LOG, int, 1000),
@@ -169,6 +178,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
     Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
     Flag("--fused-kernels", "system.fused_kernels", SYS, choices=("auto", "apex", "torch"), default="auto"),
+    Flag(YAML_FLAG, None, SYS, help="YAML mapping of flag names (train_iters or train-iters) to values; "
+                                    "flags on the command line win"),
+    Flag("--validate-only", None, SYS, const=True,
+         help="check the flags, tokenizer, data and checkpoint to resume as every rank would, print one line "
+              "(config OK: ... or error: ...) and exit 0 or 2 without starting a process group"),
 )
 # What the tools (planner, profiler, simulator) take beyond the trainer's model flags: the trainer
 # gets the kind from its script's name and the vocabulary from its tokenizer.
@@ -205,7 +219,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None, kind: str) -> argparse.Namespace:
-    return build_parser(kind).parse_args(argv)
+    """The trainer's flags; ``--yaml-cfg FILE`` supplies flags that the command line may override."""
+    parser = build_parser(kind)
+    return parser.parse_args(None if argv is None else expand_yaml_cfg(list(argv), parser))
 
 
 # --------------------------------------------------------------------------- flags -> config
@@ -262,14 +278,29 @@ def model_config(args: argparse.Namespace, kind: str | None = None, *, base: Mod
     return ModelConfig(kind=want, num_tokentypes=2 if want == "bert" else 0, **given)
 
 
+def default_schedule(d: int) -> tuple[str, str]:
+    """(schedule, why) without ``--pipeline-schedule``: 2BW needs stages to overlap; with one it only costs."""
+    if d > 1:
+        return "2bw", f"{d} pipeline stages: PipeDream-2BW keeps every stage busy without flushes"
+    return "flush", "one pipeline stage: PipeDream-2BW would only add a stale gradient and a second weight copy"
+
+
 def schedule_of(args: argparse.Namespace) -> str:
-    """``--pipeline-schedule`` or an older spelling of it (contradictions refused)."""
+    """``--pipeline-schedule`` or an older spelling of it (contradictions refused), else the depth's default."""
     old = _switched(args, "pipeline.schedule")
     _require(len(old) <= 1, f"{' and '.join(f.name for f in old)} contradict each other")
     given = args.pipeline_schedule
     if given and old and old[0].const != given:
         raise ConfigError(f"{old[0].name} contradicts --pipeline-schedule {given}")
-    return given or (old[0].const if old else _default(PipelineConfig, "schedule"))
+    return given or (old[0].const if old else default_schedule(args.pipeline_model_parallel_size)[0])
+
+
+def schedule_note(args: argparse.Namespace) -> str | None:
+    """The start-up line saying which schedule was chosen by default and why (None when one was given)."""
+    if args.pipeline_schedule or _switched(args, "pipeline.schedule") or getattr(args, "auto_plan", False):
+        return None
+    schedule, why = default_schedule(args.pipeline_model_parallel_size)
+    return f"--pipeline-schedule not given: {schedule} ({why})"
 
 
 def precision_of(args: argparse.Namespace) -> str:
@@ -302,7 +333,9 @@ def lr_config(args: argparse.Namespace) -> LRConfig:
 
 
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
-    return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch})
+    override = bool(_switched(args, "training.override_resumed_settings"))
+    return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch,
+                             "override_resumed_settings": override})
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:
@@ -338,8 +371,9 @@ def build_config(
     model = model_config(args, kind)
     parallel, pipe, B = layout_configs(layout or layout_of(args), model, args.global_batch_size, world_size,
                                        args.p2p_mode)
-    return RunConfig(kind, model, parallel, pipe, optimizer_config(args), lr_config(args), training_config(args, B),
-                     data_config(args), system_config(args, cuda_available))
+    opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
+    return RunConfig(kind, model, parallel, pipe, opt, lr_config(args), training, data_config(args),
+                     system_config(args, cuda_available))
 
 
 # --------------------------------------------------------------------------- config -> flags

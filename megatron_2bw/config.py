@@ -7,16 +7,35 @@ table in ``cli.py``; nothing here imports torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .errors import ConfigError
 from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
 
+# fp16's largest finite value: a constant loss scale above it overflows every scaled loss >= 1.
+FP16_MAX = 65504.0
+# numpy's seeds (the data order) are 32-bit.
+MAX_SEED = 2**32 - 1
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require_finite(obj: object) -> None:
+    """Refuse inf/nan in any float field of a config dataclass (a flag typed ``float`` accepts them)."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, float):
+            _require(math.isfinite(v), f"{_flag(f.name)} must be a finite number, got {v}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,9 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             v = getattr(self, name)
             _require(0.0 <= v < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
+        _require_finite(self)
+        _require(self.layernorm_epsilon > 0, f"--layernorm-epsilon must be positive, got {self.layernorm_epsilon}")
+        _require(self.init_method_std >= 0, f"--init-method-std must be >= 0, got {self.init_method_std}")
 
     @property
     def head_dim(self) -> int:
@@ -181,10 +203,27 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}")
         _require(self.dtype in DTYPES, f"precision must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require_finite(self)
         _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
         _require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
-        _require(self.loss_scale is None or self.loss_scale > 0, f"--loss-scale must be positive, got {self.loss_scale}")
+        _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _require(self.adam_eps > 0,
+                 f"--adam-eps must be positive (it keeps Adam's denominator off zero), got {self.adam_eps}")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "--adam-beta1/2 must be in [0, 1)")
+        _require(0 <= self.sgd_momentum < 1, f"--sgd-momentum must be in [0, 1), got {self.sgd_momentum}")
+        self._check_loss_scale()
+
+    def _check_loss_scale(self) -> None:
+        s = self.loss_scale
+        _require(s is None or s > 0, f"--loss-scale must be positive, got {s}")
+        _require(
+            s is None or self.dtype != "fp16" or s <= FP16_MAX,
+            f"--loss-scale {s} is above fp16's largest value {FP16_MAX:g}: every scaled loss >= 1 would overflow "
+            "and every step be skipped (leave --loss-scale unset for dynamic scaling)",
+        )
+        _require(self.initial_loss_scale > 0, f"--initial-loss-scale must be positive, got {self.initial_loss_scale}")
+        _require(self.min_loss_scale > 0, f"--min-loss-scale must be positive, got {self.min_loss_scale}")
+        _require(self.loss_scale_window >= 1, f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
 
     @property
     def torch_dtype(self):
@@ -208,6 +247,7 @@ class LRConfig:
 
     def __post_init__(self) -> None:
         _require(self.decay_style in DECAY_STYLES, f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}")
+        _require_finite(self)
         _require(self.lr > 0, f"--lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
         _require(self.warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.warmup_iters}")
@@ -234,9 +274,12 @@ class TrainingConfig:
     exit_interval: int | None = None
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
+    override_resumed_settings: bool = False  # resume although data or schedule settings changed
 
     def __post_init__(self) -> None:
         _require(self.train_iters >= 1, f"--train-iters must be >= 1, got {self.train_iters}")
+        _require(0 <= self.seed <= MAX_SEED,
+                 f"--seed must be in [0, 2**32 - 1] (numpy seeds the data order), got {self.seed}")
         _require(self.global_batch_size >= 1, f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
             v = getattr(self, name)
@@ -269,7 +312,10 @@ class SystemConfig:
     fused_kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.timeout_minutes > 0, f"--distributed-timeout-minutes must be positive, got {self.timeout_minutes}")
+        _require(
+            0 < self.timeout_minutes < math.inf,
+            f"--distributed-timeout-minutes must be a positive finite number, got {self.timeout_minutes}",
+        )
         _require(
             not (self.backend == "nccl" and self.device != "cuda"),
             "--distributed-backend nccl needs --device cuda (use gloo on CPU)",
@@ -292,7 +338,8 @@ def layout_configs(
 ) -> tuple[ParallelConfig, PipelineConfig, int]:
     """(ParallelConfig, PipelineConfig, global batch B) of ``layout``, checked against the model and world.
 
-    ``B`` defaults to ``b * w``; the microbatches per step and pipeline are ``m = B / (b * w)``.
+    ``B`` defaults to ``b * w * d`` (``m = d``: the fewest microbatches PipeDream-2BW allows, and a
+    small bubble for the flushing schedules); the microbatches per step and pipeline are ``m = B / (b * w)``.
     """
     par = ParallelConfig(layout.tensor, layout.pipeline)
     model.check_tensor_parallel(par.tensor)
@@ -304,7 +351,7 @@ def layout_configs(
     b, w = layout.micro_batch_size, par.data
     _require(b is not None, "--micro-batch-size is required (or give --auto-plan)")
     _require(b >= 1, f"--micro-batch-size must be >= 1, got {b}")
-    B = global_batch_size if global_batch_size is not None else b * w
+    B = global_batch_size if global_batch_size is not None else b * w * par.pipeline
     _require(B >= 1, f"--global-batch-size must be >= 1, got {B}")
     _require(
         B % (b * w) == 0,

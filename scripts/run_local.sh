@@ -3,8 +3,17 @@
 #
 #   scripts/run_local.sh pretrain_gpt.py --model-preset gpt-demo --pipeline-model-parallel-size 2 ...
 #
+# The flags are validated once before any worker starts (one error line, exit 2). torchrun
+# restarts failed workers up to MAX_RESTARTS times; pass --load equal to --save so a restart
+# resumes from the last checkpoint. Ctrl-C (or SIGTERM/SIGUSR1 to torchrun) reaches every worker:
+# with --exit-signal-handler they save a checkpoint at the next step boundary and exit.
+#
 # Environment: PYTHON (default .venv/bin/python if present, else python3), NPROC (default: the GPU
-# count, else 4), DEVICE (default: cuda with GPUs, else cpu), OMP_NUM_THREADS (CPU: cores / NPROC).
+# count, else 4), DEVICE (default: cuda with GPUs, else cpu), OMP_NUM_THREADS (CPU: cores / NPROC),
+# MAX_RESTARTS (torchrun --max-restarts, default 3), SHUTDOWN_TIMEOUT (seconds torchrun waits for
+# workers to save after a signal, default 120), VALIDATE (auto|1|0: run "SCRIPT FLAGS --validate-only"
+# first; auto: when the entry point has that flag), VALIDATE_TIMEOUT (seconds that check may take
+# before the rest is left to the trainers, default 20; 0: no limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
@@ -25,6 +34,28 @@ if [[ "$DEVICE" == cpu && -z "${OMP_NUM_THREADS:-}" ]]; then
   CORES=$(nproc 2>/dev/null || echo 1)
   export OMP_NUM_THREADS=$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))
 fi
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 
-echo "run_local: $NPROC process(es) on $DEVICE" >&2
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$SCRIPT" --device "$DEVICE" "$@"
+VALIDATE=${VALIDATE:-auto}
+if [[ "$VALIDATE" == auto ]]; then
+  VALIDATE=0
+  if "$PYTHON" "$SCRIPT" --help 2>/dev/null | grep -qE -- '(^|[^a-z-])--validate-only([^a-z-]|$)'; then VALIDATE=1; fi
+fi
+if [[ "$VALIDATE" == 1 ]]; then
+  # One process sees the whole world, so layout errors show here; it prints one line and exits 2.
+  # Flag and file mistakes show within seconds; building the data indices of a long run can take
+  # minutes, which the trainers do anyway: past VALIDATE_TIMEOUT (0: no limit) the rest is left to them.
+  VRC=0
+  RANK=0 LOCAL_RANK=0 WORLD_SIZE="$NPROC" timeout "${VALIDATE_TIMEOUT:-20}" "$PYTHON" "$SCRIPT" --device "$DEVICE" "$@" --validate-only || VRC=$?
+  if [[ "$VRC" == 124 ]]; then
+    echo "run_local: --validate-only still busy after ${VALIDATE_TIMEOUT:-20} s (data indices): the trainers check the rest" >&2
+  elif [[ "$VRC" != 0 ]]; then
+    exit "$VRC"
+  fi
+fi
+
+echo "run_local: $NPROC process(es) on $DEVICE (max restarts $MAX_RESTARTS)" >&2
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
+  "$SCRIPT" --device "$DEVICE" "$@"

@@ -3,13 +3,27 @@
 #
 #   bash scripts/slurm_launch.sh pretrain_gpt.py FLAGS...      (inside an sbatch allocation)
 #
-# The first host of the job is the rendezvous address; every node runs one torchrun with its
-# SLURM node id as --node-rank, so global ranks are contiguous per node (tensor-parallel
-# groups stay inside a server). Everything is overridable by environment variables:
-#   REPO               repository root (default: $SLURM_SUBMIT_DIR, else the current directory)
-#   PYTHON             interpreter with megatron_2bw installed (default: $REPO/.venv/bin/python if present)
-#   NPROC_PER_NODE     processes per node (default: GPUs on the node, else $CPU_PROCS_PER_NODE or 4)
-#   MASTER_ADDR/PORT   rendezvous (default: first host of $SLURM_JOB_NODELIST, port 20000 + job id % 20000)
+# 1. The flags are validated once, here, before any worker starts (one error line, exit 2).
+# 2. Every node runs one torchrun (c10d rendezvous at the first host of the job, so
+#    --max-restarts restarts every node together from the last checkpoint). Global ranks are
+#    contiguous per node (tensor-parallel groups stay inside a server).
+# 3. SLURM's warning signal (sbatch --signal=B:USR1@300) reaches this shell, which forwards it to
+#    the job steps (scancel --signal); torchrun passes it on to the trainers (--signals-to-handle),
+#    which save a checkpoint at the next step boundary and exit; torchrun waits SHUTDOWN_TIMEOUT s.
+# 4. If the job was signalled, or the trainer exited 0 (e.g. --exit-duration-in-mins) before
+#    --train-iters, and the checkpoint advanced, the job requeues itself (scontrol requeue) and
+#    resumes from --load (= --save) when it starts again.
+#
+# Environment (defaults in brackets):
+#   REPO               repository root [$SLURM_SUBMIT_DIR, else the current directory]
+#   PYTHON             interpreter with megatron_2bw installed [$REPO/.venv/bin/python if present]
+#   NPROC_PER_NODE     processes per node [GPUs on the node, else $CPU_PROCS_PER_NODE or 4]
+#   MASTER_ADDR/PORT   rendezvous [first host of $SLURM_JOB_NODELIST, port 20000 + job id % 20000]
+#   MAX_RESTARTS       torchrun --max-restarts: failed workers restart from the last checkpoint [3]
+#   SHUTDOWN_TIMEOUT   seconds torchrun gives the trainers to save after a signal [240; < the sbatch --signal lead]
+#   REQUEUE            1: requeue an unfinished, signalled job [1]; MAX_REQUEUES: at most [20] times
+#   VALIDATE           auto|1|0: run "SCRIPT FLAGS --validate-only" first [auto: if the entry point has it]
+#   VALIDATE_TIMEOUT   seconds the check may take before it is left to the trainers [20; 0: no limit]
 #   NCCL_*             passed through; NCCL_DEBUG defaults to WARN, async error handling is on
 #   SRUN_ARGS          extra srun options, each written as --opt=value
 set -euo pipefail
@@ -35,18 +49,110 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 fi
 MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-240}
+MAX_REQUEUES=${MAX_REQUEUES:-20}
 
 # NCCL: report problems, fail fast on a dead peer instead of hanging in a collective.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-echo "slurm_launch: $NNODES node(s) x $NPROC_PER_NODE process(es), rendezvous $MASTER_ADDR:$MASTER_PORT, $SCRIPT" >&2
+# ---------------------------------------------------------------- flags: validate once, here
+HELP=$("$PYTHON" "$SCRIPT" --help 2>/dev/null || true)
+knows() { grep -qE -- "(^|[^a-z-])$1([^a-z-]|\$)" <<<"$HELP"; }
 
-# Each task expands its own $SLURM_NODEID, so the torchrun command goes through bash -c;
-# the arguments travel as positional parameters (no quoting problems).
+# Until an entry point knows a reliability flag, drop it (with a warning) rather than fail the job.
+ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --exit-signal-handler)
+      if knows "$1"; then ARGS+=("$1"); else echo "slurm_launch: warning: $SCRIPT has no $1 yet: dropped" >&2; fi
+      shift ;;
+    --exit-signal|--exit-duration-in-mins|--stall-timeout-s|--max-skipped-steps)
+      if knows "$1"; then ARGS+=("$1" "${2-}"); else echo "slurm_launch: warning: $SCRIPT has no $1 yet: dropped" >&2; fi
+      shift; [[ $# -gt 0 ]] && shift ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+set -- ${ARGS[@]+"${ARGS[@]}"}
+
+VALIDATE=${VALIDATE:-auto}
+if [[ "$VALIDATE" == auto ]]; then
+  if knows --validate-only; then VALIDATE=1; else VALIDATE=0; fi
+fi
+if [[ "$VALIDATE" == 1 ]]; then
+  # One process sees the whole world, so layout errors show here; it prints one line and exits 2.
+  # Flag and file mistakes show within seconds; building the data indices of a long run can take
+  # minutes, which the trainers do anyway: past VALIDATE_TIMEOUT (0: no limit) the rest is left to them.
+  VRC=0
+  RANK=0 LOCAL_RANK=0 WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) timeout "${VALIDATE_TIMEOUT:-20}" "$PYTHON" "$SCRIPT" "$@" --validate-only || VRC=$?
+  if [[ "$VRC" == 124 ]]; then
+    echo "slurm_launch: --validate-only still busy after ${VALIDATE_TIMEOUT:-20} s (data indices): the trainers check the rest" >&2
+  elif [[ "$VRC" != 0 ]]; then
+    exit "$VRC"
+  fi
+fi
+
+# --save and --train-iters decide whether an interrupted job requeues itself.
+SAVE_DIR="" TRAIN_ITERS_ARG=""
+prev=""
+for a in "$@"; do
+  case "$prev" in --save) SAVE_DIR=$a ;; --train-iters) TRAIN_ITERS_ARG=$a ;; esac
+  case "$a" in --save=*) SAVE_DIR=${a#--save=} ;; --train-iters=*) TRAIN_ITERS_ARG=${a#--train-iters=} ;; esac
+  prev=$a
+done
+latest_iteration() { cat "$SAVE_DIR/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0; }
+START_ITER=$( [[ -n "$SAVE_DIR" ]] && latest_iteration || echo 0 )
+
+echo "slurm_launch: $NNODES node(s) x $NPROC_PER_NODE process(es), rendezvous $MASTER_ADDR:$MASTER_PORT, $SCRIPT" \
+     "(max restarts $MAX_RESTARTS)" >&2
+
+# ---------------------------------------------------------------- signals: forward to the job steps
+SIGNALLED=""
+SRUN_PID=""
+forward() {
+  SIGNALLED=$1
+  echo "slurm_launch: received SIG$1: asking the trainers to save a checkpoint and exit" >&2
+  if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scancel >/dev/null 2>&1; then
+    scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null && return 0
+  fi
+  [[ -n "$SRUN_PID" ]] && kill -s "$1" "$SRUN_PID" 2>/dev/null || true
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+
+# Each task runs its own torchrun; the arguments travel as positional parameters (no quoting problems),
+# the restart settings through the environment (srun exports it).
+export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT
 # shellcheck disable=SC2086,SC2016
 srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" ${SRUN_ARGS:-} \
-  bash -c 'exec "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" --node-rank "$SLURM_NODEID" \
-             --master-addr "$3" --master-port "$4" "${@:5}"' \
-  "$PYTHON" "$NNODES" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$SCRIPT" "$@"
+  bash -c 'exec "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" \
+             --rdzv-backend c10d --rdzv-endpoint "$3:$4" --rdzv-id "$RDZV_ID" --max-restarts "$MAX_RESTARTS" \
+             --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${@:5}"' \
+  "$PYTHON" "$NNODES" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$SCRIPT" "$@" &
+SRUN_PID=$!
+RC=0
+while :; do
+  RC=0
+  wait "$SRUN_PID" || RC=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break  # else a trapped signal interrupted the wait: keep waiting
+done
+
+# ---------------------------------------------------------------- requeue an unfinished job
+if [[ "${REQUEUE:-1}" == 1 && -n "${SLURM_JOB_ID:-}" && -n "$SAVE_DIR" && -n "$TRAIN_ITERS_ARG" ]] \
+   && [[ -n "$SIGNALLED" || "$RC" == 0 ]]; then
+  NOW_ITER=$(latest_iteration)
+  if (( NOW_ITER >= TRAIN_ITERS_ARG )); then
+    :
+  elif (( NOW_ITER <= START_ITER )); then
+    echo "slurm_launch: no checkpoint after iteration $START_ITER in this run: not requeueing" >&2
+  elif (( ${SLURM_RESTART_COUNT:-0} >= MAX_REQUEUES )); then
+    echo "slurm_launch: requeued $MAX_REQUEUES times already (MAX_REQUEUES): not again" >&2
+  else
+    echo "slurm_launch: checkpoint at iteration $NOW_ITER of $TRAIN_ITERS_ARG: requeueing job $SLURM_JOB_ID" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
+fi
+exit "$RC"

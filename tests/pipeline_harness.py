@@ -36,6 +36,19 @@ def matching_shard(dense: torch.Tensor, local: torch.Tensor, tp_rank: int, t: in
     return dense
 
 
+def _dataset(cfg, n: int):
+    """``n`` fixed random samples: GPT token rows ``[n, s+1]``, or a dict of BERT fields."""
+    g = torch.Generator().manual_seed(99)
+    if cfg.kind == "gpt":
+        return torch.randint(0, cfg.vocab_size, (n, cfg.seq_length + 1), generator=g)
+    s = cfg.seq_length
+    return dict(
+        tokens=torch.randint(0, cfg.vocab_size, (n, s), generator=g), token_types=(torch.arange(s) >= s // 2).long().expand(n, s),
+        labels=torch.randint(0, cfg.vocab_size, (n, s), generator=g), loss_mask=(torch.rand(n, s, generator=g) < 0.3).float(),
+        padding_mask=torch.ones(n, s), sop_label=torch.randint(0, 2, (n,), generator=g),
+    )
+
+
 def train_tiny(
     schedule: str, *, layout: tuple[int, int, int] | None = None, steps: int = 6, global_batch: int = 8,
     micro: int = 1, kind: str = "gpt-tiny", recompute: bool = False, dtype: str = "fp32", optimizer: str = "adam",
@@ -62,17 +75,7 @@ def train_tiny(
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
                           (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)
-    g = torch.Generator().manual_seed(99)
-    n = global_batch * steps
-    if cfg.kind == "gpt":
-        data = torch.randint(0, cfg.vocab_size, (n, cfg.seq_length + 1), generator=g)
-    else:
-        s = cfg.seq_length
-        data = dict(
-            tokens=torch.randint(0, cfg.vocab_size, (n, s), generator=g), token_types=(torch.arange(s) >= s // 2).long().expand(n, s),
-            labels=torch.randint(0, cfg.vocab_size, (n, s), generator=g), loss_mask=(torch.rand(n, s, generator=g) < 0.3).float(),
-            padding_mask=torch.ones(n, s), sop_label=torch.randint(0, 2, (n,), generator=g),
-        )
+    data = _dataset(cfg, global_batch * steps)
 
     def get_batch(mb: int) -> dict:
         step, i = divmod(mb, m)

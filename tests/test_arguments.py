@@ -58,14 +58,14 @@ def test_without_preset_megatron_defaults():
                  kind="bert")
     assert cfg.model.kind == "bert" and cfg.model.num_tokentypes == 2
     assert cfg.model.hidden_dropout == 0.1 and cfg.model.attention_dropout == 0.1
-    assert cfg.pipeline.schedule == "2bw" and cfg.optimizer.dtype == "fp32"
+    assert cfg.pipeline.schedule == "flush" and cfg.optimizer.dtype == "fp32"  # one stage: flush
     assert cfg.training.global_batch_size == 2 and cfg.training.seed == 1234 and cfg.data.split == "969, 30, 1"
     with pytest.raises(ConfigError, match="--num-layers is required"):
         cfg_of(MINIMAL)
 
 
 @pytest.mark.parametrize("flags, schedule", [
-    ([], "2bw"), (["--pipeline-no-flushes"], "2bw"), (["--gpipe"], "gpipe"),
+    ([], "flush"), (["--pipeline-no-flushes"], "2bw"), (["--gpipe"], "gpipe"),
     (["--pipeline-schedule", "flush"], "flush"), (["--pipeline-schedule", "2bw", "--pipeline-no-flushes"], "2bw"),
 ])
 def test_schedule_spellings(flags, schedule):
@@ -77,9 +77,10 @@ def test_batch_and_layout_from_world_size():
                   "--global-batch-size", "32"], world=8)
     assert cfg.parallel.data == 4 and cfg.pipeline.num_microbatches == 4
     with pytest.raises(ConfigError, match="m=1 < d=2"):
-        cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--pipeline-model-parallel-size", "2"], world=4)
+        cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--pipeline-model-parallel-size", "2",
+                "--global-batch-size", "4"], world=4)
     flush = cfg_of(["--model-preset", "gpt-tiny", *MINIMAL, "--pipeline-model-parallel-size", "2",
-                    "--pipeline-schedule", "flush"], world=4)
+                    "--pipeline-schedule", "flush", "--global-batch-size", "4"], world=4)
     assert flush.pipeline.num_microbatches == 1  # m < d is legal (if wasteful) for the flushing schedules
 
 

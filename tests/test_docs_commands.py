@@ -30,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,8 +131,40 @@ def workspace(tmp_path_factory) -> Path:
     return ws
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), including those in sessions of their own (torchrun's workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    for p in [pid, *_descendants(pid)]:  # collected before any dies, so orphans are not missed
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_block(block: DocBlock, cwd: Path, timeout: float = TIMEOUT_S) -> tuple[int | None, str]:
-    """(exit status or None on timeout, combined output); the whole process group dies on timeout."""
+    """(exit status or None on timeout, combined output); on timeout every process it started dies."""
     env = dict(os.environ, **BASE_ENV, **block.env)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     proc = subprocess.Popen(["bash", "-eo", "pipefail", "-c", block.code], cwd=cwd, env=env, text=True,
@@ -140,8 +173,12 @@ def run_block(block: DocBlock, cwd: Path, timeout: float = TIMEOUT_S) -> tuple[i
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        _kill_tree(proc.pid)
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process we could not see still holds the pipe
+            proc.stdout.close()
+            out = ""
         return None, out
 
 
@@ -223,5 +260,22 @@ def test_the_docs_parse_and_a_block_runs_in_the_workspace(workspace: Path):
     assert code == 0 and out.strip() == sys.prefix
     code, _ = run_block(DocBlock("X.md", 1, "false\necho after\n"), workspace)
     assert code == 1
-    code, _ = run_block(DocBlock("X.md", 1, "sleep 30\n"), workspace, timeout=1)
-    assert code is None
+    # On timeout everything dies, also a child in its own session that holds the output pipe.
+    spawn = ("python -c \"import subprocess; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
+             "print(p.pid, flush=True); p.wait()\"\n")
+    t0 = time.monotonic()
+    code, out = run_block(DocBlock("X.md", 1, spawn), workspace, timeout=3)
+    assert code is None and time.monotonic() - t0 < 12
+    pid = int(out.split()[0])
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -68,3 +68,25 @@ def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path):
                "--max-new-tokens", "5", "--temperature", "0", "--device", "cpu"])
     assert gen.returncode == 0, gen.describe()
     assert gen.stdout.startswith("The story") and len(gen.stdout.strip()) > len("The story")
+
+
+def test_trainer_files_with_megatron_contents_load(tmp_path):
+    """A trainer file whose ``model`` is Megatron's nested contents (engine state beside it) reads whole."""
+    from dataclasses import asdict
+
+    from export_helpers import tiny
+
+    from megatron_2bw.export.checkpoints import load_checkpoint
+    from megatron_2bw.export.megatron_format import FILENAME, megatron_files, rank_dir
+
+    ex, _ = tiny("gpt")
+    idir = tmp_path / "ckpt" / "iter_0000011"
+    for (tp, pp), contents in megatron_files(ex, 2, 2).items():
+        contents.update(stage={"optimizer": {}}, config={"model": asdict(ex.cfg)},
+                        layout={"t": 2, "d": 2, "tp_rank": tp, "pp_rank": pp, "schedule": "2bw"})
+        (idir / rank_dir(tp, pp, 2)).mkdir(parents=True)
+        torch.save(contents, idir / rank_dir(tp, pp, 2) / FILENAME)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("11\n")
+    back, has_optimizer = load_checkpoint(str(tmp_path / "ckpt"))
+    assert has_optimizer and back.cfg == ex.cfg and back.iteration == 11
+    assert all(torch.equal(back.weights[n], v) for n, v in ex.weights.items())

@@ -86,7 +86,7 @@ def test_stage_terms_and_batch_time_by_schedule():
     assert (s0.compute_s, s0.p2p_s, s0.allreduce_s) == pytest.approx((6.0, 4.0, 0.0))
     assert (s1.compute_s, s1.p2p_s) == pytest.approx((7.5, 4.0))
     assert s1.optimizer_s == pytest.approx(opt)
-    assert flush.slot_s == pytest.approx(11.5)
+    assert flush.microbatch_s == pytest.approx(11.5)
     assert flush.bubble_s == pytest.approx(1 * 11.5)
     assert flush.batch_s == pytest.approx((4 + 2 - 1) * 11.5 + opt)
     twobw = predict(COSTS, Candidate(1, 2, 1, 1, 4, False, "2bw"), L, TOY)
@@ -105,4 +105,4 @@ def test_allreduce_overlaps_2bw_but_not_flush():
     ar = max(s.allreduce_s for s in flush.stages)
     assert ar > 0
     assert flush.batch_s == pytest.approx(flush.pipeline_s + ar + flush.optimizer_s)
-    assert twobw.batch_s == pytest.approx(max(2 * twobw.slot_s, ar) + twobw.optimizer_s)
+    assert twobw.batch_s == pytest.approx(max(2 * twobw.microbatch_s, ar) + twobw.optimizer_s)

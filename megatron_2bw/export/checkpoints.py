@@ -8,6 +8,7 @@ directory. Formats written: Megatron-LM v2.x (any t x d) and Hugging Face.
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import fields
 
@@ -66,6 +67,7 @@ def read_trainer_iteration(iter_dir: str) -> tuple[Exported, bool]:
     cfg = trainer_model_config(first["config"])
     parts = {k: _global_names(sd, cfg) for k, sd in files.items()}
     args = first.get("args") or {}
+    args = vars(args) if isinstance(args, argparse.Namespace) else args
     tok = {k: args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if args.get(k)}
     dtype = first["config"].get("optimizer", {}).get("dtype", "fp32")
     return Exported(cfg, unshard(cfg, parts), int(first["iteration"]), tok, dtype), True

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
 from .names import full_names
+from .reshard import is_vocab, pad_vocab
 
 
 def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:
@@ -31,11 +32,8 @@ def load_full(model: nn.ModuleList, cfg: ModelConfig, full: dict[str, torch.Tens
         raise ConfigError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
     with torch.no_grad():
         for name, p in params.items():
-            value = full[name]
-            if value.shape[0] != p.shape[0] and value.shape[1:] == p.shape[1:]:
-                rows = min(value.shape[0], p.shape[0])
-                p.zero_()
-                p[:rows].copy_(value[:rows])
-            else:
-                p.copy_(value)
+            value = pad_vocab(full[name], p.shape[0]) if is_vocab(cfg, name) else full[name]
+            if value.shape != p.shape:
+                raise ConfigError(f"{name} has shape {tuple(value.shape)} but the model's is {tuple(p.shape)}")
+            p.copy_(value)
     return model

@@ -82,17 +82,7 @@ class StageWeights:
         self.flat: list[torch.Tensor] = []
         self.params: list[list[nn.Parameter]] = []
         for v in range(num_versions):
-            mods = first if v == 0 else copy.deepcopy(first)
-            flat = torch.empty(self.numel, dtype=dtype, device=device)
-            ps = [p for _, p in _unique_params(mods)]
-            ps = [ps[i] for i in order]
-            with torch.no_grad():
-                for p, view in zip(ps, self._views(flat)):
-                    view.copy_(p.data)
-                    p.data = view
-            self.slots.append(mods)
-            self.flat.append(flat)
-            self.params.append(ps)
+            self._add_version(first if v == 0 else copy.deepcopy(first), order)
 
         num_grad = 2 if num_versions == 2 else 1
         self.grad_flat = [torch.zeros(self.numel, dtype=dtype, device=device) for _ in range(num_grad)]
@@ -111,6 +101,19 @@ class StageWeights:
             None,
         )
         self.storages = {f.untyped_storage().data_ptr() for f in self.flat + self.grad_flat}
+
+    def _add_version(self, mods: nn.ModuleList, order: list[int]) -> None:
+        """Move ``mods``' parameters into one new flat buffer (their values copied, they become views)."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        ps = [p for _, p in _unique_params(mods)]
+        ps = [ps[i] for i in order]
+        with torch.no_grad():
+            for p, view in zip(ps, self._views(flat)):
+                view.copy_(p.data)
+                p.data = view
+        self.slots.append(mods)
+        self.flat.append(flat)
+        self.params.append(ps)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]

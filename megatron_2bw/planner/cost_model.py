@@ -3,9 +3,9 @@
 The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline every
 ``max_i max(T_comp_i + T_comm_i, T_allreduce_i / m)``. Here, term by term (one GPU, one stage):
 
-- ``compute``: forward + backward of the stage's blocks for one microbatch; with recomputation the
-  transformer layers run their forward twice (compute x 4/3 when backward = 2 x forward); the
-  embedding and head are not recomputed (Megatron's ``--recompute-activations``).
+- ``compute``: forward + backward of the stage's blocks for one microbatch; with recomputation every
+  block runs its forward twice (compute x 4/3 when backward = 2 x forward): our engine recomputes the
+  whole stage, embedding and head included.
 - ``tensor_comm``: the tensor-parallel all-reduces of that microbatch (and of the recomputed forward),
   ring cost ``2(t-1)/t * bytes / bw`` over the server's NVLink.
 - ``p2p``: ``2 * (|A_in| / bw_in + |A_out| / bw_out)`` - the paper's ``2|A_in+out|/bw``: activations
@@ -19,14 +19,16 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
   first and last also all-reduce the tied word embedding between them (Megatron's scheme).
 - ``optimizer``: the Adam step, memory-bound: ~32 bytes read/written per parameter over HBM.
 
-Per batch of ``m`` microbatches, with ``slot`` the slowest stage's ``compute + tensor_comm + p2p``:
+Per batch of ``m`` microbatches, with ``t_mb`` the slowest stage's ``compute + tensor_comm + p2p``
+and the schedule's ``bubble_slots`` (``ScheduleSpec``):
 
-- 2BW: ``max(m * slot, allreduce) + optimizer``. No flush, so no bubble in steady state, and the
-  all-reduce overlaps the next batch's microbatches (they run on the other weight version).
-- Flush and GPipe: ``(m + d - 1) * slot + allreduce + optimizer``: the ``d - 1`` extra slots are the
-  bubble of filling and draining the pipeline, and the all-reduce waits for the drain.
+- Schedules with a second gradient buffer (2BW): ``max(m * t_mb, allreduce) + optimizer``. No flush,
+  so no bubble in steady state, and the all-reduce overlaps the next batch's microbatches (they run on
+  the other weight version and accumulate into the other buffer).
+- Flushing schedules (Flush, GPipe): ``(m + bubble_slots) * t_mb + allreduce + optimizer``: the
+  ``d - 1`` extra microbatch times fill and drain the pipeline, and the all-reduce waits for the drain.
 - Sequential (inter-layer model parallelism without pipelining): one microbatch at a time through
-  all stages, each boundary crossed once each way: ``m * sum_i slot_i`` (boundaries counted once).
+  all stages, each boundary crossed once each way: ``m * sum_i t_mb_i`` (boundaries counted once).
 
 Not modelled: overlap of p2p with compute (Megatron's sends are blocking), contention between p2p
 and all-reduce on the NIC, network latency (messages here are megabytes), the first step's warm-up.
@@ -36,9 +38,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.stages import stage_slice
+from ..pipeline.schedules import get_schedule
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, stage_layers, stage_params
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, stage_params
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
 GRAD_PASSES = 3  # unscale + inf/NaN check, gradient norm for clipping, the update's read
@@ -68,13 +72,8 @@ def p2p_time(in_bytes: float, out_bytes: float, in_bandwidth: float, out_bandwid
 
 
 def bubble_slots(schedule: str, d: int) -> int:
-    """Extra microbatch slots per batch: fill and drain for schedules that flush, none for 2BW."""
-    return d - 1 if schedule in ("flush", "gpipe") else 0
-
-
-def recompute_forward_passes(recompute: bool) -> int:
-    """Forward passes of a transformer layer per microbatch: two with recomputation."""
-    return 2 if recompute else 1
+    """Extra microbatch slots per batch (the sequential baseline has none: it is never filled)."""
+    return 0 if schedule == SEQUENTIAL else get_schedule(schedule).bubble_slots(d)
 
 
 # ---- placement: rank = stage * (t*w) + replica * t + tensor_rank; server = rank // G ------------
@@ -146,7 +145,7 @@ class StageTime:
     optimizer_s: float
 
     @property
-    def slot_s(self) -> float:
+    def microbatch_s(self) -> float:
         """Time this stage needs per microbatch."""
         return self.compute_s + self.tensor_comm_s + self.p2p_s
 
@@ -156,7 +155,7 @@ class Prediction:
     """Per-batch time of a candidate and its parts; ``samples_per_sec`` is what the search ranks."""
 
     stages: tuple[StageTime, ...]
-    slot_s: float
+    microbatch_s: float  # the slowest stage's time per microbatch
     pipeline_s: float
     bubble_s: float
     exposed_allreduce_s: float
@@ -169,20 +168,18 @@ def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: 
                in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
     """The terms of one stage (see the module docstring)."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
-    layers = stage_layers(num_layers, d)
-    passes = recompute_forward_passes(cand.recompute)
+    part = stage_slice(num_layers, d, stage)
+    passes = 2 if cand.recompute else 1  # our engine recomputes the whole stage, embedding and head included
     lay, emb, head = costs.layer, costs.embedding, costs.head
-
-    # (block, count, forward passes): our engine recomputes the whole stage, embedding and head included.
-    blocks = [(lay, layers, passes)] + ([(emb, 1, passes)] if stage == 0 else []) + ([(head, 1, passes)] if stage == d - 1 else [])
-    compute = sum(n * (f * b.forward_s + b.backward_s) for b, n, f in blocks)
-    tp_bytes = sum(n * (f * b.tp_allreduce_forward_bytes + b.tp_allreduce_backward_bytes) for b, n, f in blocks)
+    blocks = [(lay, part.num_layers)] + ([(emb, 1)] if part.embedding else []) + ([(head, 1)] if part.head else [])
+    compute = sum(n * (passes * b.forward_s + b.backward_s) for b, n in blocks)
+    tp_bytes = sum(n * (passes * b.tp_allreduce_forward_bytes + b.tp_allreduce_backward_bytes) for b, n in blocks)
     # Token ids come from the data loader, and the loss stays on the last stage.
-    in_bytes = 0 if stage == 0 else lay.input_bytes
-    out_bytes = 0 if stage == d - 1 else lay.output_bytes
+    in_bytes = 0 if part.embedding else lay.input_bytes
+    out_bytes = 0 if part.head else lay.output_bytes
     grads = stage_params(costs, num_layers, d, stage) * param_bytes.grad
     allreduce = data_parallel_allreduce_time(grads, t, w, cluster)
-    if stage in (0, d - 1):
+    if part.embedding or part.head:
         allreduce += tied_embedding_sync_time(costs.tied_params * param_bytes.grad, t, w, d, cluster)
     return StageTime(
         stage=stage,
@@ -210,35 +207,42 @@ def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluste
     )
 
 
+def _sequential_microbatch_s(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
+                             stages: tuple[StageTime, ...], param_bytes: ParamBytes) -> float:
+    """One microbatch through every stage in turn: each stage's compute, each boundary's transfer once
+    (both of its ends count it)."""
+    d = cand.pipeline_parallel
+    per_stage = {s.stage: s for s in stages}
+    bw = [boundary_bandwidth(cand.tensor_parallel, cand.data_parallel, i, cluster) for i in range(d - 1)]
+    inf = float("inf")
+    total = 0.0
+    for i in range(d):
+        s = per_stage.get(i) or stage_time(costs, cand, num_layers, i, cluster,
+                                           bw[i - 1] if i > 0 else inf, bw[i] if i < d - 1 else inf, param_bytes)
+        total += s.compute_s + s.tensor_comm_s + s.p2p_s / 2
+    return total
+
+
 def predict(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
             param_bytes: ParamBytes = ParamBytes()) -> Prediction:
     """Time per batch and samples per second of ``cand``."""
     d, m = cand.pipeline_parallel, cand.num_micro_batches
     stages = stage_times(costs, cand, num_layers, cluster, param_bytes)
-    slot = max(s.slot_s for s in stages)
+    per_mb = max(s.microbatch_s for s in stages)
     allreduce = max(s.allreduce_s for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
-    bubble = bubble_slots(cand.schedule, d) * slot
-    if cand.schedule == "2bw":
-        pipeline = m * slot
-        exposed = max(0.0, allreduce - pipeline)
-    elif cand.schedule == SEQUENTIAL:
-        per_stage = {s.stage: s for s in stages}
-        # Every stage's compute, and each boundary's transfer once (both of its ends count it).
-        total = 0.0
-        bw = [boundary_bandwidth(cand.tensor_parallel, cand.data_parallel, i, cluster) for i in range(d - 1)]
-        inf = float("inf")
-        for i in range(d):
-            s = per_stage.get(i) or stage_time(costs, cand, num_layers, i, cluster,
-                                               bw[i - 1] if i > 0 else inf, bw[i] if i < d - 1 else inf, param_bytes)
-            total += s.compute_s + s.tensor_comm_s + s.p2p_s / 2
-        pipeline = m * total
+    bubble = bubble_slots(cand.schedule, d) * per_mb
+    if cand.schedule == SEQUENTIAL:
+        pipeline = m * _sequential_microbatch_s(costs, cand, num_layers, cluster, stages, param_bytes)
         exposed = allreduce
+    elif get_schedule(cand.schedule).grad_buffers > 1:  # the reduction overlaps the next step
+        pipeline = m * per_mb
+        exposed = max(0.0, allreduce - pipeline)
     else:
-        pipeline = m * slot + bubble
+        pipeline = m * per_mb + bubble
         exposed = allreduce
     batch = pipeline + exposed + optimizer
     return Prediction(
-        stages=stages, slot_s=slot, pipeline_s=pipeline, bubble_s=bubble, exposed_allreduce_s=exposed,
+        stages=stages, microbatch_s=per_mb, pipeline_s=pipeline, bubble_s=bubble, exposed_allreduce_s=exposed,
         optimizer_s=optimizer, batch_s=batch, samples_per_sec=cand.global_batch_size / batch,
     )

@@ -1,6 +1,6 @@
 """Bytes per GPU of a candidate layout, stage by stage: the paper's formulas plus what they omit.
 
-The paper (notation of PIPEDREAM_2BW.md; ``|W|/d`` a stage's weights, ``A_total/d`` the activations
+The paper (notation of docs/planner.md; ``|W|/d`` a stage's weights, ``A_total/d`` the activations
 of one microbatch through a stage, ``A_input`` a stage's input)::
 
     2BW, recomputation:       2|W|/d + A_total/d     + d * A_input
@@ -10,11 +10,11 @@ of one microbatch through a stage, ``A_input`` a stage's input)::
 
 Here ``A_total`` counts each layer's input (it is what the first LayerNorm keeps), so the no-
 recomputation formula's separate ``d * A_input`` (the received tensor) is not counted twice.
-Recomputation is Megatron's ``--recompute-activations``: the transformer layers are re-run from
-their input, the embedding and head are not (their stashes stay per microbatch in flight). The
-count of microbatches in flight is per stage: stage ``i`` of a 1F1B schedule (2BW, Flush) holds
-``min(d - i, m)``, GPipe's stages hold all ``m``, a non-pipelined sequential run holds one. Only
-equal splits are modelled (``d`` divides the layers), as in the paper's planner.
+Recomputation is our engine's: each in-flight microbatch keeps only what the stage received (token
+ids on the first stage), and the backward re-runs the whole stage, embedding and head included. The
+count of microbatches in flight per stage and the weight versions come from the schedule's
+``ScheduleSpec`` (``pipeline/schedules.py``); a non-pipelined sequential run holds one. The layers of
+each stage come from ``models/stages.py``'s split.
 
 What real runs also pay, and the paper's formula leaves out:
 
@@ -34,9 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..models.stages import stage_slice
+from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 from .layer_costs import MicrobatchCosts
 
-SCHEDULES = ("2bw", "flush", "gpipe")
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
 # A baseline of the paper's comparison, not a schedule of the trainer.
 SEQUENTIAL = "sequential"
@@ -58,12 +59,10 @@ class Candidate:
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.schedule not in SCHEDULES + (SEQUENTIAL,):
-            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.schedule == "2bw" and self.num_micro_batches < self.pipeline_parallel:
-            raise ConfigError(
-                f"2bw needs at least as many microbatches per batch as stages: m={self.num_micro_batches} < d={self.pipeline_parallel}"
-            )
+        if self.schedule not in SCHEDULE_NAMES + (SEQUENTIAL,):
+            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if self.schedule != SEQUENTIAL:
+            validate_pipeline(self.schedule, self.pipeline_parallel, self.num_micro_batches)
 
     @property
     def num_gpus(self) -> int:
@@ -115,55 +114,40 @@ class StageMemory:
 
 
 def weight_versions(schedule: str) -> int:
-    """2BW double-buffers its weights; every other schedule keeps one version."""
-    return 2 if schedule == "2bw" else 1
+    """Weight versions the executor keeps (the sequential baseline: one)."""
+    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).weight_versions
 
 
 def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at its peak."""
-    if schedule == "gpipe":
-        return m
-    if schedule == SEQUENTIAL:
-        return 1
-    return min(d - stage, m)
-
-
-def stage_layers(num_layers: int, d: int) -> int:
-    """Layers per stage; the planner only splits evenly (the paper's Algorithm 1 does the same)."""
-    if num_layers % d:
-        raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {d}")
-    return num_layers // d
+    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).inflight(d, stage, m)
 
 
 def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
     """Parameters on one GPU of ``stage``: its layers, the embedding (first), the head (last)."""
-    n = stage_layers(num_layers, d) * costs.layer.params
-    if stage == 0:
+    part = stage_slice(num_layers, d, stage)
+    n = part.num_layers * costs.layer.params
+    if part.embedding:
         n += costs.embedding.params
-    if stage == d - 1:
+    if part.head:
         n += costs.head.params
-        if d == 1:
+        if part.embedding:
             n -= costs.tied_params  # one stage: the output layer *is* the embedding
     return n
 
 
-def stage_input_bytes(costs: MicrobatchCosts, stage: int) -> int:
-    """``A_input``: the input of the stage's transformer layers, per microbatch (what it receives,
-    or on the first stage the embedding's output)."""
-    return costs.layer.input_bytes
-
-
-def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int) -> int:
+def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
     """``A_total/d``: what one microbatch leaves for the backward in a stage's transformer layers."""
-    return stage_layers(num_layers, d) * costs.layer.stash_bytes
+    return stage_slice(num_layers, d, stage).num_layers * costs.layer.stash_bytes
 
 
-def edge_activation_bytes(costs: MicrobatchCosts, d: int, stage: int) -> int:
+def edge_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
     """Per microbatch, the embedding's stash and token ids (first stage) and the head's (last)."""
+    part = stage_slice(num_layers, d, stage)
     extra = 0
-    if stage == 0:
+    if part.embedding:
         extra += costs.embedding.input_bytes + costs.embedding.stash_bytes
-    if stage == d - 1:
+    if part.head:
         extra += costs.head.stash_bytes
     return extra
 
@@ -178,21 +162,23 @@ def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, s
     """
     d = cand.pipeline_parallel
     n = in_flight(cand.schedule, d, cand.num_micro_batches, stage)
-    layers = layer_activation_bytes(costs, num_layers, d)
-    edge = edge_activation_bytes(costs, d, stage)
+    layers = layer_activation_bytes(costs, num_layers, d, stage)
+    edge = edge_activation_bytes(costs, num_layers, d, stage)
     if cand.recompute:
-        # our engine re-runs the whole stage from what it received (embedding and head included)
-        received = costs.embedding.input_bytes if stage == 0 else stage_input_bytes(costs, stage)
+        # A_input: what the stage received (the first stage: the token ids)
+        first = stage_slice(num_layers, d, stage).embedding
+        received = costs.embedding.input_bytes if first else costs.layer.input_bytes
         return n * received + layers + edge
     return n * (layers + edge)
 
 
-def workspace_bytes(costs: MicrobatchCosts, d: int, stage: int) -> int:
+def workspace_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
     """The largest transient of the blocks the stage runs."""
+    part = stage_slice(num_layers, d, stage)
     ws = costs.layer.workspace_bytes
-    if stage == 0:
+    if part.embedding:
         ws = max(ws, costs.embedding.workspace_bytes)
-    if stage == d - 1:
+    if part.head:
         ws = max(ws, costs.head.workspace_bytes)
     return ws
 
@@ -209,7 +195,7 @@ def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage
         grads=p * param_bytes.grad,
         optimizer=p * (param_bytes.master + param_bytes.optimizer_state),
         activations=activation_bytes(costs, cand, num_layers, stage),
-        workspace=workspace_bytes(costs, cand.pipeline_parallel, stage),
+        workspace=workspace_bytes(costs, num_layers, cand.pipeline_parallel, stage),
     )
 
 

@@ -3,9 +3,10 @@
 Enumerated: every ``(t, d, w)`` with ``t*d*w = N``, where ``t`` divides the server size, the
 attention heads and the FFN size (tensor groups never leave a server), and ``d`` divides the number
 of layers (equal stages); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
-power-of-two microbatch ``b`` up to a limit, recomputation on and off, and each schedule (2BW,
-Flush, GPipe). The number of microbatches per batch is fixed by the global batch,
-``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and 2BW needs ``m >= d``. A layout
+power-of-two microbatch ``b`` up to a limit, recomputation on and off, and each schedule of the
+registry (``pipeline/schedules.py``). The number of microbatches per batch is fixed by the global
+batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and so is a schedule that
+needs more microbatches (``ScheduleSpec.min_microbatches``). A layout
 whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
 samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
 """
@@ -21,7 +22,8 @@ from ..errors import ConfigError
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
-from .memory_model import SCHEDULES, SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
+from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class PlanRequest:
     global_batch_size: int
     precision: str = "fp16"
     max_micro_batch_size: int = 64
-    schedules: tuple[str, ...] = SCHEDULES  # SEQUENTIAL may be added: the paper's no-pipelining baseline
+    schedules: tuple[str, ...] = SCHEDULE_NAMES  # SEQUENTIAL may be added: the paper's no-pipelining baseline
     recompute_options: tuple[bool, ...] = (False, True)
     no_pipelining: bool = True
 
@@ -48,7 +50,7 @@ class PlanRequest:
         if self.precision not in ACTIVATION_BYTES:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
         self.cluster.peak(self.precision)
-        allowed = SCHEDULES + (SEQUENTIAL,)
+        allowed = SCHEDULE_NAMES + (SEQUENTIAL,)
         bad = [s for s in self.schedules if s not in allowed]
         if bad or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
@@ -133,13 +135,14 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
             if d == 1 and not request.no_pipelining:
                 continue
             w = N // (t * d)
+            # one stage has no pipeline: Flush stands for every schedule (one version, one stash)
             schedules = ("flush",) if d == 1 else request.schedules
             for b in costs.micro_batch_sizes(t):
                 if b > request.max_micro_batch_size or B % (b * w):
                     continue
                 m = B // (b * w)
                 for schedule in schedules:
-                    if schedule == "2bw" and m < d:
+                    if schedule != SEQUENTIAL and m < get_schedule(schedule).min_microbatches(d):
                         continue
                     for recompute in request.recompute_options:
                         yield Candidate(t, d, w, b, m, recompute, schedule)

@@ -1,7 +1,7 @@
 """Event-driven simulation of the engine's pipeline schedules, with times and memory.
 
-The simulator runs the very action lists the engine executes (``schedules.stage_actions``), one
-per stage, with the checker's semantics (``pipeline/checker.py``) plus a clock per stage:
+The simulator replays the very action lists the engine executes (``schedules.stage_actions``), one
+per stage, through the checker's replay core (``pipeline/replay.py``, FIFO channels) with a clock:
 
 - ``FORWARD`` / ``BACKWARD`` take the stage's per-microbatch time (from a profile or from the
   cost model's per-block times); with recomputation the backward includes the re-run forward.
@@ -28,28 +28,29 @@ step 1 on, which leaves out the first step's pipeline fill and the segment's fin
 both only there; the flushing schedules have them inside every interval anyway). The measured
 engine times are taken at the same points (``tests/test_simulator.py``).
 
-Recomputation, as our engine does it (``recompute_scope="stage"``): a stage's forward runs without
-autograd and keeps only its input; its backward re-runs the whole stage's forward (embedding and
-head included) and then the backward, so its transient is one microbatch's full activations.
-``recompute_scope="layers"`` models Megatron's ``--recompute-activations`` (only the transformer
-layers re-run; the embedding's and head's stashes stay per microbatch), which is what
-``memory_model.activation_bytes`` and ``cost_model`` assume.
+Recomputation, as our engine does it (``recompute_scope="stage"``, which ``memory_model`` and
+``cost_model`` assume too): a stage's forward runs without autograd and keeps only its input; its
+backward re-runs the whole stage's forward (embedding and head included) and then the backward, so
+its transient is one microbatch's full activations. ``recompute_scope="layers"`` models Megatron's
+``--recompute-activations`` for comparison (only the transformer layers re-run; the embedding's and
+head's stashes stay per microbatch).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
+from ..models.stages import stage_slice
 from ..pipeline.actions import Action, Op
+from ..pipeline.replay import Replay, Timing
 from ..pipeline.schedules import stage_actions, validate_pipeline
-from .cost_model import ring_allreduce_time, stage_time, boundary_bandwidth, tensor_bandwidth
+from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
-from .layer_costs import MicrobatchCosts
-from .memory_model import Candidate, ParamBytes, stage_layers, stage_memory, stage_params
+from .layer_costs import BlockCost, MicrobatchCosts
+from .memory_model import Candidate, ParamBytes, stage_memory, stage_params
 
 RECOMPUTE_SCOPES = ("stage", "layers")
 
@@ -198,6 +199,50 @@ class SimulationError(RuntimeError):
     """The action lists deadlock or do not match (the checker would have refused them)."""
 
 
+def _timing(stages: Sequence[StageCosts], links: Sequence[Link], collective_s: float) -> Timing:
+    """The replay's clock: per-stage costs; a boundary's message is the sending side's output."""
+    return Timing(
+        forward_s=[s.forward_s for s in stages], backward_s=[s.backward_s for s in stages],
+        update_s=[s.update_s for s in stages], reduce_s=[s.reduce_s for s in stages],
+        reduce_busy_s=[s.reduce_busy_s for s in stages],
+        transfer_s=[link.occupancy(stages[b].output_bytes) for b, link in enumerate(links)],
+        latency_s=[link.latency_s for link in links], collective_s=collective_s,
+    )
+
+
+def _memory(events: list[Event], st: StageCosts) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """(total, activations) over time: a FORWARD's stash is held until its BACKWARD ends; a
+    backward also holds its recomputed activations, and any compute its workspace."""
+    total, acts = [(0.0, st.static_bytes)], [(0.0, 0)]
+    stash: dict[int, int] = {}
+    held = 0
+
+    def record(t: float, activations: int, transient: int = 0) -> None:
+        acts.append((t, activations))
+        total.append((t, st.static_bytes + activations + transient))
+
+    for e in events:
+        if e.op is Op.FORWARD:
+            if st.workspace_bytes:
+                total.append((e.start, st.static_bytes + held + st.workspace_bytes))
+            stash[e.mb] = st.stash_bytes
+            held += st.stash_bytes
+            record(e.end, held)
+        elif e.op is Op.BACKWARD:
+            record(e.start, held + st.backward_extra_bytes, st.workspace_bytes)
+            held -= stash.pop(e.mb, 0)
+            record(e.end, held)
+    return total, acts
+
+
+def _links(links: Sequence[Link] | Link | None, d: int) -> Sequence[Link]:
+    if links is None or isinstance(links, Link):
+        links = [links or Link()] * max(d - 1, 0)
+    if len(links) != max(d - 1, 0):
+        raise ConfigError(f"need {d - 1} links for {d} stages, got {len(links)}")
+    return links
+
+
 def simulate(
     schedule: str, d: int, m: int, stages: Sequence[StageCosts], *, num_steps: int = 6, first_step: int = 0,
     links: Sequence[Link] | Link | None = None, collective_s: float = 0.0,
@@ -214,124 +259,75 @@ def simulate(
         raise ConfigError(f"need costs for {d} stages, got {len(stages)}")
     if num_steps < 1:
         raise ConfigError(f"simulate at least one step, got num_steps={num_steps}")
-    if links is None or isinstance(links, Link):
-        links = [links or Link()] * max(d - 1, 0)
-    if len(links) != max(d - 1, 0):
-        raise ConfigError(f"need {d - 1} links for {d} stages, got {len(links)}")
+    timing = _timing(stages, _links(links, d), collective_s)
     progs = [list(a) for a in actions] if actions is not None else [
         stage_actions(schedule, d, r, m, first_step, num_steps) for r in range(d)]
-
-    # Channels: act[r] carries r -> r+1, grad[r] carries r+1 -> r; entries (mb, arrival time).
-    act = [deque() for _ in range(d)]
-    grad = [deque() for _ in range(d)]
-    link_free = {("act", r): 0.0 for r in range(d)} | {("grad", r): 0.0 for r in range(d)}
-    launched: dict[int, dict[int, float]] = {}   # step -> stage -> chain done time of that stage
-    done_at: dict[int, float] = {}               # step -> chain done for every stage
-    last_done = 0.0
-    clock = [0.0] * d
-    pc = [0] * d
-    events: list[list[Event]] = [[] for _ in range(d)]
-    # memory bookkeeping
-    stash: list[dict[int, int]] = [{} for _ in range(d)]
-    act_mem: list[list[tuple[float, int]]] = [[(0.0, 0)] for _ in range(d)]
-    mem: list[list[tuple[float, int]]] = [[(0.0, s.static_bytes)] for s in stages]
+    trace = Replay(progs, timing=timing, error=SimulationError).run()
+    events = [[Event(r, a.op, a.mb, a.step, a.version, trace.start(r, i), trace.end[r][i]) for i, a in enumerate(prog)]
+              for r, prog in enumerate(progs)]
     step_starts: dict[int, float] = {}
-
-    def record(r: int, t: float, activations: int, transient: int = 0) -> None:
-        act_mem[r].append((t, activations))
-        mem[r].append((t, stages[r].static_bytes + activations + transient))
-
-    def send(kind: str, r_from: int, boundary: int, mb: int, nbytes: int) -> None:
-        link = links[boundary]
-        start = max(clock[r_from], link_free[(kind, boundary)])
-        link_free[(kind, boundary)] = start + link.occupancy(nbytes)
-        (act if kind == "act" else grad)[boundary].append((mb, start + link.occupancy(nbytes) + link.latency_s))
-
-    def run_stage(r: int) -> bool:
-        """Advance stage r until it blocks or ends; True if it made progress."""
-        nonlocal last_done
-        st, prog = stages[r], progs[r]
-        moved = False
-        while pc[r] < len(prog):
-            a = prog[pc[r]]
-            op, now = a.op, clock[r]
-            if op is Op.FORWARD:
-                end = now + st.forward_s
-                if r == 0 and a.mb % m == 0:
-                    step_starts.setdefault(a.step, now)
-                held = sum(stash[r].values())
-                if st.workspace_bytes:
-                    mem[r].append((now, st.static_bytes + held + st.workspace_bytes))
-                stash[r][a.mb] = st.stash_bytes
-                record(r, end, held + st.stash_bytes)
-            elif op is Op.BACKWARD:
-                end = now + st.backward_s
-                held = sum(stash[r].values())  # this microbatch's stash included until the end
-                record(r, now, held + st.backward_extra_bytes, st.workspace_bytes)
-                stash[r].pop(a.mb, None)
-                record(r, end, sum(stash[r].values()))
-            elif op is Op.SEND_ACT:
-                send("act", r, r, a.mb, st.output_bytes)
-                end = now
-            elif op is Op.SEND_GRAD:
-                send("grad", r, r - 1, a.mb, stages[r - 1].output_bytes)
-                end = now
-            elif op in (Op.RECV_ACT, Op.RECV_GRAD):
-                chan = act[r - 1] if op is Op.RECV_ACT else grad[r]
-                if not chan:
-                    return moved
-                mb, arrival = chan[0]
-                if mb != a.mb:
-                    raise SimulationError(f"stage {r} {a}: the channel's next message is microbatch {mb}")
-                chan.popleft()
-                end = max(now, arrival)
-            elif op is Op.REDUCE_GRADS:
-                launched.setdefault(a.step, {})[r] = now + st.reduce_s
-                if len(launched[a.step]) == d:
-                    last_done = max(last_done, max(launched[a.step].values()) + collective_s)
-                    done_at[a.step] = last_done
-                end = now + st.reduce_busy_s
-            elif op is Op.APPLY_UPDATE:
-                if a.step not in done_at:
-                    return moved
-                now = max(now, done_at[a.step])
-                end = now + st.update_s
-            else:  # pragma: no cover - Op is closed
-                raise SimulationError(f"unknown op {op}")
-            events[r].append(Event(r, op, a.mb, a.step, a.version, clock[r] if op is not Op.APPLY_UPDATE else now, end))
-            clock[r] = end
-            pc[r] += 1
-            moved = True
-        return moved
-
-    while True:
-        progressed = False
-        for r in range(d):
-            if pc[r] < len(progs[r]) and run_stage(r):
-                progressed = True
-        if all(pc[r] == len(progs[r]) for r in range(d)):
-            break
-        if not progressed:
-            stuck = ", ".join(f"stage {r} at {progs[r][pc[r]]}" for r in range(d) if pc[r] < len(progs[r]))
-            raise SimulationError(f"deadlock: {stuck}")
-    for r in range(d):
-        if act[r] or grad[r]:
-            raise SimulationError(f"messages between stages {r} and {r + 1} were never received")
+    for e in events[0]:
+        if e.op is Op.FORWARD and e.mb % m == 0:
+            step_starts.setdefault(e.step, e.start)
+    memory = [_memory(evs, st) for evs, st in zip(events, stages)]
     starts = [step_starts[t] for t in range(first_step, first_step + num_steps)]
-    return SimResult(schedule, d, m, first_step, num_steps, events, starts, max(clock), mem, act_mem,
-                     [s.static_bytes for s in stages])
+    return SimResult(schedule, d, m, first_step, num_steps, events, starts, trace.makespan,
+                     [mem for mem, _ in memory], [act for _, act in memory], [s.static_bytes for s in stages])
 
 
 # ---- stage costs from block costs ---------------------------------------------------------------
 
-def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int):
-    layers = stage_layers(num_layers, d)
-    blocks = [("layer", costs.layer, layers)]
-    if r == 0:
+Blocks = list[tuple[str, BlockCost, int]]  # (name, per-block costs, how many on the stage)
+
+
+def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int) -> Blocks:
+    part = stage_slice(num_layers, d, r)
+    blocks: Blocks = [("layer", costs.layer, part.num_layers)]
+    if part.embedding:
         blocks.insert(0, ("embedding", costs.embedding, 1))
-    if r == d - 1:
+    if part.head:
         blocks.append(("head", costs.head, 1))
     return blocks
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One stage's compute per microbatch, before tensor-parallel communication."""
+
+    forward_s: float
+    backward_s: float
+    tp_forward_bytes: int
+    tp_backward_bytes: int
+    stash_bytes: int
+    backward_extra_bytes: int
+
+
+def _stage_work(costs: MicrobatchCosts, blocks: Blocks, first: bool, recompute: str | None,
+                nograd: Mapping[str, float]) -> _Work:
+    """``recompute``: None, ``"stage"`` (the engine: the whole stage re-runs from its input) or
+    ``"layers"`` (Megatron: the layers re-run; embedding and head keep their stashes)."""
+    fwd = sum(n * b.forward_s for _, b, n in blocks)
+    bwd = sum(n * b.backward_s for _, b, n in blocks)
+    full_stash = sum(n * b.stash_bytes for _, b, n in blocks) + (costs.embedding.input_bytes if first else 0)
+    tp_f = sum(n * b.tp_allreduce_forward_bytes for _, b, n in blocks)
+    tp_b = sum(n * b.tp_allreduce_backward_bytes for _, b, n in blocks)
+    if recompute == "stage":
+        first_fwd = sum(n * nograd.get(name, b.forward_s) for name, b, n in blocks)
+        stage_input = costs.embedding.input_bytes if first else costs.layer.input_bytes
+        return _Work(first_fwd, bwd + fwd, tp_f, tp_b + tp_f, stage_input, full_stash)
+    if recompute == "layers":
+        _, lay, n = next(x for x in blocks if x[0] == "layer")
+        edge = full_stash - n * lay.stash_bytes
+        fwd_nograd = fwd - n * lay.forward_s + n * nograd.get("layer", lay.forward_s)
+        return _Work(fwd_nograd, bwd + n * lay.forward_s, tp_f, tp_b + n * lay.tp_allreduce_forward_bytes,
+                     costs.layer.input_bytes + edge, n * lay.stash_bytes)
+    return _Work(fwd, bwd, tp_f, tp_b, full_stash, 0)
+
+
+def _per_stage(x: Sequence[float] | float | None, r: int) -> float:
+    if x is None:
+        return 0.0
+    return float(x[r]) if isinstance(x, Sequence) else float(x)
 
 
 def stage_costs(
@@ -351,50 +347,21 @@ def stage_costs(
         raise ConfigError(f"recompute_scope must be one of {', '.join(RECOMPUTE_SCOPES)}, got {recompute_scope!r}")
     d, t = cand.pipeline_parallel, cand.tensor_parallel
     pb = param_bytes or ParamBytes()
-    nograd = dict(forward_nograd_s or {})
-
-    def per_stage(x, r):
-        if x is None:
-            return 0.0
-        return float(x[r]) if isinstance(x, Sequence) else float(x)
-
     out = []
     for r in range(d):
         blocks = _stage_blocks(costs, num_layers, d, r)
-        fwd = sum(n * b.forward_s for _, b, n in blocks)
-        bwd = sum(n * b.backward_s for _, b, n in blocks)
-        full_stash = sum(n * b.stash_bytes for _, b, n in blocks)
-        if r == 0:
-            full_stash += costs.embedding.input_bytes  # token ids (the embedding saves them)
-        ws = max(b.workspace_bytes for _, b, _ in blocks)
-        tp_f = sum(n * b.tp_allreduce_forward_bytes for _, b, n in blocks)
-        tp_b = sum(n * b.tp_allreduce_backward_bytes for _, b, n in blocks)
-        stage_input = costs.embedding.input_bytes if r == 0 else costs.layer.input_bytes
-        extra = 0
-        if cand.recompute and recompute_scope == "stage":
-            first_fwd = sum(n * nograd.get(name, b.forward_s) for name, b, n in blocks)
-            bwd += fwd
-            tp_b += tp_f
-            fwd = first_fwd
-            stash, extra = stage_input, full_stash
-        elif cand.recompute:  # Megatron: the layers re-run from their input; embedding/head keep theirs
-            name, lay, n = next(x for x in blocks if x[0] == "layer")
-            edge = full_stash - n * lay.stash_bytes
-            fwd = fwd - n * lay.forward_s + n * nograd.get("layer", lay.forward_s)
-            bwd += n * lay.forward_s
-            tp_b += n * lay.tp_allreduce_forward_bytes
-            stash, extra = costs.layer.input_bytes + edge, n * lay.stash_bytes
-        else:
-            stash = full_stash
+        w = _stage_work(costs, blocks, r == 0, recompute_scope if cand.recompute else None, forward_nograd_s or {})
+        fwd, bwd = w.forward_s, w.backward_s
         if tensor_bandwidth_Bps and t > 1:
-            fwd += ring_allreduce_time(tp_f, t, tensor_bandwidth_Bps)
-            bwd += ring_allreduce_time(tp_b, t, tensor_bandwidth_Bps)
+            fwd += ring_allreduce_time(w.tp_forward_bytes, t, tensor_bandwidth_Bps)
+            bwd += ring_allreduce_time(w.tp_backward_bytes, t, tensor_bandwidth_Bps)
         sm = stage_memory(costs, cand, num_layers, r, pb)
         out.append(StageCosts(
-            forward_s=fwd, backward_s=bwd, update_s=per_stage(update_s, r), reduce_s=per_stage(reduce_s, r),
+            forward_s=fwd, backward_s=bwd, update_s=_per_stage(update_s, r), reduce_s=_per_stage(reduce_s, r),
             output_bytes=0 if r == d - 1 else costs.layer.output_bytes,
             static_bytes=sm.weights + sm.second_weights + sm.grads + sm.optimizer,
-            stash_bytes=stash, backward_extra_bytes=extra, workspace_bytes=ws,
+            stash_bytes=w.stash_bytes, backward_extra_bytes=w.backward_extra_bytes,
+            workspace_bytes=max(b.workspace_bytes for _, b, _ in blocks),
         ))
     return out
 

@@ -61,27 +61,15 @@ def write_chrome_trace(result: SimResult, path: str | Path, *, title: str | None
     return p
 
 
-def write_png(result: SimResult, path: str | Path, *, title: str | None = None, memory: bool = True,
-              dpi: int = 110) -> Path:
-    """The timeline (and memory) as a PNG; see the module docstring."""
-    import matplotlib  # noqa: PLC0415 - optional dependency, imported when used
+# tab10 without its grey (updates are grey)
+_PALETTE_INDICES = (0, 1, 2, 3, 4, 5, 6, 8, 9)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    from matplotlib.patches import Patch  # noqa: PLC0415
 
-    d, m = result.d, result.m
-    span = result.makespan or 1.0
-    unit, scale = ("ms", 1e3) if span < 10 else ("s", 1.0)
-    rows = 2 if memory else 1
-    fig, axes = plt.subplots(rows, 1, figsize=(min(4 + 0.12 * sum(len(e) for e in result.events) / d, 22), 1.0 + 0.55 * d + (2.6 if memory else 0)),
-                             squeeze=False, gridspec_kw={"height_ratios": [max(d, 2), 3][:rows]}, sharex=True)
-    ax = axes[0][0]
-    tab = matplotlib.colormaps["tab10"]
-    palette = [tab(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # tab10 without its grey (updates are grey)
+def _draw_timeline(ax, result: SimResult, scale: float, palette: list, title: str | None, unit: str) -> None:
+    """One row per stage: forwards light and backwards dark in their microbatch's colour, updates grey."""
+    from matplotlib.patches import Patch  # noqa: PLC0415 - optional dependency, imported when used
 
-    def cmap(i: int):
-        return palette[i % len(palette)]
+    d, m, span = result.d, result.m, result.makespan or 1.0
     for r, stage_events in enumerate(result.events):
         y = d - 1 - r
         for e in stage_events:
@@ -91,10 +79,8 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None, 
             if e.op is Op.APPLY_UPDATE:
                 ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="0.35", edgecolor="black", linewidth=0.3)
                 continue
-            color = cmap(e.mb % m)
-            fwd = e.op is Op.FORWARD
-            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=color, alpha=0.45 if fwd else 1.0,
-                           edgecolor="black", linewidth=0.3)
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=palette[e.mb % m % len(palette)],
+                           alpha=0.45 if e.op is Op.FORWARD else 1.0, edgecolor="black", linewidth=0.3)
             if w > span * scale / 120:
                 ax.text(x + w / 2, y, f"{e.mb}", ha="center", va="center", fontsize=6)
     for t, s in enumerate(result.step_starts):
@@ -104,25 +90,48 @@ def write_png(result: SimResult, path: str | Path, *, title: str | None = None, 
     ax.set_yticklabels([f"stage {d - 1 - i}" for i in range(d)])
     ax.set_ylim(-0.6, d - 0.1 + 0.35)
     ax.set_xlim(0, span * scale)
-    ax.legend(handles=[Patch(facecolor=cmap(0), alpha=0.45, label="forward"), Patch(facecolor=cmap(0), label="backward"),
+    ax.legend(handles=[Patch(facecolor=palette[0], alpha=0.45, label="forward"), Patch(facecolor=palette[0], label="backward"),
                        Patch(facecolor="0.35", label="optimizer update")], loc="upper right", fontsize=7, ncol=3,
               bbox_to_anchor=(1.0, 1.18))
     head = title or f"{result.schedule}  d={d}  m={m}"
     ax.set_title(f"{head}:  {result.step_time_s * scale:.3g} {unit}/step steady state, "
                  f"bubble {100 * result.bubble_fraction:.1f}%", fontsize=9, loc="left")
+
+
+def _draw_memory(mx, result: SimResult, scale: float, unit: str) -> None:
+    """Each stage's bytes over time."""
+    span = result.makespan or 1.0
+    for r in range(result.d):
+        pts = result.memory[r]
+        xs = [t * scale for t, _ in pts] + [span * scale]
+        ys = [b / 2**20 for _, b in pts] + [pts[-1][1] / 2**20]
+        mx.step(xs, ys, where="post", label=f"stage {r}", linewidth=1.0)
+    mx.set_ylabel("MiB")
+    mx.set_xlabel(f"time ({unit})")
+    mx.legend(fontsize=7, ncol=min(result.d, 8), loc="upper right")
+    mx.set_title("memory per GPU: weights, gradients, optimizer state + stashed activations", fontsize=8, loc="left")
+
+
+def write_png(result: SimResult, path: str | Path, *, title: str | None = None, memory: bool = True,
+              dpi: int = 110) -> Path:
+    """The timeline (and memory) as a PNG; see the module docstring."""
+    import matplotlib  # noqa: PLC0415 - optional dependency, imported when used
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    d = result.d
+    unit, scale = ("ms", 1e3) if (result.makespan or 1.0) < 10 else ("s", 1.0)
+    rows = 2 if memory else 1
+    width = min(4 + 0.12 * sum(len(e) for e in result.events) / d, 22)
+    fig, axes = plt.subplots(rows, 1, figsize=(width, 1.0 + 0.55 * d + (2.6 if memory else 0)), squeeze=False,
+                             gridspec_kw={"height_ratios": [max(d, 2), 3][:rows]}, sharex=True)
+    tab = matplotlib.colormaps["tab10"]
+    _draw_timeline(axes[0][0], result, scale, [tab(i) for i in _PALETTE_INDICES], title, unit)
     if memory:
-        mx = axes[1][0]
-        for r in range(d):
-            pts = result.memory[r]
-            xs = [t * scale for t, _ in pts] + [span * scale]
-            ys = [b / 2**20 for _, b in pts] + [pts[-1][1] / 2**20]
-            mx.step(xs, ys, where="post", label=f"stage {r}", linewidth=1.0)
-        mx.set_ylabel("MiB")
-        mx.set_xlabel(f"time ({unit})")
-        mx.legend(fontsize=7, ncol=min(d, 8), loc="upper right")
-        mx.set_title("memory per GPU: weights, gradients, optimizer state + stashed activations", fontsize=8, loc="left")
+        _draw_memory(axes[1][0], result, scale, unit)
     else:
-        ax.set_xlabel(f"time ({unit})")
+        axes[0][0].set_xlabel(f"time ({unit})")
     fig.tight_layout()
     p = Path(path)
     fig.savefig(p, dpi=dpi)

@@ -10,13 +10,15 @@ exit 1 without waiting on teardown (``loop.run``).
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import asdict, dataclass
 
-from ..cli import build_config, env_world, parse_args, run_cli
+from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
 from ..errors import ConfigError
 from .auto_layout import plan_layout
+from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
 
 log = logging.getLogger("megatron_2bw")
 
@@ -61,26 +63,14 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
 
     prep = Prepared(cfg, rank, None, tokenizer, None, None, None)
     tc = cfg.training
+    if tc.save:
+        check_save_dir(tc.save)
     if tc.load:
-        from ..parallel_state import coords_of
-        from . import checkpointing
-
-        it = checkpointing.find_checkpoint(tc.load, tc.save)
-        if it is None:
-            log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
-        else:
-            t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
-            tp, _, pp = coords_of(rank, t, w)
-            sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
-            checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer))
-            prep.checkpoint, prep.resumed_from = sd, it
-            prep.start_step = int(sd["stage"]["step"])
-            prep.start_sample = int(sd["data"]["consumed_train_samples"])
-            if sd["layout"]["w"] != w:
-                log.info(" checkpoint was written with data-parallel size %d; this run uses %d (replicas are identical)",
-                         sd["layout"]["w"], w)
+        check_load_path(tc.load)
+        _find_resume(prep)
 
     sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
+    check_index_memory(cfg, sizes)
     extra = {"masked_lm_prob": dc.mask_prob, "short_seq_prob": dc.short_seq_prob} if cfg.kind == "bert" else {}
     prep.train_ds, prep.valid_ds, prep.test_ds = build_datasets(
         cfg.kind, list(dc.data_path), dc.split, cfg.model.seq_length, sizes, tc.seed, tokenizer, **extra,
@@ -95,7 +85,32 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
     return prep
 
 
-def configure(kind: str, argv: list[str]) -> Prepared:
+def _find_resume(prep: Prepared) -> None:
+    """Read this rank's file of the checkpoint ``--load`` names (if any) and check it fits this run."""
+    from ..parallel_state import coords_of
+    from . import checkpointing
+
+    cfg, tc = prep.cfg, prep.cfg.training
+    it = checkpointing.find_checkpoint(tc.load, tc.save)
+    if it is None:
+        log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
+        return
+    t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
+    tp, _, pp = coords_of(prep.rank, t, w)
+    sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
+    checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer))
+    changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
+    if changes and prep.rank == 0:
+        log.warning(" --override-resumed-settings: resuming with changed settings: %s", "; ".join(changes))
+    prep.checkpoint, prep.resumed_from = sd, it
+    prep.start_step = int(sd["stage"]["step"])
+    prep.start_sample = int(sd["data"]["consumed_train_samples"])
+    if sd["layout"]["w"] != w:
+        log.info(" checkpoint was written with data-parallel size %d; this run uses %d (replicas are identical)",
+                 sd["layout"]["w"], w)
+
+
+def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]:
     """Parse, plan (``--auto-plan``), validate and check the files of ``pretrain_{kind}.py``'s run."""
     from .metrics import setup_logging
 
@@ -103,14 +118,37 @@ def configure(kind: str, argv: list[str]) -> Prepared:
     setup_logging(rank)
     args = parse_args(argv, kind)
     layout, tokenizer = plan_layout(args, kind, world) if args.auto_plan else (None, None)
-    return prepare(build_config(args, kind, world, layout=layout), rank, tokenizer)
+    cfg = build_config(args, kind, world, layout=layout)
+    note = schedule_note(args)
+    if note:
+        log.info(" %s", note)
+    return prepare(cfg, rank, tokenizer), args
+
+
+def summary(prep: Prepared) -> str:
+    """The one line ``--validate-only`` prints: what the run would do."""
+    cfg, tc, pc = prep.cfg, prep.cfg.training, prep.cfg.pipeline
+    par = cfg.parallel
+    resume = "starting from scratch" if prep.resumed_from is None else f"resuming from iteration {prep.resumed_from}"
+    train = len(prep.train_ds) if prep.train_ds is not None else 0
+    return (
+        f"config OK: {cfg.kind.upper()} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout t={par.tensor} "
+        f"d={par.pipeline} w={par.data} ({par.world_size} process{'es' if par.world_size > 1 else ''}, {cfg.system.backend} on {cfg.system.device}) | "
+        f"schedule {pc.schedule}, b={pc.micro_batch_size} m={pc.num_microbatches} B={tc.global_batch_size} | "
+        f"{tc.train_iters} iterations, {train} training samples | precision {cfg.optimizer.dtype} | {resume}"
+    )
 
 
 def main(kind: str, argv: list[str] | None = None) -> int:
-    """Run ``pretrain_{kind}.py``; returns the exit status (2: bad input, before any collective)."""
+    """Run ``pretrain_{kind}.py``; returns the exit status (2: bad input, before any collective).
 
-    def train(args: list[str]) -> int:
-        prep = configure(kind, args)
+    ``--validate-only`` stops after every start-up check with one ``config OK: ...`` line (status 0).
+    """
+
+    def train(argv: list[str]) -> int | str:
+        prep, args = configure(kind, argv)
+        if args.validate_only:
+            return summary(prep)
         from .loop import run
 
         return run(prep)

@@ -1,0 +1,153 @@
+"""Start-up checks that need the file system or the machine, run on every rank before any process group.
+
+Each refuses with one ``ConfigError`` line, so a job that would fail at its first save, run out of
+memory building its data index, or silently train on another data order after a resume stops
+before it starts: ``--save`` must be a writable directory, ``--load`` a directory, the data
+index must fit in memory, and a resumed run must keep the data and schedule settings of the
+checkpoint unless ``--override-resumed-settings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from ..cli import megatron_args
+from ..config import RunConfig
+from ..errors import ConfigError
+
+# Peak bytes of index arrays per sample while a dataset is built (numpy, measured with tracemalloc
+# on the demo corpus): GPT's window starts, offsets and shuffle; BERT's block order; a blend's
+# dataset/sample indices on top of its components'.
+INDEX_BYTES_PER_SAMPLE = {"gpt": 40, "bert": 17}
+BLEND_BYTES_PER_SAMPLE = 56
+# The index may take at most this share of the machine's memory (the model and activations need the rest).
+INDEX_MEMORY_SHARE = 0.5
+
+# Flags (checkpoint ``args`` keys) that fix the data order, the batches or the schedule of a run.
+RESUME_SETTINGS = (
+    "data_path", "split", "seq_length", "seed", "global_batch_size", "micro_batch_size", "pipeline_schedule",
+    "train_iters", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "tokenizer_type",
+    "tokenizer_model", "vocab_file", "merge_file", "mask_prob", "short_seq_prob",
+)
+_PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file")
+
+
+# --------------------------------------------------------------------------- directories
+def _file_above(path: str) -> str | None:
+    """The nearest existing ancestor of ``path`` (or ``path``) when it is not a directory."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
+    return None if os.path.isdir(p) else p
+
+
+def check_save_dir(save: str) -> None:
+    """``--save`` is a directory this process can write: created when missing, probed with a file.
+
+    Safe on every rank at once (``makedirs(exist_ok=True)``, unique probe names).
+    """
+    blocker = _file_above(save)
+    if blocker is not None:
+        what = "is a file" if blocker == os.path.abspath(save) else f"is under the regular file {blocker}"
+        raise ConfigError(f"--save {save} {what}, not a directory")
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--save {save}: cannot create the directory ({e.strerror or e})") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_probe.", dir=save)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        why = e.strerror or e
+        raise ConfigError(f"--save {save} is not writable ({why}): checkpoints could not be saved") from None
+
+
+def check_load_path(load: str) -> None:
+    """``--load`` names a checkpoint directory, not a file."""
+    if os.path.exists(load) and not os.path.isdir(load):
+        raise ConfigError(f"--load {load} is a file, not a checkpoint directory (give the directory --save wrote)")
+
+
+# --------------------------------------------------------------------------- data index memory
+def physical_memory() -> int | None:
+    """Bytes of physical memory, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def index_bytes(cfg: RunConfig, sizes: tuple[int, int, int]) -> int:
+    """Estimated peak bytes of the train/valid/test sample indices of ``sizes`` samples."""
+    per = INDEX_BYTES_PER_SAMPLE[cfg.kind]
+    if len(cfg.data.data_path) > 1:  # a blend: W1 PREFIX1 W2 PREFIX2 ...
+        per += BLEND_BYTES_PER_SAMPLE
+    return sum(sizes) * per
+
+
+def check_index_memory(cfg: RunConfig, sizes: tuple[int, int, int], memory: int | None = None) -> None:
+    """Refuse a run whose sample index would not fit in memory, before it is built."""
+    memory = physical_memory() if memory is None else memory
+    need = index_bytes(cfg, sizes)
+    if memory is None or need <= INDEX_MEMORY_SHARE * memory:
+        return
+    tc = cfg.training
+    raise ConfigError(
+        f"--train-iters {tc.train_iters} x --global-batch-size {tc.global_batch_size} asks for {sum(sizes):,} samples "
+        f"(train {sizes[0]:,}, valid {sizes[1]:,}, test {sizes[2]:,}): indexing them needs about "
+        f"{need / 2**30:.1f} GiB, more than {INDEX_MEMORY_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB; "
+        "lower --train-iters (or --eval-iters, or raise --eval-interval)"
+    )
+
+
+# --------------------------------------------------------------------------- resume
+def _same(name: str, old: Any, new: Any) -> bool:
+    if old == new:
+        return True
+    if name in _PATH_SETTINGS and old is not None and new is not None:
+        olds, news = (old, new) if name == "data_path" else ([old], [new])
+        return len(olds) == len(news) and all(os.path.realpath(str(a)) == os.path.realpath(str(b))
+                                              for a, b in zip(olds, news))
+    return False
+
+
+def _text(v: Any) -> str:
+    return " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+def changed_settings(saved_args: Mapping[str, Any] | argparse.Namespace, cfg: RunConfig) -> list[tuple[str, Any, Any]]:
+    """(flag, checkpoint's value, this run's value) of each data or schedule setting that differs.
+
+    A setting the checkpoint does not record (an older file) is not compared.
+    """
+    saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
+    if not isinstance(saved, Mapping):
+        return []
+    now = megatron_args(cfg)
+    return [("--" + n.replace("_", "-"), saved[n], now[n]) for n in RESUME_SETTINGS
+            if n in saved and n in now and not _same(n, saved[n], now[n])]
+
+
+def check_resume(saved_args: Mapping[str, Any] | argparse.Namespace, cfg: RunConfig, where: str) -> list[str]:
+    """Refuse resuming ``where`` with changed data or schedule settings unless ``--override-resumed-settings``.
+
+    Returns the changes (``"--flag old -> new"``) that the override let through, for the caller to log.
+    """
+    changes = [f"{flag} {_text(old)} -> {_text(new)}" for flag, old, new in changed_settings(saved_args, cfg)]
+    if not changes:
+        return []
+    listed = "; ".join(changes)
+    if not cfg.training.override_resumed_settings:
+        raise ConfigError(
+            f"resuming {where} with changed settings: {listed} (they change the data order, the batches or the "
+            "schedule): give the checkpoint's values, or --override-resumed-settings to resume anyway"
+        )
+    return changes
