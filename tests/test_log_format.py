@@ -10,7 +10,7 @@ import pytest
 
 from megatron_2bw.training.log_format import (
     CudaMemory, MemoryReading, eta_line, framed, iteration_of_step, memory_from_stages, memory_report_line,
-    peak_tflops_of, saved_checkpoint_line, train_log_line, validation_line,
+    peak_tflops_of, saved_checkpoint_line, train_log_line, validation_line, window_line,
 )
 
 NUM = r"([-+]?[\d.]+(?:E[-+]\d+)?)"
@@ -187,3 +187,52 @@ def test_peak_of_a_known_gpu_comes_from_the_cluster_presets():
     data = json.loads((Path(planner.__file__).parent / "clusters" / "dgx-h200.json").read_text())
     assert peak_tflops_of("NVIDIA H200", "bf16") == pytest.approx(float(data["peak_TFLOPs"]["bf16"]))
     assert peak_tflops_of("Some CPU", "bf16") is None
+
+
+def window_records():
+    """Four steps of the loop's records: step 2 skipped by the optimizer, step 3 with a NaN loss."""
+    base = dict(lr=1e-3, grad_norm=0.75, loss_scale=1.0, skipped=False, tflops_per_device=0.02)
+    rows = [dict(base, loss=7.0, step_time_s=0.5, consumed_samples=16 * 7),
+            dict(base, loss=6.5, step_time_s=0.7, consumed_samples=16 * 8, skipped=True),
+            dict(base, loss=float("nan"), step_time_s=0.6, consumed_samples=16 * 9, skipped=True),
+            dict(base, loss=6.25, step_time_s=0.4, consumed_samples=16 * 10, lr=9e-4, grad_norm=0.5)]
+    return rows
+
+
+def test_window_line_follows_megatrons_accounting():
+    rows = window_records()
+    line = window_line(rows, completed=10, train_iters=100, global_batch=16, seq_length=64,
+                       stages=[{"stage": 0, "weight_bytes": 2**20, "grad_bytes": 0, "optimizer_bytes": 0,
+                                "peak_stashed_bytes": 0, "cuda_peak_bytes": None}])
+    mean_time = (0.5 + 0.7 + 0.6 + 0.4) / 4
+    assert tuple(map(int, grab(MEGATRON["iteration"], line))) == (10, 100)
+    assert int(grab(MEGATRON["consumed"], line)) == 160
+    assert float(grab(MEGATRON["lm"], line)) == pytest.approx((7.0 + 6.25) / 2, rel=1e-6)  # skipped steps left out
+    assert int(grab(MEGATRON["skipped"], line)) == 2 and int(grab(MEGATRON["nan"], line)) == 1
+    assert float(grab(MEGATRON["ms"], line)) == pytest.approx(1e3 * mean_time, abs=0.05)
+    assert float(grab(MEGATRON["sps"], line)) == pytest.approx(16 / mean_time, abs=0.005)
+    assert float(grab(MEGATRON["tps"], line)) == pytest.approx(16 * 64 / mean_time, abs=0.5)
+    assert float(grab(MEGATRON["lr"], line)) == pytest.approx(9e-4, rel=1e-6)
+    assert float(grab(MEGATRON["gnorm"], line)) == 0.5
+    assert float(grab(MEGATRON["mem_engine"], line)) == 1.0
+
+
+def test_window_line_loss_digits_match_the_plain_mean_without_skips():
+    # fp32 runs skip nothing: the printed loss is the plain mean of the window, digit for digit.
+    losses = [8.817234, 8.51, 8.0012345, 7.9]
+    rows = [dict(loss=x, lr=1e-3, grad_norm=1.0, loss_scale=1.0, skipped=False, step_time_s=0.1,
+                 consumed_samples=4 * (i + 1), tflops_per_device=0.0) for i, x in enumerate(losses)]
+    line = window_line(rows, completed=4, train_iters=4, global_batch=4, seq_length=8)
+    assert f" lm loss: {sum(losses) / len(losses):.6E} |" in line
+
+
+def test_window_line_bert_losses():
+    rows = [dict(lm_loss=5.0 + i, sop_loss=0.7 - 0.1 * i, lr=1e-4, grad_norm=1.0, loss_scale=1.0, skipped=False,
+                 step_time_s=1.0, consumed_samples=8 * (i + 1), tflops_per_device=None) for i in range(3)]
+    line = window_line(rows, completed=3, train_iters=9, global_batch=8, seq_length=32,
+                       loss_keys={"lm loss": "lm_loss", "sop loss": "sop_loss"})
+    assert float(grab(MEGATRON["lm"], line)) == pytest.approx(6.0, rel=1e-6)
+    assert float(grab(MEGATRON["sop"], line)) == pytest.approx(0.6, rel=1e-6)
+    assert grab(MEGATRON["tflops"], line) is None
+    with pytest.raises(ValueError):
+        window_line([], completed=1, train_iters=1, global_batch=1, seq_length=1)

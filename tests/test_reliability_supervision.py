@@ -14,10 +14,7 @@ import torch
 
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.training.manifest import ChecksumWriter
-from megatron_2bw.training.supervision import (
-    check_load_path, check_save_dir, describe_save_failure, install_parent_death_signal, os_error_line,
-    parent_death_signal,
-)
+from megatron_2bw.training.supervision import check_load_path, check_save_dir, describe_save_failure, os_error_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,3 +163,14 @@ def test_torch_save_to_a_path_hides_the_errno_but_free_space_names_it():
     assert "unexpected pos" in str(e.value)  # what users saw before
     line = describe_save_failure(e.value, "/dev/full")
     assert line.startswith("writing /dev/full failed: ") and "\n" not in line
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux-only")
+def test_arming_in_process_reads_back():
+    code = ("import signal, sys; sys.path.insert(0, %r)\n"
+            "from megatron_2bw.training.supervision import install_parent_death_signal, parent_death_signal\n"
+            "assert parent_death_signal() == 0\n"
+            "assert install_parent_death_signal(signal.SIGTERM)\n"
+            "print(parent_death_signal())" % REPO)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and int(res.stdout) == signal.SIGTERM, res.stderr

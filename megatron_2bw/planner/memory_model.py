@@ -1,7 +1,7 @@
 """Bytes per GPU of a candidate layout, stage by stage: the paper's formulas plus what they omit.
 
-The paper (notation of docs/planner.md; ``|W|/d`` a stage's weights, ``A_total/d`` the activations
-of one microbatch through a stage, ``A_input`` a stage's input)::
+The paper's formulas (``|W|/d`` a stage's weights, ``A_total/d`` the activations of one microbatch
+through a stage, ``A_input`` a stage's input; docs/planner.md compares them with measurements)::
 
     2BW, recomputation:       2|W|/d + A_total/d     + d * A_input
     2BW, no recomputation:    2|W|/d + d * A_total/d  (+ d * A_input, inside A_total here)

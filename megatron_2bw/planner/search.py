@@ -19,10 +19,10 @@ from typing import Iterator
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
-from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
 
 

@@ -101,6 +101,50 @@ def train_log_line(
     return s
 
 
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def window_losses(window: Sequence[Mapping], keys: Mapping[str, str]) -> tuple[dict[str, float | None], int]:
+    """(Megatron loss name -> mean over the window, count of steps with a non-finite loss).
+
+    As in Megatron, steps the optimizer skipped are left out of the means. ``keys`` maps a
+    Megatron loss name to the record field that holds it (``{"lm loss": "loss"}``).
+    """
+    kept = [r for r in window if not r.get("skipped")]
+    means: dict[str, float | None] = {}
+    for name, field in keys.items():
+        vals = [r[field] for r in kept if _finite(r.get(field))]
+        means[name] = sum(vals) / len(vals) if vals else None
+    nan = sum(1 for r in window if any(f in r and not _finite(r[f]) for f in keys.values()))
+    return means, nan
+
+
+def window_line(window: Sequence[Mapping], *, completed: int, train_iters: int, global_batch: int, seq_length: int,
+                stages: Sequence[Mapping] = (), loss_keys: Mapping[str, str] | None = None,
+                peak_tflops: float | None = None, now: datetime | None = None) -> str:
+    """The training line of one log window of the loop's per-step records.
+
+    A record has ``loss`` (or the fields named in ``loss_keys``; BERT: ``{"lm loss": "lm_loss",
+    "sop loss": "sop_loss"}``), ``lr``, ``grad_norm``, ``loss_scale``, ``skipped``,
+    ``step_time_s``, ``consumed_samples`` and ``tflops_per_device``; ``completed`` is the
+    number of completed steps at the window's end (the 1-based iteration of its last step).
+    """
+    if not window:
+        raise ValueError("a log window needs at least one step")
+    losses, nan = window_losses(window, loss_keys or {"lm loss": "loss"})
+    last = window[-1]
+    time_s = sum(r["step_time_s"] for r in window) / len(window)
+    return train_log_line(
+        iteration=completed, train_iters=train_iters, consumed_samples=int(last["consumed_samples"]),
+        ms_per_iter=1e3 * time_s, lr=last["lr"], global_batch=global_batch, losses=losses,
+        loss_scale=last["loss_scale"], grad_norm=last["grad_norm"], skipped=sum(bool(r["skipped"]) for r in window),
+        nan=nan, samples_per_sec=global_batch / time_s, tokens_per_sec=global_batch * seq_length / time_s,
+        memory=memory_from_stages(stages), tflops_per_device=last.get("tflops_per_device"), peak_tflops=peak_tflops,
+        now=now,
+    )
+
+
 def validation_line(iteration: int, losses: Mapping[str, float], *, split: str = "valid", final: bool = False,
                     ppl_keys: Sequence[str] = PPL_KEYS) -> str:
     """Megatron's evaluation line: `` validation loss at iteration N | lm loss value: ... | lm loss PPL: ... |``.
@@ -205,5 +249,5 @@ def peak_tflops_of(device_name: str, precision: str) -> float | None:
 __all__ = [
     "CudaMemory", "MemoryReading", "PPL_KEYS", "cuda_memory", "eta_line", "framed", "iteration_of_step",
     "memory_from_stages", "memory_report_line", "peak_tflops_of", "saved_checkpoint_line", "timestamp",
-    "train_log_line", "validation_line",
+    "train_log_line", "validation_line", "window_line", "window_losses",
 ]

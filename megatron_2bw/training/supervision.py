@@ -24,7 +24,7 @@ PR_SET_PDEATHSIG = 1
 PR_GET_PDEATHSIG = 2
 
 
-def _libc():
+def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 

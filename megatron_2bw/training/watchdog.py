@@ -221,7 +221,7 @@ class Watchdog:
         self.exit_fn(EXIT_STALLED)
 
 
-def _watchdog_store(op_timeout_s: float):
+def _watchdog_store(op_timeout_s: float) -> "dist.PrefixStore":
     """A private client of the default process group's store, with its own short timeout, under a fresh prefix."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
