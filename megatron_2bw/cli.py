@@ -6,13 +6,16 @@ trainer's parser (``build_parser``), the flags -> config mapping (``build_config
 reproduce a config (``megatron_args``, ``to_argv``) and the command the planner prints
 (``pretrain_argv``). One rule turns a preset plus shape flags into a ``ModelConfig``
 (``model_config``) for the trainer and every tool. Nothing here imports torch or starts a process
-group: a mistake is one ``ConfigError`` line (``OneLineParser``, ``errors.run_cli``) before any collective.
+group: a mistake is one ``ConfigError`` line (``OneLineParser``, ``errors.run_cli``) before any collective;
+an unknown flag's line names the nearest known one. ``--yaml-cfg FILE`` expands into flags placed before
+the command line's, so the command line wins (``yaml_cfg.expand_yaml_cfg``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -71,6 +74,7 @@ class Flag:
     nargs: str | None = None
     required: bool = False
     kinds: tuple[str, ...] = KINDS
+    metavar: str | None = None
 
     @property
     def dest(self) -> str:
@@ -84,7 +88,8 @@ class Flag:
         if self.const is not None:
             group.add_argument(self.name, action="store_true", help=self.help)
             return
-        kw = {"type": self.type, "default": self.default, "choices": self.choices, "nargs": self.nargs}
+        kw = {"type": self.type, "default": self.default, "choices": self.choices, "nargs": self.nargs,
+              "metavar": self.metavar}
         group.add_argument(self.name, help=self.help, required=self.required,
                            **{k: v for k, v in kw.items() if v is not None})
 
@@ -178,7 +183,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
     Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
     Flag("--fused-kernels", "system.fused_kernels", SYS, choices=("auto", "apex", "torch"), default="auto"),
-    Flag(YAML_FLAG, None, SYS, help="YAML mapping of flag names (train_iters or train-iters) to values; "
+    Flag(YAML_FLAG, None, SYS, metavar="FILE", help="YAML mapping of flag names (train_iters or train-iters) to values; "
                                     "flags on the command line win"),
     Flag("--validate-only", None, SYS, const=True,
          help="check the flags, tokenizer, data and checkpoint to resume as every rank would, print one line "
@@ -221,7 +226,7 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None, kind: str) -> argparse.Namespace:
     """The trainer's flags; ``--yaml-cfg FILE`` supplies flags that the command line may override."""
     parser = build_parser(kind)
-    return parser.parse_args(None if argv is None else expand_yaml_cfg(list(argv), parser))
+    return parser.parse_args(expand_yaml_cfg(list(sys.argv[1:] if argv is None else argv), parser))
 
 
 # --------------------------------------------------------------------------- flags -> config

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_2bw.cli import build_config, env_world, parse_args
+from megatron_2bw.cli import build_config, env_world, megatron_args, parse_args
 from megatron_2bw.errors import ConfigError
 
 DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]
@@ -41,7 +41,7 @@ def test_every_megatron_flag_of_the_issue_is_accepted():
     assert (cfg.lr.decay_style, cfg.lr.warmup_iters, cfg.lr.decay_iters, cfg.lr.min_lr) == ("cosine", 10, 100, 1e-5)
     assert cfg.training.exit_interval == 60 and cfg.data.data_path == ("0.3", "a", "0.7", "b")
     assert cfg.system.timeout_minutes == 3 and cfg.system.fused_kernels == "torch"
-    json.dumps(cfg.args)  # stored in checkpoints
+    json.dumps(megatron_args(cfg))  # stored in checkpoints
 
 
 def test_preset_with_explicit_overrides():

@@ -9,7 +9,6 @@ memory bound measured against numpy's real allocations.
 from __future__ import annotations
 
 import os
-import resource
 import re
 import tracemalloc
 
@@ -103,6 +102,11 @@ def test_save_dir_is_created_or_refused_when_not_writable(tmp_path):
 
 
 # ---- the data index must fit in memory ---------------------------------------------------------
+# Runs a command and prints its peak resident memory (KiB) on stdout.
+MEASURE_CHILD = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+                 "print('maxrss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+
+
 def _measured_bytes_per_sample(kind: str, corpus, n: int) -> float:  # noqa: F811
     from megatron_2bw.data import build_datasets, build_tokenizer
 
@@ -128,7 +132,7 @@ def test_index_memory_estimate_matches_numpy_and_refuses_a_billion_iterations(co
     iters, B, eval_interval, eval_iters = 10**9, 8, 1000, 100
     argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--global-batch-size", str(B),
             "--train-iters", str(iters), "--lr", "1e-3", "--device", "cpu", *corpus.data_args()]
-    res = run([PY, GPT, *argv], timeout=120)
+    res = run([PY, "-c", MEASURE_CHILD, PY, GPT, *argv], timeout=120)
     assert res.returncode == 2, res.describe()
     lines = [x for x in _lines(res.stderr) if x.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.describe()
@@ -136,7 +140,8 @@ def test_index_memory_estimate_matches_numpy_and_refuses_a_billion_iterations(co
     m = re.search(r"asks for ([\d,]+) samples .* needs about ([\d.]+) GiB", lines[0])
     assert m and int(m.group(1).replace(",", "")) == samples, lines[0]
     assert 0.6 * per["gpt"] * samples <= float(m.group(2)) * 2**30 <= 1.6 * per["gpt"] * samples
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 4 * 2**20  # KiB: nothing near 60 GiB was tried
+    maxrss_kib = int(re.search(r"^maxrss_kib (\d+)$", res.stdout, re.M).group(1))
+    assert maxrss_kib < 4 * 2**20, maxrss_kib  # the trainer's peak: nothing near 60 GiB was tried
     cfg = _cfg(["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--global-batch-size", str(B)])
     assert sum(dataset_sizes(cfg, 0, 0)) == 10 * B + (10 // 1000 + 1) * 100 * B + 100 * B  # the same formula
 

@@ -145,6 +145,9 @@ def test_layout_schedule_or_iteration_differs(tmp_path):
         verify(idir, layout_identity_fn(iteration=10, t=T, d=D, schedule="flush"), checksums=False)
     with pytest.raises(ConfigError, match="was written as iteration 10 but its place requires iteration 20"):
         verify(idir, layout_identity_fn(iteration=20, t=T, d=D, schedule=SCHEDULE), checksums=False)
+    verify(idir, layout_identity_fn(iteration=10, t=T, d=D), checksums=False)  # schedule left to the caller
+    with pytest.raises(ConfigError, match="was written as d 2 but its place requires d 4"):
+        verify(idir, layout_identity_fn(iteration=10, t=T, d=4), checksums=False)
 
 
 def test_unlisted_shard_and_no_manifest(tmp_path):

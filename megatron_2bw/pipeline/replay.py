@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 from .actions import TRANSFERS, Action, Op
@@ -107,6 +106,7 @@ class Replay:
         self.programs = [p if isinstance(p, (list, tuple)) else list(p) for p in programs]
         d = self.d = len(self.programs)
         self.timing = timing or Timing.unit(d)
+        self.forward_s, self.backward_s = list(self.timing.forward_s), list(self.timing.backward_s)
         self.rules, self.error = rules, error
         self.pc, self.clock = [0] * d, [0.0] * d
         self.end = [[0.0] * len(p) for p in self.programs]
@@ -122,9 +122,8 @@ class Replay:
         self.handlers = [self._stage_handlers(r) for r in range(d)]
 
     def _stage_handlers(self, r: int) -> dict[Op, Handler]:
-        t = self.timing
         return {
-            Op.FORWARD: partial(self._compute, t.forward_s[r]), Op.BACKWARD: partial(self._compute, t.backward_s[r]),
+            Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, **self.channel.handlers(r),
         }
 
@@ -172,8 +171,12 @@ class Replay:
         if self.rules is not None:
             self.rules[r].finish()
 
-    def _compute(self, seconds: float, r: int, i: int, a: Action) -> int:
-        self.end[r][i] = self.clock[r] = self.clock[r] + seconds
+    def _forward(self, r: int, i: int, a: Action) -> int:
+        self.end[r][i] = self.clock[r] = self.clock[r] + self.forward_s[r]
+        return i + 1
+
+    def _backward(self, r: int, i: int, a: Action) -> int:
+        self.end[r][i] = self.clock[r] = self.clock[r] + self.backward_s[r]
         return i + 1
 
     def _reduce(self, r: int, i: int, a: Action) -> int:
@@ -202,14 +205,42 @@ class Replay:
 
 class _Link:
     """One boundary in one direction: queued (microbatch, arrival), when it is next free, and
-    whether its receiver is blocked on it."""
+    whether its receiver is blocked on it; ``send``/``recv`` are the handlers of its two ends."""
 
-    __slots__ = ("queue", "free", "waiting", "transfer_s", "latency_s")
+    __slots__ = ("replay", "sender", "receiver", "what", "queue", "free", "waiting", "transfer_s", "latency_s")
 
-    def __init__(self, transfer_s: float, latency_s: float) -> None:
+    def __init__(self, replay: Replay, sender: int, receiver: int, what: str) -> None:
+        boundary = min(sender, receiver)
+        self.replay, self.sender, self.receiver, self.what = replay, sender, receiver, what
         self.queue: deque[tuple[int, float]] = deque()
         self.free, self.waiting = 0.0, False
-        self.transfer_s, self.latency_s = transfer_s, latency_s
+        self.transfer_s, self.latency_s = replay.timing.transfer_s[boundary], replay.timing.latency_s[boundary]
+
+    def send(self, r: int, i: int, a: Action) -> int:
+        """Queue the message after the later of now and the link's previous message."""
+        rp = self.replay
+        now = rp.clock[r]
+        self.free = (now if now > self.free else self.free) + self.transfer_s
+        self.queue.append((a.mb, self.free + self.latency_s))
+        if self.waiting:
+            self.waiting = False
+            rp.ready.append(self.receiver)
+        rp.end[r][i] = now
+        return i + 1
+
+    def recv(self, r: int, i: int, a: Action) -> int:
+        """Take the head message, which must be ``a``'s microbatch; the wait ends at its arrival."""
+        if not self.queue:
+            self.waiting = True
+            return BLOCKED
+        rp = self.replay
+        mb, arrival = self.queue[0]
+        if mb != a.mb:
+            raise rp.fail(r, i, a, f"mismatched order: stage {self.sender} sent the {self.what} of microbatch {mb} first")
+        self.queue.popleft()
+        now = rp.clock[r]
+        rp.end[r][i] = rp.clock[r] = arrival if arrival > now else now
+        return i + 1
 
 
 class Fifo:
@@ -218,46 +249,18 @@ class Fifo:
     deadlock = "deadlock"
 
     def attach(self, replay: Replay) -> None:
-        t, self.replay = replay.timing, replay
-        self.acts = [_Link(t.transfer_s[b], t.latency_s[b]) for b in range(replay.d - 1)]
-        self.grads = [_Link(t.transfer_s[b], t.latency_s[b]) for b in range(replay.d - 1)]
+        self.acts = [_Link(replay, b, b + 1, "activations") for b in range(replay.d - 1)]
+        self.grads = [_Link(replay, b + 1, b, "gradient") for b in range(replay.d - 1)]
+        self.replay = replay
 
     def handlers(self, r: int) -> dict[Op, Handler]:
         """Stage ``r``'s transfers bound to its links (a missing neighbour refuses them)."""
         no = self.replay.no_peer
         first, last = r == 0, r == self.replay.d - 1
         return {
-            Op.SEND_ACT: no if last else partial(self._send, self.acts[r], r + 1),
-            Op.RECV_GRAD: no if last else partial(self._recv, self.grads[r], r + 1, "gradient"),
-            Op.RECV_ACT: no if first else partial(self._recv, self.acts[r - 1], r - 1, "activations"),
-            Op.SEND_GRAD: no if first else partial(self._send, self.grads[r - 1], r - 1),
+            Op.SEND_ACT: no if last else self.acts[r].send, Op.RECV_GRAD: no if last else self.grads[r].recv,
+            Op.RECV_ACT: no if first else self.acts[r - 1].recv, Op.SEND_GRAD: no if first else self.grads[r - 1].send,
         }
-
-    def _send(self, link: _Link, receiver: int, r: int, i: int, a: Action) -> int:
-        """Queue the message on the link after the later of now and the link's previous message."""
-        rp = self.replay
-        now = rp.clock[r]
-        link.free = (now if now > link.free else link.free) + link.transfer_s
-        link.queue.append((a.mb, link.free + link.latency_s))
-        if link.waiting:
-            link.waiting = False
-            rp.ready.append(receiver)
-        rp.end[r][i] = now
-        return i + 1
-
-    def _recv(self, link: _Link, sender: int, what: str, r: int, i: int, a: Action) -> int:
-        """Take the head message, which must be ``a``'s microbatch; the wait ends at its arrival."""
-        if not link.queue:
-            link.waiting = True
-            return BLOCKED
-        rp = self.replay
-        mb, arrival = link.queue[0]
-        if mb != a.mb:
-            raise rp.fail(r, i, a, f"mismatched order: stage {sender} sent the {what} of microbatch {mb} first")
-        link.queue.popleft()
-        now = rp.clock[r]
-        rp.end[r][i] = rp.clock[r] = arrival if arrival > now else now
-        return i + 1
 
     def leftover(self) -> int | None:
         """The first boundary with a message nobody received."""

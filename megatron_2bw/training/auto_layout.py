@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import replace
 
-from ..cli import model_config, precision_of
+from ..cli import data_config, lr_config, model_config, optimizer_config, precision_of, training_config
 from ..config import Layout
 from ..errors import ConfigError
 
@@ -35,6 +35,8 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
     """The planner's best layout for ``world`` processes, and the tokenizer built to size the model."""
     if args.global_batch_size is None:
         raise ConfigError("--auto-plan needs --global-batch-size (the planner sets the microbatch size)")
+    # Every check that needs no layout before the planner, which may profile for a while.
+    optimizer_config(args), training_config(args, args.global_batch_size), lr_config(args), data_config(args)
     path = args.auto_plan_profile
     if world > 1 and not (path and os.path.isfile(path)):
         raise ConfigError(

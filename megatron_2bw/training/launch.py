@@ -1,11 +1,13 @@
 """The shared main of ``pretrain_gpt.py`` and ``pretrain_bert.py``: parse -> validate -> init -> build -> train.
 
 Everything that can be wrong with the input is checked before ``init_process_group``:
-flags and layout (``cli.build_config``, no torch needed), then files (kernels,
-tokenizer, data and vocabulary, the checkpoint to resume). A mistake prints one line,
-``error: ...``, and exits with status 2 before any collective exists (``cli.run_cli``), so no
-peer is left waiting. Failures after start-up (a dead peer, a bug) print one line per rank and
-exit 1 without waiting on teardown (``loop.run``).
+flags and layout (``cli.build_config``, no torch needed), then files and the machine (kernels,
+tokenizer, ``--save`` writable, data and vocabulary, the data index's memory, the checkpoint to
+resume and whether its data and schedule settings still hold: ``startup_checks``). ``--validate-only``
+stops there with one ``config OK: ...`` line, so launch scripts validate once before torchrun.
+A mistake prints one line, ``error: ...``, and exits with status 2 before any collective exists
+(``cli.run_cli``), so no peer is left waiting. Failures after start-up (a dead peer, a bug)
+print one line per rank and exit 1 without waiting on teardown (``loop.run``).
 """
 
 from __future__ import annotations

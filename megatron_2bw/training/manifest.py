@@ -99,13 +99,16 @@ def identity_from_path(relpath: str) -> dict:
     return {"tp_rank": int(m.group(1)), "pp_rank": int(m.group(2) or 0)}
 
 
-def layout_identity_fn(*, iteration: int, t: int, d: int, schedule: str) -> IdentityFn:
+def layout_identity_fn(*, iteration: int, t: int, d: int, schedule: str | None = None) -> IdentityFn:
     """``expected_identity_fn`` for :func:`verify`: this run's layout plus the folder's ranks.
 
     The data-parallel width ``w`` is not compared: replicas are identical, a resume may change it.
+    ``schedule`` None: not compared here (a caller with a clearer message checks it).
     """
+    fixed = {"iteration": iteration, "t": t, "d": d, **({"schedule": schedule} if schedule is not None else {})}
+
     def expected(relpath: str) -> dict:
-        return {"iteration": iteration, "t": t, "d": d, "schedule": schedule, **identity_from_path(relpath)}
+        return {**fixed, **identity_from_path(relpath)}
 
     return expected
 

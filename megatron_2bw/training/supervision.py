@@ -16,6 +16,7 @@ import ctypes.util
 import errno
 import os
 import signal
+import socket
 import sys
 
 from ..errors import ConfigError
@@ -74,7 +75,7 @@ def _blocking_file(path: str) -> str | None:
 
 def _probe_writable(path: str) -> OSError | None:
     """Create and remove a file in ``path``: permission bits lie for root and read-only mounts."""
-    probe = os.path.join(path, f".write_test.{os.getpid()}")
+    probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")  # ranks on many hosts
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
