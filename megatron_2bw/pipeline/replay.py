@@ -152,6 +152,8 @@ class Replay:
         """Run stage ``r`` until it blocks or its program ends."""
         prog, handlers = self.programs[r], self.handlers[r]
         n, i = len(prog), self.pc[r]
+        if i == n:  # already finished
+            return
         if self.resumed[r]:  # the action it blocked in: its rules already ran
             i = handlers[prog[i].op](r, i, prog[i])
             if i == BLOCKED:
