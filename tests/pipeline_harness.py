@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.stages import stage_range
@@ -71,7 +72,7 @@ def train_tiny(
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12)
     start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
-    names = GlobalNames(start, tied="0.word.weight")  # the embedding's word weight in the full model
+    names = GlobalNames(start, tied=WORD)  # the head's copy of the word embedding is named as the original
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
                           (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)

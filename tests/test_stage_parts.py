@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.stages import stage_range
@@ -93,7 +95,7 @@ def test_global_names_are_the_full_models_names(kind):
     for r in range(d):
         start, _ = stage_range(cfg.num_layers, d, r)
         w = StageWeights(lambda: spec.build_stage(d, r), num_versions=1, dtype=torch.float32,
-                         device=torch.device("cpu"), names=GlobalNames(start, tied="0.word.weight"))
+                         device=torch.device("cpu"), names=GlobalNames(start, tied=WORD))
         views = w.state_views(w.flat[0])
         assert len(views) == len(w.names)
         seen.update({n: v.shape for n, v in views.items()})
@@ -137,6 +139,24 @@ def test_payload_holds_the_newest_weights_by_global_name():
         assert torch.equal(value, newest[name])
     older = stage.weights.layers(1)
     assert any(not torch.equal(p, sd["model"][n]) for n, p in older.named_parameters())
+
+
+def test_format_1_files_still_load_and_unknown_formats_are_refused(tmp_path):
+    """Format 1 differs only in ``model``'s names; the engine state it holds restores bitwise."""
+    stage, spec, cfg = _single_stage()
+    data = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    stage.train(2, lambda mb: spec.make_batch(data[mb:mb + 1]), lambda t: 1e-2)
+    sd = ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=4, global_batch=2, config={}, args={})
+    root = str(tmp_path)
+    ck.atomic_torch_save({**sd, "format": 1}, ck.checkpoint_path(root, 2, 0, 0, 1))
+    fresh, _, _ = _single_stage()
+    ck.restore(ck.load_rank_file(root, 2, 1, 1, 0, 0), fresh, fresh.rng, torch.device("cpu"))
+    assert fresh.step == 2
+    for a, b in zip(fresh.state_dict()["versions"], stage.state_dict()["versions"]):
+        assert torch.equal(a, b)
+    ck.atomic_torch_save({**sd, "format": 99}, ck.checkpoint_path(root, 2, 0, 0, 1))
+    with pytest.raises(ConfigError, match=r"not a megatron_2bw checkpoint of format 1 or 2 \(format: 99\)"):
+        ck.load_rank_file(root, 2, 1, 1, 0, 0)
 
 
 def test_rng_snapshot_restores_every_stream():

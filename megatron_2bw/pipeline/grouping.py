@@ -25,6 +25,8 @@ from .actions import TRANSFERS, Action, Op
 from .replay import Rendezvous, Replay, ScheduleError
 from .schedules import stage_actions, validate_pipeline
 
+__all__ = ["COMM_OPS", "ScheduleError", "check_grouped", "check_grouped_actions", "comm_groups", "peer_offset"]
+
 COMM_OPS: frozenset[Op] = frozenset(TRANSFERS)
 
 

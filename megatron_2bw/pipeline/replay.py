@@ -162,10 +162,11 @@ class Replay:
         check = self.rules[r].check if self.rules is not None else None
         while i < n:
             a = prog[i]
+            op = a.op
             if check is not None:
-                check[a.op](i, a)
-            nxt = handlers[a.op](r, i, a)
-            if nxt == BLOCKED:
+                check[op](i, a)
+            nxt = handlers[op](r, i, a)
+            if nxt < 0:  # BLOCKED
                 self.pc[r], self.resumed[r] = i, True
                 return
             i = nxt

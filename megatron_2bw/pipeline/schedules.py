@@ -90,7 +90,9 @@ class ScheduleSpec:
         return _one_f_one_b(lo, count, d - r - 1)
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
-        """Each step is filled, drained, reduced and applied on its own."""
+        """Stage ``r``'s ordered actions for a drained segment (unvalidated: see :func:`stage_actions`).
+
+        A flushing schedule fills, drains, reduces and applies each step on its own."""
         out: list[Action] = []
         for t in range(first_step, first_step + num_steps):
             v = self.version(t)

@@ -129,7 +129,9 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
     except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
         raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
     if not isinstance(sd, dict) or sd.get("format") not in READABLE_FORMATS or "stage" not in sd:
-        raise ConfigError(f"checkpoint file {path} is not a megatron_2bw checkpoint (format {FORMAT})")
+        got = sd.get("format") if isinstance(sd, dict) else None
+        raise ConfigError(f"checkpoint file {path} is not a megatron_2bw checkpoint of format "
+                          f"{' or '.join(map(str, READABLE_FORMATS))} (format: {got})")
     lay = sd["layout"]
     if (lay["t"], lay["d"]) != (t, d):
         raise _layout_error(idir, (lay["t"], lay["d"]), (t, d))
