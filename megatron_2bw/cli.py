@@ -140,6 +140,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--seed", "training.seed", TRAIN, int, 1234),
     Flag("--exit-interval", "training.exit_interval", TRAIN, int,
          help="save (with --save) and exit after this many iterations"),
+    Flag("--exit-signal-handler", "training.exit_signal_handler", TRAIN, const=True,
+         help="on SIGTERM or --exit-signal, save a checkpoint (with --save) at the next step boundary and exit 0"),
+    Flag("--exit-signal", "training.exit_signal", TRAIN, default="SIGUSR1",
+         help="with --exit-signal-handler: another signal handled like SIGTERM (SLURM's --signal warning)"),
+    Flag("--exit-duration-in-mins", "training.exit_duration_in_mins", TRAIN, float,
+         help="save (with --save) and exit 0 at the first step boundary after this many minutes"),
+    Flag("--max-skipped-steps", "training.max_skipped_steps", TRAIN, int,
+         help="stop (exit 3) after more than this many consecutive skipped steps (default: fp16 with dynamic "
+              "scaling log2(initial/min loss scale)+4, 20 by default; constant --loss-scale 5; bf16/fp32 0)"),
     Flag("--optimizer", "optimizer.optimizer", OPT, choices=("adam", "sgd"), default="adam"),
     Flag("--lr", ("optimizer.lr", "lr.lr"), OPT, float, required=True),
     Flag("--min-lr", "lr.min_lr", OPT, float, 0.0),
@@ -178,11 +187,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-iters", "training.eval_iters", LOG, int, 100),
     Flag("--metrics-file", "training.metrics_file", LOG, help="append one JSON object per line (see docs/training.md)"),
     Flag("--tensorboard-dir", "training.tensorboard_dir", LOG,
-         help="write TensorBoard events here (needs tensorboard installed)"),
+         help="write TensorBoard events here (pip install -e '.[tensorboard]')"),
+    Flag("--wandb-project", "training.wandb_project", LOG,
+         help="Weights & Biases project; turns wandb logging on (offline unless WANDB_MODE or WANDB_API_KEY say "
+              "otherwise; pip install -e '.[wandb]')"),
+    Flag("--wandb-exp-name", "training.wandb_exp_name", LOG, help="the wandb run's name (required with --wandb-project)"),
+    Flag("--wandb-save-dir", "training.wandb_save_dir", LOG, help="where wandb writes the run (default: <--save>/wandb)"),
     Flag("--device", "system.device", SYS, choices=DEVICES, default="auto"),
     Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
     Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
     Flag("--fused-kernels", "system.fused_kernels", SYS, choices=("auto", "apex", "torch"), default="auto"),
+    Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0,
+         help="name a rank that stops responding or making progress for this long and exit 4 (0: off)"),
     Flag(YAML_FLAG, None, SYS, metavar="FILE", help="YAML mapping of flag names (train_iters or train-iters) to values; "
                                     "flags on the command line win"),
     Flag("--validate-only", None, SYS, const=True,
@@ -338,9 +354,8 @@ def lr_config(args: argparse.Namespace) -> LRConfig:
 
 
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
-    override = bool(_switched(args, "training.override_resumed_settings"))
-    return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch,
-                             "override_resumed_settings": override})
+    switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler")}
+    return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches})
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:

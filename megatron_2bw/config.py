@@ -275,9 +275,23 @@ class TrainingConfig:
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
     override_resumed_settings: bool = False  # resume although data or schedule settings changed
+    exit_signal_handler: bool = False  # SIGTERM / exit_signal: save at the next boundary and exit 0
+    exit_signal: str = "SIGUSR1"  # the extra signal handled like SIGTERM (SLURM's --signal warning)
+    exit_duration_in_mins: float | None = None  # save and exit 0 after this long
+    max_skipped_steps: int | None = None  # None: the precision's default (training/health.py)
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
 
     def __post_init__(self) -> None:
+        from .training.health import check_max_skipped_steps  # noqa: PLC0415 - torch-free modules
+        from .training.signals import parse_signal  # noqa: PLC0415
+
         _require(self.train_iters >= 1, f"--train-iters must be >= 1, got {self.train_iters}")
+        object.__setattr__(self, "exit_signal", parse_signal(self.exit_signal).name)
+        d = self.exit_duration_in_mins
+        _require(d is None or 0 < d < math.inf, f"--exit-duration-in-mins must be a positive number, got {d}")
+        check_max_skipped_steps(self.max_skipped_steps)
         _require(0 <= self.seed <= MAX_SEED,
                  f"--seed must be in [0, 2**32 - 1] (numpy seeds the data order), got {self.seed}")
         _require(self.global_batch_size >= 1, f"--global-batch-size must be >= 1, got {self.global_batch_size}")
@@ -310,8 +324,13 @@ class SystemConfig:
     backend: str
     timeout_minutes: float = 10.0
     fused_kernels: str = "auto"
+    stall_timeout_s: float = 45.0  # name a rank that stops making progress this long (0: off)
 
     def __post_init__(self) -> None:
+        from .training.watchdog import check_stall_timeout  # noqa: PLC0415 - imports no torch at module level
+
+        check_stall_timeout(self.stall_timeout_s)
+        _require(self.stall_timeout_s < math.inf, f"--stall-timeout-s must be finite, got {self.stall_timeout_s}")
         _require(
             0 < self.timeout_minutes < math.inf,
             f"--distributed-timeout-minutes must be a positive finite number, got {self.timeout_minutes}",
@@ -385,10 +404,3 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able nested dict of every section (stored in checkpoints and the metrics file)."""
         return {"kind": self.kind, **{name: asdict(getattr(self, name)) for name in self.SECTIONS}}
-
-    @property
-    def args(self) -> dict[str, Any]:
-        """Megatron-style flat arguments (flag name -> value) that reproduce this run, for checkpoints."""
-        from .cli import megatron_args  # noqa: PLC0415 - the flag table lives with the parser
-
-        return megatron_args(self)

@@ -21,7 +21,6 @@ from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.stages import stage_range
 from megatron_2bw.parallel_state import ParallelState
-from megatron_2bw.pipeline.actions import Op
 from megatron_2bw.pipeline.executor import PipelineStage
 from megatron_2bw.pipeline.grouping import COMM_OPS, comm_groups
 from megatron_2bw.pipeline.recompute import RNGSnapshot

@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import sys
 from dataclasses import asdict, dataclass
 
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
 from ..errors import ConfigError
+from . import signals, supervision
 from .auto_layout import plan_layout
+from .manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
+from .tb_writer import require_tensorboard
+from .wandb_writer import require_wandb, wandb_settings
 
 log = logging.getLogger("megatron_2bw")
 
@@ -40,6 +47,8 @@ class Prepared:
     resumed_from: int | None = None
     start_step: int = 0
     start_sample: int = 0
+    exit_handler: signals.ExitSignalHandler | None = None  # records exit signals for the loop's boundaries
+    exit_duration: signals.ExitDuration | None = None  # --exit-duration-in-mins, started at launch
 
 
 def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[int, int, int]:
@@ -67,6 +76,9 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
     tc = cfg.training
     if tc.save:
         check_save_dir(tc.save)
+        if rank == 0:
+            for path in clean_stale_temporaries(tc.save):
+                log.info(" removed stale temporary %s (left by a save that was killed)", path)
     if tc.load:
         check_load_path(tc.load)
         _find_resume(prep)
@@ -121,10 +133,37 @@ def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]
     args = parse_args(argv, kind)
     layout, tokenizer = plan_layout(args, kind, world) if args.auto_plan else (None, None)
     cfg = build_config(args, kind, world, layout=layout)
+    check_writers(cfg)
     note = schedule_note(args)
     if note:
         log.info(" %s", note)
     return prepare(cfg, rank, tokenizer), args
+
+
+def check_writers(cfg: RunConfig) -> None:
+    """wandb and TensorBoard flags and packages, before any process group (one line when missing)."""
+    tc = cfg.training
+    if wandb_settings(tc.wandb_project, tc.wandb_exp_name, tc.wandb_save_dir, tc.save) is not None:
+        require_wandb()
+    if tc.tensorboard_dir:
+        require_tensorboard()
+
+
+def install_exit_handling(prep: Prepared) -> None:
+    """Record SIGTERM/--exit-signal (with --exit-signal-handler) and SIGINT for the loop's next boundary.
+
+    SIGINT is always handled: the first Ctrl-C saves at the next boundary (with --save) and exits
+    without a traceback; a second one exits at once (status 130).
+    """
+    tc = prep.cfg.training
+    sigs = (signal.SIGTERM, signals.parse_signal(tc.exit_signal)) if tc.exit_signal_handler else ()
+    prep.exit_handler = signals.ExitSignalHandler(sigs, rank=prep.rank).install()
+    prep.exit_duration = signals.ExitDuration(tc.exit_duration_in_mins)
+
+
+def under_launcher() -> bool:
+    """Whether a launcher (torchrun) started this process: then it must die with that launcher."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def summary(prep: Prepared) -> str:
@@ -148,11 +187,18 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     """
 
     def train(argv: list[str]) -> int | str:
+        if under_launcher():
+            supervision.install_parent_death_signal()
         prep, args = configure(kind, argv)
         if args.validate_only:
             return summary(prep)
+        install_exit_handling(prep)
         from .loop import run
 
         return run(prep)
 
-    return run_cli(train, argv)
+    try:
+        return run_cli(train, argv)
+    except KeyboardInterrupt:  # Ctrl-C before the exit handler is installed (start-up): no traceback
+        print("interrupted during start-up: nothing to save", file=sys.stderr, flush=True)
+        return signals.EXIT_INTERRUPTED

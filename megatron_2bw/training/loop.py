@@ -14,8 +14,8 @@ step beyond what the schedule itself does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -34,11 +34,15 @@ from ..pipeline.executor import PipelineStage
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
-from . import checkpointing
+from . import checkpointing, health, signals, watchdog
 from .data_iter import MicrobatchProvider
 from .flops import tflops_per_device
+from .log_format import (
+    cuda_memory, eta_line, iteration_of_step, memory_report_line, peak_tflops_of, saved_checkpoint_line, window_line,
+)
 from .lr_schedule import lr_at
-from .metrics import Metrics, step_record, train_log_line
+from .metrics import Metrics, step_record
+from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
 
@@ -73,9 +77,10 @@ class BoundaryStats(NamedTuple):
 class Trainer:
     """One rank's training run: the engine, its data, and the boundaries where ranks meet."""
 
-    def __init__(self, prep, state: parallel_state.ParallelState, faults: FaultInjector | None = None) -> None:
-        self.prep, self.cfg, self.state = prep, prep.cfg, state
-        cfg, tc = self.cfg, self.cfg.training
+    def __init__(self, prep, state: parallel_state.ParallelState, faults: FaultInjector | None = None,
+                 wd: watchdog.Watchdog | None = None) -> None:
+        self.prep, self.cfg, self.state, self.wd = prep, prep.cfg, state, wd
+        cfg, tc, oc = self.cfg, self.cfg.training, self.cfg.optimizer
         # Megatron: one seed per pipeline stage (independent dropout), the same across tensor/data ranks.
         stage_seed = tc.seed + 100 * state.pp_rank
         seed_everything(stage_seed, state.device)
@@ -96,11 +101,34 @@ class Trainer:
             prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.w,
             dp_rank=state.dp_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
         )
+        self.get_batch = self._progressing(self.provider)
+        self.health = health.HealthMonitor(health.HealthPolicy.from_config(
+            oc.dtype, oc.loss_scale, oc.initial_loss_scale, oc.min_loss_scale, tc.max_skipped_steps))
+        self.peak_tflops = (peak_tflops_of(torch.cuda.get_device_name(state.device), oc.dtype)
+                            if state.device.type == "cuda" else None)
+        self.memory_reported = False
+        self.start_step, self.t_start = self.stage.step, time.time()  # reset when training starts
         self.can_eval = prep.valid_ds is not None and tc.eval_iters > 0
         self.metrics: Metrics | None = None
         self.window: list[dict] = []  # train records since the last log line
         self.last_saved: int | None = None
         self.last_eval: int | None = None
+
+    def _progressing(self, provider: Callable[[int], dict]) -> Callable[[int], dict]:
+        """``provider`` that also tells the watchdog this rank makes progress (every stage fetches each microbatch)."""
+        wd = self.wd
+        if wd is None:
+            return provider
+
+        def get(mb: int) -> dict:
+            wd.progress()
+            return provider(mb)
+
+        return get
+
+    def _paused(self) -> contextlib.AbstractContextManager:
+        """Suspend the watchdog's no-progress rule around a legitimate wait (a save)."""
+        return self.wd.paused() if self.wd is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ collectives at boundaries
     def _stage_row(self) -> list[float]:
@@ -142,7 +170,7 @@ class Trainer:
             m=self.m, w=s.w, dp_rank=s.dp_rank, device=s.device, start_step=0,
             start_sample=round_index * tc.eval_iters * self.B,
         )
-        return self.stage.evaluate(tc.eval_iters * self.m, provider)
+        return self.stage.evaluate(tc.eval_iters * self.m, self._progressing(provider))
 
     def evaluate_and_allreduce(self, dataset, round_index: int, losses: list[float | None]) -> BoundaryStats:
         """Collective: evaluate on ``dataset`` (``None``: no evaluation at this boundary) and reduce its
@@ -150,9 +178,10 @@ class Trainer:
         loss = self.evaluate(dataset, round_index) if dataset is not None else None
         return self.allreduce_step_stats(losses, [loss])
 
-    def _record_eval(self, iteration: int, split: str, loss: float) -> None:
+    def _record_eval(self, iteration: int, split: str, loss: float, final: bool = False) -> None:
+        """Rank 0: the validation line and record of an evaluation after ``iteration`` completed steps."""
         if self.metrics is not None:
-            self.metrics.eval(iteration, split, loss, self.cfg.training.eval_iters * self.B)
+            self.metrics.eval(iteration, split, loss, self.cfg.training.eval_iters * self.B, final=final)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, completed: int) -> None:
@@ -163,14 +192,15 @@ class Trainer:
             return checkpointing.payload(
                 self.stage, iteration=completed, tracker=self.tracker,
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
-                config=describe(self.cfg), args=self.cfg.args,
+                config=describe(self.cfg), args=megatron_args(self.cfg),
             )
 
-        path = checkpointing.save(tc.save, completed, s, make_payload)
+        with self._paused():
+            path = checkpointing.save(tc.save, completed, s, make_payload)
         dt = time.perf_counter() - t0
         self.last_saved = completed
         if self.metrics is not None:
-            log.info(" saved checkpoint at iteration %d to %s (%.2f s)", completed, path, dt)
+            log.info(saved_checkpoint_line(completed, path, dt))
             self.metrics.write({"type": "checkpoint", "iteration": completed - 1, "completed_iterations": completed,
                                 "path": path, "seconds": dt, "time": time.time()})
 
@@ -203,40 +233,86 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> int:
-        """Train to ``--train-iters`` (or ``--exit-interval``) segment by segment; every rank calls it."""
+        """Train to ``--train-iters`` (or an exit condition) segment by segment; every rank calls it."""
         tc, stage = self.cfg.training, self.stage
         if self.state.rank == 0:
-            self.metrics = Metrics(path=tc.metrics_file, tensorboard_dir=tc.tensorboard_dir,
-                                   train_iters=tc.train_iters, start_iter=stage.step)
+            wb = wandb_settings(tc.wandb_project, tc.wandb_exp_name, tc.wandb_save_dir, tc.save)
+            self.metrics = Metrics(path=tc.metrics_file, tensorboard_dir=tc.tensorboard_dir, train_iters=tc.train_iters,
+                                   start_iter=stage.step, wandb=wb, config=describe(self.cfg))
         self.allreduce_and_log_start()
         lr_fn = lambda t: lr_at(self.cfg.lr, t)  # noqa: E731
         self.window, self.last_eval = [], None
         self.last_saved = stage.step if self.prep.resumed_from is not None else None
+        self.start_step, self.t_start = stage.step, time.time()
         reason = "train_iters"
-        t_start = time.time()
-        while stage.step < tc.train_iters:
+        why = self._exit_reason()
+        while stage.step < tc.train_iters and why is None:
             end, exiting = self._run_segment(lr_fn)
             if exiting:
                 reason = "exit_interval"
                 log.info(" exiting at iteration %d (--exit-interval %d)", end, tc.exit_interval)
                 break
+            why = self._exit_reason() if stage.step < tc.train_iters else None
         done = stage.step
-        if reason == "train_iters":
+        if why is not None:
+            reason = why
+            self._exit_early(done, why)
+        elif reason == "train_iters":
             self._finish(done)
-        if self.metrics is not None:
-            self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
-                                "seconds": time.time() - t_start, "time": time.time()})
-            self.metrics.close()
+        self._close(done, reason)
         return 0
 
+    def _close(self, done: int, reason: str) -> None:
+        """Rank 0: the metrics file's ``end`` record, then close every writer."""
+        if self.metrics is not None:
+            self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
+                                "seconds": time.time() - self.t_start, "time": time.time()})
+            self.metrics.close()
+
+    # ------------------------------------------------------------------ stopping early
+    def _exit_reason(self) -> str | None:
+        """Collective: ``"signal"`` or ``"duration"`` when any rank must stop (all ranks agree), else None."""
+        handler, duration = self.prep.exit_handler, self.prep.exit_duration
+        if handler is None and (duration is None or duration.minutes is None):
+            return None
+        return signals.exit_reason(handler, duration)
+
+    def _exit_early(self, done: int, why: str) -> None:
+        """Every rank: save the last completed step (with ``--save``) so a relaunch resumes there."""
+        tc = self.cfg.training
+        if why == "signal":
+            got = self.prep.exit_handler.received if self.prep.exit_handler is not None else None
+            what = f"{got or 'an exit signal on another rank'}"
+        else:
+            what = f"--exit-duration-in-mins {tc.exit_duration_in_mins:g}"
+        if tc.save and self.last_saved != done and done > 0:
+            self.save(done)
+        elif not tc.save:
+            log.warning(" no --save: the %d completed iterations are not saved", done)
+        log.info(" exiting at iteration %d after %s", done, what)
+
+    def _check_health(self, results: list, losses: list[float]) -> None:
+        """Every rank (the same shared numbers, so the same verdict): stop a diverged run before it saves."""
+        rows = [(iteration_of_step(r.step), loss, r.grad_norm, r.skipped) for r, loss in zip(results, losses)]
+        reason = self.health.check_steps(rows)
+        if reason is None:
+            return
+        if self.metrics is not None:
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+            self._close(self.stage.step, "unhealthy")
+        if self.wd is not None:
+            self.wd.stop()
+        sys.stdout.flush()
+        os._exit(health.EXIT_UNHEALTHY)
+
     def _run_segment(self, lr_fn: Callable[[int], float]) -> tuple[int, bool]:
-        """Train to the next boundary, then reduce, record, evaluate and save there; (end, exiting)."""
+        """Train to the next boundary, then reduce, check, record, evaluate and save there; (end, exiting)."""
         tc, stage = self.cfg.training, self.stage
         first = stage.step
         end = next_boundary(first, tc.train_iters, [tc.log_interval, tc.eval_interval if self.can_eval else None,
                                                     tc.save_interval, tc.exit_interval])
         t0 = time.perf_counter()
-        results = stage.train(end - first, self.provider, lr_fn)
+        results = stage.train(end - first, self.get_batch, lr_fn)
         dt = (time.perf_counter() - t0) / (end - first)
         do_eval = self.can_eval and _at_interval(end, tc.eval_interval)
         self.last_eval = end if do_eval else self.last_eval
@@ -246,7 +322,8 @@ class Trainer:
         if self.metrics is not None:
             self._record_segment(results, stats, dt, end - first, end, exiting)
             if do_eval:
-                self._record_eval(end - 1, "valid", stats.extra[0])
+                self._record_eval(end, "valid", stats.extra[0])
+        self._check_health(results, stats.losses)
         if tc.save and (_at_interval(end, tc.save_interval) or exiting):
             self.save(end)
         return end, exiting
@@ -277,22 +354,21 @@ class Trainer:
         if self.prep.test_ds is not None and tc.eval_iters > 0:
             final.append(("test", self.prep.test_ds, 0))
         for split, dataset, round_index in final:
-            self._record_eval(done - 1, split, self.evaluate_and_allreduce(dataset, round_index, []).extra[0])
+            self._record_eval(done, split, self.evaluate_and_allreduce(dataset, round_index, []).extra[0], final=True)
 
     def _log_window(self, window: list[dict], completed: int, stages: list[dict]) -> None:
+        """Rank 0: Megatron's training line, the memory report once, a plain ETA line off a terminal."""
         if not window:
             return
-        tc = self.cfg.training
-        losses = [r["loss"] for r in window if r["loss"] is not None and math.isfinite(r["loss"])]
-        last = window[-1]
-        time_s = sum(r["step_time_s"] for r in window) / len(window)
-        log.info(train_log_line(
-            iteration=completed, train_iters=tc.train_iters, consumed=last["consumed_samples"],
-            loss=sum(losses) / len(losses) if losses else None, lr=last["lr"], grad_norm=last["grad_norm"],
-            loss_scale=last["loss_scale"], skipped=sum(bool(r["skipped"]) for r in window), ms_per_iter=1e3 * time_s,
-            samples_per_sec=self.B / time_s, tokens_per_sec=self.B * self.cfg.model.seq_length / time_s,
-            tflops=last["tflops_per_device"], global_batch=self.B,
-        ))
+        tc, s = self.cfg.training, self.state
+        log.info(window_line(window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
+                             seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops))
+        if not self.memory_reported:
+            self.memory_reported = True
+            cuda = cuda_memory(s.device) if s.device.type == "cuda" else None
+            log.info(memory_report_line(s.rank, completed, cuda, stages))
+        if self.metrics.bar is None:
+            log.info(eta_line(completed, tc.train_iters, self.start_step, time.time() - self.t_start))
         self.metrics.stages(completed - 1, stages)
 
 
@@ -307,10 +383,13 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     state = parallel_state.initialize(
         cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
     )
+    wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
     trainer = None
     try:
-        trainer = Trainer(prep, state, faults)
+        trainer = Trainer(prep, state, faults, wd)
         code = trainer.train()
+        if wd is not None:
+            wd.stop()
     except ConfigError as e:  # a mismatch only visible once the model is built
         print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
         os._exit(2)

@@ -3,9 +3,10 @@
 Only the logging rank (global rank 0) holds a ``Metrics``; it receives every number already
 reduced (see ``loop.py``). The metrics file gets one JSON object per line; its keys are
 documented in docs/training.md. Non-finite numbers (an overflowed gradient norm) are written
-as ``null`` so the file stays strict JSON. TensorBoard is used when ``--tensorboard-dir`` is
-given and the ``tensorboard`` package imports; when it does not, a warning says so. The tqdm
-bar appears only when stderr is a terminal.
+as ``null`` so the file stays strict JSON. TensorBoard (``--tensorboard-dir``) and Weights &
+Biases (``--wandb-project``) writers belong to it; their packages are checked at start-up
+(``launch.py``). The tqdm bar appears only when stderr is a terminal; elsewhere the loop logs a
+plain ETA line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import math
 import os
 import sys
 import time
+
+from .log_format import framed, iteration_of_step, validation_line
+from .tb_writer import open_tensorboard
+from .wandb_writer import WandbSettings, open_wandb
 
 log = logging.getLogger("megatron_2bw")
 
@@ -54,20 +59,19 @@ def setup_logging(rank: int) -> None:
 
 
 class Metrics:
+    """The logging rank's sinks: the JSONL file, TensorBoard/wandb writers, the progress bar.
+
+    ``iteration`` in the JSONL records is the engine's 0-based step index (docs/training.md);
+    log lines and the TensorBoard/wandb step are the 1-based Megatron iteration.
+    """
+
     def __init__(self, *, path: str | None, tensorboard_dir: str | None, train_iters: int, start_iter: int,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, wandb: WandbSettings | None = None, config: dict | None = None) -> None:
         self.file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a", encoding="utf-8")
-        self.tb = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(log_dir=tensorboard_dir)
-            except ImportError:
-                log.warning("--tensorboard-dir %s ignored: the tensorboard package is not installed", tensorboard_dir)
+        self.writers = [w for w in (open_tensorboard(tensorboard_dir), open_wandb(wandb, config=config)) if w]
         self.bar = None
         if progress if progress is not None else sys.stderr.isatty():
             from tqdm import tqdm
@@ -87,16 +91,15 @@ class Metrics:
             self.file.flush()
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None and math.isfinite(v):
-                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+        """``<prefix>/<key>`` at ``step`` (the 1-based iteration) to every writer."""
+        for w in self.writers:
+            w.scalars(prefix, values, step)
 
     def train_step(self, record: dict) -> None:
         self.write({"type": "train", **record})
         self.scalars("train", {k: record[k] for k in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_sec",
                                                       "tokens_per_sec", "tflops_per_device") if record.get(k) is not None},
-                     record["iteration"])
+                     iteration_of_step(record["iteration"]))
 
     def progress(self, n: int, loss: float | None) -> None:
         if self.bar is not None:
@@ -104,12 +107,13 @@ class Metrics:
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
-    def eval(self, iteration: int, split: str, loss: float, samples: int) -> None:
+    def eval(self, iteration: int, split: str, loss: float, samples: int, final: bool = False) -> None:
+        """One evaluation after ``iteration`` completed steps (1-based; the JSONL record keeps the step index)."""
         ppl = math.exp(min(loss, 20.0))
-        self.write({"type": "eval", "iteration": iteration, "split": split, "loss": loss, "ppl": ppl,
+        self.write({"type": "eval", "iteration": iteration - 1, "split": split, "loss": loss, "ppl": ppl,
                     "samples": samples, "time": time.time()})
         self.scalars(split, {"loss": loss, "ppl": ppl}, iteration)
-        log.info(" %s loss at iteration %d | lm loss %.6E | lm loss PPL %.6E", split, iteration, loss, ppl)
+        log.info(framed(validation_line(iteration, {"lm loss": loss}, split=split, final=final)))
 
     def stages(self, iteration: int, stages: list[dict]) -> None:
         self.write({"type": "stages", "iteration": iteration, "stages": stages})
@@ -124,8 +128,9 @@ class Metrics:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        for w in self.writers:
+            w.close()
+        self.writers = []
         if self.file is not None:
             self.file.close()
 
@@ -140,17 +145,3 @@ def step_record(result, loss: float | None, *, step_time_s: float, global_batch:
         "tokens_per_sec": sps * seq_length, "tflops_per_device": tflops, "step_time_s": step_time_s,
         "consumed_samples": consumed_samples, "global_batch_size": global_batch, "time": time.time(),
     }
-
-
-def train_log_line(*, iteration: int, train_iters: int, consumed: int, loss: float | None, lr: float,
-                   grad_norm: float, loss_scale: float, skipped: int, ms_per_iter: float, samples_per_sec: float,
-                   tokens_per_sec: float, tflops: float, global_batch: int) -> str:
-    """Megatron's iteration line (``iteration`` is the count of completed steps, as in Megatron)."""
-    loss_txt = f"{loss:.6E}" if loss is not None else "n/a"
-    return (
-        f" iteration {iteration:8d}/{train_iters:8d} | consumed samples {consumed:12d} | "
-        f"elapsed time per iteration (ms): {ms_per_iter:.1f} | learning rate: {lr:.3E} | "
-        f"global batch size: {global_batch:5d} | lm loss: {loss_txt} | loss scale: {loss_scale:.1f} | "
-        f"grad norm: {grad_norm:.3f} | skipped: {skipped} | samples/s: {samples_per_sec:.2f} | "
-        f"tokens/s: {tokens_per_sec:.0f} | TFLOP/s/device: {tflops:.4f}"
-    )
