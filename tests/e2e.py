@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_RANK_ENV
+from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_PLAN_ENV, KILL_RANK_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -60,7 +60,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any launcher variables (so a child never thinks it is a rank)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-           and k not in (KILL_RANK_ENV, KILL_ITER_ENV) and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+           and k not in (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV) and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -111,45 +111,89 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
+class Started:
+    """A command running in its own process group, its output collected as it comes (see :func:`start`)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None, cwd: str) -> None:
+        self.cmd, self.t0 = cmd, time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env if env is not None else clean_env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.chunks: dict[str, list[str]] = {"out": [], "err": []}
+        self.readers = [threading.Thread(target=self._pump, args=(self.proc.stdout, "out"), daemon=True),
+                        threading.Thread(target=self._pump, args=(self.proc.stderr, "err"), daemon=True)]
+        for r in self.readers:
+            r.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _pump(self, stream, key: str) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic() - self.t0, line.rstrip("\n")))
+            self.chunks[key].append(line)
+
+    def wait_for(self, text: str, timeout: float = LAUNCH_TIMEOUT) -> float:
+        """Seconds since start when a line containing ``text`` appeared; fails if the command ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hit = next((t for t, line in list(self.lines) if text in line), None)
+            if hit is not None:
+                return hit
+            if self.proc.poll() is not None and not any(r.is_alive() for r in self.readers):
+                pytest.fail(f"{' '.join(self.cmd)} ended before printing {text!r}\n{''.join(self.chunks['err'])[-4000:]}")
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"no line with {text!r} after {timeout:.0f}s\n{''.join(self.chunks['err'])[-4000:]}")
+
+    def kill(self) -> None:
+        _kill(descendants(self.proc.pid))
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def finish(self, timeout: float = LAUNCH_TIMEOUT) -> Result:
+        """Wait for the exit; on timeout kill it and every descendant and fail (a hang)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.proc.wait()
+            for r in self.readers:
+                r.join(timeout=5)
+            pytest.fail(f"hang: {' '.join(self.cmd)} still running after {timeout:.0f}s\n"
+                        f"{''.join(self.chunks['err'])[-4000:]}")
+        for r in self.readers:
+            r.join(timeout=30)
+        if any(r.is_alive() for r in self.readers):
+            pytest.fail(f"{' '.join(self.cmd)} exited but processes it started still hold its output open")
+        return Result(self.cmd, self.proc.returncode, "".join(self.chunks["out"]), "".join(self.chunks["err"]),
+                      time.monotonic() - self.t0, self.lines)
+
+
+def start(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str = REPO) -> Started:
+    """Start ``cmd`` (its own process group) without waiting: for tests that act on a running job."""
+    return Started(cmd, env, cwd)
+
+
 def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT,
         cwd: str = REPO) -> Result:
     """Run ``cmd`` in a new process group; on timeout kill it and all its descendants and fail (a hang)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env if env is not None else clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines: list[tuple[float, str]] = []
-    chunks: dict[str, list[str]] = {"out": [], "err": []}
+    return start(cmd, env=env, cwd=cwd).finish(timeout)
 
-    def pump(stream, key: str) -> None:
-        for line in stream:
-            lines.append((time.monotonic() - t0, line.rstrip("\n")))
-            chunks[key].append(line)
 
-    readers = [threading.Thread(target=pump, args=(proc.stdout, "out"), daemon=True),
-               threading.Thread(target=pump, args=(proc.stderr, "err"), daemon=True)]
-    for r in readers:
-        r.start()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(descendants(proc.pid))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for r in readers:
-            r.join(timeout=5)
-        pytest.fail(f"hang: {' '.join(cmd)} still running after {timeout:.0f}s\n{''.join(chunks['err'])[-4000:]}")
-    for r in readers:
-        r.join(timeout=30)
-    if any(r.is_alive() for r in readers):
-        pytest.fail(f"{' '.join(cmd)} exited but processes it started still hold its output open")
-    return Result(cmd, proc.returncode, "".join(chunks["out"]), "".join(chunks["err"]), time.monotonic() - t0, lines)
+def torchrun_cmd(script: str, args: list[str], *, nproc: int = 4, launcher: tuple[str, ...] = ("--standalone",)
+                 ) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", os.path.join(REPO, script),
+            *args]
 
 
 def torchrun(script: str, args: list[str], *, nproc: int = 4, env: dict[str, str] | None = None,
              timeout: float = LAUNCH_TIMEOUT) -> Result:
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(REPO, script), *args]
-    return run(cmd, env=env, timeout=timeout)
+    return run(torchrun_cmd(script, args, nproc=nproc), env=env, timeout=timeout)
 
 
 def free_port() -> int:

@@ -23,6 +23,11 @@ import torch
 
 KILL_RANK_ENV = "MEGATRON_2BW_FAULT_KILL_RANK"
 KILL_ITER_ENV = "MEGATRON_2BW_FAULT_KILL_ITER"
+# "restart:rank:step,...": kill ``rank`` at ``step`` only in the launch attempt whose
+# $TORCHELASTIC_RESTART_COUNT is ``restart`` (torchrun --max-restarts), so a restarted job is not
+# killed again at the same step.
+KILL_PLAN_ENV = "MEGATRON_2BW_FAULT_KILL_PLAN"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,22 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
-        """The kill fault named by ``$MEGATRON_2BW_FAULT_KILL_RANK`` / ``_ITER``; None when unset."""
+        """The kill fault named by ``$MEGATRON_2BW_FAULT_KILL_RANK`` / ``_ITER``, or this launch attempt's
+        entry of ``$MEGATRON_2BW_FAULT_KILL_PLAN``; None when neither names one."""
+        if environ.get(KILL_PLAN_ENV):
+            return cls.from_plan(environ[KILL_PLAN_ENV], int(environ.get(RESTART_COUNT_ENV, "0")))
         if environ.get(KILL_RANK_ENV) is None:
             return None
         return cls(kill_rank=int(environ[KILL_RANK_ENV]), kill_iteration=int(environ.get(KILL_ITER_ENV, "0")))
+
+    @classmethod
+    def from_plan(cls, plan: str, restart: int) -> FaultInjector | None:
+        """The kill that ``plan`` (``"restart:rank:step,..."``) names for launch attempt ``restart``, else None."""
+        for item in plan.split(","):
+            attempt, rank, step = (int(x) for x in item.split(":"))
+            if attempt == restart:
+                return cls(kill_rank=rank, kill_iteration=step)
+        return None
 
     def poison(self, rank: int, step: int, grad: torch.Tensor) -> None:
         """Make ``grad`` (this rank's flat step-``step`` gradient) non-finite if asked to."""

@@ -1,0 +1,209 @@
+"""The reliability and logging modules, wired into the real trainer (one process, tiny GPT, CPU).
+
+Each test runs ``pretrain_gpt.py`` in a subprocess and checks what a user sees against an
+independent record of the same run: the metrics file, the checkpoint files, an uninterrupted run.
+- SIGTERM with ``--exit-signal-handler --save``: saved at the next boundary, exit 0, and a relaunch
+  ends with the weights, optimizer state and losses of the uninterrupted run, bitwise;
+- Ctrl-C: saves too, and prints no traceback;
+- ``--lr 1e4`` and an fp16 constant loss scale that overflows every step: one ``error:`` line,
+  exit 3, the last good checkpoint kept;
+- the training, validation and checkpoint lines parse with Megatron-style regular expressions
+  and carry the metrics file's numbers, numbered from 1;
+- ``--wandb-project`` (offline) and ``--tensorboard-dir`` record the metrics file's losses.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import signal
+
+import pytest
+import torch
+
+from e2e import PY, REPO, clean_env, corpus, read_metrics, run, start, train_args, train_losses  # noqa: F401
+from megatron_2bw.training import checkpointing as ck
+from megatron_2bw.training.health import EXIT_UNHEALTHY
+from test_log_format import MEGATRON, VALID, grab
+
+SCRIPT = os.path.join(REPO, "pretrain_gpt.py")
+ITERS = 120
+
+
+def gpt_args(corpus, iters: int = ITERS, *extra: str) -> list[str]:  # noqa: F811
+    """One process, flush (d=1): logs every 5 steps, evaluates every 40."""
+    return [*train_args(corpus, preset="gpt-tiny", schedule="flush", iters=iters, micro=2, global_batch=4),
+            "--log-interval", "5", "--eval-interval", "40", *extra]
+
+
+SAVE_EVERY_40 = ("--save-interval", "40")
+
+
+def same_tree(a, b) -> bool:
+    """Bitwise equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def same_checkpoint(root_a: str, root_b: str, iteration: int, t: int = 1, d: int = 1) -> bool:
+    """Whether two runs' checkpoints at ``iteration`` hold the same weights, optimizer state and step."""
+    for tp in range(t):
+        for pp in range(d):
+            a = ck.load_rank_file(root_a, iteration, t, d, tp, pp)
+            b = ck.load_rank_file(root_b, iteration, t, d, tp, pp)
+            if not (same_tree(a["model"], b["model"]) and same_tree(a["stage"], b["stage"])):
+                return False
+    return True
+
+
+def tracker(save: str) -> int:
+    with open(os.path.join(save, ck.TRACKER)) as f:
+        return int(f.read().strip())
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):  # noqa: F811
+    """The uninterrupted run: the reference of the resume tests and the source of the log-line test."""
+    out = tmp_path_factory.mktemp("straight")
+    save, metrics = str(out / "ckpt"), str(out / "m.jsonl")
+    res = run([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--metrics-file", metrics])
+    assert res.returncode == 0, res.describe()
+    return res, read_metrics(metrics), save
+
+
+def interrupt_and_resume(corpus, tmp_path, sig: signal.Signals, straight):  # noqa: F811
+    """Send ``sig`` after iteration 10 is logged; the job must save, exit 0, and a relaunch end as ``straight``."""
+    save, m1, m2 = str(tmp_path / "ckpt"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    job = start([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--metrics-file", m1, "--exit-signal-handler"])
+    job.wait_for("iteration       10/")
+    os.kill(job.pid, sig)
+    res = job.finish()
+    assert res.returncode == 0, res.describe()
+    stopped = tracker(save)
+    assert 10 <= stopped < ITERS, res.describe()
+    assert re.search(rf"exiting at iteration {stopped} after {sig.name}", res.stderr), res.describe()
+    end = [r for r in read_metrics(m1) if r["type"] == "end"]
+    assert end[0]["reason"] == "signal" and end[0]["completed_iterations"] == stopped
+    again = run([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--load", save, "--metrics-file", m2])
+    assert again.returncode == 0, again.describe()
+    assert f"resumed from iteration {stopped}" in again.stderr
+    ref_res, ref_metrics, ref_save = straight
+    ref = train_losses(ref_metrics)
+    got = {**train_losses(read_metrics(m1)), **train_losses(read_metrics(m2))}
+    assert got == ref  # every step's loss, before and after the interruption, bitwise
+    assert same_checkpoint(save, ref_save, ITERS)
+    return res
+
+
+def test_sigterm_saves_at_the_next_boundary_and_a_relaunch_is_bitwise(corpus, tmp_path, straight):  # noqa: F811
+    res = interrupt_and_resume(corpus, tmp_path, signal.SIGTERM, straight)
+    assert "received SIGTERM: saving a checkpoint at the next step boundary" in res.stderr
+
+
+def test_ctrl_c_saves_and_prints_no_traceback(corpus, tmp_path, straight):  # noqa: F811
+    res = interrupt_and_resume(corpus, tmp_path, signal.SIGINT, straight)
+    assert "Traceback" not in res.output and "KeyboardInterrupt" not in res.output, res.describe()
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(corpus, tmp_path):  # noqa: F811
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    res = run([PY, SCRIPT, *gpt_args(corpus, 30, "--lr", "1e4", "--save-interval", "1"), "--save", save,
+               "--metrics-file", metrics])
+    assert res.returncode == EXIT_UNHEALTHY, res.describe()
+    (line,) = error_lines(res.stderr)
+    assert "training diverged" in line and "Traceback" not in res.output
+    train = [r for r in read_metrics(metrics) if r["type"] == "train"]
+    bad = next(r["iteration"] for r in train if r["loss"] is None or r["grad_norm"] is None)  # JSON null: non-finite
+    assert train[-1]["iteration"] < 29  # stopped long before the end
+    assert line.startswith(f"error: iteration {bad + 1}: ")  # 1-based, as every log line
+    assert tracker(save) == bad  # the last checkpoint is the last healthy step's
+    assert not os.path.exists(ck.iteration_dir(save, bad + 1))
+
+
+def test_fp16_constant_scale_that_overflows_every_step_stops(corpus, tmp_path):  # noqa: F811
+    metrics = str(tmp_path / "m.jsonl")
+    res = run([PY, SCRIPT, *gpt_args(corpus, 30, "--fp16", "--loss-scale", "60000", "--max-skipped-steps", "3"),
+               "--metrics-file", metrics])
+    assert res.returncode == EXIT_UNHEALTHY, res.describe()
+    (line,) = error_lines(res.stderr)
+    assert "more than --max-skipped-steps 3" in line and "every step overflowed" in line
+    train = [r for r in read_metrics(metrics) if r["type"] == "train"]
+    assert all(r["skipped"] for r in train) and len(train) >= 4
+    assert line.startswith("error: iteration 4: 4 consecutive steps skipped")
+
+
+def test_log_lines_parse_with_megatron_regexes_and_carry_the_metrics(straight):
+    res, records, _ = straight
+    train = sorted((r for r in records if r["type"] == "train"), key=lambda r: r["iteration"])
+    lines = [line for line in res.stderr.splitlines() if re.search(MEGATRON["timestamp"], line)]
+    assert len(lines) == ITERS // 5
+    for line in lines:
+        it, total = (int(x) for x in grab(MEGATRON["iteration"], line))
+        window = train[it - 5:it]  # records are 0-based: iterations it-5+1 .. it
+        assert total == ITERS and [r["iteration"] + 1 for r in window] == list(range(it - 4, it + 1))
+        assert int(grab(MEGATRON["consumed"], line)) == window[-1]["consumed_samples"] == 4 * it
+        assert int(grab(MEGATRON["gbs"], line)) == 4
+        loss = sum(r["loss"] for r in window) / 5
+        assert grab(MEGATRON["lm"], line) == f"{loss:.6E}"
+        assert float(grab(MEGATRON["lr"], line)) == pytest.approx(window[-1]["lr"], rel=1e-6)
+        assert float(grab(MEGATRON["gnorm"], line)) == pytest.approx(window[-1]["grad_norm"], abs=1e-3)
+        assert int(grab(MEGATRON["skipped"], line)) == 0 and int(grab(MEGATRON["nan"], line)) == 0
+        assert float(grab(MEGATRON["mem_engine"], line)) > 0 and float(grab(MEGATRON["tflops"], line)) > 0
+    assert len(re.findall(r"\[Rank 0\] \(after 5 iterations\) memory \(MB\)", res.stderr)) == 1
+    assert len(re.findall(r" \[ETA\] iteration \d+/120 ", res.stderr)) == ITERS // 5
+    evals = {(r["iteration"] + 1, r["split"]): r["loss"] for r in records if r["type"] == "eval"}
+    seen = {}
+    for line in res.stderr.splitlines():
+        if "validation loss at" in line:
+            it, where = grab(VALID["at"], line)
+            seen[(int(it), "test" if where and "test" in where else "valid")] = grab(VALID["lm"], line)
+    assert seen == {k: f"{v:.6E}" for k, v in evals.items()}
+    saved = [int(x) for x in re.findall(r"successfully saved checkpoint from iteration\s+(\d+)", res.stderr)]
+    assert saved == [r["completed_iterations"] for r in records if r["type"] == "checkpoint"] == [40, 80, 120]
+
+
+def test_offline_wandb_and_tensorboard_record_the_losses(corpus, tmp_path):  # noqa: F811
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_wandb_tb import read_wandb_records
+
+    metrics = str(tmp_path / "m.jsonl")
+    env = clean_env(**{v: str(tmp_path / v.lower()) for v in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR",
+                                                               "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")})
+    for v in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_NAME"):
+        env.pop(v, None)
+    res = run([PY, SCRIPT, *gpt_args(corpus, 10), "--metrics-file", metrics, "--wandb-project", "m2bw-test",
+               "--wandb-exp-name", "tiny", "--wandb-save-dir", str(tmp_path / "wb"),
+               "--tensorboard-dir", str(tmp_path / "tb")], env=env)
+    assert res.returncode == 0, res.describe()
+    want = {i + 1: loss for i, loss in train_losses(read_metrics(metrics)).items()}  # writers use 1-based steps
+    assert sorted(want) == list(range(1, 11))
+    (path,) = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    got = {}
+    for rec in read_wandb_records(path):
+        if rec.WhichOneof("record_type") == "history":
+            values = {(i.key or ".".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            if "train/loss" in values:
+                got[values["_step"]] = values["train/loss"]
+    assert got == want
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tb = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert tb.keys() == want.keys() and all(math.isclose(tb[k], want[k], rel_tol=1e-6) for k in want)  # float32
+
+
+def test_missing_wandb_name_is_one_line_before_start(corpus, tmp_path):  # noqa: F811
+    res = run([PY, SCRIPT, *gpt_args(corpus, 10), "--wandb-project", "p"])
+    assert res.returncode == 2 and error_lines(res.stderr) == [
+        "error: --wandb-project needs --wandb-exp-name (the run's name, as in Megatron)"], res.describe()
