@@ -100,14 +100,15 @@ def _nonempty(path: str) -> bool:
 
 # ---------------------------------------------------------------------------------------- one run
 def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metrics: str, lr: float | None = None,
-                    seed: int | None = None) -> list[str]:
+                    seed: int | None = None, compensation: str = "none") -> list[str]:
     global_batch = args.micro_batch * args.m  # w = 1
     lr = args.lr if lr is None else lr
     min_lr = args.min_lr * lr / args.lr  # the same decay ratio at every learning rate
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    d = str(getattr(args, "depth", 2))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", d,
            os.path.join(ROOT, "pretrain_gpt.py"),
            "--model-preset", args.preset, "--seq-length", str(args.seq), "--device", "cpu",
-           "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+           "--pipeline-model-parallel-size", d, "--pipeline-schedule", schedule,
            "--micro-batch-size", str(args.micro_batch), "--global-batch-size", str(global_batch),
            "--train-iters", str(args.iters),
            "--lr", str(lr), "--min-lr", str(min_lr), "--lr-decay-style", "cosine",
@@ -119,18 +120,22 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
            "--eval-iters", str(args.eval_iters), "--metrics-file", metrics]
     if args.model_flags:
         cmd += args.model_flags
+    if compensation != "none":
+        cmd += ["--2bw-compensation", compensation, "--2bw-dc-lambda", str(args.dc_lambda)]
     return cmd
 
 
-def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None, seed: int | None = None) -> dict:
+def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None, seed: int | None = None,
+            compensation: str = "none") -> dict:
     seed = args.seeds[0] if seed is None else seed
     out_dir = os.path.join(args.out_dir, f"seed_{seed}") if lr is None else os.path.join(args.out_dir, f"lr_{lr:g}_seed_{seed}")
     os.makedirs(out_dir, exist_ok=True)
-    metrics = os.path.join(out_dir, f"metrics_{schedule}.jsonl")
-    log = os.path.join(out_dir, f"log_{schedule}.txt")
+    tag = schedule if compensation == "none" else f"{schedule}_{compensation}"
+    metrics = os.path.join(out_dir, f"metrics_{tag}.jsonl")
+    log = os.path.join(out_dir, f"log_{tag}.txt")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr, seed)
+    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr, seed, compensation)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MEGATRON_2BW_FAULT_KILL_RANK", None)
     busy0, own0 = common.cpu_busy_seconds(), _children_cpu()
@@ -150,8 +155,8 @@ def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | N
         raise RuntimeError(f"{schedule}: trainer exited with status {rc} (log: {log}):\n{tail}")
     run = parse_metrics(metrics, args.smooth)
     run.update(schedule=schedule, seed=seed, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
-               foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None)
-    print(f"{schedule} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
+               foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None, compensation=compensation)
+    print(f"{tag} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
           f"{common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss {common.fmt(run['final_train_loss'], '.4f')}",
           flush=True)
     return run
@@ -393,6 +398,160 @@ def seed_summary(runs: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------------------- main
 DEFAULTS = dict(iters=500, warmup=50, lr=1e-3, min_lr=1e-4, micro_batch=2, m=4, eval_iters=25, eval_interval=50)
+# The two regimes of ``--regimes`` (issue 15). aggressive: the single-regime defaults above (small
+# global batch, high lr). paper: the paper's setting scaled to 2 cores -- 4x the global batch through
+# 4x the microbatches, linear warm-up over 10% of the steps, peak lr in 1e-4..3e-4, cosine decay to 10%.
+REGIMES = {
+    "aggressive": dict(DEFAULTS, log_interval=50),
+    "paper": dict(iters=400, warmup=40, lr=3e-4, min_lr=3e-5, micro_batch=2, m=16, eval_iters=8, eval_interval=50,
+                  log_interval=50),
+}
+THROUGHPUT_JSON = os.path.join(ROOT, "docs", "data", "throughput.json")
+
+
+def measured_speedup(m: int, path: str = THROUGHPUT_JSON) -> dict:
+    """2BW / Flush samples per second at d = 2 from the throughput benchmark, at the nearest measured m."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["results"]
+    except (OSError, ValueError, KeyError):
+        return {"ratio": None, "m": None, "source": None}
+    by = {(r["system"], r["m"]): r["samples_per_sec"] for r in rows if r.get("d") == 2 and r["system"] in SCHEDULES}
+    ms = sorted({k[1] for k in by if ("2bw", k[1]) in by and ("flush", k[1]) in by})
+    if not ms:
+        return {"ratio": None, "m": None, "source": None}
+    near = min(ms, key=lambda x: (abs(x - m), x))
+    return {"ratio": by["2bw", near] / by["flush", near], "m": near, "source": os.path.relpath(path, ROOT)}
+
+
+def steps_to_target(run: dict, target: float) -> int | None:
+    """First step whose smoothed training loss is <= ``target`` (None: never)."""
+    c = run["curve"]
+    return next((st for st, loss in zip(c["step"], c["train_loss_smoothed"]) if loss <= target), None)
+
+
+def regime_args(args, name: str):
+    """``args`` with the regime's settings; ``--max-iters`` shortens it (warm-up, intervals scaled alike)."""
+    r = argparse.Namespace(**vars(args))
+    for k, v in REGIMES[name].items():
+        setattr(r, k, v)
+    if args.max_iters and args.max_iters < r.iters:
+        f = args.max_iters / r.iters
+        r.iters, r.warmup = args.max_iters, max(1, round(r.warmup * f))
+        r.eval_interval = r.log_interval = max(1, round(r.eval_interval * f))
+    r.out_dir = os.path.join(args.out_dir, name)
+    return r
+
+
+def run_regime(args, name: str, data_prefix: str, tok_model: str) -> dict:
+    """Flush and 2BW (every ``--compensations`` mode) for every seed in regime ``name``; summary rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ra = regime_args(args, name)
+    jobs = [(sd, "flush", "none") for sd in ra.seeds] + [(sd, "2bw", c) for sd in ra.seeds for c in ra.compensations]
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel_runs)) as pool:
+        runs = list(pool.map(lambda j: run_one(ra, j[1], data_prefix, tok_model, seed=j[0], compensation=j[2]), jobs))
+    speed = measured_speedup(ra.m)
+    results = []
+    for r in runs:
+        flush = next(x for x in runs if x["seed"] == r["seed"] and x["schedule"] == "flush")
+        target = flush["final_train_loss"]
+        st = steps_to_target(r, target)
+        st_f = steps_to_target(flush, target)
+        ttl = None
+        if r["schedule"] == "2bw" and st is not None and st_f and speed["ratio"]:
+            ttl = (st / st_f) / speed["ratio"]  # 2BW's time to Flush's final loss, in units of Flush's
+        r.update(regime=name, steps_to_target=st, target_train_loss=target, time_to_target_vs_flush=ttl,
+                 valid_loss_ratio_vs_flush=r["final_valid_loss"] / flush["final_valid_loss"])
+        results.append({k: r[k] for k in ("regime", "schedule", "compensation", "seed", "final_valid_loss",
+                                           "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
+                                           "time_to_target_vs_flush", "steps", "seconds")})
+    flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush"]
+    spread = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
+    modes = {}
+    for c in ra.compensations:
+        rs = [r for r in runs if r["schedule"] == "2bw" and r["compensation"] == c]
+        ratios = [r["valid_loss_ratio_vs_flush"] for r in rs]
+        ttls = [r["time_to_target_vs_flush"] for r in rs]
+        modes[c] = {"valid_loss_ratio_per_seed": ratios, "valid_loss_ratio_mean": sum(ratios) / len(ratios),
+                    "steps_to_target_per_seed": [r["steps_to_target"] for r in rs],
+                    "time_to_target_vs_flush_per_seed": ttls}
+    gb = ra.micro_batch * ra.m
+    config = dict(preset=ra.preset, seq=ra.seq, d=ra.depth, w=1, micro_batch=ra.micro_batch, m=ra.m, global_batch=gb,
+                  iters=ra.iters, warmup=ra.warmup, lr=ra.lr, min_lr=ra.min_lr, lr_decay="cosine", weight_decay=0.01,
+                  clip_grad=1.0, optimizer="adam (betas 0.9, 0.999)", precision="fp32", eval_interval=ra.eval_interval,
+                  eval_iters=ra.eval_iters, valid_sequences=ra.eval_iters * gb, seeds=ra.seeds, smooth_window=ra.smooth,
+                  dc_lambda=ra.dc_lambda, compensations=ra.compensations)
+    return {"results": results, "runs": runs, "config": config, "flush_seed_spread": spread, "modes": modes,
+            "measured_speedup": speed}
+
+
+def main_regimes(args) -> int:
+    """``--regimes``: every regime, Flush and each 2BW compensation mode, every seed; one JSON."""
+    machine = common.machine_info()
+    t0 = time.time()
+    data_dir = args.data_dir or os.path.join(ROOT, "demo_data")
+    data_prefix, tok_model = ensure_data(data_dir, args.vocab or 8000, args.corpus_mb or 4)
+    out = {"results": [], "regimes": {}, "machine": machine}
+    for name in args.regimes:
+        reg = run_regime(args, name, data_prefix, tok_model)
+        out["results"] += reg.pop("results")
+        out["regimes"][name] = reg
+        print(f"\n{name}: Flush seed spread {common.fmt(reg['flush_seed_spread'], '.4f')}; speedup 2BW/Flush "
+              f"{common.fmt(reg['measured_speedup']['ratio'], '.3f')} (m={reg['measured_speedup']['m']})")
+        for c, mo in reg["modes"].items():
+            print(f"  2bw {c:8s} valid ratio per seed {[round(x, 4) for x in mo['valid_loss_ratio_per_seed']]} mean "
+                  f"{mo['valid_loss_ratio_mean']:.4f}; steps to Flush's final loss {mo['steps_to_target_per_seed']}", flush=True)
+        machine["elapsed_s"] = round(time.time() - t0, 1)
+        common.write_json(args.json, out)  # after each regime: a partial file survives a later failure
+    if args.png:
+        plot_regimes(out, args.png)
+    return 0
+
+
+MODE_STYLE = {("flush", "none"): ("tab:orange", "PipeDream-Flush"), ("2bw", "none"): ("tab:blue", "2BW"),
+              ("2bw", "predict"): ("tab:green", "2BW + predict"), ("2bw", "dc"): ("tab:red", "2BW + dc")}
+
+
+def plot_regimes(data: dict, path: str) -> None:
+    """One panel per regime: smoothed training loss per (schedule, compensation), seeds as line styles;
+    validation losses as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regs = data["regimes"]
+    fig, axes = plt.subplots(1, len(regs), figsize=(6 * len(regs), 4.6), squeeze=False)
+    for ax, (name, reg) in zip(axes[0], regs.items()):
+        seeds = list(dict.fromkeys(r["seed"] for r in reg["runs"]))
+        lo = []
+        for r in reg["runs"]:
+            color, label = MODE_STYLE.get((r["schedule"], r["compensation"]), ("gray", r["schedule"]))
+            k = seeds.index(r["seed"])
+            c = r["curve"]
+            ax.plot(c["step"], c["train_loss_smoothed"], "-" if k == 0 else "--", color=color, lw=1.3,
+                    label=f"{label} seed {r['seed']}")
+            ax.plot(r["valid"]["step"], r["valid"]["loss"], "o" if k == 0 else "s", color=color, ms=3.5,
+                    mfc=color if k == 0 else "none")
+            lo += [x for x in c["train_loss_smoothed"] if x == x]
+        if lo:
+            a, b = min(lo), max(lo)
+            ax.set_ylim(a - 0.05 * (b - a) - 0.05, min(b, a + 0.5 * (b - a) + 0.5))
+        cfg = reg["config"]
+        ax.set_title(f"{name}: global batch {cfg['global_batch']} (b={cfg['micro_batch']}, m={cfg['m']}), "
+                     f"lr {cfg['lr']:g}, warm-up {cfg['warmup']}, {cfg['iters']} steps", fontsize=8.5)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("LM loss (smoothed train: lines; validation: markers)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,7 +590,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model, 10 steps, small corpus: a smoke run (~30 s per seed)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the loss curves here")
+    p.add_argument("--regimes", nargs="+", choices=tuple(REGIMES), default=None,
+                   help="run these regimes' settings (REGIMES) instead of the flags above, every --compensations mode, "
+                        "and write {'results': [...], 'regimes': {...}} (see main_regimes)")
+    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc"), default=["none"],
+                   help="2BW's --2bw-compensation modes to run (one 2BW run per mode and seed)")
+    p.add_argument("--dc-lambda", type=float, default=0.04, help="--2bw-dc-lambda of the dc runs")
+    p.add_argument("--depth", type=int, default=2, help="pipeline depth d (2BW's update rule does not depend on it)")
+    p.add_argument("--parallel-runs", type=int, default=1, help="--regimes: trainer runs at a time")
+    p.add_argument("--max-iters", type=int, default=None, help="--regimes: cap each regime's steps (a short check)")
     args = p.parse_args(argv)
+    if args.regimes:
+        args.seeds = [args.seed] if args.seed is not None else list(dict.fromkeys(args.seeds))
+        args.model_flags = []
+        args.out_dir = args.out_dir or os.path.join(ROOT, "runs", "convergence_regimes")
+        return main_regimes(args)
     if args.seed is not None:
         args.seeds = [args.seed]
     args.seeds = list(dict.fromkeys(args.seeds))

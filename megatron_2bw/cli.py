@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .config import (
-    DECAY_STYLES, P2P_MODES, DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig,
+    COMPENSATIONS, DECAY_STYLES, P2P_MODES, DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig,
     SystemConfig, TrainingConfig, layout_configs,
 )
 
@@ -31,6 +31,7 @@ __all__ = [
 ]
 from .errors import ConfigError, run_cli
 from .models.presets import GPT2_VOCAB, PRESETS, get_preset
+from .models.stages import format_split, parse_split, split_from_args
 from .pipeline.schedules import SCHEDULE_NAMES
 from .yaml_cfg import YAML_FLAG, expand_yaml_cfg, explain_unrecognized
 
@@ -75,6 +76,7 @@ class Flag:
     required: bool = False
     kinds: tuple[str, ...] = KINDS
     metavar: str | None = None
+    show: Callable[[Any], str] | None = None  # how a value is written back as one token (default: str per item)
 
     @property
     def dest(self) -> str:
@@ -115,12 +117,23 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--init-method-std", "model.init_method_std", MODEL, float),
     Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),
     Flag("--pipeline-model-parallel-size", "parallel.pipeline", PAR, int, 1),
+    Flag("--pipeline-layer-split", "pipeline.layer_split", PAR, parse_split, metavar="N,N,...", show=format_split,
+         help="layers of each stage, first to last (summing to --num-layers; 0 allowed on the first and last)"),
+    Flag("--decoder-first-pipeline-num-layers", None, PAR, int, help="layers of the first stage (Megatron)"),
+    Flag("--decoder-last-pipeline-num-layers", None, PAR, int, help="layers of the last stage (Megatron)"),
+    Flag("--account-for-embedding-in-pipeline-split", None, PAR, const=True, help="embedding = one layer (Megatron)"),
+    Flag("--account-for-loss-in-pipeline-split", None, PAR, const=True, help="head and loss = one layer (Megatron)"),
     Flag("--pipeline-schedule", "pipeline.schedule", PAR, choices=SCHEDULE_NAMES,
          help="default: 2bw with more than one pipeline stage, flush with one (where 2BW would only add a stale "
               "gradient and a second weight copy)"),
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),
+    Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS, default="none",
+         help="2BW's stale gradient: none, predict (microbatches run on the optimizer's predicted next weights; "
+              "no memory in bf16/fp16, one fp32 weight copy in fp32) or dc (delay-compensated gradient, DC-ASGD)"),
+    Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04,
+         help="lambda of --2bw-compensation dc: g + lambda * g * g * (W(t) - W(t-1))"),
     Flag("--pipeline-no-flushes", "pipeline.schedule", PAR, const="2bw", alias=True,
          help="2021 spelling of --pipeline-schedule 2bw"),
     Flag("--gpipe", "pipeline.schedule", PAR, const="gpipe", alias=True,
@@ -136,7 +149,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--recompute-activations", "pipeline.recompute", PAR, const=True),
     Flag("--checkpoint-activations", "pipeline.recompute", PAR, const=True, alias=True,
          help="old spelling of --recompute-activations"),
-    Flag("--train-iters", "training.train_iters", TRAIN, int, required=True),
+    Flag("--train-iters", "training.train_iters", TRAIN, int, help="required unless --train-samples"),
+    Flag("--train-samples", "training.train_samples", TRAIN, int,
+         help="train on this many samples instead: --train-samples // --global-batch-size iterations (Megatron)"),
     Flag("--seed", "training.seed", TRAIN, int, 1234),
     Flag("--exit-interval", "training.exit_interval", TRAIN, int,
          help="save (with --save) and exit after this many iterations"),
@@ -156,6 +171,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--lr-decay-iters", "lr.decay_iters", OPT, int, help="default: --train-iters"),
     Flag("--lr-warmup-iters", "lr.warmup_iters", OPT, int, 0),
     Flag("--lr-warmup-fraction", None, OPT, float, help="warm-up as a fraction of --lr-decay-iters"),
+    Flag("--lr-decay-samples", None, OPT, int, help="with --train-samples: decay over this many samples (default: all)"),
+    Flag("--lr-warmup-samples", None, OPT, int, help="with --train-samples: warm up over this many samples"),
     Flag("--weight-decay", "optimizer.weight_decay", OPT, float, 0.01),
     Flag("--clip-grad", "optimizer.clip_grad", OPT, float, 1.0),
     Flag("--adam-beta1", "optimizer.adam_beta1", OPT, float, 0.9),
@@ -182,6 +199,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--override-resumed-settings", "training.override_resumed_settings", CKPT, const=True,
          help="resume although data or schedule settings differ from the checkpoint's (each change is logged)"),
     Flag("--save-interval", "training.save_interval", CKPT, int),
+    Flag("--finetune", "training.finetune", CKPT, const=True,
+         help="load the weights of --load only: iteration 0, a fresh optimizer, this run's data and schedule"),
+    Flag("--no-load-optim", "training.no_load_optim", CKPT, const=True,
+         help="resume the weights and the iteration of --load with a fresh optimizer and loss scaler"),
+    Flag("--no-load-rng", "training.no_load_rng", CKPT, const=True, help="do not restore the RNG states of --load"),
+    Flag("--skip-train", "training.skip_train", CKPT, const=True,
+         help="evaluate the --load checkpoint on the validation and test sets, then exit"),
     Flag("--log-interval", "training.log_interval", LOG, int, 100),
     Flag("--eval-interval", "training.eval_interval", LOG, int, 1000),
     Flag("--eval-iters", "training.eval_iters", LOG, int, 100),
@@ -342,8 +366,12 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     return OptimizerConfig(**_fields(args, "optimizer"), dtype=dtype)
 
 
-def lr_config(args: argparse.Namespace) -> LRConfig:
+def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRConfig:
     given = _fields(args, "lr")
+    if getattr(args, "train_samples", None) is not None:
+        return _lr_by_samples(args, given, global_batch or args.global_batch_size)
+    for flag in ("lr_decay_samples", "lr_warmup_samples"):
+        _require(getattr(args, flag, None) is None, f"--{flag.replace('_', '-')} needs --train-samples")
     decay = given.setdefault("decay_iters", args.train_iters)
     frac = args.lr_warmup_fraction
     if frac is not None:
@@ -353,9 +381,31 @@ def lr_config(args: argparse.Namespace) -> LRConfig:
     return LRConfig(**given)
 
 
+def _lr_by_samples(args: argparse.Namespace, given: dict[str, Any], global_batch: int) -> LRConfig:
+    """Megatron's sample-based schedule: warm-up and decay counted in consumed samples."""
+    _require(args.lr_decay_iters is None and not given.get("warmup_iters") and args.lr_warmup_fraction is None,
+             "with --train-samples give --lr-decay-samples and --lr-warmup-samples, not the -iters flags")
+    decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+    return LRConfig(**{**given, "decay_iters": decay, "warmup_iters": args.lr_warmup_samples or 0,
+                       "samples_per_step": global_batch})
+
+
+def train_iters_of(args: argparse.Namespace, global_batch: int) -> int:
+    """``--train-iters``, or Megatron's ``--train-samples // --global-batch-size``."""
+    samples = getattr(args, "train_samples", None)
+    if samples is None:
+        _require(args.train_iters is not None, "the following arguments are required: --train-iters (or --train-samples)")
+        return args.train_iters
+    _require(args.train_iters is None, "give --train-iters or --train-samples, not both")
+    _require(samples >= global_batch, f"--train-samples {samples} is less than one global batch ({global_batch})")
+    return samples // global_batch
+
+
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
-    switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler")}
-    return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches})
+    switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler",
+                                                                 "finetune", "no_load_optim", "no_load_rng", "skip_train")}
+    return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches,
+                             "train_iters": train_iters_of(args, global_batch)})
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:
@@ -389,10 +439,14 @@ def build_config(
     ``layout``: the planner's choice (``--auto-plan``) instead of the layout flags.
     """
     model = model_config(args, kind)
-    parallel, pipe, B = layout_configs(layout or layout_of(args), model, args.global_batch_size, world_size,
+    if layout is None:
+        layout = replace(layout_of(args), layer_split=split_from_args(args, model.num_layers))
+    parallel, pipe, B = layout_configs(layout, model, args.global_batch_size, world_size,
                                        args.p2p_mode)
+    given = _fields(args, "pipeline")
+    pipe = replace(pipe, **{k: given[k] for k in ("compensation", "dc_lambda") if k in given})
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
-    return RunConfig(kind, model, parallel, pipe, opt, lr_config(args), training, data_config(args),
+    return RunConfig(kind, model, parallel, pipe, opt, lr_config(args, B), training, data_config(args),
                      system_config(args, cuda_available))
 
 
@@ -411,7 +465,7 @@ def render(values: Mapping[str, Any], kind: str) -> list[str]:
         if f.const is not None:
             argv += [f.name] if v == f.const else []
         elif v is not None:
-            argv += [f.name, *_text(v)]
+            argv += [f.name, *([f.show(v)] if f.show else _text(v))]
     return argv
 
 
@@ -449,6 +503,7 @@ def pretrain_argv(model: ModelConfig, layout: Layout, global_batch_size: int, pr
     values = {
         **model_values(model), "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline,
         "pipeline.schedule": layout.schedule, "pipeline.micro_batch_size": layout.micro_batch_size,
+        "pipeline.layer_split": layout.layer_split,
         "training.global_batch_size": global_batch_size, "pipeline.recompute": layout.recompute,
         "optimizer.dtype": precision,
     }

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .errors import ConfigError
+from .models.stages import canonical_split, layers_per_stage
 from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
 
@@ -145,6 +146,7 @@ class ParallelConfig:
 
 P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
+COMPENSATIONS = ("none", "predict", "dc")  # 2BW stale-gradient compensation (pipeline/compensation.py)
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,14 @@ class PipelineConfig:
     # stage-to-stage transfers: "prefetch" posts receives ahead (gloo), "grouped" issues each run of
     # transfers with one peer as one batch_isend_irecv group (required by NCCL); "auto" picks by backend
     p2p_mode: str = "auto"
+    compensation: str = "none"  # 2BW only: none, predict (weight prediction) or dc (delay-compensated gradient)
+    dc_lambda: float = 0.04  # lambda of compensation "dc"
+    # transformer layers of each stage (models/stages.py); None: the even split
+    layer_split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_split is not None:
+            object.__setattr__(self, "layer_split", tuple(int(n) for n in self.layer_split))
         _require(
             self.schedule in SCHEDULE_NAMES,
             f"--pipeline-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}",
@@ -168,6 +176,16 @@ class PipelineConfig:
         _require(self.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {self.micro_batch_size}")
         _require(self.num_microbatches >= 1, f"microbatches per step must be >= 1, got {self.num_microbatches}")
         _require(self.p2p_mode in P2P_MODES, f"--p2p-mode must be one of {', '.join(P2P_MODES)}, got {self.p2p_mode!r}")
+        _require(
+            self.compensation in COMPENSATIONS,
+            f"--2bw-compensation must be one of {', '.join(COMPENSATIONS)}, got {self.compensation!r}",
+        )
+        _require(
+            self.compensation == "none" or self.schedule == "2bw",
+            f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
+        )
+        _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
+                 f"--2bw-dc-lambda must be finite and >= 0, got {self.dc_lambda}")
 
     def check_depth(self, d: int) -> None:
         """Refuse fewer microbatches per step than the schedule needs at depth ``d``."""
@@ -244,6 +262,7 @@ class LRConfig:
     decay_style: str = "linear"
     warmup_iters: int = 0
     decay_iters: int = 1
+    samples_per_step: int | None = None  # --train-samples: warm-up and decay are counted in samples
 
     def __post_init__(self) -> None:
         _require(self.decay_style in DECAY_STYLES, f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}")
@@ -265,6 +284,7 @@ class TrainingConfig:
     train_iters: int
     global_batch_size: int
     seed: int = 1234
+    train_samples: int | None = None  # given instead of --train-iters (train_iters = train_samples // batch)
     log_interval: int = 100
     eval_interval: int = 1000
     eval_iters: int = 100
@@ -282,6 +302,10 @@ class TrainingConfig:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
+    finetune: bool = False  # load the weights only: iteration 0, fresh optimizer
+    no_load_optim: bool = False  # resume weights and iteration with a fresh optimizer
+    no_load_rng: bool = False  # keep this run's seeds instead of the checkpoint's RNG states
+    skip_train: bool = False  # evaluate the loaded checkpoint and exit
 
     def __post_init__(self) -> None:
         from .training.health import check_max_skipped_steps  # noqa: PLC0415 - torch-free modules
@@ -300,6 +324,8 @@ class TrainingConfig:
             _require(v is None or v >= 1, f"--{name.replace('_', '-')} must be >= 1, got {v}")
         _require(self.eval_iters >= 0, f"--eval-iters must be >= 0, got {self.eval_iters}")
         _require(self.save_interval is None or self.save is not None, "--save-interval needs --save DIR")
+        for name in ("finetune", "no_load_optim", "no_load_rng", "skip_train"):
+            _require(not getattr(self, name) or self.load is not None, f"--{name.replace('_', '-')} needs --load DIR")
 
 
 @dataclass(frozen=True)
@@ -343,13 +369,15 @@ class SystemConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """The choices the layout flags make and ``--auto-plan`` makes instead: t, d, b, recompute, schedule."""
+    """The choices the layout flags make and ``--auto-plan`` makes instead: t, d, b, recompute, schedule
+    and the stage split (``None``: even)."""
 
     tensor: int
     pipeline: int
     micro_batch_size: int | None
     recompute: bool
     schedule: str
+    layer_split: tuple[int, ...] | None = None
 
 
 def layout_configs(
@@ -362,10 +390,8 @@ def layout_configs(
     """
     par = ParallelConfig(layout.tensor, layout.pipeline)
     model.check_tensor_parallel(par.tensor)
-    _require(
-        model.num_layers % par.pipeline == 0,
-        f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size {par.pipeline}",
-    )
+    split = canonical_split(model.num_layers, par.pipeline, layout.layer_split)
+    layers_per_stage(model.num_layers, par.pipeline, split)  # refuses an even split that does not divide
     par = par.resolve(world_size)
     b, w = layout.micro_batch_size, par.data
     _require(b is not None, "--micro-batch-size is required (or give --auto-plan)")
@@ -376,7 +402,8 @@ def layout_configs(
         B % (b * w) == 0,
         f"--global-batch-size {B} is not divisible by --micro-batch-size {b} x data-parallel size {w}",
     )
-    pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode)
+    pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode,
+                          layer_split=split)
     pipe.check_depth(par.pipeline)
     return par, pipe, B
 

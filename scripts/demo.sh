@@ -7,7 +7,8 @@
 # dataset are cached under demo_data/ (git-ignored), so a second run starts training at once.
 #
 # Environment: PYTHON, DEMO_DATA (demo_data), DEMO_VOCAB (8000), DEMO_ITERS (CPU 150, GPU 500),
-# DEMO_SEQ (CPU 64, GPU 128), DEMO_MICRO (CPU 2, GPU 8), NGPU (detected), DEMO_ARGS (extra flags).
+# DEMO_SEQ (CPU 64, GPU 128), DEMO_MICRO (CPU 2, GPU 8), NGPU (detected), DEMO_RUN (runs/demo),
+# DEMO_ARGS (extra flags). The learning-rate warm-up is 10 steps, DEMO_ITERS / 15 when that is fewer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
@@ -47,6 +48,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 GLOBAL=$(( MICRO * W * 4 ))  # m = 4 microbatches per step per pipeline (2BW needs m >= d)
+WARMUP=$(( ITERS / 15 < 10 ? ITERS / 15 : 10 ))  # 10 steps, fewer in a short run (it must not exceed ITERS)
 RUN=${DEMO_RUN:-runs/demo}
 mkdir -p "$RUN"
 rm -f "$RUN/metrics.jsonl"
@@ -58,7 +60,7 @@ echo "demo: data ready in $(( $(date +%s) - START )) s; training gpt-demo with P
   --model-preset gpt-demo --seq-length "$SEQ" --device "$DEVICE" \
   --pipeline-model-parallel-size "$PP" --pipeline-schedule 2bw \
   --micro-batch-size "$MICRO" --global-batch-size "$GLOBAL" --train-iters "$ITERS" \
-  --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.01 --clip-grad 1.0 \
+  --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.01 --clip-grad 1.0 \
   --data-path "${PREFIX}_text_document" --split 98,2,0 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok_$VOCAB.model" \
   --log-interval 10 --eval-interval "$ITERS" --eval-iters 4 \

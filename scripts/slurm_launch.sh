@@ -46,7 +46,7 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 
 if [[ -z "${MASTER_ADDR:-}" ]]; then
-  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR==1')
 fi
 MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 MAX_RESTARTS=${MAX_RESTARTS:-3}

@@ -3,7 +3,15 @@
 Reference: W(t+1) = W(t) - lr * grad f_t(W(t-1)), W(-1) = W(0), for SGD; and Adam(W) whose
 (unversioned) state consumes the 1-stale gradient and updates the newest weights. Written here
 with torch.func.functional_call and torch.optim, sharing nothing with the engine but the model.
+
+With a compensation (``--2bw-compensation``): ``predict`` runs step t's microbatches on
+P(W(max(t-1, 0))), P = one more torch.optim step (on a copy of the weights and the optimizer
+state) whose gradient is the bias-corrected first moment (Adam) or (1-mu)*buf - wd*W (SGD, the
+gradient that leaves the momentum buffer unchanged); ``dc`` gives the optimizer
+g + lambda * g * g * (W(t) - W(t-1)).
 """
+
+import copy
 
 import pytest
 import torch
@@ -20,7 +28,32 @@ STEPS, B, MICRO, WD = 6, 8, 2, 0.01
 LR = {"sgd": 1e-2, "adam": 1e-3}
 
 
-def reference_2bw(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _predicted(newest: dict, opt: torch.optim.Optimizer, optimizer: str, momentum: float) -> dict:
+    """P(W): the weights after one more step of a copy of ``opt`` (see the module docstring)."""
+    if not opt.state:  # no update applied yet: nothing to extrapolate with
+        return {n: p.detach().clone() for n, p in newest.items()}
+    params = dict(newest)
+    copies = {n: nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    twin = copy.deepcopy(opt)  # deepcopy maps the state onto the copied parameters, in order
+    old = [p for g in opt.param_groups for p in g["params"]]
+    new_params = [p for g in twin.param_groups for p in g["params"]]
+    by_id = {id(p): n for n, p in params.items()}
+    for p_old, p_new in zip(old, new_params):
+        n = by_id[id(p_old)]
+        st = opt.state[p_old]
+        if optimizer == "adam":
+            b1 = twin.param_groups[0]["betas"][0]
+            p_new.grad = st["exp_avg"] / (1 - b1 ** float(st["step"]))
+        else:
+            wd = next(g["weight_decay"] for g in opt.param_groups if any(q is p_old for q in g["params"]))
+            p_new.grad = (1 - momentum) * st["momentum_buffer"] - wd * p_old.detach()
+        copies[n] = p_new
+    twin.step()
+    return {n: p.detach().clone() for n, p in copies.items()}
+
+
+def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, momentum: float = 0.0,
+                  steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     lr = LR[optimizer]
     cfg = get_preset("gpt-tiny")
     spec = ModelSpec(cfg, TPGroup(), 1234)
@@ -32,13 +65,14 @@ def reference_2bw(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]
     no_decay = [p for p in newest.values() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
     opt = (torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-8) if optimizer == "adam"
-           else torch.optim.SGD(groups, lr=lr))
+           else torch.optim.SGD(groups, lr=lr, momentum=momentum))
     versions = [{n: p.detach().clone() for n, p in newest.items()}]  # versions[v] = W(v)
+    run_on = [versions[0]]  # run_on[v]: what version v's microbatches compute on (P(W(v)) with predict)
     g = torch.Generator().manual_seed(99)
-    data = torch.randint(0, cfg.vocab_size, (B * STEPS, cfg.seq_length + 1), generator=g)
+    data = torch.randint(0, cfg.vocab_size, (B * steps, cfg.seq_length + 1), generator=g)
     losses = []
-    for t in range(STEPS):
-        stale = {n: v.clone().requires_grad_(True) for n, v in versions[max(t - 1, 0)].items()}
+    for t in range(steps):
+        stale = {n: v.clone().requires_grad_(True) for n, v in run_on[max(t - 1, 0)].items()}
         total = 0.0
         for i in range(B // MICRO):
             batch = spec.make_batch(data[t * B + i * MICRO: t * B + (i + 1) * MICRO])
@@ -48,9 +82,12 @@ def reference_2bw(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]
         losses.append(mean.item())
         grads = torch.autograd.grad(mean, [stale[n] for n in names])
         for n, gr in zip(names, grads):
+            if compensation == "dc":  # W(t) - W(t-1), the two versions 2BW holds
+                gr = gr + lam * gr * gr * (versions[t][n] - versions[max(t - 1, 0)][n])
             newest[n].grad = gr
         opt.step()  # the newest weights W(t) become W(t+1), using the gradient taken at W(t-1)
         versions.append({n: p.detach().clone() for n, p in newest.items()})
+        run_on.append(_predicted(newest, opt, optimizer, momentum) if compensation == "predict" else versions[-1])
     return losses, versions[-1]
 
 
@@ -78,3 +115,23 @@ def test_single_process_2bw_equals_plain_pytorch_reference(optimizer):
     # the stale-gradient rule is really in effect: steps 0 and 1 both run on W(0)
     assert got["losses"][1] != pytest.approx(train_tiny("flush", steps=2, global_batch=B, micro=MICRO, optimizer=optimizer,
                                                        lr=LR[optimizer], weight_decay=WD)["losses"][1], abs=1e-7)
+
+
+# lambda large enough that the DC term moves the weights far beyond the comparison tolerance
+DC_LAMBDA = 1e4
+COMPENSATED = [("adam", "predict", 0.0), ("adam", "dc", 0.0), ("sgd", "predict", 0.9), ("sgd", "dc", 0.9)]
+
+
+@pytest.mark.parametrize("optimizer, compensation, momentum", COMPENSATED)
+def test_single_process_compensation_equals_plain_pytorch_reference(optimizer, compensation, momentum):
+    kw = dict(steps=STEPS, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer], weight_decay=WD,
+              sgd_momentum=momentum)
+    lam = DC_LAMBDA if compensation == "dc" else 0.0
+    ref_losses, ref_params = reference_2bw(optimizer, compensation, lam, momentum)
+    got = train_tiny("2bw", compensation=compensation, dc_lambda=lam, **kw)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # the compensation is really in effect: it moves the weights 10x beyond the tolerance
+    plain = train_tiny("2bw", **kw)["params"]
+    assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4

@@ -14,13 +14,14 @@ The rule, in full:
   would start this test again. Put such a command in a block of its own marked ``no-test``.
 - Each block is one test case, run by ``bash -eo pipefail`` with a 120 s limit, in document
   order (README.md, then docs/*.md by name), in one shared workspace: a temporary folder with
-  the repository's top-level entries linked in (so ``demo_data`` built by one block serves the
-  next, and outputs such as ``runs/`` stay out of the repository). ``PATH`` has the running
-  interpreter's folder (the venv's ``bin``) first, so ``python`` and ``torchrun`` are the venv's.
+  the repository's top-level entries linked in, as a fresh clone after ``make setup`` has them
+  (so the ``demo_data`` that the README's ``make demo`` builds serves the blocks after it, and
+  outputs such as ``runs/`` and ``profiles/`` stay out of the repository). ``PATH`` has the
+  running interpreter's folder (the venv's ``bin``) first, so ``python`` and ``torchrun`` are the
+  venv's.
 
-Switch: the commands run only when ``MEGATRON_2BW_DOCS_TEST=1`` or ``RUN_BY_DEFAULT`` below is
-True (``MEGATRON_2BW_DOCS_TEST=0`` turns them off either way). The extraction tests at the end
-always run.
+Switch: the commands run by default (``RUN_BY_DEFAULT``); ``MEGATRON_2BW_DOCS_TEST=0`` turns them
+off, ``=1`` on. The extraction tests at the end always run.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ from pathlib import Path
 
 import pytest
 
-RUN_BY_DEFAULT = False
+RUN_BY_DEFAULT = True
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
 LANGS = ("bash", "sh", "shell")
 SUITE = re.compile(r"(^|[\s;&|(])(make\s+test\b|pytest\b|python\s+-m\s+pytest\b)")
 MARKER = re.compile(r"^\s*<!--\s*(no-test|test-env)\s*:\s*(.*?)\s*-->\s*$")
-LOOKS_LIKE_MARKER = re.compile(r"<!--\s*(no-test|test-\w+)")
+LOOKS_LIKE_MARKER = re.compile(r"^\s*<!--\s*(no-test|test-\w+)")  # a comment line, not prose quoting one
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^`\s]*)")
-# The workspace does not link these: outputs of the commands, and what must not be shared.
-NOT_LINKED = {".git", ".pytest_cache", "runs", "profiles", "checkpoints", "build"}
+# The workspace does not link these: outputs of the commands, what must not be shared, and what a
+# fresh clone does not have (``demo_data`` is built by the README's first command).
+NOT_LINKED = {".git", ".pytest_cache", "runs", "profiles", "checkpoints", "build", "demo_data"}
 BASE_ENV = {"OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
 
 
@@ -183,7 +185,7 @@ def run_block(block: DocBlock, cwd: Path, timeout: float = TIMEOUT_S) -> tuple[i
 
 
 def _params():
-    marks = [] if enabled() else [pytest.mark.skip(reason="docs commands are off: MEGATRON_2BW_DOCS_TEST=1 runs them")]
+    marks = [] if enabled() else [pytest.mark.skip(reason="docs commands are off (MEGATRON_2BW_DOCS_TEST=0)")]
     for b in all_blocks():
         extra = [pytest.mark.skip(reason=f"no-test: {b.skip}")] if b.skip else []
         yield pytest.param(b, id=b.id, marks=marks + extra)

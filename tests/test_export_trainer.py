@@ -11,6 +11,7 @@ from export_helpers import max_err
 
 from megatron_2bw.export.checkpoints import trainer_model_config
 from megatron_2bw.export.megatron_format import read_rank_files
+from megatron_2bw.export.trainer_format import newest_weights
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.models.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -39,12 +40,11 @@ def _stage_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
     for r in range(2):
         layers = torch.nn.ModuleList(ModelSpec(cfg, TPGroup(), 0).build_stage(2, r))
         start = stage_range(cfg.num_layers, 2, r)[0]
-        saved = files[(0, r)]["model"]
+        saved = newest_weights(files[(0, r)], cfg)  # Megatron's nested ``model`` by global name
         with torch.no_grad():
             for local, p in layers.named_parameters():
                 idx, rest = local.split(".", 1)
-                glob = "0.word.weight" if rest == "word_weight" else f"{start + int(idx)}.{rest}"
-                p.copy_(saved[local] if local in saved else saved[glob])
+                p.copy_(saved["0.word.weight" if rest == "word_weight" else f"{start + int(idx)}.{rest}"])
         with torch.no_grad():
             x = run_layers(list(layers.eval()), {"tokens": tokens}, x)
     return x[..., : cfg.vocab_size]

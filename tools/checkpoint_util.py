@@ -9,8 +9,10 @@ Flags follow Megatron-LM's tools/checkpoint_util.py. The model is read whole (ev
 merged), then split again for the target layout: QKV rows by head, the vocabulary padded to a
 multiple of 128 * t, pipeline stages restacked with local layer numbers. ``model`` always holds
 the newest weights, so 2BW -> flush keeps the newest version and flush -> 2BW starts both
-versions equal; the schedule is recorded for the trainer (``--target-schedule``). Optimizer state
-is not moved yet: a source holding it needs ``--no-optimizer`` (weights only).
+versions equal (``--target-schedule``). A trainer checkpoint's optimizer state (Adam moments or
+SGD momentum, the fp32 master copy) and 2BW's older version are resharded with the weights, so
+the trainer resumes from the result at the new layout; ``--no-optimizer`` writes the weights only
+(a plain Megatron-LM checkpoint, for --finetune or other tools).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
+from megatron_2bw.export.trainer_reshard import read_trainer_checkpoint, write_trainer_checkpoint
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 
@@ -45,8 +48,14 @@ def run(argv: list[str]) -> str:
         raise ConfigError(f"target sizes must be >= 1, got tensor {t} and pipeline {d}")
     ex, has_optimizer = load_checkpoint(args.load_dir, args.loader or "auto")
     if has_optimizer and not args.no_optimizer:
-        raise ConfigError(f"{args.load_dir} holds optimizer state, which is not resharded yet; pass --no-optimizer "
-                          "to convert the weights only")
+        if args.saver != "megatron":
+            raise ConfigError(f"{args.load_dir} holds optimizer state, which a {args.saver} model cannot hold; pass "
+                              "--no-optimizer to convert the weights only")
+        ckpt = read_trainer_checkpoint(args.load_dir)
+        where = write_trainer_checkpoint(args.save_dir, ckpt, t=t, d=d, schedule=args.target_schedule)
+        moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
+        return (f"wrote trainer checkpoint at iteration {ex.iteration} to {where} t={t} d={d} schedule "
+                f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
     where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule)
     cfg = ex.cfg
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "

@@ -28,6 +28,7 @@ class ModelSpec:
     seed: int
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
+    split: tuple[int, ...] | None = None  # layers per stage (models/stages.py); None: even
 
     @property
     def num_items(self) -> int:
@@ -56,7 +57,12 @@ class ModelSpec:
         return layers
 
     def build_stage(self, d: int, r: int) -> list[nn.Module]:
-        return self.build(*stage_range(self.cfg.num_layers, d, r))
+        """Stage ``r`` of ``d`` under this spec's split."""
+        return self.build(*self.stage_range(d, r))
+
+    def stage_range(self, d: int, r: int) -> tuple[int, int]:
+        """Half-open range of layer-list indices of stage ``r`` of ``d`` (``models/stages.py``)."""
+        return stage_range(self.cfg.num_layers, d, r, self.split)
 
     def loss_fn(self) -> Callable[[object, dict], torch.Tensor]:
         return gpt.GPTLoss(self.cfg, self.tp) if self.cfg.kind == "gpt" else bert.BertLoss(self.cfg, self.tp)

@@ -10,7 +10,9 @@ Semantics per schedule:
 - flush / gpipe: one weight version, updated in place after every step: W(t+1) = W(t) - lr*g(W(t)).
 - 2bw: two versions. Step t runs on W(max(t-1, 0)); APPLY_UPDATE(t) writes
   W(t+1) = W(t) - lr * g_t(W(t-1)) out of place into the buffer that held W(t-1) (free by then),
-  so no microbatch ever sees its weights change and no weights are copied.
+  so no microbatch ever sees its weights change and no weights are copied. With
+  ``--2bw-compensation`` (see :mod:`.compensation`) the buffer of version v holds the prediction
+  P(W(v)) during training (``predict``) or the gradient is corrected (``dc``).
 Every schedule unscales, checks for inf/NaN and clips by the global norm; an overflow skips the
 update on every rank (all ranks see the same global norm).
 """
@@ -83,7 +85,7 @@ class PipelineStage:
             build, num_versions=2 if pipe.schedule == "2bw" else 1, dtype=dtype, device=state.device,
             tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
         )
-        self.updater = Updater(self.weights, opt)
+        self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda)
         self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
         bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(dtype).bits * 8
         self.reducer = GradReducer(
@@ -117,6 +119,9 @@ class PipelineStage:
         results: list[StepResult] = []
         for layer_list in self.weights.slots:
             layer_list.train()
+        predicting = self.pipe.compensation == "predict"
+        if predicting:  # the drain left W(step) in its buffer; step+1's microbatches run on P(W(step))
+            self.updater.write_prediction(self.weights.slot(self.step), lr_fn(self.step))
         for unit in self.transport.units(actions):
             a = unit[0]
             op = a.op
@@ -127,10 +132,12 @@ class PipelineStage:
             elif op is Op.REDUCE_GRADS:
                 self._reduce(a.step)
             elif op is Op.APPLY_UPDATE:
-                results.append(self._apply(a.step, lr_fn(a.step)))
+                results.append(self._apply(a.step, lr_fn(a.step), lr_fn(a.step + 1) if predicting else None))
             else:
                 self._transfer(unit)
         self.transport.drain()
+        if predicting:  # evaluation and checkpoints see the newest weights
+            self.updater.write_newest(self.weights.slot(self.step))
         if self.state.device.type == "cuda":
             self.stats.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.state.device)
         return results
@@ -210,11 +217,11 @@ class PipelineStage:
             self.faults.poison(self.state.rank, t, grad)
         self.reducer.start(t, grad, self.weights.norm_views[buf])
 
-    def _apply(self, t: int, lr: float) -> StepResult:
+    def _apply(self, t: int, lr: float, next_lr: float | None = None) -> StepResult:
         t0 = time.perf_counter()
         sumsq = float(self.reducer.finish(t).item())
         self.stats.update_wait_s += time.perf_counter() - t0
-        update = self.updater.apply(t, sumsq, lr)
+        update = self.updater.apply(t, sumsq, lr, next_lr)
         self.step = t + 1
         loss = self._losses.pop(t, None)
         mean = float(loss.item()) / self.pipe.num_microbatches if loss is not None else None
@@ -255,6 +262,8 @@ class PipelineStage:
             f.copy_(saved)
         self.updater.load_state_dict(sd)
         self.step = int(sd["step"])
+        if self.updater.master is not None and sd.get("master") is None:  # e.g. fp32 predict from a plain checkpoint
+            self.updater.master.copy_(w.flat[w.slot(self.step)])
 
     def newest_state(self, sd: dict | None = None) -> dict[str, torch.Tensor]:
         """Global parameter name -> newest weights W(step): views of the saved versions of ``sd`` (a

@@ -9,6 +9,10 @@ its weights change. With one version buffer ``slot`` is always 0 and the update 
 An overflow (non-finite norm) skips the update on every rank, since every rank sees the same
 global norm; the loss scaler then lowers the scale. Each step uses one loss scale on every
 stage: the scale current when the step's first backward ran (:meth:`loss_scale`).
+
+With a stale-gradient compensation (:mod:`.compensation`): ``dc`` corrects the unscaled, clipped
+gradient with the two versions before the optimizer sees it; ``predict`` keeps the newest weights
+in the fp32 master (created in fp32 too) and writes P(W(t+1)) into ``slot(t + 1)`` instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from ..config import OptimizerConfig
 from ..optimizer.flat import build_optimizer
 from ..optimizer.loss_scaler import build_scaler
+from .compensation import check_compensation, dc_correct, predict
 from .grad_reducer import grad_sumsq
 from .weights import StageWeights
 
@@ -37,22 +42,28 @@ class Update:
 class Updater:
     """Owns the optimizer, the loss scaler and the fp32 master copy of a :class:`StageWeights`."""
 
-    def __init__(self, weights: StageWeights, opt: OptimizerConfig) -> None:
+    def __init__(self, weights: StageWeights, opt: OptimizerConfig, compensation: str = "none",
+                 dc_lambda: float = 0.0) -> None:
         self.weights, self.opt = weights, opt
         self.optimizer = build_optimizer(opt, weights.numel, weights.n_decay, weights.device)
+        check_compensation(compensation, self.optimizer)
+        self.compensation, self.dc_lambda = compensation, dc_lambda
         self.scaler = build_scaler(opt)
-        # fp32 master copy of the newest weights when they are kept in lower precision
-        self.master = weights.flat[0].float().clone() if weights.dtype != torch.float32 else None
+        # fp32 master copy of the newest weights when they are kept in lower precision, or when the
+        # version buffers hold predicted weights
+        keep = weights.dtype != torch.float32 or compensation == "predict"
+        self.master = weights.flat[0].float().clone() if keep else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
 
     def loss_scale(self, step: int) -> float:
         """The loss scale of ``step``: fixed at the first call for that step, until it is applied."""
         return self._scales.setdefault(step, self.scaler.scale)
 
-    def apply(self, step: int, sumsq: float, lr: float) -> Update:
+    def apply(self, step: int, sumsq: float, lr: float, next_lr: float | None = None) -> Update:
         """Write W(step+1) from W(step) and step ``step``'s (scaled) gradient, then zero that gradient.
 
         ``sumsq`` is the global squared norm of the scaled gradient (non-finite: overflow).
+        ``next_lr``: the learning rate of update step+1, which ``predict`` extrapolates with.
         """
         w = self.weights
         scale = self._scales.pop(step, None)
@@ -62,10 +73,12 @@ class Updater:
         grad = w.grad_flat[w.grad_buffer(step)]
         src, dst = w.slot(step), w.slot(step + 1)
         if overflow:
-            if src != dst:  # W(t+1) = W(t)
+            if src != dst and self.compensation != "predict":  # W(t+1) = W(t)
                 w.flat[dst].copy_(w.flat[src])
         else:
             self._step(grad, src, dst, self._multiplier(scale, norm), lr)
+        if self.compensation == "predict":
+            self.write_prediction(dst, lr if next_lr is None else next_lr)
         self.scaler.update(overflow)
         grad.zero_()
         return Update(norm, overflow, scale)
@@ -81,11 +94,23 @@ class Updater:
         w = self.weights
         g32 = grad.float() if grad.dtype != torch.float32 else grad
         g32.mul_(mult)
+        if self.compensation == "dc" and src != dst:  # flat[dst] still holds W(t-1)
+            dc_correct(g32, w.flat[src], w.flat[dst], self.dc_lambda)
         if self.master is not None:
             self.optimizer.update(self.master, self.master, g32, lr)
-            w.flat[dst].copy_(self.master)
+            if self.compensation != "predict":
+                w.flat[dst].copy_(self.master)
         else:
             self.optimizer.update(w.flat[src], w.flat[dst], g32, lr)
+
+    def write_prediction(self, slot: int, lr: float) -> None:
+        """Buffer ``slot`` = P(newest weights), the optimizer's predicted next step (:mod:`.compensation`)."""
+        predict(self.optimizer, self.master, self.weights.flat[slot], lr)
+
+    def write_newest(self, slot: int) -> None:
+        """Buffer ``slot`` = the newest weights (the master's), for evaluation and checkpoints."""
+        if self.master is not None:
+            self.weights.flat[slot].copy_(self.master)
 
     def step_alone(self, step: int, lr: float) -> Update:
         """The whole update of one process without reductions: this stage's gradient norm, then :meth:`apply`."""

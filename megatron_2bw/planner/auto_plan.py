@@ -2,7 +2,7 @@
 
     choice = auto_plan(model_cfg, num_gpus=64, global_batch=512, cluster="dgx-h200",
                        profile_path="gpt-2.2b.profile.json", precision="bf16")
-    t, d, w, b, recompute, schedule = choice
+    t, d, w, b, recompute, schedule, split = choice   # split: layers per stage (None: even)
 
 ``profile_path``: read it if it exists; otherwise profile here and write it there, so a job array
 profiles once and every later job reuses the file (profile on the kind of GPU you will train on).
@@ -34,6 +34,7 @@ import torch
 
 from ..config import Layout, ModelConfig
 from ..errors import ConfigError
+from ..models.stages import format_split
 from ..pipeline.schedules import SCHEDULE_NAMES
 from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
@@ -47,7 +48,8 @@ DEVICE_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100
 
 
 class PlanChoice(NamedTuple):
-    """What the trainer needs: tensor, pipeline and data parallel sizes, microbatch, recompute, schedule."""
+    """What the trainer needs: tensor, pipeline and data parallel sizes, microbatch, recompute, schedule
+    and the layers of each stage (``None``: the even split)."""
 
     t: int
     d: int
@@ -55,11 +57,12 @@ class PlanChoice(NamedTuple):
     b: int
     recompute: bool
     schedule: str
+    split: tuple[int, ...] | None = None
 
     @property
     def layout(self) -> Layout:
         """The choice as the trainer's config takes it (``cli.build_config(..., layout=)``)."""
-        return Layout(self.t, self.d, self.b, self.recompute, self.schedule)
+        return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split)
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,9 @@ class AutoPlan:
 
     def describe(self) -> str:
         c, ev = self.choice, self.result.best
+        split = f" layers/stage={format_split(c.split)}" if c.split else ""
         return (f"auto-plan: t={c.t} d={c.d} w={c.w} b={c.b} m={self.num_micro_batches} "
-                f"recompute={'on' if c.recompute else 'off'} schedule={c.schedule}: "
+                f"recompute={'on' if c.recompute else 'off'} schedule={c.schedule}{split}: "
                 f"{ev.samples_per_sec:.1f} samples/s predicted, {ev.memory_bytes_per_gpu / GiB:.2f} GiB/GPU "
                 f"on {self.cluster.name}; costs from {self.costs.source}")
 
@@ -169,7 +173,7 @@ def auto_plan_details(
     result = search(request, costs)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
-                               c.schedule), c.num_micro_batches, result, costs, cl,
+                               c.schedule, c.layer_split), c.num_micro_batches, result, costs, cl,
                     str(profile_path) if profile_path is not None else None, here)
     (log_fn or log.info)(plan.describe())
     return plan

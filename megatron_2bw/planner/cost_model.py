@@ -38,11 +38,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.stages import stage_slice
+from ..models.stages import StageSlice, stage_slice
 from ..pipeline.schedules import get_schedule
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, stage_params
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, slice_params
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
 GRAD_PASSES = 3  # unscale + inf/NaN check, gradient norm for clipping, the update's read
@@ -166,9 +166,15 @@ class Prediction:
 
 def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int, cluster: Cluster,
                in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
-    """The terms of one stage (see the module docstring)."""
+    """The terms of one stage (see the module docstring), under ``cand``'s split."""
+    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
+    return slice_time(costs, cand, part, stage, cluster, in_bandwidth, out_bandwidth, param_bytes)
+
+
+def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int, cluster: Cluster,
+               in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
+    """The terms of stage ``stage`` holding ``part`` (any number of layers: ``planner/split.py``)."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
-    part = stage_slice(num_layers, d, stage)
     passes = 2 if cand.recompute else 1  # our engine recomputes the whole stage, embedding and head included
     lay, emb, head = costs.layer, costs.embedding, costs.head
     blocks = [(lay, part.num_layers)] + ([(emb, 1)] if part.embedding else []) + ([(head, 1)] if part.head else [])
@@ -177,7 +183,8 @@ def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: 
     # Token ids come from the data loader, and the loss stays on the last stage.
     in_bytes = 0 if part.embedding else lay.input_bytes
     out_bytes = 0 if part.head else lay.output_bytes
-    grads = stage_params(costs, num_layers, d, stage) * param_bytes.grad
+    params = slice_params(costs, part)
+    grads = params * param_bytes.grad
     allreduce = data_parallel_allreduce_time(grads, t, w, cluster)
     if part.embedding or part.head:
         allreduce += tied_embedding_sync_time(costs.tied_params * param_bytes.grad, t, w, d, cluster)
@@ -187,18 +194,19 @@ def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: 
         tensor_comm_s=ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster)),
         p2p_s=p2p_time(in_bytes, out_bytes, in_bandwidth, out_bandwidth),
         allreduce_s=allreduce,
-        optimizer_s=stage_params(costs, num_layers, d, stage) * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
+        optimizer_s=params * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
     )
 
 
 def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
                 param_bytes: ParamBytes = ParamBytes()) -> tuple[StageTime, ...]:
-    """Every distinct stage: the first, the last, and one middle stage per pattern of its links."""
+    """Every distinct stage: the first, the last, and one middle stage per pattern of its links
+    (every stage under an uneven split)."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
     bw = [boundary_bandwidth(t, w, i, cluster) for i in range(d - 1)]
     picked: dict[tuple[float, float], int] = {}
     for i in range(1, d - 1):
-        picked.setdefault((bw[i - 1], bw[i]), i)
+        picked.setdefault((bw[i - 1], bw[i]) if cand.layer_split is None else (i, i), i)
     wanted = sorted({0, d - 1, *picked.values()})
     inf = float("inf")
     return tuple(

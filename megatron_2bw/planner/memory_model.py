@@ -14,7 +14,9 @@ Recomputation is our engine's: each in-flight microbatch keeps only what the sta
 ids on the first stage), and the backward re-runs the whole stage, embedding and head included. The
 count of microbatches in flight per stage and the weight versions come from the schedule's
 ``ScheduleSpec`` (``pipeline/schedules.py``); a non-pipelined sequential run holds one. The layers of
-each stage come from ``models/stages.py``'s split.
+each stage come from ``models/stages.py``'s split: the even one, or ``Candidate.layer_split``. The
+``slice_*`` functions take a stage's contents directly, so ``planner/split.py`` can price a stage with
+any number of layers before a whole split exists.
 
 What real runs also pay, and the paper's formula leaves out:
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..models.stages import stage_slice
+from ..models.stages import Split, StageSlice, stage_slice
 from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 from .layer_costs import MicrobatchCosts
 
@@ -54,8 +56,11 @@ class Candidate:
     num_micro_batches: int
     recompute: bool
     schedule: str
+    layer_split: tuple[int, ...] | None = None  # layers per stage; None: the even split
 
     def __post_init__(self) -> None:
+        if self.layer_split is not None:
+            object.__setattr__(self, "layer_split", tuple(int(n) for n in self.layer_split))
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -123,9 +128,8 @@ def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     return 1 if schedule == SEQUENTIAL else get_schedule(schedule).inflight(d, stage, m)
 
 
-def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
-    """Parameters on one GPU of ``stage``: its layers, the embedding (first), the head (last)."""
-    part = stage_slice(num_layers, d, stage)
+def slice_params(costs: MicrobatchCosts, part: StageSlice) -> int:
+    """Parameters on one GPU of a stage holding ``part``: its layers, the embedding, the head."""
     n = part.num_layers * costs.layer.params
     if part.embedding:
         n += costs.embedding.params
@@ -136,20 +140,40 @@ def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) ->
     return n
 
 
-def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
+def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
+    """Parameters on one GPU of ``stage``: its layers, the embedding (first), the head (last)."""
+    return slice_params(costs, stage_slice(num_layers, d, stage, split))
+
+
+def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
     """``A_total/d``: what one microbatch leaves for the backward in a stage's transformer layers."""
-    return stage_slice(num_layers, d, stage).num_layers * costs.layer.stash_bytes
+    return stage_slice(num_layers, d, stage, split).num_layers * costs.layer.stash_bytes
 
 
-def edge_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
-    """Per microbatch, the embedding's stash and token ids (first stage) and the head's (last)."""
-    part = stage_slice(num_layers, d, stage)
+def _edge_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
     extra = 0
     if part.embedding:
         extra += costs.embedding.input_bytes + costs.embedding.stash_bytes
     if part.head:
         extra += costs.head.stash_bytes
     return extra
+
+
+def edge_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
+    """Per microbatch, the embedding's stash and token ids (first stage) and the head's (last)."""
+    return _edge_bytes(costs, stage_slice(num_layers, d, stage, split))
+
+
+def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
+    """Activations held at the peak of a stage holding ``part`` (see :func:`activation_bytes`)."""
+    n = in_flight(cand.schedule, cand.pipeline_parallel, cand.num_micro_batches, stage)
+    layers = part.num_layers * costs.layer.stash_bytes
+    edge = _edge_bytes(costs, part)
+    if cand.recompute:
+        # A_input: what the stage received (the first stage: the token ids)
+        received = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
+        return n * received + layers + edge
+    return n * (layers + edge)
 
 
 def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int) -> int:
@@ -160,22 +184,12 @@ def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, s
     included), each in-flight microbatch keeps only the stage's input (token ids on stage 0),
     plus the full activations of the one microbatch being recomputed.
     """
-    d = cand.pipeline_parallel
-    n = in_flight(cand.schedule, d, cand.num_micro_batches, stage)
-    layers = layer_activation_bytes(costs, num_layers, d, stage)
-    edge = edge_activation_bytes(costs, num_layers, d, stage)
-    if cand.recompute:
-        # A_input: what the stage received (the first stage: the token ids)
-        first = stage_slice(num_layers, d, stage).embedding
-        received = costs.embedding.input_bytes if first else costs.layer.input_bytes
-        return n * received + layers + edge
-    return n * (layers + edge)
+    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
+    return slice_activation_bytes(costs, cand, part, stage)
 
 
-def workspace_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int) -> int:
-    """The largest transient of the blocks the stage runs."""
-    part = stage_slice(num_layers, d, stage)
-    ws = costs.layer.workspace_bytes
+def _workspace(costs: MicrobatchCosts, part: StageSlice) -> int:
+    ws = costs.layer.workspace_bytes if part.num_layers else 0
     if part.embedding:
         ws = max(ws, costs.embedding.workspace_bytes)
     if part.head:
@@ -183,10 +197,15 @@ def workspace_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int)
     return ws
 
 
-def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int,
+def workspace_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
+    """The largest transient of the blocks the stage runs."""
+    return _workspace(costs, stage_slice(num_layers, d, stage, split))
+
+
+def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int,
                  param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
-    """Bytes per GPU of one stage, term by term."""
-    p = stage_params(costs, num_layers, cand.pipeline_parallel, stage)
+    """Bytes per GPU of stage ``stage`` holding ``part``, term by term."""
+    p = slice_params(costs, part)
     return StageMemory(
         stage=stage,
         params=p,
@@ -194,9 +213,16 @@ def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage
         second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
         grads=p * param_bytes.grad,
         optimizer=p * (param_bytes.master + param_bytes.optimizer_state),
-        activations=activation_bytes(costs, cand, num_layers, stage),
-        workspace=workspace_bytes(costs, num_layers, cand.pipeline_parallel, stage),
+        activations=slice_activation_bytes(costs, cand, part, stage),
+        workspace=_workspace(costs, part),
     )
+
+
+def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int,
+                 param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
+    """Bytes per GPU of one stage, term by term."""
+    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
+    return slice_memory(costs, cand, part, stage, param_bytes)
 
 
 def representative_stages(d: int) -> tuple[int, ...]:
@@ -210,6 +236,8 @@ def plan_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int,
 
     Stage 0 has the embedding and the most microbatches in flight; the last stage has the head;
     stage 1 is the fullest stage with neither. Every other stage holds fewer stashes than stage 1
-    and the same weights, so it can never be the maximum.
+    and the same weights, so it can never be the maximum. With an uneven split every stage counts.
     """
-    return tuple(stage_memory(costs, cand, num_layers, s, param_bytes) for s in representative_stages(cand.pipeline_parallel))
+    d = cand.pipeline_parallel
+    stages = representative_stages(d) if cand.layer_split is None else range(d)
+    return tuple(stage_memory(costs, cand, num_layers, s, param_bytes) for s in stages)

@@ -15,6 +15,7 @@ from ..cli import pretrain_argv
 from ..config import Layout, ModelConfig
 from ..errors import ConfigError
 from ..models.presets import get_preset
+from ..models.stages import format_split
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate
@@ -35,8 +36,8 @@ def paper_model(name: str) -> ModelConfig:
 # ---- one configuration --------------------------------------------------------------------------
 
 def candidate_layout(c: Candidate) -> Layout:
-    """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule)."""
-    return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule)
+    """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule, stage split)."""
+    return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule, c.layer_split)
 
 
 def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
@@ -53,6 +54,7 @@ def describe(ev: Evaluated) -> dict[str, Any]:
         "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
         "num_micro_batches": c.num_micro_batches, "global_batch_size": c.global_batch_size,
         "recompute": c.recompute, "schedule": c.schedule,
+        "layer_split": list(c.layer_split) if c.layer_split else None,  # layers per stage; None: even
         "samples_per_sec": round(ev.samples_per_sec, 3),
         "memory_bytes_per_gpu": ev.memory_bytes_per_gpu,
         "memory_bytes_by_stage": {str(s.stage): s.total for s in ev.memory},  # the stages that can peak
@@ -63,7 +65,16 @@ def describe(ev: Evaluated) -> dict[str, Any]:
 
 
 def _stage_memory_text(ev: Evaluated) -> str:
-    return "/".join(f"{s.total / GiB:.1f}" for s in ev.memory)
+    """Stage 0 / the fullest middle stage / the last stage (the stages ``plan_memory`` returns)."""
+    mem = ev.memory
+    if len(mem) > 3:
+        mem = (mem[0], max(mem[1:-1], key=lambda s: s.total), mem[-1])
+    return "/".join(f"{s.total / GiB:.1f}" for s in mem)
+
+
+def split_text(c: Candidate) -> str:
+    """The stage split as ``--pipeline-layer-split`` writes it, ``even``, or ``-`` without a pipeline."""
+    return "-" if c.pipeline_parallel == 1 else format_split(c.layer_split) if c.layer_split else "even"
 
 
 def format_table(result: SearchResult, top: int = 10) -> str:
@@ -80,7 +91,7 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
         "",
         f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>6} {'schedule':>8} "
-        f"{'samples/s':>10} {'GiB/GPU':>7}  GiB: stage 0/1/last",
+        f"{'samples/s':>10} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
     for i, ev in enumerate(result.ranked[:top], 1):
         c = ev.candidate
@@ -88,7 +99,7 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         lines.append(
             f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
             f"{c.num_micro_batches:>4} {'yes' if c.recompute else 'no':>6} {sched:>8} {ev.samples_per_sec:>10.1f} "
-            f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {_stage_memory_text(ev)}"
+            f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
     lines += ["", "best configuration:", "  " + " ".join(pretrain_command(result.best, req))]
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """The planner's search (the paper's Algorithm 1, widened): every layout, ranked by throughput.
 
 Enumerated: every ``(t, d, w)`` with ``t*d*w = N``, where ``t`` divides the server size, the
-attention heads and the FFN size (tensor groups never leave a server), and ``d`` divides the number
-of layers (equal stages); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
+attention heads and the FFN size (tensor groups never leave a server), and ``d`` is at most the
+number of layers (``balance_stages``, the default: each candidate gets the split of
+``planner/split.py``, fastest under the memory limit) or divides it (equal stages, as the paper's
+planner); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
 power-of-two microbatch ``b`` up to a limit, recomputation on and off, and each schedule of the
 registry (``pipeline/schedules.py``). The number of microbatches per batch is fixed by the global
 batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and so is a schedule that
@@ -14,7 +16,7 @@ samples per second. The whole search is closed-form arithmetic over a few thousa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from ..config import ModelConfig
@@ -24,6 +26,7 @@ from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
+from .split import balanced_split
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class PlanRequest:
     schedules: tuple[str, ...] = SCHEDULE_NAMES  # SEQUENTIAL may be added: the paper's no-pipelining baseline
     recompute_options: tuple[bool, ...] = (False, True)
     no_pipelining: bool = True
+    balance_stages: bool = True  # choose each candidate's stage split (planner/split.py); False: even stages
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -102,10 +106,10 @@ def tensor_sizes(model: ModelConfig, cluster: Cluster, num_gpus: int) -> tuple[i
                  and model.num_attention_heads % t == 0 and model.ffn_hidden_size % t == 0)
 
 
-def pipeline_depths(model: ModelConfig, num_gpus: int, t: int) -> tuple[int, ...]:
-    """``d`` that divide the layers and leave a whole number of replicas."""
+def pipeline_depths(model: ModelConfig, num_gpus: int, t: int, uneven: bool = False) -> tuple[int, ...]:
+    """``d`` that leave a whole number of replicas and divide the layers (any ``d <= L`` when ``uneven``)."""
     return tuple(d for d in range(1, model.num_layers + 1)
-                 if model.num_layers % d == 0 and num_gpus % (t * d) == 0)
+                 if (uneven or model.num_layers % d == 0) and num_gpus % (t * d) == 0)
 
 
 def micro_batch_sizes(limit: int) -> tuple[int, ...]:
@@ -131,7 +135,7 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
     for t in costs.tensor_sizes():
         if t not in valid_t:
             continue
-        for d in pipeline_depths(request.model, N, t):
+        for d in pipeline_depths(request.model, N, t, request.balance_stages):
             if d == 1 and not request.no_pipelining:
                 continue
             w = N // (t * d)
@@ -153,6 +157,10 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evalua
     c = costs.at(cand.tensor_parallel, cand.micro_batch_size)
     if c is None:
         raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}")
+    if request.balance_stages and cand.pipeline_parallel > 1 and cand.layer_split is None:
+        split = balanced_split(c, cand, request.model.num_layers, request.cluster, request.param_bytes,
+                               request.cluster.usable_memory_bytes)
+        cand = replace(cand, layer_split=split)
     memory = plan_memory(c, cand, request.model.num_layers, request.param_bytes)
     if max(s.total for s in memory) > request.cluster.usable_memory_bytes:
         return Evaluated(cand, memory, None)

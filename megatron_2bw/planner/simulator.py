@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
-from ..models.stages import stage_slice
+from ..models.stages import Split, stage_slice
 from ..pipeline.actions import Action, Op
 from ..pipeline.replay import Replay, Timing
 from ..pipeline.schedules import stage_actions, validate_pipeline
@@ -280,8 +280,8 @@ def simulate(
 Blocks = list[tuple[str, BlockCost, int]]  # (name, per-block costs, how many on the stage)
 
 
-def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int) -> Blocks:
-    part = stage_slice(num_layers, d, r)
+def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int, split: Split = None) -> Blocks:
+    part = stage_slice(num_layers, d, r, split)
     blocks: Blocks = [("layer", costs.layer, part.num_layers)]
     if part.embedding:
         blocks.insert(0, ("embedding", costs.embedding, 1))
@@ -349,7 +349,7 @@ def stage_costs(
     pb = param_bytes or ParamBytes()
     out = []
     for r in range(d):
-        blocks = _stage_blocks(costs, num_layers, d, r)
+        blocks = _stage_blocks(costs, num_layers, d, r, cand.layer_split)
         w = _stage_work(costs, blocks, r == 0, recompute_scope if cand.recompute else None, forward_nograd_s or {})
         fwd, bwd = w.forward_s, w.backward_s
         if tensor_bandwidth_Bps and t > 1:
@@ -361,7 +361,7 @@ def stage_costs(
             output_bytes=0 if r == d - 1 else costs.layer.output_bytes,
             static_bytes=sm.weights + sm.second_weights + sm.grads + sm.optimizer,
             stash_bytes=w.stash_bytes, backward_extra_bytes=w.backward_extra_bytes,
-            workspace_bytes=max(b.workspace_bytes for _, b, _ in blocks),
+            workspace_bytes=max(b.workspace_bytes for _, b, n in blocks if n),
         ))
     return out
 
@@ -388,7 +388,7 @@ def simulate_plan(
     terms = [stage_time(costs, cand, num_layers, r, cluster, links[r - 1].bandwidth if r > 0 else inf,
                         links[r].bandwidth if r < d - 1 else inf, pb) for r in range(d)]
     if optimizer is not None:
-        update = [optimizer.seconds(stage_params(costs, num_layers, d, r)) for r in range(d)]
+        update = [optimizer.seconds(stage_params(costs, num_layers, d, r, cand.layer_split)) for r in range(d)]
     else:
         update = [s.optimizer_s for s in terms]
     stages = stage_costs(costs, cand, num_layers, recompute_scope=recompute_scope, forward_nograd_s=forward_nograd_s,

@@ -1,4 +1,4 @@
-"""``--auto-plan``: let the planner choose t, d, the microbatch size, recomputation and schedule.
+"""``--auto-plan``: let the planner choose t, d, the microbatch size, recomputation, schedule and stage split.
 
 It runs before validation and before any process group, like every other input check, so every
 rank must reach the same choice on its own. One process profiles its device (or loads
@@ -18,6 +18,7 @@ from dataclasses import replace
 from ..cli import data_config, lr_config, model_config, optimizer_config, precision_of, training_config
 from ..config import Layout
 from ..errors import ConfigError
+from ..models.stages import format_split, split_flags_given
 
 log = logging.getLogger("megatron_2bw")
 
@@ -35,6 +36,9 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
     """The planner's best layout for ``world`` processes, and the tokenizer built to size the model."""
     if args.global_batch_size is None:
         raise ConfigError("--auto-plan needs --global-batch-size (the planner sets the microbatch size)")
+    given = split_flags_given(args)
+    if given:
+        raise ConfigError(f"--auto-plan chooses the stage split itself; drop {' '.join(given)}")
     # Every check that needs no layout before the planner, which may profile for a while.
     optimizer_config(args), training_config(args, args.global_batch_size), lr_config(args), data_config(args)
     path = args.auto_plan_profile
@@ -52,6 +56,7 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
     device = None if args.device in (None, "auto") else args.device
     choice = auto_plan(model, world, args.global_batch_size, cluster=args.cluster, profile_path=path,
                        device=device, precision=precision_of(args))
-    log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s", choice.t, choice.d, choice.w,
-             choice.b, " +recompute" if choice.recompute else "", choice.schedule)
+    log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s", choice.t, choice.d,
+             choice.w, choice.b, " +recompute" if choice.recompute else "", choice.schedule,
+             format_split(choice.split) if choice.split else "even")
     return choice.layout, tokenizer

@@ -1,41 +1,52 @@
-"""Checkpoints in Megatron's layout, written atomically, holding everything a bitwise resume needs.
+"""Checkpoints in Megatron's layout and contents, written atomically, verified on load, holding everything a bitwise resume needs.
 
 Layout (as Megatron-LM)::
 
     SAVE/latest_checkpointed_iteration.txt          the iteration of the newest complete checkpoint
+    SAVE/iter_0000100/manifest.json                 size, CRC-32 and identity of every file below
     SAVE/iter_0000100/mp_rank_TT/model_optim_rng.pt        d == 1 (TT = tensor rank)
     SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt    d > 1  (PPP = pipeline rank)
 
 One file per (tensor, pipeline) rank, written by data-parallel rank 0 of that pair (replicas
-hold identical state). A file holds the newest weights (``model``, keyed by the parameter's name
-in the full single-stage model, e.g. ``5.attn.qkv.weight`` on whichever stage holds layer 4),
-the engine's state (both 2BW weight versions, the fp32 master copy, optimizer and loss-scaler
-state, the step), every RNG state, the data position, the layout and the run's arguments.
-Format 1 keyed ``model`` by stage-local names; the engine state is the same, so it still loads.
+hold identical state). Its contents (format 3, ``export.trainer_format``) are Megatron-LM v2.x's
+(``model`` nested as ``language_model.{embedding,encoder}`` holding the newest weights W(step),
+``args`` as a Namespace, ``checkpoint_version`` 3.0, ``iteration``), so Megatron's tools and
+transformers' converters read them, plus keys of our own: the engine state by parameter name
+(2BW's older version, fp32 master, optimizer, loss scaler, step), every RNG state, the data
+position, the layout and the run's configuration. Formats 1 and 2 (flat engine buffers) still load.
 
-Atomicity: each file is written to a temporary name, flushed to disk and renamed; then all
-ranks meet at a barrier; only then does rank 0 replace the pointer file (again by rename). A
-crash at any moment leaves the pointer on the previous complete checkpoint, so what
-``--load`` finds always loads right. Reading is done before ``init_process_group``, so a
-missing, corrupt or mismatched checkpoint is a one-line error, never a hang.
+Atomicity and integrity: each file is written to a temporary name while its CRC-32 is computed,
+flushed and renamed; the writers' checksums meet at rank 0, which writes the manifest (atomically)
+and only then replaces the pointer file. A crash at any moment leaves the pointer on the previous
+complete checkpoint. On load a file is checked against the manifest (flipped bytes, truncation)
+and its recorded (tensor rank, stage) against the folder it sits in. Reading is done before
+``init_process_group``, so a missing, corrupt or misplaced file is a one-line error, never a hang.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
+from dataclasses import fields
 
 import torch
 import torch.distributed as dist
 
+from ..config import ModelConfig
 from ..errors import ConfigError
+from ..export import trainer_format
 from ..pipeline.recompute import RNGSnapshot
+from . import manifest
+from .supervision import describe_save_failure, os_error_line
+
+log = logging.getLogger("megatron_2bw")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
-FORMAT = 2
-READABLE_FORMATS = (1, 2)
+FORMAT = trainer_format.FORMAT
+READABLE_FORMATS = (1, 2, 3)
 # Model fields that must agree to load weights (dropout and sequence length may change).
 _SHAPE_FIELDS = (
     "kind", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -59,6 +70,12 @@ def checkpoint_path(root: str, iteration: int, tp: int, pp: int, d: int) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def model_config(config: dict) -> ModelConfig:
+    """The ModelConfig a file's ``config`` (``cli.describe``) records."""
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
 
 
 # --------------------------------------------------------------------------- reading (before init)
@@ -92,7 +109,8 @@ def saved_layout(iter_dir: str) -> tuple[int, int] | None:
 def _layout_error(path: str, saved: tuple[int, int], mine: tuple[int, int]) -> ConfigError:
     return ConfigError(
         f"checkpoint {path} was saved with layout t={saved[0]} d={saved[1]} (tensor x pipeline) but this run uses "
-        f"t={mine[0]} d={mine[1]}; resharding checkpoints is not supported yet"
+        f"t={mine[0]} d={mine[1]}; reshard it with tools/checkpoint_util.py --target-tensor-parallel-size "
+        f"{mine[0]} --target-pipeline-parallel-size {mine[1]}"
     )
 
 
@@ -100,10 +118,16 @@ def find_checkpoint(load: str, save: str | None) -> int | None:
     """The iteration to resume from; None to start fresh.
 
     ``--load`` equal to ``--save`` without a checkpoint in it starts fresh (Megatron's
-    auto-resume pattern for the first run of a job); any other ``--load`` must hold one.
+    auto-resume pattern for the first run of a job); any other ``--load`` must hold one. With
+    ``--load`` == ``--save``, a missing pointer file beside complete ``iter_*`` checkpoints
+    resumes from the newest complete one (with a warning) instead of overwriting them.
     """
     it = read_tracker(load)
     if it is not None:
+        return it
+    it, warning = manifest.recover_missing_tracker(load, save)
+    if it is not None:
+        log.warning(" %s", warning)
         return it
     same = save is not None and os.path.abspath(save) == os.path.abspath(load)
     if same:
@@ -113,8 +137,19 @@ def find_checkpoint(load: str, save: str | None) -> int | None:
     raise ConfigError(f"--load {load} holds no checkpoint (no {TRACKER})")
 
 
+def _verified_load(path: str, idir: str, rel: str, iteration: int, t: int, d: int) -> dict:
+    """``torch.load`` of ``path`` after checking it against the iteration's manifest (when there is one)."""
+    doc = manifest.verify(idir, manifest.layout_identity_fn(iteration=iteration, t=t, d=d), only=[rel], require=False)
+    if doc is None:
+        log.warning(" %s has no %s (written before manifests existed): not verified", idir, manifest.MANIFEST)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
+        raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
+
+
 def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) -> dict:
-    """This rank's checkpoint file, checked for layout and integrity (CPU tensors)."""
+    """This rank's checkpoint file, checked for layout, integrity and place (CPU tensors)."""
     idir = iteration_dir(load, iteration)
     if not os.path.isdir(idir):
         raise ConfigError(f"{os.path.join(load, TRACKER)} names iteration {iteration} but {idir} is missing")
@@ -124,10 +159,7 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
         if saved is not None and saved != (t, d):
             raise _layout_error(idir, saved, (t, d))
         raise ConfigError(f"checkpoint file {path} is missing")
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
-        raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
+    sd = _verified_load(path, idir, f"{rank_dir_name(tp, pp, d)}/{FILENAME}", iteration, t, d)
     if not isinstance(sd, dict) or sd.get("format") not in READABLE_FORMATS or "stage" not in sd:
         got = sd.get("format") if isinstance(sd, dict) else None
         raise ConfigError(f"checkpoint file {path} is not a megatron_2bw checkpoint of format "
@@ -135,114 +167,184 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
     lay = sd["layout"]
     if (lay["t"], lay["d"]) != (t, d):
         raise _layout_error(idir, (lay["t"], lay["d"]), (t, d))
+    manifest.check_identity(path, {"tp_rank": lay.get("tp_rank"), "pp_rank": lay.get("pp_rank")},
+                            {"tp_rank": tp, "pp_rank": pp})
     if sd["iteration"] != iteration:
         raise ConfigError(f"checkpoint file {path} holds iteration {sd['iteration']}, not {iteration}")
     sd["path"] = path
     return sd
 
 
-def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict) -> None:
-    """Refuse a checkpoint whose model shape, schedule, optimizer or precision differs from this run's."""
+def saved_step(sd: dict) -> int:
+    return int(sd["stage"]["step"])
+
+
+def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, weights_only: bool = False) -> None:
+    """Refuse a checkpoint whose model shape, schedule, optimizer or precision differs from this run's.
+
+    ``weights_only`` (``--finetune``, ``--no-load-optim``): only the model shape must agree.
+    """
     path = sd["path"]
     saved = sd["config"]
     for field in _SHAPE_FIELDS:
         a, b = saved["model"].get(field), model.get(field)
         if a != b:
             raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
+    if weights_only:
+        return
     if sd["layout"]["schedule"] != schedule:
         raise ConfigError(
             f"checkpoint {path} was written by the {sd['layout']['schedule']} schedule but this run uses {schedule} "
-            "(the schedules keep different weight versions)"
+            "(the schedules keep different weight versions): convert it with tools/checkpoint_util.py "
+            f"--target-schedule {schedule}, or pass --no-load-optim or --finetune"
         )
     for field in ("optimizer", "dtype"):
         a, b = saved["optimizer"][field], optimizer[field]
         if a != b:
-            raise ConfigError(f"checkpoint {path} has {field} {a} but this run uses {b}")
+            raise ConfigError(f"checkpoint {path} has {field} {a} but this run uses {b} (--no-load-optim loads "
+                              "the weights only)")
     if optimizer["optimizer"] == "sgd" and (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0):
         raise ConfigError(f"checkpoint {path} and this run disagree on whether SGD uses momentum")
 
 
 # --------------------------------------------------------------------------- writing
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def atomic_torch_save(obj, path: str) -> tuple[str, int]:
+    """Write ``obj`` to ``path`` so that ``path`` is either absent/old or complete, never partial.
 
-
-def atomic_torch_save(obj, path: str) -> None:
-    """Write ``obj`` to ``path`` so that ``path`` is either absent/old or complete, never partial."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Returns (CRC-32, size) of the bytes written. A failed write (a full disk) is a one-line
+    :class:`ConfigError` naming the file and the errno text.
+    """
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise ConfigError(os_error_line(e, os.path.dirname(path), "creating")) from None
     tmp = f"{path}.tmp.{os.getpid()}"
+    cw = None
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            cw = manifest.ChecksumWriter(f)
+            torch.save(obj, cw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise ConfigError(describe_save_failure(e, path, cw.error if cw is not None else None)) from None
         raise
-    _fsync_dir(os.path.dirname(path))
+    manifest.fsync_dir(os.path.dirname(path))
+    return cw.checksum, cw.size
 
 
 def write_tracker(root: str, iteration: int) -> None:
     path = os.path.join(root, TRACKER)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(root)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(os_error_line(e, path)) from None
+    manifest.fsync_dir(root)
 
 
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
             config: dict, args: dict) -> dict:
-    """Everything this rank's file holds. ``model`` shares storage with the saved newest version."""
-    sd = stage.state_dict()
-    state = stage.state
-    return {
-        "format": FORMAT,
-        "iteration": iteration,
-        "layout": {"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
-                   "schedule": stage.pipe.schedule},
-        "model": stage.newest_state(sd),
-        "stage": sd,
-        "rng": RNGSnapshot.capture(state.device, tracker, host_libraries=True).as_dict(),
-        "data": {"consumed_train_samples": consumed_samples, "global_batch_size": global_batch},
-        "config": config,
-        "args": args,
-        "time": time.time(),
-    }
+    """Everything this rank's file holds (format 3). Tensors are views of one copy of the engine state."""
+    state, w = stage.state, stage.weights
+    model = model_config(config)
+    named, newest = trainer_format.named_engine_state(stage.state_dict(), w.state_views, w.numel, w.slot(stage.step))
+    schedule = stage.pipe.schedule
+    split = config.get("pipeline", {}).get("layer_split")
+    split = list(split) if split else None
+    margs = trainer_format.train_args(model, args, iteration=iteration, t=state.t, d=state.d, schedule=schedule,
+                                      dtype=config.get("optimizer", {}).get("dtype", "fp32"), split=split)
+    return trainer_format.file_contents(
+        model, newest, args=margs, iteration=iteration, t=state.t, pp=state.pp_rank, d=state.d, split=split,
+        layout={"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
+                "schedule": schedule, "split": split},
+        stage=named,
+        rng=RNGSnapshot.capture(state.device, tracker, host_libraries=True).as_dict(),
+        data={"consumed_train_samples": consumed_samples, "global_batch_size": global_batch},
+        config=config, time=time.time(),
+    )
+
+
+def _gather(entry) -> list:
+    if not dist.is_initialized():
+        return [entry]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, entry)
+    return out
 
 
 def save(root: str, iteration: int, state, make_payload) -> str:
-    """Write this iteration's checkpoint (dp rank 0 of each (tp, pp) writes), then the pointer file.
+    """Write this iteration's checkpoint (dp rank 0 of each (tp, pp) writes), its manifest, then the pointer file.
 
-    ``make_payload()`` is called only on writing ranks. Every rank must call this.
+    ``make_payload()`` is called only on writing ranks. Every rank must call this. A failed
+    write on one rank becomes a one-line error on that rank (the others fail at the gather).
     """
+    idir = iteration_dir(root, iteration)
     path = checkpoint_path(root, iteration, state.tp_rank, state.pp_rank, state.d)
+    entry = None
     if state.dp_rank == 0:
-        atomic_torch_save(make_payload(), path)
-    if dist.is_initialized():
-        dist.barrier()
+        sd = make_payload()
+        crc, size = atomic_torch_save(sd, path)
+        lay = sd["layout"]
+        ident = manifest.shard_identity(iteration=iteration, t=lay["t"], d=lay["d"], w=lay["w"],
+                                        tp_rank=lay["tp_rank"], pp_rank=lay["pp_rank"], schedule=lay["schedule"])
+        entry = manifest.manifest_entry(idir, path, ident, crc, size)
+    entries = _gather(entry)
     if state.rank == 0:
+        try:
+            manifest.write_manifest(idir, iteration, dict(e for e in entries if e))
+        except OSError as e:
+            raise ConfigError(os_error_line(e, os.path.join(idir, manifest.MANIFEST))) from None
         write_tracker(root, iteration)
-    return iteration_dir(root, iteration)
+    return idir
 
 
-def restore(sd: dict, stage, tracker, device: torch.device) -> None:
-    """Load the engine state and every RNG state from a file read by :func:`load_rank_file`."""
+# --------------------------------------------------------------------------- restoring (after the stage is built)
+def _engine_dict(sd: dict, stage) -> dict:
+    """The engine's flat state dict from a file of any readable format."""
+    if sd.get("format", 1) < 3:
+        return sd["stage"]
+    w = stage.weights
+    return trainer_format.engine_state(sd, model_config(sd["config"]), w.global_names, w.sizes, w.names,
+                                       len(w.flat))
+
+
+def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool = True, load_rng: bool = True,
+            finetune: bool = False) -> None:
+    """Load the engine state and every RNG state from a file read by :func:`load_rank_file`.
+
+    ``load_optim=False`` (``--no-load-optim``): weights and step only, a fresh optimizer and loss
+    scaler, the fp32 master copied from the newest weights. ``finetune``: the newest weights only,
+    in every version, at step 0 (``--finetune``; implies no optimizer and no RNG state).
+    """
+    esd = _engine_dict(sd, stage)
+    if finetune or not load_optim:
+        esd = {**esd, **stage.updater.state_dict(), "master": None}
+    if finetune:
+        newest = esd["versions"][stage.weights.slot(int(esd["step"]))]
+        esd = {**esd, "step": 0, "versions": [newest] * len(esd["versions"])}
     try:
-        stage.load_state_dict(sd["stage"])
-    except (ValueError, RuntimeError) as e:
+        stage.load_state_dict(esd)
+    except (ValueError, RuntimeError, KeyError) as e:
         raise ConfigError(f"checkpoint {sd['path']} does not match this stage's parameters ({_first_line(e)})") from None
-    RNGSnapshot.from_dict(sd["rng"]).restore(device, tracker)
+    master = stage.updater.master
+    if master is not None and (finetune or not load_optim):
+        master.copy_(stage.weights.flat[stage.weights.slot(stage.step)])
+    if load_rng and not finetune and sd.get("rng") is not None:
+        RNGSnapshot.from_dict(sd["rng"]).restore(device, tracker)
+
+
+def load_options(tc) -> dict:
+    """:func:`restore`'s options from a TrainingConfig (``--finetune``, ``--no-load-optim``, ``--no-load-rng``)."""
+    return {"finetune": bool(getattr(tc, "finetune", False)), "load_optim": not getattr(tc, "no_load_optim", False),
+            "load_rng": not getattr(tc, "no_load_rng", False)}

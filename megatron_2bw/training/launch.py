@@ -112,7 +112,12 @@ def _find_resume(prep: Prepared) -> None:
     t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
     tp, _, pp = coords_of(prep.rank, t, w)
     sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
-    checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer))
+    checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer),
+                                   weights_only=tc.finetune or tc.no_load_optim)
+    if tc.finetune:  # the weights only: a new run from iteration 0 on this run's data and settings
+        log.info(" --finetune: starting from the weights of %s at iteration %d", tc.load, it)
+        prep.checkpoint = sd
+        return
     changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
     if changes and prep.rank == 0:
         log.warning(" --override-resumed-settings: resuming with changed settings: %s", "; ".join(changes))

@@ -15,6 +15,7 @@ step beyond what the schedule itself does.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import sys
@@ -30,11 +31,14 @@ from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
+from ..export.names import WORD
+from ..models.stages import stage_range
 from ..pipeline.executor import PipelineStage
+from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
-from . import checkpointing, health, signals, watchdog
+from . import checkpointing, health, signals, supervision, watchdog
 from .data_iter import MicrobatchProvider
 from .flops import tflops_per_device
 from .log_format import (
@@ -85,15 +89,18 @@ class Trainer:
         stage_seed = tc.seed + 100 * state.pp_rank
         seed_everything(stage_seed, state.device)
         self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
-        spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels)
+        spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
+                         split=cfg.pipeline.layer_split)
         self.spec = spec
         b, s, h = cfg.pipeline.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
         self.stage = PipelineStage(
             lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
             (b, s, h), rng_tracker=self.tracker, faults=faults,
+            names=GlobalNames(spec.stage_range(state.d, state.pp_rank)[0], tied=WORD),
         )
         if prep.checkpoint is not None:
-            checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device)
+            checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device,
+                                  **checkpointing.load_options(tc))
             prep.checkpoint = None  # free the CPU copy
         self.m = cfg.pipeline.num_microbatches
         self.B = tc.global_batch_size
@@ -244,6 +251,11 @@ class Trainer:
         self.window, self.last_eval = [], None
         self.last_saved = stage.step if self.prep.resumed_from is not None else None
         self.start_step, self.t_start = stage.step, time.time()
+        if tc.skip_train:  # evaluate the loaded weights, save nothing
+            self.last_saved = stage.step
+            self._finish(stage.step)
+            self._close(stage.step, "skip_train")
+            return 0
         reason = "train_iters"
         why = self._exit_reason()
         while stage.step < tc.train_iters and why is None:
@@ -372,6 +384,21 @@ class Trainer:
         self.metrics.stages(completed - 1, stages)
 
 
+def _init_attempt_group(cfg) -> None:
+    """Under torchrun's agent store, start the default group on this launch attempt's own keys
+    (``supervision.attempt_store``); ``parallel_state.initialize`` then only builds the layout's groups."""
+    store = supervision.attempt_store(60.0 * cfg.system.timeout_minutes)
+    if store is None or dist.is_initialized():
+        return
+    device_id = None
+    if cfg.system.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+        device_id = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend=cfg.system.backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), device_id=device_id,
+                            timeout=datetime.timedelta(minutes=cfg.system.timeout_minutes))
+
+
 def run(prep, faults: FaultInjector | None = None) -> int:
     """Initialize the process groups, train, and tear down; a failure ends this process quickly.
 
@@ -380,6 +407,7 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     """
     cfg = prep.cfg
     faults = faults if faults is not None else FaultInjector.from_env()
+    _init_attempt_group(cfg)
     state = parallel_state.initialize(
         cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
     )

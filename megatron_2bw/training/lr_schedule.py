@@ -10,6 +10,8 @@
 
 (Megatron evaluates the schedule before its first ``step()``, so its very first update uses
 ``n = 0``, a zero rate under warm-up; we count the update being made, so no step is wasted.)
+With ``--train-samples`` (Megatron's sample-based schedule) ``n`` counts the samples consumed
+by the update being made, ``(t + 1) * global batch``, and warm-up/decay lengths are in samples.
 A pure function of the step: resuming needs no scheduler state.
 """
 
@@ -21,7 +23,7 @@ from ..config import LRConfig
 
 
 def lr_at(cfg: LRConfig, step: int) -> float:
-    n = step + 1
+    n = (step + 1) * (cfg.samples_per_step or 1)  # updates, or consumed samples with --train-samples
     if cfg.warmup_iters > 0 and n <= cfg.warmup_iters:
         return cfg.lr * n / cfg.warmup_iters
     if cfg.decay_style == "constant":

@@ -155,3 +155,22 @@ def describe_save_failure(e: BaseException, path: str, writer_error: OSError | N
         pass
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"writing {path} failed: {type(e).__name__}: {first}"
+
+
+def attempt_store(timeout_s: float):
+    """torchrun's shared store under a prefix of this launch attempt; None when torchrun's agent does not host it.
+
+    torchrun's c10d rendezvous keeps one store for every ``--max-restarts`` attempt, and the default
+    process group's keys do not name the attempt: a restarted gloo group can read a dead attempt's
+    addresses and fail with ``connectFullMesh ... Connection refused``. Keys under
+    ``attempt_<$TORCHELASTIC_RESTART_COUNT>/`` belong to this attempt only.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"megatron_2bw/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -1,0 +1,107 @@
+"""The trainer's checkpoint file (format 3): Megatron-LM v2.x contents plus the engine state by parameter name.
+
+One file per (tensor, pipeline) rank holds what Megatron's loaders and transformers' converters
+read (``model`` nested as ``language_model.{embedding,encoder}``, always the newest weights W(step);
+``args`` as an ``argparse.Namespace``; ``checkpoint_version`` 3.0; ``iteration``) and, under keys
+of our own, what a bitwise resume needs: ``stage`` (step, schedule, 2BW's older version, fp32
+master copy, optimizer state, loss scaler), ``rng``, ``data``, ``layout``, ``config``.
+
+Every per-parameter tensor of ``stage`` is a dict keyed by global parameter name (the name in the
+full single-stage model), not the engine's flat buffer: a checkpoint is then resharded to another
+tensor x pipeline layout exactly like the weights (``export.reshard``), and a stage whose
+parameter order differs still loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .megatron_format import Exported, megatron_args, rank_contents, rank_weights
+from .names import Split
+
+FORMAT = 3
+Views = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+
+
+def is_flat(value, numel: int) -> bool:
+    """Whether ``value`` is a per-parameter flat buffer of a stage with ``numel`` parameters."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def named_engine_state(esd: dict, views: Views, numel: int, newest_slot: int) -> tuple[dict, dict]:
+    """(``stage`` entry by global name, newest weights by global name) from the engine's flat state dict."""
+    versions = esd["versions"]
+    older = [views(v) for i, v in enumerate(versions) if i != newest_slot]
+    stage = {
+        "step": int(esd["step"]), "schedule": esd["schedule"], "older": older[0] if older else None,
+        "master": views(esd["master"]) if esd.get("master") is not None else None,
+        "optimizer": {k: views(v) if is_flat(v, numel) else v for k, v in esd["optimizer"].items()},
+        "scaler": esd["scaler"],
+    }
+    return stage, views(versions[newest_slot])
+
+
+def train_args(model: ModelConfig, cli_args: dict, *, iteration: int, t: int, d: int, schedule: str,
+               dtype: str, split: Split = None) -> argparse.Namespace:
+    """Megatron's ``args``: its model and parallel fields, then every flag of this run (same names as Megatron's)."""
+    tok = {k: cli_args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    meta = Exported(model, {}, iteration, {k: v for k, v in tok.items() if v}, dtype)
+    ns = vars(megatron_args(meta, t, d, schedule, split))
+    ns.update({k: v for k, v in cli_args.items() if k not in ns or v is not None})
+    ns.update(tensor_model_parallel_size=t, pipeline_model_parallel_size=d, pipeline_schedule=schedule)
+    return argparse.Namespace(**ns)
+
+
+def file_contents(model: ModelConfig, newest: dict[str, torch.Tensor], *, args: argparse.Namespace, iteration: int,
+                  t: int, pp: int, d: int, split: Split = None, **ours) -> dict:
+    """One rank's file: Megatron's keys from ``newest`` (global names) and ``args``, then ``ours`` as given."""
+    meta = Exported(model, {}, iteration)
+    contents = rank_contents(meta, newest, t=t, d=d, pp=pp, split=split)
+    contents["args"] = args
+    contents["format"] = FORMAT
+    contents.update(ours)
+    return contents
+
+
+def newest_weights(sd: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """A format-3 file's newest weights by global name (views of what was loaded)."""
+    lay = sd["layout"]
+    return rank_weights(sd, model, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split"))
+
+
+def flatten(named: dict[str, torch.Tensor], order: list[str], sizes: list[int], what: str, path: str) -> torch.Tensor:
+    """One flat buffer in ``order`` from a per-name dict (a one-line error naming the file when it does not fit)."""
+    missing = [n for n in order if n not in named]
+    if missing:
+        raise ConfigError(f"checkpoint file {path} lacks {what} of parameter {missing[0]} (another model or layout?)")
+    for n, size in zip(order, sizes):
+        if named[n].numel() != size:
+            raise ConfigError(f"checkpoint file {path} has {named[n].numel()} values of {what} {n} but this stage "
+                              f"has {size} (another model or layout?)")
+    return torch.cat([named[n].reshape(-1) for n in order])
+
+
+def engine_state(sd: dict, model: ModelConfig, order: list[str], sizes: list[int], local_names: list[str],
+                 num_versions: int) -> dict:
+    """The engine's flat state dict (``PipelineStage.load_state_dict``) from a format-3 file.
+
+    A file without 2BW's older version (a flush schedule's, or converted) starts both versions equal.
+    """
+    path, st = sd.get("path", "?"), sd["stage"]
+    newest = flatten(newest_weights(sd, model), order, sizes, "the weights", path)
+    older = flatten(st["older"], order, sizes, "the older weight version", path) if st.get("older") else newest
+    step = int(st["step"])
+    versions = [newest] if num_versions == 1 else [newest, older] if step % 2 == 0 else [older, newest]
+    numel = sum(sizes)
+    opt = {k: flatten(v, order, sizes, f"optimizer state {k}", path) if isinstance(v, dict) else v
+           for k, v in st["optimizer"].items()}
+    master = flatten(st["master"], order, sizes, "the fp32 master copy", path) if st.get("master") else None
+    if master is not None and master.numel() != numel:
+        raise ConfigError(f"checkpoint file {path} has a master copy of another size")
+    return {"step": step, "schedule": st["schedule"], "names": local_names, "versions": versions,
+            "master": master, "optimizer": opt, "scaler": st["scaler"]}

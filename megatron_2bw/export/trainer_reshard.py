@@ -1,0 +1,119 @@
+"""Reshard a trainer checkpoint (format 3) to another tensor x pipeline layout or schedule, optimizer state included.
+
+Every per-parameter tensor of a file (the newest weights in ``model``, 2BW's older version, the fp32
+master copy, each optimizer buffer such as Adam's moments) is merged across ranks into the full
+t = 1 model and split again for the target layout exactly like the weights (``export.reshard``):
+the optimizer state moves with the parameter it belongs to. Scalars (the step, the optimizer's
+step count, the loss scaler) are the same on every rank and are copied.
+
+Schedules: 2BW -> flush keeps the newest version (``model``) and drops the older one; flush ->
+2BW starts both versions equal (a file without an older version loads that way).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..training import manifest
+from . import trainer_format
+from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir, read_rank_files
+from .reshard import reshard, unshard
+
+MODEL = "model"
+
+
+@dataclass
+class TrainerCheckpoint:
+    """A whole trainer checkpoint: every per-parameter family as a full t = 1 state dict, plus one source file."""
+
+    cfg: ModelConfig
+    families: dict[str, dict[str, torch.Tensor]]  # "model", "older", "master", "optimizer.<key>"
+    first: dict  # the (0, 0) file: args, config, data, scalars of the engine state
+
+
+def model_config(config: dict) -> ModelConfig:
+    from ..training.checkpointing import model_config as of  # noqa: PLC0415 - avoids an import cycle
+
+    return of(config)
+
+
+def _families(sd: dict, cfg: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:
+    st = sd["stage"]
+    out = {MODEL: trainer_format.newest_weights(sd, cfg)}
+    for key in ("older", "master"):
+        if st.get(key):
+            out[key] = st[key]
+    out.update({f"optimizer.{k}": v for k, v in st["optimizer"].items() if isinstance(v, dict)})
+    return out
+
+
+def read_trainer_checkpoint(path: str) -> TrainerCheckpoint:
+    """The checkpoint ``path`` names (root or iteration dir), verified against its manifest when it has one."""
+    idir = find_iteration_dir(path)
+    manifest.verify(idir, require=False)
+    files = read_rank_files(idir)
+    first = files[min(files)]
+    bad = [k for k, sd in files.items() if sd.get("format") != trainer_format.FORMAT or "stage" not in sd]
+    if bad:
+        raise ConfigError(f"{idir} is not a trainer checkpoint of format {trainer_format.FORMAT} (rank {bad[0]}): its "
+                          "optimizer state cannot be resharded; pass --no-optimizer to convert the weights only")
+    cfg = model_config(first["config"])
+    per_rank = {k: _families(sd, cfg) for k, sd in files.items()}
+    names = set(per_rank[min(per_rank)])
+    if any(set(f) != names for f in per_rank.values()):
+        raise ConfigError(f"the files of {idir} disagree on which engine state they hold")
+    families = {n: unshard(cfg, {k: f[n] for k, f in per_rank.items()}) for n in sorted(names)}
+    return TrainerCheckpoint(cfg, families, first)
+
+
+def _stage_entry(ckpt: TrainerCheckpoint, parts: dict[str, dict], schedule: str) -> dict:
+    st = ckpt.first["stage"]
+    opt = {k: (parts[f"optimizer.{k}"] if isinstance(v, dict) else copy.deepcopy(v)) for k, v in st["optimizer"].items()}
+    return {"step": st["step"], "schedule": schedule, "older": parts.get("older") if schedule == "2bw" else None,
+            "master": parts.get("master"), "optimizer": opt, "scaler": copy.deepcopy(st["scaler"])}
+
+
+def _file(ckpt: TrainerCheckpoint, parts: dict[str, dict], *, t: int, d: int, tp: int, pp: int, schedule: str) -> dict:
+    first = ckpt.first
+    args = copy.deepcopy(first["args"])
+    vars(args).update(tensor_model_parallel_size=t, pipeline_model_parallel_size=d, model_parallel_size=t,
+                      padded_vocab_size=ckpt.cfg.padded_vocab_size(t), pipeline_schedule=schedule, pipeline_split=None)
+    config = copy.deepcopy(first["config"])
+    config.setdefault("pipeline", {}).update(schedule=schedule, layer_split=None)
+    config.setdefault("parallel", {}).update(tensor=t, pipeline=d)
+    return trainer_format.file_contents(
+        ckpt.cfg, parts[MODEL], args=args, iteration=int(first["iteration"]), t=t, pp=pp, d=d,
+        layout={"t": t, "d": d, "w": 1, "tp_rank": tp, "pp_rank": pp, "schedule": schedule, "split": None},
+        stage=_stage_entry(ckpt, parts, schedule), rng=None, data=copy.deepcopy(first["data"]), config=config,
+    )
+
+
+def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: int, schedule: str | None) -> str:
+    """Write ``ckpt`` under ``root`` for layout ``t x d`` (manifest, then the pointer file); returns the iteration dir."""
+    schedule = schedule or ckpt.first["layout"]["schedule"]
+    split = {n: reshard(ckpt.cfg, full, t, d) for n, full in ckpt.families.items()}
+    it = int(ckpt.first["iteration"])
+    idir = os.path.join(root, f"iter_{it:07d}")
+    entries = {}
+    for tp, pp in split[MODEL]:
+        parts = {n: s[(tp, pp)] for n, s in split.items()}
+        path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            cw = manifest.ChecksumWriter(f)
+            torch.save(_file(ckpt, parts, t=t, d=d, tp=tp, pp=pp, schedule=schedule), cw)
+        os.replace(tmp, path)
+        ident = manifest.shard_identity(iteration=it, t=t, d=d, w=1, tp_rank=tp, pp_rank=pp, schedule=schedule)
+        rel, entry = manifest.manifest_entry(idir, path, ident, cw.checksum, cw.size)
+        entries[rel] = entry
+    manifest.write_manifest(idir, it, entries)
+    with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as f:
+        f.write(f"{it}\n")
+    return idir

@@ -1,0 +1,96 @@
+"""2BW with a stale-gradient compensation equals its plain-PyTorch reference under every layout.
+
+The reference (``test_2bw_semantics.reference_2bw``) is written with torch.optim and
+functional_call, independently of the engine; the single-process runs are checked against it
+there, the multi-process layouts (d in {1, 2}, w in {1, 2}) here. Also: what ``predict`` costs in
+memory per precision, that draining between segments changes nothing, and the refusals.
+"""
+
+import pytest
+import torch
+
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.pipeline.updater import Updater
+from megatron_2bw.pipeline.weights import sized_weights
+from multiproc import run_workers
+from pipeline_harness import matching_shard, train_tiny
+from test_2bw_semantics import B, DC_LAMBDA, LR, MICRO, STEPS, WD, reference_2bw
+
+MODES = ("none", "predict", "dc")
+LAYOUTS = [(1, 2, 1), (1, 1, 2), (1, 2, 2)]  # (t, d, w); (1, 1, 1) is test_2bw_semantics
+KW = dict(steps=STEPS, global_batch=B, micro=MICRO, optimizer="adam", lr=LR["adam"], weight_decay=WD)
+
+
+def _lam(mode: str) -> float:
+    return DC_LAMBDA if mode == "dc" else 0.0
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {mode: reference_2bw("adam", mode, _lam(mode)) for mode in MODES}
+
+
+def _all_modes(layout):
+    return {mode: train_tiny("2bw", layout=layout, compensation=mode, dc_lambda=_lam(mode), **KW) for mode in MODES}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "t{}d{}w{}".format(*l))
+def test_layout_equals_reference_in_every_mode(layout, references):
+    t, d, w = layout
+    outs = run_workers(_all_modes, t * d * w, layout, timeout=420)
+    for mode in MODES:
+        ref_losses, ref_params = references[mode]
+        last = [o[mode] for o in outs if o[mode]["last"]]
+        for o in last:
+            torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        seen = set()
+        for o in outs:
+            for name, p in o[mode]["params"].items():
+                want = matching_shard(ref_params[name], p, o[mode]["coords"][0], o[mode]["t"])
+                torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{mode} {name}: {m}")
+                seen.add(name)
+        assert seen == set(ref_params), "layout does not cover every parameter"
+
+
+def test_predict_memory_per_precision():
+    """bf16: the prediction lives in the idle version buffer (no extra bytes); fp32: one fp32 weight copy."""
+    def weights(dtype, mode):
+        return train_tiny("2bw", dtype=dtype, compensation=mode, **dict(KW, steps=2))["stats"]["weight_bytes"]
+
+    numel = sum(p.numel() for p in train_tiny("2bw", **dict(KW, steps=1))["params"].values())
+    assert weights("bf16", "predict") == weights("bf16", "none") == 2 * numel * 2 + numel * 4
+    assert weights("fp32", "predict") == weights("fp32", "none") + numel * 4 == 3 * numel * 4
+    assert weights("fp32", "dc") == weights("fp32", "none")
+
+
+def test_bf16_predict_tracks_the_fp32_reference():
+    """The bf16 prediction (fp32 master -> bf16 idle buffer) follows the exact fp32 rule to bf16 precision."""
+    ref_losses, _ = reference_2bw("adam", "predict")
+    none_losses, _ = reference_2bw("adam", "none")
+    got = train_tiny("2bw", dtype="bf16", compensation="predict", **KW)["losses"]
+    err = max(abs(a - b) for a, b in zip(got, ref_losses))
+    assert err < 2e-2, (got, ref_losses)
+    assert max(abs(a - b) for a, b in zip(ref_losses, none_losses)) > 1e-4  # predict changes the losses at all
+
+
+@pytest.mark.parametrize("mode", ["predict", "dc"])
+def test_draining_between_segments_changes_nothing(mode):
+    """Drained after steps 2 and 3 (evaluation, checkpoint): bitwise the same losses and newest weights."""
+    a = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), **KW)
+    b = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), segments=(2, 1, 3), **KW)
+    assert a["losses"] == b["losses"]
+    assert all(a["params"][k].equal(b["params"][k]) for k in a["params"])
+
+
+def test_refusals():
+    for schedule in ("flush", "gpipe"):
+        with pytest.raises(ConfigError, match="only applies to --pipeline-schedule 2bw"):
+            PipelineConfig(schedule, 1, 2, compensation="predict")
+    with pytest.raises(ConfigError, match="--2bw-compensation must be one of"):
+        PipelineConfig("2bw", 1, 2, compensation="spec")
+    with pytest.raises(ConfigError, match="--2bw-dc-lambda"):
+        PipelineConfig("2bw", 1, 2, compensation="dc", dc_lambda=-1.0)
+    w = sized_weights(64, dtype=torch.float32, device=torch.device("cpu"), params_per_view=16)
+    with pytest.raises(ConfigError, match="needs a momentum"):
+        Updater(w, OptimizerConfig("sgd", sgd_momentum=0.0), "predict")
