@@ -19,6 +19,14 @@ process group. ``single`` and ``engine_d1`` run on rank 0 while the other ranks 
 barrier (blocking, not spinning: the waiting ranks' CPU time is measured and reported), so the
 one-process baseline has a whole core, exactly like one stage of the pipelines.
 
+Stage splits: our schedules run each model twice, with the ``uniform`` split (L/d layers per
+stage, Megatron's) and the ``balanced`` one (``planner/split.py``'s minimum-bottleneck split of
+the per-block forward+backward times measured here on rank 0: embedding, one layer, head and loss).
+Each result names its ``model`` (``gpt-4x256``: 4 layers, hidden 256; ``head-heavy``: 8 layers,
+hidden 256, vocabulary 32k, where the head outweighs several layers), its ``split`` and
+``layers_per_stage``, and ``ideal_speedup`` = sum of the stages' times / the slowest stage's (the
+split's ceiling over one process, measured per round).
+
 Measurement: the machine's speed drifts (other jobs, turbo), so systems run in alternating
 rounds (round k: single, engine_d1, 2bw, flush, gpipe, torch_1f1b, torch_gpipe, each a segment
 of K steps); every ratio is taken inside one round and the medians over rounds are reported.
@@ -42,6 +50,12 @@ import common
 SYSTEMS = ("single", "engine_d1", "2bw", "flush", "gpipe", "torch_1f1b", "torch_gpipe")
 OURS = ("2bw", "flush", "gpipe")
 TORCH = {"torch_1f1b": "Schedule1F1B", "torch_gpipe": "ScheduleGPipe"}
+SPLITS = ("uniform", "balanced")
+# Named models (ModelConfig fields); ``custom`` is the --layers/--hidden/... flags.
+MODELS = {
+    "gpt-4x256": dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1000),
+    "head-heavy": dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=32000),
+}
 LR = 1e-4
 CLIP = 1.0
 WD = 0.01
@@ -122,7 +136,7 @@ class SingleRunner(Runner):
 class EngineRunner(Runner):
     """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone)."""
 
-    def __init__(self, ctx: _Ctx, schedule: str, m: int, single: bool = False):
+    def __init__(self, ctx: _Ctx, schedule: str, m: int, single: bool = False, spec=None):
         from megatron_2bw.config import OptimizerConfig, PipelineConfig
         from megatron_2bw.parallel_state import ParallelState
         from megatron_2bw.pipeline.executor import PipelineStage
@@ -133,7 +147,8 @@ class EngineRunner(Runner):
         pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"],
                               p2p_mode=ctx.conf["p2p_mode"])
         opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=CLIP, dtype="fp32")
-        self.stage = PipelineStage(lambda: ctx.spec.build_stage(d, r), ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+        spec = spec or ctx.spec
+        self.stage = PipelineStage(lambda: spec.build_stage(d, r), ctx.loss_fn, state, pipe, opt, ctx.act_shape)
 
     def run(self, k: int) -> list[float]:
         import time as _t
@@ -240,7 +255,51 @@ class TorchRunner(Runner):
         return marks
 
 
-def _stage_compute_ms(ctx: _Ctx, reps: int) -> list[float]:
+def _block_ms(ctx: _Ctx, layers, first: bool, last: bool, reps: int) -> float:
+    """Median forward+backward ms of one microbatch through ``layers`` (the loss on the last stage)."""
+    import time as _t
+
+    import torch
+
+    ts = []
+    for i in range(reps + 1):
+        batch = ctx.batches[i % len(ctx.batches)]
+        x = None if first else torch.randn(ctx.act_shape, requires_grad=True)
+        t0 = _t.perf_counter()
+        y = x
+        for layer in layers:
+            y = layer(y, batch)
+        if last:
+            ctx.loss_fn(y, batch).backward()
+        else:
+            y.backward(torch.ones_like(y))
+        if i:
+            ts.append((_t.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def balanced_split(ctx: _Ctx, reps: int) -> tuple[int, ...]:
+    """The planner's minimum-bottleneck split of the block times measured on rank 0 (every rank gets it)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from megatron_2bw.planner.split import min_bottleneck_split
+
+    d, L = ctx.d, ctx.cfg.num_layers
+    out = [None]
+    if ctx.rank == 0:
+        emb = _block_ms(ctx, nn.ModuleList(ctx.spec.build(0, 1)), True, False, reps)
+        layer = _block_ms(ctx, nn.ModuleList(ctx.spec.build(1, 2)), False, False, reps)
+        head = _block_ms(ctx, nn.ModuleList(ctx.spec.build(L + 1, L + 2)), False, True, reps)
+        base = [0.0] * d
+        base[0] += emb
+        base[-1] += head
+        out[0] = min_bottleneck_split(L, base, [layer] * d)
+    dist.broadcast_object_list(out, src=0)
+    return tuple(out[0])
+
+
+def _stage_compute_ms(ctx: _Ctx, reps: int, spec=None) -> list[float]:
     """Forward+backward ms of one microbatch through each stage alone (one stage at a time).
 
     The pipelines' ceiling is sum(stage times) / max(stage time): stages are cut by layers, and
@@ -253,7 +312,7 @@ def _stage_compute_ms(ctx: _Ctx, reps: int) -> list[float]:
     from torch import nn
 
     st = ctx.state
-    layers = nn.ModuleList(ctx.spec.build_stage(st.d, st.pp_rank))
+    layers = nn.ModuleList((spec or ctx.spec).build_stage(st.d, st.pp_rank))
     out = []
     for r in range(st.d):
         dist.barrier()
@@ -287,19 +346,34 @@ def worker(conf: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.tensor_parallel.group import TPGroup
+
     ctx = _Ctx(conf)
     rank, d = ctx.rank, ctx.d
     systems = conf["systems"]
-    runners: dict[tuple[str, int], Runner] = {}
+    L = ctx.cfg.num_layers
+    splits: dict[str, tuple[int, ...]] = {}
+    if "uniform" in conf["splits"] and L % d == 0:
+        splits["uniform"] = (L // d,) * d
+    if "balanced" in conf["splits"] and d > 1:
+        bal = balanced_split(ctx, max(5, conf["balance_reps"]))
+        if bal != splits.get("uniform"):
+            splits["balanced"] = bal
+    specs = {name: ModelSpec(ctx.cfg, TPGroup(), 1234, split=split) for name, split in splits.items()}
+    # (system, split): our schedules under every split; the others use the uniform split
+    entries = [(s, sp) for s in systems for sp in (splits if s in OURS else ["uniform"])]
+    runners: dict[tuple[str, str, int], Runner] = {}
     for m in conf["ms"]:
-        for s in systems:
+        for s, sp in entries:
             if s in ("single", "engine_d1"):
                 if rank == 0:
-                    runners[s, m] = SingleRunner(ctx, m) if s == "single" else EngineRunner(ctx, "flush", m, single=True)
+                    runners[s, sp, m] = (SingleRunner(ctx, m) if s == "single"
+                                         else EngineRunner(ctx, "flush", m, single=True))
             elif s in OURS:
-                runners[s, m] = EngineRunner(ctx, s, m)
+                runners[s, sp, m] = EngineRunner(ctx, s, m, spec=specs[sp])
             else:
-                runners[s, m] = TorchRunner(ctx, s, m)
+                runners[s, sp, m] = TorchRunner(ctx, s, m)
 
     prof_system = conf.get("profile_system")
     prof = cProfile.Profile() if prof_system else None
@@ -307,7 +381,7 @@ def worker(conf: dict) -> dict:
     idle_cpu = []  # CPU seconds the waiting ranks used per wall second while rank 0 ran alone
     balance = []
 
-    def segment(s: str, m: int, k: int, rnd: int) -> dict:
+    def segment(s: str, sp: str, m: int, k: int, rnd: int) -> dict:
         """One segment of system ``s``; rank 0 gets its record (others get {})."""
         alone = s in ("single", "engine_d1")
         if conf["wait_quiet_s"] > 0 and rnd >= 0:
@@ -321,7 +395,7 @@ def worker(conf: dict) -> dict:
             use_prof = prof is not None and s == prof_system and rnd >= 0
             if use_prof:
                 prof.enable()
-            marks = runners[s, m].run(k - 1 if alone else k)
+            marks = runners[s, sp, m].run(k - 1 if alone else k)
             if use_prof:
                 prof.disable()
         dist.barrier()
@@ -335,14 +409,14 @@ def worker(conf: dict) -> dict:
         if rank != 0 or rnd < 0:
             return {}
         # pipelines: step 1 .. step k-2 (no fill, no drain); one process: k-1 steps, 1 .. k-2 the same
-        return dict(round=rnd, system=s, m=m, steady_s=marks[k - 1] - marks[1], steady_steps=k - 2,
+        return dict(round=rnd, system=s, split=sp, m=m, steady_s=marks[k - 1] - marks[1], steady_steps=k - 2,
                     wall_s=wall, steps=k - 1 if alone else k, own_cpus=float(ours) / wall,
                     foreign_cpus=max(0.0, busy - float(ours)) / wall if busy > 0 else None)
 
-    def one(s: str, m: int, k: int, rnd: int) -> None:
+    def one(s: str, sp: str, m: int, k: int, rnd: int) -> None:
         """A segment; with --retry-noisy, re-run (up to N times) while other jobs loaded the machine."""
         for attempt in range(1 + (conf["retry_noisy"] if rnd >= 0 else 0)):
-            rec = segment(s, m, k, rnd)
+            rec = segment(s, sp, m, k, rnd)
             noisy = torch.tensor([1.0 if rec and (rec["foreign_cpus"] or 0.0) >= conf["quiet_cpus"] else 0.0])
             dist.all_reduce(noisy)  # rank 0 decides for everyone
             if rec:
@@ -355,20 +429,21 @@ def worker(conf: dict) -> dict:
     quiet_wait: list[float] = []
     # warm-up: every system once (shape inference of torch's stages, allocator, caches)
     for m in conf["ms"]:
-        for s in systems:
-            one(s, m, max(2, conf["warmup_steps"]), -1)
+        for s, sp in entries:
+            one(s, sp, m, max(2, conf["warmup_steps"]), -1)
     for rnd in range(conf["rounds"]):
-        balance.append(_stage_compute_ms(ctx, conf["balance_reps"]))
+        balance.append({sp: _stage_compute_ms(ctx, conf["balance_reps"], specs[sp]) for sp in splits})
         for m in conf["ms"]:
             k = max(3, conf["steps"] or 2 + math.ceil(conf["window_microbatches"] / m))
-            for s in systems:
-                one(s, m, k, rnd)
+            for s, sp in entries:
+                one(s, sp, m, k, rnd)
         if rank == 0:
             print(f"[d={d}] round {rnd + 1}/{conf['rounds']} done", flush=True)
     if prof is not None and conf.get("profile_dir"):
         os.makedirs(conf["profile_dir"], exist_ok=True)
         prof.dump_stats(os.path.join(conf["profile_dir"], f"{prof_system}_d{d}_rank{rank}.pstats"))
-    return {"rank": rank, "records": records, "idle_cpu": idle_cpu, "balance_ms": balance, "quiet_wait_s": quiet_wait}
+    return {"rank": rank, "records": records, "idle_cpu": idle_cpu, "balance_ms": balance, "quiet_wait_s": quiet_wait,
+            "splits": {k: list(v) for k, v in splits.items()}}
 
 
 # ============================================================================ driver
@@ -380,7 +455,11 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
     """
     recs = out["records"]
     b, quiet_cpus = conf["micro_batch"], conf["quiet_cpus"]
-    by = {(r["round"], r["system"], r["m"]): r for r in recs}
+    by = {(r["round"], r["system"], r["split"], r["m"]): r for r in recs}
+    splits = out["splits"]
+    bal = out["balance_ms"]  # per round: {split: [ms of each stage]}
+    stage_ms = {sp: [common.median(r[sp][i] for r in bal) for i in range(d)] for sp in splits} if bal else {}
+    ceiling = {sp: sum(ms) / max(ms) for sp, ms in stage_ms.items()}
 
     def sps(r):
         return r["steady_steps"] * r["m"] * b / r["steady_s"] if r else None
@@ -393,13 +472,13 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
         for rnd in range(conf["rounds"]):
             loads = [r.get("foreign_cpus") for r in recs if r["round"] == rnd and r["m"] == m]
             quiet_groups[rnd, m] = bool(loads) and all(x is not None and x < quiet_cpus for x in loads)
-        for s in conf["systems"]:
+        for s, sp in [(s, sp) for s in conf["systems"] for sp in (splits if s in OURS else ["uniform"])]:
             per_round = []
             for rnd in range(conf["rounds"]):
-                r = by.get((rnd, s, m))
+                r = by.get((rnd, s, sp, m))
                 if r is None:
                     continue
-                one, t1 = by.get((rnd, "single", m)), by.get((rnd, "torch_1f1b", m))
+                one, t1 = by.get((rnd, "single", "uniform", m)), by.get((rnd, "torch_1f1b", "uniform", m))
                 wall = r["steps"] * m * b / r["wall_s"]
                 wall_single = one and one["steps"] * m * b / one["wall_s"]
                 per_round.append(dict(sps=sps(r), vs_single=ratio(sps(r), sps(one)), vs_t1=ratio(sps(r), sps(t1)),
@@ -410,8 +489,13 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
             ideal = common.ideal_vs_single(s, d, m)
             vs = [p["vs_single"] for p in per_round if p["vs_single"] is not None]
             quiet = [p for p in per_round if p["quiet"]]
+            alone = s in ("single", "engine_d1")
             row = {
-                "system": s, "d": 1 if s in ("single", "engine_d1") else d, "m": m,
+                "system": s, "d": 1 if alone else d, "m": m, "model": conf["model_name"], "split": sp,
+                "layers_per_stage": [conf["model"]["num_layers"]] if alone else splits[sp],
+                "ideal_speedup": 1.0 if alone else ceiling.get(sp),
+                # the schedule's bubble-limited ideal scaled by the split's imbalance (2BW: the ceiling itself)
+                "ideal_vs_single_with_split": ideal if alone or sp not in ceiling else ideal * ceiling[sp] / d,
                 "samples_per_sec": common.median(p["sps"] for p in per_round),
                 "speedup_vs_single": common.median(vs),
                 "ratio_vs_torch_1f1b": common.median(p["vs_t1"] for p in per_round),
@@ -439,11 +523,12 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
     for rnd in range(conf["rounds"]):
         xs = [r["foreign_cpus"] for r in recs if r["round"] == rnd and r.get("foreign_cpus") is not None]
         rounds_load.append(sum(xs) / len(xs) if xs else None)
-    bal = out["balance_ms"]
-    stage_ms = [common.median(r[i] for r in bal) for i in range(d)] if bal else []
     extra = {
-        "stage_compute_ms_per_microbatch": stage_ms,
-        "balance_ceiling_vs_single": (sum(stage_ms) / max(stage_ms)) if stage_ms else None,
+        "stage_compute_ms_per_microbatch": stage_ms.get("uniform", []),
+        "balance_ceiling_vs_single": ceiling.get("uniform"),
+        "splits": splits,
+        "stage_compute_ms_per_microbatch_by_split": stage_ms,
+        "ideal_speedup_by_split": ceiling,
         "foreign_load_cpus_per_round": rounds_load,
         "quiet_wait_s_per_segment": out.get("quiet_wait_s"),
         "records": recs,
@@ -476,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--p2p-mode", choices=("prefetch", "grouped"), default="prefetch",
                    help="engine transfers: receives posted ahead (gloo's default) or batch_isend_irecv groups (NCCL's)")
     p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
+    p.add_argument("--models", nargs="+", choices=(*MODELS, "custom"), default=list(MODELS),
+                   help="named models (custom: the --layers/--hidden/... flags)")
+    p.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
+                   help="stage splits for our schedules (balanced: chosen from block times measured on rank 0)")
     p.add_argument("--quick", action="store_true", help="tiny model, m=4, one round: a smoke run (< 30 s)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile-system", choices=SYSTEMS, help="cProfile this system on every rank")
@@ -484,52 +573,73 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab = 4, 64, 4, 32, 2, 256
         args.m, args.rounds, args.steps, args.warmup_steps = [4], 1, 3, 2
-    conf = dict(model=common.model_dict(args), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
+        args.models = ["custom"]
+    models = {name: MODELS.get(name) or common.model_dict(args) for name in args.models}
+    for name, fields in models.items():
+        models[name] = {"kind": "gpt", "max_position_embeddings": fields["seq_length"], **fields}
+    conf = dict(model=None, model_name=None, splits=list(args.splits), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
                 steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
                 systems=list(args.systems), track_memory=args.track_memory, pool=64,
                 cpus=common.machine_info()["cpus_usable"], p2p_mode=args.p2p_mode, quiet_cpus=args.quiet_cpus,
                 retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
                 balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
     for d in args.d:
-        if args.layers % d:
-            p.error(f"--layers {args.layers} is not divisible by d={d}")
+        for name, fields in models.items():
+            if fields["num_layers"] % d:
+                p.error(f"model {name}: {fields['num_layers']} layers are not divisible by d={d}")
         if d > min(args.m) and "2bw" in args.systems:
             p.error(f"2BW needs m >= d: m={min(args.m)} < d={d}")
     machine = common.machine_info()
     t0 = time.time()
-    all_results, per_d = [], {}
-    for d in args.d:
-        outs = common.spawn(worker, d, conf, timeout=3600)
-        results, extra = summarize(d, conf, outs[0])
-        idle = [x for o in outs[1:] for x in o["idle_cpu"]]
-        extra["waiting_ranks_cpu_share"] = common.median(idle)
-        per_d[str(d)] = extra
-        all_results += results
+    all_results, per_model = [], {}
+    for name, fields in models.items():
+        mconf = {**conf, "model": fields, "model_name": name}
+        per_model[name] = {}
+        for d in args.d:
+            outs = common.spawn(worker, d, mconf, timeout=3600)
+            results, extra = summarize(d, mconf, outs[0])
+            idle = [x for o in outs[1:] for x in o["idle_cpu"]]
+            extra["waiting_ranks_cpu_share"] = common.median(idle)
+            per_model[name][str(d)] = extra
+            all_results += results
+    first = next(iter(models))
+    per_d = per_model[first]
     machine["elapsed_s"] = round(time.time() - t0, 1)
-    overhead = {str(r["m"]): r.get("overhead_vs_single_pct") for r in all_results if r["system"] == "engine_d1" and r["compared_in_world_d"] == args.d[0]}
+    overhead = {str(r["m"]): r.get("overhead_vs_single_pct") for r in all_results
+                if r["system"] == "engine_d1" and r["compared_in_world_d"] == args.d[0] and r["model"] == first}
 
-    cols = [("system", "system", ""), ("d", "d", ""), ("m", "m", ""), ("samples_per_sec", "samples/s", ".2f"),
-            ("speedup_vs_single", "x single", ".3f"), ("ideal_vs_single", "ideal", ".3f"),
+    cols = [("system", "system", ""), ("split", "split", ""), ("layers_text", "layers", ""), ("d", "d", ""), ("m", "m", ""),
+            ("samples_per_sec", "samples/s", ".2f"), ("speedup_vs_single", "x single", ".3f"),
+            ("ideal_speedup", "split ideal", ".3f"), ("ideal_vs_single_with_split", "ideal w/ split", ".3f"),
+            ("ideal_vs_single", "ideal", ".3f"),
             ("ratio_vs_torch_1f1b", "x torch1F1B", ".3f"), ("ideal_vs_torch_1f1b", "ideal", ".3f"),
             ("wall_speedup_vs_single", "wall x single", ".3f"),
             ("speedup_vs_single_min", "min", ".3f"), ("speedup_vs_single_max", "max", ".3f"),
             ("foreign_load_cpus", "other load", ".2f"), ("quiet_rounds", "quiet", ""),
             ("quiet_speedup_vs_single", "q x single", ".3f"), ("quiet_ratio_vs_torch_1f1b", "q x t1F1B", ".3f")]
-    print()
-    print(f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, b {args.micro_batch}, vocab {args.vocab}; "
-          f"medians of {args.rounds} rounds; {machine['cpus_usable']} CPUs, 1 thread/process")
-    for d in args.d:
-        e = per_d[str(d)]
-        print(f"\nd = {d}: stage fwd+bwd ms/microbatch {[round(x, 1) for x in e['stage_compute_ms_per_microbatch']]}; "
-              f"balance ceiling {common.fmt(e['balance_ceiling_vs_single'], '.3f')}x single; "
-              f"waiting ranks' CPU share {common.fmt(e['waiting_ranks_cpu_share'], '.3f')}; "
-              f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
-        print(common.table([r for r in all_results if r["compared_in_world_d"] == d], cols))
+    for r in all_results:
+        r_text = ",".join(map(str, r["layers_per_stage"]))
+        r["layers_text"] = r_text
+    for name, fields in models.items():
+        print()
+        print(f"{name}: GPT {fields['num_layers']} layers, hidden {fields['hidden_size']}, seq {fields['seq_length']}, "
+              f"b {args.micro_batch}, vocab {fields['vocab_size']}; medians of {args.rounds} rounds; "
+              f"{machine['cpus_usable']} CPUs, 1 thread/process")
+        for d in args.d:
+            e = per_model[name][str(d)]
+            ms = {sp: [round(x, 1) for x in v] for sp, v in e["stage_compute_ms_per_microbatch_by_split"].items()}
+            print(f"\nd = {d}: splits {e['splits']}; stage fwd+bwd ms/microbatch {ms}; ideal (sum/max) "
+                  f"{ {sp: round(v, 3) for sp, v in e['ideal_speedup_by_split'].items()} }; "
+                  f"waiting ranks' CPU share {common.fmt(e['waiting_ranks_cpu_share'], '.3f')}; "
+                  f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
+            print(common.table([r for r in all_results if r["compared_in_world_d"] == d and r["model"] == name], cols))
+    for r in all_results:
+        del r["layers_text"]
     print("\nexecutor overhead at d=1 (engine flush vs plain loop), % step time: "
           + ", ".join(f"m={m}: {common.fmt(v, '+.1f')}" for m, v in overhead.items()))
     common.write_json(args.json, {
-        "results": all_results, "machine": machine,
-        "config": dict(model=conf["model"], micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
+        "results": all_results, "machine": machine, "per_model": per_model,
+        "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
                        warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
                        track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode,

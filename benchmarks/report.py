@@ -443,10 +443,11 @@ def _exploration_table(rows: list[dict]) -> list[str]:
                       "Flush final valid", "2BW / Flush", "within 1%", "note"], out), ""]
 
 
-def convergence_section(data: dict | None, st: dict | None, img: str | None, doc: str, sweep_img: str | None = None) -> str:
+def convergence_section(data: dict | None, st: dict | None, img: str | None, doc: str, sweep_img: str | None = None,
+                        regimes: dict | None = None, regimes_img: str | None = None) -> str:
     lines = ["## 3. Convergence: 2BW vs Flush at equal steps (CPU, `benchmarks/convergence.py`)", ""]
     if data is None:
-        lines += [_missing("convergence", st), ""]
+        lines += [_missing("convergence", st), ""] + regimes_section(regimes, regimes_img, doc)
         return "\n".join(lines)
     cfg, mach = data.get("config") or {}, data.get("machine") or {}
     seeds = cfg.get("seeds") or [cfg.get("seed")]
@@ -545,7 +546,103 @@ def convergence_section(data: dict | None, st: dict | None, img: str | None, doc
         f"inside a {cfg.get('log_interval')}-step segment are the segment's mean).",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + regimes_section(regimes, regimes_img, doc))
+
+
+# ============================================================================ convergence: regimes
+REGIME_TARGETS = {"paper": 1.01, "aggressive": 1.02}  # issue 15: best 2BW mode within 1% / 2% of Flush
+MODE_TEXT = {"none": "2BW (plain)", "predict": "2BW + predict", "dc": "2BW + dc"}
+
+
+def plot_regimes(data: dict, path: str) -> bool:
+    if not (data.get("regimes") and all(r.get("runs") for r in data["regimes"].values())):
+        return False
+    convergence.plot_regimes(data, path)
+    return True
+
+
+def _regime_rows(name: str, reg: dict) -> tuple[list[list], str | None]:
+    """Table rows of one regime (Flush first, then each 2BW mode) and its best mode."""
+    runs, target = reg["runs"], REGIME_TARGETS.get(name, T_VALID_RATIO)
+    seeds = sorted({r["seed"] for r in runs})
+
+    def per_seed(rs, key, spec):
+        by = {r["seed"]: r.get(key) for r in rs}
+        return " / ".join(f(by.get(sd), spec) for sd in seeds)
+
+    flush = [r for r in runs if r["schedule"] == "flush"]
+    rows = [["Flush", per_seed(flush, "final_valid_loss", ".4f"), "1 (reference)", "-", "-",
+             per_seed(flush, "steps_to_target", ""), "-"]]
+    best, best_ratio = None, None
+    for mode, mo in reg["modes"].items():
+        rs = [r for r in runs if r["schedule"] == "2bw" and r["compensation"] == mode]
+        mean = mo.get("valid_loss_ratio_mean")
+        complete = len(mo.get("seeds") or []) == len(seeds)
+        if mean is not None and complete and (best_ratio is None or mean < best_ratio):
+            best, best_ratio = mode, mean
+        rows.append([MODE_TEXT.get(mode, mode), per_seed(rs, "final_valid_loss", ".4f"),
+                     per_seed(rs, "valid_loss_ratio_vs_flush", ".4f"),
+                     f(mean, ".4f") + ("" if complete else f" ({len(mo.get('seeds') or [])} seed)"),
+                     verdict(None if mean is None else mean <= target), per_seed(rs, "steps_to_target", ""),
+                     per_seed(rs, "time_to_target_vs_flush", ".2f")])
+    return rows, best
+
+
+def _default_advice(data: dict) -> list[str]:
+    """Which compensation beats plain 2BW in every regime and seed (the rule for changing the default)."""
+    regs = data["regimes"]
+    out = []
+    for mode in ("predict", "dc"):
+        wins, total = 0, 0
+        for reg in regs.values():
+            base = {r["seed"]: r["final_valid_loss"] for r in reg["runs"] if r["schedule"] == "2bw" and r["compensation"] == "none"}
+            for r in reg["runs"]:
+                if r["schedule"] == "2bw" and r["compensation"] == mode and r["seed"] in base:
+                    total += 1
+                    wins += r["final_valid_loss"] < base[r["seed"]]
+        need = sum(len({r["seed"] for r in reg["runs"] if r["schedule"] == "flush"}) for reg in regs.values())
+        out.append(f"- `{mode}` has a lower final validation loss than plain 2BW in {wins} of {total} measured "
+                   f"(regime, seed) pairs ({need} needed to change the default): "
+                   + ("**better in every pair: meets the rule for the default**" if total == need and wins == total
+                      else "does not meet the rule for the default") + ".")
+    return out
+
+
+def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
+    """Issue 15: both regimes, every --2bw-compensation mode, two seeds; every setting from the JSON."""
+    if not data or not data.get("regimes"):
+        return []
+    lines = ["### Two regimes and stale-gradient compensation (`--regimes`, `--2bw-compensation`)", ""]
+    if not data.get("complete"):
+        lines += ["> **Partial**: the benchmark was still running when this was generated; missing runs are shown as "
+                  "`-` and means over fewer seeds are marked.", ""]
+    for name, reg in data["regimes"].items():
+        c, sp = reg["config"], reg.get("measured_speedup") or {}
+        rows, best = _regime_rows(name, reg)
+        target = REGIME_TARGETS.get(name, T_VALID_RATIO)
+        lines += [f"**{name}**: preset `{c['preset']}` at sequence {c['seq']}, d = {c['d']} (2BW's update rule does not "
+                  f"depend on d), b = {c['micro_batch']}, m = {c['m']} (global batch {c['global_batch']}), {c['iters']} steps, "
+                  f"Adam lr {c['lr']:g} ({c['warmup']} linear warm-up steps, {c['lr_decay']} to {c['min_lr']:g}), weight decay "
+                  f"{c['weight_decay']}, clipping {c['clip_grad']}, {c['precision']}, seeds "
+                  f"{', '.join(str(x) for x in c['seeds'])}; validation over {c['valid_sequences']} sequences every "
+                  f"{c['eval_interval']} steps; dc lambda {c['dc_lambda']:g}. Target: best 2BW mode <= {target} x Flush. "
+                  f"Flush's seed-to-seed spread (noise floor): {f(reg.get('flush_seed_spread'), '.4f')}. Time-to-loss uses "
+                  f"the measured 2BW/Flush throughput ratio {f(sp.get('ratio'), '.3f')} (d = 2, m = {sp.get('m')}, "
+                  f"`{sp.get('source')}`).", "",
+                  md_table(["run", "final valid loss (per seed)", "/ Flush (per seed)", "mean ratio", f"within {target}",
+                            "steps to Flush's final train loss", "time to it / Flush's"], rows), "",
+                  f"Best complete 2BW mode here: `{best}`." if best else "No 2BW mode complete on every seed yet.", ""]
+    if img:
+        lines += [f"![convergence in two regimes]({_rel(img, doc)})", ""]
+    lines += ["Default `--2bw-compensation` (changed only for a mode better than plain 2BW in both regimes and both seeds):",
+              ""] + _default_advice(data) + [
+        "",
+        "- **steps to Flush's final train loss**: the first step whose smoothed training loss is at or under the same "
+        "seed's Flush final smoothed training loss (`-`: never within the run). **time to it / Flush's**: "
+        "(2BW steps / Flush steps) / measured throughput ratio; under 1 means 2BW gets there sooner in wall time.",
+        "- Semantics of each mode: `megatron_2bw/pipeline/compensation.py` (module docstring).",
+        ""]
+    return lines
 
 
 # ============================================================================ GPU
@@ -674,11 +771,14 @@ def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, statu
     tp = load_json(os.path.join(json_dir, "throughput.json"))
     mem = load_json(os.path.join(json_dir, "memory.json"))
     conv = load_json(os.path.join(json_dir, "convergence.json"))
+    regimes = load_json(os.path.join(json_dir, "convergence_regimes.json")) if os.path.exists(
+        os.path.join(json_dir, "convergence_regimes.json")) else None
     gpu_path = gpu_json or (os.path.join(json_dir, "gpu.json") if os.path.exists(os.path.join(json_dir, "gpu.json")) else None)
     gpu = load_json(gpu_path) if gpu_path else None
     imgs = {}
     for name, data, fn in (("throughput", tp, plot_throughput), ("memory", mem, plot_memory),
-                           ("convergence", conv, plot_convergence), ("convergence_lr", conv, plot_convergence_sweep)):
+                           ("convergence", conv, plot_convergence), ("convergence_lr", conv, plot_convergence_sweep),
+                           ("convergence_regimes", regimes, plot_regimes)):
         path = os.path.join(img_dir, f"{name}.png")
         try:
             imgs[name] = path if data is not None and fn(data, path) else None
@@ -687,7 +787,8 @@ def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, statu
             imgs[name] = None
     tp_text, tp_targets = throughput_section(tp, status.get("throughput"), imgs["throughput"], doc)
     mem_text, mem_summary = memory_section(mem, status.get("memory"), imgs["memory"], doc)
-    conv_text = convergence_section(conv, status.get("convergence"), imgs["convergence"], doc, imgs["convergence_lr"])
+    conv_text = convergence_section(conv, status.get("convergence"), imgs["convergence"], doc, imgs["convergence_lr"],
+                                    regimes, imgs["convergence_regimes"])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = ["# Benchmarks", "",
             f"Generated by `python benchmarks/report.py` on {now} from the JSON files in `{_show(json_dir)}/`"

@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import (
     COMPENSATIONS, DECAY_STYLES, P2P_MODES, DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig,
-    SystemConfig, TrainingConfig, layout_configs,
+    SystemConfig, TrainingConfig, layout_configs, lr_by_samples, train_iters_of,
 )
 
 __all__ = [
@@ -369,7 +369,10 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRConfig:
     given = _fields(args, "lr")
     if getattr(args, "train_samples", None) is not None:
-        return _lr_by_samples(args, given, global_batch or args.global_batch_size)
+        _require(args.lr_decay_iters is None and not given.get("warmup_iters") and args.lr_warmup_fraction is None,
+                 "with --train-samples give --lr-decay-samples and --lr-warmup-samples, not the -iters flags")
+        return lr_by_samples(given, args.train_samples, args.lr_decay_samples, args.lr_warmup_samples,
+                             global_batch or args.global_batch_size)
     for flag in ("lr_decay_samples", "lr_warmup_samples"):
         _require(getattr(args, flag, None) is None, f"--{flag.replace('_', '-')} needs --train-samples")
     decay = given.setdefault("decay_iters", args.train_iters)
@@ -381,31 +384,11 @@ def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRCo
     return LRConfig(**given)
 
 
-def _lr_by_samples(args: argparse.Namespace, given: dict[str, Any], global_batch: int) -> LRConfig:
-    """Megatron's sample-based schedule: warm-up and decay counted in consumed samples."""
-    _require(args.lr_decay_iters is None and not given.get("warmup_iters") and args.lr_warmup_fraction is None,
-             "with --train-samples give --lr-decay-samples and --lr-warmup-samples, not the -iters flags")
-    decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
-    return LRConfig(**{**given, "decay_iters": decay, "warmup_iters": args.lr_warmup_samples or 0,
-                       "samples_per_step": global_batch})
-
-
-def train_iters_of(args: argparse.Namespace, global_batch: int) -> int:
-    """``--train-iters``, or Megatron's ``--train-samples // --global-batch-size``."""
-    samples = getattr(args, "train_samples", None)
-    if samples is None:
-        _require(args.train_iters is not None, "the following arguments are required: --train-iters (or --train-samples)")
-        return args.train_iters
-    _require(args.train_iters is None, "give --train-iters or --train-samples, not both")
-    _require(samples >= global_batch, f"--train-samples {samples} is less than one global batch ({global_batch})")
-    return samples // global_batch
-
-
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
     switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler",
                                                                  "finetune", "no_load_optim", "no_load_rng", "skip_train")}
     return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches,
-                             "train_iters": train_iters_of(args, global_batch)})
+                             "train_iters": train_iters_of(args.train_iters, args.train_samples, global_batch)})
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:

@@ -277,6 +277,24 @@ class LRConfig:
         )
 
 
+def lr_by_samples(given: dict[str, Any], train_samples: int, decay_samples: int | None, warmup_samples: int | None,
+                  global_batch: int) -> LRConfig:
+    """Megatron's sample-based schedule (``--train-samples``): warm-up and decay counted in consumed samples."""
+    decay = decay_samples if decay_samples is not None else train_samples
+    return LRConfig(**{**given, "decay_iters": decay, "warmup_iters": warmup_samples or 0,
+                       "samples_per_step": global_batch})
+
+
+def train_iters_of(train_iters: int | None, train_samples: int | None, global_batch: int) -> int:
+    """``--train-iters``, or Megatron's ``--train-samples // --global-batch-size``."""
+    if train_samples is None:
+        _require(train_iters is not None, "the following arguments are required: --train-iters (or --train-samples)")
+        return train_iters
+    _require(train_iters is None, "give --train-iters or --train-samples, not both")
+    _require(train_samples >= global_batch, f"--train-samples {train_samples} is less than one global batch ({global_batch})")
+    return train_samples // global_batch
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """Length of the run, its batch, and when to log, evaluate, save and exit."""

@@ -55,8 +55,9 @@ def train_tiny(
     micro: int = 1, kind: str = "gpt-tiny", recompute: bool = False, dtype: str = "fp32", optimizer: str = "adam",
     lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
     dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
-    dc_lambda: float = 0.04, sgd_momentum: float = 0.0,
+    dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False,
 ) -> dict:
+    """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
         state = build_state(t, d, w, torch.device("cpu"))
@@ -76,8 +77,11 @@ def train_tiny(
     start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
     names = GlobalNames(start, tied=WORD)  # the head's copy of the word embedding is named as the original
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
-    stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
-                          (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)
+    def build() -> PipelineStage:
+        return PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
+                             (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)
+
+    stage = build()
     data = _dataset(cfg, global_batch * steps)
 
     def get_batch(mb: int) -> dict:
@@ -87,7 +91,11 @@ def train_tiny(
         return spec.make_batch(data[sl] if cfg.kind == "gpt" else {k: v[sl] for k, v in data.items()})
 
     results = []
-    for seg in segments or (steps,):
+    for k, seg in enumerate(segments or (steps,)):
+        if reload and k > 0:
+            sd = stage.state_dict()
+            stage = build()
+            stage.load_state_dict(sd)
         results += stage.train(seg, get_batch, lambda step: lr)
     losses = [r.loss for r in results]
     if state.is_last_stage and w > 1:

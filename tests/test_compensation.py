@@ -74,13 +74,16 @@ def test_bf16_predict_tracks_the_fp32_reference():
     assert max(abs(a - b) for a, b in zip(ref_losses, none_losses)) > 1e-4  # predict changes the losses at all
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["predict", "dc"])
-def test_draining_between_segments_changes_nothing(mode):
-    """Drained after steps 2 and 3 (evaluation, checkpoint): bitwise the same losses and newest weights."""
-    a = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), **KW)
-    b = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), segments=(2, 1, 3), **KW)
-    assert a["losses"] == b["losses"]
-    assert all(a["params"][k].equal(b["params"][k]) for k in a["params"])
+def test_draining_and_resuming_between_segments_changes_nothing(mode, dtype):
+    """Drained after steps 2 and 3 (evaluation, checkpoint), or resumed there from the stage's state_dict
+    in a fresh stage: bitwise the same losses and newest weights."""
+    a = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), dtype=dtype, **KW)
+    for reload in (False, True):
+        b = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), dtype=dtype, segments=(2, 1, 3), reload=reload, **KW)
+        assert a["losses"] == b["losses"], reload
+        assert all(a["params"][k].equal(b["params"][k]) for k in a["params"]), reload
 
 
 def test_refusals():

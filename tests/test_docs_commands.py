@@ -254,6 +254,11 @@ def test_malformed_markers_are_errors(bad):
         extract_blocks(bad, "X.md")
 
 
+def test_prose_may_quote_a_marker():
+    text = "Mark it `<!-- no-test: reason -->` above the fence.\n\n```bash\necho hi\n```\n"
+    assert [(b.line, b.code, b.skip) for b in extract_blocks(text, "X.md")] == [(3, "echo hi\n", None)]
+
+
 def test_the_docs_parse_and_a_block_runs_in_the_workspace(workspace: Path):
     blocks = all_blocks()  # raises on a malformed marker in README.md or docs/*.md
     assert {b.file for b in blocks} <= {str(p.relative_to(ROOT)) for p in doc_files()}

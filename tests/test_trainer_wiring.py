@@ -53,13 +53,19 @@ def same_tree(a, b) -> bool:
     return a == b
 
 
+# What differs between two runs' files of the same state: the write time, the file and the paths in the flags,
+# and the host RNG streams (start-up of a resumed run draws differently before restoring them).
+NOT_STATE = ("time", "args", "config", "rng", "path")
+
+
 def same_checkpoint(root_a: str, root_b: str, iteration: int, t: int = 1, d: int = 1) -> bool:
-    """Whether two runs' checkpoints at ``iteration`` hold the same weights, optimizer state and step."""
+    """Whether two runs' checkpoints at ``iteration`` hold the same weights, optimizer state, step and data position."""
     for tp in range(t):
         for pp in range(d):
             a = ck.load_rank_file(root_a, iteration, t, d, tp, pp)
             b = ck.load_rank_file(root_b, iteration, t, d, tp, pp)
-            if not (same_tree(a["model"], b["model"]) and same_tree(a["stage"], b["stage"])):
+            keep = lambda sd: {k: v for k, v in sd.items() if k not in NOT_STATE}  # noqa: E731
+            if not same_tree(keep(a), keep(b)):
                 return False
     return True
 
@@ -103,14 +109,43 @@ def interrupt_and_resume(corpus, tmp_path, sig: signal.Signals, straight):  # no
     return res
 
 
-def test_sigterm_saves_at_the_next_boundary_and_a_relaunch_is_bitwise(corpus, tmp_path, straight):  # noqa: F811
-    res = interrupt_and_resume(corpus, tmp_path, signal.SIGTERM, straight)
-    assert "received SIGTERM: saving a checkpoint at the next step boundary" in res.stderr
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: the default --exit-signal
+def test_sigterm_saves_at_the_next_boundary_and_a_relaunch_is_bitwise(corpus, tmp_path, straight, sig):  # noqa: F811
+    res = interrupt_and_resume(corpus, tmp_path, sig, straight)
+    assert f"received {sig.name}: saving a checkpoint at the next step boundary" in res.stderr
 
 
 def test_ctrl_c_saves_and_prints_no_traceback(corpus, tmp_path, straight):  # noqa: F811
     res = interrupt_and_resume(corpus, tmp_path, signal.SIGINT, straight)
     assert "Traceback" not in res.output and "KeyboardInterrupt" not in res.output, res.describe()
+
+
+def test_exit_duration_saves_and_exits_0(corpus, tmp_path):  # noqa: F811
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    res = run([PY, SCRIPT, *gpt_args(corpus, 20000), "--save", save, "--metrics-file", metrics,
+               "--exit-duration-in-mins", "0.05"])
+    assert res.returncode == 0, res.describe()
+    (end,) = [r for r in read_metrics(metrics) if r["type"] == "end"]
+    assert end["reason"] == "duration" and tracker(save) == end["completed_iterations"] > 0
+    assert res.seconds >= 3.0 and end["completed_iterations"] < 20000  # 0.05 min counted from start-up
+    assert f"exiting at iteration {tracker(save)} after --exit-duration-in-mins 0.05" in res.stderr
+
+
+def test_stale_temporaries_are_removed_at_start_up(corpus, tmp_path):  # noqa: F811
+    save = tmp_path / "ckpt"
+    (save / "iter_0000004" / "mp_rank_00").mkdir(parents=True)
+    dead = 2**22 + 4321  # above Linux's largest pid: no live process has it
+    stale = save / "iter_0000004" / "mp_rank_00" / f"model_optim_rng.pt.tmp.{dead}"
+    stale.write_bytes(b"partial")
+    res = run([PY, SCRIPT, *gpt_args(corpus, 4), "--save", str(save)])
+    assert res.returncode == 0, res.describe()
+    assert not stale.exists() and f"removed stale temporary {stale}" in res.stderr
+
+
+def test_full_disk_for_the_metrics_file_is_one_line_naming_it(corpus):  # noqa: F811
+    res = run([PY, SCRIPT, *gpt_args(corpus, 10), "--metrics-file", "/dev/full"])
+    assert res.returncode == 1 and "Traceback" not in res.output, res.describe()
+    assert error_lines(res.stderr) == ["error: rank 0: writing /dev/full failed: No space left on device (ENOSPC)"]
 
 
 def error_lines(text: str) -> list[str]:
@@ -172,6 +207,8 @@ def test_log_lines_parse_with_megatron_regexes_and_carry_the_metrics(straight):
     assert seen == {k: f"{v:.6E}" for k, v in evals.items()}
     saved = [int(x) for x in re.findall(r"successfully saved checkpoint from iteration\s+(\d+)", res.stderr)]
     assert saved == [r["completed_iterations"] for r in records if r["type"] == "checkpoint"] == [40, 80, 120]
+    (end,) = [r for r in records if r["type"] == "end"]
+    assert end["pipeline_drains"] == len(lines)  # one drained boundary per log line (evaluations and saves coincide)
 
 
 def test_offline_wandb_and_tensorboard_record_the_losses(corpus, tmp_path):  # noqa: F811

@@ -289,3 +289,34 @@ def test_trainer_runs_an_uneven_split_like_the_even_one(corpus, tmp_path):  # no
     assert losses["even"].keys() == losses["split"].keys() and len(losses["even"]) == 6
     for i, loss in losses["even"].items():
         assert abs(loss - losses["split"][i]) < 2e-5, (i, loss, losses["split"][i])
+
+
+def test_auto_plan_refuses_split_flags_and_its_choice_carries_the_split():
+    from megatron_2bw.planner.auto_plan import PlanChoice  # noqa: PLC0415
+    from megatron_2bw.training.auto_layout import plan_layout  # noqa: PLC0415
+
+    args = parse_args(["--model-preset", "gpt-tiny", "--auto-plan", "--global-batch-size", "8",
+                       "--pipeline-layer-split", "3,1", *TRAIN], "gpt")
+    with pytest.raises(ConfigError, match="--auto-plan chooses the stage split itself; drop --pipeline-layer-split"):
+        plan_layout(args, "gpt", 2)
+    choice = PlanChoice(1, 2, 1, 1, False, "2bw", (3, 1))
+    args = parse_args(["--model-preset", "gpt-tiny", "--auto-plan", "--global-batch-size", "4", *TRAIN], "gpt")
+    cfg = build_config(args, "gpt", 2, layout=choice.layout, cuda_available=False)
+    assert cfg.pipeline.layer_split == (3, 1) and cfg.parallel.pipeline == 2
+
+
+def test_simulate_tool_takes_a_split():
+    import importlib.util  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "simulate.py")
+    spec = importlib.util.spec_from_file_location("tool_simulate_h13", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    argv = ["--model-preset", "gpt-355m", "--schedule", "2bw", "--d", "4", "--m", "8", "--b", "4", "--json"]
+    even = json.loads(tool.run(argv))
+    balanced = json.loads(tool.run([*argv, "--pipeline-layer-split", "balanced"]))
+    explicit = json.loads(tool.run([*argv, "--pipeline-layer-split", "7,7,7,3"]))
+    assert balanced["step_time_s"] < 0.8 * even["step_time_s"]
+    assert explicit["step_time_s"] == pytest.approx(balanced["step_time_s"])  # the planner's split is 7,7,7,3

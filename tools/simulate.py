@@ -15,6 +15,7 @@ Open the trace in chrome://tracing or https://ui.perfetto.dev. Bad input: one ``
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import sys
 
@@ -25,11 +26,27 @@ from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
 from megatron_2bw.planner.cost_model import predict
 from megatron_2bw.planner.hardware import GiB, load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
+from megatron_2bw.models.stages import canonical_split, format_split, parse_split
 from megatron_2bw.planner.memory_model import Candidate, ParamBytes
+from megatron_2bw.planner.split import balanced_split
 from megatron_2bw.planner.profiler import load_full_profile
 from megatron_2bw.planner.simulator import RECOMPUTE_SCOPES, simulate_plan
 
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
+
+
+def _split_arg(text: str) -> str | tuple[int, ...]:
+    """``balanced`` or comma-separated layer counts."""
+    return text if text == "balanced" else parse_split(text)
+
+
+def _candidate(args: argparse.Namespace, b: int, num_layers: int, costs, cluster, pb: ParamBytes) -> Candidate:
+    """The simulated layout, with the split asked for (``balanced``: the planner's)."""
+    cand = Candidate(args.t, args.d, args.w, b, args.m, args.recompute, args.schedule)
+    split = args.pipeline_layer_split
+    if split == "balanced":
+        split = balanced_split(costs, cand, num_layers, cluster, pb)
+    return replace(cand, layer_split=canonical_split(num_layers, args.d, split) if split else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--t", type=int, default=1, help="tensor-parallel size")
     s.add_argument("--w", type=int, default=1, help="data-parallel width (sets the all-reduce cost)")
     s.add_argument("--recompute", action="store_true")
+    s.add_argument("--pipeline-layer-split", type=_split_arg, metavar="N,N,...",
+                   help="transformer layers of each stage (default: even; 'balanced': the planner's split)")
     s.add_argument("--recompute-scope", choices=RECOMPUTE_SCOPES, default="stage",
                    help="stage: our engine re-runs the whole stage; layers: Megatron re-runs only the transformer layers")
     s.add_argument("--steps", type=int, default=6, help="steps in the simulated segment (>= 3 for a steady state)")
@@ -91,12 +110,14 @@ def run(argv: list[str]) -> str:
         b = args.b or 1
         costs = analytic_microbatch_costs(model, cluster, precision, args.t, b)
         source = f"analytic estimate ({cluster.device}, {precision})"
-    cand = Candidate(args.t, args.d, args.w, b, args.m, args.recompute, args.schedule)
     pb = ParamBytes.for_precision(precision)
+    cand = _candidate(args, b, model.num_layers, costs, cluster, pb)
     res = simulate_plan(costs, cand, model.num_layers, cluster, num_steps=args.steps, param_bytes=pb,
                         recompute_scope=args.recompute_scope, forward_nograd_s=nograd, optimizer=optimizer)
     pred = predict(costs, cand, model.num_layers, cluster, pb)
     title = f"{args.schedule} d={args.d} m={args.m} b={b} t={args.t} w={args.w}" + (" recompute" if args.recompute else "")
+    if cand.layer_split:
+        title += f" layers {format_split(cand.layer_split)}"
     if args.trace:
         from megatron_2bw.planner.timeline import write_chrome_trace  # noqa: PLC0415
 

@@ -184,10 +184,11 @@ def _best(result: SearchResult, keep: Selector) -> Evaluated | None:
 
 
 def compare_systems(model: ModelConfig, cluster: Cluster, num_gpus: int, global_batch_size: int,
-                    name: str = "", costs: LayerCosts | None = None) -> ComparisonRow:
-    """Best 2BW, Flush, GPipe, tensor-parallel-only and non-pipelined configurations for one scenario."""
+                    name: str = "", costs: LayerCosts | None = None, balance_stages: bool = True) -> ComparisonRow:
+    """Best 2BW, Flush, GPipe, tensor-parallel-only and non-pipelined configurations for one scenario
+    (``balance_stages=False``: equal stages, as the paper's planner)."""
     req = PlanRequest(model, cluster, num_gpus, global_batch_size,
-                      schedules=("2bw", "flush", "gpipe", SEQUENTIAL))
+                      schedules=("2bw", "flush", "gpipe", SEQUENTIAL), balance_stages=balance_stages)
     costs = costs or default_costs(req)
     result = search(req, costs, require_fit=False)
     best: dict[str, Evaluated | None] = {"2BW": _best(result, lambda c: c.schedule == "2bw")}
@@ -223,6 +224,10 @@ def format_paper_comparison(rows: list[ComparisonRow]) -> str:
     lines += [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{_scenario(r):<22}" + "".join(f"{_short(r.best[s]):>22}" for s in systems))
+    splits = [(r, ev.candidate) for r in rows if (ev := r.best["2BW"]) is not None and ev.candidate.layer_split]
+    if splits:
+        lines += ["", "2BW's stage splits (layers per stage; the planner moves layers off the head's stage):"]
+        lines += [f"  {_scenario(r)}: {format_split(c.layer_split)}" for r, c in splits]
     lines += ["", "2BW speed-up over each baseline, predicted, and as the paper reports it:", ""]
     head = f"{'scenario':<22}" + "".join(f"{'vs ' + s:>28}" for s in BASELINES)
     lines += [head, "-" * len(head)]

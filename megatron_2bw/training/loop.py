@@ -32,7 +32,6 @@ from ..cli import describe, megatron_args
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
 from ..export.names import WORD
-from ..models.stages import stage_range
 from ..pipeline.executor import PipelineStage
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
@@ -45,7 +44,7 @@ from .log_format import (
     cuda_memory, eta_line, iteration_of_step, memory_report_line, peak_tflops_of, saved_checkpoint_line, window_line,
 )
 from .lr_schedule import lr_at
-from .metrics import Metrics, step_record
+from .metrics import Metrics, MetricsWriteError, step_record
 from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
@@ -120,6 +119,7 @@ class Trainer:
         self.window: list[dict] = []  # train records since the last log line
         self.last_saved: int | None = None
         self.last_eval: int | None = None
+        self.drains = 0  # training segments run: each ends with the pipeline drained
 
     def _progressing(self, provider: Callable[[int], dict]) -> Callable[[int], dict]:
         """``provider`` that also tells the watchdog this rank makes progress (every stage fetches each microbatch)."""
@@ -278,6 +278,7 @@ class Trainer:
         """Rank 0: the metrics file's ``end`` record, then close every writer."""
         if self.metrics is not None:
             self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
+                                "pipeline_drains": self.drains,
                                 "seconds": time.time() - self.t_start, "time": time.time()})
             self.metrics.close()
 
@@ -325,6 +326,7 @@ class Trainer:
                                                     tc.save_interval, tc.exit_interval])
         t0 = time.perf_counter()
         results = stage.train(end - first, self.get_batch, lr_fn)
+        self.drains += 1
         dt = (time.perf_counter() - t0) / (end - first)
         do_eval = self.can_eval and _at_interval(end, tc.eval_interval)
         self.last_eval = end if do_eval else self.last_eval
@@ -421,6 +423,9 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     except ConfigError as e:  # a mismatch only visible once the model is built
         print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
+    except MetricsWriteError as e:
+        print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
     except Exception as e:  # noqa: BLE001 - report in one line, never hang in teardown
         where = f" at iteration {trainer.stage.step}" if trainer is not None else ""
         what = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -19,6 +19,7 @@ import sys
 import time
 
 from .log_format import framed, iteration_of_step, validation_line
+from .supervision import os_error_line
 from .tb_writer import open_tensorboard
 from .wandb_writer import WandbSettings, open_wandb
 
@@ -58,6 +59,10 @@ def setup_logging(rank: int) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
+class MetricsWriteError(RuntimeError):
+    """The metrics file could not be written; the message is one line naming the file and the errno."""
+
+
 class Metrics:
     """The logging rank's sinks: the JSONL file, TensorBoard/wandb writers, the progress bar.
 
@@ -79,7 +84,8 @@ class Metrics:
             self.bar = tqdm(total=train_iters, initial=start_iter, unit="it", dynamic_ncols=True, leave=True)
             root = logging.getLogger()
             for h in root.handlers:
-                if isinstance(h, logging.StreamHandler) and not isinstance(h, _TqdmHandler):
+                if (isinstance(h, logging.StreamHandler) and not isinstance(h, _TqdmHandler)
+                        and h.stream in (sys.stderr, sys.stdout)):  # the terminal's handlers only
                     tq = _TqdmHandler()
                     tq.setFormatter(h.formatter)
                     root.handlers[root.handlers.index(h)] = tq
@@ -87,8 +93,11 @@ class Metrics:
     # ------------------------------------------------------------------ records
     def write(self, record: dict) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(_clean(record), sort_keys=False) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(_clean(record), sort_keys=False) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk: name the file and the errno, not a traceback
+                raise MetricsWriteError(os_error_line(e, self.file.name)) from None
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         """``<prefix>/<key>`` at ``step`` (the 1-based iteration) to every writer."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from ..cli import megatron_args
 from ..config import RunConfig
 from ..errors import ConfigError
+from . import supervision
+from .supervision import check_save_dir  # noqa: F401 - one implementation, re-exported for the launcher
 
 # Peak bytes of index arrays per sample while a dataset is built (numpy, measured with tracemalloc
 # on the demo corpus): GPT's window starts, offsets and shuffle; BERT's block order; a blend's
@@ -48,32 +49,10 @@ def _file_above(path: str) -> str | None:
     return None if os.path.isdir(p) else p
 
 
-def check_save_dir(save: str) -> None:
-    """``--save`` is a directory this process can write: created when missing, probed with a file.
-
-    Safe on every rank at once (``makedirs(exist_ok=True)``, unique probe names).
-    """
-    blocker = _file_above(save)
-    if blocker is not None:
-        what = "is a file" if blocker == os.path.abspath(save) else f"is under the regular file {blocker}"
-        raise ConfigError(f"--save {save} {what}, not a directory")
-    try:
-        os.makedirs(save, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--save {save}: cannot create the directory ({e.strerror or e})") from None
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write_probe.", dir=save)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        why = e.strerror or e
-        raise ConfigError(f"--save {save} is not writable ({why}): checkpoints could not be saved") from None
-
-
 def check_load_path(load: str) -> None:
-    """``--load`` names a checkpoint directory, not a file."""
-    if os.path.exists(load) and not os.path.isdir(load):
-        raise ConfigError(f"--load {load} is a file, not a checkpoint directory (give the directory --save wrote)")
+    """``--load`` names a checkpoint directory, not a file (a missing one is a first run: ``--load`` = ``--save``)."""
+    if os.path.exists(load) or _file_above(load) is not None:
+        supervision.check_load_path(load)
 
 
 # --------------------------------------------------------------------------- data index memory
