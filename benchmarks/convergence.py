@@ -155,7 +155,8 @@ def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | N
         raise RuntimeError(f"{schedule}: trainer exited with status {rc} (log: {log}):\n{tail}")
     run = parse_metrics(metrics, args.smooth)
     run.update(schedule=schedule, seed=seed, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
-               foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None, compensation=compensation)
+               foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None, compensation=compensation,
+               d=getattr(args, "depth", 2))
     print(f"{tag} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
           f"{common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss {common.fmt(run['final_train_loss'], '.4f')}",
           flush=True)
@@ -458,9 +459,9 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
             ttl = (st / st_f) / speed["ratio"]  # 2BW's time to Flush's final loss, in units of Flush's
         r.update(regime=name, steps_to_target=st, target_train_loss=target, time_to_target_vs_flush=ttl,
                  valid_loss_ratio_vs_flush=r["final_valid_loss"] / flush["final_valid_loss"] if flush else None)
-        results.append({k: r[k] for k in ("regime", "schedule", "compensation", "seed", "final_valid_loss",
-                                           "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
-                                           "time_to_target_vs_flush", "steps", "seconds")})
+        results.append({k: r.get(k) for k in ("regime", "schedule", "compensation", "seed", "final_valid_loss",
+                                               "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
+                                               "time_to_target_vs_flush", "steps", "seconds", "d", "reused_from")})
     flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush"]
     spread = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
     modes = {}
@@ -473,7 +474,7 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
                     "steps_to_target_per_seed": [r["steps_to_target"] for r in rs],
                     "time_to_target_vs_flush_per_seed": [r["time_to_target_vs_flush"] for r in rs]}
     gb = ra.micro_batch * ra.m
-    config = dict(preset=ra.preset, seq=ra.seq, d=ra.depth, w=1, micro_batch=ra.micro_batch, m=ra.m, global_batch=gb,
+    config = dict(preset=ra.preset, seq=ra.seq, d=sorted({r.get("d", ra.depth) for r in runs}) or [ra.depth], w=1, micro_batch=ra.micro_batch, m=ra.m, global_batch=gb,
                   iters=ra.iters, warmup=ra.warmup, lr=ra.lr, min_lr=ra.min_lr, lr_decay="cosine", weight_decay=0.01,
                   clip_grad=1.0, optimizer="adam (betas 0.9, 0.999)", precision="fp32", eval_interval=ra.eval_interval,
                   eval_iters=ra.eval_iters, valid_sequences=ra.eval_iters * gb, seeds=ra.seeds, smooth_window=ra.smooth,
@@ -492,11 +493,13 @@ def reused_runs(paths: list[str], ras: dict) -> dict[str, list[dict]]:
     done: dict[str, list[dict]] = {name: [] for name in ras}
     seen = set()
 
-    def take(name: str, r: dict, source: str) -> None:
+    def take(name: str, r: dict, source: str, d) -> None:
         key = (name, r["seed"], r["schedule"], r.get("compensation", "none"))
         if name in done and key not in seen:
             seen.add(key)
             done[name].append(dict(r, compensation=r.get("compensation", "none"), reused_from=source))
+            d = d[0] if isinstance(d, list) and len(d) == 1 else d
+            done[name][-1].setdefault("d", d)
 
     for path in paths:
         with open(path) as f:
@@ -504,12 +507,12 @@ def reused_runs(paths: list[str], ras: dict) -> dict[str, list[dict]]:
         src = os.path.relpath(path, ROOT)
         for name, reg in (data.get("regimes") or {}).items():
             for r in reg["runs"]:
-                take(name, r, src)
+                take(name, r, src, reg["config"].get("d"))
         cfg = data.get("config") if "regimes" not in data else None
         for name, ra in ras.items():
             if cfg and all(cfg.get(k) == getattr(ra, k) for k in REGIME_KEYS):
                 for r in data.get("runs") or []:
-                    take(name, r, f"{src} (d = {cfg.get('d')})")
+                    take(name, r, src, cfg.get("d"))
     return done
 
 
@@ -523,7 +526,7 @@ def main_regimes(args) -> int:
     data_dir = args.data_dir or os.path.join(ROOT, "demo_data")
     data_prefix, tok_model = ensure_data(data_dir, args.vocab or 8000, args.corpus_mb or 4)
     ras = {name: regime_args(args, name) for name in args.regimes}
-    jobs = [(name, sd, "flush", "none") for sd in args.seeds for name in args.regimes]
+    jobs = [(name, sd, "flush", "none") for sd in args.seeds for name in args.regimes if "flush" in args.schedules]
     jobs += [(name, sd, "2bw", c) for sd in args.seeds for name in args.regimes for c in args.compensations
              if c not in args.first_seed_only or sd == args.seeds[0]]
     # seed by seed (each seed's Flush first), the first-seed-only modes last
@@ -531,6 +534,10 @@ def main_regimes(args) -> int:
     done = reused_runs(args.resume_from or [], ras)
     have = {(n, r["seed"], r["schedule"], r["compensation"]) for n, runs in done.items() for r in runs}
     jobs = [j for j in jobs if j not in have]
+    missing = len(jobs) if args.merge_only else 0
+    if args.merge_only:
+        print(f"--merge-only: {missing} planned run(s) missing, not run", flush=True)
+        jobs = []
 
     def write(complete: bool) -> dict:
         out = {"results": [], "regimes": {}, "machine": machine, "complete": complete}
@@ -547,7 +554,7 @@ def main_regimes(args) -> int:
         for fut in as_completed(futs):
             done[futs[fut]].append(fut.result())
             write(False)
-    out = write(not args.resume_partial_ok and True)
+    out = write(missing == 0)
     for name, reg in out["regimes"].items():
         print(f"\n{name}: Flush seed spread {common.fmt(reg['flush_seed_spread'], '.4f')}; speedup 2BW/Flush "
               f"{common.fmt(reg['measured_speedup']['ratio'], '.3f')} (m={reg['measured_speedup']['m']})")
@@ -581,8 +588,9 @@ def plot_regimes(data: dict, path: str) -> None:
             color, label = MODE_STYLE.get((r["schedule"], r["compensation"]), ("gray", r["schedule"]))
             k = seeds.index(r["seed"])
             c = r["curve"]
-            ax.plot(c["step"], c["train_loss_smoothed"], "-" if k == 0 else "--", color=color, lw=1.3,
-                    label=f"{label} seed {r['seed']}")
+            dotted = r["compensation"] == "dc"  # dotted: visible where it lies on plain 2BW's curve
+            ax.plot(c["step"], c["train_loss_smoothed"], (":" if dotted else "-") if k == 0 else "--", color=color,
+                    lw=2.0 if dotted else 1.3, label=f"{label} seed {r['seed']}" + (f" (d={r['d']})" if r.get("d") else ""))
             ax.plot(r["valid"]["step"], r["valid"]["loss"], "o" if k == 0 else "s", color=color, ms=3.5,
                     mfc=color if k == 0 else "none")
             lo += [x for x in c["train_loss_smoothed"] if x == x]
@@ -653,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume-from", nargs="*", default=[], metavar="FILE",
                    help="--regimes: reuse the finished runs of these JSONs (earlier --regimes output, or a single-regime "
                         "JSON whose settings equal a regime's) and run only what is missing")
-    p.add_argument("--resume-partial-ok", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--merge-only", action="store_true",
+                   help="--regimes: run nothing; write the JSON (and plot) from the --resume-from runs")
     p.add_argument("--first-seed-only", nargs="*", default=[], metavar="MODE",
                    help="--regimes: run these compensation modes on the first seed only, after everything else")
     args = p.parse_args(argv)

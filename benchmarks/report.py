@@ -620,7 +620,8 @@ def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
         c, sp = reg["config"], reg.get("measured_speedup") or {}
         rows, best = _regime_rows(name, reg)
         target = REGIME_TARGETS.get(name, T_VALID_RATIO)
-        lines += [f"**{name}**: preset `{c['preset']}` at sequence {c['seq']}, d = {c['d']} (2BW's update rule does not "
+        d = ", ".join(str(x) for x in c["d"]) if isinstance(c["d"], list) else c["d"]
+        lines += [f"**{name}**: preset `{c['preset']}` at sequence {c['seq']}, d = {d} (2BW's update rule does not "
                   f"depend on d), b = {c['micro_batch']}, m = {c['m']} (global batch {c['global_batch']}), {c['iters']} steps, "
                   f"Adam lr {c['lr']:g} ({c['warmup']} linear warm-up steps, {c['lr_decay']} to {c['min_lr']:g}), weight decay "
                   f"{c['weight_decay']}, clipping {c['clip_grad']}, {c['precision']}, seeds "
@@ -704,9 +705,7 @@ def machine_section(datas: dict, status: dict) -> str:
     for name, data in datas.items():
         if not data:
             continue
-        m = dict(data.get("machine") or {})
-        if m.get("elapsed_s") is None:
-            m["elapsed_s"] = (status.get(name) or {}).get("seconds")
+        m = dict(data.get("machine") or {})  # status.json may describe another run: times come from the data
         rows.append([name, m.get("cpu", "?"), f"{m.get('logical_cpus')} / {m.get('cpus_usable')}", m.get("torch"),
                      m.get("python"), m.get("date_utc"), ", ".join(f(x, ".2f") for x in m.get("loadavg_at_start") or []) or "-",
                      f(m.get("elapsed_s"), ".0f")])
@@ -717,6 +716,75 @@ def machine_section(datas: dict, status: dict) -> str:
                       "Each benchmark process runs one torch thread (`OMP_NUM_THREADS=1`); a d = 2 pipeline uses two "
                       "processes, so on a 2-core machine it has exactly one core per stage when nothing else runs. "
                       "The machine is shared with other jobs: timings are noisy (see the *other load* columns).", ""])
+
+
+# Flags of each benchmark script and the config key that records each; a value equal to the flag's
+# default is still written, so the command states every setting.
+REPRO_FLAGS = {
+    "throughput": [("d", "--d"), ("m", "--m"), ("rounds", "--rounds"), ("steps", "--steps"),
+                   ("window_microbatches", "--window-microbatches"), ("warmup_steps", "--warmup-steps"),
+                   ("quiet_cpus", "--quiet-cpus"), ("wait_quiet_s", "--wait-quiet"), ("retry_noisy", "--retry-noisy"),
+                   ("p2p_mode", "--p2p-mode")],
+    "memory": [("d", "--d"), ("ms", "--m"), ("steps", "--steps")],
+    "convergence": [("preset", "--preset"), ("seq", "--seq"), ("micro_batch", "--micro-batch"), ("m", "--m"),
+                    ("iters", "--iters"), ("lr", "--lr"), ("min_lr", "--min-lr"), ("warmup", "--warmup"),
+                    ("seeds", "--seeds"), ("eval_interval", "--eval-interval"), ("eval_iters", "--eval-iters"),
+                    ("log_interval", "--log-interval"), ("smooth_window", "--smooth"), ("target_factor", "--target-factor"),
+                    ("vocab", "--vocab")],
+}
+
+
+def _flag_value(v) -> str | None:
+    if isinstance(v, bool) or v is None or isinstance(v, dict) or v == "auto":  # "auto": the flag's default
+        return None
+    if isinstance(v, list):
+        return " ".join(format(x, "g") if isinstance(x, float) else str(x) for x in v) or None
+    return format(v, "g") if isinstance(v, float) else str(v)
+
+
+def reproduce_command(name: str, data: dict, json_path: str) -> str:
+    """The command that measures what ``data`` holds, rebuilt from the settings the data records."""
+    cfg = dict(data.get("config") or {})
+    if name == "memory" and "d" not in cfg:
+        cfg["d"] = sorted({r["d"] for r in data.get("results") or [] if "d" in r})
+    parts = ["python", f"benchmarks/{SCRIPTS[name]}"]
+    for key, flag in REPRO_FLAGS[name]:
+        v = _flag_value(cfg.get(key))
+        if v is not None:
+            parts += [flag, v]
+    if name == "throughput" and cfg.get("track_memory"):
+        parts.append("--track-memory")
+    if name == "convergence":
+        sweep = [e["lr"] for e in data.get("lr_sweep") or [] if e.get("lr") != cfg.get("lr")]
+        if sweep:
+            parts += ["--sweep-lr", _flag_value(sweep)]
+    if cfg.get("quick"):
+        parts.append("--quick")
+    return " ".join(parts + ["--json", _show(json_path)])
+
+
+def produced_section(datas: dict, status: dict, json_dir: str) -> str:
+    """How each result was measured: the command, when and how long, all from the result's own JSON."""
+    lines = []
+    for name, data in datas.items():
+        st = status.get(name) or {}
+        if data is None:
+            if st and not st.get("ok"):
+                lines.append(f"- `{name}`: failed ({st.get('error')}; log `{st.get('log')}`)")
+            continue
+        m = data.get("machine") or {}
+        took = f", took {f(m.get('elapsed_s'), '.0f')} s" if m.get("elapsed_s") is not None else ""
+        lines.append(f"- `{name}` ({m.get('date_utc', 'date not recorded')}{took}): "
+                     f"`{reproduce_command(name, data, os.path.join(json_dir, name + '.json'))}`")
+        note = (data.get("config") or {}).get("lr_sweep_note")
+        if note:
+            lines.append(f"  ({note})")
+    if not lines:
+        return ""
+    return "\n".join(["## How these numbers were produced", "",
+                      "Each command is rebuilt from the settings recorded in its JSON file, so it measures what the "
+                      "tables above show; after running them, `python benchmarks/report.py --from-json docs/data` "
+                      "rebuilds this document.", ""] + lines + [""])
 
 
 def summary_section(tp_targets, conv: dict | None, mem_summary, status: dict) -> str:
@@ -797,16 +865,13 @@ def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, statu
     if quick_note:
         head += ["> **Quick smoke settings** (`--quick`): tiny models and a few steps; the numbers check the code paths, "
                  "not the performance.", ""]
-    failed = [n for n, s in status.items() if not s.get("ok")]
+    datas = {"throughput": tp, "memory": mem, "convergence": conv}
+    failed = [n for n, s in status.items() if not s.get("ok") and datas.get(n) is None]
     if failed:
         head += ["> **Incomplete**: " + "; ".join(f"`{n}` failed ({status[n].get('error')})" for n in failed)
                  + ". Its section says so; the other sections are complete.", ""]
-    parts = head + [summary_section(tp_targets, conv, mem_summary, status), machine_section(
-        {"throughput": tp, "memory": mem, "convergence": conv}, status), tp_text, mem_text, conv_text, gpu_section(gpu, gpu_path)]
-    runs = [f"- `{n}`: `{s.get('command', '').replace(ROOT + '/', '')}` ({'ok' if s.get('ok') else 'failed'}, "
-            f"{s.get('seconds')} s; log `{s.get('log')}`)" for n, s in status.items()]
-    if runs:
-        parts += ["## How these numbers were produced", ""] + runs + [""]
+    parts = head + [summary_section(tp_targets, conv, mem_summary, status), machine_section(datas, status), tp_text,
+                    mem_text, conv_text, gpu_section(gpu, gpu_path), produced_section(datas, status, json_dir)]
     text = "\n".join(parts).rstrip() + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
     with open(doc, "w") as fh:
@@ -815,11 +880,37 @@ def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, statu
     return text
 
 
+def splice_convergence(json_dir: str, doc: str, img_dir: str) -> str:
+    """Rebuild only section 3 of an existing ``doc`` from ``json_dir`` (plots: only the regimes one is
+    redrawn; the others are referenced where they already exist), leaving every other section as it is."""
+    conv = load_json(os.path.join(json_dir, "convergence.json"))
+    path = os.path.join(json_dir, "convergence_regimes.json")
+    regimes = load_json(path) if os.path.exists(path) else None
+    img = os.path.join(img_dir, "convergence_regimes.png")
+    img = img if regimes is not None and plot_regimes(regimes, img) else None
+    old = {n: os.path.join(img_dir, f"{n}.png") for n in ("convergence", "convergence_lr")}
+    old = {n: (q if os.path.exists(q) else None) for n, q in old.items()}
+    status = load_json(os.path.join(json_dir, "status.json")) or {}
+    section = convergence_section(conv, status.get("convergence"), old["convergence"], doc, old["convergence_lr"],
+                                  regimes, img)
+    with open(doc) as fh:
+        text = fh.read()
+    start = text.index("## 3. Convergence")
+    end = text.index("\n## 4.", start) + 1
+    text = text[:start] + section.rstrip() + "\n\n" + text[end:]
+    with open(doc, "w") as fh:
+        fh.write(text)
+    print(f"wrote section 3 of {doc}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="every benchmark with --quick (a smoke run, about a minute)")
     p.add_argument("--from-json", metavar="DIR", help="do not run anything: rebuild from DIR/{throughput,memory,convergence}.json")
+    p.add_argument("--convergence-only", action="store_true",
+                   help="with --from-json: rebuild only the convergence section of the existing --doc")
     p.add_argument("--gpu-json", metavar="FILE", help="benchmarks/gpu.py's JSON from a GPU machine (default: DIR/gpu.json if present)")
     p.add_argument("--out-dir", metavar="DIR", help="where the JSON files and logs go (default runs/benchmarks[_quick])")
     p.add_argument("--doc", help="markdown to write (default docs/benchmarks.md; quick: DIR/benchmarks.md)")
@@ -840,6 +931,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         if not os.path.isdir(json_dir):
             p.error(f"--from-json {args.from_json}: no such directory")
+        if args.convergence_only:
+            splice_convergence(json_dir, doc, img_dir)
+            return 0
     else:
         os.makedirs(json_dir, exist_ok=True)
         status = run_benchmarks(args, json_dir, img_dir)

@@ -102,6 +102,10 @@ OPT, DATA = "optimizer, learning rate and precision", "data and tokenizer"
 CKPT, LOG, SYS = "checkpoints", "logging and evaluation", "system"
 _PRESET_HELP = f"named model shape: {', '.join(PRESETS)}"
 _DROPOUT_HELP = f"default {MEGATRON_DROPOUT} (a preset's value with --model-preset)"
+_EXIT_HELP = "on SIGTERM or --exit-signal: save (with --save) at the next step boundary and exit 0"
+_DURATION_HELP = "save (with --save) and exit 0 at the first step boundary after this many minutes"
+_SKIP_HELP = "exit 3 after more consecutive skipped steps (default: fp16 20, constant --loss-scale 5, else 0)"
+_WANDB_HELP = "turns wandb logging on (offline unless WANDB_MODE/WANDB_API_KEY say otherwise; pip install -e '.[wandb]')"
 
 FLAGS: tuple[Flag, ...] = (
     Flag("--model-preset", None, MODEL, help=_PRESET_HELP),
@@ -155,15 +159,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--seed", "training.seed", TRAIN, int, 1234),
     Flag("--exit-interval", "training.exit_interval", TRAIN, int,
          help="save (with --save) and exit after this many iterations"),
-    Flag("--exit-signal-handler", "training.exit_signal_handler", TRAIN, const=True,
-         help="on SIGTERM or --exit-signal, save a checkpoint (with --save) at the next step boundary and exit 0"),
-    Flag("--exit-signal", "training.exit_signal", TRAIN, default="SIGUSR1",
-         help="with --exit-signal-handler: another signal handled like SIGTERM (SLURM's --signal warning)"),
-    Flag("--exit-duration-in-mins", "training.exit_duration_in_mins", TRAIN, float,
-         help="save (with --save) and exit 0 at the first step boundary after this many minutes"),
-    Flag("--max-skipped-steps", "training.max_skipped_steps", TRAIN, int,
-         help="stop (exit 3) after more than this many consecutive skipped steps (default: fp16 with dynamic "
-              "scaling log2(initial/min loss scale)+4, 20 by default; constant --loss-scale 5; bf16/fp32 0)"),
+    Flag("--exit-signal-handler", "training.exit_signal_handler", TRAIN, const=True, help=_EXIT_HELP),
+    Flag("--exit-signal", "training.exit_signal", TRAIN, default="SIGUSR1", help="handled like SIGTERM"),
+    Flag("--exit-duration-in-mins", "training.exit_duration_in_mins", TRAIN, float, help=_DURATION_HELP),
+    Flag("--max-skipped-steps", "training.max_skipped_steps", TRAIN, int, help=_SKIP_HELP),
     Flag("--optimizer", "optimizer.optimizer", OPT, choices=("adam", "sgd"), default="adam"),
     Flag("--lr", ("optimizer.lr", "lr.lr"), OPT, float, required=True),
     Flag("--min-lr", "lr.min_lr", OPT, float, 0.0),
@@ -210,19 +209,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-interval", "training.eval_interval", LOG, int, 1000),
     Flag("--eval-iters", "training.eval_iters", LOG, int, 100),
     Flag("--metrics-file", "training.metrics_file", LOG, help="append one JSON object per line (see docs/training.md)"),
-    Flag("--tensorboard-dir", "training.tensorboard_dir", LOG,
-         help="write TensorBoard events here (pip install -e '.[tensorboard]')"),
-    Flag("--wandb-project", "training.wandb_project", LOG,
-         help="Weights & Biases project; turns wandb logging on (offline unless WANDB_MODE or WANDB_API_KEY say "
-              "otherwise; pip install -e '.[wandb]')"),
+    Flag("--tensorboard-dir", "training.tensorboard_dir", LOG, help="TensorBoard events (pip install -e '.[tensorboard]')"),
+    Flag("--wandb-project", "training.wandb_project", LOG, help=_WANDB_HELP),
     Flag("--wandb-exp-name", "training.wandb_exp_name", LOG, help="the wandb run's name (required with --wandb-project)"),
     Flag("--wandb-save-dir", "training.wandb_save_dir", LOG, help="where wandb writes the run (default: <--save>/wandb)"),
     Flag("--device", "system.device", SYS, choices=DEVICES, default="auto"),
     Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
     Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
     Flag("--fused-kernels", "system.fused_kernels", SYS, choices=("auto", "apex", "torch"), default="auto"),
-    Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0,
-         help="name a rank that stops responding or making progress for this long and exit 4 (0: off)"),
+    Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0, help="exit 4 naming a rank stalled this long (0: off)"),
     Flag(YAML_FLAG, None, SYS, metavar="FILE", help="YAML mapping of flag names (train_iters or train-iters) to values; "
                                     "flags on the command line win"),
     Flag("--validate-only", None, SYS, const=True,

@@ -331,6 +331,7 @@ class TrainingConfig:
 
         _require(self.train_iters >= 1, f"--train-iters must be >= 1, got {self.train_iters}")
         object.__setattr__(self, "exit_signal", parse_signal(self.exit_signal).name)
+        _require(self.exit_signal not in ("SIGKILL", "SIGSTOP"), f"--exit-signal {self.exit_signal} cannot be handled")
         d = self.exit_duration_in_mins
         _require(d is None or 0 < d < math.inf, f"--exit-duration-in-mins must be a positive number, got {d}")
         check_max_skipped_steps(self.max_skipped_steps)

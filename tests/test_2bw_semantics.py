@@ -32,12 +32,11 @@ def _predicted(newest: dict, opt: torch.optim.Optimizer, optimizer: str, momentu
     """P(W): the weights after one more step of a copy of ``opt`` (see the module docstring)."""
     if not opt.state:  # no update applied yet: nothing to extrapolate with
         return {n: p.detach().clone() for n, p in newest.items()}
-    params = dict(newest)
-    copies = {n: nn.Parameter(p.detach().clone()) for n, p in params.items()}
-    twin = copy.deepcopy(opt)  # deepcopy maps the state onto the copied parameters, in order
+    twin = copy.deepcopy(opt)  # deepcopy maps the state onto copies of the parameters, in order
     old = [p for g in opt.param_groups for p in g["params"]]
     new_params = [p for g in twin.param_groups for p in g["params"]]
-    by_id = {id(p): n for n, p in params.items()}
+    by_id = {id(p): n for n, p in newest.items()}
+    copies = {}
     for p_old, p_new in zip(old, new_params):
         n = by_id[id(p_old)]
         st = opt.state[p_old]

@@ -109,7 +109,7 @@ def interrupt_and_resume(corpus, tmp_path, sig: signal.Signals, straight):  # no
     return res
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: the default --exit-signal
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)  # USR1: --exit-signal
 def test_sigterm_saves_at_the_next_boundary_and_a_relaunch_is_bitwise(corpus, tmp_path, straight, sig):  # noqa: F811
     res = interrupt_and_resume(corpus, tmp_path, sig, straight)
     assert f"received {sig.name}: saving a checkpoint at the next step boundary" in res.stderr
@@ -244,3 +244,40 @@ def test_missing_wandb_name_is_one_line_before_start(corpus, tmp_path):  # noqa:
     res = run([PY, SCRIPT, *gpt_args(corpus, 10), "--wandb-project", "p"])
     assert res.returncode == 2 and error_lines(res.stderr) == [
         "error: --wandb-project needs --wandb-exp-name (the run's name, as in Megatron)"], res.describe()
+
+
+BASE = ["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3",
+        "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--exit-signal", "SIGKILL"], "--exit-signal SIGKILL cannot be handled"),
+    (["--exit-signal", "nope"], "--exit-signal 'nope' is not a signal name (e.g. SIGTERM, SIGUSR1)"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a positive number, got 0.0"),
+    (["--max-skipped-steps", "0"], "--max-skipped-steps must be a positive integer (got 0)"),
+    (["--stall-timeout-s", "1"], "--stall-timeout-s must be 0 (off) or at least 2 seconds (got 1.0)"),
+    (["--stall-timeout-s", "inf"], "--stall-timeout-s must be finite, got inf"),
+])
+def test_new_flags_are_checked_before_start(flags, message):
+    from megatron_2bw.cli import build_config, parse_args
+    from megatron_2bw.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        build_config(parse_args([*BASE, *flags], "gpt"), "gpt", 1, cuda_available=False)
+    assert str(e.value) == message
+
+
+def test_new_flags_reach_the_config():
+    from megatron_2bw.cli import build_config, megatron_args, parse_args
+
+    cfg = build_config(parse_args([*BASE, "--exit-signal-handler", "--exit-signal", "usr2", "--exit-duration-in-mins",
+                                   "90", "--max-skipped-steps", "7", "--stall-timeout-s", "0", "--wandb-project", "p",
+                                   "--wandb-exp-name", "n", "--wandb-save-dir", "w"], "gpt"), "gpt", 1,
+                       cuda_available=False)
+    tc = cfg.training
+    assert (tc.exit_signal_handler, tc.exit_signal, tc.exit_duration_in_mins, tc.max_skipped_steps) == \
+        (True, "SIGUSR2", 90.0, 7)
+    assert cfg.system.stall_timeout_s == 0.0 and (tc.wandb_project, tc.wandb_exp_name, tc.wandb_save_dir) == \
+        ("p", "n", "w")
+    saved = megatron_args(cfg)  # what checkpoints record
+    assert saved["exit_signal_handler"] is True and saved["max_skipped_steps"] == 7

@@ -19,13 +19,13 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import GPT2_VOCAB
 from megatron_2bw.models.stages import (
-    canonical_split, layers_per_stage, megatron_split, min_layers, stage_range, stage_slice,
+    canonical_split, format_split, layers_per_stage, megatron_split, min_layers, stage_range, stage_slice,
 )
 from megatron_2bw.planner.cost_model import predict, stage_time
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
 from megatron_2bw.planner.memory_model import Candidate, ParamBytes, stage_memory
-from megatron_2bw.planner.report import pretrain_command
+from megatron_2bw.planner.report import format_table, plan_json, pretrain_command
 from megatron_2bw.planner.search import PlanRequest, default_costs, evaluate, search
 from megatron_2bw.planner.simulator import simulate_plan
 from megatron_2bw.planner.split import balanced_split
@@ -194,6 +194,10 @@ def test_planner_prints_the_split_and_its_command_gives_it_to_the_trainer():
     result = search(request)
     uneven = [ev for ev in result.ranked if ev.candidate.layer_split][:4]
     assert uneven, "a head-heavy model should get uneven stages"
+    table, js = format_table(result, top=20), plan_json(result)
+    best = result.best.candidate
+    assert js["best"]["layer_split"] == (list(best.layer_split) if best.layer_split else None)
+    assert format_split(uneven[0].candidate.layer_split) in table
     for ev in uneven:
         argv = pretrain_command(ev, request)
         c = ev.candidate

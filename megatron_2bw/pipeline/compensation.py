@@ -36,10 +36,13 @@ optimizer ``g + lambda * g * g * (W(t) - W(t-1))`` instead of g, elementwise, wh
 unscaled and clipped gradient (taken at W(t-1)) and W(t), W(t-1) are the two version buffers
 2BW holds at that moment (model dtype, difference in fp32). No extra memory. ``g * g``
 approximates the diagonal of the Hessian (outer-product approximation), so the term is a
-first-order Taylor correction of the gradient from W(t-1) to W(t). ``lambda`` is
-``--2bw-dc-lambda`` (default 0.04, DC-ASGD's constant-lambda setting for its CIFAR-10 runs). With
-mean-over-tokens gradients and Adam-sized steps the correction is small; the convergence
-benchmark measures whether it matters.
+first-order Taylor correction of the gradient from W(t-1) to W(t). The correction is applied
+after clipping, so the global norm (and the clipping) is that of the uncorrected gradient, and
+an overflow skips it with the update. ``lambda`` is ``--2bw-dc-lambda``, default 0.04, the
+lambda0 of DC-ASGD's constant-lambda variant. Its relative size is ``lambda * |g| * |dW|``: with
+token-averaged, norm-clipped gradients (|g| about 1e-4..1e-3 per element) and Adam steps of
+about lr, it is around 1e-8 of g at the default, so ``dc`` then trains like plain 2BW; it acts
+only with a far larger lambda, which nothing here tunes.
 """
 
 from __future__ import annotations

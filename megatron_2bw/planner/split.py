@@ -96,29 +96,37 @@ def stage_lines(costs: MicrobatchCosts, cand: Candidate, cluster: Cluster,
     """``(base_r, slope_r)`` of every stage: its time per microbatch with 0 layers and per layer."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
     bw = [boundary_bandwidth(t, w, i, cluster) for i in range(d - 1)]
-    base, slope = [], []
+    lines: dict[tuple, tuple[float, float]] = {}  # middle stages with the same links cost the same
     for r in range(d):
         links = (bw[r - 1] if r > 0 else math.inf, bw[r] if r < d - 1 else math.inf)
-        zero = slice_time(costs, cand, _slice(r, d, 0), r, cluster, *links, param_bytes).microbatch_s
-        one = slice_time(costs, cand, _slice(r, d, 1), r, cluster, *links, param_bytes).microbatch_s
-        base.append(zero)
-        slope.append(one - zero)
-    return base, slope
+        key = (r == 0, r == d - 1, *links)
+        if key not in lines:
+            zero = slice_time(costs, cand, _slice(r, d, 0), r, cluster, *links, param_bytes).microbatch_s
+            one = slice_time(costs, cand, _slice(r, d, 1), r, cluster, *links, param_bytes).microbatch_s
+            lines[key] = (zero, one - zero)
+    keys = [(r == 0, r == d - 1, bw[r - 1] if r > 0 else math.inf, bw[r] if r < d - 1 else math.inf) for r in range(d)]
+    return [lines[k][0] for k in keys], [lines[k][1] for k in keys]
 
 
 def memory_caps(costs: MicrobatchCosts, cand: Candidate, num_layers: int, limit: float,
                 param_bytes: ParamBytes = ParamBytes()) -> list[int]:
-    """The most layers each stage can hold within ``limit`` bytes (-1: not even its minimum)."""
+    """The most layers each stage can hold within ``limit`` bytes (-1: not even its minimum).
+
+    A stage's bytes are affine in its layer count from one layer on (weights, gradients, optimizer
+    state and stashes grow by a layer's worth each; the workspace is fixed), so two evaluations
+    give the cap; an edge stage's zero-layer case is checked on its own.
+    """
     d = cand.pipeline_parallel
     caps = []
     for r in range(d):
-        def fits(n: int) -> bool:
-            return slice_memory(costs, cand, _slice(r, d, n), r, param_bytes).total <= limit
-        lo, hi = min_layers(r, d) - 1, num_layers + 1  # fits(lo) assumed, fits(hi) false
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        caps.append(lo)
+        def total(n: int) -> int:
+            return slice_memory(costs, cand, _slice(r, d, n), r, param_bytes).total
+        one = total(1)
+        if one > limit:
+            caps.append(0 if min_layers(r, d) == 0 and total(0) <= limit else -1)
+            continue
+        step = total(2) - one
+        caps.append(num_layers if step <= 0 else min(num_layers, 1 + int((limit - one) // step)))
     return caps
 
 

@@ -10,6 +10,12 @@ At each boundary one small all-reduce (float64, a few dozen numbers) brings the 
 losses of the last stage (averaged over data-parallel replicas), the evaluation loss and
 every stage's memory statistics to all ranks; rank 0 logs them. Nothing is synchronized per
 step beyond what the schedule itself does.
+
+Then, on every rank and before anything is saved: the numerical health of the segment's steps
+(``health.py``: a diverged run stops with one line, exit 3, keeping the last good checkpoint)
+and one tiny MAX all-reduce of "an exit signal arrived / --exit-duration-in-mins passed"
+(``signals.py``: save and exit 0). The watchdog (``watchdog.py``) hears of progress at every
+microbatch and is paused while a checkpoint is written.
 """
 
 from __future__ import annotations
