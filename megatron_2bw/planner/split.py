@@ -8,10 +8,13 @@ stage, so the split minimises ``max_r(base_r + n_r * slope_r)`` subject to ``sum
 stage's memory within the device's (``memory_model.slice_memory`` grows with ``n``) and at least
 one layer on every middle stage (``models/stages.py``).
 
-The optimum is found by bisection on the bottleneck time ``T``: stage ``r`` can hold at most
-``floor((T - base_r) / slope_r)`` layers (and at most its memory cap), and ``T`` is feasible when
-those add up to ``L``. Layers above ``L`` are then taken away from the slowest stages first. When
-the even split is as fast, it is kept (``None``), so balanced models plan as before.
+For a bottleneck time ``T`` stage ``r`` can hold at most ``floor((T - base_r) / slope_r)`` layers
+(and at most its memory cap); ``T`` is feasible when those add up to ``L``. The optimum is one of
+the values ``base_r + k * slope_r``; it lies between the continuous optimum and one slope above it
+(without memory caps), so a bisection over the few values there finds it. Layers above ``L`` are
+then taken away from the slowest stages first. When the even split is as fast, it is kept
+(``None``), so balanced models plan as before. ``tests/test_uneven_stages.py`` checks the result
+against brute force.
 """
 
 from __future__ import annotations
