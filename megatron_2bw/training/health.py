@@ -80,7 +80,8 @@ class HealthMonitor:
         self.first_skip: int | None = None
 
     def check(self, step: int, loss: float | None, grad_norm: float | None, skipped: bool) -> str | None:
-        """Verdict after ``step`` (0-based). ``loss`` None: this rank/step has no loss (not last stage)."""
+        """Verdict after ``step`` (the number the message shows; the loop passes the 1-based iteration).
+        ``loss`` None: this rank/step has no loss (not last stage)."""
         p = self.policy
         self.steps += 1
         if not _finite(loss):
