@@ -11,8 +11,8 @@
 # Environment: PYTHON (default .venv/bin/python if present, else python3), NPROC (default: the GPU
 # count, else 4), DEVICE (default: cuda with GPUs, else cpu), OMP_NUM_THREADS (CPU: cores / NPROC),
 # MAX_RESTARTS (torchrun --max-restarts, default 3), SHUTDOWN_TIMEOUT (seconds torchrun waits for
-# workers to save after a signal, default 120), VALIDATE (auto|1|0: run "SCRIPT FLAGS --validate-only"
-# first; auto: when the entry point has that flag), VALIDATE_TIMEOUT (seconds that check may take
+# workers to save after a signal, default 120), VALIDATE (1|0: run "SCRIPT FLAGS --validate-only"
+# first), VALIDATE_TIMEOUT (seconds that check may take
 # before the rest is left to the trainers, default 20; 0: no limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,11 +37,7 @@ fi
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-120}
 
-VALIDATE=${VALIDATE:-auto}
-if [[ "$VALIDATE" == auto ]]; then
-  VALIDATE=0
-  if "$PYTHON" "$SCRIPT" --help 2>/dev/null | grep -qE -- '(^|[^a-z-])--validate-only([^a-z-]|$)'; then VALIDATE=1; fi
-fi
+VALIDATE=${VALIDATE:-1}
 if [[ "$VALIDATE" == 1 ]]; then
   # One process sees the whole world, so layout errors show here; it prints one line and exits 2.
   # Flag and file mistakes show within seconds; building the data indices of a long run can take

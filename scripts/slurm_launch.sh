@@ -22,7 +22,7 @@
 #   MAX_RESTARTS       torchrun --max-restarts: failed workers restart from the last checkpoint [3]
 #   SHUTDOWN_TIMEOUT   seconds torchrun gives the trainers to save after a signal [240; < the sbatch --signal lead]
 #   REQUEUE            1: requeue an unfinished, signalled job [1]; MAX_REQUEUES: at most [20] times
-#   VALIDATE           auto|1|0: run "SCRIPT FLAGS --validate-only" first [auto: if the entry point has it]
+#   VALIDATE           1|0: run "SCRIPT FLAGS --validate-only" first [1]
 #   VALIDATE_TIMEOUT   seconds the check may take before it is left to the trainers [20; 0: no limit]
 #   NCCL_*             passed through; NCCL_DEBUG defaults to WARN, async error handling is on
 #   SRUN_ARGS          extra srun options, each written as --opt=value
@@ -59,28 +59,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # ---------------------------------------------------------------- flags: validate once, here
-HELP=$("$PYTHON" "$SCRIPT" --help 2>/dev/null || true)
-knows() { grep -qE -- "(^|[^a-z-])$1([^a-z-]|\$)" <<<"$HELP"; }
-
-# Until an entry point knows a reliability flag, drop it (with a warning) rather than fail the job.
-ARGS=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --exit-signal-handler)
-      if knows "$1"; then ARGS+=("$1"); else echo "slurm_launch: warning: $SCRIPT has no $1 yet: dropped" >&2; fi
-      shift ;;
-    --exit-signal|--exit-duration-in-mins|--stall-timeout-s|--max-skipped-steps)
-      if knows "$1"; then ARGS+=("$1" "${2-}"); else echo "slurm_launch: warning: $SCRIPT has no $1 yet: dropped" >&2; fi
-      shift; [[ $# -gt 0 ]] && shift ;;
-    *) ARGS+=("$1"); shift ;;
-  esac
-done
-set -- ${ARGS[@]+"${ARGS[@]}"}
-
-VALIDATE=${VALIDATE:-auto}
-if [[ "$VALIDATE" == auto ]]; then
-  if knows --validate-only; then VALIDATE=1; else VALIDATE=0; fi
-fi
+VALIDATE=${VALIDATE:-1}
 if [[ "$VALIDATE" == 1 ]]; then
   # One process sees the whole world, so layout errors show here; it prints one line and exits 2.
   # Flag and file mistakes show within seconds; building the data indices of a long run can take

@@ -215,7 +215,7 @@ def test_resume_with_changed_settings_is_refused_unless_overridden(corpus, tmp_p
 
     first = trainer(4, "--exit-interval", "2")
     assert first.returncode == 0 and ck.read_tracker(save) == 2, first.describe()
-    saved = ck.load_rank_file(save, 2, 1, 1, 0, 0)["args"]
+    saved = vars(ck.load_rank_file(save, 2, 1, 1, 0, 0)["args"])
     assert (saved["train_iters"], saved["seed"], saved["lr_decay_iters"]) == (4, 1234, 4)
 
     same = trainer(4, "--validate-only")

@@ -103,4 +103,4 @@ def test_sbatch_job_runs_with_stand_in_slurm(corpus, tmp_path):  # noqa: F811
     records = read_metrics(str(save / "metrics.jsonl"))
     assert [r["iteration"] for r in records if r["type"] == "train"] == [0, 1, 2, 3]
     assert records[0]["schedule"] == "flush"
-    assert sorted(os.listdir(save / "iter_0000004")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(os.listdir(save / "iter_0000004")) == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001"]

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
@@ -31,7 +30,6 @@ from megatron_2bw.pipeline.weights import GlobalNames, StageWeights, sized_weigh
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
-from megatron_2bw.training import checkpointing as ck
 
 
 def _adamw_reference(w0: torch.Tensor, n_decay: int, grads: list[torch.Tensor], lr: float, clip: float) -> torch.Tensor:
@@ -115,47 +113,6 @@ def test_transport_units_are_the_proven_groups():
             assert len(u) == 1
         i += len(u)
     assert starts == comm_groups(acts)
-
-
-def _single_stage(schedule: str = "2bw") -> tuple[PipelineStage, ModelSpec, object]:
-    cfg = get_preset("gpt-tiny")
-    tracker = RNGTracker(7, 0)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
-    return PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
-                         PipelineConfig(schedule, 1, 2), OptimizerConfig("adam", lr=1e-2),
-                         (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker), spec, cfg
-
-
-def test_payload_holds_the_newest_weights_by_global_name():
-    stage, spec, cfg = _single_stage()
-    data = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
-    stage.train(2, lambda mb: spec.make_batch(data[mb:mb + 1]), lambda t: 1e-2)
-    sd = ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=4, global_batch=2, config={}, args={})
-    assert sd["format"] == ck.FORMAT and sd["stage"]["step"] == 2
-    newest = {n: p for n, p in stage.weights.layers(2).named_parameters()}
-    assert set(sd["model"]) == set(_full_names(cfg, spec)) == set(newest)
-    for name, value in sd["model"].items():
-        assert torch.equal(value, newest[name])
-    older = stage.weights.layers(1)
-    assert any(not torch.equal(p, sd["model"][n]) for n, p in older.named_parameters())
-
-
-def test_format_1_files_still_load_and_unknown_formats_are_refused(tmp_path):
-    """Format 1 differs only in ``model``'s names; the engine state it holds restores bitwise."""
-    stage, spec, cfg = _single_stage()
-    data = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
-    stage.train(2, lambda mb: spec.make_batch(data[mb:mb + 1]), lambda t: 1e-2)
-    sd = ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=4, global_batch=2, config={}, args={})
-    root = str(tmp_path)
-    ck.atomic_torch_save({**sd, "format": 1}, ck.checkpoint_path(root, 2, 0, 0, 1))
-    fresh, _, _ = _single_stage()
-    ck.restore(ck.load_rank_file(root, 2, 1, 1, 0, 0), fresh, fresh.rng, torch.device("cpu"))
-    assert fresh.step == 2
-    for a, b in zip(fresh.state_dict()["versions"], stage.state_dict()["versions"]):
-        assert torch.equal(a, b)
-    ck.atomic_torch_save({**sd, "format": 99}, ck.checkpoint_path(root, 2, 0, 0, 1))
-    with pytest.raises(ConfigError, match=r"not a megatron_2bw checkpoint of format 1 or 2 \(format: 99\)"):
-        ck.load_rank_file(root, 2, 1, 1, 0, 0)
 
 
 def test_rng_snapshot_restores_every_stream():

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..errors import ConfigError
-from ..models.spec import ModelSpec
 from ..export.names import WORD
+from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
