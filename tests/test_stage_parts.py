@@ -14,13 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.stages import stage_range
-from megatron_2bw.parallel_state import ParallelState
-from megatron_2bw.pipeline.executor import PipelineStage
 from megatron_2bw.pipeline.grouping import COMM_OPS, comm_groups
 from megatron_2bw.pipeline.recompute import RNGSnapshot
 from megatron_2bw.pipeline.schedules import stage_actions
