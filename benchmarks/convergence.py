@@ -457,11 +457,16 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
         ttl = None
         if r["schedule"] == "2bw" and st is not None and st_f and speed["ratio"]:
             ttl = (st / st_f) / speed["ratio"]  # 2BW's time to Flush's final loss, in units of Flush's
+        # the other way round: when Flush first reached this run's final loss, and the wall-time ratio there
+        back = steps_to_target(flush, r["final_train_loss"]) if flush and r["schedule"] == "2bw" else None
+        back_t = (r["steps"] / back) / speed["ratio"] if back and speed["ratio"] else None
         r.update(regime=name, steps_to_target=st, target_train_loss=target, time_to_target_vs_flush=ttl,
-                 valid_loss_ratio_vs_flush=r["final_valid_loss"] / flush["final_valid_loss"] if flush else None)
+                 valid_loss_ratio_vs_flush=r["final_valid_loss"] / flush["final_valid_loss"] if flush else None,
+                 flush_steps_to_this_loss=back, time_vs_flush_at_this_loss=back_t)
         results.append({k: r.get(k) for k in ("regime", "schedule", "compensation", "seed", "final_valid_loss",
                                                "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
-                                               "time_to_target_vs_flush", "steps", "seconds", "d", "reused_from")})
+                                               "time_to_target_vs_flush", "flush_steps_to_this_loss",
+                                               "time_vs_flush_at_this_loss", "steps", "seconds", "d", "reused_from")})
     flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush"]
     spread = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
     modes = {}
