@@ -46,6 +46,18 @@ Definitions:
 
 Timings on a shared 2-core machine are noisy; losses are deterministic up to float reduction
 order (gloo, fp32).
+
+``--regimes aggressive paper`` (issue 15) runs the settings of ``REGIMES`` instead of the flags
+above: Flush and one 2BW run per ``--compensations`` mode (``--2bw-compensation``) per seed,
+``--parallel-runs`` at a time, at pipeline depth ``--depth`` (2BW's rule does not depend on d, so
+d = 1 gives the same losses with one process per run). ``--json`` then writes ``{"results":
+[{"regime", "schedule", "compensation", "seed", "final_valid_loss", "steps_to_target", ...}],
+"regimes": {name: {"runs", "config", "modes", "flush_seed_spread", "measured_speedup"}},
+"complete"}``, rewritten after every run. ``steps_to_target``: first step whose smoothed training
+loss is at or under the same seed's Flush final smoothed training loss (None: never);
+time-to-loss uses the 2BW/Flush throughput ratio measured by ``pipeline_throughput.py``
+(``docs/data/throughput.json``, d = 2, nearest m). ``--resume-from`` reuses finished runs (earlier
+output, or a single-regime JSON with a regime's settings), ``--merge-only`` runs nothing.
 """
 
 from __future__ import annotations
@@ -589,7 +601,7 @@ def plot_regimes(data: dict, path: str) -> None:
     for ax, (name, reg) in zip(axes[0], regs.items()):
         seeds = list(dict.fromkeys(r["seed"] for r in reg["runs"]))
         lo = []
-        for r in reg["runs"]:
+        for r in sorted(reg["runs"], key=lambda r: r["compensation"] == "dc"):  # dc (often on plain 2BW's) on top
             color, label = MODE_STYLE.get((r["schedule"], r["compensation"]), ("gray", r["schedule"]))
             k = seeds.index(r["seed"])
             c = r["curve"]

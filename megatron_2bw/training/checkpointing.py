@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..export import trainer_format
+from ..models.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
 from . import manifest
 from .supervision import describe_save_failure, os_error_line
@@ -179,7 +180,19 @@ def saved_step(sd: dict) -> int:
     return int(sd["stage"]["step"])
 
 
-def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, weights_only: bool = False) -> None:
+def _check_split(path: str, layout: dict, num_layers: int, split: tuple[int, ...] | None) -> None:
+    """A shard holds the layers of its stage: another per-stage split would load the wrong layers."""
+    d = layout["d"]
+    saved, mine = layers_per_stage(num_layers, d, layout.get("split")), layers_per_stage(num_layers, d, split)
+    if saved != mine:
+        raise ConfigError(
+            f"checkpoint {path} was saved with layers per stage {','.join(map(str, saved))} but this run uses "
+            f"{','.join(map(str, mine))}: pass --pipeline-layer-split {','.join(map(str, saved))}"
+        )
+
+
+def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, weights_only: bool = False,
+                     split: tuple[int, ...] | None = None) -> None:
     """Refuse a checkpoint whose model shape, schedule, optimizer or precision differs from this run's.
 
     ``weights_only`` (``--finetune``, ``--no-load-optim``): only the model shape must agree.
@@ -190,6 +203,7 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, w
         a, b = saved["model"].get(field), model.get(field)
         if a != b:
             raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
+    _check_split(path, sd["layout"], model["num_layers"], split)
     if weights_only:
         return
     if sd["layout"]["schedule"] != schedule:
