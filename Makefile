@@ -23,5 +23,17 @@ setup: $(STAMP)
 demo: $(STAMP)
 	PYTHON=$(PY) bash scripts/demo.sh
 
-test: $(STAMP)
-	$(PY) -m pytest
+# transformers 5 no longer ships its Megatron-LM checkpoint converters; the export tests run the
+# 4.40.2 release's own scripts (taken from its wheel, not copied into the project) as the reference.
+CONVERTERS := $(VENV)/hf_megatron_converters
+$(CONVERTERS)/.stamp: $(STAMP)
+	rm -rf $(CONVERTERS) && mkdir -p $(CONVERTERS)/wheel
+	$(VENV)/bin/pip download -q --no-deps transformers==4.40.2 -d $(CONVERTERS)/wheel
+	$(PY) -c "import glob, os, zipfile; z = zipfile.ZipFile(glob.glob('$(CONVERTERS)/wheel/*.whl')[0]); \
+	  [open(os.path.join('$(CONVERTERS)', os.path.basename(n)), 'wb').write(z.read(n)) for n in z.namelist() \
+	   if os.path.basename(n) in ('convert_megatron_gpt2_checkpoint.py', 'convert_megatron_bert_checkpoint.py')]"
+	rm -rf $(CONVERTERS)/wheel
+	touch $@
+
+test: $(STAMP) $(CONVERTERS)/.stamp
+	HF_MEGATRON_CONVERTERS=$(abspath $(CONVERTERS)) $(PY) -m pytest
