@@ -612,6 +612,29 @@ def _default_advice(data: dict) -> list[str]:
     return out
 
 
+def _cli_default() -> str:
+    from megatron_2bw.cli import FLAGS
+
+    return next(fl.default for fl in FLAGS if fl.name == "--2bw-compensation")
+
+
+def _regime_advice(data: dict) -> list[str]:
+    """Per regime: the best complete mode and whether it meets the regime's target."""
+    out = []
+    for name, reg in data["regimes"].items():
+        rows, best = _regime_rows(name, reg)
+        target = REGIME_TARGETS.get(name, T_VALID_RATIO)
+        mean = (reg["modes"].get(best) or {}).get("valid_loss_ratio_mean") if best else None
+        if mean is None:
+            continue
+        ok = mean <= target
+        out.append(f"- {name}: best 2BW mode `{best}`, {mean:.4f} x Flush: "
+                   + ("meets" if ok else "misses") + f" the {target} target"
+                   + ("." if ok else "; at these settings Flush (or a smaller learning rate) is the choice for final "
+                      "loss per step, 2BW's higher throughput does not make up for it (time columns above)."))
+    return out
+
+
 def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
     """Issue 15: both regimes, every --2bw-compensation mode, two seeds; every setting from the JSON."""
     if not data or not data.get("regimes"):
@@ -641,7 +664,7 @@ def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
     if img:
         lines += [f"![convergence in two regimes]({_rel(img, doc)})", ""]
     lines += ["Default `--2bw-compensation` (changed only for a mode better than plain 2BW in both regimes and both seeds):",
-              ""] + _default_advice(data) + [
+              ""] + _default_advice(data) + [f"- The trainer's default today: `{_cli_default()}`."] + _regime_advice(data) + [
         "",
         "- **steps to Flush's final train loss**: the first step whose smoothed training loss is at or under the same "
         "seed's Flush final smoothed training loss (`-`: never within the run). **time to it / Flush's**: "
@@ -649,7 +672,11 @@ def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
         "- **Flush's steps to this final train loss**: the other way round, the first step at which Flush's smoothed "
         "training loss reached this run's final one; **time to this loss / Flush's** = (this run's steps / those Flush "
         "steps) / measured throughput ratio (under 1: 2BW reaches its own final loss sooner in wall time than Flush does).",
-        "- Semantics of each mode: `megatron_2bw/pipeline/compensation.py` (module docstring).",
+        "- Semantics of each mode: `megatron_2bw/pipeline/compensation.py` (module docstring). A mode marked "
+        "`(1 seed)` ran on the first seed only (`convergence.py --first-seed-only`).",
+        "- Runs at d = 2 come from the single-regime benchmark (`docs/data/convergence.json`, the same settings; reused "
+        "with `--resume-from`): 2BW's and Flush's update rules do not depend on d, and the d = 1 and d = 2 Flush runs of "
+        "the same seed give the same final validation loss to the printed digits.",
         ""]
     return lines
 

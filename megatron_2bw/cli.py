@@ -134,10 +134,8 @@ FLAGS: tuple[Flag, ...] = (
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),
     Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS, default="none",
-         help="2BW's stale gradient: none, predict (microbatches run on the optimizer's predicted next weights; "
-              "no memory in bf16/fp16, one fp32 weight copy in fp32) or dc (delay-compensated gradient, DC-ASGD)"),
-    Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04,
-         help="lambda of --2bw-compensation dc: g + lambda * g * g * (W(t) - W(t-1))"),
+         help="2BW's stale gradient: predict (run on predicted weights; fp32: +1 weight copy) or dc (DC-ASGD)"),
+    Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04, help="dc: g + lambda * g * g * (W(t) - W(t-1))"),
     Flag("--pipeline-no-flushes", "pipeline.schedule", PAR, const="2bw", alias=True,
          help="2021 spelling of --pipeline-schedule 2bw"),
     Flag("--gpipe", "pipeline.schedule", PAR, const="gpipe", alias=True,
@@ -153,6 +151,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--recompute-activations", "pipeline.recompute", PAR, const=True),
     Flag("--checkpoint-activations", "pipeline.recompute", PAR, const=True, alias=True,
          help="old spelling of --recompute-activations"),
+    Flag("--recompute-granularity", "pipeline.recompute_granularity", PAR, choices=("full", "selective"),
+         help="recompute inside stages: full layers (with --recompute-method) or the attention core only"),
+    Flag("--recompute-method", "pipeline.recompute_method", PAR, choices=("uniform", "block")),
+    Flag("--recompute-num-layers", "pipeline.recompute_num_layers", PAR, int, help="uniform: chunk size; block: layers"),
     Flag("--train-iters", "training.train_iters", TRAIN, int, help="required unless --train-samples"),
     Flag("--train-samples", "training.train_samples", TRAIN, int,
          help="train on this many samples instead: --train-samples // --global-batch-size iterations (Megatron)"),
@@ -422,7 +424,7 @@ def build_config(
     parallel, pipe, B = layout_configs(layout, model, args.global_batch_size, world_size,
                                        args.p2p_mode)
     given = _fields(args, "pipeline")
-    pipe = replace(pipe, **{k: given[k] for k in ("compensation", "dc_lambda") if k in given})
+    pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda") or "recompute_" in k})
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
     return RunConfig(kind, model, parallel, pipe, opt, lr_config(args, B), training, data_config(args),
                      system_config(args, cuda_available))

@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .models.stages import canonical_split, layers_per_stage
+from .pipeline.recompute_policy import check_recompute
 from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
 
@@ -165,10 +166,15 @@ class PipelineConfig:
     dc_lambda: float = 0.04  # lambda of compensation "dc"
     # transformer layers of each stage (models/stages.py); None: the even split
     layer_split: tuple[int, ...] | None = None
+    # recomputation inside a stage (pipeline/recompute_policy.py); ``recompute`` re-runs whole stages
+    recompute_granularity: str | None = None  # full or selective
+    recompute_method: str | None = None  # uniform or block (full only)
+    recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
             object.__setattr__(self, "layer_split", tuple(int(n) for n in self.layer_split))
+        check_recompute(self.recompute, self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
         _require(
             self.schedule in SCHEDULE_NAMES,
             f"--pipeline-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}",

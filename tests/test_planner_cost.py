@@ -106,3 +106,21 @@ def test_allreduce_overlaps_2bw_but_not_flush():
     assert ar > 0
     assert flush.batch_s == pytest.approx(flush.pipeline_s + ar + flush.optimizer_s)
     assert twobw.batch_s == pytest.approx(max(2 * twobw.microbatch_s, ar) + twobw.optimizer_s)
+
+
+def test_recompute_policies_add_the_forward_they_rerun():
+    """Stage 0 of d=2 holds the (free) embedding and 2 layers of forward 1 s, backward 2 s, an
+    attention core of 0.25 s inside the forward."""
+    from dataclasses import replace
+
+    from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+    costs = replace(COSTS, layer=replace(COSTS.layer, core_forward_s=0.25, tp_allreduce_forward_bytes=7))
+
+    def compute(policy):
+        cand = Candidate(1, 2, 1, 1, 2, False, "2bw", recompute_policy=policy)
+        return stage_time(costs, cand, L, 0, TOY, float("inf"), 50.0).compute_s
+
+    assert compute(None) == pytest.approx(2 * (1 + 2))
+    assert compute(RecomputePolicy("selective")) == pytest.approx(6 + 2 * 0.25)
+    assert compute(RecomputePolicy("full", "uniform", 2)) == pytest.approx(6 + 2 * 1)
+    assert compute(RecomputePolicy("full", "block", 1)) == pytest.approx(6 + 1)

@@ -117,3 +117,34 @@ def test_paper_formula_on_the_real_2p2b_model():
     assert mem.weights + mem.second_weights == 2 * 4 * layer_p * 2
     assert mem.grads + mem.optimizer == 4 * layer_p * 14
     assert mem.activations == 4 * a_layer + 7 * a_in
+
+
+def test_recompute_policies_inside_stages():
+    """Two layers on a middle stage of 2BW (d=4, m=8, 3 microbatches in flight on stage 1); a
+    layer keeps 10 bytes, 4 of them its attention core, and its input is 1 byte."""
+    from dataclasses import replace
+
+    from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+    costs = replace(COSTS, layer=replace(COSTS.layer, core_stash_bytes=4, core_forward_s=0.25))
+    n = in_flight("2bw", 4, 8, 1)
+    assert n == 3
+
+    def act(policy):
+        return activation_bytes(costs, Candidate(1, 4, 1, 1, 8, False, "2bw", recompute_policy=policy), L, 1)
+
+    assert act(None) == n * 2 * 10
+    assert act(RecomputePolicy("selective")) == n * 2 * (10 - 4) + 4  # plus one core rebuilt in backward
+    assert act(RecomputePolicy("full", "uniform", 1)) == n * 2 * 1 + 10  # inputs, plus one layer rebuilt
+    assert act(RecomputePolicy("full", "uniform", 2)) == n * 1 + 20  # one chunk input, one chunk rebuilt
+    assert act(RecomputePolicy("full", "block", 1)) == n * (1 + 10) + 10
+    with pytest.raises(ConfigError, match="either --recompute-activations"):
+        Candidate(1, 4, 1, 1, 8, True, "2bw", recompute_policy=RecomputePolicy("selective"))
+
+
+def test_selective_leaves_korthikanti_34sbh_on_the_real_2p2b_model():
+    """Selective recomputation frees the 5as/h term: 34 sbh per layer remains (fp16, dropout, t=1)."""
+    m = paper_model("gpt-2.2b")
+    c = analytic_microbatch_costs(m, load_cluster("aws-p3.16xlarge"), "fp16", 1, 4)
+    s, h, a, b = 512, 2304, 32, 4
+    assert c.layer.core_stash_bytes == 5 * a * s * s * b
+    assert c.layer.stash_bytes - c.layer.core_stash_bytes == s * b * h * 34

@@ -17,7 +17,8 @@ from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
 from . import bert, gpt
 from .embedding import Embedding
-from .transformer import TransformerLayer
+from ..pipeline.recompute_policy import RecomputePolicy
+from .transformer import TransformerLayer, apply_recompute
 from .stages import stage_range
 
 
@@ -29,6 +30,7 @@ class ModelSpec:
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
     split: tuple[int, ...] | None = None  # layers per stage (models/stages.py); None: even
+    recompute: RecomputePolicy | None = None  # recomputation inside the stage (pipeline/recompute.py)
 
     @property
     def num_items(self) -> int:
@@ -54,6 +56,7 @@ class ModelSpec:
                                                kernels=self.kernels))
             else:
                 layers.append(head_cls(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else None))
+        apply_recompute(layers, self.recompute)
         return layers
 
     def build_stage(self, d: int, r: int) -> list[nn.Module]:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..tensor_parallel.random import RNGTracker
+from .recompute_policy import RecomputePolicy  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -57,3 +59,45 @@ class RNGSnapshot:
     @classmethod
     def from_dict(cls, state: dict) -> RNGSnapshot:
         return cls(**{f.name: state.get(f.name) for f in fields(cls)})
+
+
+# ---- recomputation inside a stage: Megatron's --recompute-granularity/-method/-num-layers --------
+
+class _Keep(torch.autograd.Function):
+    """Identity that saves its input, so the stash accounting sees what a checkpoint holds."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def checkpointed(fn: Callable[..., Any], *args: Any, tracker: RNGTracker | None) -> Any:
+    """``fn(*args)`` keeping only ``args`` for backward, which replays ``fn`` with the same RNG draws.
+
+    The default generators and the tensor-parallel tracker are snapshotted before the forward and
+    restored around the replay (torch's own RNG preservation does not know the tracker).
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    snap = RNGSnapshot.capture(device, tracker)
+    calls = [0]
+
+    def run(*a: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*a)
+        now = RNGSnapshot.capture(device, tracker)
+        snap.restore(device, tracker)
+        try:
+            return fn(*a)
+        finally:
+            now.restore(device, tracker)
+
+    kept = [_Keep.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+    return checkpoint(run, *kept, use_reentrant=False, preserve_rng_state=False)

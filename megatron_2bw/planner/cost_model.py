@@ -5,7 +5,8 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
 
 - ``compute``: forward + backward of the stage's blocks for one microbatch; with recomputation every
   block runs its forward twice (compute x 4/3 when backward = 2 x forward): our engine recomputes the
-  whole stage, embedding and head included.
+  whole stage, embedding and head included. A ``recompute_policy`` inside the stage instead adds the
+  forward of what it re-runs: the attention cores (selective) or the recomputed layers (full).
 - ``tensor_comm``: the tensor-parallel all-reduces of that microbatch (and of the recomputed forward),
   ring cost ``2(t-1)/t * bytes / bw`` over the server's NVLink.
 - ``p2p``: ``2 * (|A_in| / bw_in + |A_out| / bw_out)`` - the paper's ``2|A_in+out|/bw``: activations
@@ -39,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.stages import StageSlice, stage_slice
+from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import get_schedule
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
@@ -171,6 +173,21 @@ def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: 
     return slice_time(costs, cand, part, stage, cluster, in_bandwidth, out_bandwidth, param_bytes)
 
 
+def inner_recompute_cost(costs: MicrobatchCosts, num_layers: int, policy: RecomputePolicy | None) -> tuple[float, int]:
+    """``(seconds, tensor all-reduce bytes)`` re-run in backward by a policy inside a stage.
+
+    Selective re-runs each layer's attention core (no all-reduce inside it); full re-runs the
+    forward of every layer of a recomputed chunk, its two all-reduces included.
+    """
+    lay = costs.layer
+    if policy is None or not policy.active:
+        return 0.0, 0
+    if policy.granularity == "selective":
+        return num_layers * lay.core_forward_s, 0
+    redone = sum(n for _, n, rec in policy.segments(num_layers) if rec)
+    return redone * lay.forward_s, redone * lay.tp_allreduce_forward_bytes
+
+
 def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int, cluster: Cluster,
                in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
     """The terms of stage ``stage`` holding ``part`` (any number of layers: ``planner/split.py``)."""
@@ -180,6 +197,9 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     blocks = [(lay, part.num_layers)] + ([(emb, 1)] if part.embedding else []) + ([(head, 1)] if part.head else [])
     compute = sum(n * (passes * b.forward_s + b.backward_s) for b, n in blocks)
     tp_bytes = sum(n * (passes * b.tp_allreduce_forward_bytes + b.tp_allreduce_backward_bytes) for b, n in blocks)
+    extra_s, extra_tp = inner_recompute_cost(costs, part.num_layers, cand.recompute_policy)
+    compute += extra_s
+    tp_bytes += extra_tp
     # Token ids come from the data loader, and the loss stays on the last stage.
     in_bytes = 0 if part.embedding else lay.input_bytes
     out_bytes = 0 if part.head else lay.output_bytes

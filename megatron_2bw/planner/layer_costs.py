@@ -95,6 +95,10 @@ class BlockCost:
     workspace_bytes: int = 0
     tp_allreduce_forward_bytes: int = 0
     tp_allreduce_backward_bytes: int = 0
+    # the attention core (QK^T, softmax, dropout, times V) inside ``forward_s``/``stash_bytes``:
+    # what selective recomputation re-runs and frees (0: unknown, e.g. a profile without it)
+    core_forward_s: float = 0.0
+    core_stash_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key, value in asdict(self).items():
@@ -186,6 +190,19 @@ def head_forward_flops(model: ModelConfig, b: int, t: int) -> float:
     return flops
 
 
+def core_forward_flops(model: ModelConfig, b: int, t: int) -> float:
+    """The attention core's two batched GEMMs (QK^T and times V) on one GPU."""
+    return 4 * b * model.seq_length ** 2 * model.hidden_size / t
+
+
+def core_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
+    """What the attention core keeps beyond Q, K, V: the softmax output and, with attention dropout,
+    its mask (1 byte) and output: ``ab s^2 e (+ ab s^2 (1 + e))`` split by ``t``."""
+    s, a = model.seq_length, model.num_attention_heads
+    n = a * b * s * s * e + (a * b * s * s * (1 + e) if model.attention_dropout > 0 else 0)
+    return n // t
+
+
 def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
     """Bytes one layer keeps for its backward, its input included (see the module docstring)."""
     s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
@@ -209,6 +226,7 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     layer_fwd = layer_forward_flops(model, b, t) / speed
     stash = layer_stash_bytes(model, b, t, e)
     layer = BlockCost(
+        core_forward_s=core_forward_flops(model, b, t) / speed, core_stash_bytes=core_stash_bytes(model, b, t, e),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
         stash_bytes=stash, input_bytes=hidden, output_bytes=hidden,
         # The gradients of a layer's activations exist while its backward runs: about its stash again.

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
+from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 from .layer_costs import MicrobatchCosts
 
@@ -57,10 +58,16 @@ class Candidate:
     recompute: bool
     schedule: str
     layer_split: tuple[int, ...] | None = None  # layers per stage; None: the even split
+    # recomputation inside each stage (Megatron's --recompute-granularity); ``recompute``: whole stages
+    recompute_policy: RecomputePolicy | None = None
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
             object.__setattr__(self, "layer_split", tuple(int(n) for n in self.layer_split))
+        if self.recompute_policy is not None and not self.recompute_policy.active:
+            object.__setattr__(self, "recompute_policy", None)
+        if self.recompute and self.recompute_policy is not None:
+            raise ConfigError("use either --recompute-activations (whole stages) or --recompute-granularity")
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -164,16 +171,34 @@ def edge_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage
     return _edge_bytes(costs, stage_slice(num_layers, d, stage, split))
 
 
+def layer_stash_with(costs: MicrobatchCosts, num_layers: int, policy: RecomputePolicy | None) -> tuple[int, int]:
+    """``(per microbatch, transient)`` bytes of ``num_layers`` transformer layers under ``policy``.
+
+    Selective: each layer keeps all but its attention core; the core of the layer in backward is
+    rebuilt (transient). Full: a recomputed chunk keeps only its input; the largest chunk's
+    activations are rebuilt for one microbatch at a time (transient). Layers outside every
+    recomputed chunk (``block``) keep everything.
+    """
+    lay = costs.layer
+    if policy is None or not policy.active:
+        return num_layers * lay.stash_bytes, 0
+    if policy.granularity == "selective":
+        return num_layers * (lay.stash_bytes - lay.core_stash_bytes), lay.core_stash_bytes if num_layers else 0
+    segs = policy.segments(num_layers)
+    kept = sum(lay.input_bytes if rec else n * lay.stash_bytes for _, n, rec in segs)
+    return kept, max((n * lay.stash_bytes for _, n, rec in segs if rec), default=0)
+
+
 def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
     """Activations held at the peak of a stage holding ``part`` (see :func:`activation_bytes`)."""
     n = in_flight(cand.schedule, cand.pipeline_parallel, cand.num_micro_batches, stage)
-    layers = part.num_layers * costs.layer.stash_bytes
+    layers, transient = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
     edge = _edge_bytes(costs, part)
     if cand.recompute:
         # A_input: what the stage received (the first stage: the token ids)
         received = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
         return n * received + layers + edge
-    return n * (layers + edge)
+    return n * (layers + edge) + transient
 
 
 def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int) -> int:
@@ -182,7 +207,8 @@ def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, s
     Without recomputation every in-flight microbatch keeps all of its activations. With it, as
     our engine does it (the whole stage is re-run from what it received, embedding and head
     included), each in-flight microbatch keeps only the stage's input (token ids on stage 0),
-    plus the full activations of the one microbatch being recomputed.
+    plus the full activations of the one microbatch being recomputed. A ``recompute_policy``
+    shrinks each microbatch's layer stash instead (:func:`layer_stash_with`).
     """
     part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
     return slice_activation_bytes(costs, cand, part, stage)

@@ -5,8 +5,8 @@ attention heads and the FFN size (tensor groups never leave a server), and ``d``
 number of layers (``balance_stages``, the default: each candidate gets the split of
 ``planner/split.py``, fastest under the memory limit) or divides it (equal stages, as the paper's
 planner); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
-power-of-two microbatch ``b`` up to a limit, recomputation on and off, and each schedule of the
-registry (``pipeline/schedules.py``). The number of microbatches per batch is fixed by the global
+power-of-two microbatch ``b`` up to a limit, recomputation on and off (plus, when asked,
+``recompute_policies`` inside stages: ``FINER_RECOMPUTE``), and each schedule of the registry (``pipeline/schedules.py``). The number of microbatches per batch is fixed by the global
 batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and so is a schedule that
 needs more microbatches (``ScheduleSpec.min_microbatches``). A layout
 whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
@@ -21,12 +21,17 @@ from typing import Iterator
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
 from .split import balanced_split
+
+
+# Megatron's finer recomputation as the search tries it: the attention core, or every layer's input.
+FINER_RECOMPUTE = (RecomputePolicy("selective"), RecomputePolicy("full", "uniform", 1))
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class PlanRequest:
     max_micro_batch_size: int = 64
     schedules: tuple[str, ...] = SCHEDULE_NAMES  # SEQUENTIAL may be added: the paper's no-pipelining baseline
     recompute_options: tuple[bool, ...] = (False, True)
+    # policies inside stages searched besides ``recompute_options`` (FINER_RECOMPUTE: the usual ones)
+    recompute_policies: tuple[RecomputePolicy, ...] = ()
     no_pipelining: bool = True
     balance_stages: bool = True  # choose each candidate's stage split (planner/split.py); False: even stages
 
@@ -150,6 +157,8 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                         continue
                     for recompute in request.recompute_options:
                         yield Candidate(t, d, w, b, m, recompute, schedule)
+                    for policy in request.recompute_policies:
+                        yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy)
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
@@ -169,7 +178,8 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evalua
 
 def _rank_key(e: Evaluated) -> tuple:
     c = e.candidate
-    return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute)
+    policy = c.recompute_policy.label if c.recompute_policy else ""
+    return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute, policy)
 
 
 def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit: bool = True) -> SearchResult:
