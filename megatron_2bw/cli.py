@@ -148,7 +148,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--global-batch-size", "training.global_batch_size", PAR, int,
          help="default: micro batch size x data-parallel size x pipeline stages (d microbatches per step, "
               "the fewest PipeDream-2BW allows)"),
-    Flag("--recompute-activations", "pipeline.recompute", PAR, const=True),
+    Flag("--recompute-activations", "pipeline.recompute", PAR, const=True, help="re-run whole stages in backward"),
     Flag("--checkpoint-activations", "pipeline.recompute", PAR, const=True, alias=True,
          help="old spelling of --recompute-activations"),
     Flag("--recompute-granularity", "pipeline.recompute_granularity", PAR, choices=("full", "selective"),

@@ -101,9 +101,9 @@ CASES = [
     ("seed-too-big", lambda c, t: base(c) + ["--seed", str(2**32)], {}, f"--seed must be in [0, 2**32 - 1] "
      f"(numpy seeds the data order), got {2**32}"),
     ("load-is-a-file", lambda c, t: base(c) + ["--load", c.model], {},
-     "is a file, not a checkpoint directory"),
+     "is a file; it must name a checkpoint directory"),
     ("save-under-a-file", lambda c, t: base(c) + ["--save", os.path.join(c.model, "ckpt")], {},
-     "is under the regular file"),
+     ", which is a file, not a directory"),
     ("checkpoint-layout", lambda c, t: base(c) + ["--load", fake_checkpoint(t, ["mp_rank_00_000", "mp_rank_00_001"])],
      {}, "was saved with layout t=1 d=2 (tensor x pipeline) but this run uses t=1 d=1"),
 ]

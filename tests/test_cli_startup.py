@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from e2e import PY, REPO, clean_env, corpus, read_metrics, run, train_args  # noqa: F401
+from megatron_2bw import cli
 from megatron_2bw.cli import build_config, parse_args, schedule_note
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.pipeline.schedules import get_schedule
@@ -234,3 +235,17 @@ def test_resume_with_changed_settings_is_refused_unless_overridden(corpus, tmp_p
                      r"--train-iters 4 -> 6; --lr-decay-iters 4 -> 6$", forced.stderr, re.M), forced.describe()
     trained = [r["iteration"] for r in read_metrics(str(tmp_path / "forced.jsonl")) if r["type"] == "train"]
     assert trained == [2, 3, 4, 5] and ck.read_tracker(save) == 6
+
+
+def test_a_changed_compensation_is_a_resume_setting():
+    from megatron_2bw.training.startup_checks import changed_settings
+
+    def cfg(*extra):
+        argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
+                "--lr", "1e-3", "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer",
+                "--pipeline-schedule", "2bw", *extra]
+        return cli.build_config(cli.parse_args(argv, "gpt"), "gpt", 1, cuda_available=False)
+
+    saved = cli.megatron_args(cfg("--2bw-compensation", "predict"))
+    assert changed_settings(saved, cfg()) == [("--2bw-compensation", "predict", "none")]
+    assert changed_settings(saved, cfg("--2bw-compensation", "predict")) == []
