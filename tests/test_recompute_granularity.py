@@ -59,6 +59,13 @@ def test_every_option_trains_like_no_recomputation(schedule):
         same_training(base, single(policy, schedule))
 
 
+def test_bert_padding_mask():
+    """BERT's attention mask passes through the recomputed core and chunks."""
+    base = train(None, "2bw", kind="bert-tiny")
+    for policy in (SELECTIVE, UNIFORM2):
+        same_training(base, train(policy, "2bw", kind="bert-tiny"))
+
+
 def _options(layout, schedule, policies):
     base = train(None, schedule, layout)
     return [(base, train(p, schedule, layout)) for p in policies]
