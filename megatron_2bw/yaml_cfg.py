@@ -44,8 +44,6 @@ MEGATRON_UNSUPPORTED = {
     "--group-query-attention": "grouped-query attention",
     "--num-query-groups": "grouped-query attention",
     "--untie-embeddings-and-output-weights": "untied output weights; GPT ties the head to the embedding",
-    "--recompute-granularity": "selective recomputation; --recompute-activations re-runs whole stages",
-    "--recompute-method": "recomputation methods; --recompute-activations re-runs whole stages",
     "--rampup-batch-size": "batch-size ramp-up; the global batch is fixed",
     "--log-throughput": "a flag here: the training line always prints TFLOP/s/device",
     "--dataloader-type": "data loader types; batches come from the indexed dataset in order",

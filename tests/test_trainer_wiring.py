@@ -281,3 +281,20 @@ def test_new_flags_reach_the_config():
         ("p", "n", "w")
     saved = megatron_args(cfg)  # what checkpoints record
     assert saved["exit_signal_handler"] is True and saved["max_skipped_steps"] == 7
+
+
+def test_recompute_flags_reach_the_engine(corpus, tmp_path):  # noqa: F811
+    """--recompute-granularity/--recompute-method change what is stashed, not what is computed."""
+    runs = {}
+    for name, extra in (("none", ()), ("uniform1", ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                    "--recompute-num-layers", "1"))):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        args = [*train_args(corpus, preset="gpt-tiny", schedule="flush", iters=3, micro=2, global_batch=4),
+                "--log-interval", "1", "--eval-iters", "0", "--metrics-file", metrics, *extra]
+        res = run([PY, SCRIPT, *args], timeout=180)
+        assert res.returncode == 0, res.describe()
+        records = read_metrics(metrics)
+        stash = max(st["peak_stashed_bytes"] for r in records if r["type"] == "stages" for st in r["stages"])
+        runs[name] = (train_losses(records), stash)
+    assert runs["uniform1"][0] == runs["none"][0]  # bitwise: the replay re-runs the same operations
+    assert 0 < runs["uniform1"][1] < 0.5 * runs["none"][1], runs

@@ -39,6 +39,7 @@ from ..errors import ConfigError
 from ..export.names import WORD
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
+from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
@@ -95,7 +96,7 @@ class Trainer:
         seed_everything(stage_seed, state.device)
         self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
         spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
-                         split=cfg.pipeline.layer_split)
+                         split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline))
         self.spec = spec
         b, s, h = cfg.pipeline.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
         self.stage = PipelineStage(
