@@ -1,6 +1,6 @@
 """Megatron-LM's command-line flags <-> the config dataclasses of one run: one table, the rest derived.
 
-Each row of ``FLAGS`` is one flag: its argparse type, default and help, and the config field it
+Each row of ``FLAGS`` (``megatron_2bw.flags``) is one flag: its argparse type, default and help, and the config field it
 sets (``"section.field"`` of :class:`~megatron_2bw.config.RunConfig`). From the table come the
 trainer's parser (``build_parser``), the flags -> config mapping (``build_config``), the flags that
 reproduce a config (``megatron_args``, ``to_argv``) and the command the planner prints
@@ -16,31 +16,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 from .config import (
-    COMPENSATIONS, DECAY_STYLES, P2P_MODES, DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig,
-    SystemConfig, TrainingConfig, layout_configs, lr_by_samples, train_iters_of,
+    DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig, SystemConfig, TrainingConfig,
+    layout_configs, lr_by_samples, train_iters_of,
 )
+from .errors import ConfigError, run_cli
+from .flags import FLAGS, MEGATRON_DROPOUT, MODEL, TOOL_MODEL_FLAGS, Flag
+from .models.presets import GPT2_VOCAB, get_preset
+from .models.stages import split_from_args
+from .yaml_cfg import expand_yaml_cfg, explain_unrecognized
 
 __all__ = [
     "FLAGS", "Flag", "OneLineParser", "add_model_flags", "build_config", "build_parser", "describe", "env_world",
     "megatron_args", "model_config", "parse_args", "pretrain_argv", "run_cli", "to_argv",
 ]
-from .errors import ConfigError, run_cli
-from .models.presets import GPT2_VOCAB, PRESETS, get_preset
-from .models.stages import format_split, parse_split, split_from_args
-from .pipeline.schedules import SCHEDULE_NAMES
-from .yaml_cfg import YAML_FLAG, expand_yaml_cfg, explain_unrecognized
 
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("gloo", "nccl")
-KINDS = ("gpt", "bert")
-# Without a preset: the shape flags a model needs, and Megatron's dropout.
+# Without a preset: the shape flags a model needs.
 REQUIRED_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-MEGATRON_DROPOUT = 0.1
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -56,182 +52,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(explain_unrecognized(message, self))
-
-
-# --------------------------------------------------------------------------- the table
-@dataclass(frozen=True)
-class Flag:
-    """One flag: how argparse reads it and which config field(s) it sets (``None``: read by a rule)."""
-
-    name: str
-    target: str | tuple[str, ...] | None
-    group: str
-    type: Callable[[str], Any] | None = None
-    default: Any = None
-    help: str | None = None
-    choices: tuple[str, ...] | None = None
-    const: Any = None  # a switch (store_true) that sets its target to ``const``
-    alias: bool = False  # an older spelling: parsed, never printed
-    nargs: str | None = None
-    required: bool = False
-    kinds: tuple[str, ...] = KINDS
-    metavar: str | None = None
-    show: Callable[[Any], str] | None = None  # how a value is written back as one token (default: str per item)
-
-    @property
-    def dest(self) -> str:
-        return self.name[2:].replace("-", "_")
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return () if self.target is None else (self.target,) if isinstance(self.target, str) else self.target
-
-    def add_to(self, group: argparse._ActionsContainer) -> None:
-        if self.const is not None:
-            group.add_argument(self.name, action="store_true", help=self.help)
-            return
-        kw = {"type": self.type, "default": self.default, "choices": self.choices, "nargs": self.nargs,
-              "metavar": self.metavar}
-        group.add_argument(self.name, help=self.help, required=self.required,
-                           **{k: v for k, v in kw.items() if v is not None})
-
-
-MODEL = "model (a --model-preset gives defaults; explicit flags override it)"
-PAR, TRAIN = "parallelism and pipeline", "training"
-OPT, DATA = "optimizer, learning rate and precision", "data and tokenizer"
-CKPT, LOG, SYS = "checkpoints", "logging and evaluation", "system"
-_PRESET_HELP = f"named model shape: {', '.join(PRESETS)}"
-_DROPOUT_HELP = f"default {MEGATRON_DROPOUT} (a preset's value with --model-preset)"
-_EXIT_HELP = "on SIGTERM or --exit-signal: save (with --save) at the next step boundary and exit 0"
-_DURATION_HELP = "save (with --save) and exit 0 at the first step boundary after this many minutes"
-_SKIP_HELP = "exit 3 after more consecutive skipped steps (default: fp16 20, constant --loss-scale 5, else 0)"
-_WANDB_HELP = "turns wandb logging on (offline unless WANDB_MODE/WANDB_API_KEY say otherwise; pip install -e '.[wandb]')"
-
-FLAGS: tuple[Flag, ...] = (
-    Flag("--model-preset", None, MODEL, help=_PRESET_HELP),
-    Flag("--num-layers", "model.num_layers", MODEL, int),
-    Flag("--hidden-size", "model.hidden_size", MODEL, int),
-    Flag("--ffn-hidden-size", "model.ffn_hidden_size", MODEL, int, help="default 4 * hidden size"),
-    Flag("--num-attention-heads", "model.num_attention_heads", MODEL, int),
-    Flag("--seq-length", "model.seq_length", MODEL, int),
-    Flag("--max-position-embeddings", "model.max_position_embeddings", MODEL, int, help="default: the sequence length"),
-    Flag("--hidden-dropout", "model.hidden_dropout", MODEL, float, help=_DROPOUT_HELP),
-    Flag("--attention-dropout", "model.attention_dropout", MODEL, float, help=_DROPOUT_HELP),
-    Flag("--layernorm-epsilon", "model.layernorm_epsilon", MODEL, float),
-    Flag("--init-method-std", "model.init_method_std", MODEL, float),
-    Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),
-    Flag("--pipeline-model-parallel-size", "parallel.pipeline", PAR, int, 1),
-    Flag("--pipeline-layer-split", "pipeline.layer_split", PAR, parse_split, metavar="N,N,...", show=format_split,
-         help="layers of each stage, first to last (summing to --num-layers; 0 allowed on the first and last)"),
-    Flag("--decoder-first-pipeline-num-layers", None, PAR, int, help="layers of the first stage (Megatron)"),
-    Flag("--decoder-last-pipeline-num-layers", None, PAR, int, help="layers of the last stage (Megatron)"),
-    Flag("--account-for-embedding-in-pipeline-split", None, PAR, const=True, help="embedding = one layer (Megatron)"),
-    Flag("--account-for-loss-in-pipeline-split", None, PAR, const=True, help="head and loss = one layer (Megatron)"),
-    Flag("--pipeline-schedule", "pipeline.schedule", PAR, choices=SCHEDULE_NAMES,
-         help="default: 2bw with more than one pipeline stage, flush with one (where 2BW would only add a stale "
-              "gradient and a second weight copy)"),
-    Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
-         help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
-              "per peer, as NCCL requires) or auto (grouped except on gloo)"),
-    Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS, default="none",
-         help="2BW's stale gradient: predict (run on predicted weights; fp32: +1 weight copy) or dc (DC-ASGD)"),
-    Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04, help="dc: g + lambda * g * g * (W(t) - W(t-1))"),
-    Flag("--pipeline-no-flushes", "pipeline.schedule", PAR, const="2bw", alias=True,
-         help="2021 spelling of --pipeline-schedule 2bw"),
-    Flag("--gpipe", "pipeline.schedule", PAR, const="gpipe", alias=True,
-         help="2021 spelling of --pipeline-schedule gpipe"),
-    Flag("--micro-batch-size", "pipeline.micro_batch_size", PAR, int, help="required unless --auto-plan"),
-    Flag("--auto-plan", None, PAR, const=True,
-         help="let the planner choose t, d, --micro-batch-size, recomputation and the schedule"),
-    Flag("--auto-plan-profile", None, PAR, help="profile JSON to plan from (written here by a single-process run)"),
-    Flag("--cluster", None, PAR, help="--auto-plan: cluster preset or JSON file (default: describe this machine)"),
-    Flag("--global-batch-size", "training.global_batch_size", PAR, int,
-         help="default: micro batch size x data-parallel size x pipeline stages (d microbatches per step, "
-              "the fewest PipeDream-2BW allows)"),
-    Flag("--recompute-activations", "pipeline.recompute", PAR, const=True, help="re-run whole stages in backward"),
-    Flag("--checkpoint-activations", "pipeline.recompute", PAR, const=True, alias=True,
-         help="old spelling of --recompute-activations"),
-    Flag("--recompute-granularity", "pipeline.recompute_granularity", PAR, choices=("full", "selective"),
-         help="recompute inside stages: full layers (with --recompute-method) or the attention core only"),
-    Flag("--recompute-method", "pipeline.recompute_method", PAR, choices=("uniform", "block")),
-    Flag("--recompute-num-layers", "pipeline.recompute_num_layers", PAR, int, help="uniform: chunk size; block: layers"),
-    Flag("--train-iters", "training.train_iters", TRAIN, int, help="required unless --train-samples"),
-    Flag("--train-samples", "training.train_samples", TRAIN, int,
-         help="train on this many samples instead: --train-samples // --global-batch-size iterations (Megatron)"),
-    Flag("--seed", "training.seed", TRAIN, int, 1234),
-    Flag("--exit-interval", "training.exit_interval", TRAIN, int,
-         help="save (with --save) and exit after this many iterations"),
-    Flag("--exit-signal-handler", "training.exit_signal_handler", TRAIN, const=True, help=_EXIT_HELP),
-    Flag("--exit-signal", "training.exit_signal", TRAIN, default="SIGUSR1", help="handled like SIGTERM"),
-    Flag("--exit-duration-in-mins", "training.exit_duration_in_mins", TRAIN, float, help=_DURATION_HELP),
-    Flag("--max-skipped-steps", "training.max_skipped_steps", TRAIN, int, help=_SKIP_HELP),
-    Flag("--optimizer", "optimizer.optimizer", OPT, choices=("adam", "sgd"), default="adam"),
-    Flag("--lr", ("optimizer.lr", "lr.lr"), OPT, float, required=True),
-    Flag("--min-lr", "lr.min_lr", OPT, float, 0.0),
-    Flag("--lr-decay-style", "lr.decay_style", OPT, choices=DECAY_STYLES, default="linear"),
-    Flag("--lr-decay-iters", "lr.decay_iters", OPT, int, help="default: --train-iters"),
-    Flag("--lr-warmup-iters", "lr.warmup_iters", OPT, int, 0),
-    Flag("--lr-warmup-fraction", None, OPT, float, help="warm-up as a fraction of --lr-decay-iters"),
-    Flag("--lr-decay-samples", None, OPT, int, help="with --train-samples: decay over this many samples (default: all)"),
-    Flag("--lr-warmup-samples", None, OPT, int, help="with --train-samples: warm up over this many samples"),
-    Flag("--weight-decay", "optimizer.weight_decay", OPT, float, 0.01),
-    Flag("--clip-grad", "optimizer.clip_grad", OPT, float, 1.0),
-    Flag("--adam-beta1", "optimizer.adam_beta1", OPT, float, 0.9),
-    Flag("--adam-beta2", "optimizer.adam_beta2", OPT, float, 0.999),
-    Flag("--adam-eps", "optimizer.adam_eps", OPT, float, 1e-8),
-    Flag("--sgd-momentum", "optimizer.sgd_momentum", OPT, float, 0.9),
-    Flag("--fp16", "optimizer.dtype", OPT, const="fp16"),
-    Flag("--bf16", "optimizer.dtype", OPT, const="bf16"),
-    Flag("--loss-scale", "optimizer.loss_scale", OPT, float, help="fp16: a constant loss scale (default: dynamic)"),
-    Flag("--initial-loss-scale", "optimizer.initial_loss_scale", OPT, float, 2.0**16),
-    Flag("--loss-scale-window", "optimizer.loss_scale_window", OPT, int, 1000),
-    Flag("--min-loss-scale", "optimizer.min_loss_scale", OPT, float, 1.0),
-    Flag("--data-path", "data.data_path", DATA, nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... (a blend)"),
-    Flag("--split", "data.split", DATA, default="969, 30, 1", help="train,valid,test document weights"),
-    Flag("--tokenizer-type", "data.tokenizer_type", DATA,
-         help="SentencePieceTokenizer, GPT2BPETokenizer, BertWordPiece(Lower)Case, HuggingFaceTokenizer"),
-    Flag("--tokenizer-model", "data.tokenizer_model", DATA),
-    Flag("--vocab-file", "data.vocab_file", DATA),
-    Flag("--merge-file", "data.merge_file", DATA),
-    Flag("--mask-prob", "data.mask_prob", DATA, float, 0.15, kinds=("bert",)),
-    Flag("--short-seq-prob", "data.short_seq_prob", DATA, float, 0.1, kinds=("bert",)),
-    Flag("--save", "training.save", CKPT, help="checkpoint directory to write"),
-    Flag("--load", "training.load", CKPT, help="checkpoint directory to resume from"),
-    Flag("--override-resumed-settings", "training.override_resumed_settings", CKPT, const=True,
-         help="resume although data or schedule settings differ from the checkpoint's (each change is logged)"),
-    Flag("--save-interval", "training.save_interval", CKPT, int),
-    Flag("--finetune", "training.finetune", CKPT, const=True,
-         help="load the weights of --load only: iteration 0, a fresh optimizer, this run's data and schedule"),
-    Flag("--no-load-optim", "training.no_load_optim", CKPT, const=True,
-         help="resume the weights and the iteration of --load with a fresh optimizer and loss scaler"),
-    Flag("--no-load-rng", "training.no_load_rng", CKPT, const=True, help="do not restore the RNG states of --load"),
-    Flag("--skip-train", "training.skip_train", CKPT, const=True,
-         help="evaluate the --load checkpoint on the validation and test sets, then exit"),
-    Flag("--log-interval", "training.log_interval", LOG, int, 100),
-    Flag("--eval-interval", "training.eval_interval", LOG, int, 1000),
-    Flag("--eval-iters", "training.eval_iters", LOG, int, 100),
-    Flag("--metrics-file", "training.metrics_file", LOG, help="append one JSON object per line (see docs/training.md)"),
-    Flag("--tensorboard-dir", "training.tensorboard_dir", LOG, help="TensorBoard events (pip install -e '.[tensorboard]')"),
-    Flag("--wandb-project", "training.wandb_project", LOG, help=_WANDB_HELP),
-    Flag("--wandb-exp-name", "training.wandb_exp_name", LOG, help="the wandb run's name (required with --wandb-project)"),
-    Flag("--wandb-save-dir", "training.wandb_save_dir", LOG, help="where wandb writes the run (default: <--save>/wandb)"),
-    Flag("--device", "system.device", SYS, choices=DEVICES, default="auto"),
-    Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
-    Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
-    Flag("--fused-kernels", "system.fused_kernels", SYS, choices=("auto", "apex", "torch"), default="auto"),
-    Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0, help="exit 4 naming a rank stalled this long (0: off)"),
-    Flag(YAML_FLAG, None, SYS, metavar="FILE", help="YAML mapping of flag names (train_iters or train-iters) to values; "
-                                    "flags on the command line win"),
-    Flag("--validate-only", None, SYS, const=True,
-         help="check the flags, tokenizer, data and checkpoint to resume as every rank would, print one line "
-              "(config OK: ... or error: ...) and exit 0 or 2 without starting a process group"),
-)
-# What the tools (planner, profiler, simulator) take beyond the trainer's model flags: the trainer
-# gets the kind from its script's name and the vocabulary from its tokenizer.
-TOOL_MODEL_FLAGS: tuple[Flag, ...] = (
-    Flag("--model-kind", "model.kind", MODEL, choices=KINDS, help="default: the preset's, else gpt"),
-    Flag("--vocab-size", "model.vocab_size", MODEL, int, help=f"default: the preset's, else {GPT2_VOCAB}"),
-)
 
 
 def _flags(kind: str) -> Iterable[Flag]:

@@ -7,7 +7,7 @@ for backward and counts each storage once, leaving out the weight and gradient b
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
