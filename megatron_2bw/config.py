@@ -187,7 +187,7 @@ class PipelineConfig:
             f"--2bw-compensation must be one of {', '.join(COMPENSATIONS)}, got {self.compensation!r}",
         )
         _require(
-            self.compensation == "none" or self.schedule == "2bw",
+            self.compensation == "none" or get_schedule(self.schedule).stale_steps > 0,
             f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
         )
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,

@@ -24,8 +24,7 @@ from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
 from megatron_2bw.export.trainer_reshard import read_trainer_checkpoint, write_trainer_checkpoint
-
-SCHEDULES = ("2bw", "flush", "gpipe")
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--saver", choices=SAVERS, default="megatron")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--target-schedule", choices=SCHEDULES, help="pipeline schedule the trainer resumes with")
+    p.add_argument("--target-schedule", choices=SCHEDULE_NAMES, help="pipeline schedule the trainer resumes with")
     p.add_argument("--no-optimizer", action="store_true", help="convert the weights only")
     return p.parse_args(argv)
 

@@ -20,6 +20,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..pipeline.schedules import get_schedule
 from ..training import manifest
 from . import trainer_format
 from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir, read_rank_files
@@ -75,7 +76,7 @@ def read_trainer_checkpoint(path: str) -> TrainerCheckpoint:
 def _stage_entry(ckpt: TrainerCheckpoint, parts: dict[str, dict], schedule: str) -> dict:
     st = ckpt.first["stage"]
     opt = {k: (parts[f"optimizer.{k}"] if isinstance(v, dict) else copy.deepcopy(v)) for k, v in st["optimizer"].items()}
-    return {"step": st["step"], "schedule": schedule, "older": parts.get("older") if schedule == "2bw" else None,
+    return {"step": st["step"], "schedule": schedule, "older": parts.get("older") if get_schedule(schedule).weight_versions > 1 else None,
             "master": parts.get("master"), "optimizer": opt, "scaler": copy.deepcopy(st["scaler"])}
 
 

@@ -35,7 +35,7 @@ from .accounting import SavedBytes, StageStats
 from .actions import Action, Op
 from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
-from .schedules import stage_actions
+from .schedules import get_schedule, stage_actions
 from .transport import SEND_OPS, Transport
 from .updater import Updater
 from .weights import GlobalNames, StageWeights
@@ -81,9 +81,10 @@ class PipelineStage:
         pipe.check_depth(state.d)
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
         dtype = opt.torch_dtype
+        spec = get_schedule(pipe.schedule)
         self.weights = StageWeights(
-            build, num_versions=2 if pipe.schedule == "2bw" else 1, dtype=dtype, device=state.device,
-            tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
+            build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=dtype,
+            device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
         )
         self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda)
         self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)

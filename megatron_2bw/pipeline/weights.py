@@ -60,7 +60,7 @@ class StageWeights:
     def __init__(
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
         device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
-        names: GlobalNames = GlobalNames(),
+        names: GlobalNames = GlobalNames(), num_grad_buffers: int | None = None,
     ) -> None:
         first = nn.ModuleList(build()).to(device=device, dtype=dtype)
         named = _unique_params(first)
@@ -84,7 +84,7 @@ class StageWeights:
         for v in range(num_versions):
             self._add_version(first if v == 0 else copy.deepcopy(first), order)
 
-        num_grad = 2 if num_versions == 2 else 1
+        num_grad = num_versions if num_grad_buffers is None else num_grad_buffers
         self.grad_flat = [torch.zeros(self.numel, dtype=dtype, device=device) for _ in range(num_grad)]
         self.grad_views = [self._views(g) for g in self.grad_flat]
         self._slot_grad: list[int | None] = [None] * num_versions

@@ -16,6 +16,7 @@ from ..config import Layout, ModelConfig
 from ..errors import ConfigError
 from ..models.presets import get_preset
 from ..models.stages import format_split
+from ..pipeline.schedules import SCHEDULE_NAMES
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate
@@ -188,7 +189,7 @@ def compare_systems(model: ModelConfig, cluster: Cluster, num_gpus: int, global_
     """Best 2BW, Flush, GPipe, tensor-parallel-only and non-pipelined configurations for one scenario
     (``balance_stages=False``: equal stages, as the paper's planner)."""
     req = PlanRequest(model, cluster, num_gpus, global_batch_size,
-                      schedules=("2bw", "flush", "gpipe", SEQUENTIAL), balance_stages=balance_stages)
+                      schedules=(*SCHEDULE_NAMES, SEQUENTIAL), balance_stages=balance_stages)
     costs = costs or default_costs(req)
     result = search(req, costs, require_fit=False)
     best: dict[str, Evaluated | None] = {"2BW": _best(result, lambda c: c.schedule == "2bw")}
