@@ -16,16 +16,21 @@ from megatron_2bw.training.loop import next_boundary
 DOC = os.path.join(REPO, "docs", "training.md")
 
 
-def documented_keys() -> tuple[dict[str, set[str]], set[str]]:
-    """(line type -> keys) from the metrics table of docs/training.md, and the per-stage keys."""
+def documented_keys() -> tuple[dict[str, set[str]], set[str], set[str]]:
+    """(line type -> keys) from the metrics table of docs/training.md, the per-stage keys, and the
+    keys documented as "BERT only" (required in BERT runs, absent from GPT runs)."""
     text = open(DOC, encoding="utf-8").read()
     section = text.split("## Metrics file", 1)[1].split("## Checkpoints", 1)[0]
     per_type: dict[str, set[str]] = {}
     stage_keys: set[str] = set()
+    bert_only: set[str] = set()
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`"):
             types = [t.strip() for t in cells[1].split(",")]
+            if cells[2].startswith("BERT only"):
+                bert_only.update(re.findall(r"`([a-z_]+)`", cells[0]))
+                continue
             for key in re.findall(r"`([a-z_]+)`", cells[0]):
                 for t in types:
                     per_type.setdefault(t, set()).add(key)
@@ -34,7 +39,7 @@ def documented_keys() -> tuple[dict[str, set[str]], set[str]]:
     everything = per_type.pop("all")
     for keys in per_type.values():
         keys |= everything
-    return per_type, stage_keys
+    return per_type, stage_keys, bert_only
 
 
 CASES = {
@@ -66,7 +71,8 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
     assert re.search(rf"parameters \| layout t={t} d={d} w={w} \(4 processes", res.stderr), res.describe()
     assert "fused kernels:" in res.stderr and res.stderr.count(" iteration ") >= 3
 
-    per_type, stage_keys = documented_keys()
+    per_type, stage_keys, bert_only = documented_keys()
+    bert = case.startswith("bert")
     by_type: dict[str, list[dict]] = {}
     for r in records:
         by_type.setdefault(r["type"], []).append(r)
@@ -75,6 +81,10 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
         for r in rows:
             missing = per_type[typ] - set(r)
             assert not missing, f"{typ} line lacks documented keys {missing}: {r}"
+            if typ in ("train", "eval"):  # BERT's masked-LM and sentence-order parts of the loss
+                assert (bert_only <= set(r)) if bert else not (bert_only & set(r)), r
+                if bert and r["loss"] is not None:
+                    assert r["lm_loss"] + r["sop_loss"] == pytest.approx(r["loss"], rel=1e-6)
     for r in by_type["stages"] + by_type["start"]:
         assert len(r["stages"]) == d and all(stage_keys <= set(s) for s in r["stages"])
     start = by_type["start"][0]
@@ -91,6 +101,8 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
     assert {e["split"] for e in evals} == {"valid", "test"}
     assert [e["iteration"] for e in evals if e["split"] == "valid"] == [9, 19, 29]
     assert evals[-2]["loss"] < evals[0]["loss"] + 0.5  # validation roughly follows
+    for e in evals:  # a perplexity of the token-level LM loss only (BERT: not of MLM + sentence order)
+        assert e["ppl"] == pytest.approx(math.exp(e["lm_loss"] if bert else e["loss"]), rel=1e-12)
     if save:
         names = {f"mp_rank_{tp:02d}_{pp:03d}" for tp in range(t) for pp in range(d)}
         for it in (10, 20, 30):
@@ -128,3 +140,27 @@ def test_metrics_writer_in_process(tmp_path, caplog):
     assert rows[1]["iteration"] == 0  # the JSONL keeps the 0-based step index; the log line says iteration 1
     assert " validation loss at iteration 1 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 | " in caplog.text
     assert os.listdir(tmp_path / "tb")
+
+
+def test_metrics_writer_bert_components(tmp_path, caplog):
+    """BERT's eval record and validation line: MLM and SOP values, PPL of the MLM loss only."""
+    import json
+
+    from megatron_2bw.training.metrics import Metrics, step_record
+    from megatron_2bw.pipeline.executor import StepResult
+
+    path = tmp_path / "m.jsonl"
+    lm, sop = 2.5, 0.625
+    with caplog.at_level("INFO", logger="megatron_2bw"):
+        m = Metrics(path=str(path), tensorboard_dir=None, train_iters=4, start_iter=0, progress=False)
+        m.train_step(step_record(StepResult(0, lm + sop, 1.0, False, 1.0, 1e-3), lm + sop, step_time_s=0.5,
+                                 global_batch=8, seq_length=16, tflops=0.0, consumed_samples=8,
+                                 components={"lm_loss": lm, "sop_loss": sop}))
+        m.eval(1, "valid", lm + sop, 8, components={"lm_loss": lm, "sop_loss": sop})
+        m.close()
+    train, ev = [json.loads(line) for line in path.read_text().splitlines()]
+    assert (train["loss"], train["lm_loss"], train["sop_loss"]) == (lm + sop, lm, sop)
+    assert (ev["loss"], ev["lm_loss"], ev["sop_loss"]) == (lm + sop, lm, sop)
+    assert ev["ppl"] == pytest.approx(math.exp(lm))
+    assert (f" validation loss at iteration 1 | lm loss value: {lm:.6E} | lm loss PPL: {math.exp(lm):.6E} | "
+            f"sop loss value: {sop:.6E} | ") in caplog.text

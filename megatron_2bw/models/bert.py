@@ -48,17 +48,28 @@ class BertHead(nn.Module):
 
 
 class BertLoss:
-    """Masked-LM loss (mean over masked positions) plus sentence-order-prediction loss."""
+    """Masked-LM loss (mean over masked positions) plus sentence-order-prediction loss.
+
+    The gradient flows through the sum; :meth:`parts` also returns the two terms (detached) so the
+    engine can report them separately (Megatron logs ``lm loss`` and ``sop loss``).
+    """
+
+    components = ("lm_loss", "sop_loss")  # the names :meth:`parts` returns, in this order
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         self.vocab_size, self.tp = cfg.vocab_size, tp
 
-    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
+    def parts(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the total for backward, {"lm_loss": MLM, "sop_loss": SOP} detached)."""
         logits, sop = output
         losses = vocab_parallel_cross_entropy(logits, batch["labels"], self.vocab_size, self.tp)
         mask = batch["loss_mask"]
         lm = (losses * mask).sum() / mask.sum().clamp(min=1)
-        return lm + F.cross_entropy(sop.float(), batch["sop_label"])
+        so = F.cross_entropy(sop.float(), batch["sop_label"])
+        return lm + so, {"lm_loss": lm.detach(), "sop_loss": so.detach()}
+
+    def __call__(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
+        return self.parts(output, batch)[0]
 
 
 def random_samples(n: int, seq_length: int, vocab_size: int, generator: torch.Generator,

@@ -52,6 +52,8 @@ class StepResult:
     skipped: bool  # overflow: the update was skipped on every rank
     loss_scale: float
     lr: float
+    # named parts of the loss (BERT: lm_loss, sop_loss), mean over the m microbatches; None if the loss has none
+    components: dict[str, float] | None = None
 
 
 @dataclass
@@ -64,6 +66,18 @@ class StashEntry:
     rng: RNGSnapshot | None  # the RNG state before the forward, for recomputation
     nbytes: int  # activation bytes held for the backward
     version: int  # the weight version W(v) the forward ran on
+
+
+def loss_parts(loss_fn: Callable, out, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(total loss, named detached components): a loss function with ``parts`` reports its terms
+    (e.g. BERT's MLM and sentence-order losses); any other returns its total alone."""
+    parts = getattr(loss_fn, "parts", None)
+    return parts(out, batch) if parts is not None else (loss_fn(out, batch), {})
+
+
+def _loss_row(total: torch.Tensor, comps: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The total and its components as one float32 vector, so a step needs one host sync."""
+    return torch.stack([total.detach().float(), *(c.detach().float() for c in comps.values())])
 
 
 def _run(layers: nn.ModuleList, batch: dict, x):
@@ -105,7 +119,9 @@ class PipelineStage:
         # tensors between compute and transfer, by (transfer op, microbatch): received and not yet
         # consumed (RECV_ACT, RECV_GRAD), or produced and not yet sent (SEND_ACT, SEND_GRAD)
         self._mail: dict[tuple[Op, int], torch.Tensor] = {}
-        self._losses: dict[int, torch.Tensor] = {}  # by step: the sum of its microbatch losses (last stage)
+        # by step: the sum of its microbatch losses, then of each loss component (last stage)
+        self._losses: dict[int, torch.Tensor] = {}
+        self._loss_keys: tuple[str, ...] = ()  # the loss components' names, in ``_losses`` order
 
     @property
     def newest_layers(self) -> nn.ModuleList:
@@ -161,13 +177,14 @@ class PipelineStage:
         measure = self.saved.measure() if self.pipe.track_memory and not recompute else contextlib.nullcontext()
         with measure, (torch.no_grad() if recompute else contextlib.nullcontext()):
             out = _run(layers, batch, x)
-            loss = self.loss_fn(out, batch) if last else None
+            loss, comps = loss_parts(self.loss_fn, out, batch) if last else (None, {})
         nbytes = self.saved.bytes if self.pipe.track_memory and not recompute else 0
         if recompute and x is not None:
             nbytes = x.numel() * x.element_size()
         if last:
-            acc = self._losses.get(a.step)
-            self._losses[a.step] = loss.detach().float() if acc is None else acc + loss.detach().float()
+            acc, row = self._losses.get(a.step), _loss_row(loss, comps)
+            self._losses[a.step] = row if acc is None else acc + row
+            self._loss_keys = tuple(comps)
         else:
             self._mail[(Op.SEND_ACT, a.mb)] = out
         self._stash[a.mb] = StashEntry(x, None if recompute else (loss if last else out), batch, snap, nbytes, a.version)
@@ -190,7 +207,7 @@ class PipelineStage:
         with measure:
             out = _run(self.weights.layers(entry.version), entry.batch, x)
             if self.state.is_last_stage:
-                out = self.loss_fn(out, entry.batch)
+                out = loss_parts(self.loss_fn, out, entry.batch)[0]
         if self.pipe.track_memory:
             st = self.stats
             st.peak_stashed_bytes = max(st.peak_stashed_bytes, st.stashed_bytes + self.saved.bytes)
@@ -224,14 +241,29 @@ class PipelineStage:
         self.stats.update_wait_s += time.perf_counter() - t0
         update = self.updater.apply(t, sumsq, lr, next_lr)
         self.step = t + 1
-        loss = self._losses.pop(t, None)
-        mean = float(loss.item()) / self.pipe.num_microbatches if loss is not None else None
-        return StepResult(t, mean, update.norm, update.skipped, update.loss_scale, lr)
+        acc = self._losses.pop(t, None)
+        means = self._means(acc, self.pipe.num_microbatches)
+        comps = {k: v for k, v in means.items() if k != "loss"} if means is not None else None
+        return StepResult(t, means["loss"] if means is not None else None, update.norm, update.skipped,
+                          update.loss_scale, lr, comps or None)
+
+    def _means(self, acc: torch.Tensor | None, n: int) -> dict[str, float] | None:
+        """``{"loss": total / n, <component>: value / n, ...}`` from a summed loss row (one host sync)."""
+        if acc is None:
+            return None
+        vals = acc.tolist()
+        return dict(zip(("loss", *self._loss_keys), (v / n for v in vals)))
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self, num_microbatches: int, get_batch: Callable[[int], dict]) -> float | None:
         """Forward-only pass on the newest weights; the mean loss on the last stage (None elsewhere)."""
+        means = self.evaluate_components(num_microbatches, get_batch)
+        return means["loss"] if means is not None else None
+
+    @torch.no_grad()
+    def evaluate_components(self, num_microbatches: int, get_batch: Callable[[int], dict]) -> dict[str, float] | None:
+        """Forward-only pass on the newest weights; on the last stage ``{"loss": mean total, <component>:
+        mean, ...}`` (BERT: ``lm_loss``, ``sop_loss``), None elsewhere."""
         layers = self.newest_layers
         layers.eval()
         total = None
@@ -240,13 +272,15 @@ class PipelineStage:
             x = None if self.state.is_first_stage else self.transport.recv(Action(Op.RECV_ACT, i))
             out = _run(layers, batch, x)
             if self.state.is_last_stage:
-                loss = self.loss_fn(out, batch).float()
-                total = loss if total is None else total + loss
+                loss, comps = loss_parts(self.loss_fn, out, batch)
+                row = _loss_row(loss, comps)
+                total = row if total is None else total + row
+                self._loss_keys = tuple(comps)
             else:
                 self.transport.send(Action(Op.SEND_ACT, i), out)
         self.transport.drain()
         layers.train()
-        return float(total.item()) / num_microbatches if total is not None else None
+        return self._means(total, num_microbatches)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

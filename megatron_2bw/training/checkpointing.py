@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..export import trainer_format
+from ..export import megatron_format, trainer_format
 from ..models.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
 from . import manifest
@@ -47,7 +47,9 @@ log = logging.getLogger("megatron_2bw")
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 FORMAT = trainer_format.FORMAT
-READABLE_FORMATS = (1, 2, 3)
+TRAINER_FORMATS = (1, 2, 3)
+MEGATRON_WEIGHTS = "megatron-weights"  # a Megatron-LM file with no engine state (read with --finetune)
+READABLE_FORMATS = (*TRAINER_FORMATS, MEGATRON_WEIGHTS)
 # Model fields that must agree to load weights (dropout and sequence length may change).
 _SHAPE_FIELDS = (
     "kind", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -161,10 +163,12 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
             raise _layout_error(idir, saved, (t, d))
         raise ConfigError(f"checkpoint file {path} is missing")
     sd = _verified_load(path, idir, f"{rank_dir_name(tp, pp, d)}/{FILENAME}", iteration, t, d)
+    if _is_megatron_weights(sd):
+        sd = _megatron_weights_file(sd, path, tp, pp)
     if not isinstance(sd, dict) or sd.get("format") not in READABLE_FORMATS or "stage" not in sd:
         got = sd.get("format") if isinstance(sd, dict) else None
         raise ConfigError(f"checkpoint file {path} is not a megatron_2bw checkpoint of format "
-                          f"{' or '.join(map(str, READABLE_FORMATS))} (format: {got})")
+                          f"{' or '.join(map(str, TRAINER_FORMATS))} (format: {got})")
     lay = sd["layout"]
     if (lay["t"], lay["d"]) != (t, d):
         raise _layout_error(idir, (lay["t"], lay["d"]), (t, d))
@@ -176,7 +180,34 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
     return sd
 
 
+def _is_megatron_weights(sd) -> bool:
+    """A Megatron-LM file without this trainer's engine state (Megatron-LM's own, or checkpoint_util's)."""
+    return isinstance(sd, dict) and "format" not in sd and "args" in sd and "language_model" in sd.get("model", {})
+
+
+def _megatron_weights_file(sd: dict, path: str, tp: int, pp: int) -> dict:
+    """Weights only, at step 0: loadable with ``--finetune`` (no optimizer, RNG or older version to resume).
+
+    Shape fields a stage's file cannot show (token types off the first stage, the unpadded vocabulary
+    of a Megatron-LM file) are left out of the compatibility check; the weights' sizes are checked on load.
+    """
+    a = vars(sd["args"]) if not isinstance(sd["args"], dict) else sd["args"]
+    cfg = megatron_format.config_from_args(sd["args"], sd["model"])
+    model = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    if pp > 0:
+        model.pop("num_tokentypes")
+    if not a.get("vocab_size"):
+        model.pop("vocab_size")
+    t, d = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
+    return {**sd, "format": MEGATRON_WEIGHTS, "stage": None, "rng": None, "iteration": int(sd.get("iteration", 0)),
+            "layout": {"t": t, "d": d, "w": 1, "tp_rank": tp, "pp_rank": pp, "schedule": None,
+                       "split": a.get("pipeline_split")},
+            "config": {"model": model}, "megatron_config": cfg}
+
+
 def saved_step(sd: dict) -> int:
+    if sd["stage"] is None:
+        raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
     return int(sd["stage"]["step"])
 
 
@@ -199,11 +230,13 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, w
     """
     path = sd["path"]
     saved = sd["config"]
-    for field in _SHAPE_FIELDS:
-        a, b = saved["model"].get(field), model.get(field)
+    for field in (f for f in _SHAPE_FIELDS if f in saved["model"]):
+        a, b = saved["model"][field], model.get(field)
         if a != b:
             raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
     _check_split(path, sd["layout"], model["num_layers"], split)
+    if sd.get("format") == MEGATRON_WEIGHTS and not weights_only:
+        saved_step(sd)  # weights only: a resume needs --finetune (--no-load-optim is refused in saved_step)
     if weights_only:
         return
     if sd["layout"]["schedule"] != schedule:
@@ -326,11 +359,21 @@ def save(root: str, iteration: int, state, make_payload) -> str:
 # --------------------------------------------------------------------------- restoring (after the stage is built)
 def _engine_dict(sd: dict, stage) -> dict:
     """The engine's flat state dict from a file of any readable format."""
+    if sd.get("format") == MEGATRON_WEIGHTS:
+        return _weights_only_engine_dict(sd, stage)
     if sd.get("format", 1) < 3:
         return sd["stage"]
     w = stage.weights
     return trainer_format.engine_state(sd, model_config(sd["config"]), w.global_names, w.sizes, w.names,
                                        len(w.flat))
+
+
+def _weights_only_engine_dict(sd: dict, stage) -> dict:
+    w, lay, cfg = stage.weights, sd["layout"], sd["megatron_config"]
+    named = megatron_format.rank_weights(sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split"))
+    newest = trainer_format.flatten(named, w.global_names, w.sizes, "the weights", sd["path"]).to(w.flat[0].dtype)
+    return {"step": 0, "schedule": stage.pipe.schedule, "names": w.names, "versions": [newest] * len(w.flat),
+            **stage.updater.state_dict(), "master": None}
 
 
 def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool = True, load_rng: bool = True,
@@ -341,6 +384,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     scaler, the fp32 master copied from the newest weights. ``finetune``: the newest weights only,
     in every version, at step 0 (``--finetune``; implies no optimizer and no RNG state).
     """
+    if sd.get("format") == MEGATRON_WEIGHTS and not finetune:
+        raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
     esd = _engine_dict(sd, stage)
     if finetune or not load_optim:
         esd = {**esd, **stage.updater.state_dict(), "master": None}

@@ -118,11 +118,12 @@ def _find_resume(prep: Prepared) -> None:
         log.info(" --finetune: starting from the weights of %s at iteration %d", tc.load, it)
         prep.checkpoint = sd
         return
+    start_step = checkpointing.saved_step(sd)  # a weights-only file is refused here (it needs --finetune)
     changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
     if changes and prep.rank == 0:
         log.warning(" --override-resumed-settings: resuming with changed settings: %s", "; ".join(changes))
     prep.checkpoint, prep.resumed_from = sd, it
-    prep.start_step = int(sd["stage"]["step"])
+    prep.start_step = start_step
     prep.start_sample = int(sd["data"]["consumed_train_samples"])
     if sd["layout"]["w"] != w:
         log.info(" checkpoint was written with data-parallel size %d; this run uses %d (replicas are identical)",

@@ -80,8 +80,9 @@ class BoundaryStats(NamedTuple):
     """What one boundary all-reduce returns, identical on every rank."""
 
     losses: list[float]  # per step: the last stage's loss, mean over data-parallel replicas
-    extra: list[float]  # last-stage values (the evaluation loss), mean over replicas
+    extra: list[float]  # last-stage values (the evaluation loss, then its components), mean over replicas
     stages: list[dict]  # every pipeline stage's statistics (STAT_KEYS), one dict per stage
+    components: list[dict] = []  # per step: the loss's named parts (BERT: lm_loss, sop_loss), like ``losses``
 
 
 class Trainer:
@@ -108,6 +109,7 @@ class Trainer:
             checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device,
                                   **checkpointing.load_options(tc))
             prep.checkpoint = None  # free the CPU copy
+        self.loss_keys: tuple[str, ...] = tuple(getattr(self.stage.loss_fn, "components", ()))
         self.m = cfg.pipeline.num_microbatches
         self.B = tc.global_batch_size
         self.provider = MicrobatchProvider(
@@ -149,17 +151,19 @@ class Trainer:
         st = self.stage.stats.as_dict()
         return [float(st[k] if st[k] is not None else -1) for k in STAT_KEYS]
 
-    def allreduce_step_stats(self, losses: list[float | None], extra: list[float | None]) -> BoundaryStats:
-        """Collective (every rank calls it): one float64 all-reduce of the step losses and ``extra``
-        (last stage, tensor rank 0: mean over replicas) and every stage's statistics (data rank 0)."""
+    def allreduce_step_stats(self, losses: list[float | None], extra: list[float | None],
+                             parts: list[float | None] = ()) -> BoundaryStats:
+        """Collective (every rank calls it): one float64 all-reduce of the step losses, their named
+        components ``parts`` (``len(self.loss_keys)`` per step, flat) and ``extra`` (last stage, tensor
+        rank 0: mean over replicas) and every stage's statistics (data rank 0)."""
         s = self.state
-        n, e, k = len(losses), len(extra), len(STAT_KEYS)
-        vec = torch.zeros(n + e + s.d * k, dtype=torch.float64)
+        last = [*losses, *parts, *extra]
+        n, c, e, k = len(losses), len(parts), len(last), len(STAT_KEYS)
+        vec = torch.zeros(e + s.d * k, dtype=torch.float64)
         if s.is_last_stage and s.tp_rank == 0:
-            vec[:n] = torch.tensor([x if x is not None else float("nan") for x in losses], dtype=torch.float64) / s.w
-            vec[n:n + e] = torch.tensor([x if x is not None else float("nan") for x in extra], dtype=torch.float64) / s.w
+            vec[:e] = torch.tensor([x if x is not None else float("nan") for x in last], dtype=torch.float64) / s.w
         if s.tp_rank == 0 and s.dp_rank == 0:
-            vec[n + e + s.pp_rank * k:n + e + (s.pp_rank + 1) * k] = torch.tensor(self._stage_row(), dtype=torch.float64)
+            vec[e + s.pp_rank * k:e + (s.pp_rank + 1) * k] = torch.tensor(self._stage_row(), dtype=torch.float64)
         if dist.is_initialized():
             dev = s.device if s.device.type == "cuda" else torch.device("cpu")
             buf = vec.to(dev)
@@ -168,34 +172,45 @@ class Trainer:
         vals = vec.tolist()
         stages = []
         for r in range(s.d):
-            row = vals[n + e + r * k:n + e + (r + 1) * k]
+            row = vals[e + r * k:e + (r + 1) * k]
             d = {"stage": r}
             for key, v in zip(STAT_KEYS, row):
                 d[key] = (int(v) if v >= 0 else None) if key in _INT_STATS else v
             stages.append(d)
-        return BoundaryStats(vals[:n], vals[n:n + e], stages)
+        nk = len(self.loss_keys)
+        comps = [dict(zip(self.loss_keys, vals[n + i * nk:n + (i + 1) * nk])) for i in range(n)] if nk else []
+        return BoundaryStats(vals[:n], vals[n + c:e], stages, comps)
+
+    def _step_parts(self, results: list) -> list[float | None]:
+        """The loss components of each step result, flat in ``self.loss_keys`` order."""
+        return [(r.components or {}).get(key) for r in results for key in self.loss_keys]
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, dataset, round_index: int) -> float | None:
-        """Mean loss over ``--eval-iters`` global batches of ``dataset`` on the newest weights (last stage)."""
+    def evaluate(self, dataset, round_index: int) -> dict[str, float] | None:
+        """Mean loss (``"loss"``) and its components over ``--eval-iters`` global batches of ``dataset``
+        on the newest weights (last stage; None elsewhere)."""
         tc, s = self.cfg.training, self.state
         provider = MicrobatchProvider(
             dataset, self.spec.make_batch, global_batch=self.B, micro_batch=self.cfg.pipeline.micro_batch_size,
             m=self.m, w=s.w, dp_rank=s.dp_rank, device=s.device, start_step=0,
             start_sample=round_index * tc.eval_iters * self.B,
         )
-        return self.stage.evaluate(tc.eval_iters * self.m, self._progressing(provider))
+        return self.stage.evaluate_components(tc.eval_iters * self.m, self._progressing(provider))
 
-    def evaluate_and_allreduce(self, dataset, round_index: int, losses: list[float | None]) -> BoundaryStats:
+    def evaluate_and_allreduce(self, dataset, round_index: int, results: list) -> BoundaryStats:
         """Collective: evaluate on ``dataset`` (``None``: no evaluation at this boundary) and reduce its
-        loss together with the step ``losses``; ``extra[0]`` is the evaluation loss (NaN if none)."""
-        loss = self.evaluate(dataset, round_index) if dataset is not None else None
-        return self.allreduce_step_stats(losses, [loss])
+        loss together with the step ``results``' losses; ``extra[0]`` is the evaluation loss (NaN if
+        none), ``extra[1:]`` its components in ``self.loss_keys`` order."""
+        ev = (self.evaluate(dataset, round_index) if dataset is not None else None) or {}
+        extra = [ev.get(key) for key in ("loss", *self.loss_keys)]
+        return self.allreduce_step_stats([r.loss for r in results], extra, self._step_parts(results))
 
-    def _record_eval(self, iteration: int, split: str, loss: float, final: bool = False) -> None:
+    def _record_eval(self, iteration: int, split: str, extra: list[float], final: bool = False) -> None:
         """Rank 0: the validation line and record of an evaluation after ``iteration`` completed steps."""
         if self.metrics is not None:
-            self.metrics.eval(iteration, split, loss, self.cfg.training.eval_iters * self.B, final=final)
+            comps = dict(zip(self.loss_keys, extra[1:])) or None
+            self.metrics.eval(iteration, split, extra[0], self.cfg.training.eval_iters * self.B, final=final,
+                              components=comps)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, completed: int) -> None:
@@ -338,12 +353,12 @@ class Trainer:
         do_eval = self.can_eval and _at_interval(end, tc.eval_interval)
         self.last_eval = end if do_eval else self.last_eval
         stats = self.evaluate_and_allreduce(self.prep.valid_ds if do_eval else None,
-                                            end // tc.eval_interval - 1 if do_eval else 0, [r.loss for r in results])
+                                            end // tc.eval_interval - 1 if do_eval else 0, results)
         exiting = _at_interval(end, tc.exit_interval) and end < tc.train_iters
         if self.metrics is not None:
             self._record_segment(results, stats, dt, end - first, end, exiting)
             if do_eval:
-                self._record_eval(end, "valid", stats.extra[0])
+                self._record_eval(end, "valid", stats.extra)
         self._check_health(results, stats.losses)
         if tc.save and (_at_interval(end, tc.save_interval) or exiting):
             self.save(end)
@@ -354,9 +369,10 @@ class Trainer:
         """Rank 0: a ``train`` record per step, the progress bar, and the log line at log boundaries."""
         cfg, tc = self.cfg, self.cfg.training
         tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, cfg.pipeline.recompute)
-        for r, loss in zip(results, stats.losses):
+        for i, (r, loss) in enumerate(zip(results, stats.losses)):
             rec = step_record(r, loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
-                              tflops=tfl, consumed_samples=self.provider.consumed_samples(r.step + 1))
+                              tflops=tfl, consumed_samples=self.provider.consumed_samples(r.step + 1),
+                              components=stats.components[i] if stats.components else None)
             self.metrics.train_step(rec)
             self.window.append(rec)
         self.metrics.progress(steps, stats.losses[-1] if stats.losses else None)
@@ -375,7 +391,7 @@ class Trainer:
         if self.prep.test_ds is not None and tc.eval_iters > 0:
             final.append(("test", self.prep.test_ds, 0))
         for split, dataset, round_index in final:
-            self._record_eval(done, split, self.evaluate_and_allreduce(dataset, round_index, []).extra[0], final=True)
+            self._record_eval(done, split, self.evaluate_and_allreduce(dataset, round_index, []).extra, final=True)
 
     def _log_window(self, window: list[dict], completed: int, stages: list[dict]) -> None:
         """Rank 0: Megatron's training line, the memory report once, a plain ETA line off a terminal."""
@@ -383,7 +399,8 @@ class Trainer:
             return
         tc, s = self.cfg.training, self.state
         log.info(window_line(window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
-                             seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops))
+                             seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops,
+                             loss_keys={key.replace("_", " "): key for key in self.loss_keys} or None))
         if not self.memory_reported:
             self.memory_reported = True
             cuda = cuda_memory(s.device) if s.device.type == "cuda" else None

@@ -106,8 +106,9 @@ class Metrics:
 
     def train_step(self, record: dict) -> None:
         self.write({"type": "train", **record})
-        self.scalars("train", {k: record[k] for k in ("loss", "lr", "grad_norm", "loss_scale", "samples_per_sec",
-                                                      "tokens_per_sec", "tflops_per_device") if record.get(k) is not None},
+        self.scalars("train", {k: record[k] for k in ("loss", "lm_loss", "sop_loss", "lr", "grad_norm", "loss_scale",
+                                                      "samples_per_sec", "tokens_per_sec", "tflops_per_device")
+                               if record.get(k) is not None},
                      iteration_of_step(record["iteration"]))
 
     def progress(self, n: int, loss: float | None) -> None:
@@ -116,13 +117,22 @@ class Metrics:
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
-    def eval(self, iteration: int, split: str, loss: float, samples: int, final: bool = False) -> None:
-        """One evaluation after ``iteration`` completed steps (1-based; the JSONL record keeps the step index)."""
-        ppl = math.exp(min(loss, 20.0))
-        self.write({"type": "eval", "iteration": iteration - 1, "split": split, "loss": loss, "ppl": ppl,
+    def eval(self, iteration: int, split: str, loss: float, samples: int, final: bool = False,
+             components: dict[str, float] | None = None) -> None:
+        """One evaluation after ``iteration`` completed steps (1-based; the JSONL record keeps the step index).
+
+        ``components`` (BERT: ``lm_loss``, ``sop_loss``) are logged instead of the total under their
+        Megatron names, and the perplexity is that of ``lm_loss``: a perplexity of MLM plus
+        sentence-order loss means nothing.
+        """
+        comps = components or {}
+        lm = comps.get("lm_loss", loss)
+        ppl = math.exp(min(lm, 20.0))
+        self.write({"type": "eval", "iteration": iteration - 1, "split": split, "loss": loss, **comps, "ppl": ppl,
                     "samples": samples, "time": time.time()})
-        self.scalars(split, {"loss": loss, "ppl": ppl}, iteration)
-        log.info(framed(validation_line(iteration, {"lm loss": loss}, split=split, final=final)))
+        self.scalars(split, {"loss": loss, **comps, "ppl": ppl}, iteration)
+        named = {k.replace("_", " "): v for k, v in comps.items()} or {"lm loss": loss}
+        log.info(framed(validation_line(iteration, named, split=split, final=final)))
 
     def stages(self, iteration: int, stages: list[dict]) -> None:
         self.write({"type": "stages", "iteration": iteration, "stages": stages})
@@ -145,11 +155,15 @@ class Metrics:
 
 
 def step_record(result, loss: float | None, *, step_time_s: float, global_batch: int, seq_length: int,
-                tflops: float, consumed_samples: int) -> dict:
-    """The metrics file's ``train`` record of one step (``result``: the engine's ``StepResult``)."""
+                tflops: float, consumed_samples: int, components: dict[str, float] | None = None) -> dict:
+    """The metrics file's ``train`` record of one step (``result``: the engine's ``StepResult``).
+
+    ``loss`` is the total the gradient comes from; ``components`` (BERT: ``lm_loss``, ``sop_loss``,
+    mean over data-parallel replicas like ``loss``) follow it.
+    """
     sps = global_batch / step_time_s
     return {
-        "iteration": result.step, "loss": loss, "lr": result.lr, "grad_norm": result.grad_norm,
+        "iteration": result.step, "loss": loss, **(components or {}), "lr": result.lr, "grad_norm": result.grad_norm,
         "loss_scale": result.loss_scale, "skipped": result.skipped, "samples_per_sec": sps,
         "tokens_per_sec": sps * seq_length, "tflops_per_device": tflops, "step_time_s": step_time_s,
         "consumed_samples": consumed_samples, "global_batch_size": global_batch, "time": time.time(),
