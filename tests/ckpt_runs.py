@@ -1,6 +1,6 @@
 """Tiny trainer runs shared by the checkpoint tests (one launch each per session).
 
-GPT-tiny on the repository's demo corpus (8000-piece SentencePiece), fp32 on CPU, no dropout.
+GPT-tiny on the tests' own small corpus (512-piece SentencePiece, built once a session), fp32 on CPU, no dropout.
 """
 
 from __future__ import annotations
@@ -9,10 +9,15 @@ import dataclasses
 import os
 
 import pytest
-from e2e import PY, REPO, Result, once, read_metrics, run, torchrun, train_losses  # noqa: F401
+from e2e import PY, REPO, Result, once, read_metrics, run, shared_corpus, torchrun, train_losses  # noqa: F401
 
-DATA = ["--data-path", os.path.join(REPO, "demo_data", "demo_8000_text_document"), "--split", "90,5,5",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", os.path.join(REPO, "demo_data", "tok_8000.model")]
+DATA: list[str] = []  # filled by the autouse fixture below before any test builds its flags
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ckpt_data(tmp_path_factory) -> None:
+    if not DATA:
+        DATA.extend(shared_corpus(tmp_path_factory).data_args())
 
 
 def gpt_args(*, iters: int, t: int = 1, d: int = 1, schedule: str = "2bw", extra: tuple[str, ...] = ()) -> list[str]:

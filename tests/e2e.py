@@ -248,6 +248,11 @@ def once(fn):
 @pytest.fixture(scope="session")
 @once
 def corpus(tmp_path_factory) -> Corpus:
+    return shared_corpus(tmp_path_factory)
+
+
+def shared_corpus(tmp_path_factory) -> Corpus:
+    """The tests' own small corpus and tokenizers (a fresh clone has no demo_data/), built once a session."""
     d = tmp_path_factory.getbasetemp() / "e2e_corpus"
     c = Corpus(str(d), str(d / "demo_text_document"), str(d / "tok512.model"), str(d / "tok400.model"))
     if not os.path.exists(c.prefix + ".idx"):

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from ckpt_runs import one_rank_run  # noqa: F401
+from ckpt_runs import _ckpt_data, one_rank_run  # noqa: F401
 from export_helpers import hf_converter, max_err
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig

@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 import torch
-from ckpt_runs import gpt_args, one_rank_run, tp2_pp2_run, train  # noqa: F401
+from ckpt_runs import _ckpt_data, gpt_args, one_rank_run, tp2_pp2_run, train  # noqa: F401
 from e2e import read_metrics, train_losses
 
 from megatron_2bw.errors import ConfigError

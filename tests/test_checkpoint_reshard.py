@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from ckpt_runs import gpt_args, tp2_pp2_run, train  # noqa: F401
+from ckpt_runs import _ckpt_data, gpt_args, tp2_pp2_run, train  # noqa: F401
 from e2e import PY, REPO, read_metrics, run, train_losses
 
 from megatron_2bw.export.trainer_reshard import read_trainer_checkpoint

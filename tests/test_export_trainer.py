@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from e2e import PY, REPO, run, torchrun
+from e2e import PY, REPO, run, shared_corpus, torchrun
 from export_helpers import max_err
 
 from megatron_2bw.export.checkpoints import trainer_model_config
@@ -16,16 +16,17 @@ from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.models.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
 
-TOKENIZER = os.path.join(REPO, "demo_data", "tok_8000.model")
+@pytest.fixture(scope="module")
+def corpus_data(tmp_path_factory):
+    return shared_corpus(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def trainer_ckpt(tmp_path_factory) -> str:
+def trainer_ckpt(tmp_path_factory, corpus_data) -> str:
     save = str(tmp_path_factory.mktemp("trainer") / "ckpt")
     res = torchrun("pretrain_gpt.py", [
         "--model-preset", "gpt-tiny", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "2bw",
-        "--data-path", os.path.join(REPO, "demo_data", "demo_8000_text_document"), "--split", "98,1,1",
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", TOKENIZER,
+        *corpus_data.data_args("98,1,1"),
         "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2",
         "--eval-iters", "0", "--device", "cpu", "--save", save], nproc=2)
     assert res.returncode == 0, res.describe()
@@ -60,7 +61,7 @@ def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path):
     res = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "hf"), "--saver", "hf", "--no-optimizer"])
     assert res.returncode == 0, res.describe()
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
-    tokens = torch.randint(0, 8000, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))  # the 512-piece tokenizer
     with torch.no_grad():
         theirs = hf(tokens).logits
     assert max_err(theirs, _stage_logits(trainer_ckpt, tokens)) < 1e-5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from ckpt_runs import gpt_args, one_rank_run, train  # noqa: F401
+from ckpt_runs import _ckpt_data, gpt_args, one_rank_run, train  # noqa: F401
 from e2e import once, read_metrics, train_losses
 
 from megatron_2bw.training import checkpointing as ck

@@ -56,7 +56,7 @@ def test_sampling_is_seeded():
     assert a == b and a != c
 
 
-def test_generate_tool_streams_transformers_greedy_text(tmp_path, capsys):
+def test_generate_tool_streams_transformers_greedy_text(tmp_path, tmp_path_factory, capsys):
     """tools/generate.py on a Megatron-layout checkpoint (t=2, d=2) prints HF's greedy continuation."""
     import importlib.util
     import os
@@ -65,7 +65,9 @@ def test_generate_tool_streams_transformers_greedy_text(tmp_path, capsys):
     from megatron_2bw.export.megatron_format import write_megatron_dir
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sp = os.path.join(root, "demo_data", "tok_8000.model")
+    from e2e import shared_corpus
+
+    sp = shared_corpus(tmp_path_factory).model
     tok = build_tokenizer("SentencePieceTokenizer", sp)
     ex, _ = tiny("gpt", vocab_size=tok.vocab_size, max_position_embeddings=40)
     ex.tokenizer = {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}
