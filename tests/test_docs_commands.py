@@ -10,8 +10,9 @@ The rule, in full:
   suite); the case is reported as skipped with REASON.
   ``<!-- test-env: NAME=VALUE NAME2=VALUE2 -->`` -- environment for that block only, for tiny
   sizes (``DEMO_ITERS=4``).
-- A block that runs the test suite itself (``make test``, ``pytest``) is never run here: it
-  would start this test again. Put such a command in a block of its own marked ``no-test``.
+- A line that runs the test suite itself (``make test``, ``pytest``) is never run here: it
+  would start this test again. The rest of its block runs (the README's first block: ``make
+  demo`` runs, ``make test`` does not); a block of nothing else is skipped.
 - Each block is one test case, run by ``bash -eo pipefail`` with a 120 s limit, in document
   order (README.md, then docs/*.md by name), in one shared workspace: a temporary folder with
   the repository's top-level entries linked in, as a fresh clone after ``make setup`` has them
@@ -101,8 +102,9 @@ def extract_blocks(text: str, file: str) -> list[DocBlock]:
         i += 1
         if lang in LANGS:
             skip, env = _markers(lines, start, f"{file}:{start + 1}")
-            code = "\n".join(body) + "\n"
-            if skip is None and SUITE.search(code):
+            kept = [line for line in body if not SUITE.search(line)]  # a suite line would start this test again
+            code = "\n".join(kept if "".join(kept).strip() else body) + "\n"
+            if skip is None and not "".join(kept).strip():
                 skip = "runs the test suite (this test included): mark it <!-- no-test: ... -->"
             blocks.append(DocBlock(file, start + 1, code, skip, env))
     return blocks
@@ -245,6 +247,11 @@ def test_extraction_rule():
         (31, "make test\n", blocks[-1].skip, {}),
     ]
     assert blocks[-1].skip.startswith("runs the test suite")
+
+
+def test_suite_lines_are_dropped_from_a_mixed_block():
+    (block,) = extract_blocks("<!-- test-env: DEMO_ITERS=4 -->\n```bash\nmake demo\nmake test\n```\n", "R.md")
+    assert (block.code, block.skip, block.env) == ("make demo\n", None, {"DEMO_ITERS": "4"})
 
 
 @pytest.mark.parametrize("bad", ["<!-- no-test -->\n```bash\nx\n```\n", "<!-- no-test:  -->\n```bash\nx\n```\n",
