@@ -18,6 +18,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..training.manifest import atomic_file
 from .names import Split, megatron_path, names_by_path, stage_names
 from .reshard import reshard, unshard
 
@@ -150,10 +151,9 @@ def write_megatron_dir(root: str, ex: Exported, t: int = 1, d: int = 1, schedule
     for (tp, pp), contents in megatron_files(ex, t, d, schedule, split).items():
         path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp"
-        torch.save(contents, tmp)
-        os.replace(tmp, path)
-    with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as f:
+        with atomic_file(path, "wb") as f:
+            torch.save(contents, f)
+    with atomic_file(os.path.join(root, TRACKER), "w") as f:
         f.write(f"{ex.iteration}\n")
     return idir
 

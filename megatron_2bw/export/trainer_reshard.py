@@ -106,15 +106,13 @@ def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: i
         parts = {n: s[(tp, pp)] for n, s in split.items()}
         path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with manifest.atomic_file(path, "wb") as f:
             cw = manifest.ChecksumWriter(f)
             torch.save(_file(ckpt, parts, t=t, d=d, tp=tp, pp=pp, schedule=schedule), cw)
-        os.replace(tmp, path)
         ident = manifest.shard_identity(iteration=it, t=t, d=d, w=1, tp_rank=tp, pp_rank=pp, schedule=schedule)
         rel, entry = manifest.manifest_entry(idir, path, ident, cw.checksum, cw.size)
         entries[rel] = entry
     manifest.write_manifest(idir, it, entries)
-    with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as f:
+    with manifest.atomic_file(os.path.join(root, TRACKER), "w") as f:
         f.write(f"{it}\n")
     return idir

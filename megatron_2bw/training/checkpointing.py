@@ -265,39 +265,23 @@ def atomic_torch_save(obj, path: str) -> tuple[str, int]:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as e:
         raise ConfigError(os_error_line(e, os.path.dirname(path), "creating")) from None
-    tmp = f"{path}.tmp.{os.getpid()}"
     cw = None
     try:
-        with open(tmp, "wb") as f:
+        with manifest.atomic_file(path, "wb") as f:
             cw = manifest.ChecksumWriter(f)
             torch.save(obj, cw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, (OSError, RuntimeError)):
-            raise ConfigError(describe_save_failure(e, path, cw.error if cw is not None else None)) from None
-        raise
-    manifest.fsync_dir(os.path.dirname(path))
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(describe_save_failure(e, path, cw.error if cw is not None else None)) from None
     return cw.checksum, cw.size
 
 
 def write_tracker(root: str, iteration: int) -> None:
     path = os.path.join(root, TRACKER)
-    tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with manifest.atomic_file(path, "w") as f:
             f.write(f"{iteration}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise ConfigError(os_error_line(e, path)) from None
-    manifest.fsync_dir(root)
 
 
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,

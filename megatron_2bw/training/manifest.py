@@ -16,11 +16,12 @@ attacker, detects every burst of up to 32 flipped bits and anything else with pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import zlib
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 from ..errors import ConfigError
 
@@ -152,15 +153,15 @@ def manifest_entry(iter_dir: str, path: str, identity: dict, checksum: str | Non
     return rel, {"size": int(size), "crc32": checksum, "identity": dict(identity)}
 
 
-def write_manifest(iter_dir: str, iteration: int, entries: dict[str, dict]) -> str:
-    """Write ``iter_dir/manifest.json`` atomically; call it after every shard is on disk, before the pointer."""
-    doc = {"format": MANIFEST_FORMAT, "iteration": int(iteration), "files": dict(sorted(entries.items()))}
-    path = os.path.join(iter_dir, MANIFEST)
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "wb") -> Iterator:
+    """Write ``path`` through ``path.tmp.PID``: on success fsync, rename and fsync the folder, so
+    ``path`` is old or complete, never partial; on any failure the temporary is removed and the
+    error propagates. The temporary's name is what :func:`clean_stale_temporaries` looks for."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -168,7 +169,16 @@ def write_manifest(iter_dir: str, iteration: int, entries: dict[str, dict]) -> s
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    fsync_dir(iter_dir)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_manifest(iter_dir: str, iteration: int, entries: dict[str, dict]) -> str:
+    """Write ``iter_dir/manifest.json`` atomically; call it after every shard is on disk, before the pointer."""
+    doc = {"format": MANIFEST_FORMAT, "iteration": int(iteration), "files": dict(sorted(entries.items()))}
+    path = os.path.join(iter_dir, MANIFEST)
+    with atomic_file(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
     return path
 
 
