@@ -180,7 +180,13 @@ def layout_of(args: argparse.Namespace) -> Layout:
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     dtype = precision_of(args)
     _require(args.loss_scale is None or dtype == "fp16", "--loss-scale only applies with --fp16")
-    return OptimizerConfig(**_fields(args, "optimizer"), dtype=dtype)
+    switches = {}
+    for target in ("accumulate_allreduce_grads_in_fp32", "use_distributed_optimizer"):
+        given = {f.const for f in _switched(args, f"optimizer.{target}")}
+        _require(len(given) < 2, "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other")
+        if given:
+            switches[target] = given.pop()
+    return OptimizerConfig(**_fields(args, "optimizer"), **switches, dtype=dtype)
 
 
 def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRConfig:

@@ -223,6 +223,12 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     dp_bucket_mb: float = 25.0
+    # gradients accumulate over the microbatches and are all-reduced in fp32 (Megatron's
+    # --accumulate-allreduce-grads-in-fp32); None: on for bf16 (as Megatron forces it), off for fp16
+    accumulate_allreduce_grads_in_fp32: bool | None = None
+    # ZeRO-1 (Megatron's --use-distributed-optimizer): fp32 master and optimizer state sharded over the
+    # data-parallel group; gradients reduce-scattered, updated shards all-gathered
+    use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}")
@@ -254,6 +260,25 @@ class OptimizerConfig:
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @property
+    def fp32_grads(self) -> bool:
+        """Whether gradients accumulate and are all-reduced in fp32 (always, when the model is fp32)."""
+        if self.dtype == "fp32":
+            return True
+        given = self.accumulate_allreduce_grads_in_fp32
+        return self.dtype == "bf16" if given is None else given
+
+    @property
+    def grad_dtype(self) -> str:
+        """The precision of the gradient buffers: ``fp32`` or the model's."""
+        return "fp32" if self.fp32_grads else self.dtype
+
+    @property
+    def torch_grad_dtype(self):
+        import torch
+
+        return torch.float32 if self.fp32_grads else self.torch_dtype
 
 
 DECAY_STYLES = ("linear", "cosine", "constant")

@@ -29,7 +29,6 @@ MEGATRON_UNSUPPORTED = {
     "--virtual-pipeline-model-parallel-size": "interleaved (virtual) pipeline stages; use --pipeline-schedule 2bw, flush or gpipe",
     "--sequence-parallel": "sequence parallelism; tensor parallelism (--tensor-model-parallel-size) is supported",
     "--context-parallel-size": "context parallelism",
-    "--use-distributed-optimizer": "the distributed (ZeRO-1) optimizer; each data-parallel replica keeps its optimizer state",
     "--overlap-grad-reduce": "a flag here: gradient reductions are always issued at once and overlapped",
     "--overlap-param-gather": "the distributed optimizer's parameter gather",
     "--num-experts": "mixture of experts",
