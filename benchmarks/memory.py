@@ -1,5 +1,11 @@
 """Measured memory per stage (weight versions, stashed activations) against the paper and the planner.
 
+``--states`` measures instead, per GPU, the bytes of weights (every version), gradients (every
+buffer), the fp32 master and the Adam state, at data-parallel widths w in {1, 2, 4}, fp32 and bf16,
+with and without the distributed optimizer (``PipelineStage.weights.weight_bytes``/``grad_bytes``,
+``updater.master_bytes``/``state_bytes``), beside the closed-form formulas (``state_formula``) and the
+planner's memory model, with their relative differences.
+
 For each depth d, each m, each schedule (2bw, flush, gpipe) and recomputation off/on, the engine
 trains a few steps with ``track_memory`` on and every stage reports (``PipelineStage.stats``):
 
@@ -142,6 +148,142 @@ def summarize(raw: list[dict], conf: dict) -> tuple[list[dict], str | None]:
     return rows, why
 
 
+# ---- weights, gradients, master and optimizer state (``--states``) ------------------------------
+
+STATE_KEYS = ("weights", "grads", "master", "optimizer_state")
+
+
+def state_worker(conf: dict) -> list[dict]:
+    """Build one PipelineStage per (precision, optimizer, schedule), train one step, report its bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.tensor_parallel.group import TPGroup
+
+    d = conf["d"]
+    w = dist.get_world_size() // d
+    state = build_state(1, d, w, torch.device("cpu"))
+    cfg, b, m = ModelConfig(**conf["model"]), conf["micro_batch"], conf["m"]
+    torch.manual_seed(1234)
+    spec = ModelSpec(cfg, TPGroup(), 1234)
+    batches = [spec.make_batch(t) for t in common.token_pool(cfg, 4, b)]
+    out = []
+    for precision in conf["precisions"]:
+        for zero in (False, True):
+            for schedule in conf["schedules"]:
+                opt = OptimizerConfig("adam", lr=1e-4, dtype=precision, use_distributed_optimizer=zero)
+                stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
+                                      PipelineConfig(schedule, b, m), opt, (b, cfg.seq_length, cfg.hidden_size))
+                stage.train(1, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
+                out.append(dict(d=d, w=w, stage=state.pp_rank, dp_rank=state.dp_rank, precision=precision,
+                                distributed_optimizer=zero, schedule=schedule, numel=stage.weights.numel,
+                                weights=stage.weights.weight_bytes, grads=stage.weights.grad_bytes,
+                                master=stage.updater.master_bytes, optimizer_state=stage.updater.state_bytes))
+                del stage
+                dist.barrier()
+    return out
+
+
+def stage_numel(cfg, d: int, stage: int) -> int:
+    """Parameters of a GPT stage (t = 1), closed form: 12h^2 + 13h per layer, the word and position
+    embeddings on the first stage, the final LayerNorm and (d > 1) the tied output copy on the last."""
+    h, vp = cfg.hidden_size, -(-cfg.vocab_size // 128) * 128
+    n = cfg.num_layers // d * (12 * h * h + 13 * h)
+    if stage == 0:
+        n += vp * h + cfg.max_position_embeddings * h
+    if stage == d - 1:
+        n += 2 * h + (vp * h if d > 1 else 0)
+    return n
+
+
+def state_formula(cfg, r: dict) -> dict:
+    """Weights x versions, gradients x buffers (fp32 with bf16), and the master (half precision only) and
+    Adam's two moments on ceil(N/w) elements with the distributed optimizer, N without."""
+    from megatron_2bw.pipeline.schedules import get_schedule
+
+    spec = get_schedule(r["schedule"])
+    n = stage_numel(cfg, r["d"], r["stage"])
+    shard = -(-n // r["w"]) if r["distributed_optimizer"] else n
+    wb = 4 if r["precision"] == "fp32" else 2
+    gb = 4 if r["precision"] in ("fp32", "bf16") else 2
+    return dict(numel=n, weights=spec.weight_versions * n * wb, grads=spec.grad_buffers * n * gb,
+                master=shard * 4 if wb == 2 else 0, optimizer_state=shard * 8)
+
+
+def state_planner(cfg, b: int, m: int, r: dict) -> dict | None:
+    """The same four terms from the planner's memory model (analytic costs), or None without it."""
+    try:
+        from megatron_2bw.planner.hardware import load_cluster
+        from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
+        from megatron_2bw.planner.memory_model import Candidate, ParamBytes, stage_memory
+    except ImportError:
+        return None
+    costs = analytic_microbatch_costs(cfg, load_cluster("dgx-h100"), r["precision"], 1, b)
+    cand = Candidate(1, r["d"], r["w"], b, m, False, r["schedule"], distributed_optimizer=r["distributed_optimizer"])
+    sm = stage_memory(costs, cand, cfg.num_layers, r["stage"], ParamBytes.for_precision(r["precision"]))
+    return dict(numel=sm.params, weights=sm.weights + sm.second_weights, grads=sm.grads, master=sm.master,
+                optimizer_state=sm.optimizer_state)
+
+
+def _rel(measured: int, ref: int) -> float:
+    return 0.0 if measured == ref else (measured - ref) / ref if ref else float("inf")
+
+
+def state_rows(raw: list[dict], conf: dict) -> list[dict]:
+    from megatron_2bw.config import ModelConfig
+
+    cfg = ModelConfig(**conf["model"])
+    rows = []
+    for r in raw:
+        row = dict(r)
+        refs = {"formula": state_formula(cfg, r), "planner": state_planner(cfg, conf["micro_batch"], conf["m"], r)}
+        for name, ref in refs.items():
+            if ref is None:
+                continue
+            for k in ("numel", *STATE_KEYS):
+                row[f"{name}_{k}"] = ref[k]
+                row[f"rel_diff_{name}_{k}"] = _rel(r[k], ref[k])
+            row[f"max_abs_rel_diff_{name}"] = max(abs(row[f"rel_diff_{name}_{k}"]) for k in STATE_KEYS)
+        rows.append(row)
+    return rows
+
+
+def run_states(args: argparse.Namespace) -> int:
+    """The ``--states`` benchmark: every (d, w) launch, the table, the JSON."""
+    conf = dict(model=common.model_dict(args), micro_batch=args.micro_batch, schedules=("2bw", "flush"),
+                precisions=("fp32", "bf16"))
+    raw = []
+    for d in args.d:
+        for w in args.w:
+            conf_dw = dict(conf, d=d, m=max(d, 2))
+            for rank_rows in common.spawn(state_worker, d * w, conf_dw, timeout=600):
+                raw += rank_rows
+    rows = state_rows(raw, dict(conf, m=2))
+    rows.sort(key=lambda r: (r["d"], r["w"], r["precision"], r["schedule"], r["distributed_optimizer"], r["stage"],
+                             r["dp_rank"]))
+    show = [dict(r, distributed_optimizer="yes" if r["distributed_optimizer"] else "no",
+                 **{k: r[k] / 1024 for k in STATE_KEYS}) for r in rows]
+    cols = [("d", "d", ""), ("w", "w", ""), ("precision", "prec", ""), ("schedule", "schedule", ""),
+            ("distributed_optimizer", "dist-opt", ""), ("stage", "stage", ""), ("dp_rank", "dp", ""),
+            ("weights", "W KiB", ".1f"), ("grads", "grad KiB", ".1f"), ("master", "master KiB", ".1f"),
+            ("optimizer_state", "Adam KiB", ".1f"), ("max_abs_rel_diff_formula", "vs formula", ".4f"),
+            ("max_abs_rel_diff_planner", "vs planner", ".4f")]
+    cfg = conf["model"]
+    print(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}: bytes per GPU "
+          "of weights (every version), gradients (every buffer), fp32 master and Adam state")
+    print(common.table(show, cols))
+    worst = {n: max(r.get(f"max_abs_rel_diff_{n}", 0.0) for r in rows) for n in ("formula", "planner")}
+    print(f"largest relative difference: formula {worst['formula']:.4%}, planner {worst['planner']:.4%} (target 2%)")
+    common.write_json(args.json, {"states": rows, "largest_rel_diff": worst,
+                                  "within_2_percent": all(v <= 0.02 for v in worst.values()),
+                                  "machine": common.machine_info(), "config": conf})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_model_args(p)
@@ -150,7 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny model, d=2, m=4, 2 steps (a smoke run)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--states", action="store_true",
+                   help="instead: weights, gradients, master and Adam state per GPU at each --w, fp32 and bf16, "
+                        "with and without the distributed optimizer, vs the formulas and the planner")
+    p.add_argument("--w", type=int, nargs="+", default=[1, 2, 4], help="--states: data-parallel widths")
     args = p.parse_args(argv)
+    if args.states:
+        # odd hidden size and sequence: the first stage's N is odd, so every w > 1 pads its last shard
+        model = (2, 33, 3, 15, 1, 200) if args.quick else (4, 129, 3, 63, 2, 1000)
+        for key, value in zip(("layers", "hidden", "heads", "seq", "micro_batch", "vocab"), model):
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+        if args.d == p.get_default("d"):
+            args.d = [1] if args.quick else [1, 2]
+        if args.quick and args.w == p.get_default("w"):
+            args.w = [1, 2]
+        return run_states(args)
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab = 4, 64, 4, 32, 2, 256
         args.d, args.m, args.steps = [2], [4], 2

@@ -252,6 +252,8 @@ def build_config(
     given = _fields(args, "pipeline")
     pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda") or "recompute_" in k})
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
+    if layout.distributed_optimizer:  # the planner's choice (--auto-plan)
+        opt = replace(opt, use_distributed_optimizer=True)
     return RunConfig(kind, model, parallel, pipe, opt, lr_config(args, B), training, data_config(args),
                      system_config(args, cuda_available))
 
@@ -304,14 +306,17 @@ def model_values(model: ModelConfig) -> dict[str, Any]:
             if n in REQUIRED_SHAPE or getattr(model, n) != getattr(implied, n)}
 
 
-def pretrain_argv(model: ModelConfig, layout: Layout, global_batch_size: int, precision: str = "fp32") -> list[str]:
-    """The ``pretrain_{gpt,bert}.py`` command line that trains ``model`` with ``layout`` (the planner's)."""
+def pretrain_argv(model: ModelConfig, layout: Layout, global_batch_size: int, precision: str = "fp32",
+                  fp32_grads: bool | None = None) -> list[str]:
+    """The ``pretrain_{gpt,bert}.py`` command line that trains ``model`` with ``layout`` (the planner's);
+    ``fp32_grads`` None leaves the precision's default gradient accumulation unstated."""
     values = {
         **model_values(model), "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline,
         "pipeline.schedule": layout.schedule, "pipeline.micro_batch_size": layout.micro_batch_size,
         "pipeline.layer_split": layout.layer_split,
         "training.global_batch_size": global_batch_size, "pipeline.recompute": layout.recompute,
-        "optimizer.dtype": precision,
+        "optimizer.dtype": precision, "optimizer.accumulate_allreduce_grads_in_fp32": fp32_grads,
+        "optimizer.use_distributed_optimizer": layout.distributed_optimizer,
     }
     return [f"pretrain_{model.kind}.py", *render(values, model.kind)]
 

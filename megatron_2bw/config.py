@@ -419,8 +419,8 @@ class SystemConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """The choices the layout flags make and ``--auto-plan`` makes instead: t, d, b, recompute, schedule
-    and the stage split (``None``: even)."""
+    """The choices the layout flags make and ``--auto-plan`` makes instead: t, d, b, recompute, schedule,
+    the stage split (``None``: even) and whether the optimizer is distributed over the replicas."""
 
     tensor: int
     pipeline: int
@@ -428,6 +428,7 @@ class Layout:
     recompute: bool
     schedule: str
     layer_split: tuple[int, ...] | None = None
+    distributed_optimizer: bool = False  # the planner's choice of --use-distributed-optimizer
 
 
 def layout_configs(
@@ -473,6 +474,11 @@ class RunConfig:
     system: SystemConfig
 
     SECTIONS = ("model", "parallel", "pipeline", "optimizer", "lr", "training", "data", "system")
+
+    def __post_init__(self) -> None:
+        _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),
+                 "--use-distributed-optimizer does not support --2bw-compensation predict (its predicted weights "
+                 "would need a full gather at every drain); use dc or none")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

@@ -97,3 +97,21 @@ def test_stale_rule_reference_quick(tmp_path):
     assert row["valid_loss_ratio_stale_over_plain"] == pytest.approx(stale / plain)
     with pytest.raises(SystemExit, match="no indexed dataset"):
         stale_rule_reference.main(["--quick", "--data", str(tmp_path / "missing")])
+
+
+def test_memory_states_quick(tmp_path):
+    """Weights, gradients, master and Adam state of real stages at w = 2 (one 2-process launch): each
+    equal to the closed form within 2%, the distributed optimizer's shards padded to ceil(N/2)."""
+    out = tmp_path / "states.json"
+    assert memory.main(["--states", "--quick", "--w", "2", "--json", str(out)]) == 0
+    data = _load(out)
+    rows = data["states"]
+    assert {(r["precision"], r["distributed_optimizer"]) for r in rows} == {
+        (p, z) for p in ("fp32", "bf16") for z in (False, True)}
+    assert data["within_2_percent"] and data["largest_rel_diff"]["formula"] <= 0.02
+    for r in rows:
+        n, half = r["numel"], r["precision"] == "bf16"
+        shard = -(-n // 2) if r["distributed_optimizer"] else n
+        assert r["optimizer_state"] == 8 * shard and r["master"] == (4 * shard if half else 0)
+        assert r["grads"] == (2 if r["schedule"] == "2bw" else 1) * 4 * n  # fp32 gradients, bf16 included
+    assert any(r["numel"] % 2 for r in rows)  # an odd N: the last shard is padded

@@ -66,8 +66,10 @@ def _paper_choice(result, t, d, w):
 @pytest.mark.parametrize("name, layout", [("gpt-2.2b", (1, 8, 8)), ("gpt-3.8b", (1, 16, 4))])
 def test_paper_planner_choices(name, layout):
     """64 x V100-16GB (p3.16xlarge), seq 512, batch 512, fp16 + mixed-precision Adam; the paper's
-    planner cut equal stages (``balance_stages=False``; test_uneven_stages.py covers balancing)."""
-    result = search(PlanRequest(paper_model(name), V100, 64, 512, balance_stages=False))
+    planner cut equal stages (``balance_stages=False``; test_uneven_stages.py covers balancing) and
+    replicated the optimizer (the distributed optimizer: test_planner_zero.py)."""
+    result = search(PlanRequest(paper_model(name), V100, 64, 512, balance_stages=False,
+                                distributed_optimizer_options=(False,)))
     best, paper = result.best, _paper_choice(result, *layout)
     rank = result.ranked.index(paper) + 1
     print(f"\n{name}: best {best.candidate} {best.samples_per_sec:.1f}/s; paper's (t,d,w)={layout} with "
@@ -81,7 +83,7 @@ def test_paper_planner_choices(name, layout):
 
 
 def test_3p8b_choice_is_first():
-    best = search(PlanRequest(paper_model("gpt-3.8b"), V100, 64, 512)).best.candidate
+    best = search(PlanRequest(paper_model("gpt-3.8b"), V100, 64, 512, distributed_optimizer_options=(False,))).best.candidate
     assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.recompute) == (1, 16, 4, True)
 
 

@@ -3,7 +3,13 @@
     python tools/plan.py --model-preset gpt-2.2b --num-gpus 64 --cluster aws-p3.16xlarge \\
         --global-batch-size 512 [--profile FILE] [--top 10] [--json]
     python tools/plan.py --paper-comparison [--json]
+    python tools/plan.py --new-options [--json]
     python tools/plan.py --max-model --model-preset gpt-3.8b --num-gpus 64 [--json]
+
+The search tries the distributed optimizer (ZeRO-1) wherever there is more than one replica
+(``--use-distributed-optimizer``: only it; ``--no-distributed-optimizer``: never). Gradients accumulate
+in the precision's default (fp32 for bf16, fp16 for fp16) unless ``--accumulate-allreduce-grads-in-fp32``
+or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer.
 
 Without ``--profile`` the per-layer times are an analytic estimate from FLOPs and bytes (the output
 says so). The model flags follow the trainer's rule (``cli.model_config``). Bad input prints one
@@ -22,6 +28,7 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import load_profile
+from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
 from megatron_2bw.planner.report import (
     PAPER_CLUSTER, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
     plan_json, describe,
@@ -40,10 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     r.add_argument("--profile", help="measured per-layer costs (schema in megatron_2bw/planner/layer_costs.py)")
     r.add_argument("--max-micro-batch-size", type=int, default=64)
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", dest="fp32_grads", action="store_const", const=True)
+    g.add_argument("--grad-reduce-in-bf16", dest="fp32_grads", action="store_const", const=False,
+                   help="accumulate gradients in the model's half precision (fp16 does by default)")
+    z = r.add_mutually_exclusive_group()
+    z.add_argument("--use-distributed-optimizer", dest="zero", action="store_const", const=(True,),
+                   default=(False, True), help="shard the optimizer in every layout with replicas")
+    z.add_argument("--no-distributed-optimizer", dest="zero", action="store_const", const=(False,),
+                   help="replicate the optimizer, as the paper")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
-    o.add_argument("--paper-comparison", action="store_true", help="the paper's 2BW-vs-baselines table, predicted")
+    o.add_argument("--paper-comparison", action="store_true",
+                   help="the paper's 2BW-vs-baselines table, predicted, then what --new-options changes")
+    o.add_argument("--new-options", action="store_true",
+                   help="fp32 gradients and the distributed optimizer for GPT-2.2B/3.8B on 64 V100s")
     o.add_argument("--max-model", action="store_true", help="largest model of this shape that fits, per pipeline depth")
     return p
 
@@ -61,21 +80,26 @@ def _require(value, flag: str) -> None:
 def run(argv: list[str]) -> str:
     args = build_parser().parse_args(argv)
     cluster = load_cluster(args.cluster)
+    if args.new_options:
+        opts, largest = options_comparison(cluster), options_max_model(cluster)
+        return json.dumps(options_json(opts, largest), indent=2) if args.json else format_options(opts, largest)
     if args.paper_comparison:
         rows = paper_comparison(cluster)
         if args.json:
             return json.dumps([{"model": r.model_name, "num_gpus": r.num_gpus, "global_batch_size": r.global_batch_size,
                                 "best": {s: (describe(e) if e else None) for s, e in r.best.items()},
                                 "speedup_2bw": {s: r.ratio(s) for s in r.best if s != "2BW"}} for r in rows], indent=2)
-        return format_paper_comparison(rows)
+        opts = format_options(options_comparison(cluster), options_max_model(cluster))
+        return format_paper_comparison(rows) + "\n\n" + opts
     model = model_from_args(args)
     _require(args.num_gpus, "--num-gpus")
     if args.num_gpus < 1:
         raise ConfigError(f"--num-gpus must be positive, got {args.num_gpus}")
     if args.max_model:
         depths = [d for d in (2**i for i in range(args.num_gpus.bit_length())) if args.num_gpus % d == 0]
-        rows = [r for sched in SCHEDULE_NAMES
-                for r in max_model_size(model, cluster, args.num_gpus, depths, sched, args.precision)]
+        rows = [r for sched in SCHEDULE_NAMES for zero in args.zero
+                for r in max_model_size(model, cluster, args.num_gpus, depths, sched, args.precision,
+                                        distributed_optimizer=zero, fp32_grads=args.fp32_grads)]
         if args.json:
             return json.dumps([asdict(r) for r in rows], indent=2)
         return format_max_model(rows, model, cluster, args.num_gpus)
@@ -83,7 +107,8 @@ def run(argv: list[str]) -> str:
     if args.top < 1:
         raise ConfigError(f"--top must be positive, got {args.top}")
     request = PlanRequest(model, cluster, args.num_gpus, args.global_batch_size, args.precision,
-                          max_micro_batch_size=args.max_micro_batch_size)
+                          max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
+                          distributed_optimizer_options=args.zero)
     costs = load_profile(args.profile) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)

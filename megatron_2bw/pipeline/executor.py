@@ -35,10 +35,11 @@ from .accounting import SavedBytes, StageStats
 from .actions import Action, Op
 from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
-from .schedules import get_schedule, stage_actions
+from .schedules import cut_segment, get_schedule, stage_actions
 from .transport import SEND_OPS, Transport
 from .updater import Updater
 from .weights import GlobalNames, StageWeights
+from .zero import ShardLayout
 
 if TYPE_CHECKING:
     from ..testing.faults import FaultInjector
@@ -99,15 +100,17 @@ class PipelineStage:
         self.weights = StageWeights(
             build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=dtype,
             device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
+            grad_dtype=opt.torch_grad_dtype,
         )
-        self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda)
         self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
-        bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(dtype).bits * 8
+        bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(self.weights.grad_dtype).bits * 8
         self.reducer = GradReducer(
             dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
             w=state.w, shared_range=self.weights.shared_range, bucket_numel=bucket,
             has_embedding_group=state.d > 1 and state.embedding_group is not None, device=state.device,
+            shard=ShardLayout(self.weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
         )
+        self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer)
         self.saved = SavedBytes(self.weights.storages)
         self.stats = StageStats(
             stage=state.pp_rank, weight_versions=self.weights.num_versions,
@@ -129,19 +132,28 @@ class PipelineStage:
         return self.weights.layers(self.step)
 
     # ------------------------------------------------------------------ training
-    def train(self, num_steps: int, get_batch: Callable[[int], dict], lr_fn: Callable[[int], float]) -> list[StepResult]:
-        """Run steps ``self.step .. self.step + num_steps - 1`` and drain; returns their results."""
-        s = self.state
-        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, self.pipe.num_microbatches, self.step, num_steps)
+    def train(self, num_steps: int, get_batch: Callable[[int], dict], lr_fn: Callable[[int], float],
+              on_update: Callable[[StepResult], int | None] | None = None) -> list[StepResult]:
+        """Run steps ``self.step .. self.step + num_steps - 1`` and drain; returns their results.
+
+        ``on_update(result)`` runs right after each update. It may return a step count ``S`` below the
+        segment's end, at least ``STOP_LAG`` past the update's step (the same ``S`` on every rank): the
+        stage then runs the rest of the segment that ends at ``S`` (:func:`cut_segment`) and drains there.
+        """
+        s, first, m = self.state, self.step, self.pipe.num_microbatches
+        end = first + num_steps
+        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, first, num_steps)
         results: list[StepResult] = []
         for layer_list in self.weights.slots:
             layer_list.train()
         predicting = self.pipe.compensation == "predict"
         if predicting:  # the drain left W(step) in its buffer; step+1's microbatches run on P(W(step))
             self.updater.write_prediction(self.weights.slot(self.step), lr_fn(self.step))
-        for unit in self.transport.units(actions):
+        done, units = 0, self.transport.units(actions)
+        while (unit := next(units, None)) is not None:
             a = unit[0]
             op = a.op
+            done += len(unit)
             if op is Op.FORWARD:
                 self._forward(a, get_batch)
             elif op is Op.BACKWARD:
@@ -150,9 +162,16 @@ class PipelineStage:
                 self._reduce(a.step)
             elif op is Op.APPLY_UPDATE:
                 results.append(self._apply(a.step, lr_fn(a.step), lr_fn(a.step + 1) if predicting else None))
+                stop = on_update(results[-1]) if on_update is not None else None
+                if stop is not None and stop < end:
+                    rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, m, first, actions[:done], stop)
+                    actions, end = actions[:done] + rest, stop
+                    self.transport.forget_plan()  # the rest plans its own receives
+                    units = self.transport.units(rest)
             else:
                 self._transfer(unit)
         self.transport.drain()
+        self.reducer.wait_all()  # drained: no all-gather left running beside the caller's collectives
         if predicting:  # evaluation and checkpoints see the newest weights
             self.updater.write_newest(self.weights.slot(self.step))
         if self.state.device.type == "cuda":
@@ -167,6 +186,7 @@ class PipelineStage:
     def _forward(self, a: Action, get_batch: Callable[[int], dict]) -> None:
         if self.faults is not None:
             self.faults.before_forward(self.state.rank, a.step)
+        self.reducer.wait_slot(self.weights.slot(a.version))  # the distributed optimizer's all-gather of W(v)
         layers = self.weights.layers(a.version)
         batch = get_batch(a.mb)
         x = self._mail.pop((Op.RECV_ACT, a.mb), None)
@@ -264,6 +284,7 @@ class PipelineStage:
     def evaluate_components(self, num_microbatches: int, get_batch: Callable[[int], dict]) -> dict[str, float] | None:
         """Forward-only pass on the newest weights; on the last stage ``{"loss": mean total, <component>:
         mean, ...}`` (BERT: ``lm_loss``, ``sop_loss``), None elsewhere."""
+        self.reducer.wait_all()
         layers = self.newest_layers
         layers.eval()
         total = None
@@ -284,8 +305,10 @@ class PipelineStage:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Both weight versions (2BW), the fp32 master, optimizer and scaler state, and the step."""
+        """Both weight versions (2BW), the fp32 master, optimizer and scaler state, and the step, in the
+        unsharded layout (with the distributed optimizer a collective of the data-parallel group)."""
         w = self.weights
+        self.reducer.wait_all()
         return {"step": self.step, "schedule": self.pipe.schedule, "names": w.names,
                 "versions": [f.clone() for f in w.flat], **self.updater.state_dict()}
 
@@ -293,15 +316,18 @@ class PipelineStage:
         w = self.weights
         if sd["names"] != w.names or len(sd["versions"]) != len(w.flat):
             raise ValueError("checkpoint does not match this stage's parameters or schedule")
+        self.reducer.wait_all()  # no all-gather may still write the buffers
         for f, saved in zip(w.flat, sd["versions"]):
             f.copy_(saved)
         self.updater.load_state_dict(sd)
         self.step = int(sd["step"])
         if self.updater.master is not None and sd.get("master") is None:  # e.g. fp32 predict from a plain checkpoint
-            self.updater.master.copy_(w.flat[w.slot(self.step)])
+            self.updater.master_from(w.flat[w.slot(self.step)])
 
     def newest_state(self, sd: dict | None = None) -> dict[str, torch.Tensor]:
         """Global parameter name -> newest weights W(step): views of the saved versions of ``sd`` (a
         :meth:`state_dict`), or of the live buffers when ``sd`` is None."""
+        if sd is None:
+            self.reducer.wait_all()
         versions = self.weights.flat if sd is None else sd["versions"]
         return self.weights.state_views(versions[self.weights.slot(self.step)])

@@ -1,10 +1,15 @@
 """The reductions between a step's last backward and its update, run as an asynchronous chain.
 
-For step t the chain is: (1) all-reduce the gradient across data-parallel replicas, in buckets;
-(2) all-reduce the tied word-embedding gradient between the first and last stage; (3) all-reduce
+For step t the chain is: (1) all-reduce the tied word-embedding gradient between the first and
+last stage; (2) all-reduce the gradient across data-parallel replicas, in buckets; (3) all-reduce
 the squared gradient norm over the model group (all stages and tensor ranks of one replica).
 A non-finite total means overflow: every rank sees the same total, so every rank skips the same
-step.
+step. With the distributed optimizer (:mod:`.zero`) step (2) becomes a reduce-scatter that leaves
+each rank the summed gradient of its own shard, and the norm is of this rank's shard, first
+all-reduced over the data-parallel group. The embedding link comes first in both chains: after a
+reduce-scatter it could not be done (a shard's embedding range on the first stage and on the last
+stage are different ranges of different buffers), and with it first both chains add the same
+terms in the same order, so the sharded gradient equals the unsharded one.
 
 The executor starts the chain at REDUCE_GRADS(t) and waits for it only at APPLY_UPDATE(t) (in
 2BW a microbatch slot or more later, which hides the reductions). The whole chain is issued at
@@ -12,12 +17,15 @@ the start, never by polling from the training loop: another stage's update may b
 this rank's part of the chain while this rank's loop is blocked in a transfer that the other
 stage only serves after its update. Polling from the loop deadlocks there; so
 
-- on CUDA the three links are launched at once on a side stream, ordered by stream waits;
+- on CUDA the links are launched at once on a side stream, ordered by stream waits;
 - on CPU (gloo, whose waits block the host) a daemon worker thread runs the links in order.
 
 Chains run in step order on one stream or one thread, so every group sees its collectives in
 the same order on every rank. This is the model the schedule checker proves deadlock-free:
-APPLY_UPDATE(t) waits until every stage has run REDUCE_GRADS(t).
+APPLY_UPDATE(t) waits until every stage has run REDUCE_GRADS(t). The distributed optimizer's
+all-gather of updated shards (:meth:`GradReducer.gather`) goes through the same stream or thread,
+since two issuers on the data-parallel group would race; it is waited for only by the first
+reader of the weights it writes (:meth:`wait_slot`, :meth:`wait_all`).
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from .zero import ShardLayout, all_gather, reduce_scatter
 
 
 def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -37,44 +48,54 @@ def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 class _Job:
-    """One step's chain on the CPU worker: done when ``event`` is set (``error`` if it failed)."""
+    """One piece of work on the ordered channel: done when ``event`` is set (``error`` if it failed)."""
 
-    def __init__(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> None:
-        self.step, self.grad, self.norm_views = step, grad, norm_views
-        self.sumsq: torch.Tensor | None = None
+    def __init__(self, step: int, run: Callable[[], torch.Tensor | None], keep: tuple = ()) -> None:
+        self.step, self.run, self.keep = step, run, keep  # ``keep``: tensors the work reads (CUDA lifetimes)
+        self.result: torch.Tensor | None = None
         self.error: BaseException | None = None
         self.event = threading.Event()
+        self.cuda_event: torch.cuda.Event | None = None
 
 
 class GradReducer:
     def __init__(self, *, dp_group, embedding_group, model_group, w: int, shared_range: tuple[int, int] | None,
-                 bucket_numel: int, has_embedding_group: bool, device: torch.device | None = None) -> None:
+                 bucket_numel: int, has_embedding_group: bool, device: torch.device | None = None,
+                 shard: ShardLayout | None = None) -> None:
         self.dp_group, self.embedding_group, self.model_group = dp_group, embedding_group, model_group
         self.w, self.shared_range, self.bucket_numel = w, shared_range, max(int(bucket_numel), 1)
         self.use_emb = has_embedding_group and shared_range is not None
+        self.shard = shard if shard is not None and w > 1 else None  # the distributed optimizer's layout
         self.cuda = device is not None and device.type == "cuda"
         self._pending: deque[_Job] = deque()
+        self._gathers: dict[int, _Job] = {}  # by weight buffer: its pending all-gather
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the chain
-    def _chain(self, job: _Job) -> None:
-        """Issue the three links; each waits for the previous (a host wait on CPU, a stream wait on CUDA)."""
-        grad = job.grad
-        if self.w > 1:
-            n = grad.numel()
-            works = [dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True)
-                     for i in range(0, n, self.bucket_numel)]
-            for work in works:
-                work.wait()
+    def _chain(self, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> torch.Tensor:
+        """Issue the links; each waits for the previous (a host wait on CPU, a stream wait on CUDA)."""
         if self.use_emb:
             lo, hi = self.shared_range
             dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True).wait()
-        sumsq = grad_sumsq(job.norm_views, grad.device)
+        if self.shard is not None:
+            reduce_scatter(grad, self.shard, self.dp_group, max(self.bucket_numel // self.w, 1))
+            sumsq = grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
+            dist.all_reduce(sumsq, group=self.dp_group, async_op=True).wait()
+        else:
+            if self.w > 1:
+                self._dp_all_reduce(grad)
+            sumsq = grad_sumsq(norm_views, grad.device)
         if self.model_group is not None:
             dist.all_reduce(sumsq, group=self.model_group, async_op=True).wait()
-        job.sumsq = sumsq
+        return sumsq
+
+    def _dp_all_reduce(self, grad: torch.Tensor) -> None:
+        works = [dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True)
+                 for i in range(0, grad.numel(), self.bucket_numel)]
+        for work in works:
+            work.wait()
 
     def _worker(self) -> None:
         while True:
@@ -82,20 +103,19 @@ class GradReducer:
             if job is None:
                 return
             try:
-                self._chain(job)
-            except BaseException as exc:  # handed to finish() on the training thread
+                job.result = job.run()
+            except BaseException as exc:  # handed to the waiter on the training thread
                 job.error = exc
             job.event.set()
 
-    # ------------------------------------------------------------------ API
-    def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> None:
-        """Issue step ``step``'s whole chain now; it runs while the training loop goes on."""
-        job = _Job(step, grad, norm_views)
-        self._pending.append(job)
+    def _issue(self, job: _Job, ref: torch.Tensor) -> None:
+        """Run ``job`` after every job issued before it: on the side stream (CUDA) or the worker (CPU)."""
         if self.cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+            self._stream.wait_stream(torch.cuda.current_stream(ref.device))
             with torch.cuda.stream(self._stream):
-                self._chain(job)
+                job.result = job.run()
+                job.cuda_event = torch.cuda.Event()
+                job.cuda_event.record(self._stream)
             return
         if self._thread is None:
             self._jobs = queue.SimpleQueue()
@@ -104,16 +124,45 @@ class GradReducer:
             self._thread.start()
         self._jobs.put(job)
 
+    def _wait(self, job: _Job) -> torch.Tensor | None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(job.cuda_event)
+        else:
+            job.event.wait()
+            if job.error is not None:
+                raise job.error
+        return job.result
+
+    # ------------------------------------------------------------------ API
+    def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> None:
+        """Issue step ``step``'s whole chain now; it runs while the training loop goes on."""
+        job = _Job(step, lambda: self._chain(grad, norm_views))
+        self._pending.append(job)
+        self._issue(job, grad)
+
     def finish(self, step: int) -> torch.Tensor:
         """Wait for step ``step``'s chain (the oldest); return the global squared gradient norm, shape [1]."""
         if not self._pending or self._pending[0].step != step:
             oldest = self._pending[0].step if self._pending else None
             raise RuntimeError(f"update of step {step} reached before its reductions (oldest pending: {oldest})")
-        job = self._pending.popleft()
-        if self.cuda:
-            torch.cuda.current_stream(job.grad.device).wait_stream(self._stream)
-        else:
-            job.event.wait()
-            if job.error is not None:
-                raise job.error
-        return job.sumsq
+        return self._wait(self._pending.popleft())
+
+    def gather(self, slot: int, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """Start filling every other rank's range of ``flat`` (weight buffer ``slot``) from their shards;
+        this rank's range must already hold ``shard``. Waited for by :meth:`wait_slot`."""
+        self.wait_slot(slot)  # never two writers of one buffer
+        job = _Job(-1, lambda: all_gather(flat, shard, self.shard, self.dp_group, self.bucket_numel // self.w),
+                   keep=(flat, shard))
+        self._gathers[slot] = job
+        self._issue(job, shard)
+
+    def wait_slot(self, slot: int) -> None:
+        """Wait until weight buffer ``slot`` holds every shard (no-op without a pending gather)."""
+        job = self._gathers.pop(slot, None)
+        if job is not None:
+            self._wait(job)
+
+    def wait_all(self) -> None:
+        """Wait for every pending all-gather: the weight buffers are whole after this."""
+        for slot in list(self._gathers):
+            self.wait_slot(slot)

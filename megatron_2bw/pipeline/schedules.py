@@ -197,6 +197,25 @@ def bubble_fraction(schedule: str, d: int, m: int) -> float:
     return get_schedule(schedule).bubble(d, m)
 
 
+# A segment can be cut short to end at step count ``u + STOP_LAG`` once APPLY_UPDATE(u) has run, for every
+# schedule, stage and (d, m): the actions run so far are then a prefix of the shorter segment's, and every
+# receive the transport may have posted ahead (the next two of each kind) belongs to it.
+# ``tests/test_log_no_drain.py`` checks both for every layout and that a lag of 2 is not enough.
+STOP_LAG = 3
+
+
+def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: list[Action], end: int) -> list[Action]:
+    """The actions still to run when a segment from ``first_step`` that has run ``done`` ends at step count ``end``.
+
+    A RuntimeError if ``done`` is not how the segment ending at ``end`` starts (a caller's bug: cut too late).
+    """
+    new = stage_actions(schedule, d, r, m, first_step, end - first_step)
+    if new[:len(done)] != done:
+        raise RuntimeError(f"cannot end the segment from step {first_step} at step {end} on stage {r}: "
+                           f"{len(done)} actions already ran that it does not start with")
+    return new[len(done):]
+
+
 def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
     """Ordered actions of stage ``r`` of a depth-``d`` pipeline for a drained segment.
 

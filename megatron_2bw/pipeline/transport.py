@@ -128,6 +128,11 @@ class Transport:
                 self._plan[a.op].append(a.mb)
         self._fill()
 
+    def forget_plan(self) -> None:
+        """Drop the planned receives not yet posted (a segment cut short plans its own); posted ones stay."""
+        for queue in self._plan.values():
+            queue.clear()
+
     def _fill(self) -> None:
         for kind, queue in self._plan.items():
             while queue and self._posted[kind] < self.ahead:

@@ -13,6 +13,15 @@ stage: the scale current when the step's first backward ran (:meth:`loss_scale`)
 With a stale-gradient compensation (:mod:`.compensation`): ``dc`` corrects the unscaled, clipped
 gradient with the two versions before the optimizer sees it; ``predict`` keeps the newest weights
 in the fp32 master (created in fp32 too) and writes P(W(t+1)) into ``slot(t + 1)`` instead.
+
+With the distributed optimizer (a reducer with a :class:`~.zero.ShardLayout`, data-parallel
+width > 1) the master and the optimizer state cover this rank's shard only: the update reads the
+shard's reduced gradient, writes the shard of W(t+1) into ``slot(t + 1)`` and starts the
+all-gather of the other shards into that buffer without waiting for it (2BW first reads W(t+1) a
+step later; the executor waits before the first forward on it). ``state_dict`` gathers the shards
+into the unsharded format (a collective over the data-parallel group); ``load_state_dict`` takes
+this rank's shard of an unsharded state, so checkpoints load at any width, sharded or not.
+``predict`` is refused with it: its prediction buffers would need an all-gather at every drain.
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import OptimizerConfig
+from ..errors import ConfigError
 from ..optimizer.flat import build_optimizer
 from ..optimizer.loss_scaler import build_scaler
 from .compensation import check_compensation, dc_correct, predict
-from .grad_reducer import grad_sumsq
+from .grad_reducer import GradReducer, grad_sumsq
 from .weights import StageWeights
+from .zero import gather_full
 
 
 @dataclass(frozen=True)
@@ -43,16 +54,23 @@ class Updater:
     """Owns the optimizer, the loss scaler and the fp32 master copy of a :class:`StageWeights`."""
 
     def __init__(self, weights: StageWeights, opt: OptimizerConfig, compensation: str = "none",
-                 dc_lambda: float = 0.0) -> None:
+                 dc_lambda: float = 0.0, reducer: GradReducer | None = None) -> None:
         self.weights, self.opt = weights, opt
-        self.optimizer = build_optimizer(opt, weights.numel, weights.n_decay, weights.device)
+        # the distributed optimizer: the reducer's shard layout and ordered channel (None: unsharded)
+        self.reducer = reducer if reducer is not None and reducer.shard is not None else None
+        self.shard = self.reducer.shard if self.reducer is not None else None
+        if self.shard is not None and compensation == "predict":
+            raise ConfigError("--2bw-compensation predict cannot be combined with --use-distributed-optimizer")
+        numel, n_decay = (self.shard.size, self.shard.decay_prefix(weights.n_decay)) if self.shard is not None \
+            else (weights.numel, weights.n_decay)
+        self.optimizer = build_optimizer(opt, numel, n_decay, weights.device)
         check_compensation(compensation, self.optimizer)
         self.compensation, self.dc_lambda = compensation, dc_lambda
         self.scaler = build_scaler(opt)
-        # fp32 master copy of the newest weights when they are kept in lower precision, or when the
-        # version buffers hold predicted weights
+        # fp32 master copy of the newest weights (of this rank's shard) when they are kept in lower
+        # precision, or when the version buffers hold predicted weights
         keep = weights.dtype != torch.float32 or compensation == "predict"
-        self.master = weights.flat[0].float().clone() if keep else None
+        self.master = self._own(weights.flat[0], torch.float32) if keep else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
 
     def loss_scale(self, step: int) -> float:
@@ -73,8 +91,12 @@ class Updater:
         grad = w.grad_flat[w.grad_buffer(step)]
         src, dst = w.slot(step), w.slot(step + 1)
         if overflow:
-            if src != dst and self.compensation != "predict":  # W(t+1) = W(t)
+            if src != dst and self.shard is not None:  # W(t+1) = W(t), shard by shard
+                self._publish(dst, self.master.to(w.dtype) if self.master is not None else self._own(w.flat[src]))
+            elif src != dst and self.compensation != "predict":  # W(t+1) = W(t)
                 w.flat[dst].copy_(w.flat[src])
+        elif self.shard is not None:
+            self._step_shard(grad, src, dst, self._multiplier(scale, norm), lr)
         else:
             self._step(grad, src, dst, self._multiplier(scale, norm), lr)
         if self.compensation == "predict":
@@ -103,6 +125,32 @@ class Updater:
         else:
             self.optimizer.update(w.flat[src], w.flat[dst], g32, lr)
 
+    def _own(self, flat: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A copy of this rank's part of a whole buffer (all of it when unsharded), padded to the shard size."""
+        if self.shard is None:
+            return flat.to(dtype or flat.dtype, copy=True)
+        return self.shard.padded(flat[self.shard.lo:self.shard.hi], dtype)
+
+    def _step_shard(self, grad: torch.Tensor, src: int, dst: int, mult: float, lr: float) -> None:
+        """:meth:`_step` on this rank's shard (its gradient reduced by the reduce-scatter), then the all-gather."""
+        w, lo, hi = self.weights, self.shard.lo, self.shard.hi
+        g32 = self._own(grad, torch.float32).mul_(mult)
+        if self.compensation == "dc" and src != dst:  # flat[dst]'s own range still holds W(t-1)
+            dc_correct(g32[:hi - lo], w.flat[src][lo:hi], w.flat[dst][lo:hi], self.dc_lambda)
+        if self.master is not None:
+            self.optimizer.update(self.master, self.master, g32, lr)
+            new = self.master.to(w.dtype)
+        else:
+            new = self._own(w.flat[src])
+            self.optimizer.update(new, new, g32, lr)
+        self._publish(dst, new)
+
+    def _publish(self, slot: int, shard: torch.Tensor) -> None:
+        """Buffer ``slot``'s own range = ``shard``; the other ranges arrive by an all-gather left running."""
+        lo, hi = self.shard.lo, self.shard.hi
+        self.weights.flat[slot][lo:hi].copy_(shard[:hi - lo])
+        self.reducer.gather(slot, self.weights.flat[slot], shard)
+
     def write_prediction(self, slot: int, lr: float) -> None:
         """Buffer ``slot`` = P(newest weights), the optimizer's predicted next step (:mod:`.compensation`)."""
         predict(self.optimizer, self.master, self.weights.flat[slot], lr)
@@ -127,18 +175,38 @@ class Updater:
 
     @property
     def master_bytes(self) -> int:
+        """Bytes of the fp32 master copy (this rank's shard with the distributed optimizer)."""
         return self.master.numel() * self.master.element_size() if self.master is not None else 0
 
+    def _full(self, t: torch.Tensor) -> torch.Tensor:
+        """A whole-buffer copy of ``t``: gathered from every rank's shard (a collective) when sharded."""
+        return t.clone() if self.shard is None else gather_full(t, self.shard, self.reducer.dp_group)
+
     def state_dict(self) -> dict:
-        """Copies of the master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``)."""
+        """Copies of the master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``), in
+        the unsharded layout; with the distributed optimizer every data-parallel rank must call it."""
+        if self.reducer is not None:
+            self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
         return {
-            "master": self.master.clone() if self.master is not None else None,
-            "optimizer": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.optimizer.state_dict().items()},
+            "master": self._full(self.master) if self.master is not None else None,
+            "optimizer": {k: (self._full(v) if isinstance(v, torch.Tensor) else v)
+                          for k, v in self.optimizer.state_dict().items()},
             "scaler": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        if self.master is not None and sd["master"] is not None:
-            self.master.copy_(sd["master"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.scaler.load_state_dict(sd["scaler"])
+        """Load an unsharded state (this rank's shard of it when sharded); a None ``optimizer`` or ``scaler``
+        keeps the current (fresh) one."""
+        take = (lambda t: t) if self.shard is None else (lambda t: self.shard.take(t, torch.float32))
+        if self.master is not None and sd.get("master") is not None:
+            self.master.copy_(take(sd["master"]))
+        if sd.get("optimizer") is not None:
+            self.optimizer.load_state_dict({k: (take(v) if isinstance(v, torch.Tensor) else v)
+                                            for k, v in sd["optimizer"].items()})
+        if sd.get("scaler") is not None:
+            self.scaler.load_state_dict(sd["scaler"])
+
+    def master_from(self, flat: torch.Tensor) -> None:
+        """Set the master (if any) from a whole weight buffer (this rank's shard of it when sharded)."""
+        if self.master is not None:
+            self.master.copy_(self._own(flat, torch.float32))

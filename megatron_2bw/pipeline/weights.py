@@ -9,6 +9,13 @@ buffer. The flush schedules keep one version.
 Gradients of step t accumulate into grad buffer ``t % 2`` (2BW) so that step t's gradient can
 wait for its asynchronous reductions while step t+1's microbatches already run backward.
 
+Gradient buffers hold ``grad_dtype``. When it is the weights' dtype, each parameter's ``.grad``
+is a view of the buffer and autograd accumulates into it directly. When it is wider (fp32
+gradients for bf16/fp16 weights: Megatron's ``--accumulate-allreduce-grads-in-fp32``), each
+parameter carries ``main_grad``, a view of the current fp32 buffer, and a post-accumulate-grad
+hook adds each backward's model-dtype ``.grad`` into it and frees it (``.grad = None``), so
+the sum over microbatches is rounded once per addition in fp32 instead of in the model dtype.
+
 Parameters carry two names: the local one (``"1.attn.qkv.weight"``: index in this stage's layer
 list) that checkpoints use to match a stage's buffers, and the global one, the name the
 parameter has in the full single-stage model (``"5.attn.qkv.weight"``), that checkpoint
@@ -23,6 +30,12 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    """Add this backward's gradient into the parameter's fp32 buffer view and free it."""
+    p.main_grad.add_(p.grad)
+    p.grad = None
 
 
 def _unique_params(modules: nn.ModuleList) -> list[tuple[str, nn.Parameter]]:
@@ -61,6 +74,7 @@ class StageWeights:
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
         device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
         names: GlobalNames = GlobalNames(), num_grad_buffers: int | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         first = nn.ModuleList(build()).to(device=device, dtype=dtype)
         named = _unique_params(first)
@@ -85,9 +99,15 @@ class StageWeights:
             self._add_version(first if v == 0 else copy.deepcopy(first), order)
 
         num_grad = num_versions if num_grad_buffers is None else num_grad_buffers
-        self.grad_flat = [torch.zeros(self.numel, dtype=dtype, device=device) for _ in range(num_grad)]
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
+        self.grad_flat = [torch.zeros(self.numel, dtype=self.grad_dtype, device=device) for _ in range(num_grad)]
         self.grad_views = [self._views(g) for g in self.grad_flat]
         self._slot_grad: list[int | None] = [None] * num_versions
+        # gradients wider than the weights accumulate through ``main_grad`` (module docstring)
+        self.main_grads = self.grad_dtype != dtype
+        if self.main_grads:
+            for p in (p for ps in self.params for p in ps):
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
 
         ref = self.params[0]
         counted = [
@@ -133,7 +153,10 @@ class StageWeights:
         """Make ``slot``'s parameters accumulate into grad buffer ``buf`` (a reference switch)."""
         if self._slot_grad[slot] != buf:
             for p, g in zip(self.params[slot], self.grad_views[buf]):
-                p.grad = g
+                if self.main_grads:
+                    p.main_grad = g
+                else:
+                    p.grad = g
             self._slot_grad[slot] = buf
 
     @property
@@ -142,6 +165,7 @@ class StageWeights:
 
     @property
     def grad_bytes(self) -> int:
+        """Bytes of the gradient buffers (fp32 ones when gradients accumulate in fp32)."""
         return sum(g.numel() * g.element_size() for g in self.grad_flat)
 
     def state_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -161,7 +185,7 @@ class _Parameters(nn.Module):
 
 
 def sized_weights(numel: int, *, dtype: torch.dtype, device: torch.device, num_versions: int = 2,
-                  params_per_view: int = 1 << 16) -> StageWeights:
+                  params_per_view: int = 1 << 16, grad_dtype: torch.dtype | None = None) -> StageWeights:
     """A StageWeights of ``numel`` zero parameters in pieces of ``params_per_view`` (for timing updates)."""
     return StageWeights(lambda: [_Parameters(numel, params_per_view)], num_versions=num_versions, dtype=dtype,
-                        device=device)
+                        device=device, grad_dtype=grad_dtype)

@@ -2,7 +2,8 @@
 
     choice = auto_plan(model_cfg, num_gpus=64, global_batch=512, cluster="dgx-h200",
                        profile_path="gpt-2.2b.profile.json", precision="bf16")
-    t, d, w, b, recompute, schedule, split = choice   # split: layers per stage (None: even)
+    t, d, w, b, recompute, schedule, split, zero = choice   # split: layers per stage (None: even)
+                                                             # zero: --use-distributed-optimizer
 
 ``profile_path``: read it if it exists; otherwise profile here and write it there, so a job array
 profiles once and every later job reuses the file (profile on the kind of GPU you will train on).
@@ -48,8 +49,8 @@ DEVICE_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100
 
 
 class PlanChoice(NamedTuple):
-    """What the trainer needs: tensor, pipeline and data parallel sizes, microbatch, recompute, schedule
-    and the layers of each stage (``None``: the even split)."""
+    """What the trainer needs: tensor, pipeline and data parallel sizes, microbatch, recompute, schedule,
+    the layers of each stage (``None``: the even split) and whether the optimizer is distributed."""
 
     t: int
     d: int
@@ -58,11 +59,12 @@ class PlanChoice(NamedTuple):
     recompute: bool
     schedule: str
     split: tuple[int, ...] | None = None
+    distributed_optimizer: bool = False
 
     @property
     def layout(self) -> Layout:
         """The choice as the trainer's config takes it (``cli.build_config(..., layout=)``)."""
-        return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split)
+        return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split, self.distributed_optimizer)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ class AutoPlan:
         c, ev = self.choice, self.result.best
         split = f" layers/stage={format_split(c.split)}" if c.split else ""
         return (f"auto-plan: t={c.t} d={c.d} w={c.w} b={c.b} m={self.num_micro_batches} "
-                f"recompute={'on' if c.recompute else 'off'} schedule={c.schedule}{split}: "
+                f"recompute={'on' if c.recompute else 'off'} schedule={c.schedule}{split} "
+                f"distributed-optimizer={'on' if c.distributed_optimizer else 'off'}: "
                 f"{ev.samples_per_sec:.1f} samples/s predicted, {ev.memory_bytes_per_gpu / GiB:.2f} GiB/GPU "
                 f"on {self.cluster.name}; costs from {self.costs.source}")
 
@@ -157,7 +160,8 @@ def auto_plan_details(
     profile_path: str | os.PathLike | None = None, device: str | torch.device | None = None, *,
     precision: str = "fp32", max_micro_batch_size: int = 64, micro_batch_sizes_to_profile: Sequence[int] | None = None,
     tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULE_NAMES, recompute_options=(False, True),
-    warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None,
+    warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None, fp32_grads: bool | None = None,
+    distributed_optimizer_options: tuple[bool, ...] = (False, True),
 ) -> AutoPlan:
     """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
     from .profiler import resolve_device  # noqa: PLC0415
@@ -169,11 +173,12 @@ def auto_plan_details(
     costs, here = profile_or_load(model_cfg, profile_path=profile_path, device=dev, precision=precision, sizes=sizes,
                                   tensor_parallel=tensor_parallel, warmup=warmup, reps=reps, log_fn=log_fn)
     request = PlanRequest(model_cfg, cl, num_gpus, global_batch, precision, max_micro_batch_size=max_micro_batch_size,
-                          schedules=schedules, recompute_options=tuple(recompute_options))
+                          schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
+                          distributed_optimizer_options=tuple(distributed_optimizer_options))
     result = search(request, costs)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
-                               c.schedule, c.layer_split), c.num_micro_batches, result, costs, cl,
+                               c.schedule, c.layer_split, c.distributed_optimizer), c.num_micro_batches, result, costs, cl,
                     str(profile_path) if profile_path is not None else None, here)
     (log_fn or log.info)(plan.describe())
     return plan

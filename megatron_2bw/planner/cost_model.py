@@ -18,16 +18,26 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
   otherwise hierarchically: NVLink inside each server, then the NIC carries ``2(n_s-1)/n_s`` of the
   gradient of every data-parallel group on the server (``n_s`` servers). With several stages the
   first and last also all-reduce the tied word embedding between them (Megatron's scheme).
-- ``optimizer``: the Adam step, memory-bound: ~32 bytes read/written per parameter over HBM.
+  With the distributed optimizer (ZeRO-1) the all-reduce becomes a reduce-scatter of the gradients
+  and, after the step, an all-gather of the updated weights: each is half a ring all-reduce of its
+  buffer (``(n-1)/n`` of it each way), so with gradients in the weights' precision they move the
+  bytes of the all-reduce, and with fp32 gradients of half-precision weights 3/4 of them.
+- ``optimizer``: the Adam step, memory-bound: ~32 bytes read/written per parameter over HBM (fp16
+  gradients; 38 with fp32 ones); with the distributed optimizer only on this GPU's ``ceil(N/w)``.
 
 Per batch of ``m`` microbatches, with ``t_mb`` the slowest stage's ``compute + tensor_comm + p2p``
 and the schedule's ``bubble_slots`` (``ScheduleSpec``):
 
 - Schedules with a second gradient buffer (2BW): ``max(m * t_mb, allreduce) + optimizer``. No flush,
   so no bubble in steady state, and the all-reduce overlaps the next batch's microbatches (they run on
-  the other weight version and accumulate into the other buffer).
+  the other weight version and accumulate into the other buffer). With the distributed optimizer the
+  reduce-scatter and the all-gather both overlap them: the all-gather writes W(t+1) into the idle
+  version buffer, which no microbatch reads before step t+2.
 - Flushing schedules (Flush, GPipe): ``(m + bubble_slots) * t_mb + allreduce + optimizer``: the
   ``d - 1`` extra microbatch times fill and drain the pipeline, and the all-reduce waits for the drain.
+  With the distributed optimizer the reduce-scatter waits for the drain and the all-gather is exposed
+  too: the next step's first forward needs the whole new weights (an all-gather overlapped with the
+  forward, as Megatron's ``--overlap-param-gather``, is not modelled).
 - Sequential (inter-layer model parallelism without pipelining): one microbatch at a time through
   all stages, each boundary crossed once each way: ``m * sum_i t_mb_i`` (boundaries counted once).
 
@@ -44,7 +54,7 @@ from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import get_schedule
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, slice_params
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, shard_numel, slice_params
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
 GRAD_PASSES = 3  # unscale + inf/NaN check, gradient norm for clipping, the update's read
@@ -54,6 +64,11 @@ def optimizer_traffic_bytes(pb: ParamBytes) -> int:
     """Bytes one parameter's optimizer step reads and writes: master and moments read and written,
     the half-precision weight written, the gradient read by each of its passes (32 for fp16 Adam)."""
     return 2 * (pb.master + pb.optimizer_state) + pb.weight + GRAD_PASSES * pb.grad
+
+
+def optimizer_numel(params: int, cand: Candidate) -> int:
+    """Parameters whose optimizer step this GPU runs: its shard with the distributed optimizer."""
+    return shard_numel(params, cand)
 
 
 def ring_allreduce_time(nbytes: float, n: int, bandwidth: float) -> float:
@@ -121,6 +136,18 @@ def data_parallel_allreduce_time(nbytes: float, t: int, w: int, cluster: Cluster
     intra = ring_allreduce_time(nbytes, k, cluster.intra_server_allreduce_bandwidth)
     inter = groups_per_server * ring_allreduce_time(nbytes, servers, cluster.inter_server_bandwidth)
     return intra + inter
+
+
+def gradient_sync_time(params: int, cand: Candidate, cluster: Cluster, pb: ParamBytes) -> float:
+    """The stage's data-parallel gradient traffic per batch: an all-reduce of the gradients, or
+    with the distributed optimizer a reduce-scatter of them plus an all-gather of the weights (each
+    half a ring all-reduce of its buffer)."""
+    t, w = cand.tensor_parallel, cand.data_parallel
+    if not cand.distributed_optimizer:
+        return data_parallel_allreduce_time(params * pb.grad, t, w, cluster)
+    scatter = data_parallel_allreduce_time(params * pb.grad, t, w, cluster) / 2
+    gather = data_parallel_allreduce_time(params * pb.weight, t, w, cluster) / 2
+    return scatter + gather
 
 
 def tied_embedding_sync_time(nbytes: float, t: int, w: int, d: int, cluster: Cluster) -> float:
@@ -204,8 +231,7 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     in_bytes = 0 if part.embedding else lay.input_bytes
     out_bytes = 0 if part.head else lay.output_bytes
     params = slice_params(costs, part)
-    grads = params * param_bytes.grad
-    allreduce = data_parallel_allreduce_time(grads, t, w, cluster)
+    allreduce = gradient_sync_time(params, cand, cluster, param_bytes)
     if part.embedding or part.head:
         allreduce += tied_embedding_sync_time(costs.tied_params * param_bytes.grad, t, w, d, cluster)
     return StageTime(
@@ -214,7 +240,7 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
         tensor_comm_s=ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster)),
         p2p_s=p2p_time(in_bytes, out_bytes, in_bandwidth, out_bandwidth),
         allreduce_s=allreduce,
-        optimizer_s=params * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
+        optimizer_s=optimizer_numel(params, cand) * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
     )
 
 

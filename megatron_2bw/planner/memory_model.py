@@ -22,7 +22,14 @@ What real runs also pay, and the paper's formula leaves out:
 
 - Gradients and optimizer state: mixed-precision Adam keeps an fp16 weight (2 bytes), fp16 gradient
   (2), fp32 master weight (4) and two fp32 moments (8): 16 bytes per parameter; 2BW adds its second
-  fp16 weight version (2). fp32 training: 4 + 4 + 0 + 8.
+  fp16 weight version (2) and its second gradient buffer (2: step t+1's backwards accumulate while
+  step t's gradient is reduced; ``ScheduleSpec.grad_buffers``). fp32 training: 4 + 4 + 0 + 8.
+  With fp32 gradient accumulation (``--accumulate-allreduce-grads-in-fp32``, the default for bf16,
+  ``OptimizerConfig.fp32_grads``) each gradient buffer holds 4 bytes per parameter.
+- The distributed optimizer (``--use-distributed-optimizer``, ZeRO-1): each of the ``w`` replicas of
+  a stage keeps the master and the optimizer state of one contiguous shard of ``ceil(N/w)`` elements
+  of the stage's flat parameter buffer (the last shard padded to the same size); weights (every
+  version) and gradients stay whole.
 - The embedding on the first stage and the head on the last, which with a 50k vocabulary weigh as
   much as several layers; with more than one stage the last stage holds its own copy of the tied
   word embedding (Megatron's scheme), with its own gradient and optimizer state.
@@ -60,6 +67,8 @@ class Candidate:
     layer_split: tuple[int, ...] | None = None  # layers per stage; None: the even split
     # recomputation inside each stage (Megatron's --recompute-granularity); ``recompute``: whole stages
     recompute_policy: RecomputePolicy | None = None
+    # ZeRO-1: master and optimizer state sharded over the w replicas (a no-op at w = 1)
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -85,9 +94,18 @@ class Candidate:
         return self.micro_batch_size * self.num_micro_batches * self.data_parallel
 
 
+def fp32_grads_for(precision: str, fp32_grads: bool | None = None) -> bool:
+    """Whether gradients accumulate in fp32: always in fp32 training, by default with bf16 (as
+    ``OptimizerConfig.fp32_grads`` decides for the trainer), with fp16 only when asked."""
+    if precision == "fp32":
+        return True
+    return precision == "bf16" if fp32_grads is None else bool(fp32_grads)
+
+
 @dataclass(frozen=True)
 class ParamBytes:
-    """Bytes per parameter of each copy kept; ``per_param`` is the usual 16 of mixed-precision Adam."""
+    """Bytes per parameter of each copy kept (``grad``: per gradient buffer); ``per_param`` is the
+    usual 16 of mixed-precision Adam with fp16 gradients."""
 
     weight: int = 2
     grad: int = 2
@@ -95,9 +113,10 @@ class ParamBytes:
     optimizer_state: int = 8
 
     @classmethod
-    def for_precision(cls, precision: str) -> "ParamBytes":
+    def for_precision(cls, precision: str, fp32_grads: bool | None = None) -> "ParamBytes":
+        """The copies of ``precision``; ``fp32_grads`` None: that precision's default accumulation."""
         if precision in ("fp16", "bf16"):
-            return cls(2, 2, 4, 8)
+            return cls(2, 4 if fp32_grads_for(precision, fp32_grads) else 2, 4, 8)
         if precision == "fp32":
             return cls(4, 4, 0, 8)
         raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
@@ -115,10 +134,16 @@ class StageMemory:
     params: int
     weights: int
     second_weights: int
-    grads: int
-    optimizer: int
+    grads: int  # every gradient buffer of the schedule
+    master: int
+    optimizer_state: int
     activations: int
     workspace: int
+
+    @property
+    def optimizer(self) -> int:
+        """The master copy and the optimizer's state (this GPU's shard of them, when sharded)."""
+        return self.master + self.optimizer_state
 
     @property
     def total(self) -> int:
@@ -128,6 +153,18 @@ class StageMemory:
 def weight_versions(schedule: str) -> int:
     """Weight versions the executor keeps (the sequential baseline: one)."""
     return 1 if schedule == SEQUENTIAL else get_schedule(schedule).weight_versions
+
+
+def grad_buffers(schedule: str) -> int:
+    """Gradient buffers the executor keeps (the sequential baseline: one)."""
+    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).grad_buffers
+
+
+def shard_numel(numel: int, cand: Candidate) -> int:
+    """Elements of the flat parameter buffer whose master and optimizer state one GPU keeps:
+    ``ceil(N/w)`` with the distributed optimizer (equal shards, the last one padded), else ``N``."""
+    w = cand.data_parallel
+    return -(-numel // w) if cand.distributed_optimizer else numel
 
 
 def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
@@ -232,13 +269,15 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
                  param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
     """Bytes per GPU of stage ``stage`` holding ``part``, term by term."""
     p = slice_params(costs, part)
+    shard = shard_numel(p, cand)
     return StageMemory(
         stage=stage,
         params=p,
         weights=p * param_bytes.weight,
         second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
-        grads=p * param_bytes.grad,
-        optimizer=p * (param_bytes.master + param_bytes.optimizer_state),
+        grads=grad_buffers(cand.schedule) * p * param_bytes.grad,
+        master=shard * param_bytes.master,
+        optimizer_state=shard * param_bytes.optimizer_state,
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
     )

@@ -101,9 +101,11 @@ def build_blocks(spec: ModelSpec, device: torch.device, dtype: torch.dtype, chai
     return (list(front), list(back))
 
 
-def _update_stage(n: int, params_per_view: int, dtype: torch.dtype, device: torch.device):
+def _update_stage(n: int, params_per_view: int, dtype: torch.dtype, device: torch.device,
+                  grad_dtype: torch.dtype | None = None):
     """An :class:`~..pipeline.updater.Updater` over ``n`` parameters in views of ``params_per_view``
-    (the first half matrices, which weight decay applies to), two weight versions as in 2BW."""
+    (the first half matrices, which weight decay applies to), two weight versions as in 2BW, with
+    gradient buffers in ``grad_dtype`` (the training run's: fp32 by default with bf16)."""
     from ..pipeline.weights import StageWeights  # noqa: PLC0415
 
     sizes = [min(params_per_view, n - o) for o in range(0, n, params_per_view)]
@@ -111,7 +113,7 @@ def _update_stage(n: int, params_per_view: int, dtype: torch.dtype, device: torc
     params = [torch.randn(s, generator=gen) * 0.02 for s in sizes]
     params = [p.view(1, -1) if i < len(sizes) // 2 else p for i, p in enumerate(params)]
     module = nn.ParameterList([nn.Parameter(p) for p in params])
-    return StageWeights(lambda: [module], num_versions=2, dtype=dtype, device=device)
+    return StageWeights(lambda: [module], num_versions=2, dtype=dtype, device=device, grad_dtype=grad_dtype)
 
 
 def profile_optimizer(
@@ -127,7 +129,7 @@ def profile_optimizer(
     opt = OptimizerConfig(dtype=dtype)
     times = []
     for n in num_params:
-        weights = _update_stage(n, params_per_view, opt.torch_dtype, device)
+        weights = _update_stage(n, params_per_view, opt.torch_dtype, device, opt.torch_grad_dtype)
         updater = Updater(weights, opt)
         samples = []
         for step in range(warmup + reps):

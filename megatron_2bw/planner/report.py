@@ -19,7 +19,7 @@ from ..models.stages import format_split
 from ..pipeline.schedules import SCHEDULE_NAMES
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
-from .memory_model import SEQUENTIAL, Candidate
+from .memory_model import SEQUENTIAL, Candidate, fp32_grads_for
 from .search import Evaluated, PlanRequest, SearchResult, default_costs, evaluate, search
 
 PAPER_CLUSTER = "aws-p3.16xlarge"
@@ -37,14 +37,23 @@ def paper_model(name: str) -> ModelConfig:
 # ---- one configuration --------------------------------------------------------------------------
 
 def candidate_layout(c: Candidate) -> Layout:
-    """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule, stage split)."""
-    return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule, c.layer_split)
+    """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule, stage split,
+    distributed optimizer)."""
+    return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule, c.layer_split,
+                  c.distributed_optimizer)
+
+
+def fp32_grads_flag(request: PlanRequest) -> bool | None:
+    """The gradient-accumulation switch the command must state: None when it is the precision's default."""
+    asked = request.accumulates_in_fp32
+    return None if request.precision == "fp32" or asked == fp32_grads_for(request.precision) else asked
 
 
 def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     """The ``pretrain_gpt.py`` (or ``pretrain_bert.py``) command line that runs ``ev``."""
     c = ev.candidate
-    return pretrain_argv(request.model, candidate_layout(c), c.global_batch_size, request.precision)
+    return pretrain_argv(request.model, candidate_layout(c), c.global_batch_size, request.precision,
+                         fp32_grads_flag(request))
 
 
 def describe(ev: Evaluated) -> dict[str, Any]:
@@ -54,7 +63,7 @@ def describe(ev: Evaluated) -> dict[str, Any]:
         "tensor_parallel": c.tensor_parallel, "pipeline_parallel": c.pipeline_parallel,
         "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
         "num_micro_batches": c.num_micro_batches, "global_batch_size": c.global_batch_size,
-        "recompute": c.recompute, "schedule": c.schedule,
+        "recompute": c.recompute, "schedule": c.schedule, "distributed_optimizer": c.distributed_optimizer,
         "layer_split": list(c.layer_split) if c.layer_split else None,  # layers per stage; None: even
         "samples_per_sec": round(ev.samples_per_sec, 3),
         "memory_bytes_per_gpu": ev.memory_bytes_per_gpu,
@@ -84,14 +93,15 @@ def format_table(result: SearchResult, top: int = 10) -> str:
     cl, m = req.cluster, req.model
     lines = [
         f"model: {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-        f"seq {m.seq_length}, vocab {m.vocab_size} ({m.num_parameters() / 1e9:.2f}B parameters), {req.precision}",
+        f"seq {m.seq_length}, vocab {m.vocab_size} ({m.num_parameters() / 1e9:.2f}B parameters), {req.precision}, "
+        f"gradients accumulated in {'fp32' if req.accumulates_in_fp32 else req.precision}",
         f"cluster: {cl.name}: {req.num_gpus} x {cl.device}, {cl.devices_per_server} per server, "
         f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU; global batch {req.global_batch_size}",
         f"costs: {result.costs_source}",
         f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms; "
         f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
         "",
-        f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>6} {'schedule':>8} "
+        f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>6} {'schedule':>8} {'dist-opt':>8} "
         f"{'samples/s':>10} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
     for i, ev in enumerate(result.ranked[:top], 1):
@@ -99,7 +109,8 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         sched = c.schedule if c.pipeline_parallel > 1 else "none"
         lines.append(
             f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
-            f"{c.num_micro_batches:>4} {'yes' if c.recompute else 'no':>6} {sched:>8} {ev.samples_per_sec:>10.1f} "
+            f"{c.num_micro_batches:>4} {'yes' if c.recompute else 'no':>6} {sched:>8} "
+            f"{'yes' if c.distributed_optimizer else 'no':>8} {ev.samples_per_sec:>10.1f} "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
     lines += ["", "best configuration:", "  " + " ".join(pretrain_command(result.best, req))]
@@ -115,7 +126,7 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
                   "num_attention_heads": req.model.num_attention_heads, "seq_length": req.model.seq_length,
                   "vocab_size": req.model.vocab_size, "num_parameters": req.model.num_parameters()},
         "cluster": req.cluster.name, "num_gpus": req.num_gpus, "global_batch_size": req.global_batch_size,
-        "precision": req.precision, "costs_source": result.costs_source,
+        "precision": req.precision, "fp32_grads": req.accumulates_in_fp32, "costs_source": result.costs_source,
         "considered": result.considered, "feasible": len(result.ranked), "search_seconds": round(result.seconds, 4),
         "best": {**describe(result.best), "command": pretrain_command(result.best, req)},
         "ranked": [describe(ev) for ev in ranked],
@@ -185,11 +196,15 @@ def _best(result: SearchResult, keep: Selector) -> Evaluated | None:
 
 
 def compare_systems(model: ModelConfig, cluster: Cluster, num_gpus: int, global_batch_size: int,
-                    name: str = "", costs: LayerCosts | None = None, balance_stages: bool = True) -> ComparisonRow:
+                    name: str = "", costs: LayerCosts | None = None, balance_stages: bool = True,
+                    fp32_grads: bool | None = None, distributed_optimizer_options: tuple[bool, ...] = (False,),
+                    ) -> ComparisonRow:
     """Best 2BW, Flush, GPipe, tensor-parallel-only and non-pipelined configurations for one scenario
-    (``balance_stages=False``: equal stages, as the paper's planner)."""
+    (``balance_stages=False``: equal stages, as the paper's planner; the defaults of the gradient
+    precision and the replicated optimizer are the paper's too)."""
     req = PlanRequest(model, cluster, num_gpus, global_batch_size,
-                      schedules=(*SCHEDULE_NAMES, SEQUENTIAL), balance_stages=balance_stages)
+                      schedules=(*SCHEDULE_NAMES, SEQUENTIAL), balance_stages=balance_stages, fp32_grads=fp32_grads,
+                      distributed_optimizer_options=distributed_optimizer_options)
     costs = costs or default_costs(req)
     result = search(req, costs, require_fit=False)
     best: dict[str, Evaluated | None] = {"2BW": _best(result, lambda c: c.schedule == "2bw")}
@@ -210,7 +225,9 @@ def _short(ev: Evaluated | None) -> str:
         return "does not fit"
     c = ev.candidate
     rc = "rc" if c.recompute else ""
-    return f"{ev.samples_per_sec:.1f} t{c.tensor_parallel}d{c.pipeline_parallel}w{c.data_parallel}b{c.micro_batch_size}{rc}"
+    zero = "+do" if c.distributed_optimizer else ""
+    return (f"{ev.samples_per_sec:.1f} t{c.tensor_parallel}d{c.pipeline_parallel}w{c.data_parallel}"
+            f"b{c.micro_batch_size}{rc}{zero}")
 
 
 def _scenario(r: ComparisonRow) -> str:
@@ -250,63 +267,70 @@ class MaxModelRow:
     num_layers: int
     num_parameters: int
     memory_bytes_per_gpu: int
+    distributed_optimizer: bool = False
 
 
 def _fits(template: ModelConfig, layers: int, cluster: Cluster, d: int, w: int, schedule: str,
-          precision: str) -> Evaluated | None:
+          precision: str, zero: bool = False, fp32_grads: bool | None = None) -> Evaluated | None:
     """``template`` with ``layers`` layers on ``d`` stages at its most frugal setting, if it fits."""
     model = replace(template, num_layers=layers)
-    req = PlanRequest(model, cluster, d * w, d * w, precision, max_micro_batch_size=1)
+    req = PlanRequest(model, cluster, d * w, d * w, precision, max_micro_batch_size=1, fp32_grads=fp32_grads)
     costs = LayerCosts("max-model", {(1, 1): analytic_microbatch_costs(model, cluster, precision, 1, 1)})
-    ev = evaluate(Candidate(1, d, w, 1, d, True, schedule), costs, req)
+    ev = evaluate(Candidate(1, d, w, 1, d, True, schedule, distributed_optimizer=zero), costs, req)
     return ev if ev.prediction is not None else None
 
 
 def max_model_size(template: ModelConfig, cluster: Cluster, num_gpus: int, depths: Iterable[int],
-                   schedule: str = "2bw", precision: str = "fp16", max_layers_per_stage: int = 4096) -> list[MaxModelRow]:
+                   schedule: str = "2bw", precision: str = "fp16", max_layers_per_stage: int = 4096,
+                   distributed_optimizer: bool = False, fp32_grads: bool | None = None) -> list[MaxModelRow]:
     """For each depth ``d``: the largest ``template``-shaped model (more layers) that fits.
 
     The most memory-frugal setting is used: microbatch 1, recomputation, ``t = 1``, ``w = N/d``,
-    and ``m = d`` microbatches per batch (the fewest 2BW allows; Flush then keeps up to ``d`` in flight).
+    and ``m = d`` microbatches per batch (the fewest 2BW allows; Flush then keeps up to ``d`` in flight);
+    ``distributed_optimizer`` shards the master and optimizer state over the ``w`` replicas.
     """
     rows = []
+
+    def fits(layers: int) -> Evaluated | None:
+        return _fits(template, layers, cluster, d, w, schedule, precision, distributed_optimizer, fp32_grads)
+
     for d in depths:
         if num_gpus % d:
             raise ConfigError(f"pipeline depth {d} does not divide --num-gpus {num_gpus}")
         w = num_gpus // d
         lo, hi = 0, 1
-        while hi <= max_layers_per_stage and _fits(template, hi * d, cluster, d, w, schedule, precision):
+        while hi <= max_layers_per_stage and fits(hi * d):
             lo, hi = hi, hi * 2
         hi = min(hi, max_layers_per_stage + 1)
         while hi - lo > 1:  # largest k in [lo, hi) that fits
             mid = (lo + hi) // 2
-            if _fits(template, mid * d, cluster, d, w, schedule, precision):
+            if fits(mid * d):
                 lo = mid
             else:
                 hi = mid
         if lo == 0:
-            rows.append(MaxModelRow(d, schedule, 0, 0, 0))
+            rows.append(MaxModelRow(d, schedule, 0, 0, 0, distributed_optimizer))
             continue
         model = replace(template, num_layers=lo * d)
-        ev = _fits(template, lo * d, cluster, d, w, schedule, precision)
-        rows.append(MaxModelRow(d, schedule, lo * d, model.num_parameters(), ev.memory_bytes_per_gpu))
+        ev = fits(lo * d)
+        rows.append(MaxModelRow(d, schedule, lo * d, model.num_parameters(), ev.memory_bytes_per_gpu, distributed_optimizer))
     return rows
 
 
 def format_max_model(rows: list[MaxModelRow], template: ModelConfig, cluster: Cluster, num_gpus: int) -> str:
-    """One line per depth, one column per schedule: the largest model's layers and parameters."""
-    schedules = list(dict.fromkeys(r.schedule for r in rows))
-    by = {(r.pipeline_parallel, r.schedule): r for r in rows}
+    """One line per depth, one column per schedule (and optimizer): the largest model's layers and parameters."""
+    schedules = list(dict.fromkeys((r.schedule, r.distributed_optimizer) for r in rows))
+    by = {(r.pipeline_parallel, (r.schedule, r.distributed_optimizer)): r for r in rows}
     lines = [f"Largest GPT of hidden {template.hidden_size}, {template.num_attention_heads} heads, seq "
              f"{template.seq_length} (more layers) on {num_gpus} x {cluster.device} "
              f"({cluster.usable_memory_bytes / GiB:.1f} GiB usable): t = 1, w = N/d, microbatch 1, "
-             "recomputation, m = d", "",
-             f"{'d':>4}" + "".join(f"{s + ': layers, params':>26}" for s in schedules)]
+             "recomputation, m = d; layers, parameters per schedule (+do: distributed optimizer)", "",
+             f"{'d':>4}" + "".join(f"{s + ('+do' if z else ''):>14}" for s, z in schedules)]
     for d in dict.fromkeys(r.pipeline_parallel for r in rows):
         cells = []
         for sched in schedules:
             r = by.get((d, sched))
-            cells.append(f"{(f'{r.num_layers}, {r.num_parameters / 1e9:.1f}B' if r and r.num_layers else 'none'):>26}")
+            cells.append(f"{(f'{r.num_layers}, {r.num_parameters / 1e9:.1f}B' if r and r.num_layers else 'none'):>14}")
         lines.append(f"{d:>4}" + "".join(cells))
     lines += ["", f"paper: about {PAPER_MAX_MODEL_PARAMETERS / 1e9:.0f}B parameters fit at d = {PAPER_MAX_MODEL_DEPTH} with 2BW"]
     return "\n".join(lines)

@@ -6,9 +6,13 @@ number of layers (``balance_stages``, the default: each candidate gets the split
 ``planner/split.py``, fastest under the memory limit) or divides it (equal stages, as the paper's
 planner); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
 power-of-two microbatch ``b`` up to a limit, recomputation on and off (plus, when asked,
-``recompute_policies`` inside stages: ``FINER_RECOMPUTE``), and each schedule of the registry (``pipeline/schedules.py``). The number of microbatches per batch is fixed by the global
-batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and so is a schedule that
-needs more microbatches (``ScheduleSpec.min_microbatches``). A layout
+``recompute_policies`` inside stages: ``FINER_RECOMPUTE``), each schedule of the registry
+(``pipeline/schedules.py``), and with ``w > 1`` the optimizer replicated or distributed (ZeRO-1:
+less memory, a shorter optimizer step). Gradients accumulate in the precision's default
+(``memory_model.fp32_grads_for``: fp32 for bf16, fp16 for fp16) unless ``fp32_grads`` says
+otherwise. The number of microbatches per batch is fixed by the global batch, ``m = B / (b*w)``: a
+``b`` that does not divide it is skipped, and so is a schedule that needs more microbatches
+(``ScheduleSpec.min_microbatches``). A layout
 whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
 samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
 """
@@ -26,7 +30,7 @@ from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, plan_memory
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory
 from .split import balanced_split
 
 
@@ -50,6 +54,10 @@ class PlanRequest:
     recompute_policies: tuple[RecomputePolicy, ...] = ()
     no_pipelining: bool = True
     balance_stages: bool = True  # choose each candidate's stage split (planner/split.py); False: even stages
+    # gradients accumulated in fp32 (--accumulate-allreduce-grads-in-fp32); None: the precision's default
+    fp32_grads: bool | None = None
+    # the distributed optimizer off/on, tried where w > 1; (False,): the paper's replicated optimizer
+    distributed_optimizer_options: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -68,7 +76,11 @@ class PlanRequest:
 
     @property
     def param_bytes(self) -> ParamBytes:
-        return ParamBytes.for_precision(self.precision)
+        return ParamBytes.for_precision(self.precision, self.fp32_grads)
+
+    @property
+    def accumulates_in_fp32(self) -> bool:
+        return fp32_grads_for(self.precision, self.fp32_grads)
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,11 @@ def default_costs(request: PlanRequest) -> LayerCosts:
                                 micro_batch_sizes(request.max_micro_batch_size))
 
 
+def distributed_optimizer_choices(request: PlanRequest, w: int) -> tuple[bool, ...]:
+    """The optimizer settings tried at width ``w``: sharding one replica changes nothing."""
+    return tuple(o for o in dict.fromkeys(request.distributed_optimizer_options) if w > 1 or not o) or (False,)
+
+
 def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
     """Every candidate of the search space (see the module docstring)."""
     N, B = request.num_gpus, request.global_batch_size
@@ -155,10 +172,12 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                 for schedule in schedules:
                     if schedule != SEQUENTIAL and m < get_schedule(schedule).min_microbatches(d):
                         continue
-                    for recompute in request.recompute_options:
-                        yield Candidate(t, d, w, b, m, recompute, schedule)
-                    for policy in request.recompute_policies:
-                        yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy)
+                    for zero in distributed_optimizer_choices(request, w):
+                        for recompute in request.recompute_options:
+                            yield Candidate(t, d, w, b, m, recompute, schedule, distributed_optimizer=zero)
+                        for policy in request.recompute_policies:
+                            yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy,
+                                            distributed_optimizer=zero)
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
@@ -179,7 +198,8 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evalua
 def _rank_key(e: Evaluated) -> tuple:
     c = e.candidate
     policy = c.recompute_policy.label if c.recompute_policy else ""
-    return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute, policy)
+    return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute, policy,
+            c.distributed_optimizer)
 
 
 def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit: bool = True) -> SearchResult:

@@ -54,9 +54,14 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
     if tokenizer is not None:
         model = replace(model, vocab_size=tokenizer.vocab_size)
     device = None if args.device in (None, "auto") else args.device
+    opt = optimizer_config(args)
+    # --use-distributed-optimizer given: the planner keeps it; otherwise it may choose it
+    sharding = (True,) if opt.use_distributed_optimizer else (False, True)
     choice = auto_plan(model, world, args.global_batch_size, cluster=args.cluster, profile_path=path,
-                       device=device, precision=precision_of(args))
-    log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s", choice.t, choice.d,
-             choice.w, choice.b, " +recompute" if choice.recompute else "", choice.schedule,
-             format_split(choice.split) if choice.split else "even")
+                       device=device, precision=precision_of(args), fp32_grads=opt.fp32_grads,
+                       distributed_optimizer_options=sharding)
+    log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s%s", choice.t,
+             choice.d, choice.w, choice.b, " +recompute" if choice.recompute else "", choice.schedule,
+             format_split(choice.split) if choice.split else "even",
+             ", distributed optimizer" if choice.distributed_optimizer else "")
     return choice.layout, tokenizer

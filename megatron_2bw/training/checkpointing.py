@@ -8,7 +8,11 @@ Layout (as Megatron-LM)::
     SAVE/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt    d > 1  (PPP = pipeline rank)
 
 One file per (tensor, pipeline) rank, written by data-parallel rank 0 of that pair (replicas
-hold identical state). Its contents (format 3, ``export.trainer_format``) are Megatron-LM v2.x's
+hold identical state). With the distributed optimizer (``--use-distributed-optimizer``) the data-
+parallel ranks hold shards of the fp32 master and the optimizer state: they are gathered for the
+save, so the file is the same as without it, and each rank takes its own shard at load; a
+checkpoint therefore loads at any data-parallel width, with or without the distributed optimizer.
+Its contents (format 3, ``export.trainer_format``) are Megatron-LM v2.x's
 (``model`` nested as ``language_model.{embedding,encoder}`` holding the newest weights W(step),
 ``args`` as a Namespace, ``checkpoint_version`` 3.0, ``iteration``), so Megatron's tools and
 transformers' converters read them, plus keys of our own: the engine state by parameter name
@@ -285,9 +289,15 @@ def write_tracker(root: str, iteration: int) -> None:
 
 
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
-            config: dict, args: dict) -> dict:
-    """Everything this rank's file holds (format 3). Tensors are views of one copy of the engine state."""
+            config: dict, args: dict) -> dict | None:
+    """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
+    the others, after their part of gathering a sharded optimizer state. Tensors are views of one copy
+    of the engine state."""
     state, w = stage.state, stage.weights
+    if state.dp_rank != 0:
+        if stage.updater.shard is not None:
+            stage.updater.state_dict()  # the gather is a collective of the data-parallel group
+        return None
     model = model_config(config)
     named, newest = trainer_format.named_engine_state(stage.state_dict(), w.state_views, w.numel, w.slot(stage.step))
     schedule = stage.pipe.schedule
@@ -317,14 +327,15 @@ def _gather(entry) -> list:
 def save(root: str, iteration: int, state, make_payload) -> str:
     """Write this iteration's checkpoint (dp rank 0 of each (tp, pp) writes), its manifest, then the pointer file.
 
-    ``make_payload()`` is called only on writing ranks. Every rank must call this. A failed
-    write on one rank becomes a one-line error on that rank (the others fail at the gather).
+    ``make_payload()`` is called on every rank (gathering a sharded optimizer state is collective) and
+    returns the payload on writing ranks; its result elsewhere is ignored. Every rank must call this.
+    A failed write on one rank becomes a one-line error on that rank (the others fail at the gather).
     """
     idir = iteration_dir(root, iteration)
     path = checkpoint_path(root, iteration, state.tp_rank, state.pp_rank, state.d)
     entry = None
+    sd = make_payload()
     if state.dp_rank == 0:
-        sd = make_payload()
         crc, size = atomic_torch_save(sd, path)
         lay = sd["layout"]
         ident = manifest.shard_identity(iteration=iteration, t=lay["t"], d=lay["d"], w=lay["w"],
@@ -341,6 +352,9 @@ def save(root: str, iteration: int, state, make_payload) -> str:
 
 
 # --------------------------------------------------------------------------- restoring (after the stage is built)
+_FRESH_OPTIMIZER = {"master": None, "optimizer": None, "scaler": None}  # the updater keeps its fresh state
+
+
 def _engine_dict(sd: dict, stage) -> dict:
     """The engine's flat state dict from a file of any readable format."""
     if sd.get("format") == MEGATRON_WEIGHTS:
@@ -357,7 +371,7 @@ def _weights_only_engine_dict(sd: dict, stage) -> dict:
     named = megatron_format.rank_weights(sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split"))
     newest = trainer_format.flatten(named, w.global_names, w.sizes, "the weights", sd["path"]).to(w.flat[0].dtype)
     return {"step": 0, "schedule": stage.pipe.schedule, "names": w.names, "versions": [newest] * len(w.flat),
-            **stage.updater.state_dict(), "master": None}
+            **_FRESH_OPTIMIZER}
 
 
 def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool = True, load_rng: bool = True,
@@ -372,7 +386,7 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
         raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
     esd = _engine_dict(sd, stage)
     if finetune or not load_optim:
-        esd = {**esd, **stage.updater.state_dict(), "master": None}
+        esd = {**esd, **_FRESH_OPTIMIZER}
     if finetune:
         newest = esd["versions"][stage.weights.slot(int(esd["step"]))]
         esd = {**esd, "step": 0, "versions": [newest] * len(esd["versions"])}
@@ -380,9 +394,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
         stage.load_state_dict(esd)
     except (ValueError, RuntimeError, KeyError) as e:
         raise ConfigError(f"checkpoint {sd['path']} does not match this stage's parameters ({_first_line(e)})") from None
-    master = stage.updater.master
-    if master is not None and (finetune or not load_optim):
-        master.copy_(stage.weights.flat[stage.weights.slot(stage.step)])
+    if finetune or not load_optim:
+        stage.updater.master_from(stage.weights.flat[stage.weights.slot(stage.step)])
     if load_rng and not finetune and sd.get("rng") is not None:
         RNGSnapshot.from_dict(sd["rng"]).restore(device, tracker)
 

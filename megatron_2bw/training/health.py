@@ -1,7 +1,8 @@
 """Numerical health: stop a run that has diverged instead of training on (or skipping) forever.
 
-Rules, checked per step at each drained boundary on values every rank shares (the gathered
-loss, the global gradient norm, the skip flag), so every rank reaches the same verdict:
+Rules, checked for each step on values every rank shares (the loss reduced over ranks, the global
+gradient norm, the skip flag) at the same step on every rank (``step_stats.py``), so every rank
+reaches the same verdict at the same time and the loop stops them all a few steps later:
 
 - a non-finite loss stops the run on any precision: the loss is computed before loss
   scaling, so no scale can cause or cure it (Megatron's "found NaN in local forward loss");

@@ -1,20 +1,26 @@
 """The training loop: segments of pipelined steps, evaluation, checkpoints and reporting.
 
-The engine (``PipelineStage.train``) runs a *segment* of steps and ends drained. A segment
-runs from the current step to the next boundary that needs a drained pipeline or the loss:
-a log line, an evaluation, a checkpoint, the exit interval or the end of training. Between
-boundaries 2BW never flushes; with ``--log-interval 100`` the pipeline drains once per 100
-steps (the flushing schedules drain every step anyway, by design).
+The engine (``PipelineStage.train``) runs a *segment* of steps and ends drained. A segment runs
+from the current step to the next boundary that needs the pipeline drained: an evaluation, a
+checkpoint, the exit interval or the end of training, or earlier when the ranks agree to stop (an
+exit signal, ``--exit-duration-in-mins``, an unhealthy run). Logging never drains the pipeline,
+so ``--log-interval`` does not change how the pipeline runs. The metrics file's ``end``
+record counts the segments as ``pipeline_drains`` (1 for a run without evaluations or saves, for
+every schedule: Flush and GPipe also empty the pipeline inside every step, by design, which is
+not counted).
 
-At each boundary one small all-reduce (float64, a few dozen numbers) brings the per-step
-losses of the last stage (averaged over data-parallel replicas), the evaluation loss and
-every stage's memory statistics to all ranks; rank 0 logs them. Nothing is synchronized per
-step beyond what the schedule itself does.
-
-Then, on every rank and before anything is saved: the numerical health of the segment's steps
-(``health.py``: a diverged run stops with one line, exit 3, keeping the last good checkpoint)
-and one tiny MAX all-reduce of "an exit signal arrived / --exit-duration-in-mins passed"
-(``signals.py``: save and exit 0). The watchdog (``watchdog.py``) hears of progress at every
+Each step's loss, exit flags and stage statistics are reduced asynchronously
+(``step_stats.py``): every rank issues the reduction of step ``u`` at its update of ``u`` and
+takes in step ``u - 2``'s at the same point, so every rank sees the same numbers at the same
+step. Rank 0 writes each step's ``train`` record, the progress bar and, every ``--log-interval``
+steps, Megatron's training line when the step's numbers arrive (two steps later, or at the end of
+the segment). On every rank, before anything is saved, ``health.py`` judges each step (a diverged
+run stops with one line, exit 3, keeping the last good checkpoint) and an exit signal or
+``--exit-duration-in-mins`` seen on any rank (``signals.py``) stops every rank at the same step,
+which saves and exits 0. Such a stop decided at the update of step ``u`` ends the segment at step
+count ``u + STOP_LAG`` (``pipeline/schedules.py``). At a drained boundary one more all-reduce
+brings the evaluation loss to all ranks, and ``signals.exit_reason`` catches a signal that came
+after the segment's last update. The watchdog (``watchdog.py``) hears of progress at every
 microbatch and is paused while a checkpoint is written.
 """
 
@@ -40,6 +46,7 @@ from ..export.names import WORD
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..pipeline.recompute_policy import RecomputePolicy
+from ..pipeline.schedules import STOP_LAG
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
@@ -52,14 +59,10 @@ from .log_format import (
 )
 from .lr_schedule import lr_at
 from .metrics import Metrics, MetricsWriteError, step_record
+from .step_stats import STAT_KEYS, WAIT_LAG, StepReducer, StepStats, stage_dicts, stage_row
 from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
-
-# Stage statistics gathered at boundaries, in this order (see pipeline/accounting.py).
-STAT_KEYS = ("weight_versions", "max_live_versions", "max_inflight", "stashed_bytes", "peak_stashed_bytes",
-             "weight_bytes", "grad_bytes", "optimizer_bytes", "cuda_peak_bytes", "update_wait_s")
-_INT_STATS = set(STAT_KEYS) - {"update_wait_s"}
 
 
 def next_boundary(step: int, train_iters: int, intervals: list[int | None]) -> int:
@@ -79,10 +82,8 @@ def _at_interval(count: int, interval: int | None) -> bool:
 class BoundaryStats(NamedTuple):
     """What one boundary all-reduce returns, identical on every rank."""
 
-    losses: list[float]  # per step: the last stage's loss, mean over data-parallel replicas
     extra: list[float]  # last-stage values (the evaluation loss, then its components), mean over replicas
-    stages: list[dict]  # every pipeline stage's statistics (STAT_KEYS), one dict per stage
-    components: list[dict] = []  # per step: the loss's named parts (BERT: lm_loss, sop_loss), like ``losses``
+    stages: list[dict]  # every pipeline stage's statistics (step_stats.STAT_KEYS), one dict per stage
 
 
 class Trainer:
@@ -126,9 +127,17 @@ class Trainer:
         self.can_eval = prep.valid_ds is not None and tc.eval_iters > 0
         self.metrics: Metrics | None = None
         self.window: list[dict] = []  # train records since the last log line
+        self.stages_seen: list[dict] = []  # every stage's statistics at the newest recorded step
         self.last_saved: int | None = None
         self.last_eval: int | None = None
         self.drains = 0  # training segments run: each ends with the pipeline drained
+        self.step_stats = StepReducer(state, self.loss_keys)  # every rank, same point: it may create a group
+        self.unhealthy: str | None = None  # the health verdict that stops the run (the same on every rank)
+        self.exit_wanted = False  # some rank saw an exit signal or the duration pass (agreed through step_stats)
+        self._stop_at: int | None = None  # where the running segment ends early, once a stop is agreed
+        self._results: dict = {}  # StepResults whose reduced numbers have not arrived yet, by step
+        self._times: dict[int, float] = {}  # seconds between this rank's updates, by step
+        self._t_last = 0.0
 
     def _progressing(self, provider: Callable[[int], dict]) -> Callable[[int], dict]:
         """``provider`` that also tells the watchdog this rank makes progress (every stage fetches each microbatch)."""
@@ -148,20 +157,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ collectives at boundaries
     def _stage_row(self) -> list[float]:
-        st = self.stage.stats.as_dict()
-        return [float(st[k] if st[k] is not None else -1) for k in STAT_KEYS]
+        if self.state.device.type == "cuda":  # the allocator's peak so far (a host counter, no sync)
+            self.stage.stats.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.state.device)
+        return stage_row(self.stage.stats)
 
-    def allreduce_step_stats(self, losses: list[float | None], extra: list[float | None],
-                             parts: list[float | None] = ()) -> BoundaryStats:
-        """Collective (every rank calls it): one float64 all-reduce of the step losses, their named
-        components ``parts`` (``len(self.loss_keys)`` per step, flat) and ``extra`` (last stage, tensor
-        rank 0: mean over replicas) and every stage's statistics (data rank 0)."""
+    def allreduce_step_stats(self, extra: list[float | None]) -> BoundaryStats:
+        """Collective (every rank calls it): one float64 all-reduce of ``extra`` (last stage, tensor rank 0:
+        mean over replicas) and every stage's statistics (data rank 0)."""
         s = self.state
-        last = [*losses, *parts, *extra]
-        n, c, e, k = len(losses), len(parts), len(last), len(STAT_KEYS)
+        e, k = len(extra), len(STAT_KEYS)
         vec = torch.zeros(e + s.d * k, dtype=torch.float64)
         if s.is_last_stage and s.tp_rank == 0:
-            vec[:e] = torch.tensor([x if x is not None else float("nan") for x in last], dtype=torch.float64) / s.w
+            vec[:e] = torch.tensor([x if x is not None else float("nan") for x in extra], dtype=torch.float64) / s.w
         if s.tp_rank == 0 and s.dp_rank == 0:
             vec[e + s.pp_rank * k:e + (s.pp_rank + 1) * k] = torch.tensor(self._stage_row(), dtype=torch.float64)
         if dist.is_initialized():
@@ -170,20 +177,7 @@ class Trainer:
             dist.all_reduce(buf)
             vec = buf.cpu()
         vals = vec.tolist()
-        stages = []
-        for r in range(s.d):
-            row = vals[e + r * k:e + (r + 1) * k]
-            d = {"stage": r}
-            for key, v in zip(STAT_KEYS, row):
-                d[key] = (int(v) if v >= 0 else None) if key in _INT_STATS else v
-            stages.append(d)
-        nk = len(self.loss_keys)
-        comps = [dict(zip(self.loss_keys, vals[n + i * nk:n + (i + 1) * nk])) for i in range(n)] if nk else []
-        return BoundaryStats(vals[:n], vals[n + c:e], stages, comps)
-
-    def _step_parts(self, results: list) -> list[float | None]:
-        """The loss components of each step result, flat in ``self.loss_keys`` order."""
-        return [(r.components or {}).get(key) for r in results for key in self.loss_keys]
+        return BoundaryStats(vals[:e], stage_dicts(vals[e:], s.d))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, round_index: int) -> dict[str, float] | None:
@@ -197,13 +191,11 @@ class Trainer:
         )
         return self.stage.evaluate_components(tc.eval_iters * self.m, self._progressing(provider))
 
-    def evaluate_and_allreduce(self, dataset, round_index: int, results: list) -> BoundaryStats:
-        """Collective: evaluate on ``dataset`` (``None``: no evaluation at this boundary) and reduce its
-        loss together with the step ``results``' losses; ``extra[0]`` is the evaluation loss (NaN if
-        none), ``extra[1:]`` its components in ``self.loss_keys`` order."""
-        ev = (self.evaluate(dataset, round_index) if dataset is not None else None) or {}
-        extra = [ev.get(key) for key in ("loss", *self.loss_keys)]
-        return self.allreduce_step_stats([r.loss for r in results], extra, self._step_parts(results))
+    def evaluate_and_allreduce(self, dataset, round_index: int) -> BoundaryStats:
+        """Collective: evaluate on ``dataset`` and reduce its loss; ``extra[0]`` is the evaluation loss,
+        ``extra[1:]`` its components in ``self.loss_keys`` order."""
+        ev = self.evaluate(dataset, round_index) or {}
+        return self.allreduce_step_stats([ev.get(key) for key in ("loss", *self.loss_keys)])
 
     def _record_eval(self, iteration: int, split: str, extra: list[float], final: bool = False) -> None:
         """Rank 0: the validation line and record of an evaluation after ``iteration`` completed steps."""
@@ -238,7 +230,7 @@ class Trainer:
         """Collective (every rank calls it): reduce every stage's statistics, then rank 0 logs the
         start-up line and writes the ``start`` record."""
         cfg, s = self.cfg, self.state
-        stages = self.allreduce_step_stats([], []).stages
+        stages = self.allreduce_step_stats([]).stages
         if self.metrics is None:
             return
         mb = lambda key: "/".join(f"{st[key] / 2**20:.1f}" for st in stages)  # noqa: E731
@@ -282,6 +274,8 @@ class Trainer:
         why = self._exit_reason()
         while stage.step < tc.train_iters and why is None:
             end, exiting = self._run_segment(lr_fn)
+            if self.unhealthy is not None:
+                return self._stop_unhealthy(end)
             if exiting:
                 reason = "exit_interval"
                 log.info(" exiting at iteration %d (--exit-interval %d)", end, tc.exit_interval)
@@ -320,65 +314,81 @@ class Trainer:
             what = f"{got or 'an exit signal on another rank'}"
         else:
             what = f"--exit-duration-in-mins {tc.exit_duration_in_mins:g}"
+        self._flush_window(done)
         if tc.save and self.last_saved != done and done > 0:
             self.save(done)
         elif not tc.save:
             log.warning(" no --save: the %d completed iterations are not saved", done)
         log.info(" exiting at iteration %d after %s", done, what)
 
-    def _check_health(self, results: list, losses: list[float]) -> None:
-        """Every rank (the same shared numbers, so the same verdict): stop a diverged run before it saves."""
-        rows = [(iteration_of_step(r.step), loss, r.grad_norm, r.skipped) for r, loss in zip(results, losses)]
-        reason = self.health.check_steps(rows)
-        if reason is None:
-            return
+    def _stop_unhealthy(self, done: int) -> int:
+        """Every rank (the same verdict everywhere): stop a diverged run without saving; exit status 3."""
+        self._flush_window(done)
         if self.metrics is not None:
-            print(f"error: {reason}", file=sys.stderr, flush=True)
-            self._close(self.stage.step, "unhealthy")
-        if self.wd is not None:
-            self.wd.stop()
-        sys.stdout.flush()
-        os._exit(health.EXIT_UNHEALTHY)
+            print(f"error: {self.unhealthy}", file=sys.stderr, flush=True)
+            self._close(done, "unhealthy")
+        return health.EXIT_UNHEALTHY
 
     def _run_segment(self, lr_fn: Callable[[int], float]) -> tuple[int, bool]:
-        """Train to the next boundary, then reduce, check, record, evaluate and save there; (end, exiting)."""
+        """Train to the next boundary (or an agreed stop), then evaluate and save there; (end, exiting)."""
         tc, stage = self.cfg.training, self.stage
         first = stage.step
-        end = next_boundary(first, tc.train_iters, [tc.log_interval, tc.eval_interval if self.can_eval else None,
+        end = next_boundary(first, tc.train_iters, [tc.eval_interval if self.can_eval else None,
                                                     tc.save_interval, tc.exit_interval])
-        t0 = time.perf_counter()
-        results = stage.train(end - first, self.get_batch, lr_fn)
+        self._t_last, self._stop_at = time.perf_counter(), None
+        stage.train(end - first, self.get_batch, lr_fn, on_update=self._on_update)
         self.drains += 1
-        dt = (time.perf_counter() - t0) / (end - first)
-        do_eval = self.can_eval and _at_interval(end, tc.eval_interval)
-        self.last_eval = end if do_eval else self.last_eval
-        stats = self.evaluate_and_allreduce(self.prep.valid_ds if do_eval else None,
-                                            end // tc.eval_interval - 1 if do_eval else 0, results)
+        for st in self.step_stats.drain():
+            self._arrived(st)
+        end = stage.step  # earlier than planned when the ranks agreed to stop
+        if self.unhealthy is not None:
+            return end, False
         exiting = _at_interval(end, tc.exit_interval) and end < tc.train_iters
-        if self.metrics is not None:
-            self._record_segment(results, stats, dt, end - first, end, exiting)
-            if do_eval:
-                self._record_eval(end, "valid", stats.extra)
-        self._check_health(results, stats.losses)
+        if exiting:
+            self._flush_window(end)
+        if self.can_eval and _at_interval(end, tc.eval_interval):
+            self.last_eval = end
+            stats = self.evaluate_and_allreduce(self.prep.valid_ds, end // tc.eval_interval - 1)
+            self._record_eval(end, "valid", stats.extra)
         if tc.save and (_at_interval(end, tc.save_interval) or exiting):
             self.save(end)
         return end, exiting
 
-    def _record_segment(self, results: list, stats: BoundaryStats, dt: float, steps: int, end: int,
-                        exiting: bool) -> None:
-        """Rank 0: a ``train`` record per step, the progress bar, and the log line at log boundaries."""
+    # ------------------------------------------------------------------ per step, while the pipeline runs
+    def _on_update(self, r) -> int | None:
+        """After this rank's update of step ``r.step``: issue its numbers and take in those of step
+        ``r.step - WAIT_LAG``; returns where the segment must end once the ranks agreed to stop."""
+        now = time.perf_counter()
+        self._times[r.step], self._t_last = now - self._t_last, now
+        self._results[r.step] = r
+        handler, duration = self.prep.exit_handler, self.prep.exit_duration
+        self.step_stats.issue(r.step, r.loss, r.components, handler is not None and handler.should_exit(),
+                              duration is not None and duration.expired(), self._stage_row())
+        for st in self.step_stats.ready(r.step - WAIT_LAG):
+            self._arrived(st)
+        if self._stop_at is None and (self.unhealthy is not None or self.exit_wanted):
+            self._stop_at = r.step + STOP_LAG
+        return self._stop_at
+
+    def _arrived(self, st: StepStats) -> None:
+        """Every rank, in step order: judge a step's reduced numbers; rank 0 also records and logs it."""
+        r, dt = self._results.pop(st.step), self._times.pop(st.step)
+        if self.unhealthy is None:  # the first verdict is the one reported
+            self.unhealthy = self.health.check(iteration_of_step(st.step), st.loss, r.grad_norm, r.skipped)
+        self.exit_wanted = self.exit_wanted or st.signal or st.duration
+        if self.metrics is None:
+            return
         cfg, tc = self.cfg, self.cfg.training
         tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, cfg.pipeline.recompute)
-        for i, (r, loss) in enumerate(zip(results, stats.losses)):
-            rec = step_record(r, loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
-                              tflops=tfl, consumed_samples=self.provider.consumed_samples(r.step + 1),
-                              components=stats.components[i] if stats.components else None)
-            self.metrics.train_step(rec)
-            self.window.append(rec)
-        self.metrics.progress(steps, stats.losses[-1] if stats.losses else None)
-        if _at_interval(end, tc.log_interval) or end == tc.train_iters or exiting:
-            self._log_window(self.window, end, stats.stages)
-            self.window = []
+        rec = step_record(r, st.loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
+                          tflops=tfl, consumed_samples=self.provider.consumed_samples(st.step + 1),
+                          components=st.components or None)
+        self.metrics.train_step(rec)
+        self.window.append(rec)
+        self.stages_seen = st.stages
+        self.metrics.progress(1, st.loss)
+        if _at_interval(st.step + 1, tc.log_interval) or st.step + 1 == tc.train_iters:
+            self._flush_window(st.step + 1)
 
     def _finish(self, done: int) -> None:
         """At ``--train-iters``: the last checkpoint, the final validation and the test evaluation."""
@@ -391,12 +401,14 @@ class Trainer:
         if self.prep.test_ds is not None and tc.eval_iters > 0:
             final.append(("test", self.prep.test_ds, 0))
         for split, dataset, round_index in final:
-            self._record_eval(done, split, self.evaluate_and_allreduce(dataset, round_index, []).extra, final=True)
+            self._record_eval(done, split, self.evaluate_and_allreduce(dataset, round_index).extra, final=True)
 
-    def _log_window(self, window: list[dict], completed: int, stages: list[dict]) -> None:
-        """Rank 0: Megatron's training line, the memory report once, a plain ETA line off a terminal."""
-        if not window:
+    def _flush_window(self, completed: int) -> None:
+        """Rank 0: Megatron's training line of the steps since the last one (if any), the memory report
+        once, a plain ETA line off a terminal."""
+        if self.metrics is None or not self.window:
             return
+        window, stages, self.window = self.window, self.stages_seen, []
         tc, s = self.cfg.training, self.state
         log.info(window_line(window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
                              seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops,

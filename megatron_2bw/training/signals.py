@@ -1,11 +1,13 @@
 """Graceful exit: ``--exit-signal-handler`` and ``--exit-duration-in-mins`` (Megatron-LM semantics).
 
 A signal handler only *records* that SIGTERM (SLURM preemption, torchrun shutdown), the
-configured extra signal (SLURM's ``--signal=USR1@300`` warning) or SIGINT (Ctrl-C) arrived;
-the training loop asks at its next drained step boundary, all ranks agree with one tiny
-MAX all-reduce (a rank that saw no signal must still save with the others), then the loop
-saves a checkpoint and exits 0. Acting inside the handler is never safe: it runs between
-arbitrary bytecodes, possibly in the middle of a collective.
+configured extra signal (SLURM's ``--signal=USR1@300`` warning) or SIGINT (Ctrl-C) arrived.
+Every rank reports "a signal arrived / the duration passed" with each step's reduced numbers
+(``step_stats.py``), so all ranks learn it at the same step and stop together a few steps later
+(a rank that saw no signal must still save with the others); at a drained boundary
+:func:`exit_reason` (one tiny MAX all-reduce) catches what came after the segment's last update.
+Then the loop saves a checkpoint and exits 0. Acting inside the handler is never safe: it runs
+between arbitrary bytecodes, possibly in the middle of a collective.
 
 A second SIGINT means "now": one line, exit 130 without saving (the first Ctrl-C already
 promised a save; a user pressing again does not want to wait for it).

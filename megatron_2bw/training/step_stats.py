@@ -1,0 +1,115 @@
+"""Each step's loss, exit flags and stage statistics, reduced over all ranks while the pipeline runs on.
+
+Every rank issues one asynchronous all-reduce (SUM) per step, right after its update of that
+step, of a small float64 CPU vector: the loss and its named parts divided by the data-parallel
+width (last stage, tensor rank 0; zero elsewhere), "this rank saw an exit signal", "this rank's
+``--exit-duration-in-mins`` passed", and its stage's statistics (``STAT_KEYS``; tensor and data
+rank 0 only). The reductions run on their own gloo group, also when the default backend is
+NCCL, so they never queue behind the gradient collectives or point-to-point transfers.
+
+At the update of step ``u`` every rank *waits* for step ``u - WAIT_LAG``'s vector. That wait
+cannot deadlock: the update of step ``u`` first waits for step ``u``'s gradient reductions
+(data-parallel, tied embedding, norm over the model group), which finish only once every rank in
+the world has started them, and every rank starts them after its update of step ``u - 2``, which
+issued that step's vector (2BW: the step's backward reuses the gradient buffer that update
+freed; Flush and GPipe: every step's actions follow the previous update). A rank that waits
+therefore only waits for a collective every rank has already issued. Because the wait sits at
+the same step on every rank, every rank sees every step's numbers at the same step: health
+verdicts, exit agreements and the step where the segment is cut short are identical everywhere.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..parallel_state import ParallelState
+
+WAIT_LAG = 2  # at the update of step u every rank waits for the vector of step u - WAIT_LAG
+
+# Stage statistics in this order (see pipeline/accounting.py); -1 stands for None.
+STAT_KEYS = ("weight_versions", "max_live_versions", "max_inflight", "stashed_bytes", "peak_stashed_bytes",
+             "weight_bytes", "grad_bytes", "optimizer_bytes", "cuda_peak_bytes", "update_wait_s")
+_INT_STATS = set(STAT_KEYS) - {"update_wait_s"}
+
+
+def stage_row(stats: object) -> list[float]:
+    """One stage's statistics (a ``StageStats``) as floats in ``STAT_KEYS`` order."""
+    vals = [getattr(stats, k) for k in STAT_KEYS]
+    return [float(v if v is not None else -1) for v in vals]
+
+
+def stage_dicts(vals: list[float], d: int) -> list[dict]:
+    """Inverse of ``d`` consecutive :func:`stage_row` rows: one dict per stage."""
+    k, out = len(STAT_KEYS), []
+    for r in range(d):
+        st: dict = {"stage": r}
+        for key, v in zip(STAT_KEYS, vals[r * k:(r + 1) * k]):
+            st[key] = (int(v) if v >= 0 else None) if key in _INT_STATS else v
+        out.append(st)
+    return out
+
+
+@dataclass
+class StepStats:
+    """One step's reduced numbers, identical on every rank."""
+
+    step: int
+    loss: float  # the last stage's loss, mean over data-parallel replicas (NaN if not finite)
+    components: dict[str, float] = field(default_factory=dict)  # its named parts (BERT), likewise
+    signal: bool = False  # some rank had received an exit signal by its update of this step
+    duration: bool = False  # some rank's --exit-duration-in-mins had passed by then
+    stages: list[dict] = field(default_factory=list)  # every stage's statistics at this step
+
+
+class StepReducer:
+    """Issues each step's all-reduce and hands back the reduced steps in order once they are waited for.
+
+    Construct it on every rank at the same point (it creates a process group when there are peers).
+    """
+
+    def __init__(self, state: ParallelState, loss_keys: tuple[str, ...]) -> None:
+        self.state, self.loss_keys = state, loss_keys
+        peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if peers else None
+        self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
+
+    def issue(self, step: int, loss: float | None, components: dict[str, float] | None, signal: bool,
+              duration: bool, row: list[float]) -> None:
+        """This rank's part of ``step``'s vector; every rank calls it once per step, in step order."""
+        s, nk, k = self.state, len(self.loss_keys), len(STAT_KEYS)
+        vec = torch.zeros(1 + nk + 2 + s.d * k, dtype=torch.float64)
+        if s.is_last_stage and s.tp_rank == 0:
+            parts = components or {}
+            vals = [loss, *(parts.get(key) for key in self.loss_keys)]
+            vec[:1 + nk] = torch.tensor([v if v is not None else float("nan") for v in vals], dtype=torch.float64) / s.w
+        vec[1 + nk] = float(signal)
+        vec[2 + nk] = float(duration)
+        if s.tp_rank == 0 and s.dp_rank == 0:
+            lo = 3 + nk + s.pp_rank * k
+            vec[lo:lo + k] = torch.tensor(row, dtype=torch.float64)
+        work = dist.all_reduce(vec, group=self.group, async_op=True) if self.group is not None else None
+        self._pending.append((step, vec, work))
+
+    def ready(self, through: int) -> list[StepStats]:
+        """Wait for every issued step up to ``through`` (blocking); their numbers, in step order."""
+        out = []
+        while self._pending and self._pending[0][0] <= through:
+            step, vec, work = self._pending.popleft()
+            if work is not None:
+                work.wait()
+            out.append(self._decode(step, vec.tolist()))
+        return out
+
+    def drain(self) -> list[StepStats]:
+        """Wait for every issued step (at the end of a segment)."""
+        return self.ready(self._pending[-1][0]) if self._pending else []
+
+    def _decode(self, step: int, vals: list[float]) -> StepStats:
+        nk = len(self.loss_keys)
+        comps = dict(zip(self.loss_keys, vals[1:1 + nk]))
+        return StepStats(step, vals[0], comps, vals[1 + nk] > 0, vals[2 + nk] > 0,
+                         stage_dicts(vals[3 + nk:], self.state.d))
