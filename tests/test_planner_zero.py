@@ -18,14 +18,7 @@ from megatron_2bw.planner.report import _fits, max_model_size, paper_comparison,
 from megatron_2bw.planner.search import PlanRequest, evaluate, search
 
 V100 = load_cluster("aws-p3.16xlarge")
-L = 8
-# 8 layers of 100 params; an embedding of 1000; a head of 500 (400 of them the tied embedding)
-COSTS = MicrobatchCosts(
-    layer=BlockCost(1.0, 2.0, params=100, stash_bytes=10, input_bytes=1, output_bytes=1, workspace_bytes=10),
-    embedding=BlockCost(0.0, 0.0, params=1000, stash_bytes=3, input_bytes=2, output_bytes=1),
-    head=BlockCost(1.0, 2.0, params=500, stash_bytes=50, input_bytes=1, output_bytes=0, workspace_bytes=70),
-    tied_params=400,
-)
+from test_planner_memory import COSTS, L  # 8 layers of 100 params; embedding 1000; head 500 (400 tied)
 DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]
 TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--device", "cpu", *DATA]
 
