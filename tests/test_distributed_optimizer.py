@@ -94,7 +94,7 @@ def _int_grad(step: int, rank: int) -> torch.Tensor:
 def _run_updater(w: int, rank: int, group, optimizer: str) -> dict:
     """STEPS Adam updates of a two-version stand-in stage; ``group`` None: the unsharded reference."""
     weights = sized_weights(N_ODD, dtype=torch.float32, device=torch.device("cpu"), num_versions=2,
-                            params_per_view=100)
+                            params_per_view=100, shards=w if group is not None else 1)
     init = torch.randn(N_ODD, generator=torch.Generator().manual_seed(7))
     for f in weights.flat:
         f.copy_(init)
@@ -105,9 +105,9 @@ def _run_updater(w: int, rank: int, group, optimizer: str) -> dict:
     upd = Updater(weights, opt, "none", 0.0, reducer=red)
     skipped = []
     for t in range(STEPS):
-        buf = weights.grad_flat[weights.grad_buffer(t)]
-        buf.copy_(_int_grad(t, rank) if group is not None else sum(_int_grad(t, r) for r in range(w)))
-        red.start(t, buf, weights.norm_views[weights.grad_buffer(t)])
+        b = weights.grad_buffer(t)
+        weights.grad_flat[b].copy_(_int_grad(t, rank) if group is not None else sum(_int_grad(t, r) for r in range(w)))
+        red.start(t, weights.padded_grad[b], weights.norm_views[b])
         skipped.append(upd.apply(t, float(red.finish(t).item()), 1e-2).skipped)
     red.wait_all()
     return {"newest": weights.flat[weights.slot(STEPS)].clone(), "older": weights.flat[weights.slot(STEPS - 1)].clone(),

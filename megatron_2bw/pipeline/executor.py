@@ -100,7 +100,7 @@ class PipelineStage:
         self.weights = StageWeights(
             build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=dtype,
             device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
-            grad_dtype=opt.torch_grad_dtype,
+            grad_dtype=opt.torch_grad_dtype, shards=state.w if opt.use_distributed_optimizer else 1,
         )
         self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
         bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(self.weights.grad_dtype).bits * 8
@@ -250,10 +250,9 @@ class PipelineStage:
 
     def _reduce(self, t: int) -> None:
         buf = self.weights.grad_buffer(t)
-        grad = self.weights.grad_flat[buf]
         if self.faults is not None:
-            self.faults.poison(self.state.rank, t, grad)
-        self.reducer.start(t, grad, self.weights.norm_views[buf])
+            self.faults.poison(self.state.rank, t, self.weights.grad_flat[buf])
+        self.reducer.start(t, self.weights.padded_grad[buf], self.weights.norm_views[buf])
 
     def _apply(self, t: int, lr: float, next_lr: float | None = None) -> StepResult:
         t0 = time.perf_counter()
@@ -304,13 +303,14 @@ class PipelineStage:
         return self._means(total, num_microbatches)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
+    def state_dict(self, everywhere: bool = True) -> dict:
         """Both weight versions (2BW), the fp32 master, optimizer and scaler state, and the step, in the
-        unsharded layout (with the distributed optimizer a collective of the data-parallel group)."""
+        unsharded layout (with the distributed optimizer a collective of the data-parallel group, whose
+        gathered tensors reach only data-parallel rank 0 when ``everywhere`` is False)."""
         w = self.weights
         self.reducer.wait_all()
         return {"step": self.step, "schedule": self.pipe.schedule, "names": w.names,
-                "versions": [f.clone() for f in w.flat], **self.updater.state_dict()}
+                "versions": [f.clone() for f in w.flat], **self.updater.state_dict(everywhere)}
 
     def load_state_dict(self, sd: dict) -> None:
         w = self.weights
@@ -322,7 +322,7 @@ class PipelineStage:
         self.updater.load_state_dict(sd)
         self.step = int(sd["step"])
         if self.updater.master is not None and sd.get("master") is None:  # e.g. fp32 predict from a plain checkpoint
-            self.updater.master_from(w.flat[w.slot(self.step)])
+            self.updater.master_from(w.slot(self.step))
 
     def newest_state(self, sd: dict | None = None) -> dict[str, torch.Tensor]:
         """Global parameter name -> newest weights W(step): views of the saved versions of ``sd`` (a

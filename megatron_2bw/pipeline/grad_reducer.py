@@ -69,6 +69,7 @@ class GradReducer:
         self.cuda = device is not None and device.type == "cuda"
         self._pending: deque[_Job] = deque()
         self._gathers: dict[int, _Job] = {}  # by weight buffer: its pending all-gather
+        self._scratch: torch.Tensor | None = None  # the reduce-scatter's output (chains run one at a time)
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
@@ -80,7 +81,9 @@ class GradReducer:
             lo, hi = self.shared_range
             dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True).wait()
         if self.shard is not None:
-            reduce_scatter(grad, self.shard, self.dp_group, max(self.bucket_numel // self.w, 1))
+            if self._scratch is None:
+                self._scratch = grad.new_empty(self.shard.size)
+            reduce_scatter(grad, self.shard, self.dp_group, self._scratch)
             sumsq = grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
             dist.all_reduce(sumsq, group=self.dp_group, async_op=True).wait()
         else:
@@ -135,7 +138,8 @@ class GradReducer:
 
     # ------------------------------------------------------------------ API
     def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> None:
-        """Issue step ``step``'s whole chain now; it runs while the training loop goes on."""
+        """Issue step ``step``'s whole chain now; it runs while the training loop goes on. ``grad``: the
+        step's whole (padded) gradient storage, ``StageWeights.padded_grad``."""
         job = _Job(step, lambda: self._chain(grad, norm_views))
         self._pending.append(job)
         self._issue(job, grad)
@@ -147,14 +151,13 @@ class GradReducer:
             raise RuntimeError(f"update of step {step} reached before its reductions (oldest pending: {oldest})")
         return self._wait(self._pending.popleft())
 
-    def gather(self, slot: int, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        """Start filling every other rank's range of ``flat`` (weight buffer ``slot``) from their shards;
-        this rank's range must already hold ``shard``. Waited for by :meth:`wait_slot`."""
+    def gather(self, slot: int, padded: torch.Tensor) -> None:
+        """Start filling every other rank's range of weight buffer ``slot`` (``padded``, the whole padded
+        storage) from its own range, which must already hold this rank's shard; waited for by :meth:`wait_slot`."""
         self.wait_slot(slot)  # never two writers of one buffer
-        job = _Job(-1, lambda: all_gather(flat, shard, self.shard, self.dp_group, self.bucket_numel // self.w),
-                   keep=(flat, shard))
+        job = _Job(-1, lambda: all_gather(padded, self.shard, self.dp_group), keep=(padded,))
         self._gathers[slot] = job
-        self._issue(job, shard)
+        self._issue(job, padded)
 
     def wait_slot(self, slot: int) -> None:
         """Wait until weight buffer ``slot`` holds every shard (no-op without a pending gather)."""

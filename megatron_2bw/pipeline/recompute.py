@@ -18,7 +18,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..tensor_parallel.random import RNGTracker
-from .recompute_policy import RecomputePolicy  # noqa: F401  (re-exported)
 
 
 @dataclass

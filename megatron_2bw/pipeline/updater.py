@@ -70,7 +70,7 @@ class Updater:
         # fp32 master copy of the newest weights (of this rank's shard) when they are kept in lower
         # precision, or when the version buffers hold predicted weights
         keep = weights.dtype != torch.float32 or compensation == "predict"
-        self.master = self._own(weights.flat[0], torch.float32) if keep else None
+        self.master = self._weights(0).to(torch.float32, copy=True) if keep else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
 
     def loss_scale(self, step: int) -> float:
@@ -88,21 +88,19 @@ class Updater:
         scale = self.scaler.scale if scale is None else scale
         overflow = not math.isfinite(sumsq)
         norm = math.sqrt(sumsq) / scale if not overflow else float("inf")
-        grad = w.grad_flat[w.grad_buffer(step)]
-        src, dst = w.slot(step), w.slot(step + 1)
+        buf, src, dst = w.grad_buffer(step), w.slot(step), w.slot(step + 1)
+        grad, w_src, w_dst = self._grad(buf), self._weights(src), self._weights(dst)
         if overflow:
-            if src != dst and self.shard is not None:  # W(t+1) = W(t), shard by shard
-                self._publish(dst, self.master.to(w.dtype) if self.master is not None else self._own(w.flat[src]))
-            elif src != dst and self.compensation != "predict":  # W(t+1) = W(t)
-                w.flat[dst].copy_(w.flat[src])
-        elif self.shard is not None:
-            self._step_shard(grad, src, dst, self._multiplier(scale, norm), lr)
+            if src != dst and self.compensation != "predict":  # W(t+1) = W(t)
+                w_dst.copy_(w_src)
         else:
-            self._step(grad, src, dst, self._multiplier(scale, norm), lr)
+            self._step(grad, w_src, w_dst, src != dst, self._multiplier(scale, norm), lr)
+        if self.shard is not None and (src != dst or not overflow):  # the other ranks' shards of W(t+1)
+            self.reducer.gather(dst, w.padded_flat[dst])
         if self.compensation == "predict":
             self.write_prediction(dst, lr if next_lr is None else next_lr)
         self.scaler.update(overflow)
-        grad.zero_()
+        w.grad_flat[buf].zero_()
         return Update(norm, overflow, scale)
 
     def _multiplier(self, scale: float, norm: float) -> float:
@@ -112,44 +110,30 @@ class Updater:
             mult *= self.opt.clip_grad / (norm + 1e-6)
         return mult
 
-    def _step(self, grad: torch.Tensor, src: int, dst: int, mult: float, lr: float) -> None:
-        w = self.weights
+    def _step(self, grad: torch.Tensor, w_src: torch.Tensor, w_dst: torch.Tensor, two_versions: bool, mult: float,
+              lr: float) -> None:
+        """``w_dst`` = the optimizer's update of ``w_src`` with ``grad`` (this rank's range of each with the
+        distributed optimizer, the whole buffers otherwise; ``w_dst`` may be ``w_src``)."""
         g32 = grad.float() if grad.dtype != torch.float32 else grad
         g32.mul_(mult)
-        if self.compensation == "dc" and src != dst:  # flat[dst] still holds W(t-1)
-            dc_correct(g32, w.flat[src], w.flat[dst], self.dc_lambda)
+        if self.compensation == "dc" and two_versions:  # w_dst still holds W(t-1)
+            dc_correct(g32, w_src, w_dst, self.dc_lambda)
         if self.master is not None:
             self.optimizer.update(self.master, self.master, g32, lr)
             if self.compensation != "predict":
-                w.flat[dst].copy_(self.master)
+                w_dst.copy_(self.master)
         else:
-            self.optimizer.update(w.flat[src], w.flat[dst], g32, lr)
+            self.optimizer.update(w_src, w_dst, g32, lr)
 
-    def _own(self, flat: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A copy of this rank's part of a whole buffer (all of it when unsharded), padded to the shard size."""
-        if self.shard is None:
-            return flat.to(dtype or flat.dtype, copy=True)
-        return self.shard.padded(flat[self.shard.lo:self.shard.hi], dtype)
+    def _weights(self, slot: int) -> torch.Tensor:
+        """Weight buffer ``slot``: this rank's range of it with the distributed optimizer (a view)."""
+        w = self.weights
+        return w.flat[slot] if self.shard is None else self.shard.own(w.padded_flat[slot])
 
-    def _step_shard(self, grad: torch.Tensor, src: int, dst: int, mult: float, lr: float) -> None:
-        """:meth:`_step` on this rank's shard (its gradient reduced by the reduce-scatter), then the all-gather."""
-        w, lo, hi = self.weights, self.shard.lo, self.shard.hi
-        g32 = self._own(grad, torch.float32).mul_(mult)
-        if self.compensation == "dc" and src != dst:  # flat[dst]'s own range still holds W(t-1)
-            dc_correct(g32[:hi - lo], w.flat[src][lo:hi], w.flat[dst][lo:hi], self.dc_lambda)
-        if self.master is not None:
-            self.optimizer.update(self.master, self.master, g32, lr)
-            new = self.master.to(w.dtype)
-        else:
-            new = self._own(w.flat[src])
-            self.optimizer.update(new, new, g32, lr)
-        self._publish(dst, new)
-
-    def _publish(self, slot: int, shard: torch.Tensor) -> None:
-        """Buffer ``slot``'s own range = ``shard``; the other ranges arrive by an all-gather left running."""
-        lo, hi = self.shard.lo, self.shard.hi
-        self.weights.flat[slot][lo:hi].copy_(shard[:hi - lo])
-        self.reducer.gather(slot, self.weights.flat[slot], shard)
+    def _grad(self, buf: int) -> torch.Tensor:
+        """Gradient buffer ``buf``: this rank's (reduce-scattered) range of it with the distributed optimizer."""
+        w = self.weights
+        return w.grad_flat[buf] if self.shard is None else self.shard.own(w.padded_grad[buf])
 
     def write_prediction(self, slot: int, lr: float) -> None:
         """Buffer ``slot`` = P(newest weights), the optimizer's predicted next step (:mod:`.compensation`)."""
@@ -178,18 +162,19 @@ class Updater:
         """Bytes of the fp32 master copy (this rank's shard with the distributed optimizer)."""
         return self.master.numel() * self.master.element_size() if self.master is not None else 0
 
-    def _full(self, t: torch.Tensor) -> torch.Tensor:
+    def _full(self, t: torch.Tensor, everywhere: bool) -> torch.Tensor | None:
         """A whole-buffer copy of ``t``: gathered from every rank's shard (a collective) when sharded."""
-        return t.clone() if self.shard is None else gather_full(t, self.shard, self.reducer.dp_group)
+        return t.clone() if self.shard is None else gather_full(t, self.shard, self.reducer.dp_group, everywhere)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, everywhere: bool = True) -> dict:
         """Copies of the master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``), in
-        the unsharded layout; with the distributed optimizer every data-parallel rank must call it."""
+        the unsharded layout; with the distributed optimizer every data-parallel rank must call it, and
+        with ``everywhere`` False only data-parallel rank 0 receives the gathered tensors (None elsewhere)."""
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
         return {
-            "master": self._full(self.master) if self.master is not None else None,
-            "optimizer": {k: (self._full(v) if isinstance(v, torch.Tensor) else v)
+            "master": self._full(self.master, everywhere) if self.master is not None else None,
+            "optimizer": {k: (self._full(v, everywhere) if isinstance(v, torch.Tensor) else v)
                           for k, v in self.optimizer.state_dict().items()},
             "scaler": self.scaler.state_dict(),
         }
@@ -206,7 +191,7 @@ class Updater:
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
 
-    def master_from(self, flat: torch.Tensor) -> None:
-        """Set the master (if any) from a whole weight buffer (this rank's shard of it when sharded)."""
+    def master_from(self, slot: int) -> None:
+        """Set the master (if any) from weight buffer ``slot`` (this rank's range of it when sharded)."""
         if self.master is not None:
-            self.master.copy_(self._own(flat, torch.float32))
+            self.master.copy_(self._weights(slot))

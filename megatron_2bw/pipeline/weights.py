@@ -74,7 +74,7 @@ class StageWeights:
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
         device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
         names: GlobalNames = GlobalNames(), num_grad_buffers: int | None = None,
-        grad_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None, shards: int = 1,
     ) -> None:
         first = nn.ModuleList(build()).to(device=device, dtype=dtype)
         named = _unique_params(first)
@@ -89,18 +89,24 @@ class StageWeights:
         for n in self.sizes:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
+        # the distributed optimizer's ``shards`` equal ranges tile the padded storage, so its
+        # reduce-scatter and all-gather run on the buffers themselves (``flat`` is the unpadded view)
+        self.padded_numel = -(-self.numel // shards) * shards
         self.n_decay = sum(n for (_, p), n in zip(named, self.sizes) if p.dim() >= 2)
         self.dtype, self.device, self.num_versions = dtype, device, num_versions
 
         self.slots: list[nn.ModuleList] = []
         self.flat: list[torch.Tensor] = []
+        self.padded_flat: list[torch.Tensor] = []  # the storage behind each ``flat`` (zero tail)
         self.params: list[list[nn.Parameter]] = []
         for v in range(num_versions):
             self._add_version(first if v == 0 else copy.deepcopy(first), order)
 
         num_grad = num_versions if num_grad_buffers is None else num_grad_buffers
         self.grad_dtype = dtype if grad_dtype is None else grad_dtype
-        self.grad_flat = [torch.zeros(self.numel, dtype=self.grad_dtype, device=device) for _ in range(num_grad)]
+        self.padded_grad = [torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
+                            for _ in range(num_grad)]
+        self.grad_flat = [g[:self.numel] for g in self.padded_grad]
         self.grad_views = [self._views(g) for g in self.grad_flat]
         self._slot_grad: list[int | None] = [None] * num_versions
         # gradients wider than the weights accumulate through ``main_grad`` (module docstring)
@@ -124,7 +130,9 @@ class StageWeights:
 
     def _add_version(self, mods: nn.ModuleList, order: list[int]) -> None:
         """Move ``mods``' parameters into one new flat buffer (their values copied, they become views)."""
-        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        padded = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        padded[self.numel:].zero_()
+        flat = padded[:self.numel]
         ps = [p for _, p in _unique_params(mods)]
         ps = [ps[i] for i in order]
         with torch.no_grad():
@@ -133,6 +141,7 @@ class StageWeights:
                 p.data = view
         self.slots.append(mods)
         self.flat.append(flat)
+        self.padded_flat.append(padded)
         self.params.append(ps)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -185,7 +194,8 @@ class _Parameters(nn.Module):
 
 
 def sized_weights(numel: int, *, dtype: torch.dtype, device: torch.device, num_versions: int = 2,
-                  params_per_view: int = 1 << 16, grad_dtype: torch.dtype | None = None) -> StageWeights:
+                  params_per_view: int = 1 << 16, grad_dtype: torch.dtype | None = None,
+                  shards: int = 1) -> StageWeights:
     """A StageWeights of ``numel`` zero parameters in pieces of ``params_per_view`` (for timing updates)."""
     return StageWeights(lambda: [_Parameters(numel, params_per_view)], num_versions=num_versions, dtype=dtype,
-                        device=device, grad_dtype=grad_dtype)
+                        device=device, grad_dtype=grad_dtype, shards=shards)

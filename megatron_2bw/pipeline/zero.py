@@ -14,9 +14,10 @@ width) elements of each call with scalar code that can differ in the last bit, s
 bitwise when the shard and weight-decay boundaries are multiples of the vector width (true for
 usual layer sizes) and otherwise to an ulp in those few elements.
 
-The collectives work on ``w * c``-element pieces (``c`` shard elements per bucket) while the flat
-buffers hold N elements in whole-buffer order, so each bucket goes through a staging buffer: the
-reduce-scatter gathers every rank's range piece into it, the all-gather scatters it back out.
+The weight and gradient buffers are padded to ``w * s`` elements (``StageWeights(shards=w)``), so
+rank r's range is the r-th of w equal pieces of the padded storage and the collectives run on the
+buffers themselves: the all-gather in place, the reduce-scatter into an ``s``-element scratch that
+is copied into the rank's own range (gloo's in-place reduce-scatter is wrong for w > 2).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class ShardLayout:
                 out.append(flat[a:b])
         return out
 
+    def own(self, padded: torch.Tensor) -> torch.Tensor:
+        """This rank's ``size``-element range of a padded buffer (``w * size`` elements): a view."""
+        return padded[self.rank * self.size:(self.rank + 1) * self.size]
+
     def padded(self, part: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new ``size``-element tensor holding ``part`` (this rank's range of a buffer), zeros after it."""
         out = torch.zeros(self.size, dtype=dtype or part.dtype, device=part.device)
@@ -85,46 +90,25 @@ class ShardLayout:
         return self.padded(full[self.lo:self.hi].to(device=device or full.device), dtype)
 
 
-def _buckets(layout: ShardLayout, chunk: int):
-    s = layout.size
-    for a in range(0, s, max(chunk, 1)):
-        yield a, min(a + max(chunk, 1), s)
+def reduce_scatter(padded: torch.Tensor, layout: ShardLayout, group, scratch: torch.Tensor) -> None:
+    """This rank's range of ``padded`` = the sum over ``group`` of every rank's copy of that range; the
+    other ranges are left as they are. ``scratch``: ``size`` elements of ``padded``'s dtype."""
+    _reduce_scatter(scratch, padded, group=group)
+    layout.own(padded).copy_(scratch)
 
 
-def reduce_scatter(flat: torch.Tensor, layout: ShardLayout, group, chunk: int) -> None:
-    """``flat[lo:hi]`` = the sum over ``group`` of every rank's ``flat[lo:hi]``; the rest is left as is."""
-    w, lo, hi = layout.w, layout.lo, layout.hi
-    for a, b in _buckets(layout, chunk):
-        c = b - a
-        staging = flat.new_zeros(w * c)
-        for r in range(w):
-            r_lo, r_hi = layout.bounds(r)
-            p_lo, p_hi = min(r_lo + a, r_hi), min(r_lo + b, r_hi)
-            if p_hi > p_lo:
-                staging[r * c:r * c + p_hi - p_lo].copy_(flat[p_lo:p_hi])
-        out = flat.new_empty(c)
-        _reduce_scatter(out, staging, group=group)
-        n = min(lo + b, hi) - (lo + a)
-        if n > 0:
-            flat[lo + a:lo + a + n].copy_(out[:n])
+def all_gather(padded: torch.Tensor, layout: ShardLayout, group) -> None:
+    """In place: every other rank's range of ``padded`` = that rank's own range of its copy."""
+    _all_gather(padded, layout.own(padded), group=group)
 
 
-def all_gather(flat: torch.Tensor, shard: torch.Tensor, layout: ShardLayout, group, chunk: int) -> None:
-    """Every other rank's range of ``flat`` = that rank's ``shard`` (``size`` elements, ``flat``'s dtype)."""
-    w = layout.w
-    for a, b in _buckets(layout, chunk):
-        c = b - a
-        staging = flat.new_empty(w * c)
-        _all_gather(staging, shard[a:b].contiguous(), group=group)
-        for r in range(w):
-            r_lo, r_hi = layout.bounds(r)
-            p_lo, p_hi = min(r_lo + a, r_hi), min(r_lo + b, r_hi)
-            if r != layout.rank and p_hi > p_lo:
-                flat[p_lo:p_hi].copy_(staging[r * c:r * c + p_hi - p_lo])
-
-
-def gather_full(shard: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor:
-    """The whole-buffer tensor (``numel`` elements, on the CPU) whose shards the ranks of ``group`` hold."""
-    out = shard.new_empty(layout.w * layout.size)
-    _all_gather(out, shard.contiguous(), group=group)
-    return out[:layout.numel].cpu()
+def gather_full(shard: torch.Tensor, layout: ShardLayout, group, everywhere: bool = True) -> torch.Tensor | None:
+    """The whole-buffer tensor (``numel`` elements, on the CPU) whose shards the ranks of ``group`` hold:
+    on every rank, or (``everywhere`` False) on the group's first rank only (None on the others)."""
+    if everywhere:
+        out = shard.new_empty(layout.w * layout.size)
+        _all_gather(out, shard.contiguous(), group=group)
+        return out[:layout.numel].cpu()
+    parts = [torch.empty_like(shard) for _ in range(layout.w)] if layout.rank == 0 else None
+    dist.gather(shard.contiguous(), parts, dst=dist.get_global_rank(group, 0), group=group)
+    return torch.cat([p.cpu() for p in parts])[:layout.numel] if parts is not None else None

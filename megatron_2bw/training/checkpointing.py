@@ -296,10 +296,10 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     state, w = stage.state, stage.weights
     if state.dp_rank != 0:
         if stage.updater.shard is not None:
-            stage.updater.state_dict()  # the gather is a collective of the data-parallel group
+            stage.updater.state_dict(everywhere=False)  # the gather to data-parallel rank 0 is a collective
         return None
     model = model_config(config)
-    named, newest = trainer_format.named_engine_state(stage.state_dict(), w.state_views, w.numel, w.slot(stage.step))
+    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False), w.state_views, w.numel, w.slot(stage.step))
     schedule = stage.pipe.schedule
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None

@@ -59,7 +59,7 @@ from .log_format import (
 )
 from .lr_schedule import lr_at
 from .metrics import Metrics, MetricsWriteError, step_record
-from .step_stats import STAT_KEYS, WAIT_LAG, StepReducer, StepStats, stage_dicts, stage_row
+from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
 from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
@@ -165,19 +165,14 @@ class Trainer:
         """Collective (every rank calls it): one float64 all-reduce of ``extra`` (last stage, tensor rank 0:
         mean over replicas) and every stage's statistics (data rank 0)."""
         s = self.state
-        e, k = len(extra), len(STAT_KEYS)
-        vec = torch.zeros(e + s.d * k, dtype=torch.float64)
-        if s.is_last_stage and s.tp_rank == 0:
-            vec[:e] = torch.tensor([x if x is not None else float("nan") for x in extra], dtype=torch.float64) / s.w
-        if s.tp_rank == 0 and s.dp_rank == 0:
-            vec[e + s.pp_rank * k:e + (s.pp_rank + 1) * k] = torch.tensor(self._stage_row(), dtype=torch.float64)
+        vec = pack(s, extra, [], self._stage_row())
         if dist.is_initialized():
             dev = s.device if s.device.type == "cuda" else torch.device("cpu")
             buf = vec.to(dev)
             dist.all_reduce(buf)
             vec = buf.cpu()
         vals = vec.tolist()
-        return BoundaryStats(vals[:e], stage_dicts(vals[e:], s.d))
+        return BoundaryStats(vals[:len(extra)], stage_dicts(vals[len(extra):], s.d))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, dataset, round_index: int) -> dict[str, float] | None:

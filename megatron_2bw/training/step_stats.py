@@ -53,6 +53,21 @@ def stage_dicts(vals: list[float], d: int) -> list[dict]:
     return out
 
 
+def pack(state: ParallelState, last: list[float | None], flags: list[float], row: list[float]) -> torch.Tensor:
+    """This rank's part of a SUM-reduced float64 vector: ``last`` (values of the last stage, tensor rank 0,
+    divided by the data-parallel width, so the sum is the mean over replicas; None: NaN), then ``flags``
+    (every rank's), then one ``row`` per stage (its tensor and data rank 0; :func:`stage_row`)."""
+    s, e, f, k = state, len(last), len(flags), len(STAT_KEYS)
+    vec = torch.zeros(e + f + s.d * k, dtype=torch.float64)
+    if s.is_last_stage and s.tp_rank == 0:
+        vec[:e] = torch.tensor([v if v is not None else float("nan") for v in last], dtype=torch.float64) / s.w
+    vec[e:e + f] = torch.tensor(flags, dtype=torch.float64)
+    if s.tp_rank == 0 and s.dp_rank == 0:
+        lo = e + f + s.pp_rank * k
+        vec[lo:lo + k] = torch.tensor(row, dtype=torch.float64)
+    return vec
+
+
 @dataclass
 class StepStats:
     """One step's reduced numbers, identical on every rank."""
@@ -80,17 +95,9 @@ class StepReducer:
     def issue(self, step: int, loss: float | None, components: dict[str, float] | None, signal: bool,
               duration: bool, row: list[float]) -> None:
         """This rank's part of ``step``'s vector; every rank calls it once per step, in step order."""
-        s, nk, k = self.state, len(self.loss_keys), len(STAT_KEYS)
-        vec = torch.zeros(1 + nk + 2 + s.d * k, dtype=torch.float64)
-        if s.is_last_stage and s.tp_rank == 0:
-            parts = components or {}
-            vals = [loss, *(parts.get(key) for key in self.loss_keys)]
-            vec[:1 + nk] = torch.tensor([v if v is not None else float("nan") for v in vals], dtype=torch.float64) / s.w
-        vec[1 + nk] = float(signal)
-        vec[2 + nk] = float(duration)
-        if s.tp_rank == 0 and s.dp_rank == 0:
-            lo = 3 + nk + s.pp_rank * k
-            vec[lo:lo + k] = torch.tensor(row, dtype=torch.float64)
+        parts = components or {}
+        vec = pack(self.state, [loss, *(parts.get(key) for key in self.loss_keys)], [float(signal), float(duration)],
+                   row)
         work = dist.all_reduce(vec, group=self.group, async_op=True) if self.group is not None else None
         self._pending.append((step, vec, work))
 
