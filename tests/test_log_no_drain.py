@@ -131,6 +131,14 @@ def _runs(base: list[str], out: str) -> dict:
         if name.startswith("signal"):
             _signal_on_rank_1(trainer)
         got[name] = (trainer.train(), trainer.stage.step)
+    from megatron_2bw.training import loop
+
+    cap, loop.SEGMENT_MICROBATCHES = loop.SEGMENT_MICROBATCHES, 2 * 4  # 2 steps of m=4 per segment
+    try:
+        trainer = _trainer([*base, "--log-interval", "1", "--metrics-file", os.path.join(out, "capped.jsonl")])
+        got["capped"] = (trainer.train(), trainer.stage.step)
+    finally:
+        loop.SEGMENT_MICROBATCHES = cap
     ref = _trainer([*base, "--log-interval", "1"])
     results = ref.stage.train(ITERS, ref.get_batch, lambda t: lr_at(ref.cfg.lr, t))
     got["reference"] = [r.loss for r in results] if ref.state.is_last_stage else None
@@ -170,6 +178,8 @@ def test_log_interval_does_not_drain_and_stops_agree(corpus, tmp_path):  # noqa:
     for name in ("flush", "gpipe"):  # they drain inside every step by design; the trainer's segments: one
         losses, end = _records(tmp_path, name)
         assert len(losses) == ITERS and end["pipeline_drains"] == 1, name
+    losses, end = _records(tmp_path, "capped")  # a long uninterrupted stretch drains every SEGMENT_MICROBATCHES
+    assert outs[0]["capped"] == (0, ITERS) and losses == ref and end["pipeline_drains"] == -(-ITERS // 2)
     losses, end = _records(tmp_path, "boundaries")
     stops = {k for k in range(1, ITERS) if k % 3 == 0 or k % 4 == 0}  # evaluations and saves before the end
     assert losses == ref and end["pipeline_drains"] == len(stops) + 1

@@ -5,8 +5,9 @@ from the current step to the next boundary that needs the pipeline drained: an e
 checkpoint, the exit interval or the end of training, or earlier when the ranks agree to stop (an
 exit signal, ``--exit-duration-in-mins``, an unhealthy run). Logging never drains the pipeline,
 so ``--log-interval`` does not change how the pipeline runs. The metrics file's ``end``
-record counts the segments as ``pipeline_drains`` (1 for a run without evaluations or saves, for
-every schedule: Flush and GPipe also empty the pipeline inside every step, by design, which is
+record counts the segments as ``pipeline_drains`` (1 for a run without evaluations or saves of at
+most ``SEGMENT_MICROBATCHES`` microbatches, which bounds the memory of a segment's action list;
+for every schedule: Flush and GPipe also empty the pipeline inside every step, by design, which is
 not counted).
 
 Each step's loss, exit flags and stage statistics are reduced asynchronously
@@ -63,6 +64,12 @@ from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, sta
 from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
+
+
+# A segment's action list is built whole (about 150 bytes and 6 actions per microbatch), so an
+# uninterrupted run drains once per this many microbatches: about 80 MB of actions, and one fill and
+# drain per 2**17 microbatch slots, which costs nothing measurable.
+SEGMENT_MICROBATCHES = 1 << 17
 
 
 def next_boundary(step: int, train_iters: int, intervals: list[int | None]) -> int:
@@ -330,6 +337,7 @@ class Trainer:
         first = stage.step
         end = next_boundary(first, tc.train_iters, [tc.eval_interval if self.can_eval else None,
                                                     tc.save_interval, tc.exit_interval])
+        end = min(end, first + max(SEGMENT_MICROBATCHES // self.m, 1))
         self._t_last, self._stop_at = time.perf_counter(), None
         stage.train(end - first, self.get_batch, lr_fn, on_update=self._on_update)
         self.drains += 1
