@@ -205,6 +205,14 @@ class PipelineConfig:
         )
 
 
+def fp32_grads_for(dtype: str, given: bool | None = None) -> bool:
+    """The gradient-accumulation rule: fp32 in fp32 training; with bf16 unless ``given`` is False (Megatron
+    forces it there); with fp16 only when ``given`` is True."""
+    if dtype == "fp32":
+        return True
+    return dtype == "bf16" if given is None else bool(given)
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer, precision and gradient handling (shared by every schedule)."""
@@ -264,10 +272,7 @@ class OptimizerConfig:
     @property
     def fp32_grads(self) -> bool:
         """Whether gradients accumulate and are all-reduced in fp32 (always, when the model is fp32)."""
-        if self.dtype == "fp32":
-            return True
-        given = self.accumulate_allreduce_grads_in_fp32
-        return self.dtype == "bf16" if given is None else given
+        return fp32_grads_for(self.dtype, self.accumulate_allreduce_grads_in_fp32)
 
     @property
     def grad_dtype(self) -> str:

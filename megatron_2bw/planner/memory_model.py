@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
 from ..pipeline.recompute_policy import RecomputePolicy
@@ -92,14 +93,6 @@ class Candidate:
     @property
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.num_micro_batches * self.data_parallel
-
-
-def fp32_grads_for(precision: str, fp32_grads: bool | None = None) -> bool:
-    """Whether gradients accumulate in fp32: always in fp32 training, by default with bf16 (as
-    ``OptimizerConfig.fp32_grads`` decides for the trainer), with fp16 only when asked."""
-    if precision == "fp32":
-        return True
-    return precision == "bf16" if fp32_grads is None else bool(fp32_grads)
 
 
 @dataclass(frozen=True)
