@@ -36,4 +36,4 @@ $(CONVERTERS)/.stamp: $(STAMP)
 	touch $@
 
 test: $(STAMP) $(CONVERTERS)/.stamp
-	HF_MEGATRON_CONVERTERS=$(abspath $(CONVERTERS)) $(PY) -m pytest
+	HF_MEGATRON_CONVERTERS=$(abspath $(CONVERTERS)) $(PY) -m pytest --durations=15

@@ -1,19 +1,24 @@
 """The distributed optimizer (``--use-distributed-optimizer``, ZeRO-1) trains like the unsharded one.
 
-Each case trains the same layout twice, without and with the distributed optimizer, and compares:
-- fp32 at w=2 with clipping inactive: weights and losses bitwise equal, for every schedule (a
-  two-term sum is exact in any order, the update is elementwise, and both chains all-reduce the
-  tied embedding before the data-parallel reduction);
-- clipping active: within 1e-6 relative (the global norm is summed in another order);
-- bf16 (fp32 master sharded) and fp32 at w=4 (a four-term reduce-scatter adds in another order
-  than the all-reduce): within the tolerances stated at the asserts;
-- per-rank bytes of master and optimizer state: ceil(N/w)-element shards.
+Each case trains the same layout twice, without and with the distributed optimizer, and compares.
+Sharded and unsharded runs are two code paths: each shard runs the unsharded elementwise update on
+a slice, but torch's fused CPU AdamW computes the last (length mod vector width) elements of each
+call with scalar code, and which elements fall in that tail depends on the shard boundaries and on
+the CPU's vector width (AVX2, AVX-512, NEON, SVE). Those elements can differ in the last bit
+(2**-24 relative) per step, so the comparisons are tolerances derived from that arithmetic, not
+bitwise (bitwise equality is kept for same-path replays: resume, recomputation):
+- fp32 at w=2 with clipping inactive, every schedule: losses within 1e-6 relative, weights within
+  1e-6 of the stage's largest weight (a few last-bit differences per step over three Adam steps at
+  lr 1e-3; a wrong shard offset or a missed element moves weights by about lr, 1e-3);
+- clipping active: the same bounds (the global norm is summed in another order);
+- bf16 (fp32 master sharded): the same bounds on the fp32 arithmetic, bf16 losses within 1e-6;
+- fp32 at w=4 (a four-term reduce-scatter adds in another order than the all-reduce): weights within
+  1e-5 (Adam divides by the root of tiny moments);
+- per-rank bytes of master and optimizer state: ceil(N/w)-element shards, exactly.
 An updater-level case at an N that w does not divide (padding, the decay prefix split across
 ranks, an overflow skip, several buckets) uses integer gradients, whose sums are exact in any
-order, so the sharded SGD update must equal the unsharded one bitwise at w=4 too; Adam there
-within 1e-6 relative, because torch's fused AdamW kernel computes the last (length mod vector
-width) elements of each call with scalar code whose last bit can differ, and a shard boundary that
-is not a multiple of the vector width moves that tail (the tiny GPT's boundaries are multiples).
+order, and SGD's update has no vector tail, so the sharded SGD update equals the unsharded one
+bitwise at w=4; Adam there within 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -132,11 +137,22 @@ def _max_rel(a: dict, b: dict) -> float:
     return diff / max(v.abs().max().item() for v in b["params"].values())
 
 
-def _assert_bitwise(plain: list[dict], zero: list[dict], what) -> None:
+# Bounds for sharded vs unsharded (module docstring): last-bit differences of the fused AdamW tail.
+LOSS_REL, WEIGHT_REL = 1e-6, 1e-6
+
+
+def _assert_same_update(plain: list[dict], zero: list[dict], what, weight_rel: float = WEIGHT_REL) -> None:
+    """The sharded run against the unsharded one: the same skips, losses, norms and weights up to the
+    rounding of the vector tail (module docstring)."""
     for p, z in zip(plain, zero):
-        assert p["losses"] == z["losses"], (what, p["losses"], z["losses"])
-        assert p["skipped"] == z["skipped"]
-        assert all(torch.equal(p["params"][k], z["params"][k]) for k in p["params"]), what
+        assert p["skipped"] == z["skipped"], what
+        assert (p["losses"] is None) == (z["losses"] is None), what
+        if p["losses"] is not None:
+            assert len(p["losses"]) == len(z["losses"]), what
+            assert max(abs(a - b) / abs(b) for a, b in zip(p["losses"], z["losses"])) <= LOSS_REL, \
+                (what, p["losses"], z["losses"])
+        assert p["params"].keys() == z["params"].keys()
+        assert _max_rel(z, p) <= weight_rel, (what, _max_rel(z, p))
         for a, b in zip(p["norms"], z["norms"]):
             assert abs(a - b) <= 1e-6 * abs(a), (what, a, b)
 
@@ -160,26 +176,27 @@ def _split(runs: list[dict], key) -> tuple[list[dict], list[dict]]:
     return [o[key][0] for o in runs], [o[key][1] for o in runs]
 
 
-def test_w2_fp32_bitwise_equal_for_every_schedule_and_sharded_bytes(runs):
+def test_w2_fp32_equal_for_every_schedule_and_sharded_bytes(runs):
     for key in [(((1, 2, 2), s)) for s in SCHEDULES] + [((2, 1, 2), "flush")]:
         plain, zero = _split(runs, key)
-        _assert_bitwise(plain, zero, key)
+        _assert_same_update(plain, zero, key)
         _assert_sharded_bytes(plain, zero, 2, master=False)
 
 
-def test_w2_dc_compensation_bitwise_equal(runs):
+def test_w2_dc_compensation_equal(runs):
     """``--2bw-compensation dc`` corrects each shard with the own range of both versions: elementwise, so
-    bitwise the same (a lambda large enough that the correction changes the weights)."""
+    the same update (a lambda large enough that the correction changes the weights)."""
     plain, zero = _split(runs, ((1, 2, 2), "dc"))
-    _assert_bitwise(plain, zero, "dc")
+    _assert_same_update(plain, zero, "dc")
     assert any(not torch.equal(p["params"][k], q["params"][k])
                for p, q in zip(plain, _split(runs, ((1, 2, 2), "2bw"))[0]) for k in p["params"])
 
 
-def test_w2_bf16_sharded_master_bitwise_equal(runs):
-    """Tolerance 0: each shard runs the unsharded fp32 arithmetic, and the two-term sums are exact."""
+def test_w2_bf16_sharded_master_equal(runs):
+    """Each shard runs the unsharded fp32 master arithmetic, and the two-term sums are exact: the bounds
+    of the vector tail only."""
     plain, zero = _split(runs, ((1, 2, 2), "bf16"))
-    _assert_bitwise(plain, zero, "bf16")
+    _assert_same_update(plain, zero, "bf16")
     _assert_sharded_bytes(plain, zero, 2, master=True)
 
 
@@ -207,9 +224,9 @@ def test_w4_within_summation_order(runs):
 
 def test_resume_into_sharded_stage(runs):
     """The gathered (unsharded) state of a sharded stage, loaded into a new sharded stage (each rank takes
-    its shard), trains on exactly like the uninterrupted unsharded run."""
+    its shard), trains on like the uninterrupted unsharded run (the bounds of the vector tail)."""
     plain = [o[(1, 2, 2), "2bw"][0] for o in runs]
-    _assert_bitwise(plain, [o["reload"] for o in runs], "reload")
+    _assert_same_update(plain, [o["reload"] for o in runs], "reload")
 
 
 def test_padded_shards_and_overflow_skip(runs):
@@ -262,16 +279,26 @@ def _resume(saved: ckpt_runs.Saved, tmp_path, name: str, iteration: int, nproc: 
 
 def test_checkpoint_loads_at_any_width_with_or_without_the_distributed_optimizer(tmp_path_factory, tmp_path):
     """A run with the distributed optimizer at w=2 trains and saves the same as one without it (the
-    unsharded format, bitwise), and its checkpoint resumes at w=1 (where the flag is the unsharded
-    optimizer). Loading an unsharded state into a sharded stage: ``test_resume_into_sharded_stage``."""
+    unsharded format: the same tensors, equal up to the fused AdamW tail's last bits, see the module
+    docstring), and its checkpoint resumes at w=1 (where the flag is the unsharded optimizer).
+    Loading an unsharded state into a sharded stage: ``test_resume_into_sharded_stage``."""
     zero = ckpt_runs._saved_run(tmp_path_factory, "zero_w2", ckpt_runs.gpt_args(iters=4, extra=(DIST,)), 2, 2)
     plain = ckpt_runs._saved_run(tmp_path_factory, "plain_w2", ckpt_runs.gpt_args(iters=4), 2, 2)
-    straight = train_losses(zero.metrics)
-    assert sorted(straight) == [0, 1, 2, 3] and straight == train_losses(plain.metrics)
+    straight, unsharded = train_losses(zero.metrics), train_losses(plain.metrics)
+    assert sorted(straight) == sorted(unsharded) == [0, 1, 2, 3]
+    assert all(abs(straight[k] - unsharded[k]) <= LOSS_REL * abs(unsharded[k]) for k in straight), (straight, unsharded)
     a = _engine_tensors(ckpt.checkpoint_path(zero.save, 2, 0, 0, 1))
     b = _engine_tensors(ckpt.checkpoint_path(plain.save, 2, 0, 0, 1))
     assert a.keys() == b.keys() and any("exp_avg" in k for k in a)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
+    # Adam's moments: exp_avg_sq of a near-zero gradient is tiny, so each tensor is compared against its
+    # own largest magnitude (a misplaced shard differs by the tensor's scale, not its last bits)
+    for k in a:
+        if a[k].is_floating_point() and a[k].numel():
+            scale = b[k].abs().max().item() or 1.0
+            assert (a[k] - b[k]).abs().max().item() <= 1e-5 * scale, k
+        else:
+            assert torch.equal(a[k], b[k]), k
     # the sharded run's checkpoint at w=1: the same file as the plain one, so the same run as a plain
     # resume; against the w=2 run, only the order of the four microbatch gradients' sum differs
     one = _resume(zero, tmp_path, "zero_to_w1", 2, 1, (DIST,))
