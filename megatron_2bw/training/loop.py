@@ -433,7 +433,7 @@ def _init_attempt_group(cfg) -> None:
         return
     device_id = None
     if cfg.system.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(parallel_state.cuda_device_index(int(os.environ.get("LOCAL_RANK", "0"))))
         device_id = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend=cfg.system.backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), device_id=device_id,
