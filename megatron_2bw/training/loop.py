@@ -455,7 +455,8 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
     trainer = None
     try:
-        trainer = Trainer(prep, state, faults, wd)
+        with wd.starting_up() if wd is not None else contextlib.nullcontext():  # the grace starts after this
+            trainer = Trainer(prep, state, faults, wd)
         code = trainer.train()
         if wd is not None:
             wd.stop()
