@@ -54,7 +54,7 @@ from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
 from . import checkpointing, health, signals, supervision, watchdog
 from .data_iter import MicrobatchProvider
-from .flops import tflops_per_device
+from .flops import counts_recompute, tflops_per_device
 from .log_format import (
     cuda_memory, eta_line, iteration_of_step, memory_report_line, peak_tflops_of, saved_checkpoint_line, window_line,
 )
@@ -382,7 +382,8 @@ class Trainer:
         if self.metrics is None:
             return
         cfg, tc = self.cfg, self.cfg.training
-        tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, cfg.pipeline.recompute)
+        tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, counts_recompute(cfg.pipeline),
+                                cfg.parallel.tensor)
         rec = step_record(r, st.loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
                           tflops=tfl, consumed_samples=self.provider.consumed_samples(st.step + 1),
                           components=st.components or None)
