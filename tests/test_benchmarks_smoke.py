@@ -70,8 +70,14 @@ def test_gpu_skips_or_runs_tiny(tmp_path):
     assert _load(out)["skipped"] is True
     assert gpu.main(["--allow-cpu", "--steps", "1", "--warmup", "1", "--json", str(out)]) == 0
     rows = _load(out)["results"]
-    assert {r["system"] for r in rows} == {"engine_2bw_d1", "plain"}
+    assert {r["system"] for r in rows} == {"engine_flush_d1", "engine_2bw_d1", "plain"}
     assert all(r["tokens_per_sec"] > 0 for r in rows)
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.training.flops import flops_per_step
+
+    for r in rows:  # the trainer's FLOP formula (review S3/B1)
+        fps = flops_per_step(get_preset(r["model"]), r["micro_batch"] * r["m"])
+        assert r["model_tflops_per_sec"] == pytest.approx(r["steps"] * fps / r["seconds"] / 1e12, rel=1e-9)
 
 
 def test_stale_rule_reference_quick(tmp_path):
