@@ -89,13 +89,14 @@ def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, d
     def get_batch(mb):
         return batches[mb % len(batches)]
 
-    stage.train(warmup, get_batch, lambda t: 1e-4)
+    first = stage.train(warmup, get_batch, lambda t: 1e-4)
     _sync(device)
     t0 = time.perf_counter()
     res = stage.train(steps, get_batch, lambda t: 1e-4)
     _sync(device)
     dt = time.perf_counter() - t0
     out = dict(seconds=dt, steps=steps, build_s=build_s, last_loss=res[-1].loss,
+               first_loss=first[0].loss if first else float("nan"),
                skipped=sum(r.skipped for r in res), grad_dtype=str(stage.opt.grad_dtype).replace("torch.", ""),
                **memory_stats(device))
     del stage
@@ -118,15 +119,28 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
     loss_fn = spec.loss_fn()
     batches = _batches(spec, cfg, b, 2 * m, device)
     loss = None
+    first: list[float] = []  # the first step's mean loss
+    # pure fp16 has no GradScaler (it unscales fp32 parameters only): a static loss scale, a step
+    # skipped when a gradient is not finite
+    scale = 1024.0 if dtype == torch.float16 else 1.0
 
     def step(k):
         nonlocal loss
+        total = 0.0
         for i in range(m):
             batch = batches[(k * m + i) % len(batches)]
             loss = loss_fn(run_layers(layers, batch), batch) / m
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
+            (loss * scale).backward()
+            if k == 0:
+                total += loss.item()
+        if k == 0:
+            first.append(total)
+        grads = [q.grad for q in params if q.grad is not None]
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        if scale == 1.0 or torch.isfinite(norm):
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     for k in range(warmup):
@@ -137,7 +151,7 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
         step(warmup + k)
     _sync(device)
     dt = time.perf_counter() - t0
-    return dict(seconds=dt, steps=steps, build_s=build_s, last_loss=loss.item() * m,
+    return dict(seconds=dt, steps=steps, build_s=build_s, last_loss=loss.item() * m, first_loss=first[0],
                 grad_dtype=str(dtype).replace("torch.", ""), **memory_stats(device))
 
 
