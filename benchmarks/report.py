@@ -693,9 +693,9 @@ def gpu_section(data: dict | None, path: str | None) -> str:
         lines += [f"Skipped: {data.get('reason', 'no CUDA device')} (from `{path}`).", ""]
         return "\n".join(lines)
     cfg = data.get("config") or {}
-    peak = mach.get("peak_bf16_flops")
+    peak = mach.get("peak_tflops") or (mach["peak_bf16_flops"] / 1e12 if mach.get("peak_bf16_flops") else None)
     lines += [f"Device {mach.get('device', mach.get('cuda_device', '?'))} (dense bf16 peak "
-              f"{f(peak / 1e12 if peak else None, '.0f')} TFLOP/s), torch {mach.get('torch')}, {mach.get('date_utc')}; "
+              f"{f(peak, '.0f')} TFLOP/s), torch {mach.get('torch')}, {mach.get('date_utc')}; "
               f"m = {cfg.get('m')}, {cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up; kernels "
               f"{cfg.get('kernels')}.", ""]
     rows = []
