@@ -107,8 +107,9 @@ source "$REPO/scripts/launch_lib.sh"
 TORCHRUN_SIGNAL_ARGS=$(torchrun_signal_flags "$PYTHON" "$SHUTDOWN_TIMEOUT" slurm_launch | tr '\n' ' ')
 # gloo (the world-wide step-statistics group) binds to the address its hostname resolves to unless
 # GLOO_SOCKET_IFNAME names an interface; where that is a loopback or management address (a loopback alias in
-# /etc/hosts is common) the cross-node connections fail at start-up. Default: the interface this node
-# uses to reach the other nodes. Its full mesh holds one socket per other rank: lift the soft limit.
+# /etc/hosts is common) the cross-node connections fail at start-up. Default: the interface this (the
+# first) node uses to reach the other nodes, for every node (set it where nodes name theirs differently).
+# Its full mesh holds one socket per other rank: lift the open-file soft limit to the hard one.
 if [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
   PEER=$( (( NNODES > 1 )) && scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR==2' || true)
   GLOO_SOCKET_IFNAME=$(route_ifname "$MASTER_ADDR" ${PEER:+"$PEER"})
