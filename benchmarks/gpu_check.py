@@ -265,8 +265,9 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
 
 
 # ------------------------------------------------------------------ d = 2 over NCCL
-def _d2_worker(w: int, steps: int) -> list[float]:
-    """One rank of 2BW + the distributed optimizer at d = 2 (``run_workers`` has set this rank's GPU)."""
+def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
+    """One rank of 2BW + the distributed optimizer at d = 2 (``run_workers`` has set this rank's GPU;
+    on a CPU-only gloo world the same code runs on the CPU)."""
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
@@ -279,9 +280,9 @@ def _d2_worker(w: int, steps: int) -> list[float]:
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     state = build_state(1, 2, w, device)
-    cfg = get_preset("gpt-355m")
+    cfg = get_preset(model)
     b, m = 2, 4
     tracker = RNGTracker(1234, state.tp_rank, device)
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
@@ -294,7 +295,7 @@ def _d2_worker(w: int, steps: int) -> list[float]:
     tokens = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1), generator=g)
     batches = [{k: v.to(device) for k, v in spec.make_batch(t).items()} for t in tokens]
     res = stage.train(steps, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
-    torch.cuda.synchronize(device)
+    _sync(device)
     return [r.loss for r in res if r.loss is not None]
 
 
