@@ -11,7 +11,9 @@ The first is 3 passes of ``24 B s L h^2 (1 + s/6h)`` over the layers plus ``6 B 
 logits; the second (Narayanan et al., 2021, eq. 3) adds one forward of the layers, not of the
 logits (which Megatron does not recompute), so its logit term is also ``6 B s V h``. Full
 recomputation means ``--recompute-activations`` (whole stages) or ``--recompute-granularity full``;
-selective recomputation re-runs only the attention core, which Megatron does not count either. It
+selective recomputation re-runs only the attention core, which Megatron does not count either
+(stage-level recomputation also replays the head and its logits: the hardware does a little more
+than this count, which is Megatron's, so numbers compare with its logs). It
 counts the matrix multiplies only, the same for GPT and BERT (BERT's small heads are left out): a
 *model* FLOP estimate, not what a profiler would measure.
 """
