@@ -93,7 +93,13 @@ SIGNALLED=""
 SRUN_PID=""
 forward() {
   SIGNALLED=$1
-  echo "slurm_launch: received SIG$1: asking the trainers to save a checkpoint and exit" >&2
+  # a torchrun without --signals-to-handle (torch < 2.9) dies of SIGUSR1 and orphans its trainers; it
+  # forwards SIGTERM, which --exit-signal-handler saves on as well
+  if [[ "$1" == USR1 && -n "${TORCHRUN_SIGNAL_ARGS+x}" && "$TORCHRUN_SIGNAL_ARGS" != *--signals-to-handle* ]]; then
+    echo "slurm_launch: this torchrun does not forward SIGUSR1: sending the steps SIGTERM" >&2
+    set -- TERM
+  fi
+  echo "slurm_launch: received SIG$SIGNALLED: asking the trainers to save a checkpoint and exit" >&2
   if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scancel >/dev/null 2>&1; then
     scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null && return 0
   fi

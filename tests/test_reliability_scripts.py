@@ -226,6 +226,15 @@ def test_warning_signal_reaches_the_trainer_and_the_job_requeues(fake):
     assert "slurm_launch: checkpoint at iteration 700 of 1000: requeueing job 4242" in res.stderr
 
 
+def test_warning_signal_reaches_the_trainer_as_sigterm_under_an_older_torchrun(fake):
+    """torch < 2.9: torchrun would die of SIGUSR1 (no --signals-to-handle); it forwards SIGTERM."""
+    res, log = _signalled_job(fake, 700, FAKE_TORCHRUN_HELP=TORCHRUN_HELP_2_4)
+    assert res.returncode == 0, res.stderr
+    assert "scancel --signal=TERM 4242" in log and "trainer: got TERM" in res.stderr
+    assert "slurm_launch: this torchrun does not forward SIGUSR1: sending the steps SIGTERM" in res.stderr
+    assert "scontrol requeue 4242" in log
+
+
 def test_signal_after_the_last_iteration_does_not_requeue(fake):
     res, log = _signalled_job(fake, 1000, FAKE_SIGNAL_RC="0")
     assert res.returncode == 0 and "trainer: got USR1" in res.stderr
