@@ -1,15 +1,19 @@
 """Single-GPU tokens/s and model FLOP utilization of GPT 355M and 1.3B (bf16) with our layers.
 
-Two loops per model, on the same layers (``ModelSpec`` with ``select_kernels('auto', 'cuda')``):
+Three loops per model, on the same layers (``ModelSpec`` with ``select_kernels('auto', 'cuda')``):
 
-- ``engine_2bw_d1``: our ``PipelineStage`` with d = 1, PipeDream-2BW, bf16 weights and gradients,
-  fp32 master weights and Adam moments, global-norm clipping (the trainer's real path).
+- ``engine_flush_d1``: our ``PipelineStage`` with d = 1 and PipeDream-Flush (what the trainer picks
+  at d = 1), bf16 weights and gradients (``accumulate_allreduce_grads_in_fp32=False``; ``--fp32-grads``
+  gives the trainer's bf16 default, fp32 gradient accumulation), fp32 master weights and Adam
+  moments, global-norm clipping.
+- ``engine_2bw_d1``: the same with PipeDream-2BW (two weight versions, one-step-stale gradients).
 - ``plain``: a plain loop over the same layer list in pure bf16 (bf16 parameters updated by
   ``torch.optim.AdamW(fused=True)``, no fp32 master): the compute roofline of these layers.
 
-Model FLOPs per token = ``6 N + 12 L s h`` (weights, forward and backward, plus the attention
-score and value matmuls with no causal discount, as in Narayanan et al. 2021); MFU = achieved
-FLOP/s over the device's dense bf16 peak (H100/H200 989 TFLOP/s, A100 312).
+Model FLOPs per step: Megatron-LM's closed form ``72 B s L h^2 (1 + s/6h + V/12Lh)`` with the padded
+vocabulary, the function the trainer logs with (``megatron_2bw.training.flops``); MFU = achieved
+FLOP/s over the device's dense peak in the run's precision (``peak_tflops_of``: H100/H200 SXM 989,
+H100 PCIe 756, H100 NVL 835, A100 312 bf16 TFLOP/s).
 
 A pipeline of two stages on one GPU (two processes sharing it over gloo) would only measure the
 transport, so it is not run. On a machine without CUDA this exits 0 after printing
@@ -26,19 +30,25 @@ import time
 
 import common
 
-PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 DEFAULT_MICRO = {"gpt-355m": 8, "gpt-1.3b": 4}
+SYSTEMS = ("engine_flush_d1", "engine_2bw_d1", "plain")
 
 
-def peak_flops(name: str) -> float | None:
-    for key, value in PEAK_BF16:
-        if key in name.upper():
-            return value
-    return None
+def flops_per_step(cfg, b: int, m: int) -> float:
+    """Model FLOPs of one step of m microbatches of b sequences: the trainer's formula (no recomputation, t = 1)."""
+    from megatron_2bw.training.flops import flops_per_step as megatron_flops
+
+    return megatron_flops(cfg, b * m, recompute=False, tensor_parallel=1)
 
 
-def flops_per_token(cfg) -> float:
-    return 6.0 * cfg.num_parameters() + 12.0 * cfg.num_layers * cfg.seq_length * cfg.hidden_size
+def memory_stats(device) -> dict:
+    """The allocator's peaks since the last reset (GiB): ``max_memory_allocated`` and ``max_memory_reserved``."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    return {"peak_memory_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_GiB": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def _sync(device):
@@ -56,7 +66,8 @@ def _batches(spec, cfg, b: int, n: int, device):
     return [{k: v.to(device) for k, v in spec.make_batch(t).items()} for t in tokens]
 
 
-def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, device) -> dict:
+def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, device, *, schedule: str = "flush",
+               fp32_grads: bool = False) -> dict:
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
@@ -64,8 +75,9 @@ def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, d
     from megatron_2bw.pipeline.executor import PipelineStage
 
     state = ParallelState.single(device)
-    pipe = PipelineConfig("2bw", b, m, recompute=False, track_memory=False)
-    opt = OptimizerConfig("adam", lr=1e-4, dtype=dtype, clip_grad=1.0)
+    pipe = PipelineConfig(schedule, b, m, recompute=False, track_memory=False)
+    opt = OptimizerConfig("adam", lr=1e-4, dtype=dtype, clip_grad=1.0,
+                          accumulate_allreduce_grads_in_fp32=True if fp32_grads else None if dtype == "fp32" else False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -77,16 +89,16 @@ def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, d
     def get_batch(mb):
         return batches[mb % len(batches)]
 
-    stage.train(warmup, get_batch, lambda t: 1e-4)
+    first = stage.train(warmup, get_batch, lambda t: 1e-4)
     _sync(device)
     t0 = time.perf_counter()
     res = stage.train(steps, get_batch, lambda t: 1e-4)
     _sync(device)
     dt = time.perf_counter() - t0
     out = dict(seconds=dt, steps=steps, build_s=build_s, last_loss=res[-1].loss,
-               skipped=sum(r.skipped for r in res))
-    if device.type == "cuda":
-        out["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+               first_loss=first[0].loss if first else float("nan"),
+               skipped=sum(r.skipped for r in res), grad_dtype=str(stage.opt.grad_dtype).replace("torch.", ""),
+               **memory_stats(device))
     del stage
     return out
 
@@ -107,15 +119,28 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
     loss_fn = spec.loss_fn()
     batches = _batches(spec, cfg, b, 2 * m, device)
     loss = None
+    first: list[float] = []  # the first step's mean loss
+    # pure fp16 has no GradScaler (it unscales fp32 parameters only): a static loss scale, a step
+    # skipped when a gradient is not finite
+    scale = 1024.0 if dtype == torch.float16 else 1.0
 
     def step(k):
         nonlocal loss
+        total = 0.0
         for i in range(m):
             batch = batches[(k * m + i) % len(batches)]
             loss = loss_fn(run_layers(layers, batch), batch) / m
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
+            (loss * scale).backward()
+            if k == 0:
+                total += loss.item()
+        if k == 0:
+            first.append(total)
+        grads = [q.grad for q in params if q.grad is not None]
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        if scale == 1.0 or torch.isfinite(norm):
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
     for k in range(warmup):
@@ -126,10 +151,8 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
         step(warmup + k)
     _sync(device)
     dt = time.perf_counter() - t0
-    out = dict(seconds=dt, steps=steps, build_s=build_s, last_loss=loss.item() * m)
-    if device.type == "cuda":
-        out["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return out
+    return dict(seconds=dt, steps=steps, build_s=build_s, last_loss=loss.item() * m, first_loss=first[0],
+                grad_dtype=str(dtype).replace("torch.", ""), **memory_stats(device))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", type=int, default=4, help="microbatches per step")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--systems", nargs="+", default=["engine_2bw_d1", "plain"], choices=["engine_2bw_d1", "plain"])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--fp32-grads", action="store_true",
+                   help="engine rows accumulate gradients in fp32 (the trainer's bf16 default) instead of bf16")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run a tiny fp32 model on the CPU (tests the script)")
     args = p.parse_args(argv)
@@ -150,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
+    from megatron_2bw.training.log_format import peak_tflops_of
 
     machine = common.machine_info()
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -162,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models if cuda else ["gpt-tiny"]
     kernels = select_kernels("auto", device.type)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    peak = peak_flops(name) if cuda else None
+    peak = peak_tflops_of(name, dtype_name) if cuda else None  # TFLOP/s
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     results = []
@@ -171,18 +197,18 @@ def main(argv: list[str] | None = None) -> int:
         b = args.micro_batch or DEFAULT_MICRO.get(model, 2)
         spec = ModelSpec(cfg, TPGroup(), 1234, kernels=kernels)
         tokens_per_step = args.m * b * cfg.seq_length
-        fpt = flops_per_token(cfg)
+        fps = flops_per_step(cfg, b, args.m)
         for system in args.systems:
             try:
-                if system == "engine_2bw_d1":
-                    r = run_engine(spec, cfg, b, args.m, args.steps, args.warmup, dtype_name, device)
+                if system.startswith("engine_"):
+                    r = run_engine(spec, cfg, b, args.m, args.steps, args.warmup, dtype_name, device,
+                                   schedule=system.split("_")[1], fp32_grads=args.fp32_grads)
                 else:
                     r = run_plain(spec, cfg, b, args.m, args.steps, args.warmup, dtype, device)
-                tps = r["steps"] * tokens_per_step / r["seconds"]
+                tflops = r["steps"] * fps / r["seconds"] / 1e12
                 row = dict(model=model, system=system, params=cfg.num_parameters(), micro_batch=b, m=args.m,
-                           seq=cfg.seq_length, dtype=dtype_name, tokens_per_sec=tps,
-                           model_tflops_per_sec=tps * fpt / 1e12,
-                           mfu=(tps * fpt / peak) if peak else None, **r)
+                           seq=cfg.seq_length, dtype=dtype_name, tokens_per_sec=r["steps"] * tokens_per_step / r["seconds"],
+                           model_tflops_per_sec=tflops, mfu=(tflops / peak) if peak else None, **r)
             except torch.cuda.OutOfMemoryError as exc:  # type: ignore[attr-defined]
                 row = dict(model=model, system=system, error=f"out of memory: {exc}".splitlines()[0])
             results.append(row)
@@ -192,13 +218,15 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     cols = [("model", "model", ""), ("system", "system", ""), ("micro_batch", "b", ""), ("m", "m", ""),
             ("tokens_per_sec", "tokens/s", ".0f"), ("model_tflops_per_sec", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
-            ("peak_memory_GiB", "peak GiB", ".1f"), ("build_s", "build s", ".1f")]
-    print(f"\n{name}: peak bf16 {peak / 1e12 if peak else '-'} TFLOP/s; kernels {kernels.describe()}")
+            ("peak_memory_GiB", "peak GiB", ".1f"), ("peak_reserved_GiB", "reserved GiB", ".1f"),
+            ("grad_dtype", "grads", ""), ("build_s", "build s", ".1f")]
+    print(f"\n{name}: peak {dtype_name} {peak if peak else '-'} TFLOP/s; kernels {kernels.describe()}")
     print(common.table(results, cols))
     common.write_json(args.json, {
-        "skipped": False, "results": results, "machine": dict(machine, device=name, peak_bf16_flops=peak),
+        "skipped": False, "results": results, "machine": dict(machine, device=name, peak_tflops=peak),
         "config": dict(models=models, m=args.m, steps=args.steps, warmup=args.warmup, kernels=kernels.describe(),
-                       flops_per_token="6N + 12 L s h", pipeline_on_one_gpu="not run (two processes on one GPU over gloo measures only the transport)"),
+                       flops_per_step="72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.training.flops)",
+                       fp32_grads=args.fp32_grads, pipeline_on_one_gpu="not run (two processes on one GPU over gloo measures only the transport)"),
     })
     return 0
 

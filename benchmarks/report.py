@@ -693,9 +693,9 @@ def gpu_section(data: dict | None, path: str | None) -> str:
         lines += [f"Skipped: {data.get('reason', 'no CUDA device')} (from `{path}`).", ""]
         return "\n".join(lines)
     cfg = data.get("config") or {}
-    peak = mach.get("peak_bf16_flops")
+    peak = mach.get("peak_tflops") or (mach["peak_bf16_flops"] / 1e12 if mach.get("peak_bf16_flops") else None)
     lines += [f"Device {mach.get('device', mach.get('cuda_device', '?'))} (dense bf16 peak "
-              f"{f(peak / 1e12 if peak else None, '.0f')} TFLOP/s), torch {mach.get('torch')}, {mach.get('date_utc')}; "
+              f"{f(peak, '.0f')} TFLOP/s), torch {mach.get('torch')}, {mach.get('date_utc')}; "
               f"m = {cfg.get('m')}, {cfg.get('steps')} timed steps after {cfg.get('warmup')} warm-up; kernels "
               f"{cfg.get('kernels')}.", ""]
     rows = []
@@ -709,10 +709,13 @@ def gpu_section(data: dict | None, path: str | None) -> str:
     lines += [md_table(["model", "system", "params (M)", "b", "dtype", "tokens/s", "model TFLOP/s", "MFU", "peak GiB", "note"],
                        rows), ""]
     lines += [
-        "What the numbers mean: **tokens/s** over the timed steps; **model TFLOP/s** = tokens/s x "
-        f"`{cfg.get('flops_per_token', '6N + 12 L s h')}` FLOPs per token (no recomputation counted); **MFU** = that over "
-        "the device's dense bf16 peak. `engine_2bw_d1` is our trainer's path (bf16 weights and gradients, fp32 master "
-        "weights and Adam state, clipping); `plain` is a pure-bf16 plain loop over the same layers (its roofline).",
+        "What the numbers mean: **tokens/s** over the timed steps; **model TFLOP/s** = "
+        + (f"steps/s x `{cfg['flops_per_step']}` FLOPs per step" if cfg.get("flops_per_step") else
+           f"tokens/s x `{cfg.get('flops_per_token', '6N + 12 L s h')}` FLOPs per token")
+        + " (no recomputation counted); **MFU** = that over the device's dense peak in the run's precision. "
+        "`engine_flush_d1` / `engine_2bw_d1` are our trainer's path (bf16 weights, bf16 gradients unless the run "
+        "says fp32, fp32 master weights and Adam state, clipping); `plain` is a pure-bf16 plain loop over the same "
+        "layers (its roofline).",
         "",
     ]
     return "\n".join(lines)

@@ -420,6 +420,10 @@ class SystemConfig:
             not (self.backend == "nccl" and self.device != "cuda"),
             "--distributed-backend nccl needs --device cuda (use gloo on CPU)",
         )
+        _require(  # gloo has no CUDA reduce-scatter / all-gather-into-tensor and is slow for CUDA p2p
+            not (self.backend == "gloo" and self.device == "cuda"),
+            "--distributed-backend gloo is not supported with --device cuda (use nccl on GPUs)",
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ neither is a choice made here.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -31,20 +32,46 @@ class Kernels:
         return f"layer_norm={self.layer_norm}"
 
 
+# What the apex path uses: the module and class the model builds, and the CUDA extension it calls
+# (an apex built without --cuda_ext, or the unrelated PyPI "apex", lacks them).
+_APEX_NEEDS = (("apex.normalization.fused_layer_norm", "FusedLayerNorm"), ("fused_layer_norm_cuda", None))
+
+
+def apex_unusable_reason() -> str | None:
+    """Why apex's kernels cannot run here (None: they can): CUDA and a real import of each kernel used."""
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    if importlib.util.find_spec("apex") is None:
+        return "apex is not installed"
+    for module, attr in _APEX_NEEDS:
+        try:
+            mod = importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure to import means the path is unusable
+            return f"apex is installed but {module} does not import ({type(e).__name__}: {e})".splitlines()[0]
+        if attr is not None and not hasattr(mod, attr):
+            return f"apex is installed but {module} has no {attr}"
+    return None
+
+
 def apex_available() -> bool:
-    """apex is installed and CUDA is usable (apex's kernels are CUDA-only)."""
-    return importlib.util.find_spec("apex") is not None and torch.cuda.is_available()
+    """apex's kernels import and CUDA is usable (apex's kernels are CUDA-only)."""
+    return apex_unusable_reason() is None
 
 
 def select_kernels(mode: str = "auto", device_type: str = "cpu") -> Kernels:
     """Pick kernels for ``mode`` in {auto, apex, torch} on ``device_type``."""
     if mode not in ("auto", "apex", "torch"):
         raise ConfigError(f"--fused-kernels must be auto, apex or torch, got {mode!r}")
-    use_apex = mode == "apex" or (mode == "auto" and device_type == "cuda" and apex_available())
-    if mode == "apex" and not (device_type == "cuda" and apex_available()):
-        raise ConfigError("--fused-kernels apex needs CUDA and an importable apex; neither path was forced silently")
+    why_not = apex_unusable_reason() if mode != "torch" and device_type == "cuda" else None
+    if mode == "apex" and (device_type != "cuda" or why_not is not None):
+        raise ConfigError("--fused-kernels apex needs CUDA and an importable apex"
+                          f"{f' ({why_not})' if why_not else ''}; neither path was forced silently")
+    use_apex = mode == "apex" or (mode == "auto" and device_type == "cuda" and why_not is None)
     k = Kernels(layer_norm="apex" if use_apex else "torch")
-    log.info("fused kernels: %s", k.describe())
+    if mode == "auto" and device_type == "cuda" and why_not is not None:
+        log.info("fused kernels: %s (apex not used: %s)", k.describe(), why_not)
+    else:
+        log.info("fused kernels: %s", k.describe())
     return k
 
 

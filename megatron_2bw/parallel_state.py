@@ -71,6 +71,7 @@ class ParallelState:
     embedding_group: object | None = None
     model_group: object | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout: datetime.timedelta | None = None  # --distributed-timeout-minutes, for groups made later (None: torch's)
 
     @property
     def is_first_stage(self) -> bool:
@@ -152,6 +153,25 @@ def default_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def cuda_device_index(local_rank: int) -> int:
+    """The CUDA device of a process with ``local_rank``; refuses to put two local ranks on one GPU.
+
+    Under torchrun (``LOCAL_WORLD_SIZE`` set) the local processes share one set of visible devices,
+    so more processes than devices would silently share a GPU (NCCL then aborts with "Duplicate GPU
+    detected", older NCCL hangs). Under SLURM's own launch (no torchrun) each task may see only its
+    own device (``--gpus-per-task=1``), so the index wraps around there.
+    """
+    count = torch.cuda.device_count()
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if count < 1:
+        raise ConfigError("--device cuda but no CUDA device is visible (check CUDA_VISIBLE_DEVICES)")
+    if local_world is not None and int(local_world) > count:
+        raise ConfigError(f"{local_world} processes on this node but {count} visible CUDA device(s): two ranks "
+                          f"would share a GPU; start at most {count} per node (--nproc-per-node, NPROC) or "
+                          "check CUDA_VISIBLE_DEVICES")
+    return local_rank % count
+
+
 def initialize(
     parallel: ParallelConfig,
     *,
@@ -168,7 +188,7 @@ def initialize(
     parallel = parallel.resolve(world)
     dev_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev_type == "cuda":
-        torch.cuda.set_device(int(env["local_rank"]) % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(cuda_device_index(int(env["local_rank"])))
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
@@ -186,11 +206,16 @@ def initialize(
             # NCCL: create the communicators now, so a first batch_isend_irecv among a subset of ranks is legal
             device_id=dev if dev.type == "cuda" else None,
         )
-    return build_state(t, d, w, dev)
+    return build_state(t, d, w, dev, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def build_state(t: int, d: int, w: int, device: torch.device) -> ParallelState:
-    """Create every group of the layout (all ranks call ``new_group`` in the same order)."""
+def build_state(t: int, d: int, w: int, device: torch.device, *,
+                timeout: datetime.timedelta | None = None) -> ParallelState:
+    """Create every group of the layout (all ranks call ``new_group`` in the same order).
+
+    ``timeout`` (``--distributed-timeout-minutes``) applies to every group: ``new_group`` does not
+    inherit the default group's, it takes torch's default (10 min NCCL, 30 min gloo).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     if t * d * w != world:
         raise ConfigError(f"layout t={t} x d={d} x w={w} does not match world size {world}")
@@ -200,12 +225,12 @@ def build_state(t: int, d: int, w: int, device: torch.device) -> ParallelState:
     for name, lists in groups.items():
         mine[name] = None
         for ranks in lists:
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 mine[name] = g
     pipeline_ranks = next(p for p in groups["pipeline"] if rank in p)
     return ParallelState(
         rank, world, t, d, w, tp_rank, dp_rank, pp_rank, pipeline_ranks,
         tp_group=mine["tensor"], dp_group=mine["data"], pp_group=mine["pipeline"],
-        embedding_group=mine["embedding"], model_group=mine["model"], device=device,
+        embedding_group=mine["embedding"], model_group=mine["model"], device=device, timeout=timeout,
     )

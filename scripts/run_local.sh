@@ -11,7 +11,8 @@
 # Environment: PYTHON (default .venv/bin/python if present, else python3), NPROC (default: the GPU
 # count, else 4), DEVICE (default: cuda with GPUs, else cpu), OMP_NUM_THREADS (CPU: cores / NPROC),
 # MAX_RESTARTS (torchrun --max-restarts, default 3), SHUTDOWN_TIMEOUT (seconds torchrun waits for
-# workers to save after a signal, default 120), VALIDATE (1|0: run "SCRIPT FLAGS --validate-only"
+# workers to save after a signal, default 120; torchrun's signal flags are passed only where this torch
+# has them, see launch_lib.sh), VALIDATE (1|0: run "SCRIPT FLAGS --validate-only"
 # first), VALIDATE_TIMEOUT (seconds that check may take
 # before the rest is left to the trainers, default 20; 0: no limit).
 set -euo pipefail
@@ -51,7 +52,9 @@ if [[ "$VALIDATE" == 1 ]]; then
   fi
 fi
 
+source scripts/launch_lib.sh
+mapfile -t SIGNAL_ARGS < <(torchrun_signal_flags "$PYTHON" "$SHUTDOWN_TIMEOUT" run_local)  # what this torch accepts
+
 echo "run_local: $NPROC process(es) on $DEVICE (max restarts $MAX_RESTARTS)" >&2
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
-  "$SCRIPT" --device "$DEVICE" "$@"
+  ${SIGNAL_ARGS[@]+"${SIGNAL_ARGS[@]}"} "$SCRIPT" --device "$DEVICE" "$@"

@@ -8,7 +8,7 @@
 #    --max-restarts restarts every node together from the last checkpoint). Global ranks are
 #    contiguous per node (tensor-parallel groups stay inside a server).
 # 3. SLURM's warning signal (sbatch --signal=B:USR1@300) reaches this shell, which forwards it to
-#    the job steps (scancel --signal); torchrun passes it on to the trainers (--signals-to-handle),
+#    the job steps (scancel --signal); torchrun passes it on to the trainers (--signals-to-handle, torch >= 2.9),
 #    which save a checkpoint at the next step boundary and exit; torchrun waits SHUTDOWN_TIMEOUT s.
 # 4. If the job was signalled, or the trainer exited 0 (e.g. --exit-duration-in-mins) before
 #    --train-iters, and the checkpoint advanced, the job requeues itself (scontrol requeue) and
@@ -25,6 +25,7 @@
 #   VALIDATE           1|0: run "SCRIPT FLAGS --validate-only" first [1]
 #   VALIDATE_TIMEOUT   seconds the check may take before it is left to the trainers [20; 0: no limit]
 #   NCCL_*             passed through; NCCL_DEBUG defaults to WARN, async error handling is on
+#   GLOO_SOCKET_IFNAME interface of the step-statistics gloo group [the one this node routes to the other nodes by]
 #   SRUN_ARGS          extra srun options, each written as --opt=value
 set -euo pipefail
 
@@ -92,7 +93,13 @@ SIGNALLED=""
 SRUN_PID=""
 forward() {
   SIGNALLED=$1
-  echo "slurm_launch: received SIG$1: asking the trainers to save a checkpoint and exit" >&2
+  # a torchrun without --signals-to-handle (torch < 2.9) dies of SIGUSR1 and orphans its trainers; it
+  # forwards SIGTERM, which --exit-signal-handler saves on as well
+  if [[ "$1" == USR1 && -n "${TORCHRUN_SIGNAL_ARGS+x}" && "$TORCHRUN_SIGNAL_ARGS" != *--signals-to-handle* ]]; then
+    echo "slurm_launch: this torchrun does not forward SIGUSR1: sending the steps SIGTERM" >&2
+    set -- TERM
+  fi
+  echo "slurm_launch: received SIG$SIGNALLED: asking the trainers to save a checkpoint and exit" >&2
   if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scancel >/dev/null 2>&1; then
     scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null && return 0
   fi
@@ -101,14 +108,35 @@ forward() {
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 
+# torchrun's signal flags, where this torch has them (launch_lib.sh); the same interpreter runs on every node.
+source "$REPO/scripts/launch_lib.sh"
+TORCHRUN_SIGNAL_ARGS=$(torchrun_signal_flags "$PYTHON" "$SHUTDOWN_TIMEOUT" slurm_launch | tr '\n' ' ')
+# gloo (the world-wide step-statistics group) binds to the address its hostname resolves to unless
+# GLOO_SOCKET_IFNAME names an interface; where that is a loopback or management address (a loopback alias in
+# /etc/hosts is common) the cross-node connections fail at start-up. Default: the interface this (the
+# first) node uses to reach the other nodes, for every node (set it where nodes name theirs differently).
+# Its full mesh holds one socket per other rank: lift the open-file soft limit to the hard one.
+if [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+  PEER=$( (( NNODES > 1 )) && scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR==2' || true)
+  GLOO_SOCKET_IFNAME=$(route_ifname "$MASTER_ADDR" ${PEER:+"$PEER"})
+fi
+[[ -n "$GLOO_SOCKET_IFNAME" ]] && export GLOO_SOCKET_IFNAME
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+echo "slurm_launch: gloo interface ${GLOO_SOCKET_IFNAME:-(gloo's default: the hostname's address)}" >&2
+# srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it the one task per node
+# (torchrun and all its trainers) can be confined to one core. Give it the node's CPUs.
+NODE_CPUS=${SLURM_JOB_CPUS_PER_NODE:+$(tr ',' '\n' <<<"$SLURM_JOB_CPUS_PER_NODE" | sed 's/(x[0-9]*)//' | sort -n | head -1)}
+NODE_CPUS=${NODE_CPUS:-${SLURM_CPUS_ON_NODE:-}}
+
 # Each task runs its own torchrun; the arguments travel as positional parameters (no quoting problems),
 # the restart settings through the environment (srun exports it).
-export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT
+export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT TORCHRUN_SIGNAL_ARGS
 # shellcheck disable=SC2086,SC2016
-srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" ${SRUN_ARGS:-} \
+srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" \
+  ${NODE_CPUS:+--cpus-per-task="$NODE_CPUS"} ${SRUN_ARGS:-} \
   bash -c 'exec "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" \
              --rdzv-backend c10d --rdzv-endpoint "$3:$4" --rdzv-id "$RDZV_ID" --max-restarts "$MAX_RESTARTS" \
-             --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${@:5}"' \
+             $TORCHRUN_SIGNAL_ARGS "${@:5}"' \
   "$PYTHON" "$NNODES" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$SCRIPT" "$@" &
 SRUN_PID=$!
 RC=0

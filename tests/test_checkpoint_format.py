@@ -159,3 +159,41 @@ def test_transformers_converter_reads_the_trainers_checkpoint(one_rank_run):  # 
     assert config.vocab_size == cfg.padded_vocab_size(1) and theirs.shape == ours.shape
     assert max_err(theirs, ours) < 1e-5
     assert float(ours.std()) > 0.1  # trained weights, not a degenerate comparison
+
+
+def _masks(tracker: RNGTracker) -> torch.Tensor:
+    with tracker.fork():  # what attention dropout draws
+        return torch.nn.functional.dropout(torch.ones(64), 0.5)
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["tagged", "untagged-older-checkpoint"])
+def test_tracker_state_of_another_device_reseeds_deterministically(tagged, caplog):
+    """Review C5: a GPU's tracker state (16 bytes: Philox seed and offset) restored into a CPU tracker
+    (a 5056-byte Mersenne-Twister state) raised "RNG state is wrong size" at the first dropout."""
+    import logging
+
+    from megatron_2bw.pipeline.recompute import RNGSnapshot
+
+    saved = RNGSnapshot.capture(CPU, RNGTracker(7, 0)).as_dict()
+    assert saved["tracker_device"] == "cpu" and saved["tracker"].numel() == 5056
+    philox = torch.tensor([5, 0, 0, 0, 0, 0, 0, 0, 12, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)  # seed 5, offset 12
+    foreign = {**saved, "tracker": philox, "tracker_device": "cuda" if tagged else None}
+    runs = []
+    for _ in range(2):
+        tracker = RNGTracker(7, 0)
+        with caplog.at_level(logging.WARNING, logger="megatron_2bw.tensor_parallel.random"):
+            RNGSnapshot.from_dict(foreign).restore(CPU, tracker)
+        runs.append(_masks(tracker))
+    assert "re-seeded it deterministically" in caplog.text
+    assert torch.equal(runs[0], runs[1])  # the same checkpoint resumes to the same masks
+    assert not torch.equal(runs[0], _masks(RNGTracker(7, 0)))  # not a restart of the stream from scratch
+    other = RNGTracker(7, 0)
+    RNGSnapshot.from_dict({**foreign, "tracker": philox.flip(0)}).restore(CPU, other)
+    assert not torch.equal(runs[0], _masks(other))  # another saved state, another stream
+    # a state of this device is still restored as is (bitwise)
+    src = RNGTracker(7, 0)
+    _masks(src)
+    snap = RNGSnapshot.capture(CPU, src).as_dict()
+    dst = RNGTracker(7, 0)
+    RNGSnapshot.from_dict(snap).restore(CPU, dst)
+    assert torch.equal(_masks(dst), _masks(src))

@@ -249,3 +249,13 @@ def test_a_changed_compensation_is_a_resume_setting():
     saved = cli.megatron_args(cfg("--2bw-compensation", "predict"))
     assert changed_settings(saved, cfg()) == [("--2bw-compensation", "predict", "none")]
     assert changed_settings(saved, cfg("--2bw-compensation", "predict")) == []
+
+
+def test_gloo_with_cuda_is_refused_in_one_line():
+    """gloo has no CUDA reduce-scatter / all-gather-into-tensor (review L4): refused at start-up."""
+    argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", *DATA,
+            "--device", "cuda"]
+    assert build_config(parse_args(argv, "gpt"), "gpt", 1, cuda_available=True).system.backend == "nccl"
+    with pytest.raises(ConfigError, match=r"^--distributed-backend gloo is not supported with --device cuda"):
+        build_config(parse_args([*argv, "--distributed-backend", "gloo"], "gpt"), "gpt", 1, cuda_available=True)
+    assert build_config(parse_args([*argv[:-1], "cpu", "--distributed-backend", "gloo"], "gpt"), "gpt", 1)

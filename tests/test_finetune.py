@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -111,3 +112,37 @@ def test_sample_and_iteration_flags_do_not_mix(tmp_path):
     res = train([*gpt_args(iters=4), "--finetune"])
     assert res.returncode == 2 and "--finetune needs --load DIR" in res.stderr
     assert not os.path.exists(str(tmp_path / "x"))
+
+
+@pytest.fixture(scope="module")
+@once
+def bf16_run(tmp_path_factory):
+    """bf16 weights with an fp32 master (the GPU precision): 3 steps, checkpoints at 2 and 3."""
+    out = tmp_path_factory.mktemp("bf16")
+    args = [*gpt_args(iters=3), "--bf16"]
+    save, metrics = str(out / "ckpt"), str(out / "m.jsonl")
+    res = train([*args, "--save", save, "--save-interval", "2", "--metrics-file", metrics])
+    assert res.returncode == 0, res.describe()
+    return args, save, train_losses(read_metrics(metrics))
+
+
+@pytest.mark.parametrize("mode", ["--finetune", "--no-load-optim"])
+def test_bf16_finetune_and_no_load_optim_start_and_train(bf16_run, tmp_path, mode):
+    """The fp32 master is set from the loaded bf16 weights (review C2: a TypeError at start-up before)."""
+    import shutil
+
+    args, saved, straight = bf16_run
+    load, save = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    shutil.copytree(saved, load)
+    ck.write_tracker(load, 2)
+    records, _ = _run([*args, "--load", load, mode, "--save", save], tmp_path, "tuned")
+    got = train_losses(records)
+    assert all(math.isfinite(v) for v in got.values()), got
+    if mode == "--finetune":  # restarts at iteration 0 with a fresh optimizer: 3 updates
+        assert sorted(got) == [0, 1, 2] and _adam_steps(save, 3) == 3
+        evals = [_run([*args, "--load", load, *extra, "--skip-train"], tmp_path, f"e{i}")[0]
+                 for i, extra in enumerate(([], ["--finetune"]))]
+        assert _valid(evals[0]) == _valid(evals[1])  # the checkpoint's weights, bitwise
+    else:  # iteration 2 on the checkpoint's weights: the uninterrupted run's loss, bitwise; Adam restarted
+        assert sorted(got) == [2] and got[2] == straight[2]
+        assert _adam_steps(save, 3) == 1

@@ -236,3 +236,67 @@ def test_window_line_bert_losses():
     assert grab(MEGATRON["tflops"], line) is None
     with pytest.raises(ValueError):
         window_line([], completed=1, train_iters=1, global_batch=1, seq_length=1)
+
+
+# ---- model FLOPs (review S3) and the window's TFLOP/s and MFU (issue 19 item 5) ---------------------
+def _matmul_flops(L: int, h: int, s: int, V: int, B: int, recompute: bool) -> float:
+    """Every matrix multiply of a GPT step, counted one by one: per token and layer, the QKV
+    projection 2*h*3h, the scores 2*s*h, scores x values 2*s*h, the output projection 2*h*h and the
+    MLP 2*h*4h + 2*4h*h; the logits 2*h*V per token. Backward is twice the forward; full
+    recomputation runs the layers' forward once more (not the logits')."""
+    layer = 2 * h * 3 * h + 2 * s * h + 2 * s * h + 2 * h * h + 2 * h * 4 * h + 2 * 4 * h * h
+    passes = 4 if recompute else 3
+    return B * s * (passes * L * layer + 3 * 2 * h * V)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("preset", ["gpt-demo", "gpt-1.3b"])
+def test_flops_are_megatrons_closed_form_with_the_padded_vocabulary(preset, recompute, t):
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.training.flops import flops_per_step, tflops_per_device
+
+    cfg = get_preset(preset)
+    L, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, 512
+    V = -(-cfg.vocab_size // (128 * t)) * 128 * t  # Megatron pads to a multiple of 128 x t
+    assert V > cfg.vocab_size or cfg.vocab_size % (128 * t) == 0
+    closed = (96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h)) if recompute
+              else 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h)))
+    got = flops_per_step(cfg, B, recompute, t)
+    assert got == pytest.approx(closed, rel=1e-12)
+    assert got == pytest.approx(_matmul_flops(L, h, s, V, B, recompute), rel=1e-12)
+    assert tflops_per_device(cfg, B, 2.0, 8, recompute, t) == pytest.approx(closed / (2.0 * 8 * 1e12), rel=1e-12)
+
+
+def test_full_recomputation_counts_and_selective_does_not():
+    from types import SimpleNamespace as NS
+
+    from megatron_2bw.training.flops import counts_recompute
+
+    assert counts_recompute(NS(recompute=True, recompute_granularity=None))
+    assert counts_recompute(NS(recompute=False, recompute_granularity="full"))
+    assert not counts_recompute(NS(recompute=False, recompute_granularity="selective"))
+    assert not counts_recompute(NS(recompute=False, recompute_granularity=None))
+
+
+def test_peaks_tell_h100_sxm_from_pcie_and_nvl():
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.0, rel=1e-3)  # SXM
+    assert peak_tflops_of("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops_of("NVIDIA H100 NVL", "fp16") == 835.0
+    assert peak_tflops_of("NVIDIA H100 NVL", "fp32") == 60.0
+    assert peak_tflops_of("NVIDIA A100-SXM4-80GB", "bf16") == pytest.approx(312.0, rel=1e-3)
+
+
+def test_window_tflops_and_mfu_are_the_windows_not_the_last_steps():
+    """Four steps of one model (the same FLOPs F each) taking 0.5, 0.7, 0.6 and 0.4 s: each record's
+    TFLOP/s is F / t; the window's is F / mean(t), Megatron's throughput over a log interval."""
+    F = 3.0  # TFLOP per step and device
+    rows = [dict(r, tflops_per_device=F / r["step_time_s"]) for r in window_records()]
+    line = window_line(rows, completed=10, train_iters=100, global_batch=16, seq_length=64, peak_tflops=50.0)
+    mean_time = (0.5 + 0.7 + 0.6 + 0.4) / 4
+    window = F / mean_time
+    assert float(grab(MEGATRON["tflops"], line)) == pytest.approx(window, abs=5e-5)
+    assert window != pytest.approx(rows[-1]["tflops_per_device"], rel=0.05)  # the last step's value is 7.5
+    mfu = re.search(r" MFU: ([\d.]+)% \|", line)
+    assert mfu and float(mfu.group(1)) == pytest.approx(100 * window / 50.0, abs=0.005)
+    assert " MFU:" not in window_line(rows, completed=10, train_iters=100, global_batch=16, seq_length=64)

@@ -119,3 +119,56 @@ def test_slurm_environment(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the fallback parser
     env = distributed_env()
     assert env == {"rank": 5, "world_size": 16, "local_rank": 1, "master_addr": "gpu07", "master_port": 24242}
+
+
+# ---- one GPU per local rank (review C7) and the subgroups' timeout (review L1) ---------------------
+def test_two_local_ranks_on_one_gpu_are_refused_before_init(monkeypatch):
+    from megatron_2bw import parallel_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device before the check"))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("init_process_group reached"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun --nproc-per-node 2 on a 1-GPU machine
+    with pytest.raises(ConfigError, match=r"^2 processes on this node but 1 visible CUDA device\(s\): two ranks "
+                                          r"would share a GPU"):
+        parallel_state.initialize(ParallelConfig(1, 2, 1), device="cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert parallel_state.cuda_device_index(0) == 0
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # SLURM's own launch, --gpus-per-task=1: each task sees its one GPU
+    assert parallel_state.cuda_device_index(3) == 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert parallel_state.cuda_device_index(5) == 5
+
+
+def _subgroup_timeout_worker() -> list[float | None]:
+    """Rank 1 never joins; rank 0's collectives on a layout group and on the step-statistics group end
+    after the run's timeout (2 s), not torch's default for new groups (30 min for gloo)."""
+    import datetime
+    import time
+
+    from megatron_2bw.training.step_stats import StepReducer
+
+    state = build_state(2, 1, 1, torch.device("cpu"), timeout=datetime.timedelta(seconds=2))
+    groups = (state.tp_group, StepReducer(state, ()).group)
+    if state.rank == 1:
+        time.sleep(6)  # past both of rank 0's timeouts
+        return []
+    waited = []
+    for g in groups:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=g)
+            waited.append(None)
+        except RuntimeError:
+            waited.append(time.monotonic() - t0)
+    return waited
+
+
+def test_subgroups_get_the_distributed_timeout():
+    waited, _ = run_workers(_subgroup_timeout_worker, 2, timeout=90, pg_timeout=60)
+    assert len(waited) == 2 and all(w is not None and 1.5 < w < 6 for w in waited), waited

@@ -17,12 +17,20 @@ from e2e import REPO, clean_env
 
 SBATCH = ["slurm_gpt_2bw.sbatch", "slurm_gpt_flush.sbatch", "slurm_bert_2bw.sbatch"]
 
-# A stand-in interpreter: --help prints $FAKE_HELP; "--validate-only" fails when $FAKE_INVALID is set;
+# A stand-in interpreter: "-m torch.distributed.run --help" prints $FAKE_TORCHRUN_HELP (torchrun's flags;
+# a flag it does not list is refused when passed); --help prints $FAKE_HELP; "--validate-only" fails when $FAKE_INVALID is set;
 # "-m torch.distributed.run" plays the trainer ($FAKE_TRAIN: ok | crash | wait_signal). Every call is logged.
 _FAKE_PY = r"""#!/usr/bin/env bash
+if [[ "$*" == "-m torch.distributed.run --help" ]]; then printf '%s\n' "$FAKE_TORCHRUN_HELP"; exit 0; fi
 printf '%s\0' "$@" >> "$FAKE_DIR/calls"; printf '\n' >> "$FAKE_DIR/calls"
 env | grep -E '^(RANK|WORLD_SIZE|LOCAL_RANK)=' | sort | tr '\n' ' ' >> "$FAKE_DIR/envs"; echo >> "$FAKE_DIR/envs"
 if [[ "$1" == -m ]]; then
+  echo "${GLOO_SOCKET_IFNAME-unset}" > "$FAKE_DIR/gloo"
+  for a in "$@"; do  # a torchrun refuses the flags its --help does not list, as argparse does
+    case "$a" in --signals-to-handle|--shutdown-timeout)
+      grep -q -- "$a" <<<"$FAKE_TORCHRUN_HELP" || { echo "torchrun: error: unrecognized arguments: $a" >&2; exit 2; } ;;
+    esac
+  done
   case "${FAKE_TRAIN:-ok}" in
     ok) exit 0 ;;
     crash) echo "error: rank 1: training failed" >&2; exit 1 ;;
@@ -47,7 +55,7 @@ exec "$@"
 """
 _SCONTROL = r"""#!/usr/bin/env bash
 echo "scontrol $*" >> "$FAKE_DIR/slurm.log"
-[[ "$1 $2" == "show hostnames" ]] && echo node01
+[[ "$1 $2" == "show hostnames" ]] && printf 'node01\nnode02\n'
 exit 0
 """
 # scancel --signal=SIG JOB: deliver SIG to the job step (here: the stand-in trainer).
@@ -56,6 +64,9 @@ echo "scancel $*" >> "$FAKE_DIR/slurm.log"
 sig=${1#--signal=}
 kill -s "$sig" "$(cat "$FAKE_DIR/trainer.pid")"
 """
+TORCHRUN_HELP_NEW = ("usage: torchrun [--nproc-per-node NPROC] [--max-restarts N] [--signals-to-handle SIGNALS]\n"
+                     "  [--shutdown-timeout SHUTDOWN_TIMEOUT] training_script ...")
+TORCHRUN_HELP_2_4 = "usage: torchrun [--nproc-per-node NPROC] [--max-restarts N] training_script ..."
 HELP_ALL = ("usage: pretrain_gpt.py [--exit-signal-handler] [--exit-signal EXIT_SIGNAL] [--stall-timeout-s S]\n"
             "  --validate-only   check the flags and files, then exit")
 
@@ -76,7 +87,8 @@ def fake(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     env = clean_env(PATH=f"{d / 'bin'}:{os.environ['PATH']}", FAKE_DIR=str(d), FAKE_SAVE=str(save), PYTHON=py,
-                    FAKE_HELP=HELP_ALL, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES="2",
+                    FAKE_HELP=HELP_ALL, FAKE_TORCHRUN_HELP=TORCHRUN_HELP_NEW, SLURM_JOB_ID="4242",
+                    SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES="2",
                     SLURM_SUBMIT_DIR=REPO, NPROC_PER_NODE="8", SAVE=str(save), TRAIN_ITERS="1000")
     return d, env, save
 
@@ -214,6 +226,15 @@ def test_warning_signal_reaches_the_trainer_and_the_job_requeues(fake):
     assert "slurm_launch: checkpoint at iteration 700 of 1000: requeueing job 4242" in res.stderr
 
 
+def test_warning_signal_reaches_the_trainer_as_sigterm_under_an_older_torchrun(fake):
+    """torch < 2.9: torchrun would die of SIGUSR1 (no --signals-to-handle); it forwards SIGTERM."""
+    res, log = _signalled_job(fake, 700, FAKE_TORCHRUN_HELP=TORCHRUN_HELP_2_4)
+    assert res.returncode == 0, res.stderr
+    assert "scancel --signal=TERM 4242" in log and "trainer: got TERM" in res.stderr
+    assert "slurm_launch: this torchrun does not forward SIGUSR1: sending the steps SIGTERM" in res.stderr
+    assert "scontrol requeue 4242" in log
+
+
 def test_signal_after_the_last_iteration_does_not_requeue(fake):
     res, log = _signalled_job(fake, 1000, FAKE_SIGNAL_RC="0")
     assert res.returncode == 0 and "trainer: got USR1" in res.stderr
@@ -232,3 +253,78 @@ def test_crash_without_signal_is_not_requeued(fake):
     res = _run(["bash", "scripts/slurm_gpt_2bw.sbatch"], env)
     assert res.returncode == 1 and "error: rank 1: training failed" in res.stderr
     assert "requeue" not in (d / "slurm.log").read_text()
+
+
+# ------------------------------------------------------------------ torchrun of an older torch (review C1)
+def test_run_local_with_an_older_torchrun_passes_only_the_flags_it_has(fake):
+    d, env, _ = fake
+    env.update(NGPU="0", VALIDATE="0", FAKE_TORCHRUN_HELP=TORCHRUN_HELP_2_4)
+    res = _run(["bash", "scripts/run_local.sh", "pretrain_gpt.py", "--lr", "1e-3"], env)
+    assert res.returncode == 0, res.stderr  # the stand-in refuses --signals-to-handle / --shutdown-timeout
+    tr = _torchrun(d)
+    assert "--signals-to-handle" not in tr and "--shutdown-timeout" not in tr
+    assert tr[-4:] == ["--device", "cpu", "--lr", "1e-3"] and tr[tr.index("--max-restarts") + 1] == "3"
+    assert "run_local: this torchrun has no --signals-to-handle (torch < 2.9)" in res.stderr
+    assert "run_local: this torchrun has no --shutdown-timeout" in res.stderr
+    env.update(FAKE_TORCHRUN_HELP=TORCHRUN_HELP_NEW, SHUTDOWN_TIMEOUT="77")
+    (d / "calls").unlink()
+    res = _run(["bash", "scripts/run_local.sh", "pretrain_gpt.py"], env)
+    tr = _torchrun(d)
+    assert res.returncode == 0 and "has no" not in res.stderr, res.stderr
+    assert tr[tr.index("--shutdown-timeout") + 1] == "77" and "SIGUSR1" in tr[tr.index("--signals-to-handle") + 1]
+
+
+def test_slurm_job_with_an_older_torchrun_passes_only_the_flags_it_has(fake):
+    d, env, _ = fake
+    env.update(FAKE_TORCHRUN_HELP=TORCHRUN_HELP_2_4.replace("[--max-restarts N]", "[--max-restarts N] "
+                                                            "[--signals-to-handle SIGNALS]"))  # torch 2.9-2.12
+    res = _run(["bash", "scripts/slurm_gpt_2bw.sbatch"], env)
+    assert res.returncode == 0, res.stderr
+    tr = _torchrun(d)
+    assert "SIGUSR1" in tr[tr.index("--signals-to-handle") + 1].split(",") and "--shutdown-timeout" not in tr
+    assert "slurm_launch: this torchrun has no --shutdown-timeout" in res.stderr
+    assert tr[tr.index("pretrain_gpt.py") - 1] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # the flags come before the script
+
+
+# ------------------------------------------------------------------ gloo's interface (review C6)
+_GETENT = r"""#!/usr/bin/env bash
+case "$2" in node01) echo "10.1.0.1 STREAM node01" ;; node02) echo "10.1.0.2 STREAM node02" ;; *) exit 2 ;; esac
+"""
+# this host is node01: its own address routes locally, node02 over ib0
+_IP = r"""#!/usr/bin/env bash
+case "$*" in
+  "-o route get 10.1.0.1") echo "local 10.1.0.1 dev lo table local src 10.1.0.1 uid 0 \    cache <local> " ;;
+  "-o route get 10.1.0.2") echo "10.1.0.2 dev ib0 src 10.1.0.1 uid 0 \    cache " ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("case", ["derived", "given", "one-node", "no-route"])
+def test_slurm_job_sets_gloos_interface(fake, case):
+    d, env, _ = fake
+    if case != "no-route":
+        _write(d / "bin" / "getent", _GETENT)
+        _write(d / "bin" / "ip", _IP)
+    if case == "given":
+        env["GLOO_SOCKET_IFNAME"] = "eth3"
+    if case == "one-node":
+        env.update(SLURM_NNODES="1", SLURM_JOB_NODELIST="node01")
+    res = _run(["bash", "scripts/slurm_gpt_2bw.sbatch"], env)
+    assert res.returncode == 0, res.stderr
+    expected = {"derived": "ib0", "given": "eth3", "one-node": "lo", "no-route": "unset"}[case]
+    assert (d / "gloo").read_text().strip() == expected  # what torchrun (and so the trainers) inherit
+    assert ("slurm_launch: gloo interface " + (expected if expected != "unset" else "(gloo's default")) in res.stderr
+
+
+# ------------------------------------------------------------------ srun's CPUs (review P2)
+@pytest.mark.parametrize("cpus", [{"SLURM_CPUS_ON_NODE": "96"}, {"SLURM_JOB_CPUS_PER_NODE": "128(x2),96",
+                                                                 "SLURM_CPUS_ON_NODE": "128"}, {}])
+def test_srun_gives_the_task_the_nodes_cpus(fake, cpus):
+    d, env, _ = fake
+    env.update(cpus)
+    res = _run(["bash", "scripts/slurm_gpt_2bw.sbatch"], env)
+    assert res.returncode == 0, res.stderr
+    srun = (d / "srun.argv").read_text().split("\0")[:-1]
+    opts = srun[:srun.index("bash")]
+    assert [o for o in opts if o.startswith("--cpus-per-task")] == (["--cpus-per-task=96"] if cpus else [])

@@ -176,3 +176,45 @@ def test_sigstopped_rank_is_named_by_a_peer_within_the_timeout(tmp_path):
         for _ in range(50):
             os.kill(int(victim_pid), 0)
             time.sleep(0.1)
+
+
+def test_start_up_grace_counts_from_the_end_of_model_construction():
+    """Review L2: building a large model and restoring its checkpoint can take longer than the grace
+    (4 x the timeout); the grace now starts when that is done."""
+    dogs, clock, exits, lines = _ring(2, timeout=5.0)
+    with dogs[0].starting_up(), dogs[1].starting_up():
+        _advance(dogs, clock, 100, progress=())  # 5 x the grace of 20 s
+    assert exits == []
+    _advance(dogs, clock, 19, progress=())  # the grace, counted from the end of construction
+    assert exits == []
+    _advance(dogs, clock, 3, progress=())
+    assert exits and "no rank made progress" in lines[0]
+
+
+def test_the_trainer_is_built_inside_the_watchdogs_start_up(monkeypatch):
+    """``loop.run`` builds the Trainer (model, checkpoint restore) inside ``starting_up``."""
+    import types
+
+    import torch
+
+    from megatron_2bw.parallel_state import ParallelState
+    from megatron_2bw.training import loop
+
+    dog = Watchdog(dist.HashStore(), 0, 2, 5.0, interval_s=1.0, exit_fn=lambda c: None, hosts_store=False)
+    seen = {}
+
+    class FakeTrainer:
+        def __init__(self, prep, state, faults, wd):
+            seen["paused_while_built"] = wd is dog and dog._paused > 0
+
+        def train(self) -> int:
+            seen["paused_while_training"] = dog._paused > 0
+            return 0
+
+    monkeypatch.setattr(loop.parallel_state, "initialize", lambda *a, **k: ParallelState.single(torch.device("cpu")))
+    monkeypatch.setattr(loop.watchdog, "start_watchdog", lambda *a, **k: dog)
+    monkeypatch.setattr(loop, "Trainer", FakeTrainer)
+    system = types.SimpleNamespace(stall_timeout_s=5.0, timeout_minutes=1.0, device="cpu", backend="gloo")
+    prep = types.SimpleNamespace(cfg=types.SimpleNamespace(system=system, parallel=None))
+    assert loop.run(prep, faults=None) == 0
+    assert seen == {"paused_while_built": True, "paused_while_training": False}

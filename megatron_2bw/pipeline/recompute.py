@@ -27,6 +27,7 @@ class RNGSnapshot:
     tracker: Any = None
     python: Any = None
     numpy: Any = None
+    tracker_device: str | None = None  # the device type the tracker state belongs to ("cpu", "cuda")
 
     @classmethod
     def capture(cls, device: torch.device, tracker: RNGTracker | None, *, host_libraries: bool = False) -> RNGSnapshot:
@@ -37,6 +38,7 @@ class RNGSnapshot:
             tracker=tracker.get_state() if tracker is not None else None,
             python=random.getstate() if host_libraries else None,
             numpy=np.random.get_state() if host_libraries else None,
+            tracker_device=tracker.device.type if tracker is not None else None,
         )
 
     def restore(self, device: torch.device, tracker: RNGTracker | None) -> None:
@@ -49,10 +51,11 @@ class RNGSnapshot:
         if device.type == "cuda" and self.torch_cuda is not None:
             torch.cuda.set_rng_state(self.torch_cuda, device)
         if tracker is not None and self.tracker is not None:
-            tracker.set_state(self.tracker)
+            tracker.set_state(self.tracker, self.tracker_device)
 
     def as_dict(self) -> dict:
-        """The checkpoint form: keys ``python``, ``numpy``, ``torch_cpu``, ``torch_cuda``, ``tracker``."""
+        """The checkpoint form: keys ``python``, ``numpy``, ``torch_cpu``, ``torch_cuda``, ``tracker``,
+        ``tracker_device``."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod

@@ -99,8 +99,12 @@ def host_cluster(device: torch.device | None = None, num_gpus: int = 1) -> Clust
             raise ConfigError(f"no cluster preset matches {name!r}; pass cluster= (a preset name or a JSON file)")
         base = load_cluster(preset)
         total = torch.cuda.get_device_properties(dev).total_memory
+        from ..training.flops import PEAK_VARIANTS  # noqa: PLC0415 - PCIe/NVL parts of an SXM preset
+
+        variant = next((peaks for key, peaks in PEAK_VARIANTS if key.upper() in name.upper()), None)
         return replace(base, device=name, device_memory_bytes=total,
-                       reserved_memory_bytes=min(base.reserved_memory_bytes, total // 4))
+                       reserved_memory_bytes=min(base.reserved_memory_bytes, total // 4),
+                       peak_flops={k: v * 1e12 for k, v in variant.items()} if variant else base.peak_flops)
     mem = _host_memory_bytes()
     return Cluster(
         name="this-host-cpu", device="CPU (this host)", device_memory_bytes=mem,

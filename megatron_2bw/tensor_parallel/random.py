@@ -10,8 +10,12 @@ same masks (see ``pipeline/recompute.py``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _TP_SEED_OFFSET = 2718
 
@@ -21,7 +25,8 @@ class RNGTracker:
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self._state = self._make_state(seed + _TP_SEED_OFFSET + tp_rank)
+        self.seed = seed + _TP_SEED_OFFSET + tp_rank
+        self._state = self._make_state(self.seed)
 
     def __deepcopy__(self, memo) -> "RNGTracker":
         return self  # weight versions of a stage share one RNG stream
@@ -60,8 +65,22 @@ class RNGTracker:
     def get_state(self) -> torch.Tensor:
         return self._state.clone()
 
-    def set_state(self, state: torch.Tensor) -> None:
-        self._state = state.clone()
+    def set_state(self, state: torch.Tensor, device_type: str | None = None) -> None:
+        """Adopt a saved state; one from another device type (a CPU checkpoint resumed on a GPU, or the
+        reverse: a 5056-byte Mersenne-Twister state vs a 16-byte Philox seed and offset) cannot be
+        used as is, so the stream is re-seeded deterministically from this tracker's seed and the
+        saved state's bytes, with a warning. ``device_type`` None (older checkpoints): judged by size."""
+        foreign = (device_type is not None and device_type != self.device.type) or \
+            state.numel() != self._state.numel()
+        if not foreign:
+            self._state = state.clone()
+            return
+        digest = hashlib.sha256(state.cpu().numpy().tobytes()).digest()
+        seed = (self.seed + int.from_bytes(digest[:7], "little")) % 2**63
+        log.warning("the saved tensor-parallel RNG state is from a %s device (%d bytes); this run is on %s: "
+                    "re-seeded it deterministically (dropout masks differ from an uninterrupted run)",
+                    device_type or "different", state.numel(), self.device.type)
+        self._state = self._make_state(seed)
 
 
 def seed_everything(seed: int, device: torch.device | str = "cpu") -> None:

@@ -395,7 +395,7 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     except (ValueError, RuntimeError, KeyError) as e:
         raise ConfigError(f"checkpoint {sd['path']} does not match this stage's parameters ({_first_line(e)})") from None
     if finetune or not load_optim:
-        stage.updater.master_from(stage.weights.flat[stage.weights.slot(stage.step)])
+        stage.updater.master_from(stage.weights.slot(stage.step))
     if load_rng and not finetune and sd.get("rng") is not None:
         RNGSnapshot.from_dict(sd["rng"]).restore(device, tracker)
 

@@ -1,14 +1,21 @@
-"""Model FLOPs per step and TFLOP/s per device, with Megatron's formula.
+"""Model FLOPs per step, TFLOP/s per device and the devices' dense peaks: one formula for the
+trainer's log, ``benchmarks/gpu.py`` and ``benchmarks/gpu_check.py``.
 
-Per iteration (Narayanan et al., 2021, eq. 3), for ``L`` layers, hidden ``h``, sequence ``s``,
-vocabulary ``V`` and global batch ``B``::
+Megatron-LM's closed form for ``L`` layers, hidden ``h``, sequence ``s``, the *padded* vocabulary
+``V`` (Megatron pads to a multiple of 128 x t and so computes the padded logits) and global batch ``B``::
 
-    F = 24 * c * B * s * L * h^2 * (1 + s / (6 h) + V / (16 L h))
+    F = 72 B s L h^2 (1 + s / (6 h) + V / (12 L h))     forward + backward
+    F = 96 B s L h^2 (1 + s / (6 h) + V / (16 L h))     with full activation recomputation
 
-with ``c = 3`` (forward + backward = 3 forwards) or ``c = 4`` with activation recomputation
-(one more forward). It counts the matrix multiplies only, the same for GPT and BERT (BERT's
-small heads are left out), so it is a *model* FLOP estimate: what the hardware did, minus
-overheads, not what a profiler would measure.
+The first is 3 passes of ``24 B s L h^2 (1 + s/6h)`` over the layers plus ``6 B s V h`` for the
+logits; the second (Narayanan et al., 2021, eq. 3) adds one forward of the layers, not of the
+logits (which Megatron does not recompute), so its logit term is also ``6 B s V h``. Full
+recomputation means ``--recompute-activations`` (whole stages) or ``--recompute-granularity full``;
+selective recomputation re-runs only the attention core, which Megatron does not count either
+(stage-level recomputation also replays the head and its logits: the hardware does a little more
+than this count, which is Megatron's, so numbers compare with its logs). It
+counts the matrix multiplies only, the same for GPT and BERT (BERT's small heads are left out): a
+*model* FLOP estimate, not what a profiler would measure.
 """
 
 from __future__ import annotations
@@ -16,16 +23,47 @@ from __future__ import annotations
 from ..config import ModelConfig
 
 
-def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False) -> float:
-    """Model FLOPs of one training step (the module docstring's formula)."""
-    L, h, s, V = cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.vocab_size
-    c = 4 if recompute else 3
-    return 24.0 * c * global_batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False, tensor_parallel: int = 1) -> float:
+    """Model FLOPs of one training step (the module docstring's formula, padded for ``tensor_parallel``)."""
+    L, h, s, V = cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.padded_vocab_size(tensor_parallel)
+    if recompute:
+        return 96.0 * global_batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72.0 * global_batch * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def counts_recompute(pipeline) -> bool:
+    """Whether a PipelineConfig recomputes every layer's forward (stage-level or ``full`` granularity)."""
+    return bool(getattr(pipeline, "recompute", False) or getattr(pipeline, "recompute_granularity", None) == "full")
 
 
 def tflops_per_device(cfg: ModelConfig, global_batch: int, step_seconds: float, world_size: int,
-                      recompute: bool = False) -> float:
+                      recompute: bool = False, tensor_parallel: int = 1) -> float:
     """Model TFLOP/s per device for a step of ``step_seconds`` on ``world_size`` devices."""
     if step_seconds <= 0:
         return 0.0
-    return flops_per_step(cfg, global_batch, recompute) / (step_seconds * world_size * 1e12)
+    return flops_per_step(cfg, global_batch, recompute, tensor_parallel) / (step_seconds * world_size * 1e12)
+
+
+# Dense peaks (TFLOP/s; no sparsity, no TF32: this trainer never enables it) of the parts whose name
+# holds a cluster preset's key (planner.auto_plan.DEVICE_PRESETS) but whose peak is not the preset's:
+# the presets are SXM boards (H100 SXM 989 bf16), these are the PCIe and NVL cards.
+PEAK_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
+)
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """Dense peak TFLOP/s of a known GPU in ``precision`` (a variant above, else the planner's
+    cluster preset whose key the name holds), else None."""
+    from ..planner.auto_plan import DEVICE_PRESETS
+    from ..planner.hardware import load_cluster
+
+    variant = next((peaks for key, peaks in PEAK_VARIANTS if key.upper() in device_name.upper()), None)
+    if variant is not None:
+        return variant.get(precision)
+    preset = next((p for key, p in DEVICE_PRESETS if key in device_name.upper()), None)
+    if preset is None:
+        return None
+    peaks = load_cluster(preset).peak_flops
+    return peaks[precision] / 1e12 if precision in peaks else None

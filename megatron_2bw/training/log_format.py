@@ -129,18 +129,24 @@ def window_line(window: Sequence[Mapping], *, completed: int, train_iters: int, 
     "sop loss": "sop_loss"}``), ``lr``, ``grad_norm``, ``loss_scale``, ``skipped``,
     ``step_time_s``, ``consumed_samples`` and ``tflops_per_device``; ``completed`` is the
     number of completed steps at the window's end (the 1-based iteration of its last step).
+    TFLOP/s/device and MFU are the window's (all its FLOPs over all its time).
     """
     if not window:
         raise ValueError("a log window needs at least one step")
     losses, nan = window_losses(window, loss_keys or {"lm loss": "loss"})
     last = window[-1]
     time_s = sum(r["step_time_s"] for r in window) / len(window)
+    # the window's TFLOP/s, as Megatron's (FLOPs per step over the mean step time): every step's FLOPs
+    # over every step's time, not the last step's value (a step cut short at a segment end spikes)
+    tflops = None
+    if time_s > 0 and all(r.get("tflops_per_device") is not None for r in window):
+        tflops = sum(r["tflops_per_device"] * r["step_time_s"] for r in window) / (time_s * len(window))
     return train_log_line(
         iteration=completed, train_iters=train_iters, consumed_samples=int(last["consumed_samples"]),
         ms_per_iter=1e3 * time_s, lr=last["lr"], global_batch=global_batch, losses=losses,
         loss_scale=last["loss_scale"], grad_norm=last["grad_norm"], skipped=sum(bool(r["skipped"]) for r in window),
         nan=nan, samples_per_sec=global_batch / time_s, tokens_per_sec=global_batch * seq_length / time_s,
-        memory=memory_from_stages(stages), tflops_per_device=last.get("tflops_per_device"), peak_tflops=peak_tflops,
+        memory=memory_from_stages(stages), tflops_per_device=tflops, peak_tflops=peak_tflops,
         now=now,
     )
 
@@ -235,15 +241,10 @@ def memory_report_line(rank: int, iteration: int, cuda: CudaMemory | None = None
 
 
 def peak_tflops_of(device_name: str, precision: str) -> float | None:
-    """Dense peak TFLOP/s of a known GPU (the planner's cluster presets) in ``precision``, else None."""
-    from ..planner.auto_plan import DEVICE_PRESETS
-    from ..planner.hardware import load_cluster
+    """Dense peak TFLOP/s of a known GPU in ``precision``, else None (``flops.peak_tflops``)."""
+    from .flops import peak_tflops
 
-    preset = next((p for key, p in DEVICE_PRESETS if key in device_name), None)
-    if preset is None:
-        return None
-    peaks = load_cluster(preset).peak_flops
-    return peaks[precision] / 1e12 if precision in peaks else None
+    return peak_tflops(device_name, precision)
 
 
 __all__ = [

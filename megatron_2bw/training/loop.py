@@ -54,7 +54,7 @@ from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
 from . import checkpointing, health, signals, supervision, watchdog
 from .data_iter import MicrobatchProvider
-from .flops import tflops_per_device
+from .flops import counts_recompute, tflops_per_device
 from .log_format import (
     cuda_memory, eta_line, iteration_of_step, memory_report_line, peak_tflops_of, saved_checkpoint_line, window_line,
 )
@@ -382,7 +382,8 @@ class Trainer:
         if self.metrics is None:
             return
         cfg, tc = self.cfg, self.cfg.training
-        tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, cfg.pipeline.recompute)
+        tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, counts_recompute(cfg.pipeline),
+                                cfg.parallel.tensor)
         rec = step_record(r, st.loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
                           tflops=tfl, consumed_samples=self.provider.consumed_samples(st.step + 1),
                           components=st.components or None)
@@ -433,7 +434,7 @@ def _init_attempt_group(cfg) -> None:
         return
     device_id = None
     if cfg.system.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(parallel_state.cuda_device_index(int(os.environ.get("LOCAL_RANK", "0"))))
         device_id = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend=cfg.system.backend, store=store, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), device_id=device_id,
@@ -455,7 +456,8 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
     trainer = None
     try:
-        trainer = Trainer(prep, state, faults, wd)
+        with wd.starting_up() if wd is not None else contextlib.nullcontext():  # the grace starts after this
+            trainer = Trainer(prep, state, faults, wd)
         code = trainer.train()
         if wd is not None:
             wd.stop()

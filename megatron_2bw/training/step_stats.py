@@ -89,7 +89,7 @@ class StepReducer:
     def __init__(self, state: ParallelState, loss_keys: tuple[str, ...]) -> None:
         self.state, self.loss_keys = state, loss_keys
         peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.group = dist.new_group(backend="gloo") if peers else None
+        self.group = dist.new_group(backend="gloo", timeout=state.timeout) if peers else None
         self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
 
     def issue(self, step: int, loss: float | None, components: dict[str, float] | None, signal: bool,

@@ -101,6 +101,15 @@ class Watchdog:
             self._paused -= 1
             self._last_progress = self.clock()
 
+    @contextlib.contextmanager
+    def starting_up(self) -> Iterator[None]:
+        """Model construction and checkpoint restore: the no-progress rule waits (as in :meth:`paused`)
+        and the start-up grace counts from the end, however long they took (a large model is drawn in
+        full on the CPU on every tensor rank). The heartbeat still names a rank that stops."""
+        with self.paused():
+            yield
+        self.started = self.clock()
+
     def start(self) -> "Watchdog":
         """Publish a first heartbeat now (so a rank that stops at once is still named), then start the thread."""
         if self.timeout > 0 and self._thread is None:

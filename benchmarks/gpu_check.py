@@ -1,0 +1,408 @@
+"""GPU acceptance check: the CUDA path end to end on one GPU in about 8 minutes (issue 20).
+
+Checks, each a row of one printed table and an entry of ``docs/data/gpu_check.json`` (``--out``):
+
+- ``kernels``: the kernel choice of ``--fused-kernels auto`` on this device (apex or torch, and
+  why not apex), as the trainer logs it.
+- ``train <model> <dtype> <system>``: GPT-355M and GPT-1.3B in bf16 and fp16, our engine at
+  d = 1 with PipeDream-Flush and PipeDream-2BW (``benchmarks/gpu.py``'s loops) against a plain
+  PyTorch loop over the same layers: tokens/s, TFLOP/s and MFU with the trainer's formula
+  (``megatron_2bw.training.flops``), ``max_memory_allocated`` / ``max_memory_reserved``. Fails
+  on an error (out of memory included), a non-finite loss, every timed step skipped, or a first
+  loss off the plain loop's (same weights, same batches) by more than the precision allows.
+- ``recompute replay``: a stage's layers with dropout 0.1 under activation recomputation; the
+  replay during backward must reproduce the forward output bitwise (same RNG draws, same kernels).
+- ``fp16 large gradient``: fp16 gradients whose per-tensor norm exceeds fp16's range (65504) while
+  every element is finite: the global norm the update uses must be finite (a skipped step otherwise).
+- ``checkpoint save/resume``: the device bytes a checkpoint save and a resume allocate beyond what
+  training holds (a save should make no device copies of weights or optimizer state; at most 5 %
+  of the weight bytes), and the resumed stage's weights equal the saved ones bitwise.
+- ``d=2 2bw+distopt [CUDA_DEVICE_MAX_CONNECTIONS=1]`` (2 or more GPUs): PipeDream-2BW with
+  ``--use-distributed-optimizer`` at d = 2 over NCCL, with and without ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+  120 s each: a hang is a failure.
+
+Exits 1 if any check fails, else 0. Without CUDA it refuses (exit 2) unless ``--allow-cpu``: then a
+CI-sized form runs on the CPU (gpt-tiny in fp32, one timed step; the checkpoint row in bf16) to exercise the code, and the
+rows that need a GPU say so (status ``needs GPU``; they do not fail the run).
+
+    python benchmarks/gpu_check.py                  # on a GPU machine: writes docs/data/gpu_check.json
+    python benchmarks/gpu_check.py --allow-cpu --out /tmp/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import common
+import gpu
+
+PASS, FAIL, NEEDS_GPU = "pass", "FAIL", "needs GPU"
+GPU_MODELS = ("gpt-355m", "gpt-1.3b")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data", "gpu_check.json")
+# the engine's first loss against the plain loop's, same weights and batches: both run the same layers
+# in the same precision; the engine's fp32 master only matters after the first update
+FIRST_LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
+SAVE_EXTRA_FRACTION = 0.05  # device bytes a save/resume may allocate, as a fraction of the weight bytes
+D2_TIMEOUT_S = 120.0
+
+
+def _row(name: str, status: str, detail: str = "", **numbers) -> dict:
+    return dict(check=name, status=status, detail=detail, **numbers)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------ kernels
+def check_kernels(device) -> dict:
+    from megatron_2bw.fused import apex_unusable_reason, select_kernels
+
+    k = select_kernels("auto", device.type)
+    why = apex_unusable_reason() if device.type == "cuda" else "not CUDA"
+    return _row("kernels", PASS, f"{k.describe()}" + (f" (apex not used: {why})" if why else " (apex)"),
+                layer_norm=k.layer_norm)
+
+
+# ------------------------------------------------------------------ training throughput
+def check_training(model: str, dtype: str, device, steps: int, warmup: int, m: int, kernels, peak) -> list[dict]:
+    """Flush and 2BW at d = 1 and the plain loop, on the same layers, weights and batches."""
+    import torch
+
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.tensor_parallel.group import TPGroup
+
+    cfg = get_preset(model)
+    b = gpu.DEFAULT_MICRO.get(model, 2)
+    tokens_per_step = m * b * cfg.seq_length
+    fps = gpu.flops_per_step(cfg, b, m)
+    rows, plain_first = [], None
+    for system in ("plain", "engine_flush_d1", "engine_2bw_d1"):
+        name = f"train {model} {dtype} {system}"
+        spec = ModelSpec(cfg, TPGroup(), 1234, kernels=kernels)
+        try:
+            if system == "plain":
+                r = gpu.run_plain(spec, cfg, b, m, steps, warmup, {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                                 "fp16": torch.float16}[dtype], device)
+            else:
+                r = gpu.run_engine(spec, cfg, b, m, steps, warmup, dtype, device, schedule=system.split("_")[1])
+        except Exception as e:  # noqa: BLE001 - out of memory or a crash: this row fails, the others run
+            rows.append(_row(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
+            continue
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        tflops = r["steps"] * fps / r["seconds"] / 1e12
+        numbers = dict(tokens_per_sec=r["steps"] * tokens_per_step / r["seconds"], tflops_per_device=tflops,
+                       mfu=tflops / peak if peak else None, max_allocated_GiB=r.get("peak_memory_GiB"),
+                       max_reserved_GiB=r.get("peak_reserved_GiB"), first_loss=r["first_loss"],
+                       last_loss=r["last_loss"], skipped=r.get("skipped", 0), grads=r.get("grad_dtype"))
+        problems = []
+        if not (math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])):
+            problems.append("non-finite loss")
+        if r.get("skipped", 0) >= r["steps"]:
+            problems.append(f"every timed step skipped ({r['skipped']})")
+        if system == "plain":
+            plain_first = r["first_loss"]
+        elif plain_first is not None and math.isfinite(plain_first):
+            rel = abs(r["first_loss"] - plain_first) / abs(plain_first)
+            numbers["first_loss_vs_plain"] = rel
+            if rel > FIRST_LOSS_RTOL[dtype]:
+                problems.append(f"first loss {r['first_loss']:.5f} vs plain {plain_first:.5f} (rel {rel:.2e})")
+        rows.append(_row(name, FAIL if problems else PASS, "; ".join(problems) or f"b={b} m={m} grads {numbers['grads']}",
+                         **numbers))
+    return rows
+
+
+# ------------------------------------------------------------------ recomputation replay
+def check_recompute_replay(device, dtype: str, kernels) -> dict:
+    """Stage layers with dropout under ``checkpointed``: the backward's replay equals the forward, bitwise."""
+    import torch
+    from torch import nn
+
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.pipeline.recompute import checkpointed
+    from megatron_2bw.tensor_parallel.group import TPGroup
+    from megatron_2bw.tensor_parallel.random import RNGTracker
+
+    model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
+    cfg = get_preset(model, hidden_dropout=0.1, attention_dropout=0.1)
+    tracker = RNGTracker(1234, 0, device)
+    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker, kernels=kernels)
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    layers = nn.ModuleList(spec.build_stage(1, 0)).to(device=device, dtype=tdtype)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(3))
+    batch = {k: v.to(device) for k, v in spec.make_batch(tokens).items()}
+    outputs = []
+
+    def body(h):
+        for layer in layers[1:-1]:
+            h = layer(h, batch)
+        outputs.append(h.detach().clone())
+        return h
+
+    x = layers[0](None, batch).detach().requires_grad_(True)
+    # torch stops a replay once it has what backward needs; run it to the end, where the output is recorded
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        out = checkpointed(body, x, tracker=tracker)
+    out.float().square().mean().backward()
+    _sync(device)
+    if len(outputs) != 2:
+        return _row(f"recompute replay {model} {dtype}", FAIL, f"the body ran {len(outputs)} times, expected 2")
+    same = torch.equal(outputs[0], outputs[1])
+    diff = (outputs[0].float() - outputs[1].float()).abs().max().item()
+    return _row(f"recompute replay {model} {dtype}", PASS if same else FAIL,
+                "replay == forward (bitwise), dropout 0.1" if same else f"replay differs by up to {diff:.3e}")
+
+
+# ------------------------------------------------------------------ fp16 large finite gradients
+def check_fp16_large_gradient(device) -> dict:
+    """Per-tensor norms above 65504 with finite elements: the update's global norm must be finite."""
+    import torch
+
+    from megatron_2bw.pipeline.grad_reducer import grad_sumsq
+
+    views = [torch.full((10000,), 1000.0, dtype=torch.float16, device=device),  # norm 1e5 > 65504
+             torch.full((300,), -0.5, dtype=torch.float16, device=device)]
+    got = float(grad_sumsq(views, device).item())
+    want = float(sum(v.double().square().sum().item() for v in views))
+    ok = math.isfinite(got) and abs(got - want) <= 1e-3 * want
+    return _row("fp16 large gradient", PASS if ok else FAIL,
+                f"global sum of squares {got:.6g} (fp64 reference {want:.6g})"
+                + ("" if ok else ": a finite step would be counted as an overflow and skipped"))
+
+
+# ------------------------------------------------------------------ checkpoint save and resume
+def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
+    """The device bytes a save and a resume allocate beyond training's, and a bitwise resume."""
+    import torch
+
+    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.export.names import WORD
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.parallel_state import ParallelState
+    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.weights import GlobalNames
+    from megatron_2bw.tensor_parallel.group import TPGroup
+    from megatron_2bw.tensor_parallel.random import RNGTracker
+    from megatron_2bw.training import checkpointing as ck
+
+    model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
+    cfg = get_preset(model)
+    b, m = 2, 2
+    state = ParallelState.single(device)
+
+    def build():
+        tracker = RNGTracker(1234, 0, device)
+        spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker, kernels=kernels)
+        return PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
+                             PipelineConfig("2bw", b, m, track_memory=False), OptimizerConfig("adam", lr=1e-4, dtype=dtype),
+                             (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD)), spec
+
+    stage, spec = build()
+    batches = gpu._batches(spec, cfg, b, 2 * m, device)
+    stage.train(2, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
+    weight_bytes = sum(f.numel() * f.element_size() for f in stage.weights.flat)
+    cuda = device.type == "cuda"
+
+    def measure(fn):
+        _sync(device)
+        if not cuda:
+            fn()
+            return None
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        config = {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "optimizer": {}, "pipeline": {"layer_split": None}}
+
+        def save():
+            ck.save(root, 2, state, lambda: ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=2 * b * m,
+                                                        global_batch=b * m, config=config, args={"micro_batch_size": b}))
+
+        save_extra = measure(save)
+        saved = [f.detach().cpu().clone() for f in stage.weights.flat]
+        del stage
+        gc.collect()
+        fresh, _ = build()
+        resume_extra = measure(lambda: ck.restore(ck.load_rank_file(root, 2, 1, 1, 0, 0), fresh, fresh.rng, device))
+        same = all(torch.equal(a, f.detach().cpu()) for a, f in zip(saved, fresh.weights.flat))
+    rows.append(_row(f"checkpoint resume {model} {dtype}", PASS if same else FAIL,
+                     "resumed weights == saved (bitwise)" if same else "resumed weights differ from the saved ones"))
+    for what, extra in (("save", save_extra), ("resume", resume_extra)):
+        name = f"checkpoint {what} device memory {model} {dtype}"
+        if extra is None:
+            rows.append(_row(name, NEEDS_GPU, "device bytes are measured by the CUDA allocator (the code ran)"))
+            continue
+        ok = extra <= SAVE_EXTRA_FRACTION * weight_bytes
+        rows.append(_row(name, PASS if ok else FAIL, f"+{extra / 2**20:.1f} MiB over training's allocation "
+                         f"({extra / weight_bytes:.2f} x the weight bytes; limit {SAVE_EXTRA_FRACTION})",
+                         extra_device_MiB=extra / 2**20, weight_MiB=weight_bytes / 2**20))
+    del fresh
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------ d = 2 over NCCL
+def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
+    """One rank of 2BW + the distributed optimizer at d = 2 (``run_workers`` has set this rank's GPU;
+    on a CPU-only gloo world the same code runs on the CPU)."""
+    import torch
+
+    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.export.names import WORD
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec, stage_range
+    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.weights import GlobalNames
+    from megatron_2bw.tensor_parallel.group import TPGroup
+    from megatron_2bw.tensor_parallel.random import RNGTracker
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    state = build_state(1, 2, w, device)
+    cfg = get_preset(model)
+    b, m = 2, 4
+    tracker = RNGTracker(1234, state.tp_rank, device)
+    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+    stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+                          PipelineConfig("2bw", b, m, track_memory=False),
+                          OptimizerConfig("adam", lr=1e-4, dtype="bf16", use_distributed_optimizer=True),
+                          (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
+                          names=GlobalNames(stage_range(cfg.num_layers, 2, state.pp_rank)[0], tied=WORD))
+    g = torch.Generator().manual_seed(11 + state.dp_rank)
+    tokens = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1), generator=g)
+    batches = [{k: v.to(device) for k, v in spec.make_batch(t).items()} for t in tokens]
+    res = stage.train(steps, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
+    _sync(device)
+    return [r.loss for r in res if r.loss is not None]
+
+
+def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
+    from megatron_2bw.testing.local_workers import run_workers
+
+    rows = []
+    w = max(1, n_gpus // 2)
+    for one in (False, True):
+        name = f"d=2 w={w} 2bw+distopt" + (" CUDA_DEVICE_MAX_CONNECTIONS=1" if one else "")
+        if n_gpus < 2:
+            rows.append(_row(name, NEEDS_GPU, "needs 2 or more GPUs"))
+            continue
+        old = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        if one:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        else:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        t0 = time.perf_counter()
+        try:
+            out = run_workers(_d2_worker, 2 * w, w, steps, timeout=D2_TIMEOUT_S, pg_timeout=D2_TIMEOUT_S, backend="nccl")
+            losses = [x for r in out for x in r]
+            ok = bool(losses) and all(math.isfinite(x) for x in losses)
+            rows.append(_row(name, PASS if ok else FAIL, f"{steps} steps in {time.perf_counter() - t0:.0f} s"
+                             + ("" if ok else f": losses {losses}")))
+        except Exception as e:  # noqa: BLE001 - a hang (TimeoutError) or a crash is this row's failure
+            rows.append(_row(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]))
+        finally:
+            if old is None:
+                os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+            else:
+                os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = old
+    return rows
+
+
+# ------------------------------------------------------------------ main
+def _write_atomic(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=DEFAULT_OUT, help="the JSON written (default docs/data/gpu_check.json)")
+    p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run the CI-sized form on the CPU")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per training row")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--m", type=int, default=4, help="microbatches per step")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from megatron_2bw.fused import select_kernels
+    from megatron_2bw.training.log_format import peak_tflops_of
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print("error: no CUDA device (give --allow-cpu for the CPU form)", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    kernels = select_kernels("auto", device.type)
+    models = GPU_MODELS if cuda else ("gpt-tiny",)
+    dtypes = ("bf16", "fp16") if cuda else ("fp32",)  # CPU: half-precision matmuls are slow there and not the point
+    steps, warmup = (args.steps, args.warmup) if cuda else (1, 1)
+    m = args.m if cuda else 2
+
+    rows = [check_kernels(device)]
+    for model in models:
+        for dtype in dtypes:
+            rows += check_training(model, dtype, device, steps, warmup, m, kernels, peak_tflops_of(name, dtype))
+    for dtype in dtypes:
+        rows.append(check_recompute_replay(device, dtype, kernels))
+    rows.append(check_fp16_large_gradient(device))
+    rows += check_checkpoint_memory(device, "bf16", kernels)
+    rows += check_d2(n_gpus)
+    elapsed = time.perf_counter() - t_start
+
+    failed = [r for r in rows if r["status"] == FAIL]
+    cols = [("check", "check", ""), ("status", "status", ""), ("tokens_per_sec", "tokens/s", ".0f"),
+            ("tflops_per_device", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"), ("max_allocated_GiB", "max alloc GiB", ".1f"),
+            ("max_reserved_GiB", "max resv GiB", ".1f"), ("detail", "detail", "")]
+    print(f"{name} x {max(n_gpus, 1)}, torch {torch.__version__}, kernels {kernels.describe()}, {elapsed:.0f} s")
+    print(common.table(rows, cols))
+    needs = [r["check"] for r in rows if r["status"] == NEEDS_GPU]
+    if needs:
+        print(f"not checked on this machine (need a GPU): {', '.join(needs)}")
+    print(f"{len(rows) - len(failed) - len(needs)} passed, {len(failed)} failed, {len(needs)} need a GPU")
+    _write_atomic(args.out, {
+        "device": name, "gpus": n_gpus, "cuda": cuda, "torch": torch.__version__, "kernels": kernels.describe(),
+        "elapsed_s": elapsed, "machine": common.machine_info(), "ok": not failed,
+        "config": {"steps": steps, "warmup": warmup, "m": m, "models": list(models), "dtypes": list(dtypes),
+                   "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.training.flops)",
+                   "first_loss_rtol": FIRST_LOSS_RTOL, "save_extra_fraction": SAVE_EXTRA_FRACTION,
+                   "d2_timeout_s": D2_TIMEOUT_S},
+        "checks": rows,
+    })
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
