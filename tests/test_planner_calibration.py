@@ -86,3 +86,15 @@ def test_parse_recompute():
     assert parse_recompute("full uniform 1")[1].label == "uniform1"
     with pytest.raises(ConfigError, match="unknown recompute"):
         parse_recompute("sometimes")
+
+
+def test_plan_cli_calibration(capsys):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("tool_plan", Path(__file__).resolve().parent.parent / "tools" / "plan.py")
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert plan.main(["--calibration", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in out] == [r.name for r in RUNS]
+    assert all(abs(r["ratio"] - 1) <= TOLERANCE for r in out)

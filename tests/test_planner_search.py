@@ -46,7 +46,34 @@ def test_ranked_best_first_and_all_fit():
     speeds = [e.samples_per_sec for e in r.ranked]
     assert speeds == sorted(speeds, reverse=True)
     assert all(e.memory_bytes_per_gpu <= V100.usable_memory_bytes for e in r.ranked)
-    assert r.considered == len(r.ranked) + r.too_big
+    # one-stage layouts whose cheaper recomputation fits are not evaluated again with a costlier one
+    assert r.considered == len(r.ranked) + r.too_big + r.pruned and r.pruned > 0
+
+
+def test_pruned_candidates_are_slower():
+    """Evaluate every candidate the search skipped: each is no faster than the cheaper recomputation
+    of its layout that fits, so pruning never changes the ranking's best of a layout."""
+    from megatron_2bw.planner.search import FINER_RECOMPUTE, _group, candidates, default_costs, evaluate
+    req = PlanRequest(paper_model("gpt-1.3b"), V100, 16, 256, recompute_policies=FINER_RECOMPUTE)
+    r = search(req)
+    costs = default_costs(req)
+    kept = {(e.candidate.tensor_parallel, e.candidate.pipeline_parallel, e.candidate.data_parallel,
+             e.candidate.micro_batch_size, e.candidate.schedule, e.candidate.distributed_optimizer,
+             e.candidate.recompute, e.candidate.recompute_policy) for e in r.ranked}
+    first_fit: dict[tuple, float] = {}
+    skipped = 0
+    for cand in candidates(req, costs):
+        if cand.pipeline_parallel != 1:
+            continue
+        ev = evaluate(cand, costs, req)
+        key = _group(cand)
+        if key in first_fit:
+            skipped += 1
+            assert ev.samples_per_sec <= first_fit[key] * (1 + 1e-12)
+            assert (*key, cand.recompute, cand.recompute_policy) not in kept
+        elif ev.prediction is not None:
+            first_fit[key] = ev.samples_per_sec
+    assert skipped == r.pruned > 0
 
 
 def test_nothing_fits_is_one_line():

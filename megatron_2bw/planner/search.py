@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
-from .cost_model import Prediction, predict
+from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory
@@ -111,6 +111,7 @@ class SearchResult:
     too_big: int
     smallest_infeasible: Evaluated | None = field(default=None, compare=False)
     seconds: float = 0.0
+    pruned: int = 0  # considered but not evaluated: slower than a fitting candidate of their group
 
     @property
     def best(self) -> Evaluated:
@@ -172,12 +173,36 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                 for schedule in schedules:
                     if schedule != SEQUENTIAL and m < get_schedule(schedule).min_microbatches(d):
                         continue
+                    c = costs.at(t, b)
+                    policies = sorted((p for p in request.recompute_policies if not _saves_nothing(p, c)),
+                                      key=lambda p: inner_recompute_cost(c, request.model.num_layers, p)[0])
                     for zero in distributed_optimizer_choices(request, w):
-                        for recompute in request.recompute_options:
-                            yield Candidate(t, d, w, b, m, recompute, schedule, distributed_optimizer=zero)
-                        for policy in request.recompute_policies:
+                        # cheapest recomputation first (none, inside stages, whole stages): see search()
+                        if False in request.recompute_options:
+                            yield Candidate(t, d, w, b, m, False, schedule, distributed_optimizer=zero)
+                        for policy in policies:
                             yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy,
                                             distributed_optimizer=zero)
+                        if True in request.recompute_options:
+                            yield Candidate(t, d, w, b, m, True, schedule, distributed_optimizer=zero)
+
+
+# Selective recomputation is skipped where it frees less than this share of a layer's stash: with a
+# fused attention kernel (``Cluster.flash_attention``) the core keeps no s^2 tensors, so re-running
+# it costs its forward and saves next to nothing.
+SELECTIVE_MIN_SAVING = 0.01
+
+
+def _saves_nothing(policy: RecomputePolicy, costs) -> bool:
+    """Whether ``policy`` is selective and frees (almost) none of the layer's stash."""
+    return (policy.granularity == "selective" and costs is not None
+            and costs.layer.core_stash_bytes < SELECTIVE_MIN_SAVING * costs.layer.stash_bytes)
+
+
+def _group(c: Candidate) -> tuple:
+    """Candidates that differ only in their recomputation."""
+    return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule,
+            c.distributed_optimizer)
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
@@ -209,9 +234,19 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
     feasible: list[Evaluated] = []
     considered = too_big = 0
     smallest: Evaluated | None = None
+    fitted: set[tuple] = set()  # groups (one stage) whose cheaper recomputation already fits
+    pruned = 0
     for cand in candidates(request, costs):
         considered += 1
+        # Without a pipeline every recomputation option runs the same communication on the same
+        # layers, and candidates() yields them cheapest first: once one fits, the rest are slower.
+        key = _group(cand) if cand.pipeline_parallel == 1 else None
+        if key is not None and key in fitted:
+            pruned += 1
+            continue
         ev = evaluate(cand, costs, request)
+        if key is not None and ev.prediction is not None:
+            fitted.add(key)
         if ev.prediction is None:
             too_big += 1
             if smallest is None or ev.memory_bytes_per_gpu < smallest.memory_bytes_per_gpu:
@@ -220,7 +255,7 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
             feasible.append(ev)
     feasible.sort(key=_rank_key)
     result = SearchResult(request, costs.source, tuple(feasible), considered, too_big, smallest,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, pruned)
     if require_fit and not feasible:
         m = request.model
         what = (f"{m.kind} with {m.num_layers} layers, hidden {m.hidden_size} on {request.num_gpus} GPUs "
