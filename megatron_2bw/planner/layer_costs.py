@@ -19,6 +19,12 @@ Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm,
   split by ``t``: Q, K, V and the projection input (``4bshe``), the GeLU input and output
   (``2bsfe``), the softmax output (``ab s^2 e``) and, with attention dropout, its mask and output
   (``ab s^2 (1 + e)``). For fp16, f = 4h, dropout on, t = 1 this is the paper-era ``sbh(34 + 5as/h)``.
+- With a fused attention kernel (``Cluster.flash_attention``: the engine's
+  ``F.scaled_dot_product_attention`` on sm80+ GPUs) the ``s^2`` terms give way to the kernel's fp32
+  log-sum-exp per row (``4abs/t``): Korthikanti's ``sbh(10 + 24/t)``.
+- With an efficiency curve in ``macs`` (efficiency.py) the curve prices the GEMMs and the
+  memory-bound kernels between them are timed on HBM (``layer_memory_bound_bytes``); the earlier
+  ``elements`` curve folds them into its fixed cost.
 - The head keeps the final LayerNorm's input and output and the fp32 softmax of the logits
   (Megatron's vocab-parallel cross-entropy runs in fp32): ``2bshe + 4bsV/t``; while it runs it also
   holds the fp16 logits and their fp32 copy (``(e + 4) bsV/t`` transient).
