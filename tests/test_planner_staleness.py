@@ -22,6 +22,9 @@ def test_summary_matches_the_measurement():
                         if r["regime"] == regime and r["schedule"] == "2bw" and r["compensation"] == mode]
             assert per_seed, (regime, mode)
             assert ratio == pytest.approx(sum(per_seed) / len(per_seed), abs=1e-4)
+            times = [r["time_vs_flush_at_this_loss"] for r in runs
+                     if r["regime"] == regime and r["schedule"] == "2bw" and r["compensation"] == mode]
+            assert summary["time_vs_flush_to_2bw_final_loss"][mode] == pytest.approx(sum(times) / len(times), abs=1e-3)
 
 
 def test_synchronous_schedules_cost_nothing():
@@ -38,6 +41,8 @@ def test_2bw_shows_the_measured_ratios():
     assert s.valid_loss_ratio["aggressive"] == pytest.approx(1.0915, abs=1e-4)
     assert s.text == "+2.7..9.1%*"  # 1.0271 and 1.0915
     assert "gpt-demo" in s.to_json()["measured_on"]
+    assert s.to_json()["time_vs_flush_to_2bw_final_loss"] == {"paper": pytest.approx(1.622, abs=1e-3),
+                                                              "aggressive": pytest.approx(2.559, abs=1e-3)}
     assert staleness(Candidate(1, 4, 1, 1, 8, False, "2bw"), "predict").text == "+0.8..6.3%*"
 
 

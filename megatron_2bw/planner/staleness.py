@@ -6,14 +6,15 @@ the weights they update: no cost. PipeDream-2BW's gradients are ``stale_steps`` 
 rate, and nothing in the planner can predict it. What it reports instead is what this project
 measured: the final validation loss of 2BW over Flush's with the same data, seeds and steps
 (``staleness.json``, a summary of ``docs/data/convergence_regimes.json``), on the small gpt-demo
-model on CPU. The report labels it so; the ranking stays by throughput (``tools/plan.py
+model on CPU, and the wall time 2BW took to its final loss over the time Flush took to reach the
+same loss (``time_vs_flush_to_2bw_final_loss``, in the JSON). The report labels it so; the ranking stays by throughput (``tools/plan.py
 --schedules flush,gpipe`` searches only the synchronous schedules).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ class Staleness:
 
     stale_steps: int
     valid_loss_ratio: dict[str, float]  # regime -> 2BW's final validation loss over Flush's (empty: none)
+    # regime -> 2BW's wall time to its final loss over the time Flush took to reach the same loss
+    time_to_loss_ratio: dict[str, float] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -51,6 +54,7 @@ class Staleness:
         if self.stale_steps:
             m = measured()
             out["valid_loss_ratio_vs_flush"] = self.valid_loss_ratio
+            out["time_vs_flush_to_2bw_final_loss"] = self.time_to_loss_ratio
             out["measured_on"] = f"{m['model']}; {m['source']}"
         return out
 
@@ -68,7 +72,9 @@ def staleness(c: Candidate, compensation: str = "none") -> Staleness:
     if not n:
         return Staleness(0, {})
     regimes = measured()["regimes"]
-    return Staleness(n, {r: regimes[r]["valid_loss_ratio_vs_flush"][compensation] for r in REGIMES if r in regimes})
+    here = [r for r in REGIMES if r in regimes]
+    return Staleness(n, {r: regimes[r]["valid_loss_ratio_vs_flush"][compensation] for r in here},
+                     {r: regimes[r]["time_vs_flush_to_2bw_final_loss"][compensation] for r in here})
 
 
 STALENESS_NOTE = ("* staleness: 2BW's final validation loss over Flush's, measured on the small gpt-demo model "
