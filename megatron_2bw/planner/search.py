@@ -15,6 +15,13 @@ otherwise. The number of microbatches per batch is fixed by the global batch, ``
 (``ScheduleSpec.min_microbatches``). A layout
 whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
 samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
+
+Recomputation is tried cheapest first within each layout: none, the ``recompute_policies`` by the
+forward they re-run, whole stages. Two kinds of candidate are not evaluated: selective
+recomputation where it frees under ``SELECTIVE_MIN_SAVING`` of a layer's stash (a fused attention
+kernel keeps no ``s^2`` tensors; not generated), and, without a pipeline, every costlier
+recomputation once a cheaper one of the same layout fits (the same layers and communication with
+more compute: slower; counted in ``SearchResult.pruned``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
 from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
-from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
+from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory
 from .split import balanced_split
 
@@ -193,7 +200,7 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
 SELECTIVE_MIN_SAVING = 0.01
 
 
-def _saves_nothing(policy: RecomputePolicy, costs) -> bool:
+def _saves_nothing(policy: RecomputePolicy, costs: MicrobatchCosts | None) -> bool:
     """Whether ``policy`` is selective and frees (almost) none of the layer's stash."""
     return (policy.granularity == "selective" and costs is not None
             and costs.layer.core_stash_bytes < SELECTIVE_MIN_SAVING * costs.layer.stash_bytes)
