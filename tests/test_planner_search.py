@@ -51,29 +51,29 @@ def test_ranked_best_first_and_all_fit():
 
 
 def test_pruned_candidates_are_slower():
-    """Evaluate every candidate the search skipped: each is no faster than the cheaper recomputation
-    of its layout that fits, so pruning never changes the ranking's best of a layout."""
-    from megatron_2bw.planner.search import FINER_RECOMPUTE, _group, candidates, default_costs, evaluate
+    """Evaluate every candidate the search skipped: each is no faster than a candidate of the same
+    layout that the ranking kept, so pruning never loses a plan; and the lower bound holds."""
+    from megatron_2bw.planner.search import (FINER_RECOMPUTE, _group, batch_time_lower_bound, candidates,
+                                             default_costs, evaluate)
     req = PlanRequest(paper_model("gpt-1.3b"), V100, 16, 256, recompute_policies=FINER_RECOMPUTE)
     r = search(req)
     costs = default_costs(req)
-    kept = {(e.candidate.tensor_parallel, e.candidate.pipeline_parallel, e.candidate.data_parallel,
-             e.candidate.micro_batch_size, e.candidate.schedule, e.candidate.distributed_optimizer,
-             e.candidate.recompute, e.candidate.recompute_policy) for e in r.ranked}
-    first_fit: dict[tuple, float] = {}
-    skipped = 0
+    ranked = {(_group(e.candidate), e.candidate.recompute, e.candidate.recompute_policy): e.samples_per_sec
+              for e in r.ranked}
+    best_kept: dict[tuple, float] = {}
+    for (key, _, _), sps in ranked.items():
+        best_kept[key] = max(best_kept.get(key, 0.0), sps)
+    missing = deep = 0
     for cand in candidates(req, costs):
-        if cand.pipeline_parallel != 1:
-            continue
         ev = evaluate(cand, costs, req)
-        key = _group(cand)
-        if key in first_fit:
-            skipped += 1
-            assert ev.samples_per_sec <= first_fit[key] * (1 + 1e-12)
-            assert (*key, cand.recompute, cand.recompute_policy) not in kept
-        elif ev.prediction is not None:
-            first_fit[key] = ev.samples_per_sec
-    assert skipped == r.pruned > 0
+        if ev.prediction is None:
+            continue
+        assert batch_time_lower_bound(ev.candidate, costs, req) <= ev.prediction.batch_s * (1 + 1e-9)
+        if (_group(cand), cand.recompute, cand.recompute_policy) not in ranked:
+            missing += 1
+            deep += cand.pipeline_parallel > 1
+            assert ev.samples_per_sec <= best_kept[_group(cand)] * (1 + 1e-9)
+    assert deep > 0 and r.pruned >= missing > deep  # pruned with and without a pipeline
 
 
 def test_nothing_fits_is_one_line():

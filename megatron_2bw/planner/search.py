@@ -19,9 +19,10 @@ samples per second. The whole search is closed-form arithmetic over a few thousa
 Recomputation is tried cheapest first within each layout: none, the ``recompute_policies`` by the
 forward they re-run, whole stages. Two kinds of candidate are not evaluated: selective
 recomputation where it frees under ``SELECTIVE_MIN_SAVING`` of a layer's stash (a fused attention
-kernel keeps no ``s^2`` tensors; not generated), and, without a pipeline, every costlier
-recomputation once a cheaper one of the same layout fits (the same layers and communication with
-more compute: slower; counted in ``SearchResult.pruned``).
+kernel keeps no ``s^2`` tensors; not generated), and a candidate that cannot be faster than a
+cheaper recomputation of the same layout that fits (counted in ``SearchResult.pruned``): without a
+pipeline every costlier one (the same layers and communication with more compute), with one those
+whose ``batch_time_lower_bound`` exceeds the layout's fastest batch time so far.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory
-from .split import balanced_split
+from .split import balanced_split, stage_lines
 
 
 # Megatron's finer recomputation as the search tries it: the attention core, or every layer's input.
@@ -206,6 +207,28 @@ def _saves_nothing(policy: RecomputePolicy, costs: MicrobatchCosts | None) -> bo
             and costs.layer.core_stash_bytes < SELECTIVE_MIN_SAVING * costs.layer.stash_bytes)
 
 
+def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> float:
+    """Seconds per batch ``cand`` needs under any stage split (0 where no bound is known).
+
+    A stage's time per microbatch is ``base_r + n_r * slope`` (``split.stage_lines``), so the stages
+    add up to the same total under every split, and the slowest is at least the mean. The pipeline
+    runs ``m`` microbatch slots at the slowest stage's pace (2BW), plus the fill and drain
+    (``bubble_slots``) for the flushing schedules; reductions and the optimizer only add to that.
+    Recomputation whose cost is not linear in a stage's layers (``block``, ``uniform`` chunks of
+    several layers) and the sequential baseline get no bound.
+    """
+    p = cand.recompute_policy
+    if cand.schedule == SEQUENTIAL or (p is not None and p.granularity == "full"
+                                       and (p.method != "uniform" or p.num_layers != 1)):
+        return 0.0
+    d, m = cand.pipeline_parallel, cand.num_micro_batches
+    base, slope = stage_lines(costs.at(cand.tensor_parallel, cand.micro_batch_size), cand, request.cluster,
+                              request.param_bytes)
+    mean = (sum(base) + request.model.num_layers * min(slope)) / d
+    spec = get_schedule(cand.schedule)
+    return (m if spec.grad_buffers > 1 else m + spec.bubble_slots(d)) * mean
+
+
 def _group(c: Candidate) -> tuple:
     """Candidates that differ only in their recomputation."""
     return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule,
@@ -241,19 +264,21 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
     feasible: list[Evaluated] = []
     considered = too_big = 0
     smallest: Evaluated | None = None
-    fitted: set[tuple] = set()  # groups (one stage) whose cheaper recomputation already fits
+    fastest: dict[tuple, float] = {}  # per layout (_group): the shortest batch time that fits so far
     pruned = 0
     for cand in candidates(request, costs):
         considered += 1
+        key = _group(cand)
         # Without a pipeline every recomputation option runs the same communication on the same
         # layers, and candidates() yields them cheapest first: once one fits, the rest are slower.
-        key = _group(cand) if cand.pipeline_parallel == 1 else None
-        if key is not None and key in fitted:
+        # With one, a candidate whose batch time cannot beat what its layout already has is skipped.
+        if key in fastest and (cand.pipeline_parallel == 1
+                               or batch_time_lower_bound(cand, costs, request) > fastest[key] * (1 + 1e-9)):
             pruned += 1
             continue
         ev = evaluate(cand, costs, request)
-        if key is not None and ev.prediction is not None:
-            fitted.add(key)
+        if ev.prediction is not None:
+            fastest[key] = min(fastest.get(key, float("inf")), ev.prediction.batch_s)
         if ev.prediction is None:
             too_big += 1
             if smallest is None or ev.memory_bytes_per_gpu < smallest.memory_bytes_per_gpu:
