@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 gradients and the distributed optimizer for GPT-2.2B/3.8B on 64 V100s")
     o.add_argument("--max-model", action="store_true", help="largest model of this shape that fits, per pipeline depth")
     o.add_argument("--calibration", action="store_true",
-                   help="the cost model on published layouts (megatron_2bw/planner/published.json), predicted vs published")
+                   help="the cost model on published layouts (megatron_2bw/planner/published.json), "
+                        "predicted vs published")
     return p
 
 

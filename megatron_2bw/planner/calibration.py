@@ -150,7 +150,8 @@ def predict_run(run: PublishedRun) -> CalibrationRow:
         cand = Candidate(t, p, w, b, B // (b * w), stage, run.schedule if p > 1 else "flush",
                          recompute_policy=policy, distributed_optimizer=run.distributed_optimizer)
         ev = evaluate(cand, costs, req)
-        sps = (ev.prediction or predict(costs.at(t, b), cand, run.model.num_layers, cluster, req.param_bytes)).samples_per_sec
+        pred = ev.prediction or predict(costs.at(t, b), cand, run.model.num_layers, cluster, req.param_bytes)
+        sps = pred.samples_per_sec
         row = CalibrationRow(run, ev, sps)
         if best is None or (row.fits, row.samples_per_sec) > (best.fits, best.samples_per_sec):
             best = row
@@ -173,7 +174,8 @@ def format_calibration(rows: list[CalibrationRow]) -> str:
         peak = load_cluster(run.cluster).peak(run.precision)
         flag = "" if abs(r.ratio - 1) <= TOLERANCE else " *"
         lines.append(
-            f"{run.name:<14} {run.source.removeprefix('megatron-'):<21} {run.tensor_parallel:>2} {run.pipeline_parallel:>3} "
+            f"{run.name:<14} {run.source.removeprefix('megatron-'):<21} "
+            f"{run.tensor_parallel:>2} {run.pipeline_parallel:>3} "
             f"{run.num_gpus:>5} {run.global_batch_size:>5} {c.micro_batch_size:>3} {'yes' if r.fits else 'no':>4} "
             f"{run.samples_per_sec:>10.2f} {r.samples_per_sec:>10.2f} {r.ratio:>6.2f} "
             f"{run.tflops_per_gpu:>8.0f}/{r.predicted_tflops_per_gpu:<8.0f} "

@@ -122,7 +122,8 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
         raise ConfigError(f"cluster {source}: 'peak_TFLOPs' must be an object like {{\"fp16\": 125}}")
     eff = data.get("efficiency")
     if not isinstance(eff, Mapping):
-        raise ConfigError(f"cluster {source}: 'efficiency' must be an object with max_fraction_of_peak and half_work_macs")
+        raise ConfigError(f"cluster {source}: 'efficiency' must be an object with max_fraction_of_peak "
+                          "and half_work_macs")
     return Cluster(
         name=str(data.get("name", source)),
         device=str(data.get("device", "unknown device")),

@@ -7,8 +7,9 @@ rate, and nothing in the planner can predict it. What it reports instead is what
 measured: the final validation loss of 2BW over Flush's with the same data, seeds and steps
 (``staleness.json``, a summary of ``docs/data/convergence_regimes.json``), on the small gpt-demo
 model on CPU, and the wall time 2BW took to its final loss over the time Flush took to reach the
-same loss (``time_vs_flush_to_2bw_final_loss``, in the JSON). The report labels it so; the ranking stays by throughput (``tools/plan.py
---schedules flush,gpipe`` searches only the synchronous schedules).
+same loss (``time_vs_flush_to_2bw_final_loss``, in the JSON). The report labels it so; the ranking
+stays by throughput (``tools/plan.py --schedules flush,gpipe`` searches only the synchronous
+schedules).
 """
 
 from __future__ import annotations
