@@ -154,6 +154,7 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
         "cluster": req.cluster.name, "num_gpus": req.num_gpus, "global_batch_size": req.global_batch_size,
         "precision": req.precision, "fp32_grads": req.accumulates_in_fp32, "costs_source": result.costs_source,
         "considered": result.considered, "feasible": len(result.ranked), "search_seconds": round(result.seconds, 4),
+        "pruned": result.pruned,  # considered, not evaluated: a cheaper recomputation of the layout is faster
         "best": {**describe(result.best), "command": pretrain_command(result.best, req)},
         "ranked": [describe(ev) for ev in ranked],
     }
