@@ -46,7 +46,34 @@ def test_ranked_best_first_and_all_fit():
     speeds = [e.samples_per_sec for e in r.ranked]
     assert speeds == sorted(speeds, reverse=True)
     assert all(e.memory_bytes_per_gpu <= V100.usable_memory_bytes for e in r.ranked)
-    assert r.considered == len(r.ranked) + r.too_big
+    # one-stage layouts whose cheaper recomputation fits are not evaluated again with a costlier one
+    assert r.considered == len(r.ranked) + r.too_big + r.pruned and r.pruned > 0
+
+
+def test_pruned_candidates_are_slower():
+    """Evaluate every candidate the search skipped: each is no faster than a candidate of the same
+    layout that the ranking kept, so pruning never loses a plan; and the lower bound holds."""
+    from megatron_2bw.planner.search import (FINER_RECOMPUTE, _group, batch_time_lower_bound, candidates,
+                                             default_costs, evaluate)
+    req = PlanRequest(paper_model("gpt-1.3b"), V100, 16, 256, recompute_policies=FINER_RECOMPUTE)
+    r = search(req)
+    costs = default_costs(req)
+    ranked = {(_group(e.candidate), e.candidate.recompute, e.candidate.recompute_policy): e.samples_per_sec
+              for e in r.ranked}
+    best_kept: dict[tuple, float] = {}
+    for (key, _, _), sps in ranked.items():
+        best_kept[key] = max(best_kept.get(key, 0.0), sps)
+    missing = deep = 0
+    for cand in candidates(req, costs):
+        ev = evaluate(cand, costs, req)
+        if ev.prediction is None:
+            continue
+        assert batch_time_lower_bound(ev.candidate, costs, req) <= ev.prediction.batch_s * (1 + 1e-9)
+        if (_group(cand), cand.recompute, cand.recompute_policy) not in ranked:
+            missing += 1
+            deep += cand.pipeline_parallel > 1
+            assert ev.samples_per_sec <= best_kept[_group(cand)] * (1 + 1e-9)
+    assert deep > 0 and r.pruned >= missing > deep  # pruned with and without a pipeline
 
 
 def test_nothing_fits_is_one_line():

@@ -5,9 +5,15 @@
     python tools/plan.py --paper-comparison [--json]
     python tools/plan.py --new-options [--json]
     python tools/plan.py --max-model --model-preset gpt-3.8b --num-gpus 64 [--json]
+    python tools/plan.py --calibration [--json]
 
-The search tries the distributed optimizer (ZeRO-1) wherever there is more than one replica
-(``--use-distributed-optimizer``: only it; ``--no-distributed-optimizer``: never). Gradients accumulate
+The search tries every schedule (``--schedules``) with no recomputation, the engine's whole-stage
+recomputation and Megatron's selective and per-layer ones (``--recompute-granularity selective``,
+``full --recompute-method uniform --recompute-num-layers 1``; ``--no-finer-recompute``: whole stages
+only), and prints each plan's staleness (none for synchronous schedules; for 2BW the loss ratio
+measured on a small model) beside its throughput. It tries the distributed optimizer (ZeRO-1)
+wherever there is more than one replica (``--use-distributed-optimizer``: only it;
+``--no-distributed-optimizer``: never). Gradients accumulate
 in the precision's default (fp32 for bf16, fp16 for fp16) unless ``--accumulate-allreduce-grads-in-fp32``
 or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer.
 
@@ -26,6 +32,7 @@ from dataclasses import asdict
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.planner.calibration import calibration, calibration_json, format_calibration
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import load_profile
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
@@ -33,7 +40,7 @@ from megatron_2bw.planner.report import (
     PAPER_CLUSTER, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
     plan_json, describe,
 )
-from megatron_2bw.planner.search import PlanRequest, search
+from megatron_2bw.planner.search import FINER_RECOMPUTE, PlanRequest, search
 from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
 
 
@@ -56,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=(False, True), help="shard the optimizer in every layout with replicas")
     z.add_argument("--no-distributed-optimizer", dest="zero", action="store_const", const=(False,),
                    help="replicate the optimizer, as the paper")
+    s = p.add_argument_group("search")
+    s.add_argument("--schedules", type=_schedule_list, default=SCHEDULE_NAMES,
+                   help=f"comma-separated schedules to search (default {','.join(SCHEDULE_NAMES)}; "
+                        "flush,gpipe: only synchronous ones, no stale gradients)")
+    s.add_argument("--no-finer-recompute", dest="finer_recompute", action="store_false",
+                   help="search only the engine's whole-stage recomputation, not Megatron's selective "
+                        "and per-layer (--recompute-granularity) ones")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
@@ -64,7 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--new-options", action="store_true",
                    help="fp32 gradients and the distributed optimizer for GPT-2.2B/3.8B on 64 V100s")
     o.add_argument("--max-model", action="store_true", help="largest model of this shape that fits, per pipeline depth")
+    o.add_argument("--calibration", action="store_true",
+                   help="the cost model on published layouts (megatron_2bw/planner/published.json), "
+                        "predicted vs published")
     return p
+
+
+def _schedule_list(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in SCHEDULE_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"choose among {', '.join(SCHEDULE_NAMES)}, got {text!r}")
+    return names
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -79,6 +104,9 @@ def _require(value, flag: str) -> None:
 
 def run(argv: list[str]) -> str:
     args = build_parser().parse_args(argv)
+    if args.calibration:
+        rows = calibration()
+        return json.dumps(calibration_json(rows), indent=2) if args.json else format_calibration(rows)
     cluster = load_cluster(args.cluster)
     if args.new_options:
         opts, largest = options_comparison(cluster), options_max_model(cluster)
@@ -108,7 +136,8 @@ def run(argv: list[str]) -> str:
         raise ConfigError(f"--top must be positive, got {args.top}")
     request = PlanRequest(model, cluster, args.num_gpus, args.global_batch_size, args.precision,
                           max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
-                          distributed_optimizer_options=args.zero)
+                          distributed_optimizer_options=args.zero, schedules=args.schedules,
+                          recompute_policies=FINER_RECOMPUTE if args.finer_recompute else ())
     costs = load_profile(args.profile) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)

@@ -14,7 +14,8 @@ cluster without touching code. Units are in the key names, as on spec sheets::
       "intra_server_allreduce_GBps": 130,  # NCCL all-reduce *bus* bandwidth inside one server
       "intra_server_p2p_GBps": 45,         # one GPU sending to another GPU of its server
       "inter_server_Gbps": 25,             # one server's NIC, each direction, shared by its GPUs
-      "efficiency": {"max_fraction_of_peak": 0.4, "half_work_elements": 1.0e6},
+      "efficiency": {"max_fraction_of_peak": 0.62, "half_work_macs": 1.0e10},  # efficiency.py
+      "flash_attention": false,            # fused attention kernel: no s^2 activations (default false)
       "sources": ["..."]
     }
 
@@ -51,6 +52,9 @@ class Cluster:
     intra_server_p2p_bandwidth: float
     inter_server_bandwidth: float
     efficiency: EfficiencyCurve
+    # the engine's attention (F.scaled_dot_product_attention) runs a fused flash / memory-efficient
+    # kernel here: no s^2 tensors kept or moved (GPUs with such kernels; the CPU's math path keeps them)
+    flash_attention: bool = False
     description: str = ""
     sources: tuple[str, ...] = field(default=())
 
@@ -93,6 +97,22 @@ def _num(data: Mapping[str, Any], key: str, source: str) -> float:
     return float(value)
 
 
+def _flag(data: Mapping[str, Any], key: str, source: str) -> bool:
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"cluster {source}: {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _efficiency(eff: Mapping[str, Any], source: str) -> EfficiencyCurve:
+    """``half_work_macs`` (x = b*s*h^2/t) or the earlier ``half_work_elements`` (x = b*s*h/t)."""
+    keys = [k for k in ("half_work_macs", "half_work_elements") if k in eff]
+    if len(keys) != 1:
+        raise ConfigError(f"cluster {source}: 'efficiency' needs exactly one of half_work_macs, half_work_elements")
+    unit = keys[0].removeprefix("half_work_")
+    return EfficiencyCurve(_num(eff, "max_fraction_of_peak", source), _num(eff, keys[0], source), unit)
+
+
 def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluster:
     """Build a ``Cluster`` from the JSON schema in this module's docstring."""
     if not isinstance(data, Mapping):
@@ -102,7 +122,8 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
         raise ConfigError(f"cluster {source}: 'peak_TFLOPs' must be an object like {{\"fp16\": 125}}")
     eff = data.get("efficiency")
     if not isinstance(eff, Mapping):
-        raise ConfigError(f"cluster {source}: 'efficiency' must be an object with max_fraction_of_peak, half_work_elements")
+        raise ConfigError(f"cluster {source}: 'efficiency' must be an object with max_fraction_of_peak "
+                          "and half_work_macs")
     return Cluster(
         name=str(data.get("name", source)),
         device=str(data.get("device", "unknown device")),
@@ -114,7 +135,8 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
         intra_server_allreduce_bandwidth=_num(data, "intra_server_allreduce_GBps", source) * 1e9,
         intra_server_p2p_bandwidth=_num(data, "intra_server_p2p_GBps", source) * 1e9,
         inter_server_bandwidth=_num(data, "inter_server_Gbps", source) * 1e9 / 8,
-        efficiency=EfficiencyCurve(_num(eff, "max_fraction_of_peak", source), _num(eff, "half_work_elements", source)),
+        efficiency=_efficiency(eff, source),
+        flash_attention=_flag(data, "flash_attention", source),
         description=str(data.get("description", "")),
         sources=tuple(str(s) for s in data.get("sources", ())),
     )

@@ -19,6 +19,12 @@ Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm,
   split by ``t``: Q, K, V and the projection input (``4bshe``), the GeLU input and output
   (``2bsfe``), the softmax output (``ab s^2 e``) and, with attention dropout, its mask and output
   (``ab s^2 (1 + e)``). For fp16, f = 4h, dropout on, t = 1 this is the paper-era ``sbh(34 + 5as/h)``.
+- With a fused attention kernel (``Cluster.flash_attention``: the engine's
+  ``F.scaled_dot_product_attention`` on sm80+ GPUs) the ``s^2`` terms give way to the kernel's fp32
+  log-sum-exp per row (``4abs/t``): Korthikanti's ``sbh(10 + 24/t)``.
+- With an efficiency curve in ``macs`` (efficiency.py) the curve prices the GEMMs and the
+  memory-bound kernels between them are timed on HBM (``layer_memory_bound_bytes``); the earlier
+  ``elements`` curve folds them into its fixed cost.
 - The head keeps the final LayerNorm's input and output and the fp32 softmax of the logits
   (Megatron's vocab-parallel cross-entropy runs in fp32): ``2bshe + 4bsV/t``; while it runs it also
   holds the fp16 logits and their fp32 copy (``(e + 4) bsV/t`` transient).
@@ -60,7 +66,6 @@ from typing import Any, Iterable, Mapping
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .efficiency import layer_work
 from .hardware import Cluster
 
 PROFILE_FORMAT = "megatron_2bw-profile-v1"
@@ -73,6 +78,13 @@ CE_FORWARD_BYTES = 30
 CE_BACKWARD_BYTES = 14
 # The embedding is a gather and an add: read the rows, read the positions, write the sum, dropout.
 EMBEDDING_PASSES = 4
+# Memory-bound passes of one layer forward over b*s*h elements (two LayerNorms: read + write each;
+# two fused bias-dropout-adds: two reads, a write and a 1-byte mask each) and over the a*b*s^2
+# attention scores without a fused attention kernel (fused scale-mask-softmax: read + write;
+# dropout: read, write and a mask). Counted only with an efficiency curve in ``macs``, whose GEMM
+# curve leaves them out (see efficiency.py).
+HIDDEN_PASSES = 11
+SCORE_PASSES = 4.5
 
 
 def activation_bytes(precision: str) -> int:
@@ -195,22 +207,34 @@ def core_forward_flops(model: ModelConfig, b: int, t: int) -> float:
     return 4 * b * model.seq_length ** 2 * model.hidden_size / t
 
 
-def core_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
+def core_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> int:
     """What the attention core keeps beyond Q, K, V: the softmax output and, with attention dropout,
-    its mask (1 byte) and output: ``ab s^2 e (+ ab s^2 (1 + e))`` split by ``t``."""
+    its mask (1 byte) and output: ``ab s^2 e (+ ab s^2 (1 + e))`` split by ``t``. A fused (flash or
+    memory-efficient) kernel keeps none of them, only its fp32 log-sum-exp per row: ``4abs / t``."""
     s, a = model.seq_length, model.num_attention_heads
+    if flash:
+        return 4 * a * b * s // t
     n = a * b * s * s * e + (a * b * s * s * (1 + e) if model.attention_dropout > 0 else 0)
     return n // t
 
 
-def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
-    """Bytes one layer keeps for its backward, its input included (see the module docstring)."""
-    s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> int:
+    """Bytes one layer keeps for its backward, its input included (see the module docstring); with
+    ``flash`` (a fused attention kernel) the core's ``s^2`` tensors give way to its log-sum-exp."""
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     replicated = 4 * b * s * h * e + (2 * b * s * h if model.hidden_dropout > 0 else 0)
-    split = 4 * b * s * h * e + 2 * b * s * f * e + a * b * s * s * e
-    if model.attention_dropout > 0:
-        split += a * b * s * s * (1 + e)
-    return replicated + split // t
+    split = 4 * b * s * h * e + 2 * b * s * f * e
+    return replicated + split // t + core_stash_bytes(model, b, t, e, flash)
+
+
+def layer_memory_bound_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> tuple[float, float]:
+    """``(layer, attention core)`` bytes the memory-bound kernels of one layer's forward move on one
+    GPU (Megatron's fused kernels): ``HIDDEN_PASSES`` over ``bsh`` (LayerNorms, bias-dropout-adds),
+    two over ``bsf/t`` (bias-GeLU) and, without a fused attention kernel, ``SCORE_PASSES`` over the
+    ``abs^2/t`` attention scores (scale-mask-softmax, dropout). The core's share is its part."""
+    s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    core = 0.0 if flash else SCORE_PASSES * a * b * s * s * e / t
+    return e * (HIDDEN_PASSES * b * s * h + 2 * b * s * f / t) + core, core
 
 
 # ---- the analytic estimate ----------------------------------------------------------------------
@@ -220,13 +244,18 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     e = activation_bytes(precision)
     s, h = model.seq_length, model.hidden_size
     vocab = model.padded_vocab_size(t) // t
-    speed = cluster.peak(precision) * cluster.efficiency.fraction(layer_work(b, s, h, t))
+    speed = cluster.peak(precision) * cluster.efficiency.layer_fraction(b, s, h, t)
     hidden = b * s * h * e  # one hidden-state tensor
+    flash = cluster.flash_attention
 
-    layer_fwd = layer_forward_flops(model, b, t) / speed
-    stash = layer_stash_bytes(model, b, t, e)
+    # The "macs" curve prices the GEMMs; the memory-bound kernels between them are timed on HBM.
+    mem_layer, mem_core = (layer_memory_bound_bytes(model, b, t, e, flash) if cluster.efficiency.unit == "macs"
+                           else (0.0, 0.0))
+    layer_fwd = layer_forward_flops(model, b, t) / speed + mem_layer / cluster.memory_bandwidth
+    stash = layer_stash_bytes(model, b, t, e, flash)
     layer = BlockCost(
-        core_forward_s=core_forward_flops(model, b, t) / speed, core_stash_bytes=core_stash_bytes(model, b, t, e),
+        core_forward_s=core_forward_flops(model, b, t) / speed + mem_core / cluster.memory_bandwidth,
+        core_stash_bytes=core_stash_bytes(model, b, t, e, flash),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
         stash_bytes=stash, input_bytes=hidden, output_bytes=hidden,
         # The gradients of a layer's activations exist while its backward runs: about its stash again.
@@ -267,7 +296,7 @@ def analytic_layer_costs(model: ModelConfig, cluster: Cluster, precision: str,
     eff = cluster.efficiency
     source = (f"analytic estimate from FLOPs and bytes ({cluster.device}, {precision} peak "
               f"{cluster.peak(precision) / 1e12:g} TFLOP/s x efficiency curve max {eff.max_fraction:g}, "
-              f"half at {eff.half_work:g} elements); no profile")
+              f"half at {eff.half_work:g} {eff.unit}); no profile")
     return LayerCosts(source, table)
 
 

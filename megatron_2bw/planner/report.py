@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from ..cli import pretrain_argv
+from ..cli import pretrain_argv, render
 from ..config import Layout, ModelConfig
 from ..errors import ConfigError
 from ..models.presets import get_preset
@@ -21,6 +21,7 @@ from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate, fp32_grads_for
 from .search import Evaluated, PlanRequest, SearchResult, default_costs, evaluate, search
+from .staleness import STALENESS_NOTE, staleness
 
 PAPER_CLUSTER = "aws-p3.16xlarge"
 PAPER_SEQ_LENGTH = 512
@@ -52,8 +53,18 @@ def fp32_grads_flag(request: PlanRequest) -> bool | None:
 def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     """The ``pretrain_gpt.py`` (or ``pretrain_bert.py``) command line that runs ``ev``."""
     c = ev.candidate
-    return pretrain_argv(request.model, candidate_layout(c), c.global_batch_size, request.precision,
+    argv = pretrain_argv(request.model, candidate_layout(c), c.global_batch_size, request.precision,
                          fp32_grads_flag(request))
+    return argv + recompute_policy_argv(c, request.model.kind)
+
+
+def recompute_policy_argv(c: Candidate, kind: str) -> list[str]:
+    """Megatron's ``--recompute-granularity/-method/-num-layers`` of a candidate's policy inside stages."""
+    p = c.recompute_policy
+    if p is None:
+        return []
+    return render({"pipeline.recompute_granularity": p.granularity, "pipeline.recompute_method": p.method,
+                   "pipeline.recompute_num_layers": p.num_layers}, kind)
 
 
 def describe(ev: Evaluated) -> dict[str, Any]:
@@ -71,6 +82,8 @@ def describe(ev: Evaluated) -> dict[str, Any]:
         "batch_seconds": round(p.batch_s, 6) if p else None,
         "bubble_seconds": round(p.bubble_s, 6) if p else None,
         "exposed_allreduce_seconds": round(p.exposed_allreduce_s, 6) if p else None,
+        "recompute_policy": c.recompute_policy.label if c.recompute_policy else None,  # inside stages
+        "staleness": staleness(c).to_json(),
     }
 
 
@@ -80,6 +93,11 @@ def _stage_memory_text(ev: Evaluated) -> str:
     if len(mem) > 3:
         mem = (mem[0], max(mem[1:-1], key=lambda s: s.total), mem[-1])
     return "/".join(f"{s.total / GiB:.1f}" for s in mem)
+
+
+def recompute_text(c: Candidate) -> str:
+    """``yes`` (whole stages), a policy inside stages (``selective``, ``uniform1``), or ``no``."""
+    return "yes" if c.recompute else c.recompute_policy.label if c.recompute_policy else "no"
 
 
 def split_text(c: Candidate) -> str:
@@ -101,18 +119,26 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms; "
         f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
         "",
-        f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>6} {'schedule':>8} {'dist-opt':>8} "
+        f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
         f"{'samples/s':>10} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
+    width = len(lines[-1])  # rows are padded to the header, then the staleness column follows
+    lines[-1] += "  staleness"
     for i, ev in enumerate(result.ranked[:top], 1):
         c = ev.candidate
         sched = c.schedule if c.pipeline_parallel > 1 else "none"
         lines.append(
             f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
-            f"{c.num_micro_batches:>4} {'yes' if c.recompute else 'no':>6} {sched:>8} "
+            f"{c.num_micro_batches:>4} {recompute_text(c):>8} {sched:>8} "
             f"{'yes' if c.distributed_optimizer else 'no':>8} {ev.samples_per_sec:>10.1f} "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
+        lines[-1] = f"{lines[-1]:<{width}}  {staleness(c).text}"
+    if any(staleness(ev.candidate).stale_steps for ev in result.ranked[:top]):
+        lines.append(STALENESS_NOTE)
+    if result.pruned:
+        lines.append(f"{result.pruned} of the {result.considered} configurations not evaluated: slower than a "
+                     "cheaper recomputation of the same layout that fits")
     lines += ["", "best configuration:", "  " + " ".join(pretrain_command(result.best, req))]
     return "\n".join(lines)
 
@@ -128,6 +154,7 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
         "cluster": req.cluster.name, "num_gpus": req.num_gpus, "global_batch_size": req.global_batch_size,
         "precision": req.precision, "fp32_grads": req.accumulates_in_fp32, "costs_source": result.costs_source,
         "considered": result.considered, "feasible": len(result.ranked), "search_seconds": round(result.seconds, 4),
+        "pruned": result.pruned,  # considered, not evaluated: a cheaper recomputation of the layout is faster
         "best": {**describe(result.best), "command": pretrain_command(result.best, req)},
         "ranked": [describe(ev) for ev in ranked],
     }

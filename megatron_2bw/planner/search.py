@@ -15,6 +15,14 @@ otherwise. The number of microbatches per batch is fixed by the global batch, ``
 (``ScheduleSpec.min_microbatches``). A layout
 whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
 samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
+
+Recomputation is tried cheapest first within each layout: none, the ``recompute_policies`` by the
+forward they re-run, whole stages. Two kinds of candidate are not evaluated: selective
+recomputation where it frees under ``SELECTIVE_MIN_SAVING`` of a layer's stash (a fused attention
+kernel keeps no ``s^2`` tensors; not generated), and a candidate that cannot be faster than a
+cheaper recomputation of the same layout that fits (counted in ``SearchResult.pruned``): without a
+pipeline every costlier one (the same layers and communication with more compute), with one those
+whose ``batch_time_lower_bound`` exceeds the layout's fastest batch time so far.
 """
 
 from __future__ import annotations
@@ -27,11 +35,11 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
-from .cost_model import Prediction, predict
+from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
-from .layer_costs import ACTIVATION_BYTES, LayerCosts, analytic_layer_costs
+from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory
-from .split import balanced_split
+from .split import balanced_split, stage_lines
 
 
 # Megatron's finer recomputation as the search tries it: the attention core, or every layer's input.
@@ -111,6 +119,7 @@ class SearchResult:
     too_big: int
     smallest_infeasible: Evaluated | None = field(default=None, compare=False)
     seconds: float = 0.0
+    pruned: int = 0  # considered but not evaluated: slower than a fitting candidate of their group
 
     @property
     def best(self) -> Evaluated:
@@ -172,12 +181,58 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                 for schedule in schedules:
                     if schedule != SEQUENTIAL and m < get_schedule(schedule).min_microbatches(d):
                         continue
+                    c = costs.at(t, b)
+                    policies = sorted((p for p in request.recompute_policies if not _saves_nothing(p, c)),
+                                      key=lambda p: inner_recompute_cost(c, request.model.num_layers, p)[0])
                     for zero in distributed_optimizer_choices(request, w):
-                        for recompute in request.recompute_options:
-                            yield Candidate(t, d, w, b, m, recompute, schedule, distributed_optimizer=zero)
-                        for policy in request.recompute_policies:
+                        # cheapest recomputation first (none, inside stages, whole stages): see search()
+                        if False in request.recompute_options:
+                            yield Candidate(t, d, w, b, m, False, schedule, distributed_optimizer=zero)
+                        for policy in policies:
                             yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy,
                                             distributed_optimizer=zero)
+                        if True in request.recompute_options:
+                            yield Candidate(t, d, w, b, m, True, schedule, distributed_optimizer=zero)
+
+
+# Selective recomputation is skipped where it frees less than this share of a layer's stash: with a
+# fused attention kernel (``Cluster.flash_attention``) the core keeps no s^2 tensors, so re-running
+# it costs its forward and saves next to nothing.
+SELECTIVE_MIN_SAVING = 0.01
+
+
+def _saves_nothing(policy: RecomputePolicy, costs: MicrobatchCosts | None) -> bool:
+    """Whether ``policy`` is selective and frees (almost) none of the layer's stash."""
+    return (policy.granularity == "selective" and costs is not None
+            and costs.layer.core_stash_bytes < SELECTIVE_MIN_SAVING * costs.layer.stash_bytes)
+
+
+def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> float:
+    """Seconds per batch ``cand`` needs under any stage split (0 where no bound is known).
+
+    A stage's time per microbatch is ``base_r + n_r * slope`` (``split.stage_lines``), so the stages
+    add up to the same total under every split, and the slowest is at least the mean. The pipeline
+    runs ``m`` microbatch slots at the slowest stage's pace (2BW), plus the fill and drain
+    (``bubble_slots``) for the flushing schedules; reductions and the optimizer only add to that.
+    Recomputation whose cost is not linear in a stage's layers (``block``, ``uniform`` chunks of
+    several layers) and the sequential baseline get no bound.
+    """
+    p = cand.recompute_policy
+    if cand.schedule == SEQUENTIAL or (p is not None and p.granularity == "full"
+                                       and (p.method != "uniform" or p.num_layers != 1)):
+        return 0.0
+    d, m = cand.pipeline_parallel, cand.num_micro_batches
+    base, slope = stage_lines(costs.at(cand.tensor_parallel, cand.micro_batch_size), cand, request.cluster,
+                              request.param_bytes)
+    mean = (sum(base) + request.model.num_layers * min(slope)) / d
+    spec = get_schedule(cand.schedule)
+    return (m if spec.grad_buffers > 1 else m + spec.bubble_slots(d)) * mean
+
+
+def _group(c: Candidate) -> tuple:
+    """Candidates that differ only in their recomputation."""
+    return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule,
+            c.distributed_optimizer)
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
@@ -209,9 +264,21 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
     feasible: list[Evaluated] = []
     considered = too_big = 0
     smallest: Evaluated | None = None
+    fastest: dict[tuple, float] = {}  # per layout (_group): the shortest batch time that fits so far
+    pruned = 0
     for cand in candidates(request, costs):
         considered += 1
+        key = _group(cand)
+        # Without a pipeline every recomputation option runs the same communication on the same
+        # layers, and candidates() yields them cheapest first: once one fits, the rest are slower.
+        # With one, a candidate whose batch time cannot beat what its layout already has is skipped.
+        if key in fastest and (cand.pipeline_parallel == 1
+                               or batch_time_lower_bound(cand, costs, request) > fastest[key] * (1 + 1e-9)):
+            pruned += 1
+            continue
         ev = evaluate(cand, costs, request)
+        if ev.prediction is not None:
+            fastest[key] = min(fastest.get(key, float("inf")), ev.prediction.batch_s)
         if ev.prediction is None:
             too_big += 1
             if smallest is None or ev.memory_bytes_per_gpu < smallest.memory_bytes_per_gpu:
@@ -220,7 +287,7 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
             feasible.append(ev)
     feasible.sort(key=_rank_key)
     result = SearchResult(request, costs.source, tuple(feasible), considered, too_big, smallest,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, pruned)
     if require_fit and not feasible:
         m = request.model
         what = (f"{m.kind} with {m.num_layers} layers, hidden {m.hidden_size} on {request.num_gpus} GPUs "

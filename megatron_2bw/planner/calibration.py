@@ -1,0 +1,200 @@
+"""The cost model against published throughputs: each published layout, predicted vs measured.
+
+``published.json`` (next to this module) holds end-to-end results with their source: the model
+shape, the layout ``(t, p, GPUs, global batch[, microbatch])`` and the TFLOP/s per GPU the source
+reports. Each run is priced by the planner's own cost model on exactly that layout (even stages, the
+schedule and recomputation the source used; where the source does not state the microbatch, the
+planner's fastest power of two that divides the batch), and the published TFLOP/s is converted to
+samples/s with the source's own FLOP count (Megatron's Eq. 3, which counts the recomputed forward).
+``docs/planner.md`` section 7 prints the table; ``tests/test_planner_calibration.py`` holds every
+run within ``TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..pipeline.recompute_policy import RecomputePolicy
+from .hardware import GiB, load_cluster
+from .layer_costs import analytic_layer_costs
+from .memory_model import Candidate
+from .search import Evaluated, PlanRequest, evaluate, micro_batch_sizes
+from .cost_model import predict
+
+PUBLISHED = Path(__file__).resolve().parent / "published.json"
+TOLERANCE = 0.15  # issue 22: predictions within 15% of the published throughput
+
+
+def megatron_flops_per_sample(model: ModelConfig) -> float:
+    """Narayanan et al. 2021, Eq. 3 per sequence: ``96 s l h^2 (1 + s/(6h) + V/(16 l h))``; counts the
+    forward, the backward (2x) and the recomputed forward of every layer, and the logit GEMMs."""
+    s, l, h, V = model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
+    return 96 * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def model_flops_per_sample(model: ModelConfig) -> float:
+    """FLOPs of one sequence without recomputation (for MFU): 3/4 of Eq. 3."""
+    return 0.75 * megatron_flops_per_sample(model)
+
+
+def parse_recompute(text: str) -> tuple[bool, RecomputePolicy | None]:
+    """``"stage"`` (the engine's whole-stage recomputation), ``"none"``, ``"selective"`` or
+    ``"full uniform|block N"`` (Megatron's flags)."""
+    parts = text.split()
+    if text == "stage":
+        return True, None
+    if text == "none":
+        return False, None
+    if parts == ["selective"]:
+        return False, RecomputePolicy("selective")
+    if len(parts) == 3 and parts[0] == "full":
+        return False, RecomputePolicy("full", parts[1], int(parts[2]))
+    raise ConfigError(f"published.json: unknown recompute {text!r}")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published measurement and the layout it ran."""
+
+    name: str
+    source: str
+    model: ModelConfig
+    cluster: str
+    precision: str
+    tensor_parallel: int
+    pipeline_parallel: int
+    num_gpus: int
+    global_batch_size: int
+    micro_batch_size: int | None
+    schedule: str
+    recompute: str
+    distributed_optimizer: bool
+    tflops_per_gpu: float
+    flash_attention: bool = False  # the source's attention kernel (2021 Megatron: unfused, s^2 kept)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.num_gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def samples_per_sec(self) -> float:
+        """The published TFLOP/s as samples/s, by the source's FLOP count."""
+        return self.tflops_per_gpu * 1e12 * self.num_gpus / megatron_flops_per_sample(self.model)
+
+
+def load_published(path: str | Path = PUBLISHED) -> tuple[dict[str, str], list[PublishedRun]]:
+    """``(sources, runs)`` of a published-results file (the schema of ``published.json``)."""
+    data = json.loads(Path(path).read_text())
+    d = data["defaults"]
+    runs = []
+    for r in data["runs"]:
+        get = lambda k: r.get(k, d.get(k))  # noqa: E731 - per-run value, else the file's default
+        model = ModelConfig("gpt", r["num_layers"], r["hidden_size"], r["num_attention_heads"], get("seq_length"),
+                            vocab_size=get("vocab_size"), hidden_dropout=get("hidden_dropout"),
+                            attention_dropout=get("attention_dropout"))
+        run = PublishedRun(r["name"], r["source"], model, get("cluster"), get("precision"), r["tensor_parallel"],
+                           r["pipeline_parallel"], r["num_gpus"], r["global_batch_size"], r.get("micro_batch_size"),
+                           get("schedule"), get("recompute"), bool(get("distributed_optimizer")),
+                           float(r["tflops_per_gpu"]), bool(get("flash_attention")))
+        if run.num_gpus % (run.tensor_parallel * run.pipeline_parallel):
+            raise ConfigError(f"published.json: {run.name}: t*p does not divide the GPUs")
+        runs.append(run)
+    return data["sources"], runs
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    """A published run beside the planner's prediction of its layout."""
+
+    run: PublishedRun
+    evaluated: Evaluated
+    samples_per_sec: float  # predicted (also when the planner's memory model says it does not fit)
+
+    @property
+    def ratio(self) -> float:
+        return self.samples_per_sec / self.run.samples_per_sec
+
+    @property
+    def fits(self) -> bool:
+        return self.evaluated.prediction is not None
+
+    @property
+    def predicted_tflops_per_gpu(self) -> float:
+        """The prediction in the source's unit (its FLOP count, recomputation included)."""
+        return self.samples_per_sec * megatron_flops_per_sample(self.run.model) / self.run.num_gpus / 1e12
+
+    def mfu(self, peak: float, predicted: bool = True) -> float:
+        """Model FLOPs (no recomputation) per second per GPU over ``peak``."""
+        sps = self.samples_per_sec if predicted else self.run.samples_per_sec
+        return sps * model_flops_per_sample(self.run.model) / self.run.num_gpus / peak
+
+
+def predict_run(run: PublishedRun) -> CalibrationRow:
+    """The cost model on ``run``'s layout (the fastest stated-or-possible microbatch)."""
+    cluster = replace(load_cluster(run.cluster), flash_attention=run.flash_attention)
+    t, p, w, B = run.tensor_parallel, run.pipeline_parallel, run.data_parallel, run.global_batch_size
+    stage, policy = parse_recompute(run.recompute)
+    sizes = (run.micro_batch_size,) if run.micro_batch_size else micro_batch_sizes(16)
+    req = PlanRequest(run.model, cluster, run.num_gpus, B, run.precision, max_micro_batch_size=max(sizes),
+                      balance_stages=False)
+    costs = analytic_layer_costs(run.model, cluster, run.precision, (t,), sizes)
+    best: CalibrationRow | None = None
+    for b in sizes:
+        if B % (b * w) or (p > 1 and B // (b * w) < p):
+            continue
+        cand = Candidate(t, p, w, b, B // (b * w), stage, run.schedule if p > 1 else "flush",
+                         recompute_policy=policy, distributed_optimizer=run.distributed_optimizer)
+        ev = evaluate(cand, costs, req)
+        pred = ev.prediction or predict(costs.at(t, b), cand, run.model.num_layers, cluster, req.param_bytes)
+        sps = pred.samples_per_sec
+        row = CalibrationRow(run, ev, sps)
+        if best is None or (row.fits, row.samples_per_sec) > (best.fits, best.samples_per_sec):
+            best = row
+    if best is None:
+        raise ConfigError(f"published.json: {run.name}: no microbatch divides the batch")
+    return best
+
+
+def calibration(runs: Iterable[PublishedRun] | None = None) -> list[CalibrationRow]:
+    """Every published run, predicted."""
+    return [predict_run(r) for r in (load_published()[1] if runs is None else runs)]
+
+
+def format_calibration(rows: list[CalibrationRow]) -> str:
+    """The predicted-vs-published table (docs/planner.md section 7)."""
+    lines = [f"{'run':<14} {'source':<21} {'t':>2} {'p':>3} {'GPUs':>5} {'B':>5} {'b':>3} {'fits':>4} "
+             f"{'published':>10} {'predicted':>10} {'ratio':>6} {'TFLOP/s pub/pred':>17} {'MFU pub/pred':>13}"]
+    for r in rows:
+        run, c = r.run, r.evaluated.candidate
+        peak = load_cluster(run.cluster).peak(run.precision)
+        flag = "" if abs(r.ratio - 1) <= TOLERANCE else " *"
+        lines.append(
+            f"{run.name:<14} {run.source.removeprefix('megatron-'):<21} "
+            f"{run.tensor_parallel:>2} {run.pipeline_parallel:>3} "
+            f"{run.num_gpus:>5} {run.global_batch_size:>5} {c.micro_batch_size:>3} {'yes' if r.fits else 'no':>4} "
+            f"{run.samples_per_sec:>10.2f} {r.samples_per_sec:>10.2f} {r.ratio:>6.2f} "
+            f"{run.tflops_per_gpu:>8.0f}/{r.predicted_tflops_per_gpu:<8.0f} "
+            f"{r.mfu(peak, False):>6.2f}/{r.mfu(peak):<6.2f}{flag}")
+    lines.append(f"samples/s; ratio = predicted / published ({'*'}: outside {TOLERANCE:.0%}); "
+                 "TFLOP/s by Megatron's Eq. 3 (recomputation counted); MFU without it")
+    return "\n".join(lines)
+
+
+def calibration_json(rows: list[CalibrationRow]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        run, c = r.run, r.evaluated.candidate
+        out.append({"name": run.name, "source": run.source, "tensor_parallel": run.tensor_parallel,
+                    "pipeline_parallel": run.pipeline_parallel, "num_gpus": run.num_gpus,
+                    "global_batch_size": run.global_batch_size, "micro_batch_size": c.micro_batch_size,
+                    "fits": r.fits, "memory_GiB_per_gpu": round(r.evaluated.memory_bytes_per_gpu / GiB, 2),
+                    "published_samples_per_sec": round(run.samples_per_sec, 3),
+                    "predicted_samples_per_sec": round(r.samples_per_sec, 3), "ratio": round(r.ratio, 4),
+                    "published_tflops_per_gpu": run.tflops_per_gpu,
+                    "predicted_tflops_per_gpu": round(r.predicted_tflops_per_gpu, 1)})
+    return out

@@ -1,0 +1,83 @@
+"""The expected cost of a schedule's stale gradients, shown beside its throughput.
+
+Synchronous schedules (Flush, GPipe, one stage, the sequential baseline) compute every gradient on
+the weights they update: no cost. PipeDream-2BW's gradients are ``stale_steps`` (1) updates behind
+(``ScheduleSpec.stale_steps``); what that costs depends on the model, the optimizer and the learning
+rate, and nothing in the planner can predict it. What it reports instead is what this project
+measured: the final validation loss of 2BW over Flush's with the same data, seeds and steps
+(``staleness.json``, a summary of ``docs/data/convergence_regimes.json``), on the small gpt-demo
+model on CPU, and the wall time 2BW took to its final loss over the time Flush took to reach the
+same loss (``time_vs_flush_to_2bw_final_loss``, in the JSON). The report labels it so; the ranking
+stays by throughput (``tools/plan.py --schedules flush,gpipe`` searches only the synchronous
+schedules).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ..pipeline.schedules import get_schedule
+from .memory_model import SEQUENTIAL, Candidate
+
+STALENESS = Path(__file__).resolve().parent / "staleness.json"
+REGIMES = ("paper", "aggressive")  # the paper's learning rate (3e-4), and 1e-3
+
+
+@lru_cache(maxsize=1)
+def measured() -> dict[str, Any]:
+    """The measured loss ratios (``staleness.json``)."""
+    return json.loads(STALENESS.read_text())
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """A candidate's stale updates and, where stale, the measured loss ratios per regime."""
+
+    stale_steps: int
+    valid_loss_ratio: dict[str, float]  # regime -> 2BW's final validation loss over Flush's (empty: none)
+    # regime -> 2BW's wall time to its final loss over the time Flush took to reach the same loss
+    time_to_loss_ratio: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """Short cell: ``none``, or the measured loss increase over the regimes, e.g. ``+2.7..9.2%*``."""
+        if not self.stale_steps:
+            return "none"
+        pct = sorted((r - 1) * 100 for r in self.valid_loss_ratio.values())
+        return f"+{pct[0]:.1f}..{pct[-1]:.1f}%*" if len(pct) > 1 else f"+{pct[0]:.1f}%*"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stale_steps": self.stale_steps}
+        if self.stale_steps:
+            m = measured()
+            out["valid_loss_ratio_vs_flush"] = self.valid_loss_ratio
+            out["time_vs_flush_to_2bw_final_loss"] = self.time_to_loss_ratio
+            out["measured_on"] = f"{m['model']}; {m['source']}"
+        return out
+
+
+def stale_steps(c: Candidate) -> int:
+    """Updates the gradients lag behind (0: synchronous); one stage has no pipeline to lag."""
+    if c.schedule == SEQUENTIAL or c.pipeline_parallel == 1:
+        return 0
+    return get_schedule(c.schedule).stale_steps
+
+
+def staleness(c: Candidate, compensation: str = "none") -> Staleness:
+    """The staleness cost of ``c`` (``compensation``: the trainer's ``--2bw-compensation``)."""
+    n = stale_steps(c)
+    if not n:
+        return Staleness(0, {})
+    regimes = measured()["regimes"]
+    here = [r for r in REGIMES if r in regimes]
+    return Staleness(n, {r: regimes[r]["valid_loss_ratio_vs_flush"][compensation] for r in here},
+                     {r: regimes[r]["time_vs_flush_to_2bw_final_loss"][compensation] for r in here})
+
+
+STALENESS_NOTE = ("* staleness: 2BW's final validation loss over Flush's, measured on the small gpt-demo model "
+                  "(CPU, 300-500 steps, learning rates 3e-4..1e-3; docs/data/convergence_regimes.json), "
+                  "not a prediction for this model; Flush/GPipe: none")
