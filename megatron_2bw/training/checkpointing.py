@@ -291,15 +291,16 @@ def write_tracker(root: str, iteration: int) -> None:
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
             config: dict, args: dict) -> dict | None:
     """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
-    the others, after their part of gathering a sharded optimizer state. Tensors are views of one copy
-    of the engine state."""
+    the others, after their part of gathering a sharded optimizer state. Tensors are views of the live
+    CPU buffers, or of one host copy of device buffers (nothing is copied on the device); the file must
+    be written before training goes on."""
     state, w = stage.state, stage.weights
     if state.dp_rank != 0:
         if stage.updater.shard is not None:
-            stage.updater.state_dict(everywhere=False)  # the gather to data-parallel rank 0 is a collective
+            stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
         return None
     model = model_config(config)
-    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False), w.state_views, w.numel, w.slot(stage.step))
+    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False), w.state_views, w.numel, w.slot(stage.step))
     schedule = stage.pipe.schedule
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None
