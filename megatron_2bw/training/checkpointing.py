@@ -383,6 +383,11 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     scaler, the fp32 master copied from the newest weights. ``finetune``: the newest weights only,
     in every version, at step 0 (``--finetune``; implies no optimizer and no RNG state).
     """
+    if sd.get("format") == "torch_dist":  # --ckpt-format torch_dist (read by dist_checkpoint.read_checkpoint)
+        from . import dist_checkpoint  # noqa: PLC0415
+
+        return dist_checkpoint.restore(sd, stage, tracker, device, load_optim=load_optim, load_rng=load_rng,
+                                       finetune=finetune)
     if sd.get("format") == MEGATRON_WEIGHTS and not finetune:
         raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
     esd = _engine_dict(sd, stage)
