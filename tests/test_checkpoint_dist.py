@@ -14,11 +14,22 @@ import os
 import shutil
 
 import pytest
+import torch
+import torch.distributed as dist
 from ckpt_runs import DATA, _ckpt_data, train  # noqa: F401
 from e2e import PY, REPO, once, read_metrics, run, train_losses
 
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.export.names import WORD
+from megatron_2bw.models.spec import ModelSpec
+from megatron_2bw.parallel_state import build_state, coords_of
+from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.weights import GlobalNames
+from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.tensor_parallel.random import RNGTracker
 from megatron_2bw.training import checkpointing as ck
 from megatron_2bw.training import dist_checkpoint as dc
+from multiproc import run_workers
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_util.py")
 START, END = 2, 3
@@ -73,18 +84,71 @@ def test_same_layout_resume_is_bitwise(saved, tmp_path):
     assert sorted(resumed) == [START] and resumed[START] == saved[1][START], (resumed, saved[1])
 
 
-@pytest.mark.parametrize("t,d,extra", [(1, 4, ZERO), (2, 1, ZERO), (2, 2, ())],
-                         ids=["t1d4w2", "t2d1w4", "no-distributed-optimizer"])
-def test_resharded_on_load_equals_offline_reshard(saved, tmp_path, t, d, extra):
+def _offline(src: str, dst: str, t: int, d: int, *flags: str) -> str:
+    res = run([PY, TOOL, "--load-dir", src, "--save-dir", dst, "--target-tensor-parallel-size", str(t),
+               "--target-pipeline-parallel-size", str(d), *flags], timeout=180)
+    assert res.returncode == 0, res.describe()
+    return dst
+
+
+def test_resharded_resume_trains_like_offline_reshard(saved, tmp_path):
+    """The losses (t=1 d=4 w=2); the other layouts are compared state for state below (cheaper)."""
+    t, d, extra = 1, 4, ZERO
     src = _at_start(saved, tmp_path)
     online = _launch([*_args(t=t, d=d, extra=extra), "--load", src], 8, str(tmp_path / "online.jsonl"))
-    offline_dir = str(tmp_path / "offline")
-    res = run([PY, TOOL, "--load-dir", src, "--save-dir", offline_dir, "--target-tensor-parallel-size", str(t),
-               "--target-pipeline-parallel-size", str(d)], timeout=180)
-    assert res.returncode == 0, res.describe()
+    offline_dir = _offline(src, str(tmp_path / "offline"), t, d)
     assert not dc.is_dist_checkpoint(ck.iteration_dir(offline_dir, START))  # the torch format
     offline = _launch([*_args(t=t, d=d, extra=extra), "--load", offline_dir], 8, str(tmp_path / "offline.jsonl"))
     assert sorted(online) == sorted(offline) == [START]
     assert abs(online[START] - offline[START]) <= TOL, (online, offline)
     # the state moved: the loss is that of the saved run's step (bf16 across layouts: a loose bound)
     assert abs(online[START] - saved[1][START]) < 0.05, (online, saved[1])
+
+
+TARGETS = [(1, 4, 2, True), (2, 1, 4, True), (2, 2, 2, False), (1, 1, 8, False)]  # t, d, w, distributed optimizer
+
+
+def _stage(common: dict, t: int, d: int, w: int, zero: bool) -> tuple[PipelineStage, RNGTracker]:
+    state = build_state(t, d, w, torch.device("cpu"))
+    cfg = ck.model_config(common["config"])
+    tracker = RNGTracker(1234 + 100 * state.pp_rank, state.tp_rank)
+    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+    opt = OptimizerConfig(**{**common["config"]["optimizer"], "use_distributed_optimizer": zero})
+    stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
+                          PipelineConfig("2bw", 1, 8 // w), opt, (1, cfg.seq_length, cfg.hidden_size),
+                          rng_tracker=tracker, names=GlobalNames(spec.stage_range(d, state.pp_rank)[0], tied=WORD))
+    return stage, tracker
+
+
+def _state_case(src: str, offline: dict) -> list[str]:
+    """Every target layout: the state DCP loads equals the state of the offline-resharded torch checkpoint."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad = []
+    for t, d, w, zero in TARGETS:
+        sd = dc.read_checkpoint(src, START, rank, world, (t, d, w, None))
+        online, tracker = _stage(sd["common"], t, d, w, zero)
+        ck.restore(sd, online, tracker, torch.device("cpu"))
+        tp, _, pp = coords_of(rank, t, w)
+        ref, tracker = _stage(sd["common"], t, d, w, zero)
+        ck.restore(ck.load_rank_file(offline[(t, d)], START, t, d, tp, pp), ref, tracker, torch.device("cpu"))
+        a, b = online.state_dict(), ref.state_dict()
+        if a["step"] != b["step"] or a["step"] != START or online.updater.scaler.state_dict() != ref.updater.scaler.state_dict():
+            bad.append(f"{(t, d, w, zero)}: step or scaler")
+        pairs = [("versions", x, y) for x, y in zip(a["versions"], b["versions"])]
+        pairs += [("master", a["master"], b["master"])]
+        pairs += [(k, a["optimizer"][k], b["optimizer"][k]) for k in a["optimizer"] if isinstance(a["optimizer"][k], torch.Tensor)]
+        pairs += [("steps", torch.tensor(a["optimizer"]["steps"]), torch.tensor(b["optimizer"]["steps"]))]
+        bad += [f"{(t, d, w, zero)} rank {rank}: {name}" for name, x, y in pairs if not torch.equal(x, y)]
+        if not any(float(v.abs().sum()) > 0 for k, v in a["optimizer"].items() if isinstance(v, torch.Tensor)):
+            bad.append(f"{(t, d, w, zero)}: optimizer state is zero (nothing loaded?)")
+    return bad
+
+
+def test_resharded_state_equals_offline_reshard(saved, tmp_path):
+    """t=1 d=4 w=2, t=2 d=1 w=4, t=2 d=2 w=2 without and t=1 d=1 w=8 without the distributed optimizer:
+    every rank's weights (both versions), fp32 master, Adam moments, step and loss scale as DCP loads
+    them at that layout are bitwise those that tools/checkpoint_util.py's offline reshard restores."""
+    src = _at_start(saved, tmp_path)
+    offline = {(t, d): _offline(src, str(tmp_path / f"t{t}d{d}"), t, d) for t, d in {(t, d) for t, d, _, _ in TARGETS}}
+    bad = [line for rank in run_workers(_state_case, 8, src, offline, timeout=600) for line in rank]
+    assert not bad, bad

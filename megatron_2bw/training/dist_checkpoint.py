@@ -43,6 +43,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -364,8 +365,10 @@ def write_and_publish(root: str, iteration: int, chunks: list[_Chunk], objects: 
     try:
         os.makedirs(tmp, exist_ok=True)
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        dcp.save({}, storage_writer=writer, planner=_SavePlanner(chunks, objects), process_group=group,
-                 no_dist=group is None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process" without a group
+            dcp.save({}, storage_writer=writer, planner=_SavePlanner(chunks, objects), process_group=group,
+                     no_dist=group is None)
         mine = [n for n in os.listdir(tmp) if (m := _DATA_RE.fullmatch(n)) and int(m.group(1)) == rank]
         if rank == 0:
             mine.append(METADATA)
@@ -557,7 +560,9 @@ def read_checkpoint(load: str, iteration: int, rank: int, world: int, layout: tu
     wanted = [COMMON] + ([_rng_key(rank)] if _rng_key(rank) in keys else [])
     planner = _LoadPlanner([], wanted, idir)
     try:
-        dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # no process group before init, by design
+            dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -669,3 +674,39 @@ def clean_stale_temporaries(save_dir: str, pid_alive=None) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+# --------------------------------------------------------------------------- whole checkpoints (tools)
+def read_whole(iter_dir: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
+    """(common state, family -> global name -> full tensor) of a torch_dist checkpoint, in one process
+    (``tools/checkpoint_util.py``), after checking it against its manifest."""
+    manifest.verify(iter_dir, require=True)
+    reader = dcp.FileSystemReader(iter_dir)
+    try:
+        md = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"checkpoint file {os.path.join(iter_dir, METADATA)} is corrupt or unreadable "
+                          f"({_first_line(e)})") from None
+    chunks, families = [], {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            family, name = fqn.split("/", 1)
+            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            families.setdefault(family, {})[name] = t
+            chunks.append(_Chunk(fqn, (0,) * len(m.size), tuple(m.size), t))
+    planner = _LoadPlanner(chunks, [COMMON], iter_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    return planner.objects[COMMON], families
+
+
+def write_whole(root: str, iteration: int, common: dict, families: dict[str, dict[str, torch.Tensor]]) -> str:
+    """Write full tensors (family -> global name -> tensor) and ``common`` as a torch_dist checkpoint
+    from one process, published like a training save; returns the iteration folder."""
+    chunks = [_Chunk(f"{family}/{name}", (0,) * t.dim(), tuple(t.shape), t)
+              for family, named in families.items() for name, t in named.items()]
+    os.makedirs(root, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return write_and_publish(root, iteration, chunks, {COMMON: common}, None)
