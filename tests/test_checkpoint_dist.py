@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_runs import DATA, _ckpt_data, train  # noqa: F401
+from ckpt_runs import DATA, _ckpt_data, gpt_args, train  # noqa: F401
 from e2e import PY, REPO, once, read_metrics, run, train_losses
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
@@ -27,7 +27,9 @@ from megatron_2bw.pipeline.executor import PipelineStage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
+from megatron_2bw.testing.faults import SAVE_FAULT_ENV
 from megatron_2bw.training import checkpointing as ck
+from megatron_2bw.training import manifest
 from megatron_2bw.training import dist_checkpoint as dc
 from multiproc import run_workers
 
@@ -57,8 +59,8 @@ def saved(tmp_path_factory):
     """t=2 d=2 w=2, torch_dist, the distributed optimizer: 3 steps, checkpoints at 2 and 3."""
     out = tmp_path_factory.mktemp("dist_save")
     save = str(out / "ckpt")
-    losses = _launch([*_args(t=2, d=2, extra=(*DIST, *ZERO)), "--save", save, "--save-interval", "2"], 8,
-                     str(out / "m.jsonl"))
+    losses = _launch([*_args(t=2, d=2, extra=(*DIST, *ZERO, "--async-save")), "--save", save, "--save-interval", "2"],
+                     8, str(out / "m.jsonl"))
     return save, losses
 
 
@@ -79,9 +81,16 @@ def test_files_every_rank_wrote_and_manifest(saved):
 
 
 def test_same_layout_resume_is_bitwise(saved, tmp_path):
+    """The saves above were asynchronous; this resume saves synchronously at its end: the same files."""
     src = _at_start(saved, tmp_path)
-    resumed = _launch([*_args(t=2, d=2, extra=(*DIST, *ZERO)), "--load", src], 8, str(tmp_path / "m.jsonl"))
+    again = str(tmp_path / "again")
+    resumed = _launch([*_args(t=2, d=2, extra=(*DIST, *ZERO)), "--load", src, "--save", again], 8,
+                      str(tmp_path / "m.jsonl"))
     assert sorted(resumed) == [START] and resumed[START] == saved[1][START], (resumed, saved[1])
+    a, b = (manifest.read_manifest(ck.iteration_dir(root, END))["files"] for root in (saved[0], again))
+    assert sorted(a) == sorted(b)
+    data = [n for n in a if n.endswith(".distcp")]
+    assert [a[n]["crc32"] for n in data] == [b[n]["crc32"] for n in data]  # bitwise the same state, both ways
 
 
 def _offline(src: str, dst: str, t: int, d: int, *flags: str) -> str:
@@ -152,3 +161,72 @@ def test_resharded_state_equals_offline_reshard(saved, tmp_path):
     offline = {(t, d): _offline(src, str(tmp_path / f"t{t}d{d}"), t, d) for t, d in {(t, d) for t, d, _, _ in TARGETS}}
     bad = [line for rank in run_workers(_state_case, 8, src, offline, timeout=600) for line in rank]
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------- one process: async saves, corruption
+ASYNC = (*DIST, "--async-save")
+
+
+def _one(args: list[str], metrics: str, env: dict | None = None):
+    from e2e import clean_env
+
+    cmd = [PY, os.path.join(REPO, "pretrain_gpt.py"), *args, "--metrics-file", metrics]
+    return run(cmd, env=clean_env(**(env or {})), timeout=300)
+
+
+@pytest.fixture(scope="module")
+@once
+def async_runs(tmp_path_factory):
+    """4 steps with asynchronous saves at 2 and 4, the process killed while the save of 4 is written;
+    then the same command again (it resumes from 2)."""
+    out = tmp_path_factory.mktemp("async")
+    save = str(out / "ckpt")
+    args = [*gpt_args(iters=4, extra=ASYNC), "--save", save, "--load", save, "--save-interval", "2"]
+    killed = _one(args, str(out / "killed.jsonl"), {SAVE_FAULT_ENV: "kill:4"})
+    state = {"tracker": ck.read_tracker(save), "names": sorted(os.listdir(save))}
+    again = _one(args, str(out / "again.jsonl"))
+    return {"save": save, "killed": killed, "state": state, "again": again,
+            "losses": (train_losses(read_metrics(str(out / "killed.jsonl"))),
+                       train_losses(read_metrics(str(out / "again.jsonl"))))}
+
+
+def test_killed_async_save_leaves_the_previous_checkpoint_the_newest(async_runs):
+    r = async_runs
+    assert r["killed"].returncode != 0 and "killing this process during the save of iteration 4" in r["killed"].stderr
+    assert r["state"]["tracker"] == 2, r["state"]  # the save of 4 never published
+    assert "iter_0000004" not in r["state"]["names"] and any(n.startswith("iter_0000004.tmp.") for n in r["state"]["names"])
+    assert r["again"].returncode == 0, r["again"].describe()
+    assert "removed stale temporary folder" in r["again"].stderr, r["again"].stderr
+    assert "resumed from iteration 2" in r["again"].stderr, [x for x in r["again"].stderr.splitlines() if "resum" in x or "start" in x]
+    killed, again = r["losses"]
+    assert sorted(killed) == [0, 1, 2, 3] and sorted(again) == [2, 3]
+    assert all(again[i] == killed[i] for i in again), (killed, again)  # same layout: bitwise
+    assert ck.read_tracker(r["save"]) == 4 and not [n for n in os.listdir(r["save"]) if ".tmp." in n]
+
+
+def test_failed_async_save_stops_the_run_in_one_line(tmp_path):
+    save = str(tmp_path / "ckpt")
+    res = _one([*gpt_args(iters=4, extra=ASYNC), "--save", save, "--save-interval", "2"], str(tmp_path / "m.jsonl"),
+               {SAVE_FAULT_ENV: "fail:2"})
+    assert res.returncode == 2, res.describe()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "asynchronous checkpoint save of iteration 2 failed" in errors[0], res.stderr
+    assert "No space left on device" in errors[0] and "Traceback" not in res.stderr, res.stderr
+    assert ck.read_tracker(save) is None and not os.path.exists(ck.iteration_dir(save, 2))
+
+
+@pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata"])
+def test_corrupted_shard_is_refused_in_one_line(async_runs, tmp_path, victim):
+    src = str(tmp_path / "ckpt")
+    shutil.copytree(async_runs["save"], src)
+    path = os.path.join(ck.iteration_dir(src, 4), victim)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    res = _one([*gpt_args(iters=6, extra=DIST), "--load", src], str(tmp_path / "m.jsonl"))
+    assert res.returncode == 2, res.describe()
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"checkpoint file {path} is corrupt" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr

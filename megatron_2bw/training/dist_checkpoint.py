@@ -63,6 +63,7 @@ from ..export.names import WORD
 from ..export.reshard import is_vocab, split_dim
 from ..pipeline.recompute import RNGSnapshot
 from ..pipeline.zero import ShardLayout
+from ..testing import faults
 from . import manifest
 from .supervision import os_error_line
 
@@ -329,6 +330,8 @@ def _config_error(e: BaseException) -> ConfigError:
         cause = cause[0] if isinstance(cause, tuple) else cause
     if isinstance(cause, ConfigError):
         return cause
+    if isinstance(cause, OSError):
+        return ConfigError(os_error_line(cause))
     return ConfigError(_first_line(cause))
 
 
@@ -374,11 +377,12 @@ def write_and_publish(root: str, iteration: int, chunks: list[_Chunk], objects: 
             mine.append(METADATA)
         ident = {"iteration": int(iteration), "rank": rank, "format": FORMAT}
         entries = dict(manifest.manifest_entry(tmp, os.path.join(tmp, n), ident) for n in sorted(mine))
+        faults.before_publish(iteration)
     except OSError as e:
         error, entries = ConfigError(os_error_line(e, tmp, "writing")), None
     except Exception as e:  # noqa: BLE001 - DCP's CheckpointException carries each rank's failure
         error, entries = _config_error(e), None
-    gathered = [entries]
+    gathered = [entries if error is None else str(error)]  # each rank's files, or its failure
     if group is not None:
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, entries if error is None else str(error), group=group)
