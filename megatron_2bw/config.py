@@ -149,6 +149,9 @@ P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
 COMPENSATIONS = ("none", "predict", "dc")  # 2BW stale-gradient compensation (pipeline/compensation.py)
 CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint.py)
+# elements per message when the distributed optimizer's state is gathered for a torch-format save: the
+# only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
+CKPT_GATHER_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,31 @@ def test_distributed_optimizer_gathers_into_host_memory_only():
     assert first["alloc"] <= gathered + 0.02 * first["state"], (first["alloc"], gathered, first["by_op"])
     assert "cat" not in first["by_op"] and first["by_op"].get("clone", 0) < 65536, first["by_op"]  # (RNG states)
     assert other["alloc"] < 0.02 * other["state"], other["by_op"]
+
+
+# ---- the planner's memory model counts a save ----------------------------------------------------
+def test_memory_model_counts_the_save_buffer_and_refuses_a_plan_it_does_not_fit():
+    """A save at a drained boundary: no activations, the distributed optimizer's gather buffer of
+    min(shard, CKPT_GATHER_CHUNK) fp32 elements on data-parallel rank 0; replicated: nothing."""
+    from dataclasses import replace
+
+    from megatron_2bw.config import CKPT_GATHER_CHUNK
+    from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
+    from megatron_2bw.planner.memory_model import Candidate, stage_memory
+
+    big = MicrobatchCosts(  # 2 layers of 2**25 params per stage (d = 2), activations of 1 KB
+        layer=BlockCost(1.0, 2.0, params=1 << 25, stash_bytes=1000, input_bytes=100, output_bytes=100),
+        embedding=BlockCost(0.0, 0.0, params=0, stash_bytes=0, input_bytes=0, output_bytes=100),
+        head=BlockCost(0.5, 1.0, params=0, stash_bytes=0, input_bytes=100, output_bytes=0),
+    )
+    base = Candidate(1, 2, 2, 1, 2, False, "2bw")
+    whole, zero = stage_memory(big, base, 4, 0), stage_memory(big, replace(base, distributed_optimizer=True), 4, 0)
+    assert whole.save == 0 and whole.total == whole.weights + whole.second_weights + whole.grads + whole.optimizer + \
+        whole.activations + whole.workspace
+    shard = -(-(2 << 25) // 2)
+    assert zero.save == 4 * min(shard, CKPT_GATHER_CHUNK) == 64 * 2**20  # bounded: 64 MiB, not the state
+    assert zero.save > zero.activations + zero.workspace  # here the save is the peak ...
+    static = zero.weights + zero.second_weights + zero.grads + zero.optimizer
+    assert zero.total == static + zero.save  # ... so a device of less than this refuses the plan
+    small = stage_memory(big, replace(base, distributed_optimizer=True, data_parallel=1), 4, 0)
+    assert small.save == 0  # w = 1: nothing to gather

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import CKPT_GATHER_CHUNK
+
 # the same collectives under their newer names where torch has them (the older ones warn there)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -102,7 +104,7 @@ def all_gather(padded: torch.Tensor, layout: ShardLayout, group) -> None:
     _all_gather(padded, layout.own(padded), group=group)
 
 
-GATHER_CHUNK = 1 << 24  # elements per message of :func:`gather_full` to one rank: 64 MiB of fp32
+GATHER_CHUNK = CKPT_GATHER_CHUNK  # elements per message of :func:`gather_full` to one rank: 64 MiB of fp32
 
 
 def gather_full(shard: torch.Tensor, layout: ShardLayout, group, everywhere: bool = True) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ run with one line and publishes nothing.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
 import os
@@ -224,6 +225,20 @@ def save_chunks(stage, cfg: ModelConfig) -> list[_Chunk]:
 
 
 # --------------------------------------------------------------------------- DCP planners
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU view) as a tensor whose storage is exactly its bytes, sharing them.
+
+    DCP's writer clones a tensor whose storage is larger than itself (so that ``torch.save`` does
+    not write the whole storage) and keeps every written tensor of a file until the file is done:
+    views of the flat buffers would cost a full copy of what the rank writes. A storage over the
+    view's own bytes costs nothing. (Device tensors are copied to the host by DCP, one at a time.)"""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes == 0 or t.untyped_storage().nbytes() == nbytes:
+        return t
+    raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    return torch.frombuffer(raw, dtype=t.dtype, count=t.numel()).view(t.shape)
+
+
 def _write_item(c: _Chunk) -> WriteItem:
     t = c.tensor
     return WriteItem(index=MetadataIndex(c.fqn, torch.Size(c.offsets)), type=WriteItemType.SHARD,
@@ -249,7 +264,7 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         if index.offset is None:
             return self._objects[index.fqn]
-        return self._chunks[(index.fqn, tuple(index.offset))].tensor
+        return _own_storage(self._chunks[(index.fqn, tuple(index.offset))].tensor)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
