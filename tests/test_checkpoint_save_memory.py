@@ -173,3 +173,19 @@ def test_memory_model_counts_the_save_buffer_and_refuses_a_plan_it_does_not_fit(
     assert zero.total == static + zero.save  # ... so a device of less than this refuses the plan
     small = stage_memory(big, replace(base, distributed_optimizer=True, data_parallel=1), 4, 0)
     assert small.save == 0  # w = 1: nothing to gather
+
+
+def test_checkpoint_format_flags_are_validated():
+    """``--ckpt-format`` takes Megatron's names; ``--async-save`` needs torch_dist and --save (one line each)."""
+    import pytest
+
+    from megatron_2bw.config import TrainingConfig
+    from megatron_2bw.errors import ConfigError
+
+    assert TrainingConfig(1, 1).ckpt_format == "torch"
+    TrainingConfig(1, 1, save="s", ckpt_format="torch_dist", async_save=True)
+    for kw, text in (({"ckpt_format": "zarr"}, "--ckpt-format must be one of torch, torch_dist"),
+                     ({"save": "s", "async_save": True}, "--async-save needs --ckpt-format torch_dist"),
+                     ({"ckpt_format": "torch_dist", "async_save": True}, "--async-save needs --save DIR")):
+        with pytest.raises(ConfigError, match=text):
+            TrainingConfig(1, 1, **kw)
