@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_runs import DATA, _ckpt_data, gpt_args, train  # noqa: F401
+from ckpt_runs import DATA, _ckpt_data, gpt_args, one_rank_run, train  # noqa: F401
 from e2e import PY, REPO, once, read_metrics, run, train_losses
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
@@ -230,3 +230,24 @@ def test_corrupted_shard_is_refused_in_one_line(async_runs, tmp_path, victim):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"checkpoint file {path} is corrupt" in errors[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_checkpoint_util_converts_torch_to_torch_dist_and_back(one_rank_run, tmp_path):  # noqa: F811
+    """torch -> torch_dist -> torch (t=2): every per-parameter tensor and scalar survives both ways."""
+    from megatron_2bw.export.trainer_reshard import read_dist_checkpoint, read_trainer_checkpoint
+
+    dist_dir = str(tmp_path / "dist")
+    res = run([PY, TOOL, "--load-dir", one_rank_run.save, "--save-dir", dist_dir, "--ckpt-format", "torch_dist"],
+              timeout=180)
+    assert res.returncode == 0, res.describe()
+    assert dc.is_dist_checkpoint(ck.iteration_dir(dist_dir, 4)) and ck.read_tracker(dist_dir) == 4
+    back = _offline(dist_dir, str(tmp_path / "back"), 2, 1)
+    src, mid, end = (read_trainer_checkpoint(one_rank_run.save), read_dist_checkpoint(dist_dir),
+                     read_trainer_checkpoint(back))
+    assert sorted(src.families) == sorted(mid.families) == sorted(end.families)
+    for fam, full in src.families.items():
+        assert all(torch.equal(full[n], mid.families[fam][n]) and torch.equal(full[n], end.families[fam][n])
+                   for n in full), fam
+    for key in ("step", "scaler"):
+        assert src.first["stage"][key] == mid.first["stage"][key] == end.first["stage"][key]
+    assert end.first["layout"]["t"] == 2
