@@ -164,10 +164,6 @@ class _Chunk:
     global_shape: tuple[int, ...]
     tensor: torch.Tensor  # a view of the live buffer (or of a host staging buffer)
 
-    @property
-    def key(self) -> str:
-        return f"{self.fqn}@{','.join(map(str, self.offsets))}"
-
 
 def _chunks(family: str, buf: torch.Tensor, base: int, lo: int, hi: int, params: list[_Param],
             writing: bool) -> list[_Chunk]:
