@@ -251,3 +251,16 @@ def test_checkpoint_util_converts_torch_to_torch_dist_and_back(one_rank_run, tmp
     for key in ("step", "scaler"):
         assert src.first["stage"][key] == mid.first["stage"][key] == end.first["stage"][key]
     assert end.first["layout"]["t"] == 2
+
+
+def test_schedule_change_on_load_equals_offline_conversion(async_runs, tmp_path):
+    """A 2BW torch_dist checkpoint resumed by Flush (the newest version kept) trains like the offline
+    ``checkpoint_util --target-schedule flush`` conversion resumed (one process each)."""
+    flags = ("--pipeline-schedule", "flush", "--override-resumed-settings")
+    online = _one([*gpt_args(iters=6, extra=flags), "--load", async_runs["save"]], str(tmp_path / "on.jsonl"))
+    assert online.returncode == 0, online.describe()
+    offline_dir = _offline(async_runs["save"], str(tmp_path / "flush"), 1, 1, "--target-schedule", "flush")
+    offline = _one([*gpt_args(iters=6, extra=flags), "--load", offline_dir], str(tmp_path / "off.jsonl"))
+    assert offline.returncode == 0, offline.describe()
+    a, b = (train_losses(read_metrics(str(tmp_path / f"{n}.jsonl"))) for n in ("on", "off"))
+    assert sorted(a) == sorted(b) == [4, 5] and all(abs(a[i] - b[i]) <= TOL for i in a), (a, b)
