@@ -209,7 +209,8 @@ def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRCo
 
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
     switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler",
-                                                                 "finetune", "no_load_optim", "no_load_rng", "skip_train")}
+                                                                 "finetune", "no_load_optim", "no_load_rng", "skip_train",
+                                                                 "async_save")}
     return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches,
                              "train_iters": train_iters_of(args.train_iters, args.train_samples, global_batch)})
 

@@ -148,6 +148,10 @@ class ParallelConfig:
 P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
 COMPENSATIONS = ("none", "predict", "dc")  # 2BW stale-gradient compensation (pipeline/compensation.py)
+CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint.py)
+# elements per message when the distributed optimizer's state is gathered for a torch-format save: the
+# only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
+CKPT_GATHER_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -360,6 +364,8 @@ class TrainingConfig:
     no_load_optim: bool = False  # resume weights and iteration with a fresh optimizer
     no_load_rng: bool = False  # keep this run's seeds instead of the checkpoint's RNG states
     skip_train: bool = False  # evaluate the loaded checkpoint and exit
+    ckpt_format: str = "torch"  # what --save writes: torch (Megatron v2 files) or torch_dist (DCP)
+    async_save: bool = False  # torch_dist: write in the background while training goes on
 
     def __post_init__(self) -> None:
         from .training.health import check_max_skipped_steps  # noqa: PLC0415 - torch-free modules
@@ -381,6 +387,10 @@ class TrainingConfig:
         _require(self.save_interval is None or self.save is not None, "--save-interval needs --save DIR")
         for name in ("finetune", "no_load_optim", "no_load_rng", "skip_train"):
             _require(not getattr(self, name) or self.load is not None, f"--{name.replace('_', '-')} needs --load DIR")
+        _require(self.ckpt_format in CKPT_FORMATS,
+                 f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, got {self.ckpt_format}")
+        _require(not self.async_save or self.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
+        _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
 
 
 @dataclass(frozen=True)

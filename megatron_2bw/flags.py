@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import COMPENSATIONS, DECAY_STYLES, P2P_MODES
+from .config import CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, P2P_MODES
 from .models.presets import GPT2_VOCAB, PRESETS
 from .models.stages import format_split, parse_split
 from .pipeline.schedules import SCHEDULE_NAMES
@@ -169,6 +169,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--override-resumed-settings", "training.override_resumed_settings", CKPT, const=True,
          help="resume although data or schedule settings differ from the checkpoint's (each change is logged)"),
     Flag("--save-interval", "training.save_interval", CKPT, int),
+    Flag("--ckpt-format", "training.ckpt_format", CKPT, default="torch", choices=CKPT_FORMATS,
+         help="torch: Megatron v2 files per (tensor, pipeline) rank; torch_dist: torch.distributed.checkpoint, "
+              "every rank writes its shards, resumes at any layout (loading reads either format)"),
+    Flag("--async-save", "training.async_save", CKPT, const=True,
+         help="torch_dist: copy the state to host memory at the boundary and write it while training goes on"),
     Flag("--finetune", "training.finetune", CKPT, const=True,
          help="load the weights of --load only: iteration 0, a fresh optimizer, this run's data and schedule"),
     Flag("--no-load-optim", "training.no_load_optim", CKPT, const=True,

@@ -13,6 +13,13 @@ versions equal (``--target-schedule``). A trainer checkpoint's optimizer state (
 SGD momentum, the fp32 master copy) and 2BW's older version are resharded with the weights, so
 the trainer resumes from the result at the new layout; ``--no-optimizer`` writes the weights only
 (a plain Megatron-LM checkpoint, for --finetune or other tools).
+
+Between the trainer's two formats: a ``--ckpt-format torch_dist`` source is read whole (its global
+tensors are the t = 1 model's) and written at the target layout in the torch format, or the other
+way with ``--ckpt-format torch_dist`` (no target sizes: any layout resumes from it)::
+
+    python tools/checkpoint_util.py --load-dir ckpt_dist --save-dir ckpt_t2 --target-tensor-parallel-size 2
+    python tools/checkpoint_util.py --load-dir ckpt --save-dir ckpt_dist --ckpt-format torch_dist
 """
 
 from __future__ import annotations
@@ -23,7 +30,11 @@ import sys
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
-from megatron_2bw.export.trainer_reshard import read_trainer_checkpoint, write_trainer_checkpoint
+from megatron_2bw.export.megatron_format import Exported, find_iteration_dir
+from megatron_2bw.export.trainer_reshard import (
+    read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
+)
+from megatron_2bw.training.dist_checkpoint import CKPT_FORMATS, is_dist_checkpoint
 from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
 
 
@@ -37,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-schedule", choices=SCHEDULE_NAMES, help="pipeline schedule the trainer resumes with")
     p.add_argument("--no-optimizer", action="store_true", help="convert the weights only")
+    p.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch",
+                   help="what a trainer checkpoint is written as (the trainer's --ckpt-format; the source's is read "
+                        "from its files): torch_dist holds no layout, so the target sizes do not apply")
     return p.parse_args(argv)
 
 
@@ -45,12 +59,25 @@ def run(argv: list[str]) -> str:
     t, d = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if t < 1 or d < 1:
         raise ConfigError(f"target sizes must be >= 1, got tensor {t} and pipeline {d}")
-    ex, has_optimizer = load_checkpoint(args.load_dir, args.loader or "auto")
+    dist_source = _is_dist(args.load_dir) and args.loader in (None, "megatron")
+    if dist_source:
+        ckpt = read_dist_checkpoint(args.load_dir)
+        ex, has_optimizer = Exported(ckpt.cfg, ckpt.families["model"], int(ckpt.first["iteration"])), True
+    else:
+        ex, has_optimizer = load_checkpoint(args.load_dir, args.loader or "auto")
+    if args.ckpt_format == "torch_dist" and (args.saver != "megatron" or args.no_optimizer or not has_optimizer):
+        raise ConfigError("--ckpt-format torch_dist writes a trainer checkpoint with its engine state: it needs a "
+                          "trainer checkpoint, --saver megatron and no --no-optimizer")
     if has_optimizer and not args.no_optimizer:
         if args.saver != "megatron":
             raise ConfigError(f"{args.load_dir} holds optimizer state, which a {args.saver} model cannot hold; pass "
                               "--no-optimizer to convert the weights only")
-        ckpt = read_trainer_checkpoint(args.load_dir)
+        ckpt = ckpt if dist_source else read_trainer_checkpoint(args.load_dir)
+        if args.ckpt_format == "torch_dist":
+            where = write_dist_checkpoint(args.save_dir, ckpt, schedule=args.target_schedule)
+            moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
+            return (f"wrote torch_dist trainer checkpoint at iteration {ex.iteration} to {where} (any layout) schedule "
+                    f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
         where = write_trainer_checkpoint(args.save_dir, ckpt, t=t, d=d, schedule=args.target_schedule)
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
         return (f"wrote trainer checkpoint at iteration {ex.iteration} to {where} t={t} d={d} schedule "
@@ -60,6 +87,14 @@ def run(argv: list[str]) -> str:
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
             f"at iteration {ex.iteration} to {where} as {args.saver}"
             + (f" t={t} d={d}" if args.saver == "megatron" else ""))
+
+
+def _is_dist(path: str) -> bool:
+    """Whether ``path`` (a root or an iteration dir) holds a torch_dist checkpoint."""
+    try:
+        return is_dist_checkpoint(path) or is_dist_checkpoint(find_iteration_dir(path))
+    except (ConfigError, OSError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

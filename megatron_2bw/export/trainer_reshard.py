@@ -116,3 +116,39 @@ def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: i
     with manifest.atomic_file(os.path.join(root, TRACKER), "w") as f:
         f.write(f"{it}\n")
     return idir
+
+
+# --------------------------------------------------------------------------- the torch_dist format
+def read_dist_checkpoint(path: str) -> TrainerCheckpoint:
+    """A torch_dist checkpoint (root or iteration dir) as a :class:`TrainerCheckpoint`: its global
+    tensors are already the full t = 1 families, its common state gives the (0, 0) file's keys."""
+    from ..training import dist_checkpoint as dc  # noqa: PLC0415
+
+    idir = path if dc.is_dist_checkpoint(path) else find_iteration_dir(path)
+    common, families = dc.read_whole(idir)
+    opt_keys = {f.split(".", 1)[1]: {} for f in families if f.startswith("optimizer.")}
+    first = {"args": common["args"], "config": common["config"], "data": common["data"],
+             "iteration": common["iteration"], "layout": {**common["layout"], "tp_rank": 0, "pp_rank": 0},
+             "stage": {"step": common["step"], "schedule": common["schedule"], "scaler": common["scaler"],
+                       "optimizer": {**opt_keys, **common["optimizer"]}}}
+    return TrainerCheckpoint(model_config(common["config"]), families, first)
+
+
+def write_dist_checkpoint(root: str, ckpt: TrainerCheckpoint, *, schedule: str | None) -> str:
+    """Write ``ckpt`` as a torch_dist checkpoint (layout-free: any t, d, w resumes from it)."""
+    from ..training import dist_checkpoint as dc  # noqa: PLC0415
+
+    first, st = ckpt.first, ckpt.first["stage"]
+    schedule = schedule or first["layout"]["schedule"]
+    families = {n: f for n, f in ckpt.families.items()
+                if n != "older" or get_schedule(schedule).weight_versions > 1}
+    args = copy.deepcopy(first["args"])
+    vars(args).update(pipeline_schedule=schedule)
+    config = copy.deepcopy(first["config"])
+    config.setdefault("pipeline", {}).update(schedule=schedule, layer_split=None)
+    common = {"format": dc.FORMAT, "iteration": int(first["iteration"]), "step": int(st["step"]), "schedule": schedule,
+              "layout": {"t": None, "d": None, "w": None, "schedule": schedule, "split": None,
+                         "distributed_optimizer": False},
+              "config": config, "args": args, "data": copy.deepcopy(first["data"]), "scaler": copy.deepcopy(st["scaler"]),
+              "optimizer": {k: copy.deepcopy(v) for k, v in st["optimizer"].items() if not isinstance(v, dict)}}
+    return dc.write_whole(root, int(first["iteration"]), common, families)

@@ -37,7 +37,7 @@ from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
 from .schedules import cut_segment, get_schedule, stage_actions
 from .transport import SEND_OPS, Transport
-from .updater import Updater
+from .updater import Updater, host
 from .weights import GlobalNames, StageWeights
 from .zero import ShardLayout
 
@@ -303,14 +303,17 @@ class PipelineStage:
         return self._means(total, num_microbatches)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, everywhere: bool = True) -> dict:
+    def state_dict(self, everywhere: bool = True, copy: bool = True) -> dict:
         """Both weight versions (2BW), the fp32 master, optimizer and scaler state, and the step, in the
-        unsharded layout (with the distributed optimizer a collective of the data-parallel group, whose
-        gathered tensors reach only data-parallel rank 0 when ``everywhere`` is False)."""
+        unsharded layout, on the CPU (with the distributed optimizer a collective of the data-parallel
+        group, whose gathered tensors reach only data-parallel rank 0 when ``everywhere`` is False).
+
+        ``copy`` True: a snapshot; False (a save, written before training goes on): CPU buffers
+        themselves, device buffers copied straight to the host, never cloned on the device."""
         w = self.weights
         self.reducer.wait_all()
         return {"step": self.step, "schedule": self.pipe.schedule, "names": w.names,
-                "versions": [f.clone() for f in w.flat], **self.updater.state_dict(everywhere)}
+                "versions": [host(f, copy) for f in w.flat], **self.updater.state_dict(everywhere, copy)}
 
     def load_state_dict(self, sd: dict) -> None:
         w = self.weights

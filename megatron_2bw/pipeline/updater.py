@@ -41,6 +41,12 @@ from .weights import StageWeights
 from .zero import gather_full
 
 
+def host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """``t`` in host memory without a device-side copy: copied straight to the CPU, or (``copy`` False)
+    ``t`` itself when it is there already."""
+    return t.to("cpu", copy=copy)
+
+
 @dataclass(frozen=True)
 class Update:
     """What APPLY_UPDATE(t) did."""
@@ -162,19 +168,23 @@ class Updater:
         """Bytes of the fp32 master copy (this rank's shard with the distributed optimizer)."""
         return self.master.numel() * self.master.element_size() if self.master is not None else 0
 
-    def _full(self, t: torch.Tensor, everywhere: bool) -> torch.Tensor | None:
-        """A whole-buffer copy of ``t``: gathered from every rank's shard (a collective) when sharded."""
-        return t.clone() if self.shard is None else gather_full(t, self.shard, self.reducer.dp_group, everywhere)
+    def _full(self, t: torch.Tensor, everywhere: bool, copy: bool) -> torch.Tensor | None:
+        """The whole-buffer ``t`` in host memory: gathered from every rank's shard (a collective) when
+        sharded; otherwise a host copy, or (``copy`` False) ``t`` itself when it is on the CPU already."""
+        return host(t, copy) if self.shard is None else gather_full(t, self.shard, self.reducer.dp_group, everywhere)
 
-    def state_dict(self, everywhere: bool = True) -> dict:
-        """Copies of the master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``), in
+    def state_dict(self, everywhere: bool = True, copy: bool = True) -> dict:
+        """The master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``) on the CPU, in
         the unsharded layout; with the distributed optimizer every data-parallel rank must call it, and
-        with ``everywhere`` False only data-parallel rank 0 receives the gathered tensors (None elsewhere)."""
+        with ``everywhere`` False only data-parallel rank 0 receives the gathered tensors (None elsewhere).
+
+        ``copy`` True: a snapshot. ``copy`` False (a save that writes before training goes on): the live
+        tensors where they are on the CPU already. Never a copy on the device (gpu-review C4)."""
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
         return {
-            "master": self._full(self.master, everywhere) if self.master is not None else None,
-            "optimizer": {k: (self._full(v, everywhere) if isinstance(v, torch.Tensor) else v)
+            "master": self._full(self.master, everywhere, copy) if self.master is not None else None,
+            "optimizer": {k: (self._full(v, everywhere, copy) if isinstance(v, torch.Tensor) else v)
                           for k, v in self.optimizer.state_dict().items()},
             "scaler": self.scaler.state_dict(),
         }

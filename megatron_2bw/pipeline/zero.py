@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import CKPT_GATHER_CHUNK
+
 # the same collectives under their newer names where torch has them (the older ones warn there)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -102,13 +104,38 @@ def all_gather(padded: torch.Tensor, layout: ShardLayout, group) -> None:
     _all_gather(padded, layout.own(padded), group=group)
 
 
+GATHER_CHUNK = CKPT_GATHER_CHUNK  # elements per message of :func:`gather_full` to one rank: 64 MiB of fp32
+
+
 def gather_full(shard: torch.Tensor, layout: ShardLayout, group, everywhere: bool = True) -> torch.Tensor | None:
     """The whole-buffer tensor (``numel`` elements, on the CPU) whose shards the ranks of ``group`` hold:
-    on every rank, or (``everywhere`` False) on the group's first rank only (None on the others)."""
+    on every rank, or (``everywhere`` False) on the group's first rank only (None on the others).
+
+    ``everywhere`` False (checkpoint saves) assembles the result in host memory: each rank's shard
+    travels in pieces of at most :data:`GATHER_CHUNK` elements through one reused buffer on the
+    shard's device (none on the CPU, where a piece lands in the result directly), so the first rank's
+    device holds no copy of the whole state (gpu-review C4)."""
     if everywhere:
         out = shard.new_empty(layout.w * layout.size)
         _all_gather(out, shard.contiguous(), group=group)
         return out[:layout.numel].cpu()
-    parts = [torch.empty_like(shard) for _ in range(layout.w)] if layout.rank == 0 else None
-    dist.gather(shard.contiguous(), parts, dst=dist.get_global_rank(group, 0), group=group)
-    return torch.cat([p.cpu() for p in parts])[:layout.numel] if parts is not None else None
+    s, first = layout.size, dist.get_global_rank(group, 0)
+    pieces = [(a, min(a + GATHER_CHUNK, s)) for a in range(0, s, GATHER_CHUNK)]
+    if layout.rank != 0:
+        for a, b in pieces:
+            dist.send(shard[a:b].contiguous(), dst=first, group=group)
+        return None
+    out = torch.empty(layout.w * s, dtype=shard.dtype, device="cpu")
+    out[:s].copy_(shard)
+    on_cpu = shard.device.type == "cpu"
+    buf = None if on_cpu else torch.empty(min(GATHER_CHUNK, s), dtype=shard.dtype, device=shard.device)
+    for r in range(1, layout.w):
+        src = dist.get_global_rank(group, r)
+        for a, b in pieces:
+            dst = out[r * s + a:r * s + b]
+            if on_cpu:
+                dist.recv(dst, src=src, group=group)
+            else:
+                dist.recv(buf[:b - a], src=src, group=group)
+                dst.copy_(buf[:b - a])
+    return out[:layout.numel]

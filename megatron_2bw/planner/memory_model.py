@@ -36,12 +36,18 @@ What real runs also pay, and the paper's formula leaves out:
 - The head's logits: the fp32 softmax of every microbatch in flight on the last stage, and the
   fp16 logits plus their fp32 copy while the cross-entropy runs (``workspace``).
 - The transient working memory of the block running (the gradients of its activations).
+- A checkpoint save, at a drained boundary (no activations held): it copies nothing of the state on
+  the device (gpu-review C4), except that with the distributed optimizer the torch format gathers
+  the fp32 state to data-parallel rank 0 through one device buffer of at most
+  ``CKPT_GATHER_CHUNK`` fp32 elements (``save``). The peak is the larger of the activations plus
+  workspace and the save's buffer, so a plan whose save would not fit is refused like any other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import CKPT_GATHER_CHUNK
 from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
@@ -132,6 +138,7 @@ class StageMemory:
     optimizer_state: int
     activations: int
     workspace: int
+    save: int = 0  # device bytes a checkpoint save allocates (at a drained boundary: no activations then)
 
     @property
     def optimizer(self) -> int:
@@ -140,7 +147,14 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.second_weights + self.grads + self.optimizer + self.activations + self.workspace
+        static = self.weights + self.second_weights + self.grads + self.optimizer
+        return static + max(self.activations + self.workspace, self.save)
+
+
+def save_bytes(shard: int, cand: "Candidate") -> int:
+    """Device bytes of a save: the distributed optimizer's gather buffer (fp32, at most
+    ``CKPT_GATHER_CHUNK`` elements) on data-parallel rank 0; nothing otherwise."""
+    return 4 * min(shard, CKPT_GATHER_CHUNK) if cand.distributed_optimizer and cand.data_parallel > 1 else 0
 
 
 def weight_versions(schedule: str) -> int:
@@ -273,6 +287,7 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         optimizer_state=shard * param_bytes.optimizer_state,
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
+        save=save_bytes(shard, cand),
     )
 
 

@@ -66,3 +66,26 @@ class FaultInjector:
             print(f"error: rank {rank}: fault injection (kill rank {rank} at iteration {self.kill_iteration}): "
                   f"exiting at iteration {step}", file=sys.stderr, flush=True)
             os._exit(1)
+
+
+# "kill:N" / "fail:N": the torch_dist save of iteration N, after its files are written and before it
+# is published, ends the process (os._exit(1), as a crash) or fails with ENOSPC (as a full disk)
+SAVE_FAULT_ENV = "MEGATRON_2BW_FAULT_SAVE"
+
+
+def before_publish(iteration: int, environ: Mapping[str, str] = os.environ) -> None:
+    """The save fault ``$MEGATRON_2BW_FAULT_SAVE`` names for ``iteration``, if any (tests)."""
+    spec = environ.get(SAVE_FAULT_ENV)
+    if not spec:
+        return
+    what, _, it = spec.partition(":")
+    if int(it) != iteration:
+        return
+    if what == "kill":
+        print(f"fault injection: killing this process during the save of iteration {iteration}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+    if what == "fail":
+        import errno  # noqa: PLC0415
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -291,15 +291,16 @@ def write_tracker(root: str, iteration: int) -> None:
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
             config: dict, args: dict) -> dict | None:
     """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
-    the others, after their part of gathering a sharded optimizer state. Tensors are views of one copy
-    of the engine state."""
+    the others, after their part of gathering a sharded optimizer state. Tensors are views of the live
+    CPU buffers, or of one host copy of device buffers (nothing is copied on the device); the file must
+    be written before training goes on."""
     state, w = stage.state, stage.weights
     if state.dp_rank != 0:
         if stage.updater.shard is not None:
-            stage.updater.state_dict(everywhere=False)  # the gather to data-parallel rank 0 is a collective
+            stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
         return None
     model = model_config(config)
-    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False), w.state_views, w.numel, w.slot(stage.step))
+    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False), w.state_views, w.numel, w.slot(stage.step))
     schedule = stage.pipe.schedule
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None
@@ -382,6 +383,11 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     scaler, the fp32 master copied from the newest weights. ``finetune``: the newest weights only,
     in every version, at step 0 (``--finetune``; implies no optimizer and no RNG state).
     """
+    if sd.get("format") == "torch_dist":  # --ckpt-format torch_dist (read by dist_checkpoint.read_checkpoint)
+        from . import dist_checkpoint  # noqa: PLC0415
+
+        return dist_checkpoint.restore(sd, stage, tracker, device, load_optim=load_optim, load_rng=load_rng,
+                                       finetune=finetune)
     if sd.get("format") == MEGATRON_WEIGHTS and not finetune:
         raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
     esd = _engine_dict(sd, stage)

@@ -79,6 +79,10 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
         if rank == 0:
             for path in clean_stale_temporaries(tc.save):
                 log.info(" removed stale temporary %s (left by a save that was killed)", path)
+            from .dist_checkpoint import clean_stale_temporaries as clean_stale_folders
+
+            for path in clean_stale_folders(tc.save):
+                log.info(" removed stale temporary folder %s (left by a torch_dist save that was killed)", path)
     if tc.load:
         check_load_path(tc.load)
         _find_resume(prep)
@@ -102,7 +106,7 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
 def _find_resume(prep: Prepared) -> None:
     """Read this rank's file of the checkpoint ``--load`` names (if any) and check it fits this run."""
     from ..parallel_state import coords_of
-    from . import checkpointing
+    from . import checkpointing, dist_checkpoint
 
     cfg, tc = prep.cfg, prep.cfg.training
     it = checkpointing.find_checkpoint(tc.load, tc.save)
@@ -111,9 +115,15 @@ def _find_resume(prep: Prepared) -> None:
         return
     t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
     tp, _, pp = coords_of(prep.rank, t, w)
-    sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
-    checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer),
-                                   weights_only=tc.finetune or tc.no_load_optim, split=cfg.pipeline.layer_split)
+    if dist_checkpoint.is_dist_checkpoint(checkpointing.iteration_dir(tc.load, it)):  # torch_dist: any layout
+        sd = dist_checkpoint.read_checkpoint(tc.load, it, prep.rank, cfg.parallel.world_size,
+                                             (t, d, w, cfg.pipeline.layer_split))
+        dist_checkpoint.check_compatible(sd, asdict(cfg.model), asdict(cfg.optimizer),
+                                         weights_only=tc.finetune or tc.no_load_optim)
+    else:
+        sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
+        checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer),
+                                       weights_only=tc.finetune or tc.no_load_optim, split=cfg.pipeline.layer_split)
     if tc.finetune:  # the weights only: a new run from iteration 0 on this run's data and settings
         log.info(" --finetune: starting from the weights of %s at iteration %d", tc.load, it)
         prep.checkpoint = sd

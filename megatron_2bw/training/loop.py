@@ -52,7 +52,7 @@ from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
-from . import checkpointing, health, signals, supervision, watchdog
+from . import checkpointing, dist_checkpoint, health, signals, supervision, watchdog
 from .data_iter import MicrobatchProvider
 from .flops import counts_recompute, tflops_per_device
 from .log_format import (
@@ -136,6 +136,7 @@ class Trainer:
         self.window: list[dict] = []  # train records since the last log line
         self.stages_seen: list[dict] = []  # every stage's statistics at the newest recorded step
         self.last_saved: int | None = None
+        self.async_writer = dist_checkpoint.AsyncWriter() if tc.async_save else None  # --async-save
         self.last_eval: int | None = None
         self.drains = 0  # training segments run: each ends with the pipeline drained
         self.step_stats = StepReducer(state, self.loss_keys)  # every rank, same point: it may create a group
@@ -219,8 +220,21 @@ class Trainer:
             )
 
         with self._paused():
-            path = checkpointing.save(tc.save, completed, s, make_payload)
+            if tc.ckpt_format == dist_checkpoint.FORMAT:
+                common = dist_checkpoint.common_state(
+                    self.stage, iteration=completed, config=describe(self.cfg),
+                    args=dist_checkpoint.megatron_namespace(self.stage, self.cfg, megatron_args(self.cfg), completed),
+                    consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B)
+                path = dist_checkpoint.save(tc.save, completed, self.stage, self.tracker, common, self.async_writer)
+            else:
+                path = checkpointing.save(tc.save, completed, s, make_payload)
         dt = time.perf_counter() - t0
+        if self.async_writer is not None:
+            self.last_saved = completed
+            if self.metrics is not None:
+                log.info(" started the asynchronous save of iteration %d to %s (%.2f s to copy the state)",
+                         completed, path, dt)
+            return
         self.last_saved = completed
         if self.metrics is not None:
             log.info(saved_checkpoint_line(completed, path, dt))
@@ -292,8 +306,21 @@ class Trainer:
         self._close(done, reason)
         return 0
 
+    def _async_saved(self) -> None:
+        """Rank 0: the line and record of each asynchronous save published since the last look."""
+        writer = self.async_writer
+        while writer is not None and writer.done:
+            it, path, dt = writer.done.pop(0)
+            if self.metrics is not None:
+                log.info(saved_checkpoint_line(it, path, dt))
+                self.metrics.write({"type": "checkpoint", "iteration": it - 1, "completed_iterations": it,
+                                    "path": path, "seconds": dt, "time": time.time(), "asynchronous": True})
+
     def _close(self, done: int, reason: str) -> None:
-        """Rank 0: the metrics file's ``end`` record, then close every writer."""
+        """Rank 0: the metrics file's ``end`` record, then close every writer (after an asynchronous save)."""
+        if self.async_writer is not None:
+            self.async_writer.wait()
+            self._async_saved()
         if self.metrics is not None:
             self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
                                 "pipeline_drains": self.drains,
@@ -353,6 +380,9 @@ class Trainer:
             self.last_eval = end
             stats = self.evaluate_and_allreduce(self.prep.valid_ds, end // tc.eval_interval - 1)
             self._record_eval(end, "valid", stats.extra)
+        if self.async_writer is not None:  # a failed background write stops the run here
+            self.async_writer.check()
+            self._async_saved()
         if tc.save and (_at_interval(end, tc.save_interval) or exiting):
             self.save(end)
         return end, exiting

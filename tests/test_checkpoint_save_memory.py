@@ -1,0 +1,191 @@
+"""A checkpoint save copies no engine state on the stage's device (gpu-review C4, issue 21 item 4).
+
+The bytes a save allocates are counted by a dispatch mode that sees every aten op: each output
+tensor whose storage is new (not an alias of an input) is an allocation. On the CPU, where the
+stage's device is the host, a save of the replicated state must allocate (almost) nothing, since
+the payload is views of the live buffers; with the distributed optimizer, data-parallel rank 0 may
+allocate the host tensors it gathers the fp32 state into and nothing more (no device-sized
+``w``-fold receive buffers, no concatenation). Before the fix a save allocated 14-16 B/parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.export.names import WORD
+from megatron_2bw.models.presets import get_preset
+from megatron_2bw.models.spec import ModelSpec
+from megatron_2bw.parallel_state import ParallelState, build_state
+from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.weights import GlobalNames
+from megatron_2bw.pipeline.zero import ShardLayout, gather_full
+from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.tensor_parallel.random import RNGTracker
+from megatron_2bw.training import checkpointing as ck
+from multiproc import run_workers
+
+CPU = torch.device("cpu")
+
+
+class Allocations(TorchDispatchMode):
+    """Bytes of every new storage an aten op returns, by op name (views and in-place results excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                name = str(func.overloadpacket.__name__)
+                self.by_op[name] = self.by_op.get(name, 0) + t.untyped_storage().nbytes()
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+
+def _stage(state: ParallelState, dtype: str = "bf16", zero: bool = False) -> PipelineStage:
+    cfg = get_preset("gpt-tiny")
+    tracker = RNGTracker(7, 0)
+    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    stage = PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
+                          PipelineConfig("2bw", 1, 2), OptimizerConfig("adam", lr=1e-2, dtype=dtype, use_distributed_optimizer=zero),
+                          (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD))
+    data = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    stage.train(2, lambda mb: spec.make_batch(data[mb % 8:mb % 8 + 1]), lambda t: 1e-2)
+    stage.spec = spec
+    return stage
+
+
+def _payload(stage: PipelineStage) -> dict | None:
+    cfg = {"model": stage.spec.cfg.__dict__, "optimizer": stage.opt.__dict__, "pipeline": {"layer_split": None}}
+    return ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=8, global_batch=4, config=cfg,
+                      args={"micro_batch_size": 1})
+
+
+def _state_bytes(stage: PipelineStage) -> int:
+    u = stage.updater
+    return stage.weights.weight_bytes + u.master_bytes + u.state_bytes
+
+
+def test_a_save_allocates_no_copy_of_the_replicated_state():
+    stage = _stage(ParallelState.single())
+    with Allocations() as alloc:
+        sd = _payload(stage)
+    state = _state_bytes(stage)
+    assert state > 500_000
+    # before C4's fix: 16 B/param for 2BW bf16 (both versions, master, Adam moments cloned)
+    assert alloc.total < 0.02 * state, (alloc.total, state, alloc.by_op)
+    # the payload holds the live values, which the file then carries (CPU results identical)
+    w, u = stage.weights, stage.updater
+    named = sd["stage"]
+    for name, view in w.state_views(u.master).items():
+        assert named["master"][name].data_ptr() == view.data_ptr()
+    newest = w.state_views(w.flat[w.slot(stage.step)])
+    older = w.state_views(w.flat[w.slot(stage.step - 1)])
+    assert all(torch.equal(named["older"][n], older[n]) for n in older)
+    assert all(torch.equal(named["optimizer"]["exp_avg"][n], v) for n, v in w.state_views(u.optimizer.exp_avg).items())
+    assert any(not torch.equal(newest[n], older[n]) for n in newest)
+
+
+def test_a_snapshot_state_dict_still_copies():
+    """``state_dict()`` (copy=True: reload in tests, the harness) keeps snapshot semantics."""
+    stage = _stage(ParallelState.single(), dtype="fp32")
+    sd = stage.state_dict()
+    assert all(v.data_ptr() != f.data_ptr() for v, f in zip(sd["versions"], stage.weights.flat))
+    assert sd["optimizer"]["exp_avg"].data_ptr() != stage.updater.optimizer.exp_avg.data_ptr()
+
+
+def _zero_case() -> dict:
+    rank, w = dist.get_rank(), dist.get_world_size()
+    state = build_state(1, 1, w, CPU)
+    stage = _stage(state, zero=True)
+    assert stage.updater.shard is not None
+    reference = stage.updater.state_dict(everywhere=True)  # the all-gathered state, on every rank
+    with Allocations() as alloc:
+        sd = _payload(stage)
+    out = {"rank": rank, "alloc": alloc.total, "by_op": alloc.by_op, "numel": stage.weights.numel,
+           "state": _state_bytes(stage)}
+    if sd is not None:
+        w_ = stage.weights
+        flat = lambda named: torch.cat([named[n].reshape(-1) for n in w_.global_names])  # noqa: E731
+        st = sd["stage"]
+        out["equal"] = (torch.equal(flat(st["master"]), reference["master"])
+                        and all(torch.equal(flat(st["optimizer"][k]), reference["optimizer"][k])
+                                for k in ("exp_avg", "exp_avg_sq")))
+    # a gather in pieces smaller than a shard (several messages per rank) assembles the same tensor
+    import megatron_2bw.pipeline.zero as zero
+
+    zero.GATHER_CHUNK, chunk = 1000, zero.GATHER_CHUNK
+    try:
+        shard = stage.updater.optimizer.exp_avg_sq
+        small = gather_full(shard, ShardLayout(stage.weights.numel, w, state.dp_rank), state.dp_group, everywhere=False)
+    finally:
+        zero.GATHER_CHUNK = chunk
+    if small is not None:
+        out["chunked_equal"] = torch.equal(small, reference["optimizer"]["exp_avg_sq"])
+    return out
+
+
+def test_distributed_optimizer_gathers_into_host_memory_only():
+    runs = run_workers(_zero_case, 2, timeout=300)
+    first, other = runs
+    n = first["numel"]
+    gathered = 3 * 4 * n  # fp32 master + two Adam moments, whole, on data-parallel rank 0's host
+    assert first["equal"] and first["chunked_equal"]
+    # before the fix: w shard-sized receive buffers per state, a concatenation, clones of both versions
+    assert first["alloc"] <= gathered + 0.02 * first["state"], (first["alloc"], gathered, first["by_op"])
+    assert "cat" not in first["by_op"] and first["by_op"].get("clone", 0) < 65536, first["by_op"]  # (RNG states)
+    assert other["alloc"] < 0.02 * other["state"], other["by_op"]
+
+
+# ---- the planner's memory model counts a save ----------------------------------------------------
+def test_memory_model_counts_the_save_buffer_and_refuses_a_plan_it_does_not_fit():
+    """A save at a drained boundary: no activations, the distributed optimizer's gather buffer of
+    min(shard, CKPT_GATHER_CHUNK) fp32 elements on data-parallel rank 0; replicated: nothing."""
+    from dataclasses import replace
+
+    from megatron_2bw.config import CKPT_GATHER_CHUNK
+    from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
+    from megatron_2bw.planner.memory_model import Candidate, stage_memory
+
+    big = MicrobatchCosts(  # 2 layers of 2**25 params per stage (d = 2), activations of 1 KB
+        layer=BlockCost(1.0, 2.0, params=1 << 25, stash_bytes=1000, input_bytes=100, output_bytes=100),
+        embedding=BlockCost(0.0, 0.0, params=0, stash_bytes=0, input_bytes=0, output_bytes=100),
+        head=BlockCost(0.5, 1.0, params=0, stash_bytes=0, input_bytes=100, output_bytes=0),
+    )
+    base = Candidate(1, 2, 2, 1, 2, False, "2bw")
+    whole, zero = stage_memory(big, base, 4, 0), stage_memory(big, replace(base, distributed_optimizer=True), 4, 0)
+    assert whole.save == 0 and whole.total == whole.weights + whole.second_weights + whole.grads + whole.optimizer + \
+        whole.activations + whole.workspace
+    shard = -(-(2 << 25) // 2)
+    assert zero.save == 4 * min(shard, CKPT_GATHER_CHUNK) == 64 * 2**20  # bounded: 64 MiB, not the state
+    assert zero.save > zero.activations + zero.workspace  # here the save is the peak ...
+    static = zero.weights + zero.second_weights + zero.grads + zero.optimizer
+    assert zero.total == static + zero.save  # ... so a device of less than this refuses the plan
+    small = stage_memory(big, replace(base, distributed_optimizer=True, data_parallel=1), 4, 0)
+    assert small.save == 0  # w = 1: nothing to gather
+
+
+def test_checkpoint_format_flags_are_validated():
+    """``--ckpt-format`` takes Megatron's names; ``--async-save`` needs torch_dist and --save (one line each)."""
+    import pytest
+
+    from megatron_2bw.config import TrainingConfig
+    from megatron_2bw.errors import ConfigError
+
+    assert TrainingConfig(1, 1).ckpt_format == "torch"
+    TrainingConfig(1, 1, save="s", ckpt_format="torch_dist", async_save=True)
+    for kw, text in (({"ckpt_format": "zarr"}, "--ckpt-format must be one of torch, torch_dist"),
+                     ({"save": "s", "async_save": True}, "--async-save needs --ckpt-format torch_dist"),
+                     ({"ckpt_format": "torch_dist", "async_save": True}, "--async-save needs --save DIR")):
+        with pytest.raises(ConfigError, match=text):
+            TrainingConfig(1, 1, **kw)
