@@ -1,4 +1,4 @@
-"""Input embeddings and the tied output projection shared by GPT and BERT."""
+"""Input embeddings, and the output projection: tied to the word embedding (GPT-2, BERT) or its own (Llama)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..tensor_parallel.layers import VocabParallelEmbedding
 from ..tensor_parallel.mappings import copy_to_tp
 
 WORD_EMBEDDING = "embedding.word"
+OUTPUT_LAYER = "head.output_layer"
 
 
 def word_embedding(cfg: ModelConfig, tp: TPGroup, seed: int) -> VocabParallelEmbedding:
@@ -26,7 +27,7 @@ def word_embedding(cfg: ModelConfig, tp: TPGroup, seed: int) -> VocabParallelEmb
         cfg.vocab_size, cfg.padded_vocab_size(tp.size), cfg.hidden_size, tp,
         seed=seed, name=WORD_EMBEDDING, std=cfg.init_method_std,
     )
-    emb.weight.shared_embedding = True
+    emb.weight.shared_embedding = cfg.tied_output  # untied: the last stage has its own output layer
     return emb
 
 
@@ -36,8 +37,10 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int):
         super().__init__()
         self.word = word_embedding(cfg, tp, seed)
-        self.position = nn.Parameter(
-            normal_full((cfg.max_position_embeddings, cfg.hidden_size), cfg.init_method_std, seed, "embedding.position")
+        self.position = (  # None with RoPE: positions enter each attention layer's q and k instead
+            nn.Parameter(normal_full((cfg.max_position_embeddings, cfg.hidden_size), cfg.init_method_std, seed,
+                                     "embedding.position"))
+            if cfg.position_embedding_type == "learned_absolute" else None
         )
         self.tokentype = (
             nn.Parameter(normal_full((cfg.num_tokentypes, cfg.hidden_size), cfg.init_method_std, seed, "embedding.tokentype"))
@@ -47,7 +50,9 @@ class Embedding(nn.Module):
 
     def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         tokens = batch["tokens"]
-        h = self.word(tokens) + self.position[: tokens.shape[1]]
+        h = self.word(tokens)
+        if self.position is not None:
+            h = h + self.position[: tokens.shape[1]]
         if self.tokentype is not None:
             h = h + F.embedding(batch["token_types"], self.tokentype)
         return F.dropout(h, self.dropout, self.training)
@@ -56,3 +61,20 @@ class Embedding(nn.Module):
 def tied_logits(x: torch.Tensor, word_weight: torch.Tensor, tp: TPGroup, bias: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's slice of the output logits, ``[..., padded_vocab / t]``, from the tied weight."""
     return F.linear(copy_to_tp(x, tp), word_weight, bias)
+
+
+class OutputLayer(nn.Module):
+    """The untied output layer (``--untie-embeddings-and-output-weights``): a vocab-parallel weight of
+    its own on the last stage, shaped like the word embedding (padded rows zero) but never all-reduced
+    with it (Megatron-Core's ``output_layer``)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int):
+        super().__init__()
+        self.tp = tp
+        self.weight = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.padded_vocab_size(tp.size), cfg.hidden_size, tp,
+            seed=seed, name=OUTPUT_LAYER, std=cfg.init_method_std,
+        ).weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tied_logits(x, self.weight, self.tp)

@@ -41,6 +41,11 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's outputs from an input already through ``copy_to_tp`` (linears sharing one input,
+        e.g. SwiGLU's gate and up: one backward all-reduce for both instead of one each)."""
+        return F.linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split by input columns; partial sums all-reduced, bias added once."""
