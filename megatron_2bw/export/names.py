@@ -72,6 +72,18 @@ EMBEDDING_PATHS = {
 }
 # A last stage that is not also the first keeps its own copy of the tied word embedding here.
 HEAD_WORD_PATH = ("word_embeddings_for_head", "weight")
+# The untied output layer (Megatron-LM's TransformerLanguageModel.output_layer, on the last stage).
+OUTPUT_PATH = ("language_model", "output_layer", "weight")
+
+
+def swiglu_part(name: str) -> int | None:
+    """0 for SwiGLU's gate, 1 for its up projection (the halves of Megatron's fused ``dense_h_to_4h``
+    rows on each tensor rank: ``torch.chunk(fc1(x), 2, -1)`` gives gate, up); None otherwise."""
+    rest = name.split(".", 1)[1] if "." in name else name
+    for i, m in enumerate(SWIGLU_MODULES):
+        if rest.startswith(m + "."):
+            return i
+    return None
 
 
 def head_index(cfg: ModelConfig) -> int:
@@ -118,7 +130,10 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
     if 1 <= idx <= cfg.num_layers:
         module, param = rest.rsplit(".", 1)
         local = idx - max(start, 1)
+        module = "mlp.fc1" if module in SWIGLU_MODULES else module  # one fused tensor (fused_swiglu_parts)
         return ("language_model", "encoder", f"layers.{local}.{LAYER_MODULES[module]}.{param}")
+    if idx == h and rest == OUTPUT:
+        return OUTPUT_PATH
     if idx == h and rest.startswith("ln."):
         return ("language_model", "encoder", f"final_layernorm.{rest[3:]}")
     if idx == h and cfg.kind == "bert" and rest in BERT_HEAD:
@@ -127,5 +142,6 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
 
 
 def names_by_path(cfg: ModelConfig, d: int = 1, r: int = 0, split: Split = None) -> dict[tuple[str, ...], str]:
-    """Inverse of :func:`megatron_path` over the names stage ``r`` of ``d`` holds."""
+    """Inverse of :func:`megatron_path` over the names stage ``r`` of ``d`` holds (for SwiGLU's fused
+    ``dense_h_to_4h`` the up projection's name; see :func:`swiglu_part`)."""
     return {megatron_path(cfg, n, d, r, split): n for n in stage_names(cfg, d, r, split)}
