@@ -108,3 +108,45 @@ def test_saver_hf_refuses_what_llama_cannot_hold(tmp_path, capsys):
     cfg = get_preset("gpt-tiny", swiglu=True, ffn_hidden_size=128)  # SwiGLU with LayerNorm and learned positions
     with pytest.raises(ConfigError, match="mixes them"):
         hf_model(Exported(cfg, global_state_dict(build_full_model(cfg))))
+
+
+def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
+    """pretrain_gpt.py trains llama-tiny at t = 2, d = 2 (2BW), checkpoint_util writes LlamaForCausalLM, and
+    tools/generate.py prints the same greedy text from the trainer checkpoint and from the HF directory,
+    which is transformers' own greedy continuation."""
+    from e2e import PY, REPO, run, shared_corpus, torchrun
+    from transformers import LlamaForCausalLM
+
+    from megatron_2bw.data.tokenizers import build_tokenizer
+
+    corpus = shared_corpus(tmp_path_factory)
+    out = tmp_path_factory.mktemp("llama_trainer")
+    save, hf_dir = str(out / "ckpt"), str(out / "hf")
+    res = torchrun("pretrain_gpt.py", [
+        "--model-preset", "llama-tiny", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--pipeline-schedule", "2bw", *corpus.data_args("98,1,1"), "--train-iters", "3", "--global-batch-size", "4",
+        "--micro-batch-size", "1", "--lr", "1e-2", "--eval-iters", "0", "--device", "cpu", "--save", save], nproc=4)
+    assert res.returncode == 0, res.describe()
+    tool = os.path.join(REPO, "tools", "checkpoint_util.py")
+    res = run([PY, tool, "--load-dir", save, "--save-dir", hf_dir, "--saver", "hf", "--no-optimizer"])
+    assert res.returncode == 0, res.describe()
+    hf = LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    ex, _ = load_checkpoint(save)
+    assert ex.iteration == 3 and not ex.cfg.tied_output and ex.cfg.query_groups == 2
+    model = load_full(build_full_model(ex.cfg), ex.cfg, ex.weights).eval()
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert max_err(hf(tokens).logits, gpt_logits(model, tokens, ex.cfg.vocab_size)) < 1e-5
+    tok = build_tokenizer("SentencePieceTokenizer", corpus.model)
+    texts = []
+    for load in (save, hf_dir):
+        gen = run([PY, os.path.join(REPO, "tools", "generate.py"), "--load", load, "--prompt", "The story",
+                   "--max-new-tokens", "8", "--temperature", "0", "--device", "cpu",
+                   "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", corpus.model])
+        assert gen.returncode == 0, gen.describe()
+        texts.append(gen.stdout)
+    ids = tok.tokenize("The story")
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=tok.eod,
+                         attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    want = "The story" + tok.detokenize(theirs[0].tolist())[len(tok.detokenize(ids)):]
+    assert texts[0] == texts[1] and texts[0].rstrip("\n") == want
