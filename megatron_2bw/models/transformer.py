@@ -78,6 +78,7 @@ class ParallelAttention(nn.Module):
         if self.rotary is not None:
             cos, sin = self.rotary.tables(s, x.device, x.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            v = v.contiguous()  # else the stash keeps the whole QKV output alive through this view of it
         if self.selective:
             out = checkpointed(self.core, q, k, v, mask, tracker=self.rng)
         else:
