@@ -181,3 +181,21 @@ def test_untied_output_layer_is_its_own_parameter():
     names = set(ref["params"])
     assert "0.word.weight" in names and "5.output_layer.weight" in names and "0.position" not in names
     assert not torch.equal(ref["params"]["0.word.weight"], ref["params"]["5.output_layer.weight"])
+
+
+def test_planner_command_rebuilds_the_llama_model():
+    """The trainer command the planner prints (cli.pretrain_argv) states every Llama option."""
+    from dataclasses import replace
+
+    from megatron_2bw.cli import parse_args, pretrain_argv
+    from megatron_2bw.config import Layout
+    from megatron_2bw.planner.hardware import load_cluster
+    from megatron_2bw.planner.search import tensor_sizes
+
+    model = get_preset("llama-8b")
+    argv = pretrain_argv(model, Layout(2, 2, 1, False, "2bw"), 16)
+    assert "--swiglu" in argv and "--disable-bias-linear" in argv and "--untie-embeddings-and-output-weights" in argv
+    back = model_config(parse_args(argv[1:] + ["--lr", "1e-3", "--train-iters", "1"], "gpt"), "gpt")
+    assert replace(back, vocab_size=model.vocab_size) == model  # the trainer's vocabulary comes from its tokenizer
+    odd = get_preset("llama-tiny", num_query_groups=1)
+    assert tensor_sizes(odd, load_cluster("aws-p3.16xlarge"), 8) == (1,)  # one query group: no t > 1
