@@ -67,6 +67,9 @@ class ModelConfig:
     num_query_groups: int | None = None  # key/value heads; None: one per attention head
     untie_embeddings_and_output_weights: bool = False  # a separate output layer on the last stage
     add_bias_linear: bool = True  # False: --disable-bias-linear
+    # Megatron's sequence parallelism (t > 1): norms, dropout and the residual stream sharded along
+    # the sequence over the tensor group; the pipeline carries [b, s/t, h]
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(self.kind in ("gpt", "bert"), f"model kind must be 'gpt' or 'bert', got {self.kind!r}")
@@ -111,11 +114,26 @@ class ModelConfig:
             _require(self.num_attention_heads % g == 0,
                      f"--num-query-groups {g} does not divide --num-attention-heads {self.num_attention_heads}")
         if self.kind == "bert":
-            llama = [f for f, v in (("--position-embedding-type rope", self.position_embedding_type == "rope"),
+            llama = [f for f, v in (("--sequence-parallel", self.sequence_parallel),
+                                    ("--position-embedding-type rope", self.position_embedding_type == "rope"),
                                     ("--swiglu", self.swiglu), ("--group-query-attention", self.group_query_attention),
                                     ("--untie-embeddings-and-output-weights", self.untie_embeddings_and_output_weights),
                                     ("--disable-bias-linear", not self.add_bias_linear)) if v]
             _require(not llama, f"{llama[0] if llama else ''} is implemented for GPT models only")
+
+    def check_sequence_parallel(self, t: int) -> None:
+        """--sequence-parallel needs a tensor group and a sequence it divides (checked at the layout)."""
+        if self.sequence_parallel:
+            _require(t > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+            _require(self.seq_length % t == 0,
+                     f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size {t} "
+                     "(--sequence-parallel shards the sequence)")
+
+    def stage_activation_shape(self, micro_batch: int, t: int) -> tuple[int, int, int]:
+        """What one pipeline stage sends the next: ``[b, s, h]``, the sequence sharded over t with
+        --sequence-parallel."""
+        s = self.seq_length // t if self.sequence_parallel else self.seq_length
+        return (micro_batch, s, self.hidden_size)
 
     @property
     def query_groups(self) -> int:
@@ -535,6 +553,7 @@ def layout_configs(
     """
     par = ParallelConfig(layout.tensor, layout.pipeline)
     model.check_tensor_parallel(par.tensor)
+    model.check_sequence_parallel(par.tensor)
     split = canonical_split(model.num_layers, par.pipeline, layout.layer_split)
     layers_per_stage(model.num_layers, par.pipeline, split)  # refuses an even split that does not divide
     par = par.resolve(world_size)

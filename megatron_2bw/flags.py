@@ -95,6 +95,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", MODEL, const=True,
          help="a separate output layer instead of the word embedding"),
     Flag("--disable-bias-linear", "model.add_bias_linear", MODEL, const=False, help="no biases in the linear layers"),
+    Flag("--sequence-parallel", "model.sequence_parallel", PAR, const=True,
+         help="t > 1: norms, dropout and the residual stream sharded along the sequence (GPT)"),
     Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),
     Flag("--pipeline-model-parallel-size", "parallel.pipeline", PAR, int, 1),
     Flag("--pipeline-layer-split", "pipeline.layer_split", PAR, parse_split, metavar="N,N,...", show=format_split,

@@ -56,6 +56,7 @@ def train_tiny(
     lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
     dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
     dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -64,7 +65,7 @@ def train_tiny(
     else:
         state = ParallelState.single()
     t, d, w = state.t, state.d, state.w
-    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout)
+    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel and t > 1)
     seed = 1234
     torch.manual_seed(seed)
     tracker = RNGTracker(seed, state.tp_rank)
@@ -80,7 +81,7 @@ def train_tiny(
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     def build() -> PipelineStage:
         return PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
-                             (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)
+                             cfg.stage_activation_shape(micro, t), rng_tracker=tracker, names=names, faults=faults)
 
     stage = build()
     data = _dataset(cfg, global_batch * steps)

@@ -98,6 +98,8 @@ def test_flags_build_the_llama_config():
         "rope", 500000, 16, True, "RMSNorm")
     assert (cfg.query_groups, cfg.tied_output, cfg.add_bias_linear) == (2, False, False)
     assert cfg.ffn_hidden_size == 320  # Megatron's SwiGLU default: int(4h * 2/3 / 64) * 64
+    assert not cfg.sequence_parallel
+    assert model_config(_args(model_preset="llama-tiny", sequence_parallel=True), "gpt").sequence_parallel
     preset = model_config(_args(model_preset="llama-tiny", hidden_size=192), "gpt")
     assert preset.ffn_hidden_size == 512 and preset.swiglu
 
@@ -111,16 +113,21 @@ def test_flags_build_the_llama_config():
     (dict(normalization="BatchNorm"), 1, "--normalization must be one of"),
     (dict(rotary_percent=0.0), 1, "--rotary-percent must be in (0, 1]"),
     (dict(kind="bert", swiglu=True), 1, "--swiglu is implemented for GPT models only"),
+    (dict(kind="bert", sequence_parallel=True), 2, "--sequence-parallel is implemented for GPT models only"),
+    (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (dict(sequence_parallel=True, seq_length=18), 4, "--seq-length 18 is not divisible by --tensor-model-parallel-size 4"),
 ])
 def test_bad_llama_options_are_one_line_errors(kw, t, msg):
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16)
     with pytest.raises(ConfigError) as e:
-        ModelConfig(**{**base, **kw}).check_tensor_parallel(t)
+        cfg = ModelConfig(**{**base, **kw})
+        cfg.check_tensor_parallel(t)
+        cfg.check_sequence_parallel(t)
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- layouts
-KW = dict(steps=4, lr=1e-3, kind="llama-tiny")
+KW = dict(steps=3, lr=1e-3, kind="llama-tiny")
 SCHEDULES = ("2bw", "flush", "gpipe")
 SELECTIVE, FULL = RecomputePolicy("selective"), RecomputePolicy("full", "uniform", 2)
 
@@ -145,22 +152,25 @@ def _reference(schedule):
 
 
 # one run of workers per layout; inside it every schedule, and the recomputation/optimizer variants
-LAYOUTS = {
-    (2, 2, 1): [(s, None, False) for s in SCHEDULES] + [("flush", SELECTIVE, False), ("2bw", FULL, False)],
-    (2, 1, 2): [("flush", None, False), ("flush", None, True), ("gpipe", SELECTIVE, True)],
-    (1, 2, 2): [(s, None, s == "2bw") for s in SCHEDULES],
+LAYOUTS = {  # (schedule, recomputation, distributed optimizer, sequence parallelism)
+    (2, 2, 1): [(s, None, False, False) for s in SCHEDULES] + [("2bw", FULL, False, False)]
+    + [(s, None, False, True) for s in SCHEDULES] + [("flush", FULL, False, True)],
+    (2, 1, 2): [("flush", None, False, False), ("flush", None, True, False), ("gpipe", SELECTIVE, True, False),
+                ("flush", None, True, True), ("2bw", SELECTIVE, False, True)],
+    (1, 2, 2): [(s, None, s == "2bw", False) for s in SCHEDULES],
 }
 
 
 def _layout_runs(layout):
-    return [_train(s, layout, policy, distributed_optimizer=zero) for s, policy, zero in LAYOUTS[layout]]
+    return [_train(s, layout, policy, distributed_optimizer=zero, sequence_parallel=sp)
+            for s, policy, zero, sp in LAYOUTS[layout]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "t{}d{}w{}".format(*l))
 def test_layouts_match_single_process(layout):
     t, d, w = layout
     outs = run_workers(_layout_runs, t * d * w, layout, timeout=300)
-    for k, (schedule, _, _) in enumerate(LAYOUTS[layout]):
+    for k, (schedule, *_) in enumerate(LAYOUTS[layout]):
         ref = _reference(schedule)
         runs = [o[k] for o in outs]
         last = [r for r in runs if r["last"]]

@@ -111,7 +111,8 @@ def test_saver_hf_refuses_what_llama_cannot_hold(tmp_path, capsys):
 
 
 def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
-    """pretrain_gpt.py trains llama-tiny at t = 2, d = 2 (2BW), checkpoint_util writes LlamaForCausalLM, and
+    """pretrain_gpt.py trains llama-tiny at t = 2, d = 2 (2BW, sequence parallel), checkpoint_util writes
+    LlamaForCausalLM, and
     tools/generate.py prints the same greedy text from the trainer checkpoint and from the HF directory,
     which is transformers' own greedy continuation."""
     from e2e import PY, REPO, run, shared_corpus, torchrun
@@ -124,7 +125,7 @@ def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
     save, hf_dir = str(out / "ckpt"), str(out / "hf")
     res = torchrun("pretrain_gpt.py", [
         "--model-preset", "llama-tiny", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--pipeline-schedule", "2bw", *corpus.data_args("98,1,1"), "--train-iters", "3", "--global-batch-size", "4",
+        "--pipeline-schedule", "2bw", "--sequence-parallel", *corpus.data_args("98,1,1"), "--train-iters", "3", "--global-batch-size", "4",
         "--micro-batch-size", "1", "--lr", "1e-2", "--eval-iters", "0", "--device", "cpu", "--save", save], nproc=4)
     assert res.returncode == 0, res.describe()
     tool = os.path.join(REPO, "tools", "checkpoint_util.py")

@@ -2,6 +2,8 @@
 built modules, GEMM FLOPs against torch's FLOP counter, Megatron's closed form against the per-layer
 sums, and the SwiGLU/GQA stash terms against the tensors autograd saves."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -112,3 +114,40 @@ def test_swiglu_and_gqa_stash_terms_match_saved_tensors():
     s, h, f, a = cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
     split = layer_stash_bytes(cfg, b, 1, e) - 4 * b * s * h * e - a * b * s * s * e
     assert split == (2 * h + 2 * cfg.query_groups * cfg.head_dim) * b * s * e + 4 * b * s * f * e
+
+
+def _layer_cfg(sp: bool):
+    # LayerNorm: torch's kernel keeps only its input (and mean/rstd), as the formula counts; torch's
+    # RMSNorm (a composite on CPU) also keeps the normalized tensor, which the formula leaves out
+    return get_preset("llama-tiny", normalization="LayerNorm", sequence_parallel=sp)
+
+
+def _layer_stash(sp: bool) -> int:
+    """Activation bytes one layer saves at t = 2, with or without sequence parallelism."""
+    import torch.distributed as dist
+
+    tp = TPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    cfg = _layer_cfg(sp)
+    layer = TransformerLayer(cfg, tp, 1, 0, causal=True).train()
+    s = cfg.seq_length // tp.size if sp else cfg.seq_length
+    x = torch.randn(2, s, cfg.hidden_size, requires_grad=True)
+    return _saved_bytes(lambda: layer(x, {}), layer)
+
+
+def _stash_both(_):
+    return _layer_stash(False), _layer_stash(True)
+
+
+def test_sequence_parallel_shards_the_replicated_stash():
+    """What --sequence-parallel saves at t = 2, measured from autograd's saved tensors (the norms' and
+    the column-parallel linears' inputs: those keep only the shard and gather it again in backward),
+    is the formula's replicated part halved, within 10% (the norms' mean/rstd are not in the formula)."""
+    from multiproc import run_workers
+
+    (full, sharded), other = run_workers(_stash_both, 2, None, timeout=120)
+    assert other == (full, sharded)
+    b, t, e = 2, 2, 4
+    cfg = _layer_cfg(True)
+    want = layer_stash_bytes(_layer_cfg(False), b, t, e) - layer_stash_bytes(cfg, b, t, e)
+    assert want == 4 * b * cfg.seq_length * cfg.hidden_size * e // 2
+    assert abs((full - sharded) - want) <= 0.1 * want, (full, sharded, want)

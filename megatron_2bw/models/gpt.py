@@ -19,8 +19,8 @@ class GPTHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None):
         super().__init__()
-        self.tp = tp
-        self.ln = norm(cfg, kernels)
+        self.tp, self.sequence_parallel = tp, cfg.sequence_parallel
+        self.ln = norm(cfg, kernels, tp)
         if cfg.tied_output:
             # Same stage as the embedding: share its Parameter. Otherwise build the identical copy.
             self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
@@ -30,7 +30,7 @@ class GPTHead(nn.Module):
     def forward(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         if hasattr(self, "output_layer"):
             return self.output_layer(self.ln(x))
-        return tied_logits(self.ln(x), self.word_weight, self.tp)
+        return tied_logits(self.ln(x), self.word_weight, self.tp, sequence_parallel=self.sequence_parallel)
 
 
 class GPTLoss:

@@ -12,8 +12,7 @@ from ..config import ModelConfig
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import normal_full
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.mappings import copy_to_tp
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 from ..pipeline.recompute import checkpointed
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
@@ -46,12 +45,13 @@ class ParallelAttention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base) if cfg.rotary_dim else None
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         qkv_out = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        sp = cfg.sequence_parallel
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_out, tp, seed=seed, name=f"{prefix}.qkv", std=cfg.init_method_std,
-            full_weight=interleaved_qkv(cfg, seed, f"{prefix}.qkv"), bias=cfg.add_bias_linear,
+            full_weight=interleaved_qkv(cfg, seed, f"{prefix}.qkv"), bias=cfg.add_bias_linear, sequence_parallel=sp,
         )
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std,
-                                      bias=cfg.add_bias_linear)
+                                      bias=cfg.add_bias_linear, sequence_parallel=sp)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(QK^T) with dropout, times V: what selective recomputation re-runs."""
@@ -73,8 +73,9 @@ class ParallelAttention(nn.Module):
         return q, qkv[:, :, :, self.per_group].transpose(1, 2), qkv[:, :, :, self.per_group + 1].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.split_qkv(self.qkv(x))
+        qkv = self.qkv(x)  # the whole sequence (all-gathered under sequence parallelism)
+        b, s, _ = qkv.shape
+        q, k, v = self.split_qkv(qkv)
         if self.rotary is not None:
             cos, sin = self.rotary.tables(s, x.device, x.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -93,18 +94,24 @@ class ParallelMLP(nn.Module):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         h, f, bias, std = cfg.hidden_size, cfg.ffn_hidden_size, cfg.add_bias_linear, cfg.init_method_std
+        sp = cfg.sequence_parallel
         self.swiglu = cfg.swiglu
         if self.swiglu:
-            self.gate = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.gate", std=std, bias=bias)
-            self.up = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.up", std=std, bias=bias)
+            self.gate = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.gate", std=std, bias=bias,
+                                             sequence_parallel=sp)
+            self.up = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.up", std=std, bias=bias,
+                                           sequence_parallel=sp)
         else:
-            self.fc1 = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.fc1", std=std, bias=bias)
-        self.fc2 = RowParallelLinear(f, h, tp, seed=seed, name=f"{prefix}.fc2", std=out_std, bias=bias)
+            self.fc1 = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.fc1", std=std, bias=bias,
+                                            sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(f, h, tp, seed=seed, name=f"{prefix}.fc2", std=out_std, bias=bias,
+                                     sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            x = copy_to_tp(x, self.gate.tp)
-            return self.fc2(F.silu(self.gate.local(x)) * self.up.local(x))
+            gate, up = column_parallel(x, self.gate.tp, [self.gate.weight, self.up.weight],
+                                       [self.gate.bias, self.up.bias], self.gate.sequence_parallel)
+            return self.fc2(F.silu(gate) * up)
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
@@ -117,12 +124,14 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         prefix = f"layers.{index}"
-        self.ln1 = norm(cfg, kernels)
+        self.ln1 = norm(cfg, kernels, tp)
         self.attn = ParallelAttention(cfg, tp, seed, f"{prefix}.attn", causal, rng)
-        self.ln2 = norm(cfg, kernels)
+        self.ln2 = norm(cfg, kernels, tp)
         self.mlp = ParallelMLP(cfg, tp, seed, f"{prefix}.mlp")
         self.hidden_dropout = cfg.hidden_dropout
         self.rng = rng
+        # sequence parallelism: each rank holds other positions, so hidden dropout draws per rank
+        self.sharded_dropout = cfg.sequence_parallel and tp.size > 1 and rng is not None
         # Full recomputation: a chunk's first layer runs the chunk's later layers itself, under one
         # checkpoint; those then pass their input through (the pipeline calls layers one by one).
         self.chunk: tuple[TransformerLayer, ...] = ()
@@ -142,8 +151,14 @@ class TransformerLayer(nn.Module):
 
     def body(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         mask = batch.get("attention_mask")
-        x = x + F.dropout(self.attn(self.ln1(x), mask), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(self.ln2(x)), self.hidden_dropout, self.training)
+        x = x + self._dropout(self.attn(self.ln1(x), mask))
+        return x + self._dropout(self.mlp(self.ln2(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sharded_dropout and self.training and self.hidden_dropout > 0:
+            with self.rng.fork():
+                return F.dropout(x, self.hidden_dropout, True)
+        return F.dropout(x, self.hidden_dropout, self.training)
 
 
 def apply_recompute(layers: list[nn.Module], policy: RecomputePolicy | None) -> None:

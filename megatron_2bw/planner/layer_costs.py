@@ -27,6 +27,10 @@ Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm,
   ``2h``), SwiGLU's gate and up make three MLP GEMMs and keep four ``bsf`` tensors instead of two,
   RoPE adds no parameters or stash beyond tables, an untied output layer is a second vocab matrix
   (``tied_params`` 0).
+- Sequence parallelism (``--sequence-parallel``, Korthikanti et al.): the replicated part is sharded
+  too, so a layer keeps its whole stash over ``t``; layer inputs and outputs (what the pipeline sends)
+  and the head's norm tensors are ``bshe / t``. Its all-gathers and reduce-scatters move the bytes the
+  all-reduces did, so the ``tp_allreduce_*`` terms stay.
 - Tensor parallelism all-reduces ``bshe`` twice per layer forward and twice backward, once in the
   embedding forward and once in the head backward. These are *not* in ``forward_s``/``backward_s``:
   the cost model times them on the links they use.
@@ -243,6 +247,8 @@ def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
     split = (2 * h + kv) * b * s * e + (4 if model.swiglu else 2) * b * s * f * e + a * b * s * s * e
     if model.attention_dropout > 0:
         split += a * b * s * s * (1 + e)
+    if model.sequence_parallel and t > 1:  # norms' and linears' inputs and dropout masks sharded too
+        return (replicated + split) // t
     return replicated + split // t
 
 
@@ -255,13 +261,15 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     vocab = model.padded_vocab_size(t) // t
     speed = cluster.peak(precision) * cluster.efficiency.fraction(layer_work(b, s, h, t))
     hidden = b * s * h * e  # one hidden-state tensor
+    # what crosses stage boundaries and sits between layers: a sequence shard under sequence parallelism
+    shard = hidden // t if model.sequence_parallel and t > 1 else hidden
 
     layer_fwd = layer_forward_flops(model, b, t) / speed
     stash = layer_stash_bytes(model, b, t, e)
     layer = BlockCost(
         core_forward_s=core_forward_flops(model, b, t) / speed, core_stash_bytes=core_stash_bytes(model, b, t, e),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
-        stash_bytes=stash, input_bytes=hidden, output_bytes=hidden,
+        stash_bytes=stash, input_bytes=shard, output_bytes=shard,
         # The gradients of a layer's activations exist while its backward runs: about its stash again.
         workspace_bytes=stash,
         tp_allreduce_forward_bytes=2 * hidden if t > 1 else 0,
@@ -271,8 +279,8 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     emb_time = EMBEDDING_PASSES * hidden / cluster.memory_bandwidth
     embedding = BlockCost(
         forward_s=emb_time, backward_s=emb_time, params=embedding_params(model, t),
-        stash_bytes=(b * s * h if model.hidden_dropout > 0 else 0),
-        input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=hidden,
+        stash_bytes=(b * s * h * shard // hidden if model.hidden_dropout > 0 else 0),
+        input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=shard,
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
     )
 
@@ -283,8 +291,8 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
         backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
         params=head_params(model, t),
-        stash_bytes=2 * hidden + SOFTMAX_BYTES * logits + bert_extra,
-        input_bytes=hidden, output_bytes=0,
+        stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
+        input_bytes=shard, output_bytes=0,
         workspace_bytes=(e + 4) * logits,
         tp_allreduce_forward_bytes=3 * b * s * 4 if t > 1 else 0,  # max, sum, target logit (fp32)
         tp_allreduce_backward_bytes=hidden if t > 1 else 0,
