@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import (
     DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig, SystemConfig, TrainingConfig,
-    layout_configs, lr_by_samples, train_iters_of,
+    default_ffn_hidden_size, layout_configs, lr_by_samples, train_iters_of,
 )
 from .errors import ConfigError, run_cli
 from .flags import FLAGS, MEGATRON_DROPOUT, MODEL, TOOL_MODEL_FLAGS, Flag
@@ -105,6 +105,12 @@ def _default(cls: type, name: str) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
+def _model_switches(args: argparse.Namespace) -> dict[str, Any]:
+    """Model fields set by switches given (``--swiglu``, ``--disable-bias-linear``, ...)."""
+    return {t.split(".")[1]: f.const for f in FLAGS if f.const is not None and getattr(args, f.dest, False)
+            for t in f.targets if t.startswith("model.")}
+
+
 def model_config(args: argparse.Namespace, kind: str | None = None, *, base: ModelConfig | None = None) -> ModelConfig:
     """The one "preset plus shape flags -> ModelConfig" rule, for the trainer and every tool.
 
@@ -115,6 +121,7 @@ def model_config(args: argparse.Namespace, kind: str | None = None, *, base: Mod
     (else ``--model-kind``); the trainer's vocabulary comes from its tokenizer later.
     """
     given = _fields(args, "model")
+    given.update(_model_switches(args))
     tool_kind = given.pop("kind", None)  # --model-kind (the trainer's kind is its script's)
     want = kind or tool_kind
     preset = getattr(args, "model_preset", None)
@@ -126,7 +133,7 @@ def model_config(args: argparse.Namespace, kind: str | None = None, *, base: Mod
             hint = f"use pretrain_{base.kind}.py" if kind else f"not --model-kind {want}"
             raise ConfigError(f"{name} is a {base.kind.upper()} model; {hint}")
         if "hidden_size" in given and "ffn_hidden_size" not in given:
-            given["ffn_hidden_size"] = 4 * given["hidden_size"]
+            given["ffn_hidden_size"] = default_ffn_hidden_size(given["hidden_size"], given.get("swiglu", base.swiglu))
         if "seq_length" in given and "max_position_embeddings" not in given:
             given["max_position_embeddings"] = max(given["seq_length"], base.max_position_embeddings)
         return replace(base, **given)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, P2P_MODES
+from .config import CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, NORMALIZATIONS, P2P_MODES, POSITION_EMBEDDING_TYPES
 from .models.presets import GPT2_VOCAB, PRESETS
 from .models.stages import format_split, parse_split
 from .pipeline.schedules import SCHEDULE_NAMES
@@ -82,6 +82,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--attention-dropout", "model.attention_dropout", MODEL, float, help=_DROPOUT_HELP),
     Flag("--layernorm-epsilon", "model.layernorm_epsilon", MODEL, float),
     Flag("--init-method-std", "model.init_method_std", MODEL, float),
+    # Llama-family layers (Megatron-Core's names; GPT only)
+    Flag("--position-embedding-type", "model.position_embedding_type", MODEL, choices=POSITION_EMBEDDING_TYPES,
+         help="learned_absolute (default) or rope (rotary, rotate-half convention)"),
+    Flag("--rotary-base", "model.rotary_base", MODEL, int, help="RoPE base (default 10000; Llama 3: 500000)"),
+    Flag("--rotary-percent", "model.rotary_percent", MODEL, float, help="fraction of each head rotated (default 1.0)"),
+    Flag("--swiglu", "model.swiglu", MODEL, const=True, help="SiLU-gated MLP (ffn default: 2/3 of 4h, multiple of 64)"),
+    Flag("--normalization", "model.normalization", MODEL, choices=NORMALIZATIONS, help="LayerNorm (default) or RMSNorm"),
+    Flag("--group-query-attention", "model.group_query_attention", MODEL, const=True,
+         help="grouped-query attention (with --num-query-groups)"),
+    Flag("--num-query-groups", "model.num_query_groups", MODEL, int, help="key/value heads with --group-query-attention"),
+    Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", MODEL, const=True,
+         help="a separate output layer instead of the word embedding"),
+    Flag("--disable-bias-linear", "model.add_bias_linear", MODEL, const=False, help="no biases in the linear layers"),
+    Flag("--sequence-parallel", "model.sequence_parallel", PAR, const=True,
+         help="t > 1: norms, dropout and the residual stream sharded along the sequence (GPT)"),
     Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),
     Flag("--pipeline-model-parallel-size", "parallel.pipeline", PAR, int, 1),
     Flag("--pipeline-layer-split", "pipeline.layer_split", PAR, parse_split, metavar="N,N,...", show=format_split,

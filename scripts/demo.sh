@@ -6,8 +6,8 @@
 # (d=2 with 2+ GPUs, d=1 with one). The corpus, the SentencePiece tokenizer and the indexed
 # dataset are cached under demo_data/ (git-ignored), so a second run starts training at once.
 #
-# Environment: PYTHON, DEMO_DATA (demo_data), DEMO_VOCAB (8000), DEMO_ITERS (CPU 150, GPU 500),
-# DEMO_SEQ (CPU 64, GPU 128), DEMO_MICRO (CPU 2, GPU 8), NGPU (detected), DEMO_RUN (runs/demo),
+# Environment: PYTHON, MODEL (preset: gpt-demo; llama-demo for the Llama-style model), DEMO_DATA (demo_data),
+# DEMO_VOCAB (8000), DEMO_ITERS (CPU 150, GPU 500), DEMO_SEQ (CPU 64, GPU 128), DEMO_MICRO (CPU 2, GPU 8), NGPU (detected), DEMO_RUN (runs/demo),
 # DEMO_ARGS (extra flags). The learning-rate warm-up is 10 steps, DEMO_ITERS / 15 when that is fewer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 DATA=${DEMO_DATA:-demo_data}
+MODEL=${MODEL:-gpt-demo}
 VOCAB=${DEMO_VOCAB:-8000}
 mkdir -p "$DATA"
 START=$(date +%s)
@@ -52,12 +53,12 @@ WARMUP=$(( ITERS / 15 < 10 ? ITERS / 15 : 10 ))  # 10 steps, fewer in a short ru
 RUN=${DEMO_RUN:-runs/demo}
 mkdir -p "$RUN"
 rm -f "$RUN/metrics.jsonl"
-echo "demo: data ready in $(( $(date +%s) - START )) s; training gpt-demo with PipeDream-2BW," \
+echo "demo: data ready in $(( $(date +%s) - START )) s; training $MODEL with PipeDream-2BW," \
      "$NPROC process(es) on $DEVICE (d=$PP, w=$W), $ITERS steps of $GLOBAL sequences x $SEQ tokens" >&2
 
 # shellcheck disable=SC2086
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-  --model-preset gpt-demo --seq-length "$SEQ" --device "$DEVICE" \
+  --model-preset "$MODEL" --seq-length "$SEQ" --device "$DEVICE" \
   --pipeline-model-parallel-size "$PP" --pipeline-schedule 2bw \
   --micro-batch-size "$MICRO" --global-batch-size "$GLOBAL" --train-iters "$ITERS" \
   --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.01 --clip-grad 1.0 \

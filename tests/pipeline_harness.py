@@ -55,16 +55,18 @@ def train_tiny(
     micro: int = 1, kind: str = "gpt-tiny", recompute: bool = False, dtype: str = "fp32", optimizer: str = "adam",
     lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
     dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
-    dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False,
+    dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
+    sequence_parallel: bool = False,
 ) -> dict:
-    """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume)."""
+    """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
+    ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
         state = build_state(t, d, w, torch.device("cpu"))
     else:
         state = ParallelState.single()
     t, d, w = state.t, state.d, state.w
-    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout)
+    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel and t > 1)
     seed = 1234
     torch.manual_seed(seed)
     tracker = RNGTracker(seed, state.tp_rank)
@@ -73,13 +75,14 @@ def train_tiny(
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
                           dc_lambda=dc_lambda)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
-                          adam_beta2=0.99, initial_loss_scale=2.0**12, sgd_momentum=sgd_momentum)
+                          adam_beta2=0.99, initial_loss_scale=2.0**12, sgd_momentum=sgd_momentum,
+                          **({} if distributed_optimizer is None else {"use_distributed_optimizer": distributed_optimizer}))
     start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
     names = GlobalNames(start, tied=WORD)  # the head's copy of the word embedding is named as the original
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     def build() -> PipelineStage:
         return PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
-                             (micro, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=names, faults=faults)
+                             cfg.stage_activation_shape(micro, t), rng_tracker=tracker, names=names, faults=faults)
 
     stage = build()
     data = _dataset(cfg, global_batch * steps)

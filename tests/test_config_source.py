@@ -57,7 +57,9 @@ def _overrides(base: ModelConfig) -> list[tuple[list[str], ModelConfig]]:
     h2, s2 = 2 * base.hidden_size, 2 * base.seq_length
     return [
         ([], base),
-        (["--hidden-size", str(h2)], replace(base, hidden_size=h2, ffn_hidden_size=4 * h2)),
+        # Megatron's default FFN: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64
+        (["--hidden-size", str(h2)], replace(base, hidden_size=h2,
+                                             ffn_hidden_size=int(4 * h2 * 2 / 3 / 64) * 64 if base.swiglu else 4 * h2)),
         (["--hidden-size", str(h2), "--ffn-hidden-size", "96"], replace(base, hidden_size=h2, ffn_hidden_size=96)),
         (["--seq-length", str(s2)], replace(base, seq_length=s2, max_position_embeddings=s2)),
         (["--num-layers", "8", "--hidden-dropout", "0.2"], replace(base, num_layers=8, hidden_dropout=0.2)),

@@ -1,9 +1,10 @@
 """Text generation from a GPT's full state dict, with a key/value cache.
 
 The forward pass here is a functional copy of the model's own (``models/gpt.py``,
-``models/transformer.py``: pre-LayerNorm, per-head interleaved QKV rows, tanh GELU, tied output
-embedding) that also accepts cached keys and values of earlier positions, so each new token costs
-one position's work. Tests check it against the model's own forward.
+``models/transformer.py``: pre-norm, QKV rows interleaved per head or per query group, tanh GELU
+or SwiGLU, learned positions or RoPE, tied or separate output layer) that also accepts cached keys
+and values of earlier positions, so each new token costs one position's work. Tests check it
+against the model's own forward.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .names import POSITION, WORD, head_index
+from ..models.norms import norm_functional
+from ..models.rope import apply_rotary, rotary_tables
+from .names import OUTPUT, POSITION, WORD, head_index
 
 
 @dataclass
 class KVCache:
-    """Keys and values ``[b, heads, positions, head_dim]`` of every layer for the positions seen so far."""
+    """Keys and values ``[b, groups, positions, head_dim]`` of every layer for the positions seen so far."""
 
     keys: list[torch.Tensor | None] = field(default_factory=list)
     values: list[torch.Tensor | None] = field(default_factory=list)
@@ -58,29 +61,46 @@ class CachedGPT:
         self.cfg = cfg
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.w[WORD] = self.w[WORD][: cfg.vocab_size]
+        self.out = self.w[WORD] if cfg.tied_output else self.w[f"{head_index(cfg)}.{OUTPUT}"][: cfg.vocab_size]
 
     def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.w[prefix + ".weight"], self.w[prefix + ".bias"], self.cfg.layernorm_epsilon)
+        return norm_functional(self.cfg, x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
 
     def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.linear(x, self.w[prefix + ".weight"], self.w[prefix + ".bias"])
+        return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
 
-    def _attention(self, x: torch.Tensor, i: int, cache: KVCache | None) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, i: int, cache: KVCache | None, start: int) -> torch.Tensor:
         b, s, h = x.shape
-        nh, hd = self.cfg.num_attention_heads, self.cfg.head_dim
-        q, k, v = self._lin(x, f"{i + 1}.attn.qkv").view(b, s, nh, 3, hd).permute(3, 0, 2, 1, 4)
+        cfg = self.cfg
+        g, hd = cfg.query_groups, cfg.head_dim
+        per = cfg.num_attention_heads // g
+        qkv = self._lin(x, f"{i + 1}.attn.qkv").view(b, s, g, per + 2, hd)
+        q = qkv[:, :, :, :per].reshape(b, s, g * per, hd).transpose(1, 2)
+        k, v = qkv[:, :, :, per].transpose(1, 2), qkv[:, :, :, per + 1].transpose(1, 2)
+        if cfg.rotary_dim:
+            cos, sin = rotary_tables(torch.arange(start, start + s, device=x.device), cfg.rotary_dim, cfg.rotary_base,
+                                     x.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         past = 0
         if cache is not None:
             if cache.keys[i] is not None:
                 past = cache.keys[i].shape[2]
                 k, v = torch.cat([cache.keys[i], k], 2), torch.cat([cache.values[i], v], 2)
             cache.keys[i], cache.values[i] = k, v
+        gqa = {"enable_gqa": True} if per > 1 else {}
         if past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         else:  # new position j may see every cached position and new positions up to j
             mask = torch.arange(past + s, device=x.device)[None, :] <= (past + torch.arange(s, device=x.device))[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         return self._lin(out.transpose(1, 2).reshape(b, s, h), f"{i + 1}.attn.proj")
+
+    def _mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if self.cfg.swiglu:
+            hidden = F.silu(self._lin(x, f"{i + 1}.mlp.gate")) * self._lin(x, f"{i + 1}.mlp.up")
+        else:
+            hidden = F.gelu(self._lin(x, f"{i + 1}.mlp.fc1"), approximate="tanh")
+        return self._lin(hidden, f"{i + 1}.mlp.fc2")
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` of ``tokens`` placed after the cache's positions (the cache is extended)."""
@@ -91,12 +111,13 @@ class CachedGPT:
                 "(shorten the prompt or lower --max-new-tokens)")
         if cache is not None and not cache.keys:
             cache.keys, cache.values = [None] * self.cfg.num_layers, [None] * self.cfg.num_layers
-        x = F.embedding(tokens, self.w[WORD]) + self.w[POSITION][start: start + tokens.shape[1]]
+        x = F.embedding(tokens, self.w[WORD])
+        if POSITION in self.w:
+            x = x + self.w[POSITION][start: start + tokens.shape[1]]
         for i in range(self.cfg.num_layers):
-            x = x + self._attention(self._ln(x, f"{i + 1}.ln1"), i, cache)
-            hidden = F.gelu(self._lin(self._ln(x, f"{i + 1}.ln2"), f"{i + 1}.mlp.fc1"), approximate="tanh")
-            x = x + self._lin(hidden, f"{i + 1}.mlp.fc2")
-        return F.linear(self._ln(x, f"{head_index(self.cfg)}.ln"), self.w[WORD])
+            x = x + self._attention(self._ln(x, f"{i + 1}.ln1"), i, cache, start)
+            x = x + self._mlp(self._ln(x, f"{i + 1}.ln2"), i)
+        return F.linear(self._ln(x, f"{head_index(self.cfg)}.ln"), self.out)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Our full state dicts <-> Hugging Face ``GPT2LMHeadModel`` / ``MegatronBertForPreTraining``.
+"""Our full state dicts <-> Hugging Face ``GPT2LMHeadModel`` / ``MegatronBertForPreTraining`` /
+``LlamaForCausalLM`` (a GPT with RoPE, SwiGLU and RMSNorm).
 
 Both HF models are pre-LayerNorm like ours. QKV: our rows are [heads, 3, head_dim]; HF keeps
 q, k, v of all heads one after another ([3, heads, head_dim]), GPT-2 as a transposed Conv1D.
@@ -15,7 +16,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .megatron_format import Exported
-from .names import POSITION, TOKENTYPE, WORD, head_index
+from .names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index
 from .reshard import pad_vocab
 
 TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -168,6 +169,123 @@ def from_hf_megatron_bert(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict
     return {k: v.detach().float().contiguous() for k, v in full.items()}
 
 
+# --------------------------------------------------------------------------- Llama
+_LLAMA_LAYER = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
+                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}
+
+
+def is_llama(cfg: ModelConfig) -> bool:
+    """The options ``LlamaForCausalLM`` implements (everything else is a GPT-2-style model or refused)."""
+    return cfg.kind == "gpt" and cfg.position_embedding_type == "rope" and cfg.swiglu and cfg.normalization == "RMSNorm"
+
+
+def _check_llama(cfg: ModelConfig) -> None:
+    if not is_llama(cfg):
+        raise ConfigError("a Hugging Face export needs a GPT-2-style model or a Llama-style one (--position-embedding-type "
+                          "rope --swiglu --normalization RMSNorm); this model mixes them")
+    if cfg.rotary_percent != 1.0:
+        raise ConfigError(f"LlamaForCausalLM rotates whole heads; --rotary-percent {cfg.rotary_percent} cannot be exported")
+
+
+def llama_config(cfg: ModelConfig):
+    from transformers import LlamaConfig  # noqa: PLC0415
+
+    _check_llama(cfg)
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.query_groups, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.layernorm_epsilon,
+        initializer_range=cfg.init_method_std, tie_word_embeddings=cfg.tied_output,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear, attention_dropout=cfg.attention_dropout,
+        bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"],
+    )
+
+
+def _qkv_split(cfg: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our rows [groups, heads/groups + 2, head_dim] -> HF's q [heads], k [groups], v [groups] rows.
+
+    Both sides use the rotate-half RoPE convention, so no per-head permutation of q/k is needed
+    (HF's conversion permutes only Meta's original interleaved-pair checkpoints).
+    """
+    g, per = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups
+    x = x.reshape(g, per + 2, cfg.head_dim, *x.shape[1:])
+    rest = x.shape[3:]
+    return x[:, :per].reshape(-1, *rest), x[:, per].reshape(-1, *rest), x[:, per + 1].reshape(-1, *rest)
+
+
+def _qkv_join(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_qkv_split`."""
+    g, per, hd = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
+    rest = q.shape[1:]
+    parts = [q.reshape(g, per, hd, *rest), k.reshape(g, 1, hd, *rest), v.reshape(g, 1, hd, *rest)]
+    return torch.cat(parts, 1).reshape(-1, *rest)
+
+
+def _llama_linears(cfg: ModelConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+
+
+def to_hf_llama(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict (``lm_head`` the word embedding when tied)."""
+    _check_llama(cfg)
+    hd = head_index(cfg)
+    word = full[WORD][: cfg.vocab_size]
+    out = {"model.embed_tokens.weight": word, "model.norm.weight": full[f"{hd}.ln.weight"],
+           "lm_head.weight": word if cfg.tied_output else full[f"{hd}.{OUTPUT}"][: cfg.vocab_size]}
+    for i in range(cfg.num_layers):
+        g, h = f"{i + 1}.", f"model.layers.{i}."
+        for p in _llama_linears(cfg):
+            for part, x in zip("qkv", _qkv_split(cfg, full[f"{g}attn.qkv.{p}"])):
+                out[f"{h}self_attn.{part}_proj.{p}"] = x
+        for ours, theirs in _LLAMA_LAYER.items():
+            for p in ("weight",) if ours.startswith("ln") else _llama_linears(cfg):
+                out[f"{h}{theirs}.{p}"] = full[f"{g}{ours}.{p}"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def config_from_llama(c) -> ModelConfig:
+    if c.hidden_act != "silu":
+        raise ConfigError(f"Llama activation {c.hidden_act!r} is not the SiLU this model's SwiGLU implements")
+    rope = c.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not implemented (only the default rotary embedding)")
+    if bool(c.attention_bias) != bool(c.mlp_bias):
+        raise ConfigError("attention_bias and mlp_bias differ; --disable-bias-linear covers both")
+    if c.head_dim != c.hidden_size // c.num_attention_heads:
+        raise ConfigError(f"head_dim {c.head_dim} is not hidden_size / num_attention_heads")
+    groups = c.num_key_value_heads or c.num_attention_heads
+    theta = float(rope.get("rope_theta", 10000.0))
+    return ModelConfig(
+        kind="gpt", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+        vocab_size=c.vocab_size, ffn_hidden_size=c.intermediate_size, hidden_dropout=0.0,
+        attention_dropout=float(c.attention_dropout or 0.0), layernorm_epsilon=c.rms_norm_eps,
+        init_method_std=c.initializer_range, position_embedding_type="rope",
+        rotary_base=int(theta) if theta.is_integer() else theta, swiglu=True, normalization="RMSNorm",
+        group_query_attention=groups != c.num_attention_heads,
+        num_query_groups=groups if groups != c.num_attention_heads else None,
+        untie_embeddings_and_output_weights=not c.tie_word_embeddings, add_bias_linear=bool(c.attention_bias),
+    )
+
+
+def from_hf_llama(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_hf_llama` (vocabulary tensors padded to the t = 1 model's rows)."""
+    rows, hd = cfg.padded_vocab_size(1), head_index(cfg)
+    full = {WORD: pad_vocab(sd["model.embed_tokens.weight"], rows), f"{hd}.ln.weight": sd["model.norm.weight"]}
+    if not cfg.tied_output:
+        full[f"{hd}.{OUTPUT}"] = pad_vocab(sd["lm_head.weight"], rows)
+    for i in range(cfg.num_layers):
+        g, h = f"{i + 1}.", f"model.layers.{i}."
+        for p in _llama_linears(cfg):
+            full[f"{g}attn.qkv.{p}"] = _qkv_join(cfg, *(sd[f"{h}self_attn.{x}_proj.{p}"] for x in "qkv"))
+        for ours, theirs in _LLAMA_LAYER.items():
+            for p in ("weight",) if ours.startswith("ln") else _llama_linears(cfg):
+                full[f"{g}{ours}.{p}"] = sd[f"{h}{theirs}.{p}"]
+    return {k: v.detach().float().contiguous() for k, v in full.items()}
+
+
 # --------------------------------------------------------------------------- directories
 def _quiet() -> None:
     """No progress bars from transformers: the tools print one summary line."""
@@ -177,13 +295,16 @@ def _quiet() -> None:
 
 
 def hf_model(ex: Exported):
-    """The HF model object holding ``ex``'s weights (GPT2LMHeadModel or MegatronBertForPreTraining)."""
-    from transformers import GPT2LMHeadModel, MegatronBertForPreTraining  # noqa: PLC0415
+    """The HF model object holding ``ex``'s weights (GPT2LMHeadModel, MegatronBertForPreTraining or LlamaForCausalLM)."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MegatronBertForPreTraining  # noqa: PLC0415
 
     _quiet()
-    gpt = ex.cfg.kind == "gpt"
-    model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)((gpt2_config if gpt else megatron_bert_config)(ex.cfg))
-    sd = (to_hf_gpt2 if gpt else to_hf_megatron_bert)(ex.cfg, ex.weights)
+    if ex.cfg.kind == "gpt" and ex.cfg.llama_style:
+        model, sd = LlamaForCausalLM(llama_config(ex.cfg)), to_hf_llama(ex.cfg, ex.weights)
+    else:
+        gpt = ex.cfg.kind == "gpt"
+        model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)((gpt2_config if gpt else megatron_bert_config)(ex.cfg))
+        sd = (to_hf_gpt2 if gpt else to_hf_megatron_bert)(ex.cfg, ex.weights)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "position_ids"))]
     if missing or unexpected:
@@ -213,4 +334,10 @@ def load_hf_dir(path: str) -> Exported:
         cfg = config_from_megatron_bert(conf)
         sd = MegatronBertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
         return Exported(cfg, from_hf_megatron_bert(cfg, sd))
-    raise ConfigError(f"{path}: model type {conf.model_type!r} is not supported (gpt2 or megatron-bert)")
+    if conf.model_type == "llama":
+        from transformers import LlamaForCausalLM  # noqa: PLC0415
+
+        cfg = config_from_llama(conf)
+        sd = LlamaForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
+        return Exported(cfg, from_hf_llama(cfg, sd))
+    raise ConfigError(f"{path}: model type {conf.model_type!r} is not supported (gpt2, megatron-bert or llama)")

@@ -19,7 +19,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..training.manifest import atomic_file
-from .names import Split, megatron_path, names_by_path, stage_names
+from .names import Split, megatron_path, stage_names, swiglu_part
 from .reshard import reshard, unshard
 
 CHECKPOINT_VERSION = 3.0
@@ -58,6 +58,12 @@ def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, spl
         tokenizer_type=tok.get("tokenizer_type"), tokenizer_model=tok.get("tokenizer_model"),
         vocab_file=tok.get("vocab_file"), merge_file=tok.get("merge_file"),
         iteration=ex.iteration,
+        # Llama-family layers (Megatron-LM's argument names)
+        position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent, swiglu=cfg.swiglu, normalization=cfg.normalization,
+        group_query_attention=cfg.group_query_attention, num_query_groups=cfg.num_query_groups,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        add_bias_linear=cfg.add_bias_linear,
         # fields of our own (Megatron ignores unknown fields)
         vocab_size=cfg.vocab_size, model_kind=cfg.kind, pipeline_schedule=schedule,
         pipeline_split=list(split) if split is not None else None,
@@ -82,7 +88,11 @@ def megatron_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, 
     """The nested ``model`` dict of stage ``r`` of ``d`` from that stage's (possibly sharded) tensors."""
     model: dict = {}
     for name in stage_names(cfg, d, r, split):  # embedding, layers in order, then final LayerNorm and heads
-        _put(model, megatron_path(cfg, name, d, r, split), part[name])
+        which = swiglu_part(name)
+        if which == 1:
+            continue  # written with the gate: this rank's [gate; up] rows in one tensor
+        value = part[name] if which is None else torch.cat([part[name], part[name.replace(".gate.", ".up.")]], 0)
+        _put(model, megatron_path(cfg, name, d, r, split), value)
     return model
 
 
@@ -90,12 +100,15 @@ def from_megatron_model(cfg: ModelConfig, model: dict, d: int = 1, r: int = 0, v
                         t: int = 1, split: Split = None) -> dict[str, torch.Tensor]:
     """Our global names for the tensors of stage ``r`` of ``d`` (QKV rows put in version-3.0 order)."""
     out = {}
-    for path, name in names_by_path(cfg, d, r, split).items():
+    for name in stage_names(cfg, d, r, split):
+        path = megatron_path(cfg, name, d, r, split)
         value = _get(model, path)
         if value is None:
             raise ConfigError(f"Megatron checkpoint lacks {'.'.join(path)} (stage {r} of {d})")
-        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")) and cfg.query_groups == cfg.num_attention_heads:
             value = qkv_from_version(value, version, cfg.num_attention_heads // t)
+        if (which := swiglu_part(name)) is not None:
+            value = value.chunk(2, 0)[which]
         out[name] = value
     return out
 
@@ -204,6 +217,13 @@ def config_from_args(args, model: dict) -> ModelConfig:
         hidden_dropout=a.get("hidden_dropout", 0.0), attention_dropout=a.get("attention_dropout", 0.0),
         layernorm_epsilon=a.get("layernorm_epsilon", 1e-5), init_method_std=a.get("init_method_std", 0.02),
         num_tokentypes=0 if tokentype is None else tokentype.shape[0],
+        position_embedding_type=a.get("position_embedding_type") or "learned_absolute",
+        rotary_base=a.get("rotary_base") or 10000, rotary_percent=a.get("rotary_percent") or 1.0,
+        swiglu=bool(a.get("swiglu")), normalization=a.get("normalization") or "LayerNorm",
+        group_query_attention=bool(a.get("group_query_attention")),
+        num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
+        untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
+        add_bias_linear=a.get("add_bias_linear", True) is not False,
     )
 
 

@@ -32,6 +32,25 @@ LAYER_MODULES = {
     "mlp.fc2": "mlp.dense_4h_to_h",
 }
 LAYER_SUFFIXES = [f"{m}.{p}" for m in LAYER_MODULES for p in ("weight", "bias")]
+# SwiGLU's column-parallel pair; Megatron keeps both in ``dense_h_to_4h`` ([gate; up] rows per tensor rank)
+SWIGLU_MODULES = ("mlp.gate", "mlp.up")
+OUTPUT = "output_layer.weight"  # the head's untied output layer (``{L+1}.output_layer.weight``)
+
+
+def layer_suffixes(cfg: ModelConfig) -> list[str]:
+    """A transformer layer's parameter names (module path . weight/bias) for ``cfg``'s options:
+    no biases with --disable-bias-linear, RMSNorm without one, SwiGLU's gate and up for fc1."""
+    out = []
+    for m in LAYER_MODULES:
+        for mod in (SWIGLU_MODULES if m == "mlp.fc1" and cfg.swiglu else (m,)):
+            has_bias = cfg.normalization == "LayerNorm" if m.startswith("ln") else cfg.add_bias_linear
+            out += [f"{mod}.weight"] + ([f"{mod}.bias"] if has_bias else [])
+    return out
+
+
+def head_norm_names(cfg: ModelConfig) -> list[str]:
+    h = head_index(cfg)
+    return [f"{h}.ln.weight"] + ([f"{h}.ln.bias"] if cfg.normalization == "LayerNorm" else [])
 
 # BERT head: our module path -> Megatron path (lm_head and binary_head sit beside language_model)
 BERT_HEAD = {
@@ -53,6 +72,18 @@ EMBEDDING_PATHS = {
 }
 # A last stage that is not also the first keeps its own copy of the tied word embedding here.
 HEAD_WORD_PATH = ("word_embeddings_for_head", "weight")
+# The untied output layer (Megatron-LM's TransformerLanguageModel.output_layer, on the last stage).
+OUTPUT_PATH = ("language_model", "output_layer", "weight")
+
+
+def swiglu_part(name: str) -> int | None:
+    """0 for SwiGLU's gate, 1 for its up projection (the halves of Megatron's fused ``dense_h_to_4h``
+    rows on each tensor rank: ``torch.chunk(fc1(x), 2, -1)`` gives gate, up); None otherwise."""
+    rest = name.split(".", 1)[1] if "." in name else name
+    for i, m in enumerate(SWIGLU_MODULES):
+        if rest.startswith(m + "."):
+            return i
+    return None
 
 
 def head_index(cfg: ModelConfig) -> int:
@@ -61,11 +92,15 @@ def head_index(cfg: ModelConfig) -> int:
 
 def full_names(cfg: ModelConfig) -> list[str]:
     """Every global name of the full model, in layer-list order (tied word embedding once)."""
-    names = [WORD, POSITION] + ([TOKENTYPE] if cfg.num_tokentypes else [])
+    names = [WORD] + ([POSITION] if cfg.position_embedding_type == "learned_absolute" else [])
+    names += [TOKENTYPE] if cfg.num_tokentypes else []
+    suffixes = layer_suffixes(cfg)
     for i in range(1, cfg.num_layers + 1):
-        names += [f"{i}.{s}" for s in LAYER_SUFFIXES]
+        names += [f"{i}.{s}" for s in suffixes]
     h = head_index(cfg)
-    names += [f"{h}.ln.weight", f"{h}.ln.bias"]
+    names += head_norm_names(cfg)
+    if not cfg.tied_output:
+        names.append(f"{h}.{OUTPUT}")
     if cfg.kind == "bert":
         names += [f"{h}.{s}" for s in BERT_HEAD]
     return names
@@ -78,7 +113,7 @@ def stage_names(cfg: ModelConfig, d: int, r: int, split: Split = None) -> list[s
     """Global names stage ``r`` of ``d`` holds (the last stage also holds the word embedding)."""
     start, end = stage_range(cfg.num_layers, d, r, split)
     names = [n for n in full_names(cfg) if start <= int(n.split(".", 1)[0]) < end]
-    if r == d - 1 and start > 0:
+    if r == d - 1 and start > 0 and cfg.tied_output:
         names.insert(0, WORD)
     return names
 
@@ -95,7 +130,10 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
     if 1 <= idx <= cfg.num_layers:
         module, param = rest.rsplit(".", 1)
         local = idx - max(start, 1)
+        module = "mlp.fc1" if module in SWIGLU_MODULES else module  # one fused tensor (fused_swiglu_parts)
         return ("language_model", "encoder", f"layers.{local}.{LAYER_MODULES[module]}.{param}")
+    if idx == h and rest == OUTPUT:
+        return OUTPUT_PATH
     if idx == h and rest.startswith("ln."):
         return ("language_model", "encoder", f"final_layernorm.{rest[3:]}")
     if idx == h and cfg.kind == "bert" and rest in BERT_HEAD:
@@ -104,5 +142,6 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
 
 
 def names_by_path(cfg: ModelConfig, d: int = 1, r: int = 0, split: Split = None) -> dict[tuple[str, ...], str]:
-    """Inverse of :func:`megatron_path` over the names stage ``r`` of ``d`` holds."""
+    """Inverse of :func:`megatron_path` over the names stage ``r`` of ``d`` holds (for SwiGLU's fused
+    ``dense_h_to_4h`` the up projection's name; see :func:`swiglu_part`)."""
     return {megatron_path(cfg, n, d, r, split): n for n in stage_names(cfg, d, r, split)}

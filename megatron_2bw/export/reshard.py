@@ -2,11 +2,12 @@
 
 How each parameter is split across t ranks (as ``tensor_parallel/layers.py`` holds it):
 
-* column-parallel (``attn.qkv``, ``mlp.fc1`` weight and bias): contiguous row blocks. The QKV
-  rows are grouped per head ([heads, 3, head_dim], Megatron's checkpoint_version 3.0 order), so
-  a block is whole heads;
+* column-parallel (``attn.qkv``, ``mlp.fc1``, SwiGLU's ``mlp.gate`` and ``mlp.up``, weight and
+  bias): contiguous row blocks. The QKV rows are grouped per head ([heads, 3, head_dim],
+  Megatron's checkpoint_version 3.0 order; per query group [heads/groups + 2, head_dim] with
+  grouped-query attention), so a block is whole heads (groups);
 * row-parallel (``attn.proj``, ``mlp.fc2`` weight): contiguous column blocks, bias replicated;
-* vocabulary-parallel (word embedding, BERT's output bias): rows padded to a multiple of
+* vocabulary-parallel (word embedding, an untied output layer, BERT's output bias): rows padded to a multiple of
   128 * t with zeros, then contiguous row blocks;
 * everything else (LayerNorms, positions, BERT's dense head layers) is replicated.
 """
@@ -17,14 +18,16 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .names import WORD, Split, head_index, stage_names
+from .names import OUTPUT, WORD, Split, head_index, stage_names
 
-_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")
+_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+           "mlp.gate.weight", "mlp.gate.bias", "mlp.up.weight", "mlp.up.bias")
 _ROW = ("attn.proj.weight", "mlp.fc2.weight")
 
 
 def is_vocab(cfg: ModelConfig, name: str) -> bool:
-    return name == WORD or (cfg.kind == "bert" and name == f"{head_index(cfg)}.lm_bias")
+    return (name == WORD or (cfg.kind == "bert" and name == f"{head_index(cfg)}.lm_bias")
+            or name == f"{head_index(cfg)}.{OUTPUT}")
 
 
 def split_dim(cfg: ModelConfig, name: str) -> int | None:

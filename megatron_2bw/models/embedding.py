@@ -1,4 +1,4 @@
-"""Input embeddings and the tied output projection shared by GPT and BERT."""
+"""Input embeddings, and the output projection: tied to the word embedding (GPT-2, BERT) or its own (Llama)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from torch import nn
 from ..config import ModelConfig
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import normal_full
-from ..tensor_parallel.layers import VocabParallelEmbedding
-from ..tensor_parallel.mappings import copy_to_tp
+from ..tensor_parallel.layers import VocabParallelEmbedding, column_parallel
+from ..tensor_parallel.mappings import seq_shard
+from ..tensor_parallel.random import RNGTracker
 
 WORD_EMBEDDING = "embedding.word"
+OUTPUT_LAYER = "head.output_layer"
 
 
 def word_embedding(cfg: ModelConfig, tp: TPGroup, seed: int) -> VocabParallelEmbedding:
@@ -24,20 +26,25 @@ def word_embedding(cfg: ModelConfig, tp: TPGroup, seed: int) -> VocabParallelEmb
     """
     emb = VocabParallelEmbedding(
         cfg.vocab_size, cfg.padded_vocab_size(tp.size), cfg.hidden_size, tp,
-        seed=seed, name=WORD_EMBEDDING, std=cfg.init_method_std,
+        seed=seed, name=WORD_EMBEDDING, std=cfg.init_method_std, sequence_parallel=cfg.sequence_parallel,
     )
-    emb.weight.shared_embedding = True
+    emb.weight.shared_embedding = cfg.tied_output  # untied: the last stage has its own output layer
     return emb
 
 
 class Embedding(nn.Module):
     """word + position (+ token type) embeddings, then dropout. Pipeline signature: forward(x, batch)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, rng: RNGTracker | None = None):
         super().__init__()
         self.word = word_embedding(cfg, tp, seed)
-        self.position = nn.Parameter(
-            normal_full((cfg.max_position_embeddings, cfg.hidden_size), cfg.init_method_std, seed, "embedding.position")
+        # sequence parallelism: the output is this rank's sequence shard (positions and dropout too)
+        self.tp, self.sharded = tp, cfg.sequence_parallel and tp.size > 1
+        self.rng = rng
+        self.position = (  # None with RoPE: positions enter each attention layer's q and k instead
+            nn.Parameter(normal_full((cfg.max_position_embeddings, cfg.hidden_size), cfg.init_method_std, seed,
+                                     "embedding.position"))
+            if cfg.position_embedding_type == "learned_absolute" else None
         )
         self.tokentype = (
             nn.Parameter(normal_full((cfg.num_tokentypes, cfg.hidden_size), cfg.init_method_std, seed, "embedding.tokentype"))
@@ -47,12 +54,37 @@ class Embedding(nn.Module):
 
     def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         tokens = batch["tokens"]
-        h = self.word(tokens) + self.position[: tokens.shape[1]]
+        h = self.word(tokens)
+        if self.position is not None:
+            pos = self.position[: tokens.shape[1]]
+            h = h + (seq_shard(pos, self.tp) if self.sharded else pos)
         if self.tokentype is not None:
             h = h + F.embedding(batch["token_types"], self.tokentype)
+        if self.sharded and self.rng is not None and self.training and self.dropout > 0:
+            with self.rng.fork():
+                return F.dropout(h, self.dropout, True)
         return F.dropout(h, self.dropout, self.training)
 
 
-def tied_logits(x: torch.Tensor, word_weight: torch.Tensor, tp: TPGroup, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's slice of the output logits, ``[..., padded_vocab / t]``, from the tied weight."""
-    return F.linear(copy_to_tp(x, tp), word_weight, bias)
+def tied_logits(x: torch.Tensor, word_weight: torch.Tensor, tp: TPGroup, bias: torch.Tensor | None = None,
+                sequence_parallel: bool = False) -> torch.Tensor:
+    """This rank's slice of the output logits, ``[..., padded_vocab / t]``, from the tied weight
+    (under sequence parallelism, of the whole sequence: the shards are all-gathered first)."""
+    return column_parallel(x, tp, [word_weight], [bias], sequence_parallel)[0]
+
+
+class OutputLayer(nn.Module):
+    """The untied output layer (``--untie-embeddings-and-output-weights``): a vocab-parallel weight of
+    its own on the last stage, shaped like the word embedding (padded rows zero) but never all-reduced
+    with it (Megatron-Core's ``output_layer``)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, cfg.sequence_parallel
+        self.weight = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.padded_vocab_size(tp.size), cfg.hidden_size, tp,
+            seed=seed, name=OUTPUT_LAYER, std=cfg.init_method_std,
+        ).weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tied_logits(x, self.weight, self.tp, sequence_parallel=self.sequence_parallel)

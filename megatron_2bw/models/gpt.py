@@ -1,4 +1,4 @@
-"""GPT: causal language model with tied input/output embeddings, as an ordered list of layers."""
+"""GPT: causal language model (GPT-2 style or Llama style, by ModelConfig), as an ordered list of layers."""
 
 from __future__ import annotations
 
@@ -6,24 +6,31 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..fused import Kernels, layer_norm
+from ..fused import Kernels
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
-from .embedding import tied_logits, word_embedding
+from .embedding import OutputLayer, tied_logits, word_embedding
+from .norms import norm
 
 
 class GPTHead(nn.Module):
-    """Final LayerNorm and the logits through the tied word embedding (this rank's vocab slice)."""
+    """Final norm and the logits (this rank's vocab slice) through the tied word embedding, or through
+    a separate output layer with ``--untie-embeddings-and-output-weights``."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None):
         super().__init__()
-        self.tp = tp
-        self.ln = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
-        # Same stage as the embedding: share its Parameter. Otherwise build the identical copy.
-        self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
+        self.tp, self.sequence_parallel = tp, cfg.sequence_parallel
+        self.ln = norm(cfg, kernels, tp)
+        if cfg.tied_output:
+            # Same stage as the embedding: share its Parameter. Otherwise build the identical copy.
+            self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
+        else:
+            self.output_layer = OutputLayer(cfg, tp, seed)
 
     def forward(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
-        return tied_logits(self.ln(x), self.word_weight, self.tp)
+        if hasattr(self, "output_layer"):
+            return self.output_layer(self.ln(x))
+        return tied_logits(self.ln(x), self.word_weight, self.tp, sequence_parallel=self.sequence_parallel)
 
 
 class GPTLoss:

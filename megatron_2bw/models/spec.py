@@ -49,7 +49,7 @@ class ModelSpec:
         emb = None
         for i in range(start, end):
             if i == 0:
-                emb = Embedding(cfg, self.tp, self.seed)
+                emb = Embedding(cfg, self.tp, self.seed, rng=self.rng)
                 layers.append(emb)
             elif i <= cfg.num_layers:
                 layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=gpt_model, rng=self.rng,

@@ -9,23 +9,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..fused import Kernels, layer_norm
+from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import normal_full
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 from ..pipeline.recompute import checkpointed
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
+from .norms import norm
+from .rope import RotaryEmbedding, apply_rotary
 
 
 def interleaved_qkv(cfg: ModelConfig, seed: int, name: str) -> torch.Tensor:
-    """Full QKV weight with rows grouped per head (q, k, v of head 0, then head 1, ...).
+    """Full QKV weight with rows grouped per query group: the group's query heads, its key, its value.
 
-    Splitting its rows into t contiguous blocks gives each tensor rank whole heads, so the
-    dense model (t = 1) and every sharded one use the same numbers.
+    Without grouped-query attention a group is one head (q, k, v of head 0, then head 1, ...); with
+    it, rows are [groups, heads/groups + 2, head_dim] (Megatron-Core's ``linear_qkv`` order).
+    Splitting the rows into t contiguous blocks gives each tensor rank whole groups, so the dense
+    model (t = 1) and every sharded one use the same numbers.
     """
-    h, nh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    return normal_full((nh * 3 * hd, h), cfg.init_method_std, seed, name)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    return normal_full(((cfg.num_attention_heads + 2 * cfg.query_groups) * hd, h), cfg.init_method_std, seed, name)
 
 
 class ParallelAttention(nn.Module):
@@ -35,26 +39,47 @@ class ParallelAttention(nn.Module):
         self.causal, self.rng, self.dropout = causal, rng, cfg.attention_dropout
         self.selective = False  # re-run core() in backward (RecomputePolicy selective)
         self.heads = cfg.num_attention_heads // tp.size
+        self.groups = cfg.query_groups // tp.size  # key/value heads on this rank
+        self.per_group = cfg.num_attention_heads // cfg.query_groups
         self.head_dim = cfg.head_dim
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base) if cfg.rotary_dim else None
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        sp = cfg.sequence_parallel
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, 3 * cfg.hidden_size, tp, seed=seed, name=f"{prefix}.qkv", std=cfg.init_method_std,
-            full_weight=interleaved_qkv(cfg, seed, f"{prefix}.qkv"),
+            cfg.hidden_size, qkv_out, tp, seed=seed, name=f"{prefix}.qkv", std=cfg.init_method_std,
+            full_weight=interleaved_qkv(cfg, seed, f"{prefix}.qkv"), bias=cfg.add_bias_linear, sequence_parallel=sp,
         )
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std,
+                                      bias=cfg.add_bias_linear, sequence_parallel=sp)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(QK^T) with dropout, times V: what selective recomputation re-runs."""
         p = self.dropout if self.training else 0.0
+        gqa = {"enable_gqa": True} if self.per_group > 1 else {}
         if p > 0 and self.rng is not None:
             with self.rng.fork():  # this rank's heads draw their own dropout masks
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal, **gqa)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[b, s, rows]`` -> q ``[b, heads, s, hd]``, k and v ``[b, groups, s, hd]`` (this rank's)."""
+        b, s, _ = qkv.shape
+        if self.per_group == 1:
+            qkv = qkv.view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+            return qkv[0], qkv[1], qkv[2]
+        qkv = qkv.view(b, s, self.groups, self.per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.per_group].reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
+        return q, qkv[:, :, :, self.per_group].transpose(1, 2), qkv[:, :, :, self.per_group + 1].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        qkv = self.qkv(x)  # the whole sequence (all-gathered under sequence parallelism)
+        b, s, _ = qkv.shape
+        q, k, v = self.split_qkv(qkv)
+        if self.rotary is not None:
+            cos, sin = self.rotary.tables(s, x.device, x.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            v = v.contiguous()  # else the stash keeps the whole QKV output alive through this view of it
         if self.selective:
             out = checkpointed(self.core, q, k, v, mask, tracker=self.rng)
         else:
@@ -63,13 +88,30 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
+    """fc2(gelu(fc1(x))), or with SwiGLU fc2(silu(gate(x)) * up(x)): gate and up a column-parallel pair."""
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, seed=seed, name=f"{prefix}.fc1", std=cfg.init_method_std)
-        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.fc2", std=out_std)
+        h, f, bias, std = cfg.hidden_size, cfg.ffn_hidden_size, cfg.add_bias_linear, cfg.init_method_std
+        sp = cfg.sequence_parallel
+        self.swiglu = cfg.swiglu
+        if self.swiglu:
+            self.gate = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.gate", std=std, bias=bias,
+                                             sequence_parallel=sp)
+            self.up = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.up", std=std, bias=bias,
+                                           sequence_parallel=sp)
+        else:
+            self.fc1 = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.fc1", std=std, bias=bias,
+                                            sequence_parallel=sp)
+        self.fc2 = RowParallelLinear(f, h, tp, seed=seed, name=f"{prefix}.fc2", std=out_std, bias=bias,
+                                     sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = column_parallel(x, self.gate.tp, [self.gate.weight, self.up.weight],
+                                       [self.gate.bias, self.up.bias], self.gate.sequence_parallel)
+            return self.fc2(F.silu(gate) * up)
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
@@ -82,12 +124,14 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         prefix = f"layers.{index}"
-        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        self.ln1 = norm(cfg, kernels, tp)
         self.attn = ParallelAttention(cfg, tp, seed, f"{prefix}.attn", causal, rng)
-        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        self.ln2 = norm(cfg, kernels, tp)
         self.mlp = ParallelMLP(cfg, tp, seed, f"{prefix}.mlp")
         self.hidden_dropout = cfg.hidden_dropout
         self.rng = rng
+        # sequence parallelism: each rank holds other positions, so hidden dropout draws per rank
+        self.sharded_dropout = cfg.sequence_parallel and tp.size > 1 and rng is not None
         # Full recomputation: a chunk's first layer runs the chunk's later layers itself, under one
         # checkpoint; those then pass their input through (the pipeline calls layers one by one).
         self.chunk: tuple[TransformerLayer, ...] = ()
@@ -107,8 +151,14 @@ class TransformerLayer(nn.Module):
 
     def body(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         mask = batch.get("attention_mask")
-        x = x + F.dropout(self.attn(self.ln1(x), mask), self.hidden_dropout, self.training)
-        return x + F.dropout(self.mlp(self.ln2(x)), self.hidden_dropout, self.training)
+        x = x + self._dropout(self.attn(self.ln1(x), mask))
+        return x + self._dropout(self.mlp(self.ln2(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sharded_dropout and self.training and self.hidden_dropout > 0:
+            with self.rng.fork():
+                return F.dropout(x, self.hidden_dropout, True)
+        return F.dropout(x, self.hidden_dropout, self.training)
 
 
 def apply_recompute(layers: list[nn.Module], policy: RecomputePolicy | None) -> None:

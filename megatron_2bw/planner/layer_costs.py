@@ -28,6 +28,15 @@ Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm,
 - The head keeps the final LayerNorm's input and output and the fp32 softmax of the logits
   (Megatron's vocab-parallel cross-entropy runs in fp32): ``2bshe + 4bsV/t``; while it runs it also
   holds the fp16 logits and their fp32 copy (``(e + 4) bsV/t`` transient).
+- Llama-family options (``g`` query groups, SwiGLU, no biases, RMSNorm, untied output layer): QKV
+  has ``(a + 2g) h/a`` outputs instead of ``3h`` (FLOPs, parameters; K and V keep ``2gh/a`` instead of
+  ``2h``), SwiGLU's gate and up make three MLP GEMMs and keep four ``bsf`` tensors instead of two,
+  RoPE adds no parameters or stash beyond tables, an untied output layer is a second vocab matrix
+  (``tied_params`` 0).
+- Sequence parallelism (``--sequence-parallel``, Korthikanti et al.): the replicated part is sharded
+  too, so a layer keeps its whole stash over ``t``; layer inputs and outputs (what the pipeline sends)
+  and the head's norm tensors are ``bshe / t``. Its all-gathers and reduce-scatters move the bytes the
+  all-reduces did, so the ``tp_allreduce_*`` terms stay.
 - Tensor parallelism all-reduces ``bshe`` twice per layer forward and twice backward, once in the
   embedding forward and once in the head backward. These are *not* in ``forward_s``/``backward_s``:
   the cost model times them on the links they use.
@@ -165,33 +174,58 @@ class LayerCosts:
 # ---- counting: parameters, FLOPs, bytes ---------------------------------------------------------
 
 def layer_params(model: ModelConfig, t: int) -> int:
-    """Parameters of one transformer layer on one GPU (Megatron split; row-parallel biases replicated)."""
+    """Parameters of one transformer layer on one GPU (Megatron split; row-parallel biases replicated).
+
+    GPT-2 style: ``(4h^2 + 3h + 2hf + f) / t + 2h + 4h``. The Llama options change the terms: QKV
+    has ``(a + 2g) * head_dim`` outputs with ``g`` query groups, SwiGLU doubles the first MLP GEMM
+    (gate and up), --disable-bias-linear drops the biases and RMSNorm has no bias.
+    """
     h, f = model.hidden_size, model.ffn_hidden_size
-    return (3 * h * h + 3 * h + h * h + h * f + f + f * h) // t + h + h + 4 * h
+    qkv, mlp_in, bias, norm = _llama_terms(model)
+    return (h * qkv + qkv * bias + h * h + h * mlp_in + mlp_in * bias + f * h) // t + 2 * h * bias + 2 * norm
+
+
+def _llama_terms(model: ModelConfig) -> tuple[int, int, int, int]:
+    """(QKV outputs, first-MLP-GEMM outputs, 1 with linear biases else 0, parameters of one norm)."""
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
+    mlp_in = 2 * model.ffn_hidden_size if model.swiglu else model.ffn_hidden_size
+    norm = model.hidden_size if model.normalization == "RMSNorm" else 2 * model.hidden_size
+    return qkv, mlp_in, int(model.add_bias_linear), norm
 
 
 def tied_params(model: ModelConfig, t: int) -> int:
-    """The vocab-parallel word embedding on one GPU (padded vocabulary)."""
+    """The vocab-parallel word embedding on one GPU (padded vocabulary) when the head shares it; 0 untied."""
+    return word_params(model, t) if model.tied_output else 0
+
+
+def word_params(model: ModelConfig, t: int) -> int:
+    """One vocab-parallel ``[padded vocab / t, h]`` matrix: the word embedding or the untied output layer."""
     return model.padded_vocab_size(t) * model.hidden_size // t
 
 
 def embedding_params(model: ModelConfig, t: int) -> int:
     h = model.hidden_size
-    return tied_params(model, t) + model.max_position_embeddings * h + model.num_tokentypes * h
+    positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
+    return word_params(model, t) + positions + model.num_tokentypes * h
 
 
 def head_params(model: ModelConfig, t: int) -> int:
-    """Final LayerNorm, the tied output layer's copy, and BERT's LM transform, bias, pooler, NSP head."""
+    """Final norm, the output layer (the tied embedding's copy or its own), and BERT's LM transform, bias,
+    pooler, NSP head."""
     h = model.hidden_size
-    n = 2 * h + tied_params(model, t)
+    n = _llama_terms(model)[3] + word_params(model, t)
     if model.kind == "bert":
         n += (h * h + h + 2 * h) + model.padded_vocab_size(t) // t + (h * h + h) + (2 * h + 2)
     return n
 
 
 def layer_forward_flops(model: ModelConfig, b: int, t: int) -> float:
+    """``2bs(h * qkv + h^2 + h * mlp_in + f h) + 4bs^2h`` over ``t``: QKV (``(a + 2g) head_dim`` outputs with
+    grouped-query attention), projection, the MLP GEMMs (three with SwiGLU) and the attention core (its
+    query heads are all ``a``, so GQA leaves it unchanged). GPT-2 style: ``2bs(4h^2 + 2hf) + 4bs^2h``."""
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
-    return (2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h) / t
+    qkv, mlp_in, _, _ = _llama_terms(model)
+    return (2 * b * s * (h * qkv + h * h + h * mlp_in + f * h) + 4 * b * s * s * h) / t
 
 
 def head_forward_flops(model: ModelConfig, b: int, t: int) -> float:
@@ -223,8 +257,14 @@ def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = 
     ``flash`` (a fused attention kernel) the core's ``s^2`` tensors give way to its log-sum-exp."""
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     replicated = 4 * b * s * h * e + (2 * b * s * h if model.hidden_dropout > 0 else 0)
-    split = 4 * b * s * h * e + 2 * b * s * f * e
-    return replicated + split // t + core_stash_bytes(model, b, t, e, flash)
+    # Q and the projection input (2h) plus K and V (2 g head_dim: 2h without grouped-query attention);
+    # the MLP keeps GeLU's input and output (2f), or SwiGLU's gate, silu(gate), up and their product (4f)
+    kv = 2 * model.query_groups * model.head_dim
+    split = (2 * h + kv) * b * s * e + (4 if model.swiglu else 2) * b * s * f * e
+    core = core_stash_bytes(model, b, t, e, flash)
+    if model.sequence_parallel and t > 1:  # norms' and linears' inputs and dropout masks sharded too
+        return (replicated + split) // t + core
+    return replicated + split // t + core
 
 
 def layer_memory_bound_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> tuple[float, float]:
@@ -247,6 +287,8 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     speed = cluster.peak(precision) * cluster.efficiency.layer_fraction(b, s, h, t)
     hidden = b * s * h * e  # one hidden-state tensor
     flash = cluster.flash_attention
+    # what crosses stage boundaries and sits between layers: a sequence shard under sequence parallelism
+    shard = hidden // t if model.sequence_parallel and t > 1 else hidden
 
     # The "macs" curve prices the GEMMs; the memory-bound kernels between them are timed on HBM.
     mem_layer, mem_core = (layer_memory_bound_bytes(model, b, t, e, flash) if cluster.efficiency.unit == "macs"
@@ -257,7 +299,7 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         core_forward_s=core_forward_flops(model, b, t) / speed + mem_core / cluster.memory_bandwidth,
         core_stash_bytes=core_stash_bytes(model, b, t, e, flash),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
-        stash_bytes=stash, input_bytes=hidden, output_bytes=hidden,
+        stash_bytes=stash, input_bytes=shard, output_bytes=shard,
         # The gradients of a layer's activations exist while its backward runs: about its stash again.
         workspace_bytes=stash,
         tp_allreduce_forward_bytes=2 * hidden if t > 1 else 0,
@@ -267,8 +309,8 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     emb_time = EMBEDDING_PASSES * hidden / cluster.memory_bandwidth
     embedding = BlockCost(
         forward_s=emb_time, backward_s=emb_time, params=embedding_params(model, t),
-        stash_bytes=(b * s * h if model.hidden_dropout > 0 else 0),
-        input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=hidden,
+        stash_bytes=(b * s * h * shard // hidden if model.hidden_dropout > 0 else 0),
+        input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=shard,
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
     )
 
@@ -279,8 +321,8 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
         backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
         params=head_params(model, t),
-        stash_bytes=2 * hidden + SOFTMAX_BYTES * logits + bert_extra,
-        input_bytes=hidden, output_bytes=0,
+        stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
+        input_bytes=shard, output_bytes=0,
         workspace_bytes=(e + 4) * logits,
         tp_allreduce_forward_bytes=3 * b * s * 4 if t > 1 else 0,  # max, sum, target logit (fp32)
         tp_allreduce_backward_bytes=hidden if t > 1 else 0,

@@ -127,11 +127,11 @@ class SearchResult:
 
 
 def tensor_sizes(model: ModelConfig, cluster: Cluster, num_gpus: int) -> tuple[int, ...]:
-    """``t`` that fit in a server, divide the heads and FFN, and divide ``N``."""
+    """``t`` that fit in a server, divide the heads, the query groups and FFN, and divide ``N``."""
     G = cluster.devices_per_server
     return tuple(t for t in range(1, G + 1)
-                 if G % t == 0 and num_gpus % t == 0
-                 and model.num_attention_heads % t == 0 and model.ffn_hidden_size % t == 0)
+                 if G % t == 0 and num_gpus % t == 0 and model.num_attention_heads % t == 0
+                 and model.query_groups % t == 0 and model.ffn_hidden_size % t == 0)
 
 
 def pipeline_depths(model: ModelConfig, num_gpus: int, t: int, uneven: bool = False) -> tuple[int, ...]:

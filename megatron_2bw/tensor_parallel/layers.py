@@ -14,12 +14,54 @@ from torch import nn
 
 from .group import TPGroup
 from .init import normal_full, shard
-from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from .mappings import _gather_seq, _reduce_scatter_seq, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq
 
 
 def _mark(p: nn.Parameter, sharded: bool) -> nn.Parameter:
     p.tensor_parallel = sharded
     return p
+
+
+class _SequenceParallelColumns(torch.autograd.Function):
+    """Column-parallel GEMMs on the all-gathered sequence that keep only this rank's shard of the
+    input for backward and gather it again there (Megatron's sequence-parallel linear), so the stash
+    holds ``x / t``, not ``x``. Several weights may share one input (SwiGLU's gate and up)."""
+
+    @staticmethod
+    def forward(ctx, tp, n, x, *params):
+        full = _gather_seq(x, tp)
+        weights, biases = params[:n], params[n:]
+        ctx.tp, ctx.has_bias = tp, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = _gather_seq(x, ctx.tp)
+        rows = full.reshape(-1, full.shape[-1])
+        gx, gws, gbs = None, [], []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                gws.append(None)
+                gbs.append(None)
+                continue
+            gi = g @ w
+            gx = gi if gx is None else gx + gi
+            g2 = g.reshape(-1, g.shape[-1])
+            gws.append(g2.t() @ rows)
+            gbs.append(g2.sum(0) if has_bias else None)
+        return (None, None, None if gx is None else _reduce_scatter_seq(gx, ctx.tp), *gws, *gbs)
+
+
+def column_parallel(x: torch.Tensor, tp: TPGroup, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                    sequence_parallel: bool = False) -> list[torch.Tensor]:
+    """This rank's outputs of column-parallel linears sharing input ``x``: one backward all-reduce
+    (or, under sequence parallelism, one gather and one reduce-scatter) for all of them."""
+    if sequence_parallel and tp.size > 1:
+        return list(_SequenceParallelColumns.apply(tp, len(weights), x, *weights, *biases))
+    x = copy_to_tp(x, tp)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -28,17 +70,18 @@ class ColumnParallelLinear(nn.Module):
     def __init__(
         self, in_features: int, out_features: int, tp: TPGroup, *, seed: int, name: str, std: float,
         bias: bool = True, gather_output: bool = False, full_weight: torch.Tensor | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"{name}: {out_features} outputs not divisible by tensor size {tp.size}")
-        self.tp, self.gather_output = tp, gather_output
+        self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
         full = full_weight if full_weight is not None else normal_full((out_features, in_features), std, seed, name)
         self.weight = _mark(nn.Parameter(shard(full, 0, tp.rank, tp.size)), tp.size > 1)
         self.bias = _mark(nn.Parameter(torch.zeros(out_features // tp.size)), tp.size > 1) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        y = column_parallel(x, self.tp, [self.weight], [self.bias], self.sequence_parallel)[0]
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -47,16 +90,20 @@ class RowParallelLinear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, tp: TPGroup, *, seed: int, name: str, std: float, bias: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"{name}: {in_features} inputs not divisible by tensor size {tp.size}")
-        self.tp = tp
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         full = normal_full((out_features, in_features), std, seed, name)
         self.weight = _mark(nn.Parameter(shard(full, 1, tp.rank, tp.size)), tp.size > 1)
         self.bias = _mark(nn.Parameter(torch.zeros(out_features)), False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # reduce-scatter along the sequence; the bias sees a shard: sum its grad
+            y = reduce_scatter_seq(F.linear(x, self.weight), self.tp)
+            return y + copy_to_tp(self.bias, self.tp) if self.bias is not None else y
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
@@ -70,8 +117,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(
         self, vocab_size: int, padded_vocab: int, dim: int, tp: TPGroup, *, seed: int, name: str, std: float,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         if padded_vocab % tp.size:
             raise ValueError(f"{name}: padded vocabulary {padded_vocab} not divisible by tensor size {tp.size}")
         self.tp, self.vocab_size, self.padded_vocab = tp, vocab_size, padded_vocab
@@ -88,4 +137,4 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return reduce_scatter_seq(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)

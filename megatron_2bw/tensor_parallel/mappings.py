@@ -80,3 +80,71 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def gather_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Concatenate all ranks' slices of the last dimension; split in backward."""
     return x if tp.size == 1 else _Gather.apply(x, tp)
+
+
+# --------------------------------------------------------------------------- sequence parallelism
+# Megatron's sequence-parallel mappings on our batch-first ``[b, s, h]`` activations: the sequence
+# (dim 1) is sharded over the tensor group between the tensor-parallel regions.
+
+def _all_gather_dim0(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=tp.group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    out = torch.empty((x.shape[0] // tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x.contiguous(), group=tp.group)
+    return out
+
+
+def _gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``[b, s/t, ...]`` of every rank -> ``[b, s, ...]`` (rank order along the sequence)."""
+    full = _all_gather_dim0(x.transpose(0, 1), tp)  # [s, b, ...]
+    return full.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``[b, s, ...]`` partial sums -> this rank's ``[b, s/t, ...]`` slice of their sum."""
+    return _reduce_scatter_dim0(x.transpose(0, 1), tp).transpose(0, 1).contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.tp), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _reduce_scatter_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g, ctx.tp), None
+
+
+def gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """All-gather the sequence forward, reduce-scatter backward: enters a column-parallel region
+    under sequence parallelism (replaces :func:`copy_to_tp`)."""
+    return x if tp.size == 1 else _GatherSeq.apply(x, tp)
+
+
+def reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward, all-gather backward: leaves a row-parallel region
+    under sequence parallelism (replaces :func:`reduce_from_tp`)."""
+    return x if tp.size == 1 else _ReduceScatterSeq.apply(x, tp)
+
+
+def seq_shard(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's contiguous slice of dim 0 of a replicated, constant tensor (e.g. position rows)."""
+    return x if tp.size == 1 else x.chunk(tp.size, dim=0)[tp.rank]

@@ -58,6 +58,8 @@ READABLE_FORMATS = (*TRAINER_FORMATS, MEGATRON_WEIGHTS)
 _SHAPE_FIELDS = (
     "kind", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
     "vocab_size", "num_tokentypes",
+    "position_embedding_type", "rotary_base", "rotary_percent", "swiglu", "normalization", "group_query_attention",
+    "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
 )
 
 

@@ -24,7 +24,10 @@ from ..config import ModelConfig
 
 
 def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False, tensor_parallel: int = 1) -> float:
-    """Model FLOPs of one training step (the module docstring's formula, padded for ``tensor_parallel``)."""
+    """Model FLOPs of one training step (the module docstring's formula, padded for ``tensor_parallel``;
+    Llama-style models: :func:`llama_flops_per_step`)."""
+    if cfg.llama_style:
+        return llama_flops_per_step(cfg, global_batch, recompute, tensor_parallel)
     L, h, s, V = cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.padded_vocab_size(tensor_parallel)
     if recompute:
         return 96.0 * global_batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
@@ -67,3 +70,22 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         return None
     peaks = load_cluster(preset).peak_flops
     return peaks[precision] / 1e12 if precision in peaks else None
+
+
+def llama_flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False,
+                         tensor_parallel: int = 1) -> float:
+    """Megatron-LM's ``num_floating_point_operations`` with its grouped-query and SwiGLU terms::
+
+        F = 12 B s L h^2 ((1 + g/a + s/h) * a d/h + (f/h) * (3/2 if SwiGLU) + V / (2 L h))
+
+    (``g`` query groups of ``a`` heads of ``d`` channels, ``f`` the FFN size; 12 = 3 GEMMs per
+    matrix (forward, data and weight gradient) x 2 stacked matrices x 2 FLOPs per multiply-add),
+    with recomputation the layers' terms times 4/3 (one more forward; the logits are not recomputed),
+    as in :func:`flops_per_step`'s 96 form; the padded vocabulary. A separate path so the GPT-2-style
+    formula above stays Megatron's closed form.
+    """
+    L, h, s, V = cfg.num_layers, cfg.hidden_size, cfg.seq_length, cfg.padded_vocab_size(tensor_parallel)
+    a, g, d, f = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.ffn_hidden_size
+    gated = 1.5 if cfg.swiglu else 1.0
+    layers = (1 + g / a + s / h) * (a * d / h) + (f / h) * gated
+    return 12.0 * global_batch * s * L * h * h * (layers * (4 / 3 if recompute else 1.0) + V / (2 * L * h))

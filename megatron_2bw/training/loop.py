@@ -107,10 +107,10 @@ class Trainer:
         spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
                          split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline))
         self.spec = spec
-        b, s, h = cfg.pipeline.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
+        b = cfg.pipeline.micro_batch_size
         self.stage = PipelineStage(
             lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
-            (b, s, h), rng_tracker=self.tracker, faults=faults,
+            cfg.model.stage_activation_shape(b, state.t), rng_tracker=self.tracker, faults=faults,
             names=GlobalNames(spec.stage_range(state.d, state.pp_rank)[0], tied=WORD),
         )
         if prep.checkpoint is not None:
