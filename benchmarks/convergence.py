@@ -58,6 +58,13 @@ loss is at or under the same seed's Flush final smoothed training loss (None: ne
 time-to-loss uses the 2BW/Flush throughput ratio measured by ``pipeline_throughput.py``
 (``docs/data/throughput.json``, d = 2, nearest m). ``--resume-from`` reuses finished runs (earlier
 output, or a single-regime JSON with a regime's settings), ``--merge-only`` runs nothing.
+
+``--optimizers adamw muon`` (issue 24) runs every schedule and mode once per optimizer (``muon``:
+``--optimizer muon`` at ``--muon-lr``, default 0.02, scheduled like the regime's lr; ``predict`` is
+skipped for it); each run's ratio is against the Flush run of its own optimizer and seed
+(``valid_loss_ratio_vs_flush``) and against the best Flush run of any optimizer of that seed
+(``valid_loss_ratio_vs_best_flush``); ``modes`` keys are the compensation for AdamW (as before) and
+``muon/<compensation>`` for Muon. Runs of older files count as AdamW.
 """
 
 from __future__ import annotations

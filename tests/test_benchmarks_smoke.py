@@ -115,3 +115,22 @@ def test_memory_states_quick(tmp_path):
         assert r["optimizer_state"] == 8 * shard and r["master"] == (4 * shard if half else 0)
         assert r["grads"] == (2 if r["schedule"] == "2bw" else 1) * 4 * n  # fp32 gradients, bf16 included
     assert any(r["numel"] % 2 for r in rows)  # an odd N: the last shard is padded
+
+
+def test_muon_throughput_quick(tmp_path):
+    """Muon vs AdamW (update, 2BW step at d = 2) and the t = 2 gather vs distributed Newton-Schulz: the schema,
+    and the two TP variants compute the same orthogonalization (to bf16 precision)."""
+    import muon_throughput
+
+    out = tmp_path / "muon.json"
+    assert muon_throughput.main(["--preset", "gpt-tiny", "--seq", "16", "--reps", "1", "--steps", "1", "--rounds", "1",
+                                 "--m", "2", "--json", str(out)]) == 0
+    data = _load(out)
+    assert {(r["stage"], r["optimizer"]) for r in data["update"]} == {(s, o) for s in (0, 1) for o in ("adam", "muon")}
+    assert all(r["update_s"] > 0 for r in data["update"]) and set(data["step_s_2bw_d2"]) == {"adam", "muon"}
+    muon = [r for r in data["update"] if r["optimizer"] == "muon"]
+    adam = [r for r in data["update"] if r["optimizer"] == "adam"]
+    assert all(m["state_bytes"] < a["state_bytes"] for m, a in zip(muon, adam))  # no second moment on the matrices
+    tp = data["tp2_one_layer"]
+    assert {"gather", "distributed", "allgather_only", "local"} <= set(tp)
+    assert tp["max_rel_diff_gather_vs_distributed"] < 0.1
