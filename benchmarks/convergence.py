@@ -584,7 +584,8 @@ def main_regimes(args) -> int:
     jobs = [(name, sd, "flush", "none", o) for sd in args.seeds for name in args.regimes for o in opts
             if "flush" in args.schedules]
     jobs += [(name, sd, "2bw", c, o) for sd in args.seeds for name in args.regimes for o in opts for c in args.compensations
-             if (c not in args.first_seed_only or sd == args.seeds[0]) and not (o == "muon" and c == "predict")]
+             if (c not in args.first_seed_only or sd == args.seeds[0]) and not (o == "muon" and c == "predict")
+             and "2bw" in args.schedules]
     # seed by seed (each seed's Flush first), the first-seed-only modes last
     jobs.sort(key=lambda j: (j[3] in args.first_seed_only, args.seeds.index(j[1])))
     done = reused_runs(args.resume_from or [], ras)
