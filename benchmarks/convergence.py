@@ -502,8 +502,11 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
                                                "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
                                                "time_to_target_vs_flush", "flush_steps_to_this_loss",
                                                "time_vs_flush_at_this_loss", "steps", "seconds", "d", "reused_from")})
-    flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush"]
-    spread = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
+    spreads = {}  # per optimizer: Flush's seed-to-seed spread (another optimizer's Flush is no seed noise)
+    for opt in dict.fromkeys(r["optimizer"] for r in runs):
+        flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush" and r["optimizer"] == opt]
+        spreads[opt] = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
+    spread = spreads.get("adamw")
     modes = {}
     for opt in getattr(ra, "optimizers", ["adamw"]):
         for c in ra.compensations:
@@ -533,7 +536,8 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
                   eval_iters=ra.eval_iters, valid_sequences=ra.eval_iters * gb, seeds=ra.seeds, smooth_window=ra.smooth,
                   dc_lambda=ra.dc_lambda, compensations=ra.compensations)
     return {"results": results, "runs": sorted(runs, key=lambda r: (r["seed"], r["schedule"] != "flush", r["compensation"])),
-            "config": config, "flush_seed_spread": spread, "modes": modes, "measured_speedup": speed}
+            "config": config, "flush_seed_spread": spread, "flush_seed_spread_by_optimizer": spreads, "modes": modes,
+            "measured_speedup": speed}
 
 
 REGIME_KEYS = ("preset", "seq", "micro_batch", "m", "iters", "warmup", "lr", "min_lr", "eval_iters", "eval_interval")
