@@ -58,6 +58,13 @@ loss is at or under the same seed's Flush final smoothed training loss (None: ne
 time-to-loss uses the 2BW/Flush throughput ratio measured by ``pipeline_throughput.py``
 (``docs/data/throughput.json``, d = 2, nearest m). ``--resume-from`` reuses finished runs (earlier
 output, or a single-regime JSON with a regime's settings), ``--merge-only`` runs nothing.
+
+``--optimizers adamw muon`` (issue 24) runs every schedule and mode once per optimizer (``muon``:
+``--optimizer muon`` at ``--muon-lr``, default 0.02, scheduled like the regime's lr; ``predict`` is
+skipped for it); each run's ratio is against the Flush run of its own optimizer and seed
+(``valid_loss_ratio_vs_flush``) and against the best Flush run of any optimizer of that seed
+(``valid_loss_ratio_vs_best_flush``); ``modes`` keys are the compensation for AdamW (as before) and
+``muon/<compensation>`` for Muon. Runs of older files count as AdamW.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ import common
 
 ROOT = common.ROOT
 SCHEDULES = ("2bw", "flush")
+MUON_LR = 0.02  # --optimizers muon: peak lr of the matrices (Keller Jordan's Muon default)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -112,7 +120,7 @@ def _nonempty(path: str) -> bool:
 
 # ---------------------------------------------------------------------------------------- one run
 def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metrics: str, lr: float | None = None,
-                    seed: int | None = None, compensation: str = "none") -> list[str]:
+                    seed: int | None = None, compensation: str = "none", optimizer: str = "adamw") -> list[str]:
     global_batch = args.micro_batch * args.m  # w = 1
     lr = args.lr if lr is None else lr
     min_lr = args.min_lr * lr / args.lr  # the same decay ratio at every learning rate
@@ -134,20 +142,23 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
         cmd += args.model_flags
     if compensation != "none":
         cmd += ["--2bw-compensation", compensation, "--2bw-dc-lambda", str(args.dc_lambda)]
+    if optimizer == "muon":  # the matrices' peak lr, scheduled like --lr (warm-up, cosine, the same min ratio)
+        cmd += ["--optimizer", "muon", "--muon-lr", str(getattr(args, "muon_lr", MUON_LR) * lr / args.lr)]
     return cmd
 
 
 def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None, seed: int | None = None,
-            compensation: str = "none") -> dict:
+            compensation: str = "none", optimizer: str = "adamw") -> dict:
     seed = args.seeds[0] if seed is None else seed
     out_dir = os.path.join(args.out_dir, f"seed_{seed}") if lr is None else os.path.join(args.out_dir, f"lr_{lr:g}_seed_{seed}")
     os.makedirs(out_dir, exist_ok=True)
     tag = schedule if compensation == "none" else f"{schedule}_{compensation}"
+    tag = tag if optimizer == "adamw" else f"{optimizer}_{tag}"
     metrics = os.path.join(out_dir, f"metrics_{tag}.jsonl")
     log = os.path.join(out_dir, f"log_{tag}.txt")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr, seed, compensation)
+    cmd = trainer_command(args, schedule, data_prefix, tok_model, metrics, lr, seed, compensation, optimizer)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MEGATRON_2BW_FAULT_KILL_RANK", None)
     busy0, own0 = common.cpu_busy_seconds(), _children_cpu()
@@ -166,9 +177,11 @@ def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | N
             tail = "".join(f.readlines()[-15:])
         raise RuntimeError(f"{schedule}: trainer exited with status {rc} (log: {log}):\n{tail}")
     run = parse_metrics(metrics, args.smooth)
+    run_lr = args.lr if lr is None else lr
     run.update(schedule=schedule, seed=seed, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
                foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None, compensation=compensation,
-               d=getattr(args, "depth", 2))
+               d=getattr(args, "depth", 2), optimizer=optimizer,
+               muon_lr=getattr(args, "muon_lr", MUON_LR) * run_lr / args.lr if optimizer == "muon" else None)
     print(f"{tag} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
           f"{common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss {common.fmt(run['final_train_loss'], '.4f')}",
           flush=True)
@@ -462,7 +475,14 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
     speed = measured_speedup(ra.m)
     results = []
     for r in runs:
-        flush = next((x for x in runs if x["seed"] == r["seed"] and x["schedule"] == "flush"), None)
+        r.setdefault("optimizer", "adamw")
+    best_flush = {}  # per seed: the lowest Flush final validation loss of any optimizer
+    for r in runs:
+        if r["schedule"] == "flush" and r["final_valid_loss"] is not None:
+            best_flush[r["seed"]] = min(best_flush.get(r["seed"], math.inf), r["final_valid_loss"])
+    for r in runs:
+        flush = next((x for x in runs if x["seed"] == r["seed"] and x["schedule"] == "flush"
+                      and x["optimizer"] == r["optimizer"]), None)
         target = flush["final_train_loss"] if flush else None
         st = steps_to_target(r, target) if flush else None
         st_f = steps_to_target(flush, target) if flush else None
@@ -472,32 +492,52 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
         # the other way round: when Flush first reached this run's final loss, and the wall-time ratio there
         back = steps_to_target(flush, r["final_train_loss"]) if flush and r["schedule"] == "2bw" else None
         back_t = (r["steps"] / back) / speed["ratio"] if back and speed["ratio"] else None
+        best = best_flush.get(r["seed"])
         r.update(regime=name, steps_to_target=st, target_train_loss=target, time_to_target_vs_flush=ttl,
                  valid_loss_ratio_vs_flush=r["final_valid_loss"] / flush["final_valid_loss"] if flush else None,
+                 valid_loss_ratio_vs_best_flush=r["final_valid_loss"] / best if best else None,
                  flush_steps_to_this_loss=back, time_vs_flush_at_this_loss=back_t)
-        results.append({k: r.get(k) for k in ("regime", "schedule", "compensation", "seed", "final_valid_loss",
+        results.append({k: r.get(k) for k in ("regime", "optimizer", "schedule", "compensation", "seed", "final_valid_loss",
+                                               "valid_loss_ratio_vs_best_flush", "muon_lr",
                                                "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
                                                "time_to_target_vs_flush", "flush_steps_to_this_loss",
                                                "time_vs_flush_at_this_loss", "steps", "seconds", "d", "reused_from")})
-    flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush"]
-    spread = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
+    spreads = {}  # per optimizer: Flush's seed-to-seed spread (another optimizer's Flush is no seed noise)
+    for opt in dict.fromkeys(r["optimizer"] for r in runs):
+        flush_v = [r["final_valid_loss"] for r in runs if r["schedule"] == "flush" and r["optimizer"] == opt]
+        spreads[opt] = (max(flush_v) - min(flush_v)) / (sum(flush_v) / len(flush_v)) if len(flush_v) > 1 else None
+    spread = spreads.get("adamw")
     modes = {}
-    for c in ra.compensations:
-        rs = sorted((r for r in runs if r["schedule"] == "2bw" and r["compensation"] == c
-                     and r["valid_loss_ratio_vs_flush"] is not None), key=lambda r: r["seed"])
-        ratios = [r["valid_loss_ratio_vs_flush"] for r in rs]
-        modes[c] = {"seeds": [r["seed"] for r in rs], "valid_loss_ratio_per_seed": ratios,
-                    "valid_loss_ratio_mean": sum(ratios) / len(ratios) if ratios else None,
-                    "steps_to_target_per_seed": [r["steps_to_target"] for r in rs],
-                    "time_to_target_vs_flush_per_seed": [r["time_to_target_vs_flush"] for r in rs]}
+    for opt in getattr(ra, "optimizers", ["adamw"]):
+        for c in ra.compensations:
+            rs = sorted((r for r in runs if r["schedule"] == "2bw" and r["compensation"] == c and r["optimizer"] == opt
+                         and r["valid_loss_ratio_vs_flush"] is not None), key=lambda r: r["seed"])
+            if not rs:
+                continue
+            ratios = [r["valid_loss_ratio_vs_flush"] for r in rs]
+            best = [r["valid_loss_ratio_vs_best_flush"] for r in rs]
+            # adamw keeps the mode's bare name (the older files' key); another optimizer's is "optimizer/mode"
+            modes[c if opt == "adamw" else f"{opt}/{c}"] = {
+                "optimizer": opt, "compensation": c, "seeds": [r["seed"] for r in rs],
+                "valid_loss_ratio_per_seed": ratios,
+                "valid_loss_ratio_mean": sum(ratios) / len(ratios) if ratios else None,
+                "valid_loss_ratio_vs_best_flush_per_seed": best,
+                "valid_loss_ratio_vs_best_flush_mean": sum(best) / len(best) if best else None,
+                "steps_to_target_per_seed": [r["steps_to_target"] for r in rs],
+                "time_to_target_vs_flush_per_seed": [r["time_to_target_vs_flush"] for r in rs]}
     gb = ra.micro_batch * ra.m
     config = dict(preset=ra.preset, seq=ra.seq, d=sorted({r.get("d", ra.depth) for r in runs}) or [ra.depth], w=1, micro_batch=ra.micro_batch, m=ra.m, global_batch=gb,
                   iters=ra.iters, warmup=ra.warmup, lr=ra.lr, min_lr=ra.min_lr, lr_decay="cosine", weight_decay=0.01,
                   clip_grad=1.0, optimizer="adam (betas 0.9, 0.999)", precision="fp32", eval_interval=ra.eval_interval,
+                  optimizers=getattr(ra, "optimizers", ["adamw"]),
+                  muon="torch.optim.Muon's rule (momentum 0.95, Nesterov, 5 Newton-Schulz steps, shape scale "
+                       "'original') on the linear weights at --muon-lr, AdamW as above on the rest",
+                  muon_lr=getattr(ra, "muon_lr", MUON_LR),
                   eval_iters=ra.eval_iters, valid_sequences=ra.eval_iters * gb, seeds=ra.seeds, smooth_window=ra.smooth,
                   dc_lambda=ra.dc_lambda, compensations=ra.compensations)
     return {"results": results, "runs": sorted(runs, key=lambda r: (r["seed"], r["schedule"] != "flush", r["compensation"])),
-            "config": config, "flush_seed_spread": spread, "modes": modes, "measured_speedup": speed}
+            "config": config, "flush_seed_spread": spread, "flush_seed_spread_by_optimizer": spreads, "modes": modes,
+            "measured_speedup": speed}
 
 
 REGIME_KEYS = ("preset", "seq", "micro_batch", "m", "iters", "warmup", "lr", "min_lr", "eval_iters", "eval_interval")
@@ -511,10 +551,11 @@ def reused_runs(paths: list[str], ras: dict) -> dict[str, list[dict]]:
     seen = set()
 
     def take(name: str, r: dict, source: str, d) -> None:
-        key = (name, r["seed"], r["schedule"], r.get("compensation", "none"))
+        key = (name, r["seed"], r["schedule"], r.get("compensation", "none"), r.get("optimizer", "adamw"))
         if name in done and key not in seen:
             seen.add(key)
-            done[name].append(dict(r, compensation=r.get("compensation", "none"), reused_from=source))
+            done[name].append(dict(r, compensation=r.get("compensation", "none"), optimizer=r.get("optimizer", "adamw"),
+                                   reused_from=r.get("reused_from") or source))
             d = d[0] if isinstance(d, list) and len(d) == 1 else d
             done[name][-1].setdefault("d", d)
 
@@ -543,13 +584,16 @@ def main_regimes(args) -> int:
     data_dir = args.data_dir or os.path.join(ROOT, "demo_data")
     data_prefix, tok_model = ensure_data(data_dir, args.vocab or 8000, args.corpus_mb or 4)
     ras = {name: regime_args(args, name) for name in args.regimes}
-    jobs = [(name, sd, "flush", "none") for sd in args.seeds for name in args.regimes if "flush" in args.schedules]
-    jobs += [(name, sd, "2bw", c) for sd in args.seeds for name in args.regimes for c in args.compensations
-             if c not in args.first_seed_only or sd == args.seeds[0]]
+    opts = args.optimizers
+    jobs = [(name, sd, "flush", "none", o) for sd in args.seeds for name in args.regimes for o in opts
+            if "flush" in args.schedules]
+    jobs += [(name, sd, "2bw", c, o) for sd in args.seeds for name in args.regimes for o in opts for c in args.compensations
+             if (c not in args.first_seed_only or sd == args.seeds[0]) and not (o == "muon" and c == "predict")
+             and "2bw" in args.schedules]
     # seed by seed (each seed's Flush first), the first-seed-only modes last
     jobs.sort(key=lambda j: (j[3] in args.first_seed_only, args.seeds.index(j[1])))
     done = reused_runs(args.resume_from or [], ras)
-    have = {(n, r["seed"], r["schedule"], r["compensation"]) for n, runs in done.items() for r in runs}
+    have = {(n, r["seed"], r["schedule"], r["compensation"], r["optimizer"]) for n, runs in done.items() for r in runs}
     jobs = [j for j in jobs if j not in have]
     missing = len(jobs) if args.merge_only else 0
     if args.merge_only:
@@ -567,17 +611,20 @@ def main_regimes(args) -> int:
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, args.parallel_runs)) as pool:
-        futs = {pool.submit(run_one, ras[n], sch, data_prefix, tok_model, None, sd, c): n for n, sd, sch, c in jobs}
+        futs = {pool.submit(run_one, ras[n], sch, data_prefix, tok_model, None, sd, c, o): n for n, sd, sch, c, o in jobs}
         for fut in as_completed(futs):
             done[futs[fut]].append(fut.result())
             write(False)
     out = write(missing == 0)
     for name, reg in out["regimes"].items():
-        print(f"\n{name}: Flush seed spread {common.fmt(reg['flush_seed_spread'], '.4f')}; speedup 2BW/Flush "
+        flushes = {(r["optimizer"], r["seed"]): round(r["final_valid_loss"], 4) for r in reg["runs"] if r["schedule"] == "flush"}
+        print(f"\n{name}: Flush final valid loss by (optimizer, seed) {flushes}")
+        print(f"{name}: Flush seed spread {common.fmt(reg['flush_seed_spread'], '.4f')}; speedup 2BW/Flush "
               f"{common.fmt(reg['measured_speedup']['ratio'], '.3f')} (m={reg['measured_speedup']['m']})")
         for c, mo in reg["modes"].items():
             print(f"  2bw {c:8s} valid ratio per seed {[round(x, 4) for x in mo['valid_loss_ratio_per_seed']]} mean "
-                  f"{common.fmt(mo['valid_loss_ratio_mean'], '.4f')}; steps to Flush's final loss "
+                  f"{common.fmt(mo['valid_loss_ratio_mean'], '.4f')} (vs the best Flush: "
+                  f"{common.fmt(mo.get('valid_loss_ratio_vs_best_flush_mean'), '.4f')}); steps to Flush's final loss "
                   f"{mo['steps_to_target_per_seed']}", flush=True)
     if args.png:
         plot_regimes(out, args.png)
@@ -585,7 +632,8 @@ def main_regimes(args) -> int:
 
 
 MODE_STYLE = {("flush", "none"): ("tab:orange", "PipeDream-Flush"), ("2bw", "none"): ("tab:blue", "2BW"),
-              ("2bw", "predict"): ("tab:green", "2BW + predict"), ("2bw", "dc"): ("tab:red", "2BW + dc")}
+              ("2bw", "predict"): ("tab:green", "2BW + predict"), ("2bw", "dc"): ("tab:red", "2BW + dc"),
+              ("2bw", "ef"): ("tab:purple", "2BW + ef")}
 
 
 def plot_regimes(data: dict, path: str) -> None:
@@ -603,10 +651,13 @@ def plot_regimes(data: dict, path: str) -> None:
         lo = []
         for r in sorted(reg["runs"], key=lambda r: r["compensation"] == "dc"):  # dc (often on plain 2BW's) on top
             color, label = MODE_STYLE.get((r["schedule"], r["compensation"]), ("gray", r["schedule"]))
+            if r.get("optimizer", "adamw") != "adamw":
+                label = f"{r['optimizer']} {label}"
             k = seeds.index(r["seed"])
             c = r["curve"]
             dotted = r["compensation"] == "dc"  # dotted: visible where it lies on plain 2BW's curve
-            ax.plot(c["step"], c["train_loss_smoothed"], (":" if dotted else "-") if k == 0 else "--", color=color,
+            muon = r.get("optimizer") == "muon"  # Muon: dash-dotted lines
+            ax.plot(c["step"], c["train_loss_smoothed"], "-." if muon else (":" if dotted else "-") if k == 0 else "--", color=color,
                     lw=2.0 if dotted else 1.3, label=f"{label} seed {r['seed']}" + (f" (d={r['d']})" if r.get("d") else ""))
             ax.plot(r["valid"]["step"], r["valid"]["loss"], "o" if k == 0 else "s", color=color, ms=3.5,
                     mfc=color if k == 0 else "none")
@@ -669,7 +720,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regimes", nargs="+", choices=tuple(REGIMES), default=None,
                    help="run these regimes' settings (REGIMES) instead of the flags above, every --compensations mode, "
                         "and write {'results': [...], 'regimes': {...}} (see main_regimes)")
-    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc"), default=["none"],
+    p.add_argument("--optimizers", nargs="+", choices=("adamw", "muon"), default=["adamw"],
+                   help="--regimes: optimizers to run (muon: --optimizer muon, Muon on the linear weights at --muon-lr; "
+                        "its Flush run is its own reference; predict is AdamW/SGD only and skipped for muon)")
+    p.add_argument("--muon-lr", type=float, default=MUON_LR, help="--regimes: peak lr of Muon's matrices")
+    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc", "ef"), default=["none"],
                    help="2BW's --2bw-compensation modes to run (one 2BW run per mode and seed)")
     p.add_argument("--dc-lambda", type=float, default=0.04, help="--2bw-dc-lambda of the dc runs")
     p.add_argument("--depth", type=int, default=2, help="pipeline depth d (2BW's update rule does not depend on it)")

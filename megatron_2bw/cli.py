@@ -193,6 +193,10 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         _require(len(given) < 2, "--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 contradict each other")
         if given:
             switches[target] = given.pop()
+    nesterov = {f.const for f in _switched(args, "optimizer.muon_nesterov")}
+    _require(len(nesterov) < 2, "--muon-nesterov and --no-muon-nesterov contradict each other")
+    if nesterov:
+        switches["muon_nesterov"] = nesterov.pop()
     return OptimizerConfig(**_fields(args, "optimizer"), **switches, dtype=dtype)
 
 
@@ -258,7 +262,7 @@ def build_config(
     parallel, pipe, B = layout_configs(layout, model, args.global_batch_size, world_size,
                                        args.p2p_mode)
     given = _fields(args, "pipeline")
-    pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda") or "recompute_" in k})
+    pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda", "ef_scale") or "recompute_" in k})
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
     if layout.distributed_optimizer:  # the planner's choice (--auto-plan)
         opt = replace(opt, use_distributed_optimizer=True)

@@ -254,7 +254,9 @@ class ParallelConfig:
 
 P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
-COMPENSATIONS = ("none", "predict", "dc")  # 2BW stale-gradient compensation (pipeline/compensation.py)
+OPTIMIZERS = ("adam", "sgd", "muon")  # optimizer/flat.py, optimizer/muon.py
+MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+COMPENSATIONS = ("none", "predict", "dc", "ef")  # 2BW stale-gradient compensation (pipeline/compensation.py)
 CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint.py)
 # elements per message when the distributed optimizer's state is gathered for a torch-format save: the
 # only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
@@ -275,6 +277,7 @@ class PipelineConfig:
     p2p_mode: str = "auto"
     compensation: str = "none"  # 2BW only: none, predict (weight prediction) or dc (delay-compensated gradient)
     dc_lambda: float = 0.04  # lambda of compensation "dc"
+    ef_scale: float = 1.0  # gamma of compensation "ef": g_t + gamma * (g_t - g_{t-1})
     # transformer layers of each stage (models/stages.py); None: the even split
     layer_split: tuple[int, ...] | None = None
     # recomputation inside a stage (pipeline/recompute_policy.py); ``recompute`` re-runs whole stages
@@ -303,6 +306,8 @@ class PipelineConfig:
         )
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
                  f"--2bw-dc-lambda must be finite and >= 0, got {self.dc_lambda}")
+        _require(math.isfinite(self.ef_scale) and self.ef_scale >= 0,
+                 f"--2bw-ef-scale must be finite and >= 0, got {self.ef_scale}")
 
     def check_depth(self, d: int) -> None:
         """Refuse fewer microbatches per step than the schedule needs at depth ``d``."""
@@ -335,6 +340,12 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.0
+    # --optimizer muon (optimizer/muon.py): Muon on the tensor-parallel linear weights, AdamW elsewhere
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_lr: float | None = None  # the matrices' peak learning rate; None: --lr
+    muon_adjust_lr_fn: str = "original"  # torch.optim.Muon's shape scale: original or match_rms_adamw
     clip_grad: float = 1.0  # 0 disables clipping
     dtype: str = "fp32"
     loss_scale: float | None = None  # fp16: None = dynamic scaling
@@ -350,7 +361,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        _require(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         _require(self.dtype in DTYPES, f"precision must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require_finite(self)
         _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
@@ -360,7 +371,16 @@ class OptimizerConfig:
                  f"--adam-eps must be positive (it keeps Adam's denominator off zero), got {self.adam_eps}")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "--adam-beta1/2 must be in [0, 1)")
         _require(0 <= self.sgd_momentum < 1, f"--sgd-momentum must be in [0, 1), got {self.sgd_momentum}")
+        self._check_muon()
         self._check_loss_scale()
+
+    def _check_muon(self) -> None:
+        _require(0 <= self.muon_momentum < 1, f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
+        _require(isinstance(self.muon_ns_steps, int) and 1 <= self.muon_ns_steps < 100,
+                 f"--muon-ns-steps must be an integer in [1, 100), got {self.muon_ns_steps}")
+        _require(self.muon_lr is None or self.muon_lr >= 0, f"--muon-lr must be >= 0, got {self.muon_lr}")
+        _require(self.muon_adjust_lr_fn in MUON_ADJUST_LR_FNS,
+                 f"--muon-adjust-lr-fn must be one of {', '.join(MUON_ADJUST_LR_FNS)}, got {self.muon_adjust_lr_fn!r}")
 
     def _check_loss_scale(self) -> None:
         s = self.loss_scale
@@ -606,6 +626,8 @@ class RunConfig:
         _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),
                  "--use-distributed-optimizer does not support --2bw-compensation predict (its predicted weights "
                  "would need a full gather at every drain); use dc or none")
+        _require(not (self.optimizer.optimizer == "muon" and self.pipeline.compensation == "predict"),
+                 "--2bw-compensation predict extrapolates Adam or SGD steps only: use ef or dc with --optimizer muon")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

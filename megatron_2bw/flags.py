@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, NORMALIZATIONS, P2P_MODES, POSITION_EMBEDDING_TYPES
+from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
+                     P2P_MODES, POSITION_EMBEDDING_TYPES)
 from .models.presets import GPT2_VOCAB, PRESETS
 from .models.stages import format_split, parse_split
 from .pipeline.schedules import SCHEDULE_NAMES
@@ -112,8 +113,10 @@ FLAGS: tuple[Flag, ...] = (
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),
     Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS, default="none",
-         help="2BW's stale gradient: predict (run on predicted weights; fp32: +1 weight copy) or dc (DC-ASGD)"),
+         help="2BW's stale gradient: predict (run on predicted weights; fp32: +1 weight copy), dc (DC-ASGD) or "
+              "ef (delay correction g_t + gamma * (g_t - g_{t-1}); +4 bytes per parameter)"),
     Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04, help="dc: g + lambda * g * g * (W(t) - W(t-1))"),
+    Flag("--2bw-ef-scale", "pipeline.ef_scale", PAR, float, 1.0, help="ef: gamma of g_t + gamma * (g_t - g_{t-1})"),
     Flag("--pipeline-no-flushes", "pipeline.schedule", PAR, const="2bw", alias=True,
          help="2021 spelling of --pipeline-schedule 2bw"),
     Flag("--gpipe", "pipeline.schedule", PAR, const="gpipe", alias=True,
@@ -143,7 +146,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--exit-signal", "training.exit_signal", TRAIN, default="SIGUSR1", help="handled like SIGTERM"),
     Flag("--exit-duration-in-mins", "training.exit_duration_in_mins", TRAIN, float, help=_DURATION_HELP),
     Flag("--max-skipped-steps", "training.max_skipped_steps", TRAIN, int, help=_SKIP_HELP),
-    Flag("--optimizer", "optimizer.optimizer", OPT, choices=("adam", "sgd"), default="adam"),
+    Flag("--optimizer", "optimizer.optimizer", OPT, choices=OPTIMIZERS, default="adam",
+         help="adam (AdamW), sgd, or muon (Muon on the transformer's linear weights, AdamW on the rest)"),
     Flag("--lr", ("optimizer.lr", "lr.lr"), OPT, float, required=True),
     Flag("--min-lr", "lr.min_lr", OPT, float, 0.0),
     Flag("--lr-decay-style", "lr.decay_style", OPT, choices=DECAY_STYLES, default="linear"),
@@ -158,6 +162,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--adam-beta2", "optimizer.adam_beta2", OPT, float, 0.999),
     Flag("--adam-eps", "optimizer.adam_eps", OPT, float, 1e-8),
     Flag("--sgd-momentum", "optimizer.sgd_momentum", OPT, float, 0.9),
+    Flag("--muon-momentum", "optimizer.muon_momentum", OPT, float, 0.95, help="muon: momentum of the matrices"),
+    Flag("--muon-nesterov", "optimizer.muon_nesterov", OPT, const=True, help="muon: Nesterov momentum (the default)"),
+    Flag("--no-muon-nesterov", "optimizer.muon_nesterov", OPT, const=False, help="muon: plain momentum"),
+    Flag("--muon-use-nesterov", "optimizer.muon_nesterov", OPT, const=True, alias=True,
+         help="Megatron-LM's spelling of --muon-nesterov"),
+    Flag("--muon-ns-steps", "optimizer.muon_ns_steps", OPT, int, 5, help="muon: Newton-Schulz iterations"),
+    Flag("--muon-num-ns-steps", "optimizer.muon_ns_steps", OPT, int, alias=True,
+         help="Megatron-LM's spelling of --muon-ns-steps"),
+    Flag("--muon-lr", "optimizer.muon_lr", OPT, float,
+         help="muon: the matrices' peak learning rate, scheduled like --lr (default: --lr)"),
+    Flag("--muon-adjust-lr-fn", "optimizer.muon_adjust_lr_fn", OPT, choices=MUON_ADJUST_LR_FNS, default="original",
+         help="muon: shape scale of the matrices' step, as torch.optim.Muon's adjust_lr_fn"),
     Flag("--fp16", "optimizer.dtype", OPT, const="fp16"),
     Flag("--bf16", "optimizer.dtype", OPT, const="bf16"),
     Flag("--loss-scale", "optimizer.loss_scale", OPT, float, help="fp16: a constant loss scale (default: dynamic)"),

@@ -56,10 +56,11 @@ def train_tiny(
     lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
     dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
     dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, opt_extra: dict | None = None, ef_scale: float = 1.0,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
-    ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``)."""
+    ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``);
+    ``opt_extra``: more ``OptimizerConfig`` fields (Muon's, the distributed optimizer)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
         state = build_state(t, d, w, torch.device("cpu"))
@@ -73,10 +74,11 @@ def train_tiny(
     spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker)
     m = global_batch // (micro * w)
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
-                          dc_lambda=dc_lambda)
+                          dc_lambda=dc_lambda, ef_scale=ef_scale)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12, sgd_momentum=sgd_momentum,
-                          **({} if distributed_optimizer is None else {"use_distributed_optimizer": distributed_optimizer}))
+                          **({} if distributed_optimizer is None else {"use_distributed_optimizer": distributed_optimizer}),
+                          **(opt_extra or {}))
     start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
     names = GlobalNames(start, tied=WORD)  # the head's copy of the word embedding is named as the original
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None

@@ -11,6 +11,7 @@ gradient that leaves the momentum buffer unchanged); ``dc`` gives the optimizer
 g + lambda * g * g * (W(t) - W(t-1)).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -25,7 +26,9 @@ from pipeline_harness import train_tiny
 
 STEPS, B, MICRO, WD = 6, 8, 2, 0.01
 # Adam's normalization amplifies last-bit differences of near-zero gradients by ~lr; keep it small
-LR = {"sgd": 1e-2, "adam": 1e-3}
+LR = {"sgd": 1e-2, "adam": 1e-3, "muon": 1e-3}  # muon: AdamW's part; the matrices take MUON_LR
+MUON_LR = 2e-2
+MUON = {"muon_lr": MUON_LR}
 
 
 def _predicted(newest: dict, opt: torch.optim.Optimizer, optimizer: str, momentum: float) -> dict:
@@ -51,9 +54,63 @@ def _predicted(newest: dict, opt: torch.optim.Optimizer, optimizer: str, momentu
     return {n: p.detach().clone() for n, p in copies.items()}
 
 
+MUON_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
+
+
+def _ns_fp32(grad, coefficients, steps, eps):
+    """torch.optim.Muon's Newton-Schulz iteration written out in fp32 (see :func:`fp32_newton_schulz`)."""
+    a, b, c = coefficients
+    x = grad.float().clone()
+    tall = grad.size(0) > grad.size(1)
+    x = x.T if tall else x
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def fp32_newton_schulz():
+    """Newton-Schulz in fp32 in torch.optim.Muon and in the engine: their bf16 rounding of U turns the
+    last-bit gradient differences of two code paths (engine vs functional_call) into ~1e-3 weight
+    differences within 6 steps (measured: 1.5e-3 in bf16, 5e-6 in fp32), which no tolerance derived
+    from the arithmetic covers. The bf16 path itself is compared with torch on equal inputs in test_muon."""
+    import torch.optim._muon as torch_muon
+
+    from megatron_2bw.optimizer import muon
+
+    saved = torch_muon._zeropower_via_newtonschulz, muon.NS_DTYPE
+    torch_muon._zeropower_via_newtonschulz, muon.NS_DTYPE = _ns_fp32, torch.float32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz, muon.NS_DTYPE = saved
+
+
+class _MuonAdamW:
+    """torch.optim.Muon on the transformer's linear weights, torch.optim.AdamW on the rest, stepped together."""
+
+    def __init__(self, named: dict, lr: float, muon_lr: float, momentum: float = 0.95, nesterov: bool = True) -> None:
+        mats = [p for n, p in named.items() if n.endswith(MUON_MATRICES)]
+        rest = [p for n, p in named.items() if not n.endswith(MUON_MATRICES)]
+        self.muon = torch.optim.Muon(mats, lr=muon_lr, weight_decay=WD, momentum=momentum, nesterov=nesterov)
+        self.adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": WD},
+                                        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                                       lr=lr, betas=(0.9, 0.99), eps=1e-8)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+
 def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, momentum: float = 0.0,
-                  steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    lr = LR[optimizer]
+                  steps: int = STEPS, stale: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``stale`` False: the flush schedule's rule (the gradient of W(t) updates W(t)).
+
+    ``ef`` (the delay correction): the optimizer gets g_t + lam * (g_t - g_prev), g_prev the gradient
+    of the previous step (none at step 0); written here from its definition in compensation.py."""
+    lr, stale_rule = LR[optimizer], stale
     cfg = get_preset("gpt-tiny")
     spec = ModelSpec(cfg, TPGroup(), 1234)
     model = nn.ModuleList(spec.build(0, spec.num_items))
@@ -63,15 +120,19 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
     decay = [p for p in newest.values() if p.dim() >= 2]
     no_decay = [p for p in newest.values() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = (torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-8) if optimizer == "adam"
-           else torch.optim.SGD(groups, lr=lr, momentum=momentum))
+    if optimizer == "muon":
+        opt = _MuonAdamW(newest, lr, MUON_LR)
+    else:
+        opt = (torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-8) if optimizer == "adam"
+               else torch.optim.SGD(groups, lr=lr, momentum=momentum))
+    prev: dict[str, torch.Tensor] = {}  # ef: the previous step's gradient
     versions = [{n: p.detach().clone() for n, p in newest.items()}]  # versions[v] = W(v)
     run_on = [versions[0]]  # run_on[v]: what version v's microbatches compute on (P(W(v)) with predict)
     g = torch.Generator().manual_seed(99)
     data = torch.randint(0, cfg.vocab_size, (B * steps, cfg.seq_length + 1), generator=g)
     losses = []
     for t in range(steps):
-        stale = {n: v.clone().requires_grad_(True) for n, v in run_on[max(t - 1, 0)].items()}
+        stale = {n: v.clone().requires_grad_(True) for n, v in run_on[max(t - 1, 0) if stale_rule else t].items()}
         total = 0.0
         for i in range(B // MICRO):
             batch = spec.make_batch(data[t * B + i * MICRO: t * B + (i + 1) * MICRO])
@@ -83,6 +144,10 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
         for n, gr in zip(names, grads):
             if compensation == "dc":  # W(t) - W(t-1), the two versions 2BW holds
                 gr = gr + lam * gr * gr * (versions[t][n] - versions[max(t - 1, 0)][n])
+            if compensation == "ef":
+                g_prev = prev.get(n)
+                prev[n] = gr
+                gr = gr if g_prev is None else gr + lam * (gr - g_prev)
             newest[n].grad = gr
         opt.step()  # the newest weights W(t) become W(t+1), using the gradient taken at W(t-1)
         versions.append({n: p.detach().clone() for n, p in newest.items()})
@@ -134,3 +199,30 @@ def test_single_process_compensation_equals_plain_pytorch_reference(optimizer, c
     # the compensation is really in effect: it moves the weights 10x beyond the tolerance
     plain = train_tiny("2bw", **kw)["params"]
     assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_single_process_ef_equals_plain_pytorch_reference(optimizer):
+    """``ef`` (g_t + gamma * (g_t - g_{t-1})) under AdamW and Muon, against the reference's own rule."""
+    kw = dict(steps=STEPS, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer], weight_decay=WD,
+              opt_extra=MUON if optimizer == "muon" else None)
+    with fp32_newton_schulz():
+        ref_losses, ref_params = reference_2bw(optimizer, "ef", 1.0)
+        got = train_tiny("2bw", compensation="ef", **kw)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    plain = train_tiny("2bw", **kw)["params"]
+    assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
+
+
+@pytest.mark.parametrize("schedule", ["flush", "2bw"])
+def test_single_process_muon_equals_torch_muon_and_adamw(schedule):
+    """--optimizer muon in the engine = torch.optim.Muon on the linear weights + torch.optim.AdamW on the rest."""
+    with fp32_newton_schulz():
+        ref_losses, ref_params = reference_2bw("muon", stale=schedule == "2bw")
+        got = train_tiny(schedule, steps=STEPS, global_batch=B, micro=MICRO, optimizer="muon", lr=LR["muon"],
+                         weight_decay=WD, opt_extra=MUON)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

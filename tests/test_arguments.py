@@ -129,3 +129,24 @@ def test_p2p_mode_flag():
     from megatron_2bw.config import PipelineConfig
     with pytest.raises(ConfigError, match="--p2p-mode"):
         PipelineConfig(p2p_mode="eager")
+
+
+def test_muon_and_ef_flags():
+    base = [*MINIMAL, "--model-preset", "gpt-tiny", "--pipeline-model-parallel-size", "2", "--optimizer", "muon"]
+    cfg = cfg_of([*base, "--muon-momentum", "0.9", "--no-muon-nesterov", "--muon-ns-steps", "3", "--muon-lr", "0.02",
+                  "--muon-adjust-lr-fn", "match_rms_adamw", "--2bw-compensation", "ef", "--2bw-ef-scale", "0.5"], world=2)
+    o = cfg.optimizer
+    assert (o.optimizer, o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, o.muon_lr, o.muon_adjust_lr_fn) == \
+        ("muon", 0.9, False, 3, 0.02, "match_rms_adamw")
+    assert cfg.pipeline.compensation == "ef" and cfg.pipeline.ef_scale == 0.5
+    d = cfg_of(base, world=2).optimizer
+    assert (d.muon_momentum, d.muon_nesterov, d.muon_ns_steps, d.muon_lr) == (0.95, True, 5, None)
+    mega = cfg_of([*base, "--muon-use-nesterov", "--muon-num-ns-steps", "4"], world=2).optimizer  # Megatron's spellings
+    assert mega.muon_nesterov and mega.muon_ns_steps == 4
+    for bad, msg in [(["--muon-nesterov", "--no-muon-nesterov"], "contradict"),
+                     (["--2bw-compensation", "predict"], "predict extrapolates Adam or SGD"),
+                     (["--muon-momentum", "1.5"], "--muon-momentum"), (["--2bw-ef-scale", "-1"], "--2bw-ef-scale")]:
+        with pytest.raises(ConfigError, match=msg):
+            cfg_of([*base, *bad], world=2)
+    with pytest.raises(ConfigError, match="only applies to --pipeline-schedule 2bw"):
+        cfg_of([*base, "--pipeline-schedule", "flush", "--2bw-compensation", "ef"], world=2)

@@ -155,3 +155,22 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
         assert c["tflops_per_device"] == pytest.approx(steps_per_s * fps / 1e12, rel=1e-9)
     assert checks["recompute replay gpt-tiny fp32"]["status"] == gpu_check.PASS
     assert checks["checkpoint resume gpt-tiny bf16"]["status"] == gpu_check.PASS
+
+
+def test_muon_throughput_quick(tmp_path):
+    """Muon vs AdamW (update, 2BW step at d = 2) and the t = 2 gather vs distributed Newton-Schulz: the schema,
+    and the two TP variants compute the same orthogonalization (to bf16 precision)."""
+    import muon_throughput
+
+    out = tmp_path / "muon.json"
+    assert muon_throughput.main(["--preset", "gpt-tiny", "--seq", "16", "--reps", "1", "--steps", "1", "--rounds", "1",
+                                 "--m", "2", "--json", str(out)]) == 0
+    data = _load(out)
+    assert {(r["stage"], r["optimizer"]) for r in data["update"]} == {(s, o) for s in (0, 1) for o in ("adam", "muon")}
+    assert all(r["update_s"] > 0 for r in data["update"]) and set(data["step_s_2bw_d2"]) == {"adam", "muon"}
+    muon = [r for r in data["update"] if r["optimizer"] == "muon"]
+    adam = [r for r in data["update"] if r["optimizer"] == "adam"]
+    assert all(m["state_bytes"] < a["state_bytes"] for m, a in zip(muon, adam))  # no second moment on the matrices
+    tp = data["tp2_one_layer"]
+    assert {"gather", "distributed", "allgather_only", "local"} <= set(tp)
+    assert tp["max_rel_diff_gather_vs_distributed"] < 0.1

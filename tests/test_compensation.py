@@ -15,7 +15,7 @@ from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import sized_weights
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
-from test_2bw_semantics import B, DC_LAMBDA, LR, MICRO, STEPS, WD, reference_2bw
+from test_2bw_semantics import B, DC_LAMBDA, LR, MICRO, MUON, STEPS, WD, fp32_newton_schulz, reference_2bw
 
 MODES = ("none", "predict", "dc")
 LAYOUTS = [(1, 2, 1), (1, 1, 2), (1, 2, 2)]  # (t, d, w); (1, 1, 1) is test_2bw_semantics
@@ -97,3 +97,68 @@ def test_refusals():
     w = sized_weights(64, dtype=torch.float32, device=torch.device("cpu"), params_per_view=16)
     with pytest.raises(ConfigError, match="needs a momentum"):
         Updater(w, OptimizerConfig("sgd", sgd_momentum=0.0), "predict")
+
+
+# --------------------------------------------------------------------------- ef, every optimizer
+EF_LAYOUTS = [(1, 2, 1), (2, 2, 2)]  # (t, d, w); (1, 1, 1): test_2bw_semantics
+EF_OPTIMIZERS = ("adam", "muon")
+
+
+def _ef_kw(optimizer: str) -> dict:
+    return dict(steps=STEPS, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer], weight_decay=WD,
+                compensation="ef", opt_extra=MUON if optimizer == "muon" else None)
+
+
+def _ef_runs(layout):
+    with fp32_newton_schulz():  # Muon's comparison across code paths (test_2bw_semantics)
+        return {o: train_tiny("2bw", layout=layout, **_ef_kw(o)) for o in EF_OPTIMIZERS}
+
+
+@pytest.mark.parametrize("layout", EF_LAYOUTS, ids=lambda l: "t{}d{}w{}".format(*l))
+def test_ef_equals_reference_under_every_layout(layout):
+    """``ef`` (g_t + (g_t - g_{t-1})) under AdamW and Muon at (t, d, w), against the plain-PyTorch rule."""
+    t, d, w = layout
+    with fp32_newton_schulz():
+        refs = {o: reference_2bw(o, "ef", 1.0) for o in EF_OPTIMIZERS}
+    outs = run_workers(_ef_runs, t * d * w, layout, timeout=420)
+    for o in EF_OPTIMIZERS:
+        ref_losses, ref_params = refs[o]
+        for r in outs:
+            if r[o]["last"]:
+                torch.testing.assert_close(torch.tensor(r[o]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        seen = set()
+        for r in outs:
+            for name, p in r[o]["params"].items():
+                want = matching_shard(ref_params[name], p, r[o]["coords"][0], r[o]["t"])
+                _assert_close_ef(p, want, f"{o} {name}", LR[o] if t > 1 else 0.0)
+                seen.add(name)
+        assert seen == set(ref_params)
+
+
+def _assert_close_ef(got: torch.Tensor, want: torch.Tensor, what: str, amplified_lr: float) -> None:
+    """1e-5 (as the other layouts), except: at t > 1 (another summation order) an element whose corrected
+    gradient g_t + (g_t - g_{t-1}) is near zero has an AdamW step m / sqrt(v) that a last-bit change of the
+    gradient can move by up to ~lr per step; those few elements (<= 0.1%) are held to lr * STEPS."""
+    bad = (got - want).abs() > 1e-5 + 1e-4 * want.abs()
+    if amplified_lr == 0.0 or not bad.any():
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+        return
+    assert bad.float().mean().item() <= 1e-3, (what, int(bad.sum()))
+    assert (got - want).abs().max().item() <= amplified_lr * STEPS, what
+
+
+def test_ef_memory_is_one_fp32_gradient_per_parameter():
+    """The engine's optimizer state grows by 4 bytes per parameter with ef; the planner counts the same, on 2BW only."""
+    from megatron_2bw.planner.memory_model import ParamBytes
+
+    def state(mode, dtype="fp32"):
+        return train_tiny("2bw", dtype=dtype, compensation=mode, **dict(KW, steps=1))["stats"]["optimizer_bytes"]
+
+    numel = sum(p.numel() for p in train_tiny("2bw", **dict(KW, steps=1))["params"].values())
+    assert state("ef") == state("none") + 4 * numel
+    assert state("ef", "bf16") == state("none", "bf16") + 4 * numel
+    for precision in ("fp32", "bf16"):
+        assert ParamBytes.for_precision(precision, compensation="ef").stale_correction == 4
+    assert ParamBytes.for_precision("bf16", compensation="predict").stale_correction == 0
+    assert ParamBytes.for_precision("fp32", compensation="predict").stale_correction == 4
+    assert ParamBytes.for_precision("fp32", compensation="dc").stale_correction == 0

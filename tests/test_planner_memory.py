@@ -149,3 +149,17 @@ def test_selective_leaves_korthikanti_34sbh_on_the_real_2p2b_model():
     s, h, a, b = 512, 2304, 32, 4
     assert c.layer.core_stash_bytes == 5 * a * s * s * b
     assert c.layer.stash_bytes - c.layer.core_stash_bytes == s * b * h * 34
+
+
+def test_ef_state_is_counted_for_2bw_only_and_sharded():
+    """ef keeps one fp32 gradient per parameter (pipeline/compensation.py): +4 bytes on 2BW stages only,
+    sharded over w with the distributed optimizer like the optimizer state."""
+    ef = ParamBytes.for_precision("bf16", compensation="ef")
+    plain = ParamBytes.for_precision("bf16")
+    two, two_ef = (stage_memory(COSTS, cand("2bw"), L, 1, pb) for pb in (plain, ef))
+    assert two_ef.optimizer_state - two.optimizer_state == 200 * 4
+    flush, flush_ef = (stage_memory(COSTS, cand("flush"), L, 1, pb) for pb in (plain, ef))
+    assert flush_ef.total == flush.total
+    zero = Candidate(1, 4, 2, 1, 8, True, "2bw", distributed_optimizer=True)
+    assert (stage_memory(COSTS, zero, L, 1, ef).optimizer_state - stage_memory(COSTS, zero, L, 1, plain).optimizer_state
+            == 100 * 4)

@@ -1,4 +1,4 @@
-"""Stale-gradient compensation for PipeDream-2BW (``--2bw-compensation {none,predict,dc}``).
+"""Stale-gradient compensation for PipeDream-2BW (``--2bw-compensation {none,predict,dc,ef}``).
 
 Plain 2BW (``none``) computes step t's gradient on W(t-1) and applies it to W(t):
 ``W(t+1) = W(t) - lr * u(g_t(W(t-1)))`` (``u``: the optimizer's update). Both modes below keep
@@ -43,6 +43,26 @@ lambda0 of DC-ASGD's constant-lambda variant. Its relative size is ``lambda * |g
 token-averaged, norm-clipped gradients (|g| about 1e-4..1e-3 per element) and Adam steps of
 about lr, it is around 1e-8 of g at the default, so ``dc`` then trains like plain 2BW; it acts
 only with a far larger lambda, which nothing here tunes.
+
+``ef`` (delay correction in the error-feedback style, after Zmushko et al. 2026's description:
+the error a one-step delay makes is estimated and fed back into the gradient): the gradient 2BW
+applies at step t, ``g_t = grad f_t(W(t-1))``, misses the change of the gradient between W(t-1)
+and W(t). The last observed change over one step is ``e_t = g_t - g_{t-1}`` (``g_{t-1}`` taken
+at W(t-2)), and one step's weight change W(t) - W(t-1) is close to the one before it, so
+APPLY_UPDATE(t) feeds the optimizer ``g_t + gamma * e_t``, elementwise, with ``gamma`` =
+``--2bw-ef-scale`` (default 1: the linear extrapolation of the gradient one step ahead). ``g``
+is the unscaled, clipped gradient, as for ``dc`` (the global norm and the clipping are the
+uncorrected gradient's; an overflow skips the step and leaves ``g_{t-1}`` as it was, the last
+applied gradient). The first applied step has no ``g_{t-1}`` and is not corrected. The
+optimizer never sees the uncorrected gradient, so this serves every optimizer (AdamW's moments
+and Muon's momentum accumulate the corrected gradient; Muon then orthogonalizes it). Because
+``e_t`` subtracts two minibatches' gradients it also carries their noise: a momentum absorbs
+much of it, and ``gamma`` < 1 trades correction for noise.
+
+Memory: one fp32 buffer of ``g_{t-1}`` per parameter (this rank's shard with the distributed
+optimizer): 4 bytes per parameter, counted by the planner's memory model as optimizer state,
+saved in checkpoints with the optimizer state (key ``ef_prev_grad``), so a resume is bitwise.
+Neither gradient buffer can hold it: 2BW's two buffers are taken by steps t and t+1.
 """
 
 from __future__ import annotations
@@ -57,13 +77,16 @@ from ..optimizer.flat import FlatAdam, FlatSGD
 
 CHUNK = 1 << 20  # elements per pass: bounds the temporaries to a few MB
 
-__all__ = ["CHUNK", "COMPENSATIONS", "check_compensation", "dc_correct", "predict"]
+__all__ = ["CHUNK", "COMPENSATIONS", "check_compensation", "dc_correct", "ef_correct", "predict"]
 
 
 def check_compensation(mode: str, optimizer: FlatAdam | FlatSGD) -> None:
     """Refuse a mode the optimizer cannot support, in one line."""
     if mode not in COMPENSATIONS:
         raise ConfigError(f"--2bw-compensation must be one of {', '.join(COMPENSATIONS)}, got {mode!r}")
+    if mode == "predict" and not isinstance(optimizer, (FlatAdam, FlatSGD)):
+        raise ConfigError("--2bw-compensation predict extrapolates Adam or SGD steps only: use ef or dc with "
+                          "--optimizer muon")
     if mode == "predict" and isinstance(optimizer, FlatSGD) and optimizer.buf is None:
         raise ConfigError("--2bw-compensation predict needs a momentum to extrapolate with: use Adam or --sgd-momentum > 0")
 
@@ -107,3 +130,18 @@ def dc_correct(grad: torch.Tensor, newest: torch.Tensor, older: torch.Tensor, la
         g = grad[lo:hi]
         delta = newest[lo:hi].float() - older[lo:hi].float()
         g.add_(delta.mul_(g).mul_(g), alpha=lam)
+
+
+def ef_correct(grad: torch.Tensor, prev: torch.Tensor, has_prev: bool, gamma: float) -> None:
+    """grad += gamma * (grad - prev) and prev = the uncorrected grad, in place (fp32); without a
+    previous gradient only ``prev`` is written."""
+    if not has_prev:
+        prev.copy_(grad)
+        return
+    n = grad.numel()
+    for lo in range(0, n, CHUNK):
+        hi = min(lo + CHUNK, n)
+        g, p = grad[lo:hi], prev[lo:hi]
+        err = torch.sub(g, p)
+        p.copy_(g)
+        g.add_(err, alpha=gamma)

@@ -110,7 +110,8 @@ class PipelineStage:
             has_embedding_group=state.d > 1 and state.embedding_group is not None, device=state.device,
             shard=ShardLayout(self.weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
         )
-        self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer)
+        self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer,
+                               tp=(state.tp_group, state.tp_rank, state.t), ef_scale=pipe.ef_scale)
         self.saved = SavedBytes(self.weights.storages)
         self.stats = StageStats(
             stage=state.pp_rank, weight_versions=self.weights.num_versions,

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .zero import ShardLayout, all_gather, reduce_scatter
+from .zero import ShardLayout, _all_gather as _all_gather_into, all_gather, reduce_scatter
 
 
 def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -158,6 +158,15 @@ class GradReducer:
         job = _Job(-1, lambda: all_gather(padded, self.shard, self.dp_group), keep=(padded,))
         self._gathers[slot] = job
         self._issue(job, padded)
+
+    def gather_shards(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``shard`` (its range of a padded buffer), concatenated: an all-gather over the
+        data-parallel group issued on the ordered channel and waited for (``--optimizer muon``)."""
+        out = shard.new_empty(self.shard.w * shard.numel())
+        job = _Job(-1, lambda: _all_gather_into(out, shard, self.dp_group), keep=(out, shard))
+        self._issue(job, shard)
+        self._wait(job)
+        return out
 
     def wait_slot(self, slot: int) -> None:
         """Wait until weight buffer ``slot`` holds every shard (no-op without a pending gather)."""

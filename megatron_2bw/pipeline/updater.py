@@ -11,7 +11,7 @@ global norm; the loss scaler then lowers the scale. Each step uses one loss scal
 stage: the scale current when the step's first backward ran (:meth:`loss_scale`).
 
 With a stale-gradient compensation (:mod:`.compensation`): ``dc`` corrects the unscaled, clipped
-gradient with the two versions before the optimizer sees it; ``predict`` keeps the newest weights
+gradient with the two versions before the optimizer sees it, ``ef`` with the previous step's; ``predict`` keeps the newest weights
 in the fp32 master (created in fp32 too) and writes P(W(t+1)) into ``slot(t + 1)`` instead.
 
 With the distributed optimizer (a reducer with a :class:`~.zero.ShardLayout`, data-parallel
@@ -35,7 +35,8 @@ from ..config import OptimizerConfig
 from ..errors import ConfigError
 from ..optimizer.flat import build_optimizer
 from ..optimizer.loss_scaler import build_scaler
-from .compensation import check_compensation, dc_correct, predict
+from ..optimizer.muon import MuonMatrix
+from .compensation import check_compensation, dc_correct, ef_correct, predict
 from .grad_reducer import GradReducer, grad_sumsq
 from .weights import StageWeights
 from .zero import gather_full
@@ -60,7 +61,8 @@ class Updater:
     """Owns the optimizer, the loss scaler and the fp32 master copy of a :class:`StageWeights`."""
 
     def __init__(self, weights: StageWeights, opt: OptimizerConfig, compensation: str = "none",
-                 dc_lambda: float = 0.0, reducer: GradReducer | None = None) -> None:
+                 dc_lambda: float = 0.0, reducer: GradReducer | None = None,
+                 tp: tuple[object, int, int] = (None, 0, 1), ef_scale: float = 1.0) -> None:
         self.weights, self.opt = weights, opt
         # the distributed optimizer: the reducer's shard layout and ordered channel (None: unsharded)
         self.reducer = reducer if reducer is not None and reducer.shard is not None else None
@@ -69,15 +71,31 @@ class Updater:
             raise ConfigError("--2bw-compensation predict cannot be combined with --use-distributed-optimizer")
         numel, n_decay = (self.shard.size, self.shard.decay_prefix(weights.n_decay)) if self.shard is not None \
             else (weights.numel, weights.n_decay)
-        self.optimizer = build_optimizer(opt, numel, n_decay, weights.device)
+        self.optimizer = build_optimizer(opt, numel, n_decay, weights.device,
+                                         muon=self._muon_layout(tp) if opt.optimizer == "muon" else None)
         check_compensation(compensation, self.optimizer)
-        self.compensation, self.dc_lambda = compensation, dc_lambda
+        self.compensation, self.dc_lambda, self.ef_scale = compensation, dc_lambda, ef_scale
+        # ef: the previous applied step's unscaled, clipped gradient (this rank's shard), fp32
+        self.ef_prev = torch.zeros(numel, dtype=torch.float32, device=weights.device) if compensation == "ef" else None
+        self.ef_has_prev = False
         self.scaler = build_scaler(opt)
         # fp32 master copy of the newest weights (of this rank's shard) when they are kept in lower
         # precision, or when the version buffers hold predicted weights
         keep = weights.dtype != torch.float32 or compensation == "predict"
         self.master = self._weights(0).to(torch.float32, copy=True) if keep else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
+
+    def _muon_layout(self, tp: tuple[object, int, int]) -> dict:
+        """What :class:`~..optimizer.muon.FlatMuon` needs to know about the stage: its matrices (in
+        stage coordinates), the tensor-parallel group, and this rank's shard and its gather."""
+        w = self.weights
+        matrices = [MuonMatrix(o, tuple(shape), dim if split and tp[2] > 1 else None)
+                    for o, shape, dim, split in zip(w.offsets, w.shapes, w.partition_dims, w.tp_split)
+                    if dim is not None]
+        kw = {"matrices": matrices, "total": w.numel, "tp": tp, "n_decay": w.n_decay}
+        if self.shard is not None:
+            kw.update(lo=self.shard.lo, gather=self.reducer.gather_shards)
+        return kw
 
     def loss_scale(self, step: int) -> float:
         """The loss scale of ``step``: fixed at the first call for that step, until it is applied."""
@@ -124,6 +142,9 @@ class Updater:
         g32.mul_(mult)
         if self.compensation == "dc" and two_versions:  # w_dst still holds W(t-1)
             dc_correct(g32, w_src, w_dst, self.dc_lambda)
+        if self.ef_prev is not None:
+            ef_correct(g32, self.ef_prev, self.ef_has_prev, self.ef_scale)
+            self.ef_has_prev = True
         if self.master is not None:
             self.optimizer.update(self.master, self.master, g32, lr)
             if self.compensation != "predict":
@@ -160,8 +181,11 @@ class Updater:
     @property
     def state_bytes(self) -> int:
         """Bytes of optimizer state (the master copy not included)."""
+        if hasattr(self.optimizer, "state_bytes"):
+            return self.optimizer.state_bytes + (self.ef_prev.numel() * 4 if self.ef_prev is not None else 0)
+        ef = self.ef_prev.numel() * 4 if self.ef_prev is not None else 0
         sd = self.optimizer.state_dict()
-        return sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+        return ef + sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
 
     @property
     def master_bytes(self) -> int:
@@ -182,10 +206,13 @@ class Updater:
         tensors where they are on the CPU already. Never a copy on the device (gpu-review C4)."""
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
+        state = dict(self.optimizer.state_dict())
+        if self.ef_prev is not None:  # ef's previous gradient: per parameter, so it is kept by name too
+            state.update(ef_prev_grad=self.ef_prev, ef_has_prev=self.ef_has_prev)
         return {
             "master": self._full(self.master, everywhere, copy) if self.master is not None else None,
             "optimizer": {k: (self._full(v, everywhere, copy) if isinstance(v, torch.Tensor) else v)
-                          for k, v in self.optimizer.state_dict().items()},
+                          for k, v in state.items()},
             "scaler": self.scaler.state_dict(),
         }
 
@@ -196,8 +223,14 @@ class Updater:
         if self.master is not None and sd.get("master") is not None:
             self.master.copy_(take(sd["master"]))
         if sd.get("optimizer") is not None:
+            state = dict(sd["optimizer"])
+            prev, has_prev = state.pop("ef_prev_grad", None), bool(state.pop("ef_has_prev", False))
+            if self.ef_prev is not None:  # a state without it (another compensation's) starts ef afresh
+                self.ef_has_prev = prev is not None and has_prev
+                if self.ef_has_prev:
+                    self.ef_prev.copy_(take(prev))
             self.optimizer.load_state_dict({k: (take(v) if isinstance(v, torch.Tensor) else v)
-                                            for k, v in sd["optimizer"].items()})
+                                            for k, v in state.items()})
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
 

@@ -93,6 +93,10 @@ class StageWeights:
         # reduce-scatter and all-gather run on the buffers themselves (``flat`` is the unpadded view)
         self.padded_numel = -(-self.numel // shards) * shards
         self.n_decay = sum(n for (_, p), n in zip(named, self.sizes) if p.dim() >= 2)
+        # per parameter: the split dimension of a tensor-parallel linear weight (Megatron's
+        # ``partition_dim``; None elsewhere) and whether it is split here (``--optimizer muon``)
+        self.partition_dims = [getattr(p, "partition_dim", None) if p.dim() == 2 else None for _, p in named]
+        self.tp_split = [bool(getattr(p, "tensor_parallel", False)) for _, p in named]
         self.dtype, self.device, self.num_versions = dtype, device, num_versions
 
         self.slots: list[nn.ModuleList] = []

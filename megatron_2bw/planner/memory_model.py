@@ -26,6 +26,10 @@ What real runs also pay, and the paper's formula leaves out:
   step t's gradient is reduced; ``ScheduleSpec.grad_buffers``). fp32 training: 4 + 4 + 0 + 8.
   With fp32 gradient accumulation (``--accumulate-allreduce-grads-in-fp32``, the default for bf16,
   ``OptimizerConfig.fp32_grads``) each gradient buffer holds 4 bytes per parameter.
+- A 2BW stale-gradient compensation's own state (``ParamBytes.stale_correction``, charged to 2BW
+  candidates only): ``ef`` keeps the previous step's fp32 gradient (4 bytes per parameter, sharded
+  like the optimizer state); ``predict`` in fp32 keeps an fp32 copy of the newest weights (4; in
+  bf16/fp16 the master it uses exists anyway: 0); ``dc`` nothing (pipeline/compensation.py).
 - The distributed optimizer (``--use-distributed-optimizer``, ZeRO-1): each of the ``w`` replicas of
   a stage keeps the master and the optimizer state of one contiguous shard of ``ceil(N/w)`` elements
   of the stage's flat parameter buffer (the last shard padded to the same size); weights (every
@@ -110,15 +114,18 @@ class ParamBytes:
     grad: int = 2
     master: int = 4
     optimizer_state: int = 8
+    stale_correction: int = 0  # the 2BW compensation's state (2BW candidates only; module docstring)
 
     @classmethod
-    def for_precision(cls, precision: str, fp32_grads: bool | None = None) -> "ParamBytes":
-        """The copies of ``precision``; ``fp32_grads`` None: that precision's default accumulation."""
+    def for_precision(cls, precision: str, fp32_grads: bool | None = None, compensation: str = "none") -> "ParamBytes":
+        """The copies of ``precision``; ``fp32_grads`` None: that precision's default accumulation;
+        ``compensation``: the run's ``--2bw-compensation``."""
+        if precision not in ("fp16", "bf16", "fp32"):
+            raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
+        extra = 4 if compensation == "ef" or (compensation == "predict" and precision == "fp32") else 0
         if precision in ("fp16", "bf16"):
-            return cls(2, 4 if fp32_grads_for(precision, fp32_grads) else 2, 4, 8)
-        if precision == "fp32":
-            return cls(4, 4, 0, 8)
-        raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
+            return cls(2, 4 if fp32_grads_for(precision, fp32_grads) else 2, 4, 8, extra)
+        return cls(4, 4, 0, 8, extra)
 
     @property
     def per_param(self) -> int:
@@ -272,6 +279,12 @@ def workspace_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int,
     return _workspace(costs, stage_slice(num_layers, d, stage, split))
 
 
+def _stale_correction(cand: Candidate, param_bytes: ParamBytes) -> int:
+    """Bytes per (sharded) parameter of the 2BW compensation: only schedules with a stale gradient pay it."""
+    stale = cand.schedule != SEQUENTIAL and get_schedule(cand.schedule).stale_steps > 0
+    return param_bytes.stale_correction if stale else 0
+
+
 def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int,
                  param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
     """Bytes per GPU of stage ``stage`` holding ``part``, term by term."""
@@ -284,7 +297,7 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
         grads=grad_buffers(cand.schedule) * p * param_bytes.grad,
         master=shard * param_bytes.master,
-        optimizer_state=shard * param_bytes.optimizer_state,
+        optimizer_state=shard * (param_bytes.optimizer_state + _stale_correction(cand, param_bytes)),
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
         save=save_bytes(shard, cand),

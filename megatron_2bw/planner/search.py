@@ -66,6 +66,7 @@ class PlanRequest:
     fp32_grads: bool | None = None
     # the distributed optimizer off/on, tried where w > 1; (False,): the paper's replicated optimizer
     distributed_optimizer_options: tuple[bool, ...] = (False, True)
+    compensation: str = "none"  # --2bw-compensation: its state is counted for 2BW candidates
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -84,7 +85,7 @@ class PlanRequest:
 
     @property
     def param_bytes(self) -> ParamBytes:
-        return ParamBytes.for_precision(self.precision, self.fp32_grads)
+        return ParamBytes.for_precision(self.precision, self.fp32_grads, self.compensation)
 
     @property
     def accumulates_in_fp32(self) -> bool:

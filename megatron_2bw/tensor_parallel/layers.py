@@ -3,7 +3,8 @@
 Weights are created full with ``init.normal_full`` and sliced, so a layer at t = 4 holds exactly
 the rows/columns of the dense layer that its rank owns. Parameters that are sharded carry
 ``tensor_parallel = True``; the rest are replicated across the tensor group (gradient norms count
-them once).
+them once). The linear layers' weights also carry Megatron's ``partition_dim`` (0: split by rows,
+1: by columns), which marks them as the hidden matrices ``--optimizer muon`` orthogonalizes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
         full = full_weight if full_weight is not None else normal_full((out_features, in_features), std, seed, name)
         self.weight = _mark(nn.Parameter(shard(full, 0, tp.rank, tp.size)), tp.size > 1)
+        self.weight.partition_dim = 0
         self.bias = _mark(nn.Parameter(torch.zeros(out_features // tp.size)), tp.size > 1) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +100,7 @@ class RowParallelLinear(nn.Module):
         self.tp, self.sequence_parallel = tp, sequence_parallel
         full = normal_full((out_features, in_features), std, seed, name)
         self.weight = _mark(nn.Parameter(shard(full, 1, tp.rank, tp.size)), tp.size > 1)
+        self.weight.partition_dim = 1
         self.bias = _mark(nn.Parameter(torch.zeros(out_features)), False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

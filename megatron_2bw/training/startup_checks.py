@@ -33,6 +33,7 @@ RESUME_SETTINGS = (
     "data_path", "split", "seq_length", "seed", "global_batch_size", "micro_batch_size", "pipeline_schedule",
     "train_iters", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "tokenizer_type",
     "tokenizer_model", "vocab_file", "merge_file", "mask_prob", "short_seq_prob", "2bw_compensation", "2bw_dc_lambda",
+    "2bw_ef_scale",
 )
 _PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file")
 

@@ -1,0 +1,179 @@
+"""--optimizer muon under tensor parallelism, the distributed optimizer, low precision and resume.
+
+- t = 2: a matrix split by rows (column-parallel) or columns (row-parallel) is orthogonalized as the
+  whole matrix, so the split update equals the unsplit one bitwise (optimizer level, 50 steps, the
+  bf16 Newton-Schulz), and the engine at t = 2 trains like the single process (to the tolerance of
+  TP's other summation order, with fp32 Newton-Schulz: see test_2bw_semantics.fp32_newton_schulz);
+- w = 2 with the distributed optimizer (shards that cut matrices in the middle): bitwise the
+  unsharded update, at the optimizer level and in the engine;
+- bf16 weights with fp32 masters track fp32; fp16 loss scaling skips an overflowing step;
+- a trainer run with Muon and ``ef`` under the distributed optimizer resumes bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckpt_runs
+import pipeline_harness
+from ckpt_runs import _ckpt_data  # noqa: F401 - the autouse fixture that builds the corpus
+from e2e import read_metrics, train_losses
+from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
+from megatron_2bw.parallel_state import build_state
+from megatron_2bw.pipeline.zero import ShardLayout
+from megatron_2bw.training import checkpointing as ckpt
+from multiproc import run_workers
+from pipeline_harness import matching_shard
+from test_2bw_semantics import MUON, fp32_newton_schulz
+
+FULL = [((24, 16), 0), ((16, 40), 1), ((32, 32), 0), ((12, 8), None)]  # (whole shape, split dim at t = 2)
+KW = dict(steps=4, global_batch=8, micro=2, optimizer="muon", lr=1e-3, weight_decay=0.01, opt_extra=MUON)
+
+
+def _problem(steps: int):
+    g = torch.Generator().manual_seed(5)
+    mats = [torch.randn(*s, generator=g) for s, _ in FULL]
+    grads = [[torch.randn(*s, generator=g) for s, _ in FULL] for _ in range(steps)]
+    return mats, grads
+
+
+def _run(mats, grads, split_rank: int | None, t: int = 1, group=None) -> list[torch.Tensor]:
+    """Muon over the matrices packed into one flat buffer (rank ``split_rank``'s pieces when split)."""
+    def piece(x, dim):
+        return x if split_rank is None or dim is None else x.chunk(t, dim=dim)[split_rank]
+
+    local = [piece(m, d) for m, (_, d) in zip(mats, FULL)]
+    layout, o = [], 0
+    for x, (_, d) in zip(local, FULL):
+        layout.append(MuonMatrix(o, tuple(x.shape), d if split_rank is not None else None))
+        o += x.numel()
+    w = torch.cat([x.reshape(-1) for x in local])
+    opt = FlatMuon(o, o, layout, weight_decay=0.1, tp=(group, split_rank or 0, t))
+    for gs in grads:
+        opt.update(w, w, torch.cat([piece(g, d).reshape(-1) for g, (_, d) in zip(gs, FULL)]), 2e-2)
+    return [w[m.offset:m.offset + m.numel].view(m.shape) for m in layout]
+
+
+def _sharded(w_: int, rank: int, group, steps: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sharded result of this rank's range, unsharded result) with shards cutting matrices in half."""
+    mats, grads = _problem(steps)
+    layout, o = [], 0
+    for m in mats:
+        layout.append(MuonMatrix(o, tuple(m.shape)))
+        o += m.numel()
+    n = o + 30  # and 30 vector elements for AdamW
+    shard = ShardLayout(n, w_, rank)
+
+    def flat(ms):
+        return torch.cat([*(x.reshape(-1) for x in ms), torch.linspace(-1, 1, 30)])
+
+    def gather(x):
+        out = x.new_empty(w_ * x.numel())
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    full, part = flat(mats), shard.take(flat(mats))
+    ref = FlatMuon(n, o, layout, weight_decay=0.1)
+    mine = FlatMuon(shard.size, o, layout, total=n, lo=shard.lo, weight_decay=0.1, gather=gather)
+    for gs in grads:
+        g = flat(gs)
+        ref.update(full, full, g, 2e-2)
+        mine.update(part, part, shard.take(g), 2e-2)
+    return part[:shard.hi - shard.lo], full[shard.lo:shard.hi]
+
+
+def _with(**extra):
+    return functools.partial(pipeline_harness.train_tiny, **{**KW, "opt_extra": {**MUON, **extra}})
+
+
+def _cases() -> dict:
+    rank = dist.get_rank()
+    out = {}
+    tp = build_state(2, 1, 1, torch.device("cpu"))
+    mats, grads = _problem(50)
+    out["tp_split"], out["tp_whole"] = _run(mats, grads, tp.tp_rank, 2, tp.tp_group), _run(mats, grads, None)
+    dp = build_state(1, 1, 2, torch.device("cpu"))
+    out["dp"] = _sharded(2, dp.dp_rank, dp.dp_group)
+    with fp32_newton_schulz():
+        out["engine_t2"] = pipeline_harness.train_tiny("flush", layout=(2, 1, 1), **KW)
+    out["engine_zero"] = [_with(use_distributed_optimizer=on)("2bw", layout=(1, 1, 2), compensation="ef")
+                          for on in (False, True)]
+    out["rank"] = rank
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return run_workers(_cases, 2, timeout=420)
+
+
+def test_split_matrix_update_equals_the_unsplit_one_bitwise(cases):
+    for o in cases:
+        for got, whole, (_, dim) in zip(o["tp_split"], o["tp_whole"], FULL):
+            want = whole if dim is None else whole.chunk(2, dim=dim)[o["rank"]]
+            assert torch.equal(got, want), dim
+
+
+def test_distributed_optimizer_update_equals_the_unsharded_one_bitwise(cases):
+    for o in cases:
+        got, want = o["dp"]
+        assert got.numel() > 0 and torch.equal(got, want)
+    for o in cases:
+        plain, zero = o["engine_zero"]
+        if plain["losses"] is not None:
+            assert plain["losses"] == zero["losses"]
+        assert all(torch.equal(plain["params"][k], zero["params"][k]) for k in plain["params"])
+
+
+def test_engine_at_t2_trains_like_one_process(cases):
+    with fp32_newton_schulz():
+        ref = pipeline_harness.train_tiny("flush", **KW)
+    for o in cases:
+        got = o["engine_t2"]
+        if got["losses"] is not None:
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+        for name, p in got["params"].items():
+            want = matching_shard(ref["params"][name], p, got["coords"][0], 2)
+            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_low_precision_and_skipped_steps():
+    """bf16 (fp32 master) follows fp32 to bf16 precision; an fp16 overflow skips the step and halves the scale."""
+    with fp32_newton_schulz():
+        fp32 = pipeline_harness.train_tiny("2bw", compensation="ef", **KW)
+        bf16 = pipeline_harness.train_tiny("2bw", compensation="ef", dtype="bf16", **KW)
+    assert max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"])) < 2e-2
+    fp16 = pipeline_harness.train_tiny("2bw", compensation="ef", dtype="fp16", inject_inf=(0, 1), clip=0.05, **KW)
+    assert fp16["skipped"] == [False, True, False, False]
+    assert fp16["scales"][-1] == fp16["scales"][0] / 2  # (2BW's step 2 took its scale before step 1's update)
+    assert all(torch.isfinite(p).all() for p in fp16["params"].values())
+
+
+def test_muon_ef_drains_and_reloads_bitwise():
+    a = pipeline_harness.train_tiny("2bw", compensation="ef", **KW)
+    b = pipeline_harness.train_tiny("2bw", compensation="ef", segments=(2, 2), reload=True, **KW)
+    assert a["losses"] == b["losses"]
+    assert all(a["params"][k].equal(b["params"][k]) for k in a["params"])
+
+
+def test_trainer_resume_is_bitwise_with_muon_ef_and_the_distributed_optimizer(tmp_path_factory, tmp_path):
+    extra = ("--optimizer", "muon", "--muon-lr", "2e-2", "--2bw-compensation", "ef", "--use-distributed-optimizer")
+    saved = ckpt_runs._saved_run(tmp_path_factory, "muon_ef_w2", ckpt_runs.gpt_args(iters=4, extra=extra), 2, 2)
+    straight = train_losses(saved.metrics)
+    load = str(tmp_path / "load")
+    shutil.copytree(ckpt.iteration_dir(saved.save, 2), ckpt.iteration_dir(load, 2))
+    ckpt.write_tracker(load, 2)
+    metrics = str(tmp_path / "resumed.jsonl")
+    res = ckpt_runs.train([*ckpt_runs.gpt_args(iters=4, extra=extra), "--load", load, "--metrics-file", metrics], nproc=2)
+    assert res.returncode == 0, res.describe()
+    resumed = train_losses(read_metrics(metrics))
+    assert sorted(resumed) == [2, 3] and resumed == {k: straight[k] for k in resumed}
+    sd = torch.load(os.path.join(ckpt.iteration_dir(saved.save, 2), "mp_rank_00", "model_optim_rng.pt"),
+                    weights_only=False)
+    assert "ef_prev_grad" in sd["stage"]["optimizer"] and sd["stage"]["optimizer"]["ef_has_prev"]
