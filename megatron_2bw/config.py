@@ -349,7 +349,7 @@ class TrainingConfig:
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
     override_resumed_settings: bool = False  # resume although data or schedule settings changed
-    exit_signal_handler: bool = False  # SIGTERM / exit_signal: save at the next boundary and exit 0
+    exit_signal_handler: bool = True  # SIGTERM/SIGHUP/exit_signal: save at the next boundary, exit 0 (--no-exit-signal-handler: off)
     exit_signal: str = "SIGUSR1"  # the extra signal handled like SIGTERM (SLURM's --signal warning)
     exit_duration_in_mins: float | None = None  # save and exit 0 after this long
     max_skipped_steps: int | None = None  # None: the precision's default (training/health.py)
@@ -360,6 +360,7 @@ class TrainingConfig:
     no_load_optim: bool = False  # resume weights and iteration with a fresh optimizer
     no_load_rng: bool = False  # keep this run's seeds instead of the checkpoint's RNG states
     skip_train: bool = False  # evaluate the loaded checkpoint and exit
+    overwrite_save: bool = False  # --save holds another run's checkpoints: delete them and start over
 
     def __post_init__(self) -> None:
         from .training.health import check_max_skipped_steps  # noqa: PLC0415 - torch-free modules
@@ -381,6 +382,7 @@ class TrainingConfig:
         _require(self.save_interval is None or self.save is not None, "--save-interval needs --save DIR")
         for name in ("finetune", "no_load_optim", "no_load_rng", "skip_train"):
             _require(not getattr(self, name) or self.load is not None, f"--{name.replace('_', '-')} needs --load DIR")
+        _require(not self.overwrite_save or self.save is not None, "--overwrite-save needs --save DIR")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@
 #
 # The flags are validated once before any worker starts (one error line, exit 2). torchrun
 # restarts failed workers up to MAX_RESTARTS times; pass --load equal to --save so a restart
-# resumes from the last checkpoint. Ctrl-C (or SIGTERM/SIGUSR1 to torchrun) reaches every worker:
-# with --exit-signal-handler they save a checkpoint at the next step boundary and exit.
+# resumes from the last checkpoint. Ctrl-C, or SIGTERM/SIGHUP/SIGUSR1 to this script, reaches every
+# worker (scripts/graceful_torchrun.sh): they save a checkpoint at the next step boundary and exit, and
+# the script exits 0 without torchrun's traceback (--no-exit-signal-handler: they stop at once).
 #
 # Environment: PYTHON (default .venv/bin/python if present, else python3), NPROC (default: the GPU
 # count, else 4), DEVICE (default: cuda with GPUs, else cpu), OMP_NUM_THREADS (CPU: cores / NPROC),
@@ -52,6 +53,6 @@ if [[ "$VALIDATE" == 1 ]]; then
 fi
 
 echo "run_local: $NPROC process(es) on $DEVICE (max restarts $MAX_RESTARTS)" >&2
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+exec bash scripts/graceful_torchrun.sh "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
   "$SCRIPT" --device "$DEVICE" "$@"

@@ -100,13 +100,15 @@ forward() {
 }
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
+trap 'forward HUP' HUP
 
 # Each task runs its own torchrun; the arguments travel as positional parameters (no quoting problems),
 # the restart settings through the environment (srun exports it).
-export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT
+# scripts/graceful_torchrun.sh hands a stop signal to the workers rather than torchrun (no traceback).
+export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT GRACEFUL_TORCHRUN="$REPO/scripts/graceful_torchrun.sh"
 # shellcheck disable=SC2086,SC2016
 srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" ${SRUN_ARGS:-} \
-  bash -c 'exec "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" \
+  bash -c 'exec bash "$GRACEFUL_TORCHRUN" "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" \
              --rdzv-backend c10d --rdzv-endpoint "$3:$4" --rdzv-id "$RDZV_ID" --max-restarts "$MAX_RESTARTS" \
              --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" "${@:5}"' \
   "$PYTHON" "$NNODES" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$SCRIPT" "$@" &
@@ -133,5 +135,11 @@ if [[ "${REQUEUE:-1}" == 1 && -n "${SLURM_JOB_ID:-}" && -n "$SAVE_DIR" && -n "$T
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
   fi
+fi
+# A stop signal that the trainers answered with a checkpoint is a clean stop, whatever torchrun's status
+# (a torchrun that received the signal itself exits 1).
+if [[ -n "$SIGNALLED" && -n "$SAVE_DIR" && "$RC" != 0 ]] && (( $(latest_iteration) > START_ITER )); then
+  echo "slurm_launch: the trainers saved iteration $(latest_iteration) after SIG$SIGNALLED: a clean stop (exit 0)" >&2
+  exit 0
 fi
 exit "$RC"

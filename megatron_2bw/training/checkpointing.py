@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..export import megatron_format, trainer_format
 from ..models.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
-from . import manifest
+from . import manifest, save_guard
 from .supervision import describe_save_failure, os_error_line
 
 log = logging.getLogger("megatron_2bw")
@@ -136,7 +136,7 @@ def find_checkpoint(load: str, save: str | None) -> int | None:
     if it is not None:
         log.warning(" %s", warning)
         return it
-    same = save is not None and os.path.abspath(save) == os.path.abspath(load)
+    same = save is not None and os.path.realpath(save) == os.path.realpath(load)
     if same:
         return None
     if not os.path.isdir(load):
@@ -336,6 +336,7 @@ def save(root: str, iteration: int, state, make_payload) -> str:
     entry = None
     sd = make_payload()
     if state.dp_rank == 0:
+        save_guard.check_pointer_advances(root, iteration, read_tracker(root))  # before a byte is overwritten
         crc, size = atomic_torch_save(sd, path)
         lay = sd["layout"]
         ident = manifest.shard_identity(iteration=iteration, t=lay["t"], d=lay["d"], w=lay["w"],
@@ -347,6 +348,7 @@ def save(root: str, iteration: int, state, make_payload) -> str:
             manifest.write_manifest(idir, iteration, dict(e for e in entries if e))
         except OSError as e:
             raise ConfigError(os_error_line(e, os.path.join(idir, manifest.MANIFEST))) from None
+        save_guard.check_pointer_advances(root, iteration, read_tracker(root))
         write_tracker(root, iteration)
     return idir
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
 from ..errors import ConfigError
-from . import signals, supervision
+from . import save_guard, signals, supervision
 from .auto_layout import plan_layout
 from .manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
@@ -49,6 +49,8 @@ class Prepared:
     start_sample: int = 0
     exit_handler: signals.ExitSignalHandler | None = None  # records exit signals for the loop's boundaries
     exit_duration: signals.ExitDuration | None = None  # --exit-duration-in-mins, started at launch
+    loaded_iteration: int | None = None  # the iteration this rank read from --load (ranks must agree)
+    save_lock: save_guard.SaveLock | None = None  # rank 0: this job's lock on --save
 
 
 def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[int, int, int]:
@@ -61,8 +63,22 @@ def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[i
     return train, valid, test
 
 
-def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepared:
-    """File checks, before any process group: kernels, tokenizer (unless given), checkpoint, datasets."""
+def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None, *, validate_only: bool = False) -> Prepared:
+    """File checks, before any process group: kernels, tokenizer (unless given), checkpoint, datasets.
+
+    Rank 0 takes the lock on ``--save`` (``--validate-only``: checks it) and releases it if a check fails.
+    """
+    holder: list[Prepared] = []
+    try:
+        return _prepare(cfg, rank, tokenizer, validate_only, holder)
+    except BaseException:
+        if holder and holder[0].save_lock is not None:
+            holder[0].save_lock.release()
+        raise
+
+
+def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only: bool,
+             holder: list[Prepared]) -> Prepared:
     # torch is imported only where needed (checkpoint, kernels), so most bad input fails fast.
     from ..data import build_datasets, build_tokenizer
 
@@ -73,15 +89,25 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
 
     prep = Prepared(cfg, rank, None, tokenizer, None, None, None)
+    holder.append(prep)
     tc = cfg.training
     if tc.save:
         check_save_dir(tc.save)
         if rank == 0:
+            if validate_only:
+                save_guard.check_lock(tc.save)
+            else:
+                prep.save_lock = save_guard.acquire(tc.save)
             for path in clean_stale_temporaries(tc.save):
                 log.info(" removed stale temporary %s (left by a save that was killed)", path)
     if tc.load:
         check_load_path(tc.load)
         _find_resume(prep)
+    if tc.save and not tc.skip_train:
+        resumes = prep.resumed_from is not None and save_guard.same_dir(tc.save, tc.load)
+        if save_guard.check_fresh_start(tc.save, tc.load, resumes, tc.overwrite_save) and rank == 0 \
+                and not validate_only:
+            save_guard.clear_checkpoints(tc.save)
 
     sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
     check_index_memory(cfg, sizes)
@@ -109,6 +135,7 @@ def _find_resume(prep: Prepared) -> None:
     if it is None:
         log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
         return
+    prep.loaded_iteration = it
     t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
     tp, _, pp = coords_of(prep.rank, t, w)
     sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
@@ -143,7 +170,7 @@ def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]
     note = schedule_note(args)
     if note:
         log.info(" %s", note)
-    return prepare(cfg, rank, tokenizer), args
+    return prepare(cfg, rank, tokenizer, validate_only=bool(args.validate_only)), args
 
 
 def check_writers(cfg: RunConfig) -> None:
@@ -155,15 +182,32 @@ def check_writers(cfg: RunConfig) -> None:
         require_tensorboard()
 
 
-def install_exit_handling(prep: Prepared) -> None:
-    """Record SIGTERM/--exit-signal (with --exit-signal-handler) and SIGINT for the loop's next boundary.
+def early_exit_handling() -> signals.ExitSignalHandler:
+    """Record a stop signal that arrives during start-up (before the flags are read): under a launcher a
+    worker killed there would be restarted by torchrun, so the stop would be lost."""
+    sigs = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    return signals.ExitSignalHandler(sigs, handle_sigint=under_launcher(), rank=int(os.environ.get("RANK", "0")),
+                                     announce=lambda line: None).install()
+
+
+def install_exit_handling(prep: Prepared, early: signals.ExitSignalHandler | None = None) -> None:
+    """Record SIGTERM, SIGHUP (a closed terminal or ssh session) and --exit-signal (unless
+    --no-exit-signal-handler) and SIGINT for the loop's next boundary.
 
     SIGINT is always handled: the first Ctrl-C saves at the next boundary (with --save) and exits
     without a traceback; a second one exits at once (status 130).
     """
     tc = prep.cfg.training
-    sigs = (signal.SIGTERM, signals.parse_signal(tc.exit_signal)) if tc.exit_signal_handler else ()
+    sigs = (signal.SIGTERM, signal.SIGHUP, signals.parse_signal(tc.exit_signal)) if tc.exit_signal_handler else ()
+    got = None
+    if early is not None:
+        early.restore()
+        got = early.received
     prep.exit_handler = signals.ExitSignalHandler(sigs, rank=prep.rank).install()
+    if got is not None:  # a stop during start-up: exit at the first boundary (as its handler would have)
+        if got not in {s.name for s in prep.exit_handler.signals}:
+            signal.raise_signal(signal.Signals[got])  # its default action, as without the handler
+        prep.exit_handler._handle(signal.Signals[got], None)
     prep.exit_duration = signals.ExitDuration(tc.exit_duration_in_mins)
 
 
@@ -195,13 +239,19 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     def train(argv: list[str]) -> int | str:
         if under_launcher():
             supervision.install_parent_death_signal()
+        early = early_exit_handling()
         prep, args = configure(kind, argv)
         if args.validate_only:
+            early.restore()
             return summary(prep)
-        install_exit_handling(prep)
+        install_exit_handling(prep, early)
         from .loop import run
 
-        return run(prep)
+        try:
+            return run(prep)
+        finally:
+            if prep.save_lock is not None:
+                prep.save_lock.release()
 
     try:
         return run_cli(train, argv)

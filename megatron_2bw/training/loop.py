@@ -440,6 +440,30 @@ def _init_attempt_group(cfg) -> None:
                             timeout=datetime.timedelta(minutes=cfg.system.timeout_minutes))
 
 
+def _agree_on_resume(prep, state: parallel_state.ParallelState) -> None:
+    """Every rank read ``--load``'s pointer file on its own, before any process group; refuse (exit 2,
+    one line on rank 0) unless all read the same iteration: a pointer that moved meanwhile (another job
+    saving there) would otherwise resume the stages from different steps (Megatron compares them too)."""
+    spread = resume_disagreement(prep.loaded_iteration)
+    if spread is None:
+        return
+    if state.rank == 0:
+        name = lambda v: "none" if v is None else str(v)  # noqa: E731
+        print(f"error: the ranks read different checkpoints to resume from --load {prep.cfg.training.load} "
+              f"(iterations {name(spread[0])} to {name(spread[1])}): its {checkpointing.TRACKER} changed while the "
+              "job started (another job saving into it?); start again", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def resume_disagreement(iteration: int | None) -> tuple[int | None, int | None] | None:
+    """Collective: None when every rank loaded the same iteration (None: nothing), else (lowest, highest)."""
+    it = -1 if iteration is None else int(iteration)
+    hi, neg_lo = signals.agree_max([it, -it])
+    if hi == -neg_lo:
+        return None
+    return (None if -neg_lo < 0 else -neg_lo), (None if hi < 0 else hi)
+
+
 def run(prep, faults: FaultInjector | None = None) -> int:
     """Initialize the process groups, train, and tear down; a failure ends this process quickly.
 
@@ -452,6 +476,7 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     state = parallel_state.initialize(
         cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
     )
+    _agree_on_resume(prep, state)
     wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
     trainer = None
     try:

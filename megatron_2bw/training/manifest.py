@@ -339,7 +339,7 @@ def recover_missing_tracker(load: str, save: str | None) -> tuple[int | None, st
     renames). Starting from scratch would overwrite those checkpoints one interval at a time,
     so with ``iter_*`` directories but none complete the run is refused instead.
     """
-    same = save is not None and os.path.abspath(save) == os.path.abspath(load)
+    same = save is not None and os.path.realpath(save) == os.path.realpath(load)
     if not same or os.path.isfile(os.path.join(load, TRACKER)):
         return None, None
     its = list_iterations(load)
