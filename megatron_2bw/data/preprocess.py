@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
+from .fingerprint import sidecar_path, tokenizer_fingerprint, write_sidecar
 from .tokenizers import Tokenizer
 
 BATCH_DOCS = 64
@@ -178,13 +179,26 @@ def preprocess_jsonl(
                 for window in _windows(batches, READ_AHEAD_BATCHES * workers):
                     _write(pool.imap(_encode_batch, window), builders, result, bar)
         _refuse_empty(input_path, result)
+        made_with = _fingerprint(tokenizer)
         for key, builder in builders.items():
+            if os.path.exists(sidecar_path(prefixes[key])):
+                os.remove(sidecar_path(prefixes[key]))  # never an old tokenizer's record beside the new data
             builder.finalize(index_file_path(prefixes[key]))
+            if made_with is not None:
+                write_sidecar(prefixes[key], made_with)
     finally:
         for builder in builders.values():
             builder.close()  # removes the temporary files of a failed run; existing datasets stay
         bar.close()
     return result
+
+
+def _fingerprint(tokenizer: Tokenizer) -> dict | None:
+    """The tokenizer's record for the data's sidecar (None for a tokenizer that cannot list its vocabulary)."""
+    try:
+        return tokenizer_fingerprint(tokenizer)
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _refuse_empty(input_path: str, result: PreprocessResult) -> None:

@@ -289,7 +289,7 @@ def write_tracker(root: str, iteration: int) -> None:
 
 
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
-            config: dict, args: dict) -> dict | None:
+            config: dict, args: dict, fingerprints: dict | None = None) -> dict | None:
     """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
     the others, after their part of gathering a sharded optimizer state. Tensors are views of one copy
     of the engine state."""
@@ -305,7 +305,7 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     split = list(split) if split else None
     margs = trainer_format.train_args(model, args, iteration=iteration, t=state.t, d=state.d, schedule=schedule,
                                       dtype=config.get("optimizer", {}).get("dtype", "fp32"), split=split)
-    return trainer_format.file_contents(
+    out = trainer_format.file_contents(
         model, newest, args=margs, iteration=iteration, t=state.t, pp=state.pp_rank, d=state.d, split=split,
         layout={"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
                 "schedule": schedule, "split": split},
@@ -314,6 +314,9 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
         data={"consumed_train_samples": consumed_samples, "global_batch_size": global_batch},
         config=config, time=time.time(),
     )
+    if fingerprints is not None:
+        out["fingerprints"] = fingerprints  # the data and tokenizer trained on (data/fingerprint.py)
+    return out
 
 
 def _gather(entry) -> list:

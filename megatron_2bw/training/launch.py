@@ -51,6 +51,7 @@ class Prepared:
     exit_duration: signals.ExitDuration | None = None  # --exit-duration-in-mins, started at launch
     loaded_iteration: int | None = None  # the iteration this rank read from --load (ranks must agree)
     save_lock: save_guard.SaveLock | None = None  # rank 0: this job's lock on --save
+    fingerprints: dict | None = None  # the data's and the tokenizer's (data/fingerprint.py), saved in checkpoints
 
 
 def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[int, int, int]:
@@ -87,8 +88,10 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
         tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
     cfg = cfg.with_vocab(tokenizer.vocab_size)
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
+    fingerprints = _fingerprints(dc, tokenizer)
 
     prep = Prepared(cfg, rank, None, tokenizer, None, None, None)
+    prep.fingerprints = fingerprints
     holder.append(prep)
     tc = cfg.training
     if tc.save:
@@ -125,6 +128,39 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
     return prep
 
 
+def _fingerprints(dc, tokenizer) -> dict | None:
+    """Refuse data made with another tokenizer (its sidecar); the fingerprints a checkpoint records."""
+    from ..data import fingerprint
+    from ..data.blend import parse_data_path
+
+    try:
+        tok = fingerprint.tokenizer_fingerprint(tokenizer)
+    except (NotImplementedError, AttributeError):
+        return None
+    prefixes = parse_data_path(dc.data_path)[0]
+    fingerprint.check_data_tokenizer(prefixes, tok)
+    try:
+        return {"tokenizer": tok, "data": [fingerprint.data_fingerprint(p) for p in prefixes]}
+    except OSError:
+        return None  # a missing file: build_datasets names it
+
+
+def _check_fingerprints(prep: Prepared, sd: dict, where: str) -> None:
+    """A resume on data or a tokenizer replaced at the same paths is refused unless --override-resumed-settings."""
+    from ..data.fingerprint import changed_fingerprints
+
+    if prep.fingerprints is None:
+        return
+    changes = changed_fingerprints(sd.get("fingerprints"), prep.fingerprints)
+    if not changes:
+        return
+    if not prep.cfg.training.override_resumed_settings:
+        raise ConfigError(f"resuming {where}: {'; '.join(changes)}: give the data and tokenizer of the checkpoint, "
+                          "or --override-resumed-settings to resume anyway")
+    if prep.rank == 0:
+        log.warning(" --override-resumed-settings: resuming with %s", "; ".join(changes))
+
+
 def _find_resume(prep: Prepared) -> None:
     """Read this rank's file of the checkpoint ``--load`` names (if any) and check it fits this run."""
     from ..parallel_state import coords_of
@@ -147,6 +183,7 @@ def _find_resume(prep: Prepared) -> None:
         return
     start_step = checkpointing.saved_step(sd)  # a weights-only file is refused here (it needs --finetune)
     changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
+    _check_fingerprints(prep, sd, f"{tc.load} at iteration {it}")
     if changes and prep.rank == 0:
         log.warning(" --override-resumed-settings: resuming with changed settings: %s", "; ".join(changes))
     prep.checkpoint, prep.resumed_from = sd, it

@@ -215,7 +215,7 @@ class Trainer:
             return checkpointing.payload(
                 self.stage, iteration=completed, tracker=self.tracker,
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
-                config=describe(self.cfg), args=megatron_args(self.cfg),
+                config=describe(self.cfg), args=megatron_args(self.cfg), fingerprints=getattr(self.prep, "fingerprints", None),
             )
 
         with self._paused():
