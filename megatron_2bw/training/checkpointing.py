@@ -96,6 +96,9 @@ def read_tracker(root: str) -> int | None:
             text = f.read().strip()
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} does not hold an iteration number (not UTF-8 text: a corrupt or foreign file); "
+                          "write the iteration to resume into it") from None
     if not re.fullmatch(r"\d+", text):
         raise ConfigError(f"{path} does not hold an iteration number (got {text[:40]!r})")
     return int(text)
@@ -138,6 +141,10 @@ def find_checkpoint(load: str, save: str | None) -> int | None:
         return it
     same = save is not None and os.path.realpath(save) == os.path.realpath(load)
     if same:
+        unfinished = sorted(set(manifest.list_iterations(load)) - set(manifest.list_checkpoints(load)))
+        if unfinished:
+            log.warning(" ignoring %s in %s: no complete shard (a save killed before its first file was written)",
+                        ", ".join(f"iter_{i:07d}" for i in unfinished), load)
         return None
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load} does not exist")
@@ -150,9 +157,21 @@ def _verified_load(path: str, idir: str, rel: str, iteration: int, t: int, d: in
     if doc is None:
         log.warning(" %s has no %s (written before manifests existed): not verified", idir, manifest.MANIFEST)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        sd = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
         raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
+    if isinstance(sd, dict):
+        sd["_manifest"] = doc is not None
+    return sd
+
+
+def require_manifest(path: str, sd: dict, has_manifest: bool) -> None:
+    """Format 3 always writes a manifest: a format-3 file without one is an unfinished save or a removed file."""
+    if not has_manifest and isinstance(sd, dict) and sd.get("format") == FORMAT:
+        idir = os.path.dirname(os.path.dirname(path))
+        raise ConfigError(f"checkpoint {idir} has no {manifest.MANIFEST} but its files are format {FORMAT}, which always "
+                          "writes one: the save did not finish or the manifest was removed, so its files cannot be "
+                          "verified")
 
 
 def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) -> dict:
@@ -178,6 +197,7 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
         raise _layout_error(idir, (lay["t"], lay["d"]), (t, d))
     manifest.check_identity(path, {"tp_rank": lay.get("tp_rank"), "pp_rank": lay.get("pp_rank")},
                             {"tp_rank": tp, "pp_rank": pp})
+    require_manifest(path, sd, sd.pop("_manifest", True))
     if sd["iteration"] != iteration:
         raise ConfigError(f"checkpoint file {path} holds iteration {sd['iteration']}, not {iteration}")
     sd["path"] = path

@@ -24,7 +24,7 @@ import socket
 import time
 
 from ..errors import ConfigError
-from .manifest import TRACKER, _pid_alive, list_iterations
+from .manifest import TRACKER, _pid_alive, list_checkpoints, list_iterations
 
 log = logging.getLogger("megatron_2bw")
 
@@ -145,8 +145,8 @@ def acquire(save: str) -> SaveLock:
 
 # --------------------------------------------------------------------------- a fresh start over checkpoints
 def saved_checkpoints(save: str) -> str | None:
-    """What checkpoints ``save`` holds, in words (None: none)."""
-    its = list_iterations(save)
+    """What checkpoints ``save`` holds, in words (None: none; an unfinished first save is none)."""
+    its = list_checkpoints(save)
     pointer = None
     path = os.path.join(save, TRACKER)
     if os.path.isfile(path):
