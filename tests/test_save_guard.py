@@ -100,6 +100,25 @@ def test_fresh_start_rules(tmp_path):
     assert save_guard.same_dir(save, str(tmp_path / "link"))
 
 
+def test_non_utf8_pointer_is_one_line(tmp_path):
+    with open(os.path.join(tmp_path, ck.TRACKER), "wb") as f:
+        f.write(b"\xff\xfe2\x000")
+    with pytest.raises(ConfigError, match=r"latest_checkpointed_iteration.txt does not hold an iteration number "
+                                          r"\(not UTF-8 text"):
+        ck.find_checkpoint(str(tmp_path), str(tmp_path))
+
+
+def test_dangling_save_or_load_symlink_is_named(tmp_path):
+    from megatron_2bw.training.supervision import check_load_path, check_save_dir
+
+    link = str(tmp_path / "save")
+    os.symlink(str(tmp_path / "gone" / "ckpt"), link)
+    for check, flag in ((check_save_dir, "--save"), (check_load_path, "--load")):
+        with pytest.raises(ConfigError, match=rf"{flag} {link} is a symbolic link to .*gone/ckpt, which does not "
+                                              "exist"):
+            check(link)
+
+
 class _Rank0:
     rank = tp_rank = pp_rank = dp_rank = 0
     d = 1
