@@ -92,6 +92,20 @@ def test_paused_rank_suspends_the_progress_rule_but_not_the_heartbeat():
     assert exits and "rank 1 (host" in lines[0] and "stopped responding" in lines[0]
 
 
+def test_a_pause_is_bounded():
+    """A save that never ends (two jobs in one --save hung 280 s in silence) is judged after the pause limit."""
+    dogs, clock, exits, lines = _ring(2, timeout=10.0)
+    for d in dogs:
+        d.pause_limit = 40.0
+    _advance(dogs, clock, 2, progress=range(2))
+    with dogs[0].paused():
+        _advance(dogs, clock, 38, progress=())
+        assert exits == []  # within the limit: a long save is fine
+        _advance(dogs, clock, 5, progress=())
+        assert exits and "no rank made progress for" in lines[0], lines
+    assert dogs[0].pause_limit == 40.0 and Watchdog(None, 0, 2, 45.0).pause_limit == 900.0
+
+
 def test_start_up_grace_then_hang_before_first_progress():
     dogs, clock, exits, lines = _ring(2, timeout=5.0)
     _advance(dogs, clock, 19, progress=())  # grace is 4 x 5 s: still starting up

@@ -60,8 +60,18 @@ def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, 
                     raise ConfigError(f"{path}:{lineno}: no key {key!r} (from --json-keys); keys are {sorted(obj)}")
                 if not isinstance(obj[key], str):
                     raise ConfigError(f"{path}:{lineno}: key {key!r} is a {type(obj[key]).__name__}, not a string")
+                _refuse_lone_surrogates(obj[key], f"{path}:{lineno}: key {key!r}")
                 texts[key] = obj[key]
             yield lineno, len(raw), texts
+
+
+def _refuse_lone_surrogates(text: str, where: str) -> None:
+    """JSON's ``\\ud800`` escapes can spell half a UTF-16 pair, which is no character: the tokenizers fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{where} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} (half "
+                          "of a UTF-16 pair, not a character): fix the text or drop the line") from None
 
 
 def _json_error(path: str, lineno: int, line: str, e: json.JSONDecodeError, json_keys: Sequence[str]) -> str:

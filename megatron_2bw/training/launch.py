@@ -122,6 +122,11 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
         raise ConfigError(f"--split {dc.split!r} leaves no training documents")
     if tc.eval_iters > 0 and prep.valid_ds is None:
         log.info(" --split %r leaves no validation documents: no evaluation", dc.split)
+    distinct = getattr(prep.valid_ds, "block", None)  # GPT: the validation split's windows (one epoch)
+    if rank == 0 and distinct and tc.eval_iters > 0 and tc.eval_iters * tc.global_batch_size > distinct:
+        log.warning(" --eval-iters %d x --global-batch-size %d = %d samples per evaluation, more than the %d distinct "
+                    "windows of the validation split: each evaluation repeats validation samples", tc.eval_iters,
+                    tc.global_batch_size, tc.eval_iters * tc.global_batch_size, distinct)
     from ..fused import select_kernels
 
     prep.kernels = select_kernels(cfg.system.fused_kernels, cfg.system.device)
@@ -183,6 +188,12 @@ def _find_resume(prep: Prepared) -> None:
         return
     start_step = checkpointing.saved_step(sd)  # a weights-only file is refused here (it needs --finetune)
     changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
+    saved_args = sd.get("args") or {}
+    saved_args = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
+    old_eval = saved_args.get("eval_interval") if isinstance(saved_args, dict) else None
+    if prep.rank == 0 and old_eval is not None and old_eval != tc.eval_interval:
+        log.warning(" --eval-interval %s -> %s on resume: the evaluations use other validation samples than the first "
+                    "run's, so the validation losses of the two parts are not comparable", old_eval, tc.eval_interval)
     _check_fingerprints(prep, sd, f"{tc.load} at iteration {it}")
     if changes and prep.rank == 0:
         log.warning(" --override-resumed-settings: resuming with changed settings: %s", "; ".join(changes))

@@ -41,6 +41,10 @@ DEFAULT_STALL_TIMEOUT_S = 45.0
 DEFAULT_FANOUT = 16
 
 
+PAUSE_LIMIT_FACTOR = 20  # a save may pause the no-progress rule for this many stall timeouts ...
+MIN_PAUSE_LIMIT_S = 600.0  # ... and at least this long (a large checkpoint on a slow file system)
+
+
 def watched_ranks(rank: int, world: int, fanout: int = DEFAULT_FANOUT) -> list[int]:
     """The ranks ``rank`` watches: its ``fanout`` successors (mod world); rank 0 watches everyone."""
     if rank == 0 or world - 1 <= fanout:
@@ -60,9 +64,13 @@ class Watchdog:
                  interval_s: float | None = None, startup_grace_s: float | None = None,
                  fanout: int = DEFAULT_FANOUT, store_host: str | None = None, hosts_store: bool | None = None,
                  exit_fn: Callable[[int], None] = _exit_now, announce: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pause_limit_s: float | None = None) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.timeout = float(stall_timeout_s)
+        # A save may pause the no-progress rule, but not forever: two jobs saving into one directory hung
+        # a job for 280 s with nothing said. Past this a paused rank is judged like any other.
+        self.pause_limit = pause_limit_s if pause_limit_s is not None else max(PAUSE_LIMIT_FACTOR * self.timeout,
+                                                                               MIN_PAUSE_LIMIT_S)
         self.interval = interval_s if interval_s is not None else min(5.0, max(self.timeout / 10, 0.05))
         self.startup_grace = startup_grace_s if startup_grace_s is not None else 4 * self.timeout
         self.watched = watched_ranks(rank, world, fanout)
@@ -78,6 +86,7 @@ class Watchdog:
         self._count = 0
         self._last_progress = self.started
         self._paused = 0
+        self._paused_since = self.started
         self._seq = 0
         self._peers: dict[int, dict] = {}  # rank -> {"seq", "changed_at", "seen_at", "info"}
         self._store_ok_at = self.started
@@ -93,7 +102,10 @@ class Watchdog:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Suspend the no-progress rule (not the heartbeat) while this rank legitimately waits (a save)."""
+        """Suspend the no-progress rule (not the heartbeat) while this rank legitimately waits (a save),
+        for at most ``pause_limit`` seconds."""
+        if self._paused == 0:
+            self._paused_since = self.clock()
         self._paused += 1
         try:
             yield
@@ -141,7 +153,8 @@ class Watchdog:
     def _publish(self, now: float) -> None:
         self._seq += 1
         info = {"seq": self._seq, "count": self._count, "idle": now - self._last_progress,
-                "paused": self._paused > 0, "host": self.host, "pid": self.pid}
+                "paused": self._paused > 0, "paused_s": now - self._paused_since if self._paused else 0.0,
+                "host": self.host, "pid": self.pid}
         self.store.set(str(self.rank), json.dumps(info))
 
     def _read(self, now: float) -> None:
@@ -183,12 +196,14 @@ class Watchdog:
 
     def _idle(self, now: float) -> dict[int, float] | None:
         """Seconds since each rank's last progress; None when some rank is paused or not yet seen."""
-        if self._paused:
+        if self._paused and now - self._paused_since <= self.pause_limit:
             return None
         idle = {self.rank: now - self._last_progress}
         for r in self.watched:
             peer = self._peers.get(r)
-            if peer is None or peer["info"]["paused"]:
+            if peer is None:
+                return None
+            if peer["info"]["paused"] and peer["info"].get("paused_s", 0.0) + (now - peer["seen_at"]) <= self.pause_limit:
                 return None
             idle[r] = peer["info"]["idle"] + (now - peer["seen_at"])
         return idle
