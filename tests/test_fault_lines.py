@@ -61,3 +61,23 @@ def test_eval_warnings(one_rank_run, tmp_path):  # noqa: F811
     assert "--eval-iters 400 x --global-batch-size 4 = 1600 samples per evaluation, more than the " in res.stderr
     quiet = train([*one_rank_run.args, "--load", load, "--validate-only"])
     assert quiet.returncode == 0 and "--eval-" not in quiet.stderr, quiet.describe()
+
+
+def test_every_batch_is_checked_against_the_vocabulary():
+    """Start-up scans only 64 windows of a large corpus; a stray id elsewhere is one line when its batch comes."""
+    import numpy as np
+    import torch
+
+    from megatron_2bw.training.data_iter import MicrobatchProvider
+
+    data = [{"tokens": np.full(9, 7, dtype=np.int64)} for _ in range(8)]
+    data[5]["tokens"][3] = 600  # beyond a 512-piece vocabulary
+    provider = MicrobatchProvider(data, lambda t: {"tokens": t}, global_batch=4, micro_batch=2, m=2, w=1, dp_rank=0,
+                                  device=torch.device("cpu"), vocab_size=512)
+    assert provider(0)["tokens"].shape == (2, 9) and provider(1)["tokens"].shape == (2, 9)
+    with pytest.raises(ConfigError, match=r"samples \[4, 6\) of the data hold token id 600 but the tokenizer's "
+                                          r"vocabulary has 512 entries"):
+        provider(2)
+    data[5]["tokens"][3] = -1
+    with pytest.raises(ConfigError, match="hold token id -1"):
+        provider(2)

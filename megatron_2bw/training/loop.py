@@ -123,6 +123,7 @@ class Trainer:
         self.provider = MicrobatchProvider(
             prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.w,
             dp_rank=state.dp_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
+            vocab_size=cfg.model.vocab_size,
         )
         self.get_batch = self._progressing(self.provider)
         self.health = health.HealthMonitor(health.HealthPolicy.from_config(
@@ -189,7 +190,7 @@ class Trainer:
         provider = MicrobatchProvider(
             dataset, self.spec.make_batch, global_batch=self.B, micro_batch=self.cfg.pipeline.micro_batch_size,
             m=self.m, w=s.w, dp_rank=s.dp_rank, device=s.device, start_step=0,
-            start_sample=round_index * tc.eval_iters * self.B,
+            start_sample=round_index * tc.eval_iters * self.B, vocab_size=self.cfg.model.vocab_size,
         )
         return self.stage.evaluate_components(tc.eval_iters * self.m, self._progressing(provider))
 
