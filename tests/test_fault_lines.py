@@ -81,3 +81,23 @@ def test_every_batch_is_checked_against_the_vocabulary():
     data[5]["tokens"][3] = -1
     with pytest.raises(ConfigError, match="hold token id -1"):
         provider(2)
+
+
+def test_rendezvous_port_in_use_is_one_line(one_rank_run, tmp_path):  # noqa: F811
+    import socket
+
+    from e2e import PY, clean_env, run
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        res = run([PY, os.path.join(REPO, "pretrain_gpt.py"), *one_rank_run.args, "--pipeline-model-parallel-size",
+                   "2", "--stall-timeout-s", "0"], env=env, timeout=120)
+    assert res.returncode == 1, res.describe()
+    errors = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [f"error: rank 0: cannot start the process group: the rendezvous address 127.0.0.1:{port} is "
+                      "already in use (another job or a leftover process on that port?): choose another MASTER_PORT"], \
+        res.describe()
+    assert "Traceback" not in res.stderr

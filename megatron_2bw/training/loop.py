@@ -441,6 +441,17 @@ def _init_attempt_group(cfg) -> None:
                             timeout=datetime.timedelta(minutes=cfg.system.timeout_minutes))
 
 
+def rendezvous_failure(e: BaseException) -> str:
+    """What went wrong starting the process group, in one line (EADDRINUSE named as such)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (f"cannot start the process group: the rendezvous address {where} is already in use (another job or "
+                "a leftover process on that port?): choose another MASTER_PORT")
+    return f"cannot start the process group at {where}: {type(e).__name__}: {first}"
+
+
 def _agree_on_resume(prep, state: parallel_state.ParallelState) -> None:
     """Every rank read ``--load``'s pointer file on its own, before any process group; refuse (exit 2,
     one line on rank 0) unless all read the same iteration: a pointer that moved meanwhile (another job
@@ -473,10 +484,15 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     """
     cfg = prep.cfg
     faults = faults if faults is not None else FaultInjector.from_env()
-    _init_attempt_group(cfg)
-    state = parallel_state.initialize(
-        cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
-    )
+    try:
+        _init_attempt_group(cfg)
+        state = parallel_state.initialize(
+            cfg.parallel, backend=cfg.system.backend, device=cfg.system.device,
+            timeout_minutes=cfg.system.timeout_minutes,
+        )
+    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
+        print(f"error: rank {prep.rank}: {rendezvous_failure(e)}", file=sys.stderr, flush=True)
+        os._exit(1)
     _agree_on_resume(prep, state)
     wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
     trainer = None

@@ -41,6 +41,7 @@ DEFAULT_STALL_TIMEOUT_S = 45.0
 DEFAULT_FANOUT = 16
 
 
+BLIND_INTERVALS = 3  # a store round that succeeds this many intervals after the last: the watchdog was blind
 PAUSE_LIMIT_FACTOR = 20  # a save may pause the no-progress rule for this many stall timeouts ...
 MIN_PAUSE_LIMIT_S = 600.0  # ... and at least this long (a large checkpoint on a slow file system)
 
@@ -90,6 +91,7 @@ class Watchdog:
         self._seq = 0
         self._peers: dict[int, dict] = {}  # rank -> {"seq", "changed_at", "seen_at", "info"}
         self._store_ok_at = self.started
+        self._store_warned = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.verdict: str | None = None
@@ -141,7 +143,10 @@ class Watchdog:
         try:
             self._publish(now)
             self._read(now)
+            if now - self._store_ok_at > BLIND_INTERVALS * self.interval:
+                self._restart_observation(now)
             self._store_ok_at = now
+            self._store_warned = False
         except Exception:  # noqa: BLE001 - a timed-out or refused store operation: judged below
             pass
         verdict = self.judge(self.clock())
@@ -149,6 +154,13 @@ class Watchdog:
             self.verdict = verdict
             self._report(verdict)
         return verdict
+
+    def _restart_observation(self, now: float) -> None:
+        """After a stretch without the store (torchrun stopped with SIGSTOP, a network hiccup) no peer could publish:
+        their unchanged heartbeats say nothing about them, so their clocks restart now (a peer that really stopped
+        is still named one timeout later)."""
+        for peer in self._peers.values():
+            peer["changed_at"] = peer["seen_at"] = now
 
     def _publish(self, now: float) -> None:
         self._seq += 1
@@ -183,6 +195,13 @@ class Watchdog:
             host = self.store_host or "its host"
             owner = "the launcher hosts it" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
                 else self._name(0) + " hosts it"
+            if now - self._last_progress <= self.timeout:  # training goes on without the store: not a hang
+                if not self._store_warned:
+                    self._store_warned = True
+                    self.announce(f"warning: rank {self.rank}: watchdog: the c10d store at {host} has not answered "
+                                  f"for {now - self._store_ok_at:.0f} s ({owner}; a stopped launcher?); training "
+                                  "continues, the watchdog waits for it")
+                return None
             return (f"the c10d store at {host} has not answered for {now - self._store_ok_at:.0f} s ({owner}): "
                     "it stopped responding")
         stale = [(now - (self._peers[r]["changed_at"] if r in self._peers else self.started), r) for r in self.watched]
