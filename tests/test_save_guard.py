@@ -171,6 +171,11 @@ def test_lock_refuses_a_live_holder_and_takes_over_stale_ones(tmp_path, monkeypa
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     plant(host="elsewhere.example", job="job-7")  # the same job (a restart on another host): taken over
     assert save_guard.acquire(save).record["job"] == "job-7"
+    plant(job="job-7")  # the same job id but a live process here: still refused
+    with pytest.raises(ConfigError, match="is in use by another job"):
+        save_guard.acquire(save)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default --rdzv-id names no job
+    assert save_guard.job_id() is None
 
 
 def test_two_jobs_on_one_save(tmp_path):

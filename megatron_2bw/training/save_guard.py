@@ -4,7 +4,7 @@
   host, pid, the pid's start time and the job's id (``TORCHELASTIC_RUN_ID``, else ``SLURM_JOB_ID``). A
   second job on the same directory is refused with one line naming the holder. A lock whose process is
   gone (same host, the pid dead or reused by another process) is taken over with a warning, and so is one
-  of the same job (a torchrun restart or a SLURM requeue, whose rank 0 may now sit on another host).
+  that the same job left on another host (a torchrun restart or a SLURM requeue may move rank 0).
   ``--validate-only`` only checks the lock, so launch scripts refuse a second job before any worker starts.
 * **No fresh start over another run.** A ``--save`` that already holds checkpoints (a pointer file or
   ``iter_*`` folders) is refused unless this run resumes from that very directory (Megatron's ``--load`` =
@@ -33,8 +33,10 @@ LOCK = "megatron_2bw.lock"
 
 # --------------------------------------------------------------------------- who holds the lock
 def job_id() -> str | None:
-    """The launch's identity, shared by every rank and by restarts of the same job."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or None
+    """The launch's identity, shared by every rank and by restarts of the same job (torchrun's default
+    ``--rdzv-id none`` names no job: two launches share it)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return (run if run and run != "none" else None) or os.environ.get("SLURM_JOB_ID") or None
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -68,9 +70,9 @@ def _stale(holder: dict) -> str | None:
     """Why the lock's holder is gone (the lock may be taken over), or None while it may be alive."""
     if not holder:
         return "the lock file is unreadable"
-    if holder.get("job") is not None and holder.get("job") == job_id():
-        return f"it was left by this job ({holder['job']}) before a restart"
     if holder.get("host") != socket.gethostname():
+        if holder.get("job") is not None and holder.get("job") == job_id():
+            return f"it was left by this job ({holder['job']}) before a restart on another host"
         return None  # another host: its pid cannot be checked from here
     pid = holder.get("pid")
     if not isinstance(pid, int) or not _pid_alive(pid):
