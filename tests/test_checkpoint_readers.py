@@ -16,7 +16,7 @@ import os
 import shutil
 
 from ckpt_runs import _ckpt_data, one_rank_run, train  # noqa: F401
-from e2e import PY, REPO, run
+from e2e import REPO
 from megatron_2bw.training import checkpointing as ck
 from megatron_2bw.training import manifest
 from test_checkpoint_integrity import _tensor_data_offset
@@ -35,13 +35,38 @@ def _copy(one_rank_run, tmp_path) -> str:  # noqa: F811
     return load
 
 
-def _tools(load: str, tmp_path, tok: list[str]) -> list:
+def _tool(path: str):
+    """A tool's module, loaded by path (its ``main`` is the command line: one error line, exit status)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{os.path.basename(path)[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Ran:
+    """What a tool's ``main`` returned and printed on stderr (in-process: no interpreter start-up per call)."""
+
+    def __init__(self, returncode: int, stderr: str) -> None:
+        self.returncode, self.stderr = returncode, stderr
+
+    def describe(self) -> str:
+        return f"exit {self.returncode}\n{self.stderr[-4000:]}"
+
+
+def _main(tool, argv: list[str], capsys) -> _Ran:
+    capsys.readouterr()
+    code = tool.main(argv)
+    return _Ran(code, capsys.readouterr().err)
+
+
+def _tools(load: str, tmp_path, tok: list[str], capsys) -> list:
+    util, gen = _tool(UTIL), _tool(GEN)
     return [
-        run([PY, UTIL, "--load-dir", load, "--save-dir", str(tmp_path / "hf"), "--saver", "hf", "--no-optimizer"]),
-        run([PY, UTIL, "--load-dir", load, "--save-dir", str(tmp_path / "meg"), "--saver", "megatron",
-             "--no-optimizer"]),
-        run([PY, GEN, "--load", load, *tok, "--prompt", "The", "--max-new-tokens", "2", "--temperature", "0",
-             "--device", "cpu"]),
+        _main(util, ["--load-dir", load, "--save-dir", str(tmp_path / "hf"), "--saver", "hf", "--no-optimizer"], capsys),
+        _main(util, ["--load-dir", load, "--save-dir", str(tmp_path / "meg"), "--saver", "megatron", "--no-optimizer"],
+              capsys),
+        _main(gen, ["--load", load, *tok, "--prompt", "The", "--max-new-tokens", "2", "--temperature", "0",
+                    "--device", "cpu"], capsys),
     ]
 
 
@@ -50,7 +75,7 @@ def one_rank_run_tokenizer(load: str) -> list[str]:
     return ["--tokenizer-type", args["tokenizer_type"], "--tokenizer-model", args["tokenizer_model"]]
 
 
-def test_flipped_bytes_are_refused_by_every_tool(one_rank_run, tmp_path):  # noqa: F811
+def test_flipped_bytes_are_refused_by_every_tool(one_rank_run, tmp_path, capsys):  # noqa: F811
     load = _copy(one_rank_run, tmp_path)
     tok = one_rank_run_tokenizer(one_rank_run.save)
     path = ck.checkpoint_path(load, 4, 0, 0, 1)
@@ -60,19 +85,19 @@ def test_flipped_bytes_are_refused_by_every_tool(one_rank_run, tmp_path):  # noq
         data = f.read(8)
         f.seek(start + size // 2)
         f.write(bytes(b ^ 0xFF for b in data))
-    for res in _tools(load, tmp_path, tok):
+    for res in _tools(load, tmp_path, tok, capsys):
         assert res.returncode == 2, res.describe()
         (line,) = _errors(res)
         assert f"checkpoint file {path} is corrupt: crc32" in line and "Traceback" not in res.stderr, line
     assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "meg")
 
 
-def test_format_3_without_a_manifest_is_an_error(one_rank_run, tmp_path):  # noqa: F811
+def test_format_3_without_a_manifest_is_an_error(one_rank_run, tmp_path, capsys):  # noqa: F811
     load = _copy(one_rank_run, tmp_path)
     os.remove(os.path.join(ck.iteration_dir(load, 4), manifest.MANIFEST))
     want = f"checkpoint {ck.iteration_dir(load, 4)} has no manifest.json but its files are format 3"
     tok = one_rank_run_tokenizer(one_rank_run.save)
-    for res in [*_tools(load, tmp_path, tok)[::2], train([*one_rank_run.args, "--load", load])]:
+    for res in [*_tools(load, tmp_path, tok, capsys), train([*one_rank_run.args, "--load", load])]:
         assert res.returncode == 2, res.describe()
         (line,) = _errors(res)
         assert want in line, line
@@ -82,9 +107,7 @@ def test_checkpoint_util_never_writes_into_its_source(one_rank_run, tmp_path, ca
     load = _copy(one_rank_run, tmp_path)
     before = _digest(load)
     os.symlink(load, str(tmp_path / "link"))
-    spec = importlib.util.spec_from_file_location("tool_checkpoint_util", UTIL)
-    util = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(util)
+    util = _tool(UTIL)
     for save in (load, str(tmp_path / "link"), os.path.join(load, "..", "ckpt"), os.path.join(load, "sub")):
         assert util.main(["--load-dir", load, "--save-dir", save, "--target-tensor-parallel-size", "1"]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
