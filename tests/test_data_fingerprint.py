@@ -12,6 +12,7 @@ import os
 import shutil
 
 from e2e import PY, REPO, corpus, run, tool, train_args  # noqa: F401
+from megatron_2bw.data.preprocess import preprocess_jsonl
 from megatron_2bw.data.tokenizers import build_tokenizer
 from megatron_2bw.data.fingerprint import read_sidecar, sidecar_path, tokenizer_fingerprint
 
@@ -19,9 +20,9 @@ GPT = os.path.join(REPO, "pretrain_gpt.py")
 
 
 def _preprocess(jsonl: str, prefix: str, model: str) -> str:
-    tool("preprocess_data.py", "--input", jsonl, "--output-prefix", prefix, "--tokenizer-type",
-         "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod")
-    return prefix + "_text_document"
+    """What tools/preprocess_data.py does (its library call, in-process: no interpreter start-up)."""
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    return preprocess_jsonl(jsonl, prefix, tok, append_eod=True, progress=False).prefixes["text"]
 
 
 def _args(corpus, data: str, model: str, *extra: str) -> list[str]:  # noqa: F811
