@@ -142,7 +142,7 @@ def _fingerprints(dc, tokenizer) -> dict | None:
         tok = fingerprint.tokenizer_fingerprint(tokenizer)
     except (NotImplementedError, AttributeError):
         return None
-    prefixes = parse_data_path(dc.data_path)[0]
+    prefixes = parse_data_path(dc.data_path)[0] if dc.data_path else []  # no files: nothing to fingerprint
     fingerprint.check_data_tokenizer(prefixes, tok)
     try:
         return {"tokenizer": tok, "data": [fingerprint.data_fingerprint(p) for p in prefixes]}
