@@ -98,6 +98,8 @@ def test_fresh_start_rules(tmp_path):
     # the same directory through a symlink is the same directory
     os.symlink(save, str(tmp_path / "link"))
     assert save_guard.same_dir(save, str(tmp_path / "link"))
+    # --load through the link, --save the directory: auto-resume's first run, not "--load holds no checkpoint"
+    assert ck.find_checkpoint(str(tmp_path / "link"), save) is None
 
 
 def test_non_utf8_pointer_is_one_line(tmp_path):
