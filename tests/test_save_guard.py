@@ -83,7 +83,10 @@ def test_save_over_another_run_is_refused_and_nothing_moves(one_rank_run, tmp_pa
 
 def test_fresh_start_rules(tmp_path):
     save = str(tmp_path / "s")
-    os.makedirs(os.path.join(save, "iter_0000010"))
+    os.makedirs(os.path.join(save, "iter_0000010", "mp_rank_00"))
+    assert save_guard.saved_checkpoints(save) is None  # a save killed before its first file: not a checkpoint
+    open(os.path.join(save, "iter_0000010", "mp_rank_00", "model_optim_rng.pt"), "wb").close()
+    assert save_guard.saved_checkpoints(save) == "iterations 10"
     assert save_guard.check_fresh_start(save, save, True, False) is False  # --load = --save resumes
     with pytest.raises(ConfigError, match="--finetune starts a new run at iteration 0"):
         save_guard.check_fresh_start(save, save, False, False)
