@@ -126,3 +126,17 @@ def test_an_iteration_folder_without_a_complete_shard_is_ignored(one_rank_run, t
     assert res.returncode == 0, res.describe()
     assert f"ignoring iter_0000002 in {save}: no complete shard" in res.stderr
     assert ck.read_tracker(save) == 4 and manifest.verify(ck.iteration_dir(save, 2)) is not None
+
+
+def test_another_layout_gets_the_reshard_hint_not_a_misplaced_shard(one_rank_run, tmp_path):  # noqa: F811
+    """t1 d1 resumed as t2 (or d2): the folders overlap, but the manifest tells the layout first."""
+    from megatron_2bw.errors import ConfigError
+
+    for t, d in ((2, 1), (1, 2), (2, 2)):
+        try:
+            ck.load_rank_file(one_rank_run.save, 4, t, d, 0, 0)
+        except ConfigError as e:
+            line = str(e)
+        assert line == (f"checkpoint {ck.iteration_dir(one_rank_run.save, 4)} was saved with layout t=1 d=1 (tensor x "
+                        f"pipeline) but this run uses t={t} d={d}; reshard it with tools/checkpoint_util.py "
+                        f"--target-tensor-parallel-size {t} --target-pipeline-parallel-size {d}"), line

@@ -116,6 +116,20 @@ def saved_layout(iter_dir: str) -> tuple[int, int] | None:
     return (t, d) if t else None
 
 
+def _manifest_layout(iter_dir: str) -> tuple[int, int] | None:
+    """(t, d) the iteration's manifest records for its shards (None: no manifest, or it does not say)."""
+    try:
+        doc = manifest.read_manifest(iter_dir)
+    except ConfigError:
+        return None  # verified (and reported) with the shard
+    ids = [e.get("identity", {}) for e in (doc or {}).get("files", {}).values() if isinstance(e, dict)]
+    layouts = {(i.get("t"), i.get("d")) for i in ids}
+    if len(layouts) != 1:
+        return None
+    (t, d), = layouts
+    return (int(t), int(d)) if isinstance(t, int) and isinstance(d, int) else None
+
+
 def _layout_error(path: str, saved: tuple[int, int], mine: tuple[int, int]) -> ConfigError:
     return ConfigError(
         f"checkpoint {path} was saved with layout t={saved[0]} d={saved[1]} (tensor x pipeline) but this run uses "
@@ -180,6 +194,9 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
     if not os.path.isdir(idir):
         raise ConfigError(f"{os.path.join(load, TRACKER)} names iteration {iteration} but {idir} is missing")
     path = checkpoint_path(load, iteration, tp, pp, d)
+    recorded = _manifest_layout(idir)  # before any shard: another t or d is a reshard, not a misplaced file
+    if recorded is not None and recorded != (t, d):
+        raise _layout_error(idir, recorded, (t, d))
     if not os.path.isfile(path):
         saved = saved_layout(idir)
         if saved is not None and saved != (t, d):
