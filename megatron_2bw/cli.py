@@ -218,10 +218,19 @@ def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRCo
     return LRConfig(**given)
 
 
+def exit_signal_handler_of(args: argparse.Namespace) -> bool:
+    """On by default (a stop signal saves and exits 0); ``--no-exit-signal-handler`` turns it off."""
+    off = bool(getattr(args, "no_exit_signal_handler", False))
+    _require(not (off and getattr(args, "exit_signal_handler", False)),
+             "--exit-signal-handler and --no-exit-signal-handler contradict each other")
+    return not off
+
+
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
     switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler",
                                                                  "finetune", "no_load_optim", "no_load_rng", "skip_train",
                                                                  "async_save")}
+    switches.update(exit_signal_handler=exit_signal_handler_of(args), overwrite_save=bool(getattr(args, "overwrite_save", False)))
     return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches,
                              "train_iters": train_iters_of(args.train_iters, args.train_samples, global_batch)})
 

@@ -480,7 +480,7 @@ class TrainingConfig:
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
     override_resumed_settings: bool = False  # resume although data or schedule settings changed
-    exit_signal_handler: bool = False  # SIGTERM / exit_signal: save at the next boundary and exit 0
+    exit_signal_handler: bool = True  # SIGTERM/SIGHUP/exit_signal: save at the next boundary, exit 0 (--no-exit-signal-handler: off)
     exit_signal: str = "SIGUSR1"  # the extra signal handled like SIGTERM (SLURM's --signal warning)
     exit_duration_in_mins: float | None = None  # save and exit 0 after this long
     max_skipped_steps: int | None = None  # None: the precision's default (training/health.py)
@@ -493,6 +493,7 @@ class TrainingConfig:
     skip_train: bool = False  # evaluate the loaded checkpoint and exit
     ckpt_format: str = "torch"  # what --save writes: torch (Megatron v2 files) or torch_dist (DCP)
     async_save: bool = False  # torch_dist: write in the background while training goes on
+    overwrite_save: bool = False  # --save holds another run's checkpoints: delete them and start over
 
     def __post_init__(self) -> None:
         from .training.health import check_max_skipped_steps  # noqa: PLC0415 - torch-free modules
@@ -518,6 +519,7 @@ class TrainingConfig:
                  f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, got {self.ckpt_format}")
         _require(not self.async_save or self.ckpt_format == "torch_dist", "--async-save needs --ckpt-format torch_dist")
         _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
+        _require(not self.overwrite_save or self.save is not None, "--overwrite-save needs --save DIR")
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--exit-interval", "training.exit_interval", TRAIN, int,
          help="save (with --save) and exit after this many iterations"),
     Flag("--exit-signal-handler", "training.exit_signal_handler", TRAIN, const=True, help=_EXIT_HELP),
+    Flag("--no-exit-signal-handler", None, TRAIN, const=True,
+         help="SIGTERM/SIGHUP/--exit-signal end the process at once (default: save at the next boundary and exit 0)"),
     Flag("--exit-signal", "training.exit_signal", TRAIN, default="SIGUSR1", help="handled like SIGTERM"),
     Flag("--exit-duration-in-mins", "training.exit_duration_in_mins", TRAIN, float, help=_DURATION_HELP),
     Flag("--max-skipped-steps", "training.max_skipped_steps", TRAIN, int, help=_SKIP_HELP),
@@ -199,6 +201,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--load", "training.load", CKPT, help="checkpoint directory to resume from"),
     Flag("--override-resumed-settings", "training.override_resumed_settings", CKPT, const=True,
          help="resume although data or schedule settings differ from the checkpoint's (each change is logged)"),
+    Flag("--overwrite-save", "training.overwrite_save", CKPT, const=True,
+         help="start over in a --save that holds another run's checkpoints: delete them first (default: refused)"),
     Flag("--save-interval", "training.save_interval", CKPT, int),
     Flag("--ckpt-format", "training.ckpt_format", CKPT, default="torch", choices=CKPT_FORMATS,
          help="torch: Megatron v2 files per (tensor, pipeline) rank; torch_dist: torch.distributed.checkpoint, "

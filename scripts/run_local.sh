@@ -5,8 +5,9 @@
 #
 # The flags are validated once before any worker starts (one error line, exit 2). torchrun
 # restarts failed workers up to MAX_RESTARTS times; pass --load equal to --save so a restart
-# resumes from the last checkpoint. Ctrl-C (or SIGTERM/SIGUSR1 to torchrun) reaches every worker:
-# with --exit-signal-handler they save a checkpoint at the next step boundary and exit.
+# resumes from the last checkpoint. Ctrl-C, or SIGTERM/SIGHUP/SIGUSR1 to this script, reaches every
+# worker (scripts/graceful_torchrun.sh): they save a checkpoint at the next step boundary and exit, and
+# the script exits 0 without torchrun's traceback (--no-exit-signal-handler: they stop at once).
 #
 # Environment: PYTHON (default .venv/bin/python if present, else python3), NPROC (default: the GPU
 # count, else 4), DEVICE (default: cuda with GPUs, else cpu), OMP_NUM_THREADS (CPU: cores / NPROC),
@@ -56,5 +57,5 @@ source scripts/launch_lib.sh
 mapfile -t SIGNAL_ARGS < <(torchrun_signal_flags "$PYTHON" "$SHUTDOWN_TIMEOUT" run_local)  # what this torch accepts
 
 echo "run_local: $NPROC process(es) on $DEVICE (max restarts $MAX_RESTARTS)" >&2
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-  ${SIGNAL_ARGS[@]+"${SIGNAL_ARGS[@]}"} "$SCRIPT" --device "$DEVICE" "$@"
+exec bash scripts/graceful_torchrun.sh "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+  --max-restarts "$MAX_RESTARTS" ${SIGNAL_ARGS[@]+"${SIGNAL_ARGS[@]}"} "$SCRIPT" --device "$DEVICE" "$@"

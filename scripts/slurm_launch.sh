@@ -107,6 +107,7 @@ forward() {
 }
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
+trap 'forward HUP' HUP
 
 # torchrun's signal flags, where this torch has them (launch_lib.sh); the same interpreter runs on every node.
 source "$REPO/scripts/launch_lib.sh"
@@ -130,11 +131,13 @@ NODE_CPUS=${NODE_CPUS:-${SLURM_CPUS_ON_NODE:-}}
 
 # Each task runs its own torchrun; the arguments travel as positional parameters (no quoting problems),
 # the restart settings through the environment (srun exports it).
-export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT TORCHRUN_SIGNAL_ARGS
+# scripts/graceful_torchrun.sh hands a stop signal to the workers rather than torchrun (no traceback).
+export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT TORCHRUN_SIGNAL_ARGS \
+  GRACEFUL_TORCHRUN="$REPO/scripts/graceful_torchrun.sh"
 # shellcheck disable=SC2086,SC2016
 srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" \
   ${NODE_CPUS:+--cpus-per-task="$NODE_CPUS"} ${SRUN_ARGS:-} \
-  bash -c 'exec "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" \
+  bash -c 'exec bash "$GRACEFUL_TORCHRUN" "$0" -m torch.distributed.run --nnodes "$1" --nproc-per-node "$2" \
              --rdzv-backend c10d --rdzv-endpoint "$3:$4" --rdzv-id "$RDZV_ID" --max-restarts "$MAX_RESTARTS" \
              $TORCHRUN_SIGNAL_ARGS "${@:5}"' \
   "$PYTHON" "$NNODES" "$NPROC_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$SCRIPT" "$@" &
@@ -161,5 +164,11 @@ if [[ "${REQUEUE:-1}" == 1 && -n "${SLURM_JOB_ID:-}" && -n "$SAVE_DIR" && -n "$T
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
   fi
+fi
+# A stop signal that the trainers answered with a checkpoint is a clean stop, whatever torchrun's status
+# (a torchrun that received the signal itself exits 1).
+if [[ -n "$SIGNALLED" && -n "$SAVE_DIR" && "$RC" != 0 ]] && (( $(latest_iteration) > START_ITER )); then
+  echo "slurm_launch: the trainers saved iteration $(latest_iteration) after SIG$SIGNALLED: a clean stop (exit 0)" >&2
+  exit 0
 fi
 exit "$RC"

@@ -78,7 +78,7 @@ CASES = [
     ("missing-tokenizer", lambda c, t: base(c) + ["--tokenizer-model", str(t / "tok.model")], {},
      "tok.model does not exist"),
     ("vocab-vs-data", lambda c, t: base(c) + ["--tokenizer-model", c.small_model], {},
-     "but the tokenizer's vocabulary has 400 entries"),
+     "was made with SentencePieceTokenizer, vocabulary 512"),  # its sidecar (data/fingerprint.py), before any id
     ("load-without-checkpoint", lambda c, t: base(c) + ["--load", str(t)], {}, "holds no checkpoint"),
     ("corrupt-checkpoint", lambda c, t: base(c) + ["--load", fake_checkpoint(t, ["mp_rank_00"])], {},
      "is corrupt or unreadable"),

@@ -82,7 +82,11 @@ def test_shards_in_the_wrong_folder_are_refused(tp2_pp2_run, tmp_path, what, wit
             assert "is corrupt" in line and "copied into the wrong folder" in line
         else:
             assert f"was written as {what}" in line and "copied into the wrong folder" in line
-    assert ck.load_rank_file(load, 10, 2, 2, 1, 1)["layout"]["pp_rank"] == 1  # an untouched shard still loads
+    if with_manifest:
+        assert ck.load_rank_file(load, 10, 2, 2, 1, 1)["layout"]["pp_rank"] == 1  # an untouched shard still loads
+    else:  # format 3 always writes a manifest (issue 19): without it even an untouched shard is not trusted
+        with pytest.raises(ConfigError, match="has no manifest.json but its files are format 3"):
+            ck.load_rank_file(load, 10, 2, 2, 1, 1)
 
 
 def test_missing_tracker_resumes_from_newest_complete_and_removes_stale_temporaries(one_rank_run, tmp_path):  # noqa: F811

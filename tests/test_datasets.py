@@ -57,7 +57,9 @@ def test_gpt_samples_are_windows_of_the_shuffled_document_stream(gpt_data):
     assert len(ds) == n
     # Slow reference: plain Python lists, document by document, epoch by epoch.
     epoch_tokens = sum(len(item) for d in documents for item in docs[d])
-    assert (ds.num_epochs - 1) * epoch_tokens < n * seq + 1 <= ds.num_epochs * epoch_tokens
+    windows = -(-n // ds.block) * ds.block  # whole shuffle blocks of about an epoch's windows
+    assert ds.block == epoch_tokens // seq
+    assert (ds.num_epochs - 1) * epoch_tokens < windows * seq + 1 <= ds.num_epochs * epoch_tokens
     order = ds.doc_order.tolist()
     assert len(order) == ds.num_epochs * len(documents)
     for e in range(ds.num_epochs):  # every epoch visits every document once
@@ -66,7 +68,10 @@ def test_gpt_samples_are_windows_of_the_shuffled_document_stream(gpt_data):
     for d in order:
         for item in docs[d]:
             stream.extend(item)
-    assert sorted(ds.sample_order.tolist()) == list(range(n))
+    got = ds.sample_order.tolist()
+    assert len(set(got)) == n  # no window twice
+    for k in range(0, n, ds.block):  # each block's samples are a shuffle of that block's windows
+        assert all(k <= j < k + ds.block for j in got[k:k + ds.block])
     for i in range(n):
         j = int(ds.sample_order[i])
         sample = ds[i]["tokens"]
@@ -74,6 +79,16 @@ def test_gpt_samples_are_windows_of_the_shuffled_document_stream(gpt_data):
     # Consecutive windows overlap by exactly one token.
     inverse = np.argsort(ds.sample_order)
     assert ds[int(inverse[0])]["tokens"][-1] == ds[int(inverse[1])]["tokens"][0]
+
+
+def test_gpt_sample_order_does_not_depend_on_the_number_of_samples(gpt_data):
+    """Raising --train-iters on resume asks for more samples: the ones already trained on keep their order."""
+    _, indexed = gpt_data
+    docs = np.arange(40)
+    short, long = GPTDataset(indexed, docs, 8, 30, 3), GPTDataset(indexed, docs, 8, 700, 3)
+    assert long.num_epochs > short.num_epochs >= 1
+    assert [short[i]["tokens"].tolist() for i in range(30)] == [long[i]["tokens"].tolist() for i in range(30)]
+    assert not np.array_equal(long.sample_order[:30], np.arange(30))  # still shuffled
 
 
 def test_gpt_is_deterministic_by_seed(gpt_data):

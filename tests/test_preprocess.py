@@ -146,7 +146,8 @@ def test_failed_run_leaves_the_existing_dataset_intact(tmp_path, tok, workers):
     with pytest.raises(ConfigError, match="bad.jsonl:2: invalid JSON"):
         preprocess_jsonl(str(bad), str(tmp_path / "ds"), tok, workers=workers)
     assert _snapshot(prefix) == before
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ds_text_document.bin", "ds_text_document.idx", "good.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ds_text_document.bin", "ds_text_document.idx",
+                                            "ds_text_document.tokenizer.json", "good.jsonl"]  # with its tokenizer
     expected = [tok.tokenize(d["text"]) for d in DOCS if d["text"]]
     ds = IndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(len(ds))] == expected

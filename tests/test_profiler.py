@@ -82,8 +82,12 @@ def test_profile_round_trips_through_the_planner(tiny, tmp_path, capsys):
     assert full.forward_nograd_s(1, 2, "layer") == tiny.entries[(1, 2)].layer.forward_nograd_s
     # tools/plan.py --profile FILE
     plan = _tool("plan")
+    presets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_2bw/planner/clusters")
+    cluster = json.loads(open(os.path.join(presets, "aws-p3.16xlarge.json")).read())
+    cpus = tmp_path / "cpus.json"  # the profile was measured on a CPU: plan for CPUs (a V100 plan is refused)
+    cpus.write_text(json.dumps({**cluster, "name": "test-cpus", "device": "CPU (test host)"}))
     argv = ["--model-preset", "gpt-tiny", "--num-gpus", "4", "--global-batch-size", "16", "--precision", "fp32",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--profile", str(path)]
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--profile", str(path), "--cluster", str(cpus)]
     assert plan.main(argv) == 0
     text = capsys.readouterr().out
     assert f"profile {path}" in text and "best configuration" in text

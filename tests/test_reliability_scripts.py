@@ -244,7 +244,14 @@ def test_signal_after_the_last_iteration_does_not_requeue(fake):
 def test_requeue_limit_and_no_progress(fake):
     res, log = _signalled_job(fake, 700, SLURM_RESTART_COUNT="20")
     assert "requeue" not in log and "requeued 20 times already" in res.stderr
-    assert res.returncode == 1  # the trainer's (torchrun's) status after the signal
+    # torchrun exited 1 (it received the signal itself) but the trainers saved: a clean stop is exit 0
+    assert res.returncode == 0 and "the trainers saved iteration 700 after SIGUSR1: a clean stop (exit 0)" in res.stderr
+
+
+def test_signal_without_a_new_checkpoint_keeps_torchruns_status(fake):
+    res, log = _signalled_job(fake, 0)
+    assert "requeue" not in log and "no checkpoint after iteration 0 in this run: not requeueing" in res.stderr
+    assert res.returncode == 1 and "clean stop" not in res.stderr
 
 
 def test_crash_without_signal_is_not_requeued(fake):

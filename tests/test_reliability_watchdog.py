@@ -92,6 +92,55 @@ def test_paused_rank_suspends_the_progress_rule_but_not_the_heartbeat():
     assert exits and "rank 1 (host" in lines[0] and "stopped responding" in lines[0]
 
 
+def test_a_pause_is_bounded():
+    """A save that never ends (two jobs in one --save hung 280 s in silence) is judged after the pause limit."""
+    dogs, clock, exits, lines = _ring(2, timeout=10.0)
+    for d in dogs:
+        d.pause_limit = 40.0
+    _advance(dogs, clock, 2, progress=range(2))
+    with dogs[0].paused():
+        _advance(dogs, clock, 38, progress=())
+        assert exits == []  # within the limit: a long save is fine
+        _advance(dogs, clock, 5, progress=())
+        assert exits and "no rank made progress for" in lines[0], lines
+    assert dogs[0].pause_limit == 40.0 and Watchdog(None, 0, 2, 45.0).pause_limit == 900.0
+
+
+class SwitchableStore:
+    """A store that can stop answering (its host, torchrun's agent, stopped with SIGSTOP) and come back."""
+
+    def __init__(self) -> None:
+        self.inner, self.down = dist.HashStore(), False
+
+    def __getattr__(self, name):
+        op = getattr(self.inner, name)
+
+        def call(*a, **k):
+            if self.down:
+                raise RuntimeError("Socket Timeout")
+            return op(*a, **k)
+        return call
+
+
+def test_a_stopped_store_does_not_kill_a_healthy_job_during_or_after():
+    """SIGSTOP of torchrun (which hosts the store): the ranks keep training, so no verdict while it is stopped
+    (one warning), and none after it resumes either, though every heartbeat is old by then."""
+    store, clock, exits, lines = SwitchableStore(), Clock(), [], []
+    dogs = [Watchdog(store, r, 2, 10.0, interval_s=1.0, exit_fn=exits.append, announce=lines.append, clock=clock,
+                     hosts_store=False) for r in range(2)]
+    _advance(dogs, clock, 3, progress=range(2))
+    store.down = True
+    _advance(dogs, clock, 40, progress=range(2))
+    assert exits == [] and len(lines) == 2 and all("has not answered" in x and "training continues" in x for x in lines)
+    store.down = False
+    clock.t += 1.0
+    dogs[0].tick()  # rank 0 reads before rank 1 has published again: rank 1's heartbeat is 41 s old
+    _advance(dogs, clock, 5, progress=range(2))
+    assert exits == [], lines
+    _advance(dogs, clock, 12, skip={1}, progress={0})  # a rank that really stops is still named
+    assert exits and "rank 1 (host" in lines[-1] and "stopped responding" in lines[-1]
+
+
 def test_start_up_grace_then_hang_before_first_progress():
     dogs, clock, exits, lines = _ring(2, timeout=5.0)
     _advance(dogs, clock, 19, progress=())  # grace is 4 x 5 s: still starting up

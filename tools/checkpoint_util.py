@@ -25,6 +25,7 @@ way with ``--ckpt-format torch_dist`` (no target sizes: any layout resumes from 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_2bw.cli import OneLineParser, run_cli
@@ -54,11 +55,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def refuse_writing_into_source(load_dir: str, save_dir: str) -> None:
+    """Never write into the checkpoint being read: its manifest and pointer would be replaced (also when the
+    two paths differ only by symlinks or ``..``, or one lies inside the other)."""
+    src, dst = os.path.realpath(load_dir), os.path.realpath(save_dir)
+    if src == dst or src.startswith(dst + os.sep) or dst.startswith(src + os.sep):
+        raise ConfigError(f"--save-dir {save_dir} is (or overlaps) --load-dir {load_dir}"
+                          f"{f' (both {src})' if src == dst else ''}: checkpoint_util never writes into its source; "
+                          "give another --save-dir")
+
+
 def run(argv: list[str]) -> str:
     args = parse_args(argv)
     t, d = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if t < 1 or d < 1:
         raise ConfigError(f"target sizes must be >= 1, got tensor {t} and pipeline {d}")
+    refuse_writing_into_source(args.load_dir, args.save_dir)
     dist_source = _is_dist(args.load_dir) and args.loader in (None, "megatron")
     if dist_source:
         ckpt = read_dist_checkpoint(args.load_dir)

@@ -34,7 +34,7 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.calibration import calibration, calibration_json, format_calibration
 from megatron_2bw.planner.hardware import load_cluster
-from megatron_2bw.planner.layer_costs import load_profile
+from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
 from megatron_2bw.planner.report import (
     PAPER_CLUSTER, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
@@ -138,7 +138,7 @@ def run(argv: list[str]) -> str:
                           max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
                           distributed_optimizer_options=args.zero, schedules=args.schedules,
                           recompute_policies=FINER_RECOMPUTE if args.finer_recompute else ())
-    costs = load_profile(args.profile) if args.profile else None
+    costs = load_checked_profile(args.profile, model, args.precision, cluster.device) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)
 

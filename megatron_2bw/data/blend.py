@@ -39,6 +39,9 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float]]:
         weights.append(value)
         prefixes.append(prefix)
     total = sum(weights)
+    if not math.isfinite(total):
+        raise ConfigError(f"--data-path weights {' '.join(map(str, data_path[0::2]))} sum to more than the largest "
+                          "float; give weights of a sensible size (fractions or percentages)")
     return prefixes, [w / total for w in weights]
 
 

@@ -62,8 +62,9 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int, max_tokens: int = VOCA
     """Refuse data holding a token id outside ``[0, vocab_size)`` (a tokenizer/data mismatch).
 
     Datasets up to ``max_tokens`` tokens are scanned fully (a max over the memory map); for
-    bigger ones only 64 evenly spaced windows totalling ``max_tokens`` tokens are checked, so a
-    stray id elsewhere can slip through this check (the embedding lookup would then fail).
+    bigger ones only 64 evenly spaced windows totalling ``max_tokens`` tokens are checked here; the
+    trainer checks every batch as well (``training.data_iter.MicrobatchProvider``), so a stray id
+    elsewhere is one line when its batch comes, never an embedding's IndexError.
     """
     views = [v for v in _windows(indexed.token_stream(), max_tokens) if v.size]
     if not views:

@@ -6,6 +6,11 @@ order, epochs are appended until ``num_samples`` windows fit, window ``i`` start
 one is the first label of the next), and the window order is shuffled. All index arrays
 are built with numpy (cumsum/searchsorted), so construction is fast for millions of samples;
 only ``__getitem__`` walks the few documents one window spans.
+
+The window order is shuffled in blocks of about one epoch's windows (``tokens per epoch //
+seq_length``), each block by its own rows of one generator, so the first N samples are the same
+whatever ``num_samples`` is: a run whose ``--train-iters`` is raised on resume continues exactly the
+sample order that the longer run would have had from the start (Megatron reshuffles instead).
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ class GPTDataset:
         doc_end_item = indexed.doc_idx[documents + 1]
         doc_tokens = item_cum[doc_end_item] - item_cum[doc_start_item]
         tokens_per_epoch = int(doc_tokens.sum())
-        needed = num_samples * seq_length + 1
         if tokens_per_epoch == 0:
             raise ConfigError(f"the {len(documents)} documents given to GPTDataset from {indexed.prefix} hold no tokens")
+        block = max(tokens_per_epoch // seq_length, 1)  # windows shuffled together
+        n_blocks = -(-num_samples // block)
+        windows = n_blocks * block  # whole blocks, so a block's order never depends on num_samples
+        needed = windows * seq_length + 1
         num_epochs = -(-needed // tokens_per_epoch)
 
         rng = np.random.default_rng(seed)
@@ -50,7 +58,7 @@ class GPTDataset:
         order = np.argsort(rng.random((num_epochs, len(documents))), axis=1, kind="stable").ravel()
         stream_len = doc_tokens[order]
         stream_cum = np.concatenate([[0], np.cumsum(stream_len)])
-        starts = np.arange(num_samples, dtype=np.int64) * seq_length
+        starts = np.arange(windows, dtype=np.int64) * seq_length
         # side="right" skips empty documents: the window starts in the last document beginning at or before it.
         pos = np.searchsorted(stream_cum, starts, side="right") - 1
         self._stream_docs = order  # position in the stream -> index into ``documents``
@@ -60,7 +68,12 @@ class GPTDataset:
         self._item_cum = item_cum
         self._sample_pos = pos
         self._sample_offset = starts - stream_cum[pos]
-        self._shuffle = rng.permutation(num_samples)
+        # Block k's windows in the order of row k of one generator's draws (its own stream: the document
+        # draws above depend on the number of epochs): the first rows never depend on num_samples.
+        keys = np.random.default_rng([seed, 1]).random((n_blocks, block))
+        within = np.argsort(keys, axis=1, kind="stable")
+        self._shuffle = (within + block * np.arange(n_blocks, dtype=np.int64)[:, None]).ravel()[:num_samples]
+        self.block = block
         self.num_epochs = num_epochs
         # For inspection and tests: document ids in stream order, and sample i's window number.
         self.doc_order = documents[order]

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
+from .fingerprint import sidecar_path, tokenizer_fingerprint, write_sidecar
 from .tokenizers import Tokenizer
 
 BATCH_DOCS = 64
@@ -59,8 +60,18 @@ def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, 
                     raise ConfigError(f"{path}:{lineno}: no key {key!r} (from --json-keys); keys are {sorted(obj)}")
                 if not isinstance(obj[key], str):
                     raise ConfigError(f"{path}:{lineno}: key {key!r} is a {type(obj[key]).__name__}, not a string")
+                _refuse_lone_surrogates(obj[key], f"{path}:{lineno}: key {key!r}")
                 texts[key] = obj[key]
             yield lineno, len(raw), texts
+
+
+def _refuse_lone_surrogates(text: str, where: str) -> None:
+    """JSON's ``\\ud800`` escapes can spell half a UTF-16 pair, which is no character: the tokenizers fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{where} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start} (half "
+                          "of a UTF-16 pair, not a character): fix the text or drop the line") from None
 
 
 def _json_error(path: str, lineno: int, line: str, e: json.JSONDecodeError, json_keys: Sequence[str]) -> str:
@@ -178,13 +189,26 @@ def preprocess_jsonl(
                 for window in _windows(batches, READ_AHEAD_BATCHES * workers):
                     _write(pool.imap(_encode_batch, window), builders, result, bar)
         _refuse_empty(input_path, result)
+        made_with = _fingerprint(tokenizer)
         for key, builder in builders.items():
+            if os.path.exists(sidecar_path(prefixes[key])):
+                os.remove(sidecar_path(prefixes[key]))  # never an old tokenizer's record beside the new data
             builder.finalize(index_file_path(prefixes[key]))
+            if made_with is not None:
+                write_sidecar(prefixes[key], made_with)
     finally:
         for builder in builders.values():
             builder.close()  # removes the temporary files of a failed run; existing datasets stay
         bar.close()
     return result
+
+
+def _fingerprint(tokenizer: Tokenizer) -> dict | None:
+    """The tokenizer's record for the data's sidecar (None for a tokenizer that cannot list its vocabulary)."""
+    try:
+        return tokenizer_fingerprint(tokenizer)
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _refuse_empty(input_path: str, result: PreprocessResult) -> None:

@@ -56,6 +56,10 @@ class Tokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    def pieces(self) -> list[str]:
+        """The vocabulary in id order (what ``data/fingerprint.py`` hashes)."""
+        raise NotImplementedError
+
     def __reduce__(self):
         return (build_tokenizer, self._build_args)
 
@@ -111,6 +115,9 @@ class SentencePieceTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def pieces(self) -> list[str]:
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
 
 class HFTokenizer(Tokenizer):
     """A transformers tokenizer; ``tokenize`` adds no [CLS]/[SEP]/BOS (the datasets place those).
@@ -149,6 +156,9 @@ class HFTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._hf.decode([int(i) for i in ids])
 
+    def pieces(self) -> list[str]:
+        return [piece for piece, _ in sorted(self._hf.get_vocab().items(), key=lambda kv: kv[1])]
+
 
 class BertWordPieceTokenizer(Tokenizer):
     """Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``; [SEP] doubles as eod."""
@@ -163,6 +173,7 @@ class BertWordPieceTokenizer(Tokenizer):
             if token not in vocab:
                 raise ConfigError(f"--vocab-file {vocab_file} has no {token} token")
         self._wp = WordPiece(vocab, lower_case)
+        self._vocab = vocab
         self.vocab_size = len(vocab)
         self.pad, self.cls, self.sep, self.mask = (vocab[t] for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
         self.eod = self.sep
@@ -172,6 +183,9 @@ class BertWordPieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._wp.decode(ids)
+
+    def pieces(self) -> list[str]:
+        return [piece for piece, _ in sorted(self._vocab.items(), key=lambda kv: kv[1])]
 
 
 def _takes_files(cls) -> bool:

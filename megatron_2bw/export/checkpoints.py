@@ -21,6 +21,7 @@ from .hf_format import load_hf_dir, save_hf_dir
 from .megatron_format import (
     Exported, find_iteration_dir, rank_weights, read_megatron_dir, read_rank_files, write_megatron_dir,
 )
+from . import trainer_format
 from .names import WORD, Split
 from .reshard import unshard
 
@@ -60,9 +61,25 @@ def _global_names(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_trainer_iteration(iter_dir: str) -> tuple[Exported, bool]:
-    """A trainer checkpoint's iteration dir as a whole model; also whether it holds optimizer state."""
+def verified_rank_files(iter_dir: str) -> dict[tuple[int, int], dict]:
+    """``read_rank_files`` after checking every file against the iteration's manifest (as the trainer does):
+    an exported or resharded model is never made of flipped bytes; a format-3 checkpoint without a manifest
+    is refused (that format always writes one). A Megatron-LM checkpoint has none and is read as it is."""
+    from ..training import manifest
+
+    doc = manifest.verify(iter_dir, require=False)
     files = read_rank_files(iter_dir)
+    if doc is None and any(isinstance(sd, dict) and sd.get("format") == trainer_format.FORMAT for sd in files.values()):
+        raise ConfigError(f"checkpoint {iter_dir} has no {manifest.MANIFEST} but its files are format "
+                          f"{trainer_format.FORMAT}, which always writes one: the save did not finish or the manifest "
+                          "was removed, so its files cannot be verified")
+    return files
+
+
+def read_trainer_iteration(iter_dir: str, files: dict | None = None) -> tuple[Exported, bool]:
+    """A trainer checkpoint's iteration dir as a whole model; also whether it holds optimizer state.
+    ``files``: its rank files already read by :func:`verified_rank_files`."""
+    files = verified_rank_files(iter_dir) if files is None else files
     first = files[min(files)]
     cfg = trainer_model_config(first["config"])
     parts = {k: _global_names(sd, cfg) for k, sd in files.items()}
@@ -83,9 +100,9 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
     if loader == "hf" or (loader == "auto" and is_hf):
         return load_hf_dir(path), False
     idir = find_iteration_dir(path)
-    first = read_rank_files(idir)
+    first = verified_rank_files(idir)
     if is_trainer_file(first[min(first)]):
-        return read_trainer_iteration(idir)
+        return read_trainer_iteration(idir, first)
     has_optimizer = any("optimizer" in f for f in first.values())
     return read_megatron_dir(path), has_optimizer
 

@@ -200,7 +200,35 @@ def read_rank_files(idir: str) -> dict[tuple[int, int], dict]:
                 raise ConfigError(f"cannot read {path}: {type(e).__name__}") from None
     if not files:
         raise ConfigError(f"{idir} holds no mp_rank_*/{FILENAME} files")
+    _refuse_missing_shards(idir, files)
     return files
+
+
+def _saved_layout(sd) -> tuple[int, int] | None:
+    """(t, d) a file says its checkpoint was written with: the trainer's ``layout``, else Megatron's ``args``."""
+    if not isinstance(sd, dict):
+        return None
+    lay = sd.get("layout")
+    if isinstance(lay, dict) and "t" in lay and "d" in lay:
+        return int(lay["t"]), int(lay["d"])
+    args = sd.get("args")
+    a = vars(args) if isinstance(args, argparse.Namespace) else args if isinstance(args, dict) else {}
+    if "tensor_model_parallel_size" in a:
+        return int(a["tensor_model_parallel_size"]), int(a.get("pipeline_model_parallel_size", 1))
+    return None
+
+
+def _refuse_missing_shards(idir: str, files: dict) -> None:
+    """One line naming the first missing rank's file, instead of a KeyError when the model is assembled."""
+    layout = _saved_layout(files[min(files)])
+    if layout is None:
+        return
+    t, d = layout
+    missing = [rank_dir(a, b, d) for a in range(t) for b in range(d) if (a, b) not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"checkpoint {idir} was written with t={t} d={d} but {os.path.join(idir, missing[0], FILENAME)}"
+                          f" is missing{more}: copy it back or use a complete checkpoint")
 
 
 def config_from_args(args, model: dict) -> ModelConfig:

@@ -56,9 +56,10 @@ def _families(sd: dict, cfg: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:
 
 def read_trainer_checkpoint(path: str) -> TrainerCheckpoint:
     """The checkpoint ``path`` names (root or iteration dir), verified against its manifest when it has one."""
+    from .checkpoints import verified_rank_files
+
     idir = find_iteration_dir(path)
-    manifest.verify(idir, require=False)
-    files = read_rank_files(idir)
+    files = verified_rank_files(idir)
     first = files[min(files)]
     bad = [k for k, sd in files.items() if sd.get("format") != trainer_format.FORMAT or "stage" not in sd]
     if bad:

@@ -39,7 +39,8 @@ from ..models.stages import format_split
 from ..pipeline.schedules import SCHEDULE_NAMES
 from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
-from .layer_costs import LayerCosts, load_profile
+from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported
+from .profile_check import load_checked_profile
 from .search import PlanRequest, SearchResult, micro_batch_sizes, search
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,8 @@ def profile_or_load(
     from . import profiler  # noqa: PLC0415 - imports the models; only when profiling
 
     if profile_path is not None and Path(profile_path).is_file():
-        return load_profile(str(profile_path)), False
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (this host)"
+        return load_checked_profile(profile_path, model_cfg, precision, name), False
     profiles = []
     for t in sorted(set(tensor_parallel)):
         if t == 1:

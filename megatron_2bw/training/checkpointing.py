@@ -43,7 +43,7 @@ from ..errors import ConfigError
 from ..export import megatron_format, trainer_format
 from ..models.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
-from . import manifest
+from . import manifest, save_guard
 from .supervision import describe_save_failure, os_error_line
 
 log = logging.getLogger("megatron_2bw")
@@ -98,6 +98,9 @@ def read_tracker(root: str) -> int | None:
             text = f.read().strip()
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} does not hold an iteration number (not UTF-8 text: a corrupt or foreign file); "
+                          "write the iteration to resume into it") from None
     if not re.fullmatch(r"\d+", text):
         raise ConfigError(f"{path} does not hold an iteration number (got {text[:40]!r})")
     return int(text)
@@ -113,6 +116,20 @@ def saved_layout(iter_dir: str) -> tuple[int, int] | None:
             t = max(t, int(m.group(1)) + 1)
             d = max(d, 1 if m.group(2) is None else max(int(m.group(2)) + 1, 2))
     return (t, d) if t else None
+
+
+def _manifest_layout(iter_dir: str) -> tuple[int, int] | None:
+    """(t, d) the iteration's manifest records for its shards (None: no manifest, or it does not say)."""
+    try:
+        doc = manifest.read_manifest(iter_dir)
+    except ConfigError:
+        return None  # verified (and reported) with the shard
+    ids = [e.get("identity", {}) for e in (doc or {}).get("files", {}).values() if isinstance(e, dict)]
+    layouts = {(i.get("t"), i.get("d")) for i in ids}
+    if len(layouts) != 1:
+        return None
+    (t, d), = layouts
+    return (int(t), int(d)) if isinstance(t, int) and isinstance(d, int) else None
 
 
 def _layout_error(path: str, saved: tuple[int, int], mine: tuple[int, int]) -> ConfigError:
@@ -138,8 +155,12 @@ def find_checkpoint(load: str, save: str | None) -> int | None:
     if it is not None:
         log.warning(" %s", warning)
         return it
-    same = save is not None and os.path.abspath(save) == os.path.abspath(load)
+    same = save is not None and os.path.realpath(save) == os.path.realpath(load)
     if same:
+        unfinished = sorted(set(manifest.list_iterations(load)) - set(manifest.list_checkpoints(load)))
+        if unfinished:
+            log.warning(" ignoring %s in %s: no complete shard (a save killed before its first file was written)",
+                        ", ".join(f"iter_{i:07d}" for i in unfinished), load)
         return None
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load} does not exist")
@@ -152,9 +173,21 @@ def _verified_load(path: str, idir: str, rel: str, iteration: int, t: int, d: in
     if doc is None:
         log.warning(" %s has no %s (written before manifests existed): not verified", idir, manifest.MANIFEST)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        sd = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
         raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
+    if isinstance(sd, dict):
+        sd["_manifest"] = doc is not None
+    return sd
+
+
+def require_manifest(path: str, sd: dict, has_manifest: bool) -> None:
+    """Format 3 always writes a manifest: a format-3 file without one is an unfinished save or a removed file."""
+    if not has_manifest and isinstance(sd, dict) and sd.get("format") == FORMAT:
+        idir = os.path.dirname(os.path.dirname(path))
+        raise ConfigError(f"checkpoint {idir} has no {manifest.MANIFEST} but its files are format {FORMAT}, which always "
+                          "writes one: the save did not finish or the manifest was removed, so its files cannot be "
+                          "verified")
 
 
 def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) -> dict:
@@ -163,6 +196,9 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
     if not os.path.isdir(idir):
         raise ConfigError(f"{os.path.join(load, TRACKER)} names iteration {iteration} but {idir} is missing")
     path = checkpoint_path(load, iteration, tp, pp, d)
+    recorded = _manifest_layout(idir)  # before any shard: another t or d is a reshard, not a misplaced file
+    if recorded is not None and recorded != (t, d):
+        raise _layout_error(idir, recorded, (t, d))
     if not os.path.isfile(path):
         saved = saved_layout(idir)
         if saved is not None and saved != (t, d):
@@ -180,6 +216,7 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
         raise _layout_error(idir, (lay["t"], lay["d"]), (t, d))
     manifest.check_identity(path, {"tp_rank": lay.get("tp_rank"), "pp_rank": lay.get("pp_rank")},
                             {"tp_rank": tp, "pp_rank": pp})
+    require_manifest(path, sd, sd.pop("_manifest", True))
     if sd["iteration"] != iteration:
         raise ConfigError(f"checkpoint file {path} holds iteration {sd['iteration']}, not {iteration}")
     sd["path"] = path
@@ -291,7 +328,7 @@ def write_tracker(root: str, iteration: int) -> None:
 
 
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
-            config: dict, args: dict) -> dict | None:
+            config: dict, args: dict, fingerprints: dict | None = None) -> dict | None:
     """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
     the others, after their part of gathering a sharded optimizer state. Tensors are views of the live
     CPU buffers, or of one host copy of device buffers (nothing is copied on the device); the file must
@@ -308,7 +345,7 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     split = list(split) if split else None
     margs = trainer_format.train_args(model, args, iteration=iteration, t=state.t, d=state.d, schedule=schedule,
                                       dtype=config.get("optimizer", {}).get("dtype", "fp32"), split=split)
-    return trainer_format.file_contents(
+    out = trainer_format.file_contents(
         model, newest, args=margs, iteration=iteration, t=state.t, pp=state.pp_rank, d=state.d, split=split,
         layout={"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
                 "schedule": schedule, "split": split},
@@ -317,6 +354,9 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
         data={"consumed_train_samples": consumed_samples, "global_batch_size": global_batch},
         config=config, time=time.time(),
     )
+    if fingerprints is not None:
+        out["fingerprints"] = fingerprints  # the data and tokenizer trained on (data/fingerprint.py)
+    return out
 
 
 def _gather(entry) -> list:
@@ -339,6 +379,7 @@ def save(root: str, iteration: int, state, make_payload) -> str:
     entry = None
     sd = make_payload()
     if state.dp_rank == 0:
+        save_guard.check_pointer_advances(root, iteration, read_tracker(root))  # before a byte is overwritten
         crc, size = atomic_torch_save(sd, path)
         lay = sd["layout"]
         ident = manifest.shard_identity(iteration=iteration, t=lay["t"], d=lay["d"], w=lay["w"],
@@ -350,6 +391,7 @@ def save(root: str, iteration: int, state, make_payload) -> str:
             manifest.write_manifest(idir, iteration, dict(e for e in entries if e))
         except OSError as e:
             raise ConfigError(os_error_line(e, os.path.join(idir, manifest.MANIFEST))) from None
+        save_guard.check_pointer_advances(root, iteration, read_tracker(root))
         write_tracker(root, iteration)
     return idir
 

@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import ConfigError
+
 
 def collate(samples: list) -> torch.Tensor | dict[str, torch.Tensor]:
     """GPT samples ``{"tokens": [s+1]}`` -> int64 ``[b, s+1]``; BERT sample dicts -> dict of stacked tensors."""
@@ -27,9 +29,10 @@ class MicrobatchProvider:
 
     def __init__(
         self, dataset, make_batch: Callable, *, global_batch: int, micro_batch: int, m: int, w: int, dp_rank: int,
-        device: torch.device, start_step: int = 0, start_sample: int = 0,
+        device: torch.device, start_step: int = 0, start_sample: int = 0, vocab_size: int | None = None,
     ) -> None:
         self.dataset, self.make_batch, self.device = dataset, make_batch, device
+        self.vocab_size = vocab_size  # every batch's token ids are checked against it (start-up scans sample 64 windows)
         self.B, self.b, self.m, self.w, self.dp_rank = global_batch, micro_batch, m, w, dp_rank
         self.start_step, self.start_sample = start_step, start_sample
 
@@ -46,5 +49,20 @@ class MicrobatchProvider:
         lo, hi = self.sample_range(mb)
         if lo < 0 or hi > len(self.dataset):
             raise IndexError(f"microbatch {mb} needs samples [{lo}, {hi}) but the dataset has {len(self.dataset)}")
-        batch = self.make_batch(collate([self.dataset[j] for j in range(lo, hi)]))
+        stacked = collate([self.dataset[j] for j in range(lo, hi)])
+        if self.vocab_size is not None:
+            self._check_ids(stacked, lo, hi)
+        batch = self.make_batch(stacked)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _check_ids(self, stacked, lo: int, hi: int) -> None:
+        """A token id outside the vocabulary is a data/tokenizer mismatch: one line, not an IndexError in the
+        embedding (or a "diverged" verdict) later. One min and max over the CPU batch: no device sync."""
+        tokens = stacked if isinstance(stacked, torch.Tensor) else stacked.get("tokens") if isinstance(stacked, dict) else None
+        if tokens is None or tokens.numel() == 0:
+            return
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ConfigError(f"samples [{lo}, {hi}) of the data hold token id {bad} but the tokenizer's vocabulary has "
+                              f"{self.vocab_size} entries: the data was made with another tokenizer (or is corrupt)")

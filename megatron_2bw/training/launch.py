@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
 from ..errors import ConfigError
-from . import signals, supervision
+from . import save_guard, signals, supervision
 from .auto_layout import plan_layout
 from .manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
@@ -49,6 +49,9 @@ class Prepared:
     start_sample: int = 0
     exit_handler: signals.ExitSignalHandler | None = None  # records exit signals for the loop's boundaries
     exit_duration: signals.ExitDuration | None = None  # --exit-duration-in-mins, started at launch
+    loaded_iteration: int | None = None  # the iteration this rank read from --load (ranks must agree)
+    save_lock: save_guard.SaveLock | None = None  # rank 0: this job's lock on --save
+    fingerprints: dict | None = None  # the data's and the tokenizer's (data/fingerprint.py), saved in checkpoints
 
 
 def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[int, int, int]:
@@ -61,8 +64,22 @@ def dataset_sizes(cfg: RunConfig, start_step: int, start_sample: int) -> tuple[i
     return train, valid, test
 
 
-def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepared:
-    """File checks, before any process group: kernels, tokenizer (unless given), checkpoint, datasets."""
+def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None, *, validate_only: bool = False) -> Prepared:
+    """File checks, before any process group: kernels, tokenizer (unless given), checkpoint, datasets.
+
+    Rank 0 takes the lock on ``--save`` (``--validate-only``: checks it) and releases it if a check fails.
+    """
+    holder: list[Prepared] = []
+    try:
+        return _prepare(cfg, rank, tokenizer, validate_only, holder)
+    except BaseException:
+        if holder and holder[0].save_lock is not None:
+            holder[0].save_lock.release()
+        raise
+
+
+def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only: bool,
+             holder: list[Prepared]) -> Prepared:
     # torch is imported only where needed (checkpoint, kernels), so most bad input fails fast.
     from ..data import build_datasets, build_tokenizer
 
@@ -71,12 +88,19 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
         tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
     cfg = cfg.with_vocab(tokenizer.vocab_size)
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
+    fingerprints = _fingerprints(dc, tokenizer)
 
     prep = Prepared(cfg, rank, None, tokenizer, None, None, None)
+    prep.fingerprints = fingerprints
+    holder.append(prep)
     tc = cfg.training
     if tc.save:
         check_save_dir(tc.save)
         if rank == 0:
+            if validate_only:
+                save_guard.check_lock(tc.save)
+            else:
+                prep.save_lock = save_guard.acquire(tc.save)
             for path in clean_stale_temporaries(tc.save):
                 log.info(" removed stale temporary %s (left by a save that was killed)", path)
             from .dist_checkpoint import clean_stale_temporaries as clean_stale_folders
@@ -86,6 +110,11 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
     if tc.load:
         check_load_path(tc.load)
         _find_resume(prep)
+    if tc.save and not tc.skip_train:
+        resumes = prep.resumed_from is not None and save_guard.same_dir(tc.save, tc.load)
+        if save_guard.check_fresh_start(tc.save, tc.load, resumes, tc.overwrite_save) and rank == 0 \
+                and not validate_only:
+            save_guard.clear_checkpoints(tc.save)
 
     sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
     check_index_memory(cfg, sizes)
@@ -97,10 +126,48 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
         raise ConfigError(f"--split {dc.split!r} leaves no training documents")
     if tc.eval_iters > 0 and prep.valid_ds is None:
         log.info(" --split %r leaves no validation documents: no evaluation", dc.split)
+    distinct = getattr(prep.valid_ds, "block", None)  # GPT: the validation split's windows (one epoch)
+    if rank == 0 and distinct and tc.eval_iters > 0 and tc.eval_iters * tc.global_batch_size > distinct:
+        log.warning(" --eval-iters %d x --global-batch-size %d = %d samples per evaluation, more than the %d distinct "
+                    "windows of the validation split: each evaluation repeats validation samples", tc.eval_iters,
+                    tc.global_batch_size, tc.eval_iters * tc.global_batch_size, distinct)
     from ..fused import select_kernels
 
     prep.kernels = select_kernels(cfg.system.fused_kernels, cfg.system.device)
     return prep
+
+
+def _fingerprints(dc, tokenizer) -> dict | None:
+    """Refuse data made with another tokenizer (its sidecar); the fingerprints a checkpoint records."""
+    from ..data import fingerprint
+    from ..data.blend import parse_data_path
+
+    try:
+        tok = fingerprint.tokenizer_fingerprint(tokenizer)
+    except (NotImplementedError, AttributeError):
+        return None
+    prefixes = parse_data_path(dc.data_path)[0] if dc.data_path else []  # no files: nothing to fingerprint
+    fingerprint.check_data_tokenizer(prefixes, tok)
+    try:
+        return {"tokenizer": tok, "data": [fingerprint.data_fingerprint(p) for p in prefixes]}
+    except OSError:
+        return None  # a missing file: build_datasets names it
+
+
+def _check_fingerprints(prep: Prepared, sd: dict, where: str) -> None:
+    """A resume on data or a tokenizer replaced at the same paths is refused unless --override-resumed-settings."""
+    from ..data.fingerprint import changed_fingerprints
+
+    if prep.fingerprints is None:
+        return
+    changes = changed_fingerprints(sd.get("fingerprints"), prep.fingerprints)
+    if not changes:
+        return
+    if not prep.cfg.training.override_resumed_settings:
+        raise ConfigError(f"resuming {where}: {'; '.join(changes)}: give the data and tokenizer of the checkpoint, "
+                          "or --override-resumed-settings to resume anyway")
+    if prep.rank == 0:
+        log.warning(" --override-resumed-settings: resuming with %s", "; ".join(changes))
 
 
 def _find_resume(prep: Prepared) -> None:
@@ -113,6 +180,7 @@ def _find_resume(prep: Prepared) -> None:
     if it is None:
         log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
         return
+    prep.loaded_iteration = it
     t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
     tp, _, pp = coords_of(prep.rank, t, w)
     if dist_checkpoint.is_dist_checkpoint(checkpointing.iteration_dir(tc.load, it)):  # torch_dist: any layout
@@ -130,6 +198,13 @@ def _find_resume(prep: Prepared) -> None:
         return
     start_step = checkpointing.saved_step(sd)  # a weights-only file is refused here (it needs --finetune)
     changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
+    saved_args = sd.get("args") or {}
+    saved_args = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
+    old_eval = saved_args.get("eval_interval") if isinstance(saved_args, dict) else None
+    if prep.rank == 0 and old_eval is not None and old_eval != tc.eval_interval:
+        log.warning(" --eval-interval %s -> %s on resume: the evaluations use other validation samples than the first "
+                    "run's, so the validation losses of the two parts are not comparable", old_eval, tc.eval_interval)
+    _check_fingerprints(prep, sd, f"{tc.load} at iteration {it}")
     if changes and prep.rank == 0:
         log.warning(" --override-resumed-settings: resuming with changed settings: %s", "; ".join(changes))
     prep.checkpoint, prep.resumed_from = sd, it
@@ -153,7 +228,7 @@ def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]
     note = schedule_note(args)
     if note:
         log.info(" %s", note)
-    return prepare(cfg, rank, tokenizer), args
+    return prepare(cfg, rank, tokenizer, validate_only=bool(args.validate_only)), args
 
 
 def check_writers(cfg: RunConfig) -> None:
@@ -165,15 +240,32 @@ def check_writers(cfg: RunConfig) -> None:
         require_tensorboard()
 
 
-def install_exit_handling(prep: Prepared) -> None:
-    """Record SIGTERM/--exit-signal (with --exit-signal-handler) and SIGINT for the loop's next boundary.
+def early_exit_handling() -> signals.ExitSignalHandler:
+    """Record a stop signal that arrives during start-up (before the flags are read): under a launcher a
+    worker killed there would be restarted by torchrun, so the stop would be lost."""
+    sigs = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+    return signals.ExitSignalHandler(sigs, handle_sigint=under_launcher(), rank=int(os.environ.get("RANK", "0")),
+                                     announce=lambda line: None).install()
+
+
+def install_exit_handling(prep: Prepared, early: signals.ExitSignalHandler | None = None) -> None:
+    """Record SIGTERM, SIGHUP (a closed terminal or ssh session) and --exit-signal (unless
+    --no-exit-signal-handler) and SIGINT for the loop's next boundary.
 
     SIGINT is always handled: the first Ctrl-C saves at the next boundary (with --save) and exits
     without a traceback; a second one exits at once (status 130).
     """
     tc = prep.cfg.training
-    sigs = (signal.SIGTERM, signals.parse_signal(tc.exit_signal)) if tc.exit_signal_handler else ()
+    sigs = (signal.SIGTERM, signal.SIGHUP, signals.parse_signal(tc.exit_signal)) if tc.exit_signal_handler else ()
+    got = None
+    if early is not None:
+        early.restore()
+        got = early.received
     prep.exit_handler = signals.ExitSignalHandler(sigs, rank=prep.rank).install()
+    if got is not None:  # a stop during start-up: exit at the first boundary (as its handler would have)
+        if got not in {s.name for s in prep.exit_handler.signals}:
+            signal.raise_signal(signal.Signals[got])  # its default action, as without the handler
+        prep.exit_handler._handle(signal.Signals[got], None)
     prep.exit_duration = signals.ExitDuration(tc.exit_duration_in_mins)
 
 
@@ -205,13 +297,19 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     def train(argv: list[str]) -> int | str:
         if under_launcher():
             supervision.install_parent_death_signal()
+        early = early_exit_handling()
         prep, args = configure(kind, argv)
         if args.validate_only:
+            early.restore()
             return summary(prep)
-        install_exit_handling(prep)
+        install_exit_handling(prep, early)
         from .loop import run
 
-        return run(prep)
+        try:
+            return run(prep)
+        finally:
+            if prep.save_lock is not None:
+                prep.save_lock.release()
 
     try:
         return run_cli(train, argv)

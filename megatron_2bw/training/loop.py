@@ -123,6 +123,7 @@ class Trainer:
         self.provider = MicrobatchProvider(
             prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.w,
             dp_rank=state.dp_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
+            vocab_size=cfg.model.vocab_size,
         )
         self.get_batch = self._progressing(self.provider)
         self.health = health.HealthMonitor(health.HealthPolicy.from_config(
@@ -190,7 +191,7 @@ class Trainer:
         provider = MicrobatchProvider(
             dataset, self.spec.make_batch, global_batch=self.B, micro_batch=self.cfg.pipeline.micro_batch_size,
             m=self.m, w=s.w, dp_rank=s.dp_rank, device=s.device, start_step=0,
-            start_sample=round_index * tc.eval_iters * self.B,
+            start_sample=round_index * tc.eval_iters * self.B, vocab_size=self.cfg.model.vocab_size,
         )
         return self.stage.evaluate_components(tc.eval_iters * self.m, self._progressing(provider))
 
@@ -216,7 +217,7 @@ class Trainer:
             return checkpointing.payload(
                 self.stage, iteration=completed, tracker=self.tracker,
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
-                config=describe(self.cfg), args=megatron_args(self.cfg),
+                config=describe(self.cfg), args=megatron_args(self.cfg), fingerprints=getattr(self.prep, "fingerprints", None),
             )
 
         with self._paused():
@@ -471,6 +472,41 @@ def _init_attempt_group(cfg) -> None:
                             timeout=datetime.timedelta(minutes=cfg.system.timeout_minutes))
 
 
+def rendezvous_failure(e: BaseException) -> str:
+    """What went wrong starting the process group, in one line (EADDRINUSE named as such)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (f"cannot start the process group: the rendezvous address {where} is already in use (another job or "
+                "a leftover process on that port?): choose another MASTER_PORT")
+    return f"cannot start the process group at {where}: {type(e).__name__}: {first}"
+
+
+def _agree_on_resume(prep, state: parallel_state.ParallelState) -> None:
+    """Every rank read ``--load``'s pointer file on its own, before any process group; refuse (exit 2,
+    one line on rank 0) unless all read the same iteration: a pointer that moved meanwhile (another job
+    saving there) would otherwise resume the stages from different steps (Megatron compares them too)."""
+    spread = resume_disagreement(prep.loaded_iteration)
+    if spread is None:
+        return
+    if state.rank == 0:
+        name = lambda v: "none" if v is None else str(v)  # noqa: E731
+        print(f"error: the ranks read different checkpoints to resume from --load {prep.cfg.training.load} "
+              f"(iterations {name(spread[0])} to {name(spread[1])}): its {checkpointing.TRACKER} changed while the "
+              "job started (another job saving into it?); start again", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def resume_disagreement(iteration: int | None) -> tuple[int | None, int | None] | None:
+    """Collective: None when every rank loaded the same iteration (None: nothing), else (lowest, highest)."""
+    it = -1 if iteration is None else int(iteration)
+    hi, neg_lo = signals.agree_max([it, -it])
+    if hi == -neg_lo:
+        return None
+    return (None if -neg_lo < 0 else -neg_lo), (None if hi < 0 else hi)
+
+
 def run(prep, faults: FaultInjector | None = None) -> int:
     """Initialize the process groups, train, and tear down; a failure ends this process quickly.
 
@@ -479,10 +515,16 @@ def run(prep, faults: FaultInjector | None = None) -> int:
     """
     cfg = prep.cfg
     faults = faults if faults is not None else FaultInjector.from_env()
-    _init_attempt_group(cfg)
-    state = parallel_state.initialize(
-        cfg.parallel, backend=cfg.system.backend, device=cfg.system.device, timeout_minutes=cfg.system.timeout_minutes,
-    )
+    try:
+        _init_attempt_group(cfg)
+        state = parallel_state.initialize(
+            cfg.parallel, backend=cfg.system.backend, device=cfg.system.device,
+            timeout_minutes=cfg.system.timeout_minutes,
+        )
+    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
+        print(f"error: rank {prep.rank}: {rendezvous_failure(e)}", file=sys.stderr, flush=True)
+        os._exit(1)
+    _agree_on_resume(prep, state)
     wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
     trainer = None
     try:

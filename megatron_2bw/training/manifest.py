@@ -307,6 +307,22 @@ def clean_stale_temporaries(save_dir: str, pid_alive: Callable[[int], bool] = _p
     return sorted(removed)
 
 
+def holds_checkpoint(iter_dir: str) -> bool:
+    """An ``iter_*`` folder is a checkpoint once it has a manifest or one complete shard file; a save
+    killed before its first shard was renamed into place leaves only temporaries, which are not."""
+    if os.path.isfile(os.path.join(iter_dir, MANIFEST)):
+        return True
+    for name in os.listdir(iter_dir) if os.path.isdir(iter_dir) else ():
+        if _RANK_DIR_RE.fullmatch(name) and os.path.isfile(os.path.join(iter_dir, name, "model_optim_rng.pt")):
+            return True
+    return False
+
+
+def list_checkpoints(root: str) -> list[int]:
+    """Iterations of :func:`list_iterations` that :func:`holds_checkpoint` (an unfinished first save is ignored)."""
+    return [it for it in list_iterations(root) if holds_checkpoint(os.path.join(root, f"iter_{it:07d}"))]
+
+
 def list_iterations(root: str) -> list[int]:
     """Iterations with an ``iter_*`` directory under ``root`` (complete or not), ascending."""
     if not os.path.isdir(root):
@@ -339,10 +355,10 @@ def recover_missing_tracker(load: str, save: str | None) -> tuple[int | None, st
     renames). Starting from scratch would overwrite those checkpoints one interval at a time,
     so with ``iter_*`` directories but none complete the run is refused instead.
     """
-    same = save is not None and os.path.abspath(save) == os.path.abspath(load)
+    same = save is not None and os.path.realpath(save) == os.path.realpath(load)
     if not same or os.path.isfile(os.path.join(load, TRACKER)):
         return None, None
-    its = list_iterations(load)
+    its = list_checkpoints(load)  # an iter_* folder without a complete shard (a killed first save) is none
     if not its:
         return None, None
     it = newest_complete(load)

@@ -10,6 +10,7 @@ checkpoint unless ``--override-resumed-settings``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,8 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from . import supervision
 from .supervision import check_save_dir  # noqa: F401 - one implementation, re-exported for the launcher
+
+log = logging.getLogger("megatron_2bw")
 
 # Peak bytes of index arrays per sample while a dataset is built (numpy, measured with tracemalloc
 # on the demo corpus): GPT's window starts, offsets and shuffle; BERT's block order; a blend's
@@ -116,12 +119,47 @@ def changed_settings(saved_args: Mapping[str, Any] | argparse.Namespace, cfg: Ru
             if n in saved and n in now and not _same(n, saved[n], now[n])]
 
 
+def _warmup_follows(sw: int, sd: int, nw: int, nd: int) -> bool:
+    """Whether one --lr-warmup-fraction f gives both warm-ups: int(f * sd) == sw and int(f * nd) == nw."""
+    if sd <= 0 or nd <= 0:
+        return sw == nw
+    return max(sw / sd, nw / nd) < min((sw + 1) / sd, (nw + 1) / nd)
+
+
+def extension(changed: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """The changes that only extend the run, as Megatron allows: ``--train-iters`` raised, and the
+    schedule lengths that follow from it (``--lr-decay-iters`` left at its default ``--train-iters``,
+    ``--lr-warmup-iters`` from the same ``--lr-warmup-fraction``). The data order of the samples already
+    trained on does not depend on ``--train-iters`` (``GPTDataset``'s blocks), so nothing is reshuffled."""
+    by = {flag: (old, new) for flag, old, new in changed}
+    if "--train-iters" not in by:
+        return []
+    (st, nt) = by["--train-iters"]
+    if not (isinstance(st, int) and isinstance(nt, int) and nt > st):
+        return []
+    ok = {"--train-iters"}
+    decay = by.get("--lr-decay-iters")
+    if decay is not None and decay == (st, nt):
+        ok.add("--lr-decay-iters")
+    warm = by.get("--lr-warmup-iters")
+    sd, nd = decay if decay is not None else (None, None)
+    if warm is not None and "--lr-decay-iters" in ok and _warmup_follows(int(warm[0]), sd, int(warm[1]), nd):
+        ok.add("--lr-warmup-iters")
+    return [c for c in changed if c[0] in ok]
+
+
 def check_resume(saved_args: Mapping[str, Any] | argparse.Namespace, cfg: RunConfig, where: str) -> list[str]:
     """Refuse resuming ``where`` with changed data or schedule settings unless ``--override-resumed-settings``.
 
-    Returns the changes (``"--flag old -> new"``) that the override let through, for the caller to log.
+    Raising ``--train-iters`` (with the schedule lengths that follow it) is accepted and logged. Returns
+    the changes (``"--flag old -> new"``) that the override or the extension let through, for the caller to log.
     """
-    changes = [f"{flag} {_text(old)} -> {_text(new)}" for flag, old, new in changed_settings(saved_args, cfg)]
+    changed = changed_settings(saved_args, cfg)
+    extended = extension(changed)
+    if extended:
+        log.info(" resuming %s with the run extended: %s", where,
+                 "; ".join(f"{flag} {_text(old)} -> {_text(new)}" for flag, old, new in extended))
+    changes = [f"{flag} {_text(old)} -> {_text(new)}" for flag, old, new in changed if (flag, old, new) not in extended]
     if not changes:
         return []
     listed = "; ".join(changes)

@@ -88,8 +88,16 @@ def _probe_writable(path: str) -> OSError | None:
     return None
 
 
+def _refuse_dangling_link(path: str, flag: str) -> None:
+    """A symbolic link whose target is gone (an unmounted file system, a moved run) is named as such."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ConfigError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist "
+                          "(an unmounted file system or a moved directory?): create it or fix the link")
+
+
 def check_save_dir(path: str, flag: str = "--save") -> str:
     """``path`` as a writable directory (created when missing); a one-line :class:`ConfigError` otherwise."""
+    _refuse_dangling_link(path, flag)
     blocker = _blocking_file(path)
     if blocker is not None:
         what = "is a file" if blocker == os.path.abspath(path) else f"is under {blocker}, which is a file"
@@ -110,6 +118,7 @@ def check_load_path(path: str, flag: str = "--load") -> None:
         if not os.access(path, os.R_OK | os.X_OK):
             raise ConfigError(f"{flag} {path} is not readable")
         return
+    _refuse_dangling_link(path, flag)
     if os.path.lexists(path):
         raise ConfigError(f"{flag} {path} is a file; it must name a checkpoint directory "
                           "(the one holding latest_checkpointed_iteration.txt)")

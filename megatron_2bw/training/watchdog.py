@@ -41,6 +41,11 @@ DEFAULT_STALL_TIMEOUT_S = 45.0
 DEFAULT_FANOUT = 16
 
 
+BLIND_INTERVALS = 3  # a store round that succeeds this many intervals after the last: the watchdog was blind
+PAUSE_LIMIT_FACTOR = 20  # a save may pause the no-progress rule for this many stall timeouts ...
+MIN_PAUSE_LIMIT_S = 600.0  # ... and at least this long (a large checkpoint on a slow file system)
+
+
 def watched_ranks(rank: int, world: int, fanout: int = DEFAULT_FANOUT) -> list[int]:
     """The ranks ``rank`` watches: its ``fanout`` successors (mod world); rank 0 watches everyone."""
     if rank == 0 or world - 1 <= fanout:
@@ -60,9 +65,13 @@ class Watchdog:
                  interval_s: float | None = None, startup_grace_s: float | None = None,
                  fanout: int = DEFAULT_FANOUT, store_host: str | None = None, hosts_store: bool | None = None,
                  exit_fn: Callable[[int], None] = _exit_now, announce: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pause_limit_s: float | None = None) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.timeout = float(stall_timeout_s)
+        # A save may pause the no-progress rule, but not forever: two jobs saving into one directory hung
+        # a job for 280 s with nothing said. Past this a paused rank is judged like any other.
+        self.pause_limit = pause_limit_s if pause_limit_s is not None else max(PAUSE_LIMIT_FACTOR * self.timeout,
+                                                                               MIN_PAUSE_LIMIT_S)
         self.interval = interval_s if interval_s is not None else min(5.0, max(self.timeout / 10, 0.05))
         self.startup_grace = startup_grace_s if startup_grace_s is not None else 4 * self.timeout
         self.watched = watched_ranks(rank, world, fanout)
@@ -78,9 +87,11 @@ class Watchdog:
         self._count = 0
         self._last_progress = self.started
         self._paused = 0
+        self._paused_since = self.started
         self._seq = 0
         self._peers: dict[int, dict] = {}  # rank -> {"seq", "changed_at", "seen_at", "info"}
         self._store_ok_at = self.started
+        self._store_warned = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.verdict: str | None = None
@@ -93,7 +104,10 @@ class Watchdog:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Suspend the no-progress rule (not the heartbeat) while this rank legitimately waits (a save)."""
+        """Suspend the no-progress rule (not the heartbeat) while this rank legitimately waits (a save),
+        for at most ``pause_limit`` seconds."""
+        if self._paused == 0:
+            self._paused_since = self.clock()
         self._paused += 1
         try:
             yield
@@ -138,7 +152,10 @@ class Watchdog:
         try:
             self._publish(now)
             self._read(now)
+            if now - self._store_ok_at > BLIND_INTERVALS * self.interval:
+                self._restart_observation(now)
             self._store_ok_at = now
+            self._store_warned = False
         except Exception:  # noqa: BLE001 - a timed-out or refused store operation: judged below
             pass
         verdict = self.judge(self.clock())
@@ -147,10 +164,18 @@ class Watchdog:
             self._report(verdict)
         return verdict
 
+    def _restart_observation(self, now: float) -> None:
+        """After a stretch without the store (torchrun stopped with SIGSTOP, a network hiccup) no peer could publish:
+        their unchanged heartbeats say nothing about them, so their clocks restart now (a peer that really stopped
+        is still named one timeout later)."""
+        for peer in self._peers.values():
+            peer["changed_at"] = peer["seen_at"] = now
+
     def _publish(self, now: float) -> None:
         self._seq += 1
         info = {"seq": self._seq, "count": self._count, "idle": now - self._last_progress,
-                "paused": self._paused > 0, "host": self.host, "pid": self.pid}
+                "paused": self._paused > 0, "paused_s": now - self._paused_since if self._paused else 0.0,
+                "host": self.host, "pid": self.pid}
         self.store.set(str(self.rank), json.dumps(info))
 
     def _read(self, now: float) -> None:
@@ -179,6 +204,13 @@ class Watchdog:
             host = self.store_host or "its host"
             owner = "the launcher hosts it" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
                 else self._name(0) + " hosts it"
+            if now - self._last_progress <= self.timeout:  # training goes on without the store: not a hang
+                if not self._store_warned:
+                    self._store_warned = True
+                    self.announce(f"warning: rank {self.rank}: watchdog: the c10d store at {host} has not answered "
+                                  f"for {now - self._store_ok_at:.0f} s ({owner}; a stopped launcher?); training "
+                                  "continues, the watchdog waits for it")
+                return None
             return (f"the c10d store at {host} has not answered for {now - self._store_ok_at:.0f} s ({owner}): "
                     "it stopped responding")
         stale = [(now - (self._peers[r]["changed_at"] if r in self._peers else self.started), r) for r in self.watched]
@@ -192,12 +224,14 @@ class Watchdog:
 
     def _idle(self, now: float) -> dict[int, float] | None:
         """Seconds since each rank's last progress; None when some rank is paused or not yet seen."""
-        if self._paused:
+        if self._paused and now - self._paused_since <= self.pause_limit:
             return None
         idle = {self.rank: now - self._last_progress}
         for r in self.watched:
             peer = self._peers.get(r)
-            if peer is None or peer["info"]["paused"]:
+            if peer is None:
+                return None
+            if peer["info"]["paused"] and peer["info"].get("paused_s", 0.0) + (now - peer["seen_at"]) <= self.pause_limit:
                 return None
             idle[r] = peer["info"]["idle"] + (now - peer["seen_at"])
         return idle
