@@ -6,14 +6,63 @@ order, epochs are appended until ``num_samples`` windows fit, window ``i`` start
 one is the first label of the next), and the window order is shuffled. All index arrays
 are built with numpy (cumsum/searchsorted), so construction is fast for millions of samples;
 only ``__getitem__`` walks the few documents one window spans.
+
+With ``cache_dir`` (``--data-cache-path``) the index arrays are saved there once, named by a hash
+of what they depend on (the data files' size and time, the documents, sequence length, sample
+count and seed; the description is written beside them as JSON), and later runs load them
+instead of rebuilding: Megatron's index cache. Files are written atomically (temp + rename), so
+ranks building the same index at once never read a partial file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+
 import numpy as np
 
 from ..errors import ConfigError
-from .indexed_dataset import IndexedDataset
+from .indexed_dataset import IndexedDataset, index_file_path
+
+CACHE_VERSION = 1
+_CACHED = ("order", "stream_cum", "pos", "offset", "shuffle")
+
+
+def _describe(indexed, documents: np.ndarray, seq_length: int, num_samples: int, seed: int) -> dict:
+    """What a GPT sample index depends on (its cache key)."""
+    desc: dict = {"class": "GPTDataset", "version": CACHE_VERSION, "seq_length": seq_length,
+                  "num_samples": num_samples, "seed": seed, "documents": [int(documents[0]) if documents.size else 0,
+                                                                         int(documents.size)]}
+    idx = index_file_path(indexed.prefix)
+    if os.path.isfile(idx):
+        st = os.stat(idx)
+        desc.update(prefix=os.path.realpath(indexed.prefix), index_bytes=st.st_size, index_mtime_ns=st.st_mtime_ns)
+    else:  # synthetic documents (--mock-data)
+        desc.update(prefix=indexed.prefix, vocab_size=getattr(indexed, "vocab_size", None),
+                    eod=getattr(indexed, "eod", None))
+    contiguous = documents.size == 0 or bool(np.all(np.diff(documents) == 1))
+    if not contiguous:
+        desc["documents_sha1"] = hashlib.sha1(documents.tobytes()).hexdigest()
+    return desc
+
+
+def _cache_files(cache_dir: str, desc: dict) -> tuple[str, str]:
+    key = hashlib.sha1(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+    base = os.path.join(cache_dir, f"{key}-GPTDataset")
+    return base + "-index.npz", base + "-description.json"
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"--data-cache-path {os.path.dirname(path)}: cannot write {path}: {e.strerror or e}") from None
 
 
 class GPTDataset:
@@ -21,6 +70,7 @@ class GPTDataset:
 
     def __init__(
         self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int, seed: int,
+        cache_dir: str | None = None,
     ) -> None:
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be positive, got {seq_length}")
@@ -45,26 +95,50 @@ class GPTDataset:
             raise ConfigError(f"the {len(documents)} documents given to GPTDataset from {indexed.prefix} hold no tokens")
         num_epochs = -(-needed // tokens_per_epoch)
 
-        rng = np.random.default_rng(seed)
-        # One independent shuffle per epoch, as a single vectorized argsort of random keys.
-        order = np.argsort(rng.random((num_epochs, len(documents))), axis=1, kind="stable").ravel()
-        stream_len = doc_tokens[order]
-        stream_cum = np.concatenate([[0], np.cumsum(stream_len)])
-        starts = np.arange(num_samples, dtype=np.int64) * seq_length
-        # side="right" skips empty documents: the window starts in the last document beginning at or before it.
-        pos = np.searchsorted(stream_cum, starts, side="right") - 1
+        arrays = None
+        self.cache_file: str | None = None  # the index file used (loaded or written), with --data-cache-path
+        if cache_dir:
+            desc = _describe(indexed, documents, seq_length, num_samples, seed)
+            self.cache_file, desc_file = _cache_files(cache_dir, desc)
+            if os.path.isfile(self.cache_file):
+                with np.load(self.cache_file) as z:
+                    arrays = {k: z[k] for k in _CACHED}
+        if arrays is None:
+            arrays = self._build(doc_tokens, num_epochs, len(documents), num_samples, seq_length, seed)
+            if cache_dir:
+                try:
+                    os.makedirs(cache_dir, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"--data-cache-path {cache_dir}: {e.strerror or e}") from None
+                _atomic_write(self.cache_file, lambda f: np.savez(f, **arrays))
+                _atomic_write(desc_file, lambda f: f.write(json.dumps(desc, indent=1, sort_keys=True).encode()))
+        order, stream_cum = arrays["order"], arrays["stream_cum"]
         self._stream_docs = order  # position in the stream -> index into ``documents``
         self._stream_cum = stream_cum
         self._doc_start_item = doc_start_item
         self._doc_end_item = doc_end_item
         self._item_cum = item_cum
-        self._sample_pos = pos
-        self._sample_offset = starts - stream_cum[pos]
-        self._shuffle = rng.permutation(num_samples)
+        self._sample_pos = arrays["pos"]
+        self._sample_offset = arrays["offset"]
+        self._shuffle = arrays["shuffle"]
         self.num_epochs = num_epochs
         # For inspection and tests: document ids in stream order, and sample i's window number.
         self.doc_order = documents[order]
         self.sample_order = self._shuffle
+
+    @staticmethod
+    def _build(doc_tokens: np.ndarray, num_epochs: int, num_docs: int, num_samples: int, seq_length: int,
+               seed: int) -> dict[str, np.ndarray]:
+        """The index arrays: epochs' document order, its token offsets, each window's start and the shuffle."""
+        rng = np.random.default_rng(seed)
+        # One independent shuffle per epoch, as a single vectorized argsort of random keys.
+        order = np.argsort(rng.random((num_epochs, num_docs)), axis=1, kind="stable").ravel()
+        stream_cum = np.concatenate([[0], np.cumsum(doc_tokens[order])])
+        starts = np.arange(num_samples, dtype=np.int64) * seq_length
+        # side="right" skips empty documents: the window starts in the last document beginning at or before it.
+        pos = np.searchsorted(stream_cum, starts, side="right") - 1
+        return {"order": order, "stream_cum": stream_cum, "pos": pos, "offset": starts - stream_cum[pos],
+                "shuffle": rng.permutation(num_samples)}
 
     def __len__(self) -> int:
         return self.num_samples

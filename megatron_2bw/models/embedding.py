@@ -47,7 +47,8 @@ class Embedding(nn.Module):
 
     def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         tokens = batch["tokens"]
-        h = self.word(tokens) + self.position[: tokens.shape[1]]
+        pos = batch.get("position_ids")  # --reset-position-ids: per-document positions
+        h = self.word(tokens) + (self.position[: tokens.shape[1]] if pos is None else F.embedding(pos, self.position))
         if self.tokentype is not None:
             h = h + F.embedding(batch["token_types"], self.tokentype)
         return F.dropout(h, self.dropout, self.training)

@@ -44,12 +44,15 @@ class ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(QK^T) with dropout, times V: what selective recomputation re-runs."""
+        """softmax(QK^T) with dropout, times V: what selective recomputation re-runs.
+
+        A given ``mask`` is complete (GPT's --reset-attention-mask is already causal)."""
         p = self.dropout if self.training else 0.0
+        causal = self.causal and mask is None
         if p > 0 and self.rng is not None:
             with self.rng.fork():  # this rank's heads draw their own dropout masks
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape

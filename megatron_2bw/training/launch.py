@@ -68,7 +68,7 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
 
     dc = cfg.data
     if tokenizer is None:
-        tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
+        tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file, dc.vocab_size)
     cfg = cfg.with_vocab(tokenizer.vocab_size)
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
 
@@ -86,6 +86,8 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
     sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
     check_index_memory(cfg, sizes)
     extra = {"masked_lm_prob": dc.mask_prob, "short_seq_prob": dc.short_seq_prob} if cfg.kind == "bert" else {}
+    extra.update(mock_data=dc.mock_data, cache_dir=dc.data_cache_path)
+    _check_eod(cfg, tokenizer)
     prep.train_ds, prep.valid_ds, prep.test_ds = build_datasets(
         cfg.kind, list(dc.data_path), dc.split, cfg.model.seq_length, sizes, tc.seed, tokenizer, **extra,
     )
@@ -97,6 +99,16 @@ def prepare(cfg: RunConfig, rank: int, tokenizer: object | None = None) -> Prepa
 
     prep.kernels = select_kernels(cfg.system.fused_kernels, cfg.system.device)
     return prep
+
+
+def _check_eod(cfg: RunConfig, tokenizer) -> None:
+    """--eod-mask-loss and the --reset-* flags key on the tokenizer's end-of-document id."""
+    dc = cfg.data
+    used = [f for f, on in (("--eod-mask-loss", dc.eod_mask_loss), ("--reset-position-ids", dc.reset_position_ids),
+                            ("--reset-attention-mask", dc.reset_attention_mask)) if on]
+    if used and getattr(tokenizer, "eod", None) is None:
+        raise ConfigError(f"{used[0]} needs an end-of-document token, but the {cfg.data.tokenizer_type} tokenizer "
+                          "has none")
 
 
 def _find_resume(prep: Prepared) -> None:

@@ -44,6 +44,7 @@ from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..errors import ConfigError
 from ..export.names import WORD
+from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..pipeline.recompute_policy import RecomputePolicy
@@ -105,7 +106,8 @@ class Trainer:
         seed_everything(stage_seed, state.device)
         self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
         spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
-                         split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline))
+                         split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline),
+                         masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)))
         self.spec = spec
         b, s, h = cfg.pipeline.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
         self.stage = PipelineStage(

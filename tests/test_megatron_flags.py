@@ -1,0 +1,258 @@
+"""Megatron flags of ported launch scripts (issue 19): each accepted, and where it changes training,
+equal to an independent reference (a hand-built batch, Megatron's own loop, separate documents)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_2bw.cli import build_config, lr_config, parse_args
+from megatron_2bw.config import LRConfig, ModelConfig
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.models.gpt import DocumentMasks, ltor_masks_and_position_ids, make_batch
+from megatron_2bw.models.spec import ModelSpec, run_layers
+from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.training.lr_schedule import lr_at
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+        "--train-iters 100 --lr 1e-3 --data-path x --tokenizer-type GPT2BPETokenizer").split()
+
+
+def _cfg(*extra: str, kind: str = "gpt"):
+    return build_config(parse_args([*BASE, *extra], kind), kind, 1, cuda_available=False)
+
+
+# --------------------------------------------------------------------------- --eod-mask-loss, --reset-*
+def megatron_ltor(data: torch.Tensor, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
+                  eod_mask_loss: bool):
+    """Megatron-LM's get_ltor_masks_and_position_ids (megatron/training/utils.py), its loops as written."""
+    micro_batch_size, seq_length = data.size()
+    att_mask_batch = micro_batch_size if reset_attention_mask else 1
+    attention_mask = torch.tril(torch.ones((att_mask_batch, seq_length, seq_length))).view(
+        att_mask_batch, 1, seq_length, seq_length)
+    loss_mask = torch.ones(data.size(), dtype=torch.float)
+    if eod_mask_loss:
+        loss_mask[data == eod] = 0.0
+    position_ids = torch.arange(seq_length, dtype=torch.long).unsqueeze(0).expand_as(data)
+    if reset_position_ids:
+        position_ids = position_ids.clone()
+    if reset_position_ids or reset_attention_mask:
+        for b in range(micro_batch_size):
+            eod_index = position_ids[b, data[b] == eod]
+            if reset_position_ids:
+                eod_index = eod_index.clone()
+            prev_index = 0
+            for j in range(eod_index.size()[0]):
+                i = eod_index[j]
+                if reset_attention_mask:
+                    attention_mask[b, 0, (i + 1):, :(i + 1)] = 0
+                if reset_position_ids:
+                    position_ids[b, (i + 1):] -= (i + 1 - prev_index)
+                    prev_index = i + 1
+    attention_mask = attention_mask < 0.5
+    return attention_mask, loss_mask, position_ids
+
+
+def test_document_masks_on_a_hand_built_batch():
+    eod = 0
+    tokens = torch.tensor([[5, 0, 7, 8, 0, 9],
+                           [0, 3, 4, 0, 0, 6]])
+    out = ltor_masks_and_position_ids(tokens, DocumentMasks(eod, True, True, True))
+    assert out["loss_mask"].tolist() == [[1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 1]]
+    assert out["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 1, 2, 0, 0]]
+    # row 0: documents [5 0] [7 8 0] [9]; a query sees its own document's keys up to itself
+    expect0 = [[1, 0, 0, 0, 0, 0],
+               [1, 1, 0, 0, 0, 0],
+               [0, 0, 1, 0, 0, 0],
+               [0, 0, 1, 1, 0, 0],
+               [0, 0, 1, 1, 1, 0],
+               [0, 0, 0, 0, 0, 1]]
+    assert out["attention_mask"].shape == (2, 1, 6, 6)
+    assert out["attention_mask"][0, 0].int().tolist() == expect0
+    # row 1: [0] [3 4 0] [0] [6]
+    assert out["attention_mask"][1, 0, 4].int().tolist() == [0, 0, 0, 0, 1, 0]
+    assert out["attention_mask"][1, 0, 3].int().tolist() == [0, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("flags", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 1), (0, 1, 1)])
+def test_document_masks_equal_megatrons_loops(flags):
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 6, (4, 33), generator=gen)  # eod 0: about one token in six
+    data[1, -1] = 0  # an eod in the last place
+    mask_loss, reset_pos, reset_att = map(bool, flags)
+    att, loss, pos = megatron_ltor(data, 0, reset_pos, reset_att, mask_loss)
+    ours = ltor_masks_and_position_ids(data, DocumentMasks(0, mask_loss, reset_pos, reset_att))
+    assert torch.equal(ours["loss_mask"], loss)
+    assert torch.equal(ours.get("position_ids", torch.arange(33).expand(4, 33)), pos)
+    if reset_att:
+        assert torch.equal(ours["attention_mask"], ~att)  # torch: True = attend; Megatron: True = masked
+    else:
+        assert "attention_mask" not in ours
+
+
+def test_packed_documents_equal_separate_documents():
+    """With --reset-position-ids and --reset-attention-mask, a window packing two documents gives each
+    token the logits it gets when its document is run alone (the model's own causal path)."""
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=50)
+    spec = ModelSpec(cfg, TPGroup(), 7, masks=DocumentMasks(eod=1, reset_position_ids=True, reset_attention_mask=True))
+    layers = torch.nn.ModuleList(spec.build(0, cfg.num_layers + 2)).eval()
+    doc_a = [5, 9, 13, 2, 1]  # ends with eod 1
+    doc_b = [7, 3, 30, 11, 4, 8, 21]
+    packed = torch.tensor([doc_a + doc_b + [0]])  # [1, s+1]
+    with torch.no_grad():
+        logits = run_layers(layers, spec.make_batch(packed))
+        plain = ModelSpec(cfg, TPGroup(), 7)
+        alone_a = run_layers(layers, plain.make_batch(torch.tensor([doc_a + [0]])))
+        alone_b = run_layers(layers, plain.make_batch(torch.tensor([doc_b + [0]])))
+        unmasked = run_layers(layers, plain.make_batch(packed))
+    n = len(doc_a)
+    torch.testing.assert_close(logits[0, :n], alone_a[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[0, n:], alone_b[0], rtol=1e-5, atol=1e-5)
+    assert (unmasked[0, n:] - alone_b[0]).abs().max() > 1e-2  # without the flags document b sees document a
+
+
+def test_eod_mask_loss_drops_the_prediction_after_an_eod():
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=40)
+    tokens = torch.tensor([[4, 6, 1, 9, 12, 1, 3, 5, 7]])
+    spec = ModelSpec(cfg, TPGroup(), 3, masks=DocumentMasks(eod=1, eod_mask_loss=True))
+    layers = torch.nn.ModuleList(spec.build(0, cfg.num_layers + 2)).eval()
+    batch = spec.make_batch(tokens)
+    with torch.no_grad():
+        loss = spec.loss_fn()(run_layers(layers, batch), batch)
+        logits = run_layers(layers, batch)
+    per_token = torch.nn.functional.cross_entropy(logits[0, :, :40], tokens[0, 1:], reduction="none")
+    keep = tokens[0, :-1] != 1
+    torch.testing.assert_close(loss, per_token[keep].mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_document_flags_reach_the_config_and_need_gpt():
+    cfg = _cfg("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask")
+    assert (cfg.data.eod_mask_loss, cfg.data.reset_position_ids, cfg.data.reset_attention_mask) == (True,) * 3
+    assert DocumentMasks.from_config(cfg.data, 50256) == DocumentMasks(50256, True, True, True)
+    assert DocumentMasks.from_config(_cfg().data, 50256) is None
+    assert make_batch(torch.zeros(2, 5, dtype=torch.long)).keys() == {"tokens", "labels", "loss_mask"}
+    with pytest.raises(ConfigError, match="--eod-mask-loss"):
+        parse_args([*BASE, "--eod-mask-loss"], "bert")
+
+
+# --------------------------------------------------------------------------- --make-vocab-size-divisible-by
+def test_padded_vocabulary_as_megatron():
+    """Megatron's _vocab_size_with_padding: the next multiple of divisible_by * t."""
+    def megatron(orig: int, div: int, t: int) -> int:
+        after, multiple = orig, div * t
+        while after % multiple != 0:
+            after += 1
+        return after
+
+    for div in (1, 8, 128):
+        for t in (1, 2, 4):
+            m = ModelConfig(vocab_size=50257, make_vocab_size_divisible_by=div)
+            assert m.padded_vocab_size(t) == megatron(50257, div, t)
+    cfg = _cfg("--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", "1")
+    assert cfg.model.make_vocab_size_divisible_by == 64
+    assert _cfg().model.padded_vocab_size(2) == megatron(cfg.model.vocab_size, 128, 2)  # the default is 128
+    with pytest.raises(ConfigError, match="--make-vocab-size-divisible-by must be >= 1"):
+        _cfg("--make-vocab-size-divisible-by", "0")
+
+
+def test_padding_does_not_change_the_loss():
+    """Padded rows never win the softmax: divisible-by 1 and 128 give the same loss."""
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for div in (1, 128):
+        cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=50,
+                          make_vocab_size_divisible_by=div)
+        spec = ModelSpec(cfg, TPGroup(), 3)
+        layers = torch.nn.ModuleList(spec.build(0, 3)).eval()
+        batch = spec.make_batch(tokens)
+        with torch.no_grad():
+            out = run_layers(layers, batch)
+        assert out.shape[-1] == cfg.padded_vocab_size(1)
+        losses.append(spec.loss_fn()(out, batch))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- WSD, inverse-square-root
+def megatron_lr(num_steps: int, *, max_lr: float, min_lr: float, warmup: int, decay: int, style: str,
+                wsd_steps: int | None = None, wsd_style: str = "exponential") -> float:
+    """Megatron-LM's OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py), in
+    samples: num_steps, warmup, decay and wsd_steps are sample counts."""
+    if warmup > 0 and num_steps <= warmup:
+        return max_lr * float(num_steps) / float(warmup)
+    if style == "constant":
+        return max_lr
+    if num_steps > decay:
+        return min_lr
+    if style == "inverse-square-root":
+        warmup_steps = max(warmup, 1)
+        n = max(num_steps, 1)
+        return max(min_lr, max_lr * warmup_steps ** 0.5 / (n ** 0.5))
+    decay_ratio = float(num_steps - warmup) / float(decay - warmup)
+    delta_lr = max_lr - min_lr
+    if style == "WSD":
+        anneal_start = decay - wsd_steps
+        if num_steps <= anneal_start:
+            coeff = 1.0
+        else:
+            r = float(num_steps - anneal_start) / float(wsd_steps)
+            coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                     "exponential": 2.0 * math.pow(0.5, r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[wsd_style]
+    else:
+        coeff = 1.0 - decay_ratio if style == "linear" else 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+    return min_lr + coeff * delta_lr
+
+
+@pytest.mark.parametrize("wsd_style", ["exponential", "linear", "cosine", "minus_sqrt"])
+def test_wsd_equals_megatron(wsd_style):
+    B = 8
+    cfg = lr_config(parse_args([*BASE, "--lr", "3e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10",
+                                "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "30", "--lr-wsd-decay-style",
+                                wsd_style, "--global-batch-size", str(B)], "gpt"), B)
+    assert (cfg.decay_style, cfg.wsd_decay_style, cfg.wsd_decay_iters) == ("WSD", wsd_style, 30)
+    for t in range(110):
+        want = megatron_lr((t + 1) * B, max_lr=3e-3, min_lr=1e-4, warmup=10 * B, decay=100 * B, style="WSD",
+                           wsd_steps=30 * B, wsd_style=wsd_style)
+        assert lr_at(cfg, t) == pytest.approx(want, rel=1e-12, abs=1e-15), t
+    assert lr_at(cfg, 69) == pytest.approx(3e-3)  # stable until the anneal starts at 70
+    assert lr_at(cfg, 99) == pytest.approx(1e-4)  # the anneal ends at min_lr
+
+
+@pytest.mark.parametrize("warmup", [0, 5])
+def test_inverse_square_root_equals_megatron(warmup):
+    B = 4
+    cfg = lr_config(parse_args([*BASE, "--lr", "1e-3", "--min-lr", "2e-5", "--lr-warmup-iters", str(warmup),
+                                "--lr-decay-style", "inverse-square-root", "--global-batch-size", str(B)], "gpt"), B)
+    for t in range(105):
+        want = megatron_lr((t + 1) * B, max_lr=1e-3, min_lr=2e-5, warmup=warmup * B, decay=100 * B,
+                           style="inverse-square-root")
+        assert lr_at(cfg, t) == pytest.approx(want, rel=1e-12), t
+
+
+def test_sample_based_wsd_equals_megatron():
+    B = 4
+    args = parse_args([a for a in BASE if a not in ("--train-iters", "100")] + [
+        "--train-samples", "400", "--lr-warmup-samples", "40", "--lr-decay-style", "WSD",
+        "--lr-wsd-decay-samples", "120", "--lr-wsd-decay-style", "linear", "--global-batch-size", str(B)], "gpt")
+    cfg = lr_config(args, B)
+    for t in range(100):
+        want = megatron_lr((t + 1) * B, max_lr=1e-3, min_lr=0.0, warmup=40, decay=400, style="WSD", wsd_steps=120,
+                           wsd_style="linear")
+        assert lr_at(cfg, t) == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "101"], "--lr-wsd-decay-iters 101 must be in"),
+    (["--lr-wsd-decay-samples", "10"], "--lr-wsd-decay-samples needs --train-samples"),
+])
+def test_bad_wsd(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*extra)
+
+
+def test_lr_config_defaults_unchanged():
+    assert LRConfig(lr=1.0, decay_iters=10).wsd_decay_style == "exponential"
+    assert lr_at(LRConfig(lr=1.0, decay_iters=10, decay_style="linear"), 4) == pytest.approx(0.5)
