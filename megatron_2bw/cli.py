@@ -209,14 +209,14 @@ def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRCo
 
 
 def _wsd_fields(args: argparse.Namespace, global_batch: int | None) -> dict[str, Any]:
-    """WSD's anneal length (``--lr-wsd-decay-iters``, or ``-samples`` with ``--train-samples``) and the batch
-    that inverse-square-root counts samples by."""
-    iters, samples = getattr(args, "lr_wsd_decay_iters", None), getattr(args, "lr_wsd_decay_samples", None)
-    by_samples = getattr(args, "train_samples", None) is not None
-    _require(samples is None or by_samples, "--lr-wsd-decay-samples needs --train-samples")
+    """WSD's anneal in samples (``--lr-wsd-decay-samples``, with ``--train-samples``) and the batch that
+    inverse-square-root counts samples by."""
+    samples = getattr(args, "lr_wsd_decay_samples", None)
+    _require(samples is None or getattr(args, "train_samples", None) is not None,
+             "--lr-wsd-decay-samples needs --train-samples")
     out: dict[str, Any] = {"global_batch_size": global_batch or getattr(args, "global_batch_size", None)}
-    if (samples if by_samples else iters) is not None:
-        out["wsd_decay_iters"] = samples if by_samples else iters
+    if samples is not None:
+        out["wsd_decay_iters"] = samples
     return out
 
 

@@ -214,7 +214,7 @@ FLAGS: tuple[Flag, ...] = (
          help="directory where the GPT sample indices are cached and reused (default: built in memory every run)"),
     Flag("--lr-wsd-decay-style", "lr.wsd_decay_style", OPT, choices=("exponential", "linear", "cosine", "minus_sqrt"),
          default="exponential", help="--lr-decay-style WSD: the shape of the final anneal (Megatron)"),
-    Flag("--lr-wsd-decay-iters", None, OPT, int,
+    Flag("--lr-wsd-decay-iters", "lr.wsd_decay_iters", OPT, int,
          help="--lr-decay-style WSD: iterations of the anneal that ends at --lr-decay-iters"),
     Flag("--lr-wsd-decay-samples", None, OPT, int, help="with --train-samples: WSD's anneal in samples"),
     Flag("--use-checkpoint-args", None, CKPT, const=True,
@@ -223,7 +223,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-params-norm", "training.log_params_norm", LOG, const=True,
          help="print the weights' L2 norm (params norm:) in the training line and the metrics file"),
     Flag("--log-num-zeros-in-grad", "training.log_num_zeros_in_grad", LOG, const=True,
-         help="print the number of zero gradient entries (num zeros:) in the training line and the metrics file"),
+         help="accepted (Megatron), not printed: counting zero gradients would read every gradient once more "
+              "per step; the grad norm is printed"),
     Flag("--log-throughput", None, LOG, const=True,
          help="accepted (Megatron): the training line always prints samples/s, tokens/s and TFLOP/s/device"),
     Flag("--timing-log-level", None, LOG, int,

@@ -59,6 +59,7 @@ _SHAPE_FIELDS = (
     "kind", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
     "vocab_size", "num_tokentypes",
 )
+_SHAPE_FIELDS += ("make_vocab_size_divisible_by",)  # the embedding's padded rows (issue 19)
 
 
 def iteration_dir(root: str, iteration: int) -> str:

@@ -34,6 +34,9 @@ RESUME_SETTINGS = (
     "train_iters", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "tokenizer_type",
     "tokenizer_model", "vocab_file", "merge_file", "mask_prob", "short_seq_prob", "2bw_compensation", "2bw_dc_lambda",
 )
+# Megatron's data and schedule flags of issue 19: they change the batches or the rates like the above.
+RESUME_SETTINGS += ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "mock_data", "vocab_size",
+                    "lr_wsd_decay_style", "lr_wsd_decay_iters")
 _PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file")
 
 
