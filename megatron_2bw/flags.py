@@ -196,9 +196,9 @@ FLAGS: tuple[Flag, ...] = (
               "(config OK: ... or error: ...) and exit 0 or 2 without starting a process group"),
     # ---- Megatron-LM flags of ported launch scripts (issue 19): data, schedule and checkpoint ones change
     # training as Megatron's do; the logging and kernel-choice ones say what they mean here.
-    Flag("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", MODEL, int, 128,
-         help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron; padded rows "
-              "never win the softmax)"),
+    Flag("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", MODEL, int,
+         help="pad the vocabulary to a multiple of this (default 128) x --tensor-model-parallel-size (Megatron; "
+              "padded rows never win the softmax)"),
     Flag("--eod-mask-loss", "data.eod_mask_loss", DATA, const=True, kinds=("gpt",),
          help="no loss on the prediction made at an end-of-document token (Megatron)"),
     Flag("--reset-position-ids", "data.reset_position_ids", DATA, const=True, kinds=("gpt",),

@@ -311,3 +311,33 @@ def test_unknown_flag_hints_only_close_spellings():
     assert hint("--micro-batch") == "unrecognized argument --micro-batch (did you mean --micro-batch-size?)"
     for flag in ("--log-throughput", "--profile", "--use-checkpoint-args", "--mock-data", "--data-cache-path"):
         assert flag in p._option_string_actions  # noqa: SLF001 - accepted now
+
+
+def test_use_checkpoint_args_takes_the_shape_from_the_checkpoint(tmp_path):
+    from e2e import PY, REPO, clean_env, run
+
+    gpt = os.path.join(REPO, "pretrain_gpt.py")
+    save = str(tmp_path / "ckpt")
+    shape = "--num-layers 2 --hidden-size 48 --num-attention-heads 4 --seq-length 16 --make-vocab-size-divisible-by 16"
+    rest = ("--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --eval-iters 0 --device cpu "
+            "--mock-data").split()
+    first = run([PY, gpt, *shape.split(), *rest, "--tokenizer-type", "NullTokenizer", "--vocab-size", "60",
+                 "--save", save], env=clean_env(), timeout=180)
+    assert first.returncode == 0, first.describe()
+    again = run([PY, gpt, *rest, "--train-iters", "4", "--override-resumed-settings", "--load", save, "--save", save,
+                 "--use-checkpoint-args", "--validate-only"], env=clean_env(), timeout=120)
+    assert again.returncode == 0, again.describe()
+    assert ("--num-layers 2 --hidden-size 48 --ffn-hidden-size 192 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --make-vocab-size-divisible-by 16") in again.output, again.describe()
+    assert "--tokenizer-type NullTokenizer" in again.output and "--vocab-size 60" in again.output
+    want = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=4, seq_length=16, vocab_size=61)
+    assert f"GPT {want.num_parameters() / 1e6:.2f}M parameters" in again.stdout and "resuming from iteration 2" in \
+        again.stdout, again.describe()
+    given = run([PY, gpt, *rest, "--hidden-size", "64", "--load", save, "--save", save, "--use-checkpoint-args",
+                 "--validate-only"], env=clean_env(), timeout=120)  # a given flag wins, and the shape check refuses it
+    assert given.returncode == 2 and "has hidden_size=48 but this run has hidden_size=64" in given.stderr, \
+        given.describe()
+    bare = run([PY, gpt, *rest, "--use-checkpoint-args", "--tokenizer-type", "NullTokenizer", "--vocab-size", "6"],
+               env=clean_env(), timeout=60)
+    assert bare.returncode == 2 and bare.stderr.strip() == \
+        "error: --use-checkpoint-args needs --load DIR holding a checkpoint", bare.describe()

@@ -24,6 +24,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from . import signals, supervision
 from .auto_layout import plan_layout
+from .checkpoint_args import apply_checkpoint_args
 from .manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
 from .tb_writer import require_tensorboard
@@ -149,6 +150,9 @@ def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]
     rank, world = env_world()
     setup_logging(rank)
     args = parse_args(argv, kind)
+    taken = apply_checkpoint_args(args)
+    if taken and rank == 0:
+        log.info(" %s", taken)
     layout, tokenizer = plan_layout(args, kind, world) if args.auto_plan else (None, None)
     cfg = build_config(args, kind, world, layout=layout)
     check_writers(cfg)
