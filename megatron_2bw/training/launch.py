@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from . import signals, supervision
 from .auto_layout import plan_layout
 from .checkpoint_args import apply_checkpoint_args
+from .launcher_errors import report_under_torchrun, torchrun_parent
 from .manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
 from .tb_writer import require_tensorboard
@@ -209,9 +210,15 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     """
 
     def train(argv: list[str]) -> int | str:
+        agent = torchrun_parent() if under_launcher() else None
         if under_launcher():
             supervision.install_parent_death_signal()
-        prep, args = configure(kind, argv)
+        try:
+            prep, args = configure(kind, argv)
+        except ConfigError as e:
+            if report_under_torchrun(str(e), agent):  # one line, no torchrun traceback
+                return 2
+            raise
         if args.validate_only:
             return summary(prep)
         install_exit_handling(prep)
