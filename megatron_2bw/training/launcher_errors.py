@@ -6,8 +6,9 @@ traceback and failure table (57 lines for 4 ranks). Instead the first rank with 
 prints it (identical messages of the node's other ranks are dropped: an ``O_EXCL`` marker file per
 message and launch), then the rank ends its torchrun agent with SIGKILL, the only signal torchrun
 does not answer with a traceback; the other workers follow through their parent-death signal. The
-shell then reports status 137 (``Killed``). ``scripts/run_local.sh`` validates in one process first
-and exits 2 with the line; outside torchelastic (srun, one process) nothing changes.
+shell then reports status 137 (``Killed``). Only on torchrun's last attempt: with ``--max-restarts``
+left, torchrun restarts the workers as it would. ``scripts/run_local.sh`` validates in one process
+first and exits 2 with the line; outside torchelastic (srun, one process) nothing changes.
 """
 
 from __future__ import annotations
@@ -83,11 +84,19 @@ def first_to_report(message: str, launch: str) -> bool:
     return True
 
 
+def restarts_left() -> int:
+    """How many more attempts torchrun makes after this one (``--max-restarts``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
 def report_under_torchrun(message: str, agent: int | None) -> bool:
     """Print ``error: message`` once per machine and launch, and end the torchrun ``agent``
     (:func:`torchrun_parent`); False outside torchelastic (the caller prints as usual)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
-        return False
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None or restarts_left() > 0:
+        return False  # torchrun may restart the workers (--max-restarts): leave the attempt to it
     # a rank that started after another had ended the agent has no torchrun parent: it only dedups
     if first_to_report(message, launch_identity()):
         print(f"error: {message}", file=sys.stderr, flush=True)
