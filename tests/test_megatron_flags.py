@@ -351,3 +351,29 @@ def test_a_typo_under_plain_torchrun_is_one_line():
     lines = [ln for ln in res.output.splitlines() if ln.strip() and "OMP_NUM_THREADS" not in ln and set(ln) != {"*"}]
     assert res.returncode != 0 and lines == [
         "error: unrecognized argument --micro-batch-szie (did you mean --micro-batch-size?)"], res.describe()
+
+
+@pytest.mark.parametrize("rank, validate_only, env, shown", [
+    (0, False, None, True), (1, False, None, False), (3, True, None, False), (0, True, None, True),
+    (0, True, "1", False),  # scripts/run_local.sh's validation pass: the run's rank 0 prints them
+])
+def test_startup_warnings_print_once(rank, validate_only, env, shown, monkeypatch, capsys):
+    import logging
+
+    from megatron_2bw.training import launch
+    from megatron_2bw.training.metrics import setup_logging
+
+    if env is None:
+        monkeypatch.delenv(launch.QUIET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launch.QUIET_ENV, env)
+    setup_logging(rank)
+    level = logging.getLogger().level
+    with launch.startup_warnings(rank, validate_only):
+        logging.getLogger("megatron_2bw.data.build").warning("the test split holds 67 tokens")
+        logging.getLogger("megatron_2bw").error("a real error")
+    assert logging.getLogger().level == level
+    err = capsys.readouterr().err
+    assert ("the test split holds 67 tokens" in err) == shown and "a real error" in err
+    assert 'MEGATRON_2BW_VALIDATE_QUIET=1' in open(os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                                                "run_local.sh")).read()

@@ -13,6 +13,7 @@ print one line per rank and exit 1 without waiting on teardown (``loop.run``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ from .tb_writer import require_tensorboard
 from .wandb_writer import require_wandb, wandb_settings
 
 log = logging.getLogger("megatron_2bw")
+QUIET_ENV = "MEGATRON_2BW_VALIDATE_QUIET"  # set by scripts/run_local.sh for its validation pass
 
 
 @dataclass
@@ -151,6 +153,27 @@ def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]
     rank, world = env_world()
     setup_logging(rank)
     args = parse_args(argv, kind)
+    with startup_warnings(rank, bool(args.validate_only)):
+        return _configure(kind, args, rank, world)
+
+
+@contextlib.contextmanager
+def startup_warnings(rank: int, validate_only: bool):
+    """Start-up warnings once, not once per rank (and the validation pass): every rank runs the same checks,
+    so only rank 0 prints their warnings; ``scripts/run_local.sh``'s validation pass (QUIET_ENV) leaves them
+    to the run's rank 0. Errors always print."""
+    root = logging.getLogger()
+    quiet = rank != 0 or (validate_only and os.environ.get(QUIET_ENV) == "1")
+    level = root.level
+    if quiet:
+        root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def _configure(kind: str, args: argparse.Namespace, rank: int, world: int) -> tuple[Prepared, argparse.Namespace]:
     taken = apply_checkpoint_args(args)
     if taken and rank == 0:
         log.info(" %s", taken)
