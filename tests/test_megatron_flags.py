@@ -377,3 +377,23 @@ def test_startup_warnings_print_once(rank, validate_only, env, shown, monkeypatc
     assert ("the test split holds 67 tokens" in err) == shown and "a real error" in err
     assert 'MEGATRON_2BW_VALIDATE_QUIET=1' in open(os.path.join(os.path.dirname(__file__), "..", "scripts",
                                                                 "run_local.sh")).read()
+
+
+def test_hf_export_writes_the_tokenizer_files(tmp_path):
+    """Issue 19 papercut: the HF export carries the run's tokenizer where transformers looks for it."""
+    import json as _json
+
+    from megatron_2bw.export.hf_tokenizer import write_tokenizer
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "##s"]
+    (tmp_path / "v.txt").write_text("\n".join(vocab) + "\n")
+    out = tmp_path / "bert"
+    out.mkdir()
+    note, eod = write_tokenizer(str(out), {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": str(tmp_path / "v.txt")})
+    assert note == "with its BertWordPieceLowerCase tokenizer" and eod == 3  # [SEP] is BERT's eod
+    assert (out / "vocab.txt").read_text().split() == vocab
+    assert _json.loads((out / "tokenizer_config.json").read_text())["do_lower_case"] is True
+    note, eod = write_tokenizer(str(out), {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "no.json"),
+                                           "merge_file": str(tmp_path / "no.txt")})
+    assert note.startswith("tokenizer not written (--vocab-file") and eod is None
+    assert write_tokenizer(str(out), {})[1] is None

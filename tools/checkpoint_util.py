@@ -12,7 +12,9 @@ the newest weights, so 2BW -> flush keeps the newest version and flush -> 2BW st
 versions equal (``--target-schedule``). A trainer checkpoint's optimizer state (Adam moments or
 SGD momentum, the fp32 master copy) and 2BW's older version are resharded with the weights, so
 the trainer resumes from the result at the new layout; ``--no-optimizer`` writes the weights only
-(a plain Megatron-LM checkpoint, for --finetune or other tools).
+(a plain Megatron-LM checkpoint, for --finetune or other tools). ``--saver hf`` always writes the
+weights only (the output line says the optimizer state was left out) and, when the checkpoint names
+its tokenizer and the files are there, the tokenizer beside them.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ def run(argv: list[str]) -> str:
     if t < 1 or d < 1:
         raise ConfigError(f"target sizes must be >= 1, got tensor {t} and pipeline {d}")
     ex, has_optimizer = load_checkpoint(args.load_dir, args.loader or "auto")
-    if has_optimizer and not args.no_optimizer:
-        if args.saver != "megatron":
-            raise ConfigError(f"{args.load_dir} holds optimizer state, which a {args.saver} model cannot hold; pass "
-                              "--no-optimizer to convert the weights only")
+    dropped = ""
+    if has_optimizer and not args.no_optimizer and args.saver != "megatron":
+        # a Hugging Face model never holds optimizer state: export the newest weights and say what was left
+        dropped = "; the optimizer state was left out (a Hugging Face model holds none: the source keeps it)"
+    elif has_optimizer and not args.no_optimizer:
         ckpt = read_trainer_checkpoint(args.load_dir)
         where = write_trainer_checkpoint(args.save_dir, ckpt, t=t, d=d, schedule=args.target_schedule)
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
@@ -59,7 +62,7 @@ def run(argv: list[str]) -> str:
     cfg = ex.cfg
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
             f"at iteration {ex.iteration} to {where} as {args.saver}"
-            + (f" t={t} d={d}" if args.saver == "megatron" else ""))
+            + (f" t={t} d={d}" if args.saver == "megatron" else "") + dropped)
 
 
 def main(argv: list[str] | None = None) -> int:
