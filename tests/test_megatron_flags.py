@@ -397,3 +397,52 @@ def test_hf_export_writes_the_tokenizer_files(tmp_path):
                                            "merge_file": str(tmp_path / "no.txt")})
     assert note.startswith("tokenizer not written (--vocab-file") and eod is None
     assert write_tokenizer(str(out), {})[1] is None
+
+
+def test_data_cache_path_reuses_the_sample_index(tmp_path, monkeypatch):
+    """--data-cache-path: the first build writes the index, the next loads it (no rebuild) and yields the same
+    samples; another seed is another cache entry. Mock documents are Megatron's (counting up, eod last)."""
+    from megatron_2bw.data.gpt_dataset import GPTDataset
+    from megatron_2bw.data.mock import MockDocuments
+
+    docs = MockDocuments(vocab_size=50, eod=49, documents=200, max_length=40)
+    d0 = docs.get(0).tolist()
+    assert d0 == list(range(1, len(d0))) + [49]  # 1, 2, ..., eod
+    assert docs.get(0, 1, 2).tolist() == d0[1:3]
+    assert max(int(docs.get(i).max()) for i in range(200)) <= 49
+    cache = tmp_path / "cache"
+    first = GPTDataset(docs, np.arange(150), 16, 300, seed=7, cache_dir=str(cache))
+    names = sorted(os.listdir(cache))
+    assert len(names) == 2 and names[0].endswith("-GPTDataset-description.json") and names[1].endswith("-index.npz")
+    monkeypatch.setattr(GPTDataset, "_build", staticmethod(lambda *a: pytest.fail("rebuilt despite the cache")))
+    again = GPTDataset(docs, np.arange(150), 16, 300, seed=7, cache_dir=str(cache))
+    assert again.cache_file == first.cache_file
+    assert all(np.array_equal(first[i]["tokens"], again[i]["tokens"]) for i in range(0, 300, 7))
+    monkeypatch.undo()
+    plain = GPTDataset(docs, np.arange(150), 16, 300, seed=7)  # no cache: the same index built in memory
+    assert all(np.array_equal(first[i]["tokens"], plain[i]["tokens"]) for i in range(0, 300, 7))
+    GPTDataset(docs, np.arange(150), 16, 300, seed=8, cache_dir=str(cache))
+    assert len(os.listdir(cache)) == 4
+
+
+def test_tensorboard_log_interval_and_timers():
+    from megatron_2bw.training.metrics import Metrics
+
+    class Writer:
+        def __init__(self):
+            self.calls = []
+
+        def scalars(self, prefix, values, step):
+            self.calls.append((step, sorted(values)))
+
+        def close(self):
+            pass
+
+    m = Metrics(path=None, tensorboard_dir=None, train_iters=6, start_iter=0, progress=False,
+                tensorboard_log_interval=2, log_timers=True)
+    w = Writer()
+    m.writers = [w]
+    for it in range(6):
+        m.train_step({"iteration": it, "loss": 1.0, "lr": 1e-3, "step_time_s": 0.5, "params_norm": 3.0})
+    assert [c[0] for c in w.calls] == [2, 4, 6]  # the 1-based iteration, every 2nd
+    assert w.calls[0][1] == ["loss", "lr", "params_norm", "step_time_s"]
