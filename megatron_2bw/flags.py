@@ -255,6 +255,15 @@ FLAGS: tuple[Flag, ...] = (
          help="accepted (Megatron): bias, dropout and residual are never fused here"),
     Flag("--use-cpu-initialization", None, SYS, const=True,
          help="accepted (Megatron): weights are always initialized on the CPU, identical for every layout"),
+    Flag("--overlap-grad-reduce", None, SYS, const=True,
+         help="accepted (Megatron): gradient reductions are always issued asynchronously and overlapped"),
+    Flag("--overlap-param-gather", None, SYS, const=True,
+         help="accepted (Megatron): the distributed optimizer's all-gather is asynchronous (2BW overlaps it "
+              "with the next step)"),
+    Flag("--use-flash-attn", None, SYS, const=True,
+         help="accepted (Megatron): scaled_dot_product_attention picks flash attention on CUDA where it applies"),
+    Flag("--num-workers", None, SYS, int,
+         help="accepted (Megatron): batches are read in the training process (memory-mapped), no loader workers"),
 )
 # What the tools (planner, profiler, simulator) take beyond the trainer's model flags: the trainer
 # gets the kind from its script's name and the vocabulary from its tokenizer.

@@ -29,11 +29,8 @@ MEGATRON_UNSUPPORTED = {
     "--virtual-pipeline-model-parallel-size": "interleaved (virtual) pipeline stages; use --pipeline-schedule 2bw, flush or gpipe",
     "--sequence-parallel": "sequence parallelism; tensor parallelism (--tensor-model-parallel-size) is supported",
     "--context-parallel-size": "context parallelism",
-    "--overlap-grad-reduce": "a flag here: gradient reductions are always issued at once and overlapped",
-    "--overlap-param-gather": "the distributed optimizer's parameter gather",
     "--num-experts": "mixture of experts",
     "--expert-model-parallel-size": "mixture of experts",
-    "--use-flash-attn": "flash attention as a flag; --fused-kernels picks the attention kernels",
     "--transformer-impl": "Transformer Engine; --fused-kernels picks apex or torch kernels",
     "--use-mcore-models": "Megatron-Core models; the models are this project's own",
     "--fp8-format": "FP8 training; use --bf16 or --fp16",
@@ -45,7 +42,6 @@ MEGATRON_UNSUPPORTED = {
     "--untie-embeddings-and-output-weights": "untied output weights; GPT ties the head to the embedding",
     "--rampup-batch-size": "batch-size ramp-up; the global batch is fixed",
     "--dataloader-type": "data loader types; batches come from the indexed dataset in order",
-    "--num-workers": "data loader workers; batches are read in the training process",
 }
 
 

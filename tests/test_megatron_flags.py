@@ -267,7 +267,9 @@ MOCK_RUN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-lengt
             "--eod-mask-loss --reset-position-ids --reset-attention-mask --log-params-norm "
             "--log-num-zeros-in-grad --log-throughput --timing-log-level 2 --log-timers-to-tensorboard "
             "--tensorboard-log-interval 2 --attention-softmax-in-fp32 --no-masked-softmax-fusion "
-            "--no-bias-gelu-fusion --empty-unused-memory-level 1 --profile --use-cpu-initialization").split()
+            "--no-bias-gelu-fusion --empty-unused-memory-level 1 --profile --use-cpu-initialization "
+            "--no-bias-dropout-fusion --timing-log-option minmax --overlap-grad-reduce --overlap-param-gather "
+            "--use-flash-attn --num-workers 2").split()
 
 
 def test_a_ported_megatron_script_trains_on_mock_data(tmp_path):
