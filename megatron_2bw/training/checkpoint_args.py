@@ -34,7 +34,10 @@ def checkpoint_args(load: str, save: str | None) -> tuple[dict, str]:
         raise ConfigError(f"--use-checkpoint-args: {idir} holds no checkpoint file")
     path = checkpointing.checkpoint_path(load, it, 0, 0, layout[1])
     try:  # memory-mapped: only the arguments are read here (the resume verifies and loads its own file)
-        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        try:
+            sd = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
+            sd = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
         raise ConfigError(f"--use-checkpoint-args: cannot read {path} ({str(e).splitlines()[0] if str(e) else e})") \
             from None
