@@ -273,14 +273,16 @@ MOCK_RUN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-lengt
 
 
 def test_a_ported_megatron_script_trains_on_mock_data(tmp_path):
-    """Every flag above accepted in one 2-stage run with no data file; the printed params norm equals the
-    norm of the weights it saved (the tied embedding counted once), and the lr follows Megatron's WSD."""
+    """Every flag above accepted in one 2-stage, 2-replica run with no data file; the printed params norm equals
+    the norm of the weights it saved (replicas and the tied embedding counted once; checked by hand at t = 2 too),
+    and the lr follows Megatron's WSD."""
     from e2e import read_metrics, torchrun
     from megatron_2bw.export.checkpoints import load_checkpoint
 
     save, metrics, cache = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "cache"
-    res = torchrun("pretrain_gpt.py", [*MOCK_RUN, "--pipeline-model-parallel-size", "2", "--save", str(save),
-                                       "--metrics-file", str(metrics), "--data-cache-path", str(cache)], nproc=2)
+    res = torchrun("pretrain_gpt.py", [*MOCK_RUN, "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                                       "--save", str(save), "--metrics-file", str(metrics), "--data-cache-path",
+                                       str(cache)], nproc=4)  # d = 2, w = 2: replicas and the tied copy count once
     assert res.returncode == 0, res.describe()
     lines = [ln for ln in res.output.splitlines() if " iteration " in ln and "consumed samples" in ln]
     assert len(lines) == 2 and all("params norm: " in ln for ln in lines), res.describe()

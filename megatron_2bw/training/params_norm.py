@@ -16,6 +16,8 @@ def params_sumsq(stage) -> float:
     w = stage.weights
     slot = w.slot(stage.step)
     stage.reducer.wait_slot(slot)  # the distributed optimizer's all-gather of the newest weights
+    if stage.state.dp_rank != 0:  # replicas hold the same weights: one of them counts
+        return 0.0
     views = [v for v, c in zip(w._views(w.flat[slot]), w.counted) if c]  # noqa: SLF001
     if not views:
         return 0.0
