@@ -66,21 +66,22 @@ def ltor_masks_and_position_ids(tokens: torch.Tensor, opts: DocumentMasks) -> di
     Megatron's is the negation). Absent keys mean Megatron's defaults (all ones, ``arange``, causal).
     """
     b, s = tokens.shape
+    dev = tokens.device  # built where the tokens are (on the GPU, no [b, s, s] host-to-device copy)
     is_eod = tokens == opts.eod
-    loss_mask = torch.ones(b, s)
+    loss_mask = torch.ones(b, s, device=dev)
     if opts.eod_mask_loss:
         loss_mask[is_eod] = 0.0
     out = {"loss_mask": loss_mask}
     if opts.reset_position_ids:
-        idx = torch.arange(s).expand(b, s)
+        idx = torch.arange(s, device=dev).expand(b, s)
         after_eod = torch.where(is_eod, idx + 1, torch.zeros_like(idx))  # a document starts after each eod
         starts = torch.cummax(after_eod, dim=1).values
-        starts = torch.cat([torch.zeros(b, 1, dtype=starts.dtype), starts[:, :-1]], dim=1)  # eods strictly before
+        starts = torch.cat([torch.zeros(b, 1, dtype=starts.dtype, device=dev), starts[:, :-1]], dim=1)  # eods before
         out["position_ids"] = idx - starts
     if opts.reset_attention_mask:
         e = is_eod.long()
         doc = torch.cumsum(e, dim=1) - e  # document number: eods strictly before the position
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
         out["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
     return out
 

@@ -46,5 +46,8 @@ class MicrobatchProvider:
         lo, hi = self.sample_range(mb)
         if lo < 0 or hi > len(self.dataset):
             raise IndexError(f"microbatch {mb} needs samples [{lo}, {hi}) but the dataset has {len(self.dataset)}")
-        batch = self.make_batch(collate([self.dataset[j] for j in range(lo, hi)]))
+        raw = collate([self.dataset[j] for j in range(lo, hi)])
+        if isinstance(raw, torch.Tensor):  # GPT: tokens first, so masks built from them are built on the device
+            raw = raw.to(self.device, non_blocking=True)
+        batch = self.make_batch(raw)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
