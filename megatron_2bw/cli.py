@@ -201,9 +201,10 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def lr_config(args: argparse.Namespace, global_batch: int | None = None) -> LRConfig:
-    given = _fields(args, "lr")
+    given = {**_fields(args, "lr"), **_wsd_fields(args, global_batch)}
     if getattr(args, "train_samples", None) is not None:
-        _require(args.lr_decay_iters is None and not given.get("warmup_iters") and args.lr_warmup_fraction is None,
+        _require(args.lr_decay_iters is None and not given.get("warmup_iters") and args.lr_warmup_fraction is None
+                 and getattr(args, "lr_wsd_decay_iters", None) is None,
                  "with --train-samples give --lr-decay-samples and --lr-warmup-samples, not the -iters flags")
         return lr_by_samples(given, args.train_samples, args.lr_decay_samples, args.lr_warmup_samples,
                              global_batch or args.global_batch_size)
@@ -226,20 +227,41 @@ def exit_signal_handler_of(args: argparse.Namespace) -> bool:
     return not off
 
 
+def _wsd_fields(args: argparse.Namespace, global_batch: int | None) -> dict[str, Any]:
+    """WSD's anneal in samples (``--lr-wsd-decay-samples``, with ``--train-samples``) and the batch that
+    inverse-square-root counts samples by."""
+    samples = getattr(args, "lr_wsd_decay_samples", None)
+    _require(samples is None or getattr(args, "train_samples", None) is not None,
+             "--lr-wsd-decay-samples needs --train-samples")
+    out: dict[str, Any] = {"global_batch_size": global_batch or getattr(args, "global_batch_size", None)}
+    if samples is not None:
+        out["wsd_decay_iters"] = samples
+    return out
+
+
+# Switches (store_true flags) of a section that its config builder reads with ``_switched``.
+_TRAINING_SWITCHES = ("log_params_norm", "log_num_zeros_in_grad", "log_timers_to_tensorboard", "profile")
+_DATA_SWITCHES = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "mock_data")
+
+
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
     switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler",
                                                                  "finetune", "no_load_optim", "no_load_rng", "skip_train",
                                                                  "async_save")}
     switches.update(exit_signal_handler=exit_signal_handler_of(args), overwrite_save=bool(getattr(args, "overwrite_save", False)))
+    switches.update({t: bool(_switched(args, f"training.{t}")) for t in _TRAINING_SWITCHES})
     return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches,
                              "train_iters": train_iters_of(args.train_iters, args.train_samples, global_batch)})
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:
-    _require(bool(args.data_path), "--data-path is required (an indexed dataset prefix from tools/preprocess_data.py)")
+    switches = {t: bool(_switched(args, f"data.{t}")) for t in _DATA_SWITCHES}
+    _require(bool(args.data_path) or switches["mock_data"],
+             "--data-path is required (an indexed dataset prefix from tools/preprocess_data.py), or --mock-data")
+    _require(not (args.data_path and switches["mock_data"]), "give --data-path or --mock-data, not both")
     _require(bool(args.tokenizer_type), "--tokenizer-type is required (the model's vocabulary comes from the tokenizer)")
     given = _fields(args, "data")
-    return DataConfig(**{**given, "data_path": tuple(given["data_path"])})
+    return DataConfig(**{**given, **switches, "data_path": tuple(given.get("data_path") or ())})
 
 
 def system_config(args: argparse.Namespace, cuda_available: bool | None = None) -> SystemConfig:

@@ -70,8 +70,11 @@ class ModelConfig:
     # Megatron's sequence parallelism (t > 1): norms, dropout and the residual stream sharded along
     # the sequence over the tensor group; the pipeline carries [b, s/t, h]
     sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128  # Megatron's: the embedding has a multiple of this * t rows
 
     def __post_init__(self) -> None:
+        _require(self.make_vocab_size_divisible_by >= 1,
+                 f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
         _require(self.kind in ("gpt", "bert"), f"model kind must be 'gpt' or 'bert', got {self.kind!r}")
         self._check_llama_fields()
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -157,8 +160,9 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
-        """Vocabulary padded to a multiple of 128 * t (padded rows are masked out of the softmax)."""
-        mult = 128 * tensor_parallel
+        """Megatron's padded vocabulary: a multiple of ``--make-vocab-size-divisible-by`` (128) * t
+        (padded rows are masked out of the softmax)."""
+        mult = self.make_vocab_size_divisible_by * tensor_parallel
         return ((self.vocab_size + mult - 1) // mult) * mult
 
     def check_tensor_parallel(self, t: int) -> None:
@@ -417,12 +421,14 @@ class OptimizerConfig:
         return torch.float32 if self.fp32_grads else self.torch_dtype
 
 
-DECAY_STYLES = ("linear", "cosine", "constant")
+DECAY_STYLES = ("linear", "cosine", "constant", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")  # Megatron's --lr-wsd-decay-style
 
 
 @dataclass(frozen=True)
 class LRConfig:
-    """Megatron's learning-rate schedule: linear warm-up, then linear/cosine/constant decay to min_lr."""
+    """Megatron's learning-rate schedule: linear warm-up, then linear/cosine/constant/inverse-square-root/WSD
+    decay to min_lr (training/lr_schedule.py)."""
 
     lr: float
     min_lr: float = 0.0
@@ -430,9 +436,20 @@ class LRConfig:
     warmup_iters: int = 0
     decay_iters: int = 1
     samples_per_step: int | None = None  # --train-samples: warm-up and decay are counted in samples
+    wsd_decay_style: str = "exponential"  # WSD: the shape of the final anneal
+    wsd_decay_iters: int | None = None  # WSD: length of the anneal that ends at decay_iters (samples with --train-samples)
+    # inverse-square-root without warm-up: Megatron divides by sqrt(consumed samples), which needs the batch
+    global_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.decay_style in DECAY_STYLES, f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}")
+        _require(self.wsd_decay_style in WSD_DECAY_STYLES,
+                 f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}")
+        if self.decay_style == "WSD":
+            w = self.wsd_decay_iters
+            _require(w is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+            _require(1 <= w <= self.decay_iters,
+                     f"--lr-wsd-decay-iters {w} must be in [1, the decay iterations {self.decay_iters}]")
         _require_finite(self)
         _require(self.lr > 0, f"--lr must be positive, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
@@ -494,8 +511,27 @@ class TrainingConfig:
     ckpt_format: str = "torch"  # what --save writes: torch (Megatron v2 files) or torch_dist (DCP)
     async_save: bool = False  # torch_dist: write in the background while training goes on
     overwrite_save: bool = False  # --save holds another run's checkpoints: delete them and start over
+    # Megatron's logging and memory flags (issue 19): see megatron_2bw/flags.py for what each does here
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_timers_to_tensorboard: bool = False
+    tensorboard_log_interval: int = 1
+    empty_unused_memory_level: int = 0
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        _require(self.tensorboard_log_interval >= 1,
+                 f"--tensorboard-log-interval must be >= 1, got {self.tensorboard_log_interval}")
+        _require(self.empty_unused_memory_level in (0, 1, 2),
+                 f"--empty-unused-memory-level must be 0, 1 or 2, got {self.empty_unused_memory_level}")
+        _require(0 <= self.profile_step_start < self.profile_step_end,
+                 f"--profile-step-start {self.profile_step_start} must be >= 0 and below --profile-step-end "
+                 f"{self.profile_step_end}")
+        if self.profile_ranks is not None:
+            object.__setattr__(self, "profile_ranks", tuple(int(r) for r in self.profile_ranks))
         from .training.health import check_max_skipped_steps  # noqa: PLC0415 - torch-free modules
         from .training.signals import parse_signal  # noqa: PLC0415
 
@@ -534,6 +570,14 @@ class DataConfig:
     merge_file: str | None = None
     mask_prob: float = 0.15  # BERT only
     short_seq_prob: float = 0.1  # BERT only
+    # GPT batches as Megatron's get_ltor_masks_and_position_ids (models/gpt.py): no loss on the token
+    # after an EOD, positions restarting after each EOD, attention not crossing an EOD
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    mock_data: bool = False  # synthetic documents (data/mock.py) instead of --data-path
+    vocab_size: int | None = None  # --tokenizer-type NullTokenizer: ids 0..N-1, eod N
+    data_cache_path: str | None = None  # where the GPT sample indices are cached (default: not cached)
 
 
 @dataclass(frozen=True)

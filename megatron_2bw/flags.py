@@ -234,6 +234,76 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--validate-only", None, SYS, const=True,
          help="check the flags, tokenizer, data and checkpoint to resume as every rank would, print one line "
               "(config OK: ... or error: ...) and exit 0 or 2 without starting a process group"),
+    # ---- Megatron-LM flags of ported launch scripts (issue 19): data, schedule and checkpoint ones change
+    # training as Megatron's do; the logging and kernel-choice ones say what they mean here.
+    Flag("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", MODEL, int,
+         help="pad the vocabulary to a multiple of this (default 128) x --tensor-model-parallel-size (Megatron; "
+              "padded rows never win the softmax)"),
+    Flag("--eod-mask-loss", "data.eod_mask_loss", DATA, const=True, kinds=("gpt",),
+         help="no loss on the prediction made at an end-of-document token (Megatron)"),
+    Flag("--reset-position-ids", "data.reset_position_ids", DATA, const=True, kinds=("gpt",),
+         help="position ids restart at 0 after each end-of-document token (Megatron)"),
+    Flag("--reset-attention-mask", "data.reset_attention_mask", DATA, const=True, kinds=("gpt",),
+         help="attention does not cross end-of-document tokens (Megatron; a [b, s, s] mask per microbatch)"),
+    Flag("--mock-data", "data.mock_data", DATA, const=True, kinds=("gpt",),
+         help="synthetic documents instead of --data-path (Megatron's mock GPT data; with --tokenizer-type "
+              "NullTokenizer --vocab-size N no file at all)"),
+    Flag("--vocab-size", "data.vocab_size", DATA, int, kinds=("gpt",),
+         help="--tokenizer-type NullTokenizer: ids 0..N-1 and eod N (Megatron)"),
+    Flag("--data-cache-path", "data.data_cache_path", DATA,
+         help="directory where the GPT sample indices are cached and reused (default: built in memory every run)"),
+    Flag("--lr-wsd-decay-style", "lr.wsd_decay_style", OPT, choices=("exponential", "linear", "cosine", "minus_sqrt"),
+         default="exponential", help="--lr-decay-style WSD: the shape of the final anneal (Megatron)"),
+    Flag("--lr-wsd-decay-iters", "lr.wsd_decay_iters", OPT, int,
+         help="--lr-decay-style WSD: iterations of the anneal that ends at --lr-decay-iters"),
+    Flag("--lr-wsd-decay-samples", None, OPT, int, help="with --train-samples: WSD's anneal in samples"),
+    Flag("--use-checkpoint-args", None, CKPT, const=True,
+         help="take the model shape flags not given here (layers, hidden, heads, ffn, sequence, positions, "
+              "vocabulary padding) from the --load checkpoint"),
+    Flag("--log-params-norm", "training.log_params_norm", LOG, const=True,
+         help="print the weights' L2 norm (params norm:) in the training line and the metrics file"),
+    Flag("--log-num-zeros-in-grad", "training.log_num_zeros_in_grad", LOG, const=True,
+         help="accepted (Megatron), not printed: counting zero gradients would read every gradient once more "
+              "per step; the grad norm is printed"),
+    Flag("--log-throughput", None, LOG, const=True,
+         help="accepted (Megatron): the training line always prints samples/s, tokens/s and TFLOP/s/device"),
+    Flag("--timing-log-level", None, LOG, int,
+         help="accepted (Megatron): the training line always prints the step time; there are no per-phase timers"),
+    Flag("--timing-log-option", None, LOG, choices=("max", "minmax", "all"),
+         help="accepted (Megatron): see --timing-log-level"),
+    Flag("--log-timers-to-tensorboard", "training.log_timers_to_tensorboard", LOG, const=True,
+         help="also write the step time (train/step_time_s) to TensorBoard"),
+    Flag("--tensorboard-log-interval", "training.tensorboard_log_interval", LOG, int, 1,
+         help="write training scalars to TensorBoard/wandb every this many iterations"),
+    Flag("--profile", "training.profile", SYS, const=True,
+         help="CUDA: cudaProfilerStart/Stop around iterations [--profile-step-start, --profile-step-end) on "
+              "--profile-ranks, for nsys --capture-range=cudaProfilerApi (no effect on CPU)"),
+    Flag("--profile-step-start", "training.profile_step_start", SYS, int, 10),
+    Flag("--profile-step-end", "training.profile_step_end", SYS, int, 12),
+    Flag("--profile-ranks", "training.profile_ranks", SYS, int, nargs="+", help="default: rank 0"),
+    Flag("--empty-unused-memory-level", "training.empty_unused_memory_level", SYS, int, 0,
+         help="CUDA: 1 or 2 return the caching allocator's free blocks after every iteration "
+              "(torch.cuda.empty_cache; slower, less reserved memory); 0 never"),
+    Flag("--attention-softmax-in-fp32", None, SYS, const=True,
+         help="accepted (Megatron): attention is torch's scaled_dot_product_attention, whose kernels compute "
+              "the softmax in fp32"),
+    Flag("--no-masked-softmax-fusion", None, SYS, const=True,
+         help="accepted (Megatron): there is no masked-softmax kernel to switch off (see --fused-kernels)"),
+    Flag("--no-bias-gelu-fusion", None, SYS, const=True,
+         help="accepted (Megatron): bias and GeLU are never fused here (see --fused-kernels)"),
+    Flag("--no-bias-dropout-fusion", None, SYS, const=True,
+         help="accepted (Megatron): bias, dropout and residual are never fused here"),
+    Flag("--use-cpu-initialization", None, SYS, const=True,
+         help="accepted (Megatron): weights are always initialized on the CPU, identical for every layout"),
+    Flag("--overlap-grad-reduce", None, SYS, const=True,
+         help="accepted (Megatron): gradient reductions are always issued asynchronously and overlapped"),
+    Flag("--overlap-param-gather", None, SYS, const=True,
+         help="accepted (Megatron): the distributed optimizer's all-gather is asynchronous (2BW overlaps it "
+              "with the next step)"),
+    Flag("--use-flash-attn", None, SYS, const=True,
+         help="accepted (Megatron): scaled_dot_product_attention picks flash attention on CUDA where it applies"),
+    Flag("--num-workers", None, SYS, int,
+         help="accepted (Megatron): batches are read in the training process (memory-mapped), no loader workers"),
 )
 # What the tools (planner, profiler, simulator) take beyond the trainer's model flags: the trainer
 # gets the kind from its script's name and the vocabulary from its tokenizer.

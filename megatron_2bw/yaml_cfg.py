@@ -28,18 +28,13 @@ MEGATRON_UNSUPPORTED = {
     "--num-layers-per-virtual-pipeline-stage": "interleaved (virtual) pipeline stages; use --pipeline-schedule 2bw, flush or gpipe",
     "--virtual-pipeline-model-parallel-size": "interleaved (virtual) pipeline stages; use --pipeline-schedule 2bw, flush or gpipe",
     "--context-parallel-size": "context parallelism",
-    "--overlap-grad-reduce": "a flag here: gradient reductions are always issued at once and overlapped",
-    "--overlap-param-gather": "the distributed optimizer's parameter gather",
     "--num-experts": "mixture of experts",
     "--expert-model-parallel-size": "mixture of experts",
-    "--use-flash-attn": "flash attention as a flag; --fused-kernels picks the attention kernels",
     "--transformer-impl": "Transformer Engine; --fused-kernels picks apex or torch kernels",
     "--use-mcore-models": "Megatron-Core models; the models are this project's own",
     "--fp8-format": "FP8 training; use --bf16 or --fp16",
     "--rampup-batch-size": "batch-size ramp-up; the global batch is fixed",
-    "--log-throughput": "a flag here: the training line always prints TFLOP/s/device",
     "--dataloader-type": "data loader types; batches come from the indexed dataset in order",
-    "--num-workers": "data loader workers; batches are read in the training process",
 }
 
 
@@ -47,10 +42,15 @@ def _long_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {s: a for s, a in parser._option_string_actions.items() if s.startswith("--")}  # noqa: SLF001
 
 
+# How alike (difflib's ratio) a known flag must be to be suggested: a close spelling (--micro-batch-szie,
+# --trian-iters, --hidden) passes; another flag sharing a word (--async-save vs --save: 0.67) does not.
+HINT_CUTOFF = 0.75
+
+
 def nearest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
-    """The parser's long flag closest to ``name`` (``--foo``, ``foo`` or ``foo_bar``), or None."""
+    """The parser's long flag closest to ``name`` (``--foo``, ``foo`` or ``foo_bar``) if its spelling is close, or None."""
     flag = "--" + name.lstrip("-").replace("_", "-")
-    close = difflib.get_close_matches(flag, list(_long_flags(parser)), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(flag, list(_long_flags(parser)), n=1, cutoff=HINT_CUTOFF)
     return close[0] if close else None
 
 

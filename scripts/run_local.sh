@@ -45,7 +45,7 @@ if [[ "$VALIDATE" == 1 ]]; then
   # Flag and file mistakes show within seconds; building the data indices of a long run can take
   # minutes, which the trainers do anyway: past VALIDATE_TIMEOUT (0: no limit) the rest is left to them.
   VRC=0
-  RANK=0 LOCAL_RANK=0 WORLD_SIZE="$NPROC" timeout "${VALIDATE_TIMEOUT:-20}" "$PYTHON" "$SCRIPT" --device "$DEVICE" "$@" --validate-only || VRC=$?
+  RANK=0 LOCAL_RANK=0 WORLD_SIZE="$NPROC" MEGATRON_2BW_VALIDATE_QUIET=1 timeout "${VALIDATE_TIMEOUT:-20}" "$PYTHON" "$SCRIPT" --device "$DEVICE" "$@" --validate-only || VRC=$?
   if [[ "$VRC" == 124 ]]; then
     echo "run_local: --validate-only still busy after ${VALIDATE_TIMEOUT:-20} s (data indices): the trainers check the rest" >&2
   elif [[ "$VRC" != 0 ]]; then

@@ -134,8 +134,9 @@ def test_torchrun_every_rank_refuses_before_init(corpus):  # noqa: F811
     res = torchrun("pretrain_gpt.py", base(corpus) + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
                    nproc=4, timeout=TIMEOUT)
     assert res.returncode != 0, res.describe()
-    assert res.stderr.count("error: PipeDream-2BW needs at least d microbatches per step: m=1 < d=2") >= 1
-    assert "pretrain_gpt.py FAILED" in res.stderr and "exitcode  : 2" in res.stderr, res.describe()
+    # one line for the 4 ranks, and torchrun ended before its ChildFailedError traceback (issue 19)
+    assert res.stderr.count("error: PipeDream-2BW needs at least d microbatches per step: m=1 < d=2") == 1
+    assert "pretrain_gpt.py FAILED" not in res.stderr and "Traceback" not in res.stderr, res.describe()
     assert "megatron_2bw/" not in res.stderr, res.describe()  # no traceback from our code
 
 

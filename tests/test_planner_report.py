@@ -135,3 +135,41 @@ def test_cli_paper_flags_and_subprocess(capsys):
     for s in scenarios:
         assert set(s["speedup_2bw"]) == set(BASELINES)
         assert all(x is None or x >= 1.0 for x in s["speedup_2bw"].values()), s
+
+
+# ---- issue 19: the memory margin, tokens/s and MFU ------------------------------------------------
+H200_8B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size", "14336",
+           "--seq-length", "4096", "--vocab-size", "128256", "--num-gpus", "64", "--cluster", "dgx-h200",
+           "--precision", "bf16", "--global-batch-size", "512", "--json"]
+
+
+def test_memory_margin_tokens_and_mfu(capsys):
+    runs = {}
+    for margin in (None, "0", "25%"):
+        assert plan.main(H200_8B + ([] if margin is None else ["--memory-margin", margin])) == 0
+        runs[margin] = json.loads(capsys.readouterr().out)
+    usable = load_cluster("dgx-h200").usable_memory_bytes
+    for margin, frac in ((None, 0.10), ("0", 0.0), ("25%", 0.25)):
+        out = runs[margin]
+        assert out["memory_margin"] == pytest.approx(frac)
+        assert all(r["memory_bytes_per_gpu"] <= (1 - frac) * usable for r in out["ranked"])
+    # without a margin some plans fill more than 90% (the newcomer's 137.23 of 137.9 GiB); the default drops them
+    assert any(r["memory_bytes_per_gpu"] > 0.9 * usable for r in runs["0"]["ranked"])
+    assert runs[None]["feasible"] < runs["0"]["feasible"]
+    best = runs[None]["best"]
+    assert best["tokens_per_sec"] == pytest.approx(best["samples_per_sec"] * 4096, rel=1e-3)
+    L, h, s, V = 32, 4096, 4096, 128256  # Narayanan et al. 2021, eq. 3, no recomputation: model FLOPs per sample
+    per_sample = 72 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    peak = load_cluster("dgx-h200").peak("bf16")
+    assert best["mfu"] == pytest.approx(best["samples_per_sec"] * per_sample / (64 * peak), abs=1e-4)
+    assert 0 < best["mfu"] < 1
+
+
+def test_memory_margin_in_the_table_and_refused_out_of_range(capsys):
+    assert plan.main([a for a in H200_8B if a != "--json"] + ["--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plans keep 10% free (--memory-margin): at most 124.1 GiB" in out
+    header = next(line for line in out.splitlines() if line.startswith("rank"))
+    assert "tokens/s" in header and "MFU" in header
+    assert plan.main(H200_8B + ["--memory-margin", "100%"]) == 2
+    assert "--memory-margin must be in [0, 1)" in capsys.readouterr().err

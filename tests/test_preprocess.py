@@ -178,6 +178,27 @@ def test_empty_corpus_is_refused(tmp_path, tok, lines):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
+def test_a_tokenizer_that_encodes_everything_to_nothing_is_blamed(tmp_path, tok):
+    """Issue 19: the text is there; the tokenizer (here one that yields no ids) is what is wrong."""
+
+    class Silent(type(tok)):
+        def __init__(self):  # noqa: D107 - a stand-in with no vocabulary file
+            self.vocab_size, self.eod = 10, 9
+
+        def tokenize(self, text):
+            return []
+
+        def __repr__(self):
+            return "Silent(vocab_size=10)"
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "real text"}, {"text": "more"}, {"text": ""}])
+    with pytest.raises(ConfigError) as e:
+        preprocess_jsonl(src, str(tmp_path / "ds"), Silent())
+    msg = str(e.value)
+    assert msg.startswith("the tokenizer Silent(vocab_size=10) encoded all 2 non-empty texts under key 'text'")
+    assert "no token ids" in msg and "not the corpus" in msg and "\n" not in msg
+
+
 def test_plain_text_input_says_what_to_do(tmp_path, tok):
     src = tmp_path / "corpus.txt"
     src.write_text("Just some prose, one paragraph per line.\nAnother line.\n")

@@ -12,7 +12,9 @@ the newest weights, so 2BW -> flush keeps the newest version and flush -> 2BW st
 versions equal (``--target-schedule``). A trainer checkpoint's optimizer state (Adam moments or
 SGD momentum, the fp32 master copy) and 2BW's older version are resharded with the weights, so
 the trainer resumes from the result at the new layout; ``--no-optimizer`` writes the weights only
-(a plain Megatron-LM checkpoint, for --finetune or other tools).
+(a plain Megatron-LM checkpoint, for --finetune or other tools). ``--saver hf`` always writes the
+weights only (the output line says the optimizer state was left out) and, when the checkpoint names
+its tokenizer and the files are there, the tokenizer beside them.
 
 Between the trainer's two formats: a ``--ckpt-format torch_dist`` source is read whole (its global
 tensors are the t = 1 model's) and written at the target layout in the torch format, or the other
@@ -80,10 +82,11 @@ def run(argv: list[str]) -> str:
     if args.ckpt_format == "torch_dist" and (args.saver != "megatron" or args.no_optimizer or not has_optimizer):
         raise ConfigError("--ckpt-format torch_dist writes a trainer checkpoint with its engine state: it needs a "
                           "trainer checkpoint, --saver megatron and no --no-optimizer")
-    if has_optimizer and not args.no_optimizer:
-        if args.saver != "megatron":
-            raise ConfigError(f"{args.load_dir} holds optimizer state, which a {args.saver} model cannot hold; pass "
-                              "--no-optimizer to convert the weights only")
+    dropped = ""
+    if has_optimizer and not args.no_optimizer and args.saver != "megatron":
+        # a Hugging Face model never holds optimizer state: export the newest weights and say what was left
+        dropped = "; the optimizer state was left out (a Hugging Face model holds none: the source keeps it)"
+    elif has_optimizer and not args.no_optimizer:
         ckpt = ckpt if dist_source else read_trainer_checkpoint(args.load_dir)
         if args.ckpt_format == "torch_dist":
             where = write_dist_checkpoint(args.save_dir, ckpt, schedule=args.target_schedule)
@@ -98,7 +101,7 @@ def run(argv: list[str]) -> str:
     cfg = ex.cfg
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
             f"at iteration {ex.iteration} to {where} as {args.saver}"
-            + (f" t={t} d={d}" if args.saver == "megatron" else ""))
+            + (f" t={t} d={d}" if args.saver == "megatron" else "") + dropped)
 
 
 def _is_dist(path: str) -> bool:

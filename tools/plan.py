@@ -40,7 +40,7 @@ from megatron_2bw.planner.report import (
     PAPER_CLUSTER, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
     plan_json, describe,
 )
-from megatron_2bw.planner.search import FINER_RECOMPUTE, PlanRequest, search
+from megatron_2bw.planner.search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, search
 from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
 
 
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     r.add_argument("--profile", help="measured per-layer costs (schema in megatron_2bw/planner/layer_costs.py)")
     r.add_argument("--max-micro-batch-size", type=int, default=64)
+    r.add_argument("--memory-margin", type=parse_margin, default=None, metavar="FRACTION|N%",
+                   help=f"memory a plan leaves free, of the usable memory (default {DEFAULT_MEMORY_MARGIN:.0%}; "
+                        "--max-model and --paper-comparison reproduce the paper's planner without one unless given)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--accumulate-allreduce-grads-in-fp32", dest="fp32_grads", action="store_const", const=True)
     g.add_argument("--grad-reduce-in-bf16", dest="fp32_grads", action="store_const", const=False,
@@ -92,6 +95,14 @@ def _schedule_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def parse_margin(text: str) -> float:
+    """``0.1`` or ``10%``."""
+    try:
+        return float(text[:-1]) / 100.0 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction or percentage: {text!r}") from None
+
+
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The model of the flags, by the trainer's rule."""
     return model_config(args)
@@ -127,7 +138,8 @@ def run(argv: list[str]) -> str:
         depths = [d for d in (2**i for i in range(args.num_gpus.bit_length())) if args.num_gpus % d == 0]
         rows = [r for sched in SCHEDULE_NAMES for zero in args.zero
                 for r in max_model_size(model, cluster, args.num_gpus, depths, sched, args.precision,
-                                        distributed_optimizer=zero, fp32_grads=args.fp32_grads)]
+                                        distributed_optimizer=zero, fp32_grads=args.fp32_grads,
+                                        memory_margin=args.memory_margin or 0.0)]
         if args.json:
             return json.dumps([asdict(r) for r in rows], indent=2)
         return format_max_model(rows, model, cluster, args.num_gpus)
@@ -137,7 +149,8 @@ def run(argv: list[str]) -> str:
     request = PlanRequest(model, cluster, args.num_gpus, args.global_batch_size, args.precision,
                           max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
                           distributed_optimizer_options=args.zero, schedules=args.schedules,
-                          recompute_policies=FINER_RECOMPUTE if args.finer_recompute else ())
+                          recompute_policies=FINER_RECOMPUTE if args.finer_recompute else (),
+                          memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin)
     costs = load_checked_profile(args.profile, model, args.precision, cluster.device) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)

@@ -83,6 +83,11 @@ def model_from_args(args: argparse.Namespace, from_profile: ModelConfig | None =
     return model_config(args, base=from_profile)
 
 
+def over_memory(peak_bytes, usable_bytes: int) -> list[int]:
+    """The stages whose simulated peak exceeds what a process can fill on the device."""
+    return [i for i, x in enumerate(peak_bytes) if x > usable_bytes]
+
+
 def run(argv: list[str]) -> str:
     args = build_parser().parse_args(argv)
     for k in ("d", "m", "t", "w", "steps"):
@@ -140,6 +145,14 @@ def run(argv: list[str]) -> str:
         + " ".join(f"{x / GiB:.2f}" for x in res.peak_bytes),
         "peak stashed activations per stage (MiB): " + " ".join(f"{x / 2**20:.1f}" for x in res.peak_activation_bytes),
     ]
+    over = over_memory(res.peak_bytes, cluster.usable_memory_bytes)
+    summary.update(usable_memory_bytes=cluster.usable_memory_bytes, stages_over_memory=over)
+    if over:
+        lines.append(
+            f"warning: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
+            f"({', '.join(f'{res.peak_bytes[i] / GiB:.2f}' for i in over)} GiB) exceed{'' if len(over) > 1 else 's'} the "
+            f"{cluster.usable_memory_bytes / GiB:.1f} GiB usable of a {cluster.device_memory_bytes / GiB:.1f} GiB "
+            f"{cluster.device}: this plan does not fit (raise --d or --t, recompute, or lower --b)")
     if args.trace:
         lines.append(f"trace: {args.trace}")
     if args.png:

@@ -19,6 +19,7 @@ from .bert_dataset import BertDataset
 from .blend import BlendedDataset, blending_indices, parse_data_path
 from .gpt_dataset import GPTDataset
 from .indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from .mock import MockDocuments
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _open(prefix: str) -> IndexedDataset:
 
 def _build_one(
     kind: str, indexed: IndexedDataset, split_name: str, docs: tuple[int, int], num_samples: int, *,
-    seq_length: int, seed: int, tokenizer, masked_lm_prob: float, short_seq_prob: float,
+    seq_length: int, seed: int, tokenizer, masked_lm_prob: float, short_seq_prob: float, cache_dir: str | None = None,
 ):
     documents = np.arange(docs[0], docs[1], dtype=np.int64)
     where = f"the {split_name} split of {indexed.prefix} (documents [{docs[0]}, {docs[1]}))"
@@ -109,7 +110,7 @@ def _build_one(
         raise ConfigError(f"{where} holds {tokens} tokens, too few for one sample ({need}); change --split or add data")
     try:
         if kind == "gpt":
-            return GPTDataset(indexed, documents, seq_length, num_samples, seed)
+            return GPTDataset(indexed, documents, seq_length, num_samples, seed, cache_dir=cache_dir)
         return BertDataset(
             indexed, documents, seq_length, num_samples, seed,
             cls=tokenizer.cls, sep=tokenizer.sep, mask=tokenizer.mask, pad=tokenizer.pad,
@@ -130,10 +131,14 @@ def build_datasets(
     *,
     masked_lm_prob: float = 0.15,
     short_seq_prob: float = 0.1,
+    mock_data: bool = False,
+    cache_dir: str | None = None,
 ) -> tuple:
     """(train, valid, test); a split asked for 0 samples, or with 0 documents, is None.
 
-    ``tokenizer`` (needed for BERT's special ids) also enables :func:`check_vocab`.
+    ``tokenizer`` (needed for BERT's special ids) also enables :func:`check_vocab`. ``mock_data``:
+    Megatron's synthetic documents (data/mock.py; ``data_path`` empty) from the tokenizer's vocabulary
+    and eod. ``cache_dir`` (``--data-cache-path``): where GPT sample indices are cached.
     """
     if kind not in ("gpt", "bert"):
         raise ConfigError(f"dataset kind must be 'gpt' or 'bert', got {kind!r}")
@@ -141,16 +146,21 @@ def build_datasets(
         raise ConfigError("BERT datasets need a tokenizer for the [CLS]/[SEP]/[MASK]/[PAD] ids")
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
-    prefixes, weights = parse_data_path(data_path)
     parse_split(split)
-    indexed = [_open(p) for p in prefixes]
-    if tokenizer is not None:
+    if mock_data:
+        if kind != "gpt" or tokenizer is None:
+            raise ConfigError("--mock-data makes GPT documents and needs the tokenizer's vocabulary")
+        indexed, weights = [MockDocuments(tokenizer.vocab_size, tokenizer.eod)], [1.0]
+    else:
+        prefixes, weights = parse_data_path(data_path)
+        indexed = [_open(p) for p in prefixes]
+    if tokenizer is not None and not mock_data:  # mock ids are below the vocabulary by construction
         for ds in indexed:
             check_vocab(ds, tokenizer.vocab_size)
     ranges = [split_document_ranges(split, ds.num_documents) for ds in indexed]
     build = partial(
         _build_one, kind, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
-        masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob,
+        masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, cache_dir=cache_dir,
     )
 
     out = []

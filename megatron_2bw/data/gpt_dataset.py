@@ -11,14 +11,63 @@ The window order is shuffled in blocks of about one epoch's windows (``tokens pe
 seq_length``), each block by its own rows of one generator, so the first N samples are the same
 whatever ``num_samples`` is: a run whose ``--train-iters`` is raised on resume continues exactly the
 sample order that the longer run would have had from the start (Megatron reshuffles instead).
+
+With ``cache_dir`` (``--data-cache-path``) the index arrays are saved there once, named by a hash
+of what they depend on (the data files' size and time, the documents, sequence length, sample
+count and seed; the description is written beside them as JSON), and later runs load them
+instead of rebuilding: Megatron's index cache. Files are written atomically (temp + rename), so
+ranks building the same index at once never read a partial file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+
 import numpy as np
 
 from ..errors import ConfigError
-from .indexed_dataset import IndexedDataset
+from .indexed_dataset import IndexedDataset, index_file_path
+
+CACHE_VERSION = 2
+_CACHED = ("order", "stream_cum", "pos", "offset", "shuffle")
+
+
+def _describe(indexed, documents: np.ndarray, seq_length: int, num_samples: int, seed: int) -> dict:
+    """What a GPT sample index depends on (its cache key)."""
+    desc: dict = {"class": "GPTDataset", "version": CACHE_VERSION, "seq_length": seq_length,
+                  "num_samples": num_samples, "seed": seed, "documents": [int(documents[0]) if documents.size else 0,
+                                                                         int(documents.size)]}
+    idx = index_file_path(indexed.prefix)
+    if os.path.isfile(idx):
+        st = os.stat(idx)
+        desc.update(prefix=os.path.realpath(indexed.prefix), index_bytes=st.st_size, index_mtime_ns=st.st_mtime_ns)
+    else:  # synthetic documents (--mock-data)
+        desc.update(prefix=indexed.prefix, vocab_size=getattr(indexed, "vocab_size", None),
+                    eod=getattr(indexed, "eod", None))
+    contiguous = documents.size == 0 or bool(np.all(np.diff(documents) == 1))
+    if not contiguous:
+        desc["documents_sha1"] = hashlib.sha1(documents.tobytes()).hexdigest()
+    return desc
+
+
+def _cache_files(cache_dir: str, desc: dict) -> tuple[str, str]:
+    key = hashlib.sha1(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+    base = os.path.join(cache_dir, f"{key}-GPTDataset")
+    return base + "-index.npz", base + "-description.json"
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"--data-cache-path {os.path.dirname(path)}: cannot write {path}: {e.strerror or e}") from None
 
 
 class GPTDataset:
@@ -26,6 +75,7 @@ class GPTDataset:
 
     def __init__(
         self, indexed: IndexedDataset, documents: np.ndarray, seq_length: int, num_samples: int, seed: int,
+        cache_dir: str | None = None,
     ) -> None:
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be positive, got {seq_length}")
@@ -48,36 +98,62 @@ class GPTDataset:
         if tokens_per_epoch == 0:
             raise ConfigError(f"the {len(documents)} documents given to GPTDataset from {indexed.prefix} hold no tokens")
         block = max(tokens_per_epoch // seq_length, 1)  # windows shuffled together
-        n_blocks = -(-num_samples // block)
-        windows = n_blocks * block  # whole blocks, so a block's order never depends on num_samples
-        needed = windows * seq_length + 1
+        needed = -(-num_samples // block) * block * seq_length + 1  # whole blocks of windows
         num_epochs = -(-needed // tokens_per_epoch)
 
-        rng = np.random.default_rng(seed)
-        # One independent shuffle per epoch, as a single vectorized argsort of random keys.
-        order = np.argsort(rng.random((num_epochs, len(documents))), axis=1, kind="stable").ravel()
-        stream_len = doc_tokens[order]
-        stream_cum = np.concatenate([[0], np.cumsum(stream_len)])
-        starts = np.arange(windows, dtype=np.int64) * seq_length
-        # side="right" skips empty documents: the window starts in the last document beginning at or before it.
-        pos = np.searchsorted(stream_cum, starts, side="right") - 1
+        arrays = None
+        self.cache_file: str | None = None  # the index file used (loaded or written), with --data-cache-path
+        if cache_dir:
+            desc = _describe(indexed, documents, seq_length, num_samples, seed)
+            self.cache_file, desc_file = _cache_files(cache_dir, desc)
+            if os.path.isfile(self.cache_file):
+                with np.load(self.cache_file) as z:
+                    arrays = {k: z[k] for k in _CACHED}
+        if arrays is None:
+            arrays = self._build(doc_tokens, num_epochs, len(documents), num_samples, seq_length, seed, block)
+            if cache_dir:
+                try:
+                    os.makedirs(cache_dir, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"--data-cache-path {cache_dir}: {e.strerror or e}") from None
+                _atomic_write(self.cache_file, lambda f: np.savez(f, **arrays))
+                _atomic_write(desc_file, lambda f: f.write(json.dumps(desc, indent=1, sort_keys=True).encode()))
+        order, stream_cum = arrays["order"], arrays["stream_cum"]
         self._stream_docs = order  # position in the stream -> index into ``documents``
         self._stream_cum = stream_cum
         self._doc_start_item = doc_start_item
         self._doc_end_item = doc_end_item
         self._item_cum = item_cum
-        self._sample_pos = pos
-        self._sample_offset = starts - stream_cum[pos]
-        # Block k's windows in the order of row k of one generator's draws (its own stream: the document
-        # draws above depend on the number of epochs): the first rows never depend on num_samples.
-        keys = np.random.default_rng([seed, 1]).random((n_blocks, block))
-        within = np.argsort(keys, axis=1, kind="stable")
-        self._shuffle = (within + block * np.arange(n_blocks, dtype=np.int64)[:, None]).ravel()[:num_samples]
+        self._sample_pos = arrays["pos"]
+        self._sample_offset = arrays["offset"]
+        self._shuffle = arrays["shuffle"]
         self.block = block
         self.num_epochs = num_epochs
         # For inspection and tests: document ids in stream order, and sample i's window number.
         self.doc_order = documents[order]
         self.sample_order = self._shuffle
+
+    @staticmethod
+    def _build(doc_tokens: np.ndarray, num_epochs: int, num_docs: int, num_samples: int, seq_length: int,
+               seed: int, block: int) -> dict[str, np.ndarray]:
+        """The index arrays: epochs' document order, its token offsets, each window's start and the
+        shuffle (in blocks of ``block`` windows: the module docstring)."""
+        n_blocks = -(-num_samples // block)
+        windows = n_blocks * block  # whole blocks, so a block's order never depends on num_samples
+        rng = np.random.default_rng(seed)
+        # One independent shuffle per epoch, as a single vectorized argsort of random keys.
+        order = np.argsort(rng.random((num_epochs, num_docs)), axis=1, kind="stable").ravel()
+        stream_cum = np.concatenate([[0], np.cumsum(doc_tokens[order])])
+        starts = np.arange(windows, dtype=np.int64) * seq_length
+        # side="right" skips empty documents: the window starts in the last document beginning at or before it.
+        pos = np.searchsorted(stream_cum, starts, side="right") - 1
+        # Block k's windows in the order of row k of one generator's draws (its own stream: the document
+        # draws above depend on the number of epochs): the first rows never depend on num_samples.
+        keys = np.random.default_rng([seed, 1]).random((n_blocks, block))
+        within = np.argsort(keys, axis=1, kind="stable")
+        shuffle = (within + block * np.arange(n_blocks, dtype=np.int64)[:, None]).ravel()[:num_samples]
+        return {"order": order, "stream_cum": stream_cum, "pos": pos, "offset": starts - stream_cum[pos],
+                "shuffle": shuffle}
 
     def __len__(self) -> int:
         return self.num_samples

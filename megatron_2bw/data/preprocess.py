@@ -139,6 +139,7 @@ class PreprocessResult:
     prefixes: dict[str, str]
     documents: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    texts: dict[str, int] = field(default_factory=dict)  # non-empty input texts (a tokenizer may encode one to nothing)
 
 
 def preprocess_jsonl(
@@ -171,7 +172,7 @@ def preprocess_jsonl(
 
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     prefixes = {key: output_prefix_for(output_prefix, key) for key in json_keys}
-    result = PreprocessResult(prefixes, {k: 0 for k in json_keys}, {k: 0 for k in json_keys})
+    result = PreprocessResult(prefixes, {k: 0 for k in json_keys}, {k: 0 for k in json_keys}, {k: 0 for k in json_keys})
     builders: dict[str, IndexedDatasetBuilder] = {}
     bar = tqdm(
         total=os.path.getsize(input_path), unit="B", unit_scale=True, desc="preprocess",
@@ -180,7 +181,7 @@ def preprocess_jsonl(
     try:
         for key, p in prefixes.items():
             builders[key] = IndexedDatasetBuilder(data_file_path(p), dtype)
-        batches = _batches(read_jsonl(input_path, json_keys))
+        batches = _batches(_count_texts(read_jsonl(input_path, json_keys), result))
         if workers == 1:
             encoded = (([encode_document(tokenizer, t, append_eod) for t in docs], n) for docs, n in batches)
             _write(encoded, builders, result, bar)
@@ -188,7 +189,7 @@ def preprocess_jsonl(
             with mp.Pool(workers, initializer=_init_worker, initargs=(tokenizer, append_eod)) as pool:
                 for window in _windows(batches, READ_AHEAD_BATCHES * workers):
                     _write(pool.imap(_encode_batch, window), builders, result, bar)
-        _refuse_empty(input_path, result)
+        _refuse_empty(input_path, result, tokenizer)
         made_with = _fingerprint(tokenizer)
         for key, builder in builders.items():
             if os.path.exists(sidecar_path(prefixes[key])):
@@ -211,9 +212,26 @@ def _fingerprint(tokenizer: Tokenizer) -> dict | None:
         return None
 
 
-def _refuse_empty(input_path: str, result: PreprocessResult) -> None:
-    """An empty dataset would only fail later, blamed on --split: refuse it here."""
+def _count_texts(records: Iterator[tuple[int, int, dict[str, str]]], result: PreprocessResult
+                 ) -> Iterator[tuple[int, int, dict[str, str]]]:
+    """``records`` unchanged, counting the non-empty texts of each key on the way."""
+    for rec in records:
+        for key, text in rec[2].items():
+            if text:
+                result.texts[key] = result.texts.get(key, 0) + 1
+        yield rec
+
+
+def _refuse_empty(input_path: str, result: PreprocessResult, tokenizer: Tokenizer | None = None) -> None:
+    """An empty dataset would only fail later, blamed on --split: refuse it here, blaming the tokenizer when
+    the text was there but encoded to no ids."""
     for key, count in result.documents.items():
+        texts = result.texts.get(key, 0)
+        if count == 0 and texts:
+            raise ConfigError(
+                f"the tokenizer {tokenizer!r} encoded all {texts} non-empty texts under key {key!r} of --input "
+                f"{input_path} to no token ids: the tokenizer is broken or empty (check its files), not the corpus"
+            )
         if count == 0:
             raise ConfigError(
                 f"--input {input_path} has no non-empty text under key {key!r}: nothing to preprocess "

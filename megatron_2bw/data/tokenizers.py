@@ -31,6 +31,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
     "HuggingFaceTokenizer",
+    "NullTokenizer",
 )
 
 # Pieces the SentencePiece trainer (tools/train_tokenizer.py) reserves for BERT-style use.
@@ -208,14 +209,34 @@ def _load_gpt2(vocab_file: str, merge_file: str):
     return GPT2TokenizerFast(vocab=vocab, merges=[m for m in merges if len(m) == 2])
 
 
+class NullTokenizer(Tokenizer):
+    """Megatron's ``NullTokenizer`` (``--vocab-size N``): text is space-separated ids, eod is ``N``,
+    so the vocabulary has ``N + 1`` entries. No file: for ``--mock-data`` and pre-tokenized data."""
+
+    def __init__(self, vocab_size: int | None, build_args: tuple) -> None:
+        super().__init__(build_args)
+        if vocab_size is None or vocab_size < 1:
+            raise ConfigError(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1, got {vocab_size}")
+        self.vocab_size, self.eod = vocab_size + 1, vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(x)) for x in ids)
+
+
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None = None,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    vocab_size: int | None = None,
 ) -> Tokenizer:
-    """The tokenizer Megatron's ``--tokenizer-type`` names, from local files."""
-    args = (tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    """The tokenizer Megatron's ``--tokenizer-type`` names, from local files (``vocab_size``: NullTokenizer's)."""
+    args = (tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size, args)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(_need_file(tokenizer_model, "--tokenizer-model", tokenizer_type), args)
     if tokenizer_type == "GPT2BPETokenizer":

@@ -115,6 +115,6 @@ def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int =
     if saver == "hf":
         if (t, d) != (1, 1):
             raise ConfigError("--saver hf writes one whole model: drop --target-tensor/pipeline-parallel-size")
-        save_hf_dir(path, ex)
-        return path
+        note = save_hf_dir(path, ex)
+        return f"{path} ({note})"
     return write_megatron_dir(path, ex, t, d, schedule, split)

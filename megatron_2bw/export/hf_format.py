@@ -312,10 +312,18 @@ def hf_model(ex: Exported):
     return model.eval()
 
 
-def save_hf_dir(path: str, ex: Exported) -> None:
-    """A directory ``from_pretrained`` loads (config.json + weights)."""
+def save_hf_dir(path: str, ex: Exported) -> str:
+    """A directory ``from_pretrained`` loads (config.json + weights, and the run's tokenizer when its files
+    are there: export/hf_tokenizer.py); returns what was done with the tokenizer."""
+    from .hf_tokenizer import write_tokenizer  # noqa: PLC0415
+
     os.makedirs(path, exist_ok=True)
-    hf_model(ex).save_pretrained(path)
+    model = hf_model(ex)
+    note, eod = write_tokenizer(path, ex.tokenizer)
+    if eod is not None and ex.cfg.kind == "gpt":  # GPT-2's convention: <|endoftext|> is both
+        model.config.eos_token_id = model.config.bos_token_id = int(eod)
+    model.save_pretrained(path)
+    return note
 
 
 def load_hf_dir(path: str) -> Exported:

@@ -46,7 +46,7 @@ def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, spl
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.head_dim,
         max_position_embeddings=cfg.max_position_embeddings, seq_length=cfg.seq_length,
-        make_vocab_size_divisible_by=128, padded_vocab_size=cfg.padded_vocab_size(t),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, padded_vocab_size=cfg.padded_vocab_size(t),
         tensor_model_parallel_size=t, pipeline_model_parallel_size=d, model_parallel_size=t,
         # our GELU is the tanh approximation: Megatron's openai_gelu, unfused
         bias_gelu_fusion=False, openai_gelu=True, onnx_safe=None,
@@ -252,6 +252,7 @@ def config_from_args(args, model: dict) -> ModelConfig:
         num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else None,
         untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
         add_bias_linear=a.get("add_bias_linear", True) is not False,
+        make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by") or 128,
     )
 
 

@@ -56,8 +56,12 @@ class Embedding(nn.Module):
         tokens = batch["tokens"]
         h = self.word(tokens)
         if self.position is not None:
-            pos = self.position[: tokens.shape[1]]
-            h = h + (seq_shard(pos, self.tp) if self.sharded else pos)
+            ids = batch.get("position_ids")  # --reset-position-ids: per-document positions, [b, s]
+            if ids is None:
+                pos = self.position[: tokens.shape[1]]
+                h = h + (seq_shard(pos, self.tp) if self.sharded else pos)
+            else:  # sequence parallelism: this rank's slice of the sequence (dim 1 of [b, s])
+                h = h + F.embedding(ids.chunk(self.tp.size, dim=1)[self.tp.rank] if self.sharded else ids, self.position)
         if self.tokentype is not None:
             h = h + F.embedding(batch["token_types"], self.tokentype)
         if self.sharded and self.rng is not None and self.training and self.dropout > 0:

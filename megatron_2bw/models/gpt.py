@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -45,10 +47,58 @@ class GPTLoss:
         return (losses * mask).sum() / mask.sum().clamp(min=1)
 
 
-def make_batch(tokens: torch.Tensor) -> dict:
-    """Microbatch tensors from ``[b, s+1]`` token samples: inputs, shifted labels, loss mask."""
-    return {
-        "tokens": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
-        "loss_mask": torch.ones(tokens.shape[0], tokens.shape[1] - 1),
-    }
+@dataclass(frozen=True)
+class DocumentMasks:
+    """Megatron's ``--eod-mask-loss``, ``--reset-position-ids`` and ``--reset-attention-mask`` with the eod id."""
+
+    eod: int
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+
+    @classmethod
+    def from_config(cls, data, eod: int | None) -> "DocumentMasks | None":
+        """The options of a ``DataConfig`` (None when none is on)."""
+        flags = (data.eod_mask_loss, data.reset_position_ids, data.reset_attention_mask)
+        return cls(int(eod), *flags) if any(flags) and eod is not None else None
+
+
+def ltor_masks_and_position_ids(tokens: torch.Tensor, opts: DocumentMasks) -> dict:
+    """Megatron's ``get_ltor_masks_and_position_ids`` on input ``tokens [b, s]``, vectorized.
+
+    ``loss_mask`` is 0 where the *input* is eod (the prediction of the next document's first token);
+    with ``reset_position_ids`` a position counts from the token after the last eod before it (the eod
+    itself ends its document); with ``reset_attention_mask`` a query attends to keys of its own
+    document at or before it. The mask is boolean ``[b, 1, s, s]``, True = attend (torch's convention;
+    Megatron's is the negation). Absent keys mean Megatron's defaults (all ones, ``arange``, causal).
+    """
+    b, s = tokens.shape
+    dev = tokens.device  # built where the tokens are (on the GPU, no [b, s, s] host-to-device copy)
+    is_eod = tokens == opts.eod
+    loss_mask = torch.ones(b, s, device=dev)
+    if opts.eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    out = {"loss_mask": loss_mask}
+    if opts.reset_position_ids:
+        idx = torch.arange(s, device=dev).expand(b, s)
+        after_eod = torch.where(is_eod, idx + 1, torch.zeros_like(idx))  # a document starts after each eod
+        starts = torch.cummax(after_eod, dim=1).values
+        starts = torch.cat([torch.zeros(b, 1, dtype=starts.dtype, device=dev), starts[:, :-1]], dim=1)  # eods before
+        out["position_ids"] = idx - starts
+    if opts.reset_attention_mask:
+        e = is_eod.long()
+        doc = torch.cumsum(e, dim=1) - e  # document number: eods strictly before the position
+        causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+        out["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+    return out
+
+
+def make_batch(tokens: torch.Tensor, masks: DocumentMasks | None = None) -> dict:
+    """Microbatch tensors from ``[b, s+1]`` token samples: inputs, shifted labels, loss mask (and with
+    ``masks``, Megatron's document-aware loss mask, position ids and attention mask)."""
+    inputs = tokens[:, :-1].contiguous()
+    batch = {"tokens": inputs, "labels": tokens[:, 1:].contiguous()}
+    if masks is None:
+        batch["loss_mask"] = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+        return batch
+    return {**batch, **ltor_masks_and_position_ids(inputs, masks)}

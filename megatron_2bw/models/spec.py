@@ -31,6 +31,7 @@ class ModelSpec:
     kernels: Kernels | None = None
     split: tuple[int, ...] | None = None  # layers per stage (models/stages.py); None: even
     recompute: RecomputePolicy | None = None  # recomputation inside the stage (pipeline/recompute.py)
+    masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
 
     @property
     def num_items(self) -> int:
@@ -72,7 +73,7 @@ class ModelSpec:
 
     def make_batch(self, sample) -> dict:
         """Tensors of one microbatch from stacked samples (GPT: ``[b, s+1]`` tokens; BERT: dict)."""
-        return gpt.make_batch(sample) if self.cfg.kind == "gpt" else bert.make_batch(sample)
+        return gpt.make_batch(sample, self.masks) if self.cfg.kind == "gpt" else bert.make_batch(sample)
 
 
 def run_layers(layers: list[nn.Module], batch: dict, x=None):

@@ -54,13 +54,16 @@ class ParallelAttention(nn.Module):
                                       bias=cfg.add_bias_linear, sequence_parallel=sp)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(QK^T) with dropout, times V: what selective recomputation re-runs."""
+        """softmax(QK^T) with dropout, times V: what selective recomputation re-runs.
+
+        A given ``mask`` is complete (GPT's --reset-attention-mask is already causal)."""
         p = self.dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if self.per_group > 1 else {}
+        causal = self.causal and mask is None  # --reset-attention-mask: the mask holds causality too
         if p > 0 and self.rng is not None:
             with self.rng.fork():  # this rank's heads draw their own dropout masks
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[b, s, rows]`` -> q ``[b, heads, s, hd]``, k and v ``[b, groups, s, hd]`` (this rank's)."""

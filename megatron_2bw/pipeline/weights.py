@@ -126,6 +126,7 @@ class StageWeights:
             for p in ref
         ]
         self.norm_views = [[v for v, c in zip(views, counted) if c] for views in self.grad_views]
+        self.counted = counted  # parameters this rank counts in a model-wide norm (no tensor or tied duplicates)
         self.shared_range = next(
             ((self.offsets[i], self.offsets[i + 1]) for i, p in enumerate(ref) if getattr(p, "shared_embedding", False)),
             None,

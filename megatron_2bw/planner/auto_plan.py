@@ -41,7 +41,7 @@ from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported
 from .profile_check import load_checked_profile
-from .search import PlanRequest, SearchResult, micro_batch_sizes, search
+from .search import DEFAULT_MEMORY_MARGIN, PlanRequest, SearchResult, micro_batch_sizes, search
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def auto_plan_details(
     tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULE_NAMES, recompute_options=(False, True),
     warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None, fp32_grads: bool | None = None,
     distributed_optimizer_options: tuple[bool, ...] = (False, True), compensation: str = "none",
+    memory_margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> AutoPlan:
     """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
     from .profiler import resolve_device  # noqa: PLC0415
@@ -180,7 +181,8 @@ def auto_plan_details(
                                   tensor_parallel=tensor_parallel, warmup=warmup, reps=reps, log_fn=log_fn)
     request = PlanRequest(model_cfg, cl, num_gpus, global_batch, precision, max_micro_batch_size=max_micro_batch_size,
                           schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
-                          distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation)
+                          distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation,
+                          memory_margin=memory_margin)
     result = search(request, costs)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..models.presets import get_preset
 from ..models.stages import format_split
 from ..pipeline.schedules import SCHEDULE_NAMES
+from ..training.flops import flops_per_step
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate, fp32_grads_for
@@ -67,9 +68,22 @@ def recompute_policy_argv(c: Candidate, kind: str) -> list[str]:
                    "pipeline.recompute_num_layers": p.num_layers}, kind)
 
 
-def describe(ev: Evaluated) -> dict[str, Any]:
-    """The JSON fields of one configuration."""
+def tokens_per_sec(ev: Evaluated, req: PlanRequest) -> float:
+    """Predicted tokens per second of the whole job."""
+    return ev.samples_per_sec * req.model.seq_length
+
+
+def mfu(ev: Evaluated, req: PlanRequest) -> float:
+    """Predicted model FLOPs utilization: model FLOPs per second per GPU (Megatron's formula, no recomputation
+    counted: training/flops.py) over the device's dense peak in the plan's precision."""
+    per_sample = flops_per_step(req.model, 1)
+    return ev.samples_per_sec * per_sample / (req.num_gpus * req.cluster.peak(req.precision))
+
+
+def describe(ev: Evaluated, req: PlanRequest | None = None) -> dict[str, Any]:
+    """The JSON fields of one configuration (with ``req``: tokens/s and MFU too)."""
     c, p = ev.candidate, ev.prediction
+    rates = {"tokens_per_sec": round(tokens_per_sec(ev, req), 1), "mfu": round(mfu(ev, req), 4)} if req else {}
     return {
         "tensor_parallel": c.tensor_parallel, "pipeline_parallel": c.pipeline_parallel,
         "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
@@ -84,7 +98,14 @@ def describe(ev: Evaluated) -> dict[str, Any]:
         "exposed_allreduce_seconds": round(p.exposed_allreduce_s, 6) if p else None,
         "recompute_policy": c.recompute_policy.label if c.recompute_policy else None,  # inside stages
         "staleness": staleness(c).to_json(),
+        **rates,
     }
+
+
+def _plan_margin(req: PlanRequest) -> str:
+    """The margin a plan keeps (``--memory-margin``), as the header says it."""
+    m = req.memory_margin
+    return f", plans keep {m:.0%} free (--memory-margin): at most {req.memory_limit_bytes / GiB:.1f} GiB" if m else ""
 
 
 def _stage_memory_text(ev: Evaluated) -> str:
@@ -114,13 +135,13 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"seq {m.seq_length}, vocab {m.vocab_size} ({m.num_parameters() / 1e9:.2f}B parameters), {req.precision}, "
         f"gradients accumulated in {'fp32' if req.accumulates_in_fp32 else req.precision}",
         f"cluster: {cl.name}: {req.num_gpus} x {cl.device}, {cl.devices_per_server} per server, "
-        f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU; global batch {req.global_batch_size}",
+        f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU{_plan_margin(req)}; global batch {req.global_batch_size}",
         f"costs: {result.costs_source}",
         f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms; "
         f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
         "",
         f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
-        f"{'samples/s':>10} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
+        f"{'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
     width = len(lines[-1])  # rows are padded to the header, then the staleness column follows
     lines[-1] += "  staleness"
@@ -131,6 +152,7 @@ def format_table(result: SearchResult, top: int = 10) -> str:
             f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
             f"{c.num_micro_batches:>4} {recompute_text(c):>8} {sched:>8} "
             f"{'yes' if c.distributed_optimizer else 'no':>8} {ev.samples_per_sec:>10.1f} "
+            f"{tokens_per_sec(ev, req):>10.0f} {100 * mfu(ev, req):>5.1f}% "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
         lines[-1] = f"{lines[-1]:<{width}}  {staleness(c).text}"
@@ -155,8 +177,9 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
         "precision": req.precision, "fp32_grads": req.accumulates_in_fp32, "costs_source": result.costs_source,
         "considered": result.considered, "feasible": len(result.ranked), "search_seconds": round(result.seconds, 4),
         "pruned": result.pruned,  # considered, not evaluated: a cheaper recomputation of the layout is faster
-        "best": {**describe(result.best), "command": pretrain_command(result.best, req)},
-        "ranked": [describe(ev) for ev in ranked],
+        "memory_margin": req.memory_margin, "memory_limit_bytes": req.memory_limit_bytes,
+        "best": {**describe(result.best, req), "command": pretrain_command(result.best, req)},
+        "ranked": [describe(ev, req) for ev in ranked],
     }
 
 
@@ -298,10 +321,11 @@ class MaxModelRow:
 
 
 def _fits(template: ModelConfig, layers: int, cluster: Cluster, d: int, w: int, schedule: str,
-          precision: str, zero: bool = False, fp32_grads: bool | None = None) -> Evaluated | None:
+          precision: str, zero: bool = False, fp32_grads: bool | None = None, margin: float = 0.0) -> Evaluated | None:
     """``template`` with ``layers`` layers on ``d`` stages at its most frugal setting, if it fits."""
     model = replace(template, num_layers=layers)
-    req = PlanRequest(model, cluster, d * w, d * w, precision, max_micro_batch_size=1, fp32_grads=fp32_grads)
+    req = PlanRequest(model, cluster, d * w, d * w, precision, max_micro_batch_size=1, fp32_grads=fp32_grads,
+                      memory_margin=margin)
     costs = LayerCosts("max-model", {(1, 1): analytic_microbatch_costs(model, cluster, precision, 1, 1)})
     ev = evaluate(Candidate(1, d, w, 1, d, True, schedule, distributed_optimizer=zero), costs, req)
     return ev if ev.prediction is not None else None
@@ -309,7 +333,8 @@ def _fits(template: ModelConfig, layers: int, cluster: Cluster, d: int, w: int, 
 
 def max_model_size(template: ModelConfig, cluster: Cluster, num_gpus: int, depths: Iterable[int],
                    schedule: str = "2bw", precision: str = "fp16", max_layers_per_stage: int = 4096,
-                   distributed_optimizer: bool = False, fp32_grads: bool | None = None) -> list[MaxModelRow]:
+                   distributed_optimizer: bool = False, fp32_grads: bool | None = None,
+                   memory_margin: float = 0.0) -> list[MaxModelRow]:
     """For each depth ``d``: the largest ``template``-shaped model (more layers) that fits.
 
     The most memory-frugal setting is used: microbatch 1, recomputation, ``t = 1``, ``w = N/d``,
@@ -319,7 +344,8 @@ def max_model_size(template: ModelConfig, cluster: Cluster, num_gpus: int, depth
     rows = []
 
     def fits(layers: int) -> Evaluated | None:
-        return _fits(template, layers, cluster, d, w, schedule, precision, distributed_optimizer, fp32_grads)
+        return _fits(template, layers, cluster, d, w, schedule, precision, distributed_optimizer, fp32_grads,
+                     memory_margin)
 
     for d in depths:
         if num_gpus % d:

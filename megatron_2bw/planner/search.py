@@ -42,6 +42,15 @@ from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_g
 from .split import balanced_split, stage_lines
 
 
+# The memory margin tools/plan.py and --auto-plan keep by default: a plan at 99% of the memory runs out of it.
+DEFAULT_MEMORY_MARGIN = 0.10
+
+
+def _margin_text(request: "PlanRequest") -> str:
+    m = request.memory_margin
+    return f" less a {m:.0%} margin ({request.memory_limit_bytes / GiB:.1f} GiB)" if m else ""
+
+
 # Megatron's finer recomputation as the search tries it: the attention core, or every layer's input.
 FINER_RECOMPUTE = (RecomputePolicy("selective"), RecomputePolicy("full", "uniform", 1))
 
@@ -67,8 +76,14 @@ class PlanRequest:
     # the distributed optimizer off/on, tried where w > 1; (False,): the paper's replicated optimizer
     distributed_optimizer_options: tuple[bool, ...] = (False, True)
     compensation: str = "none"  # --2bw-compensation: its state is counted for 2BW candidates
+    # share of the usable memory a plan leaves free (tools/plan.py --memory-margin, DEFAULT_MEMORY_MARGIN):
+    # the allocator's fragmentation and what the model leaves out; 0 reproduces the paper's planner
+    memory_margin: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.memory_margin < 1.0:
+            raise ConfigError(f"--memory-margin must be in [0, 1) (a fraction, or a percentage like 10%), "
+                              f"got {self.memory_margin}")
         if self.num_gpus < 1:
             raise ConfigError(f"--num-gpus must be positive, got {self.num_gpus}")
         if self.global_batch_size < 1:
@@ -90,6 +105,11 @@ class PlanRequest:
     @property
     def accumulates_in_fp32(self) -> bool:
         return fp32_grads_for(self.precision, self.fp32_grads)
+
+    @property
+    def memory_limit_bytes(self) -> int:
+        """What a plan may fill per GPU: the usable memory less the margin."""
+        return int(self.cluster.usable_memory_bytes * (1.0 - self.memory_margin))
 
 
 @dataclass(frozen=True)
@@ -246,7 +266,7 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evalua
                                request.cluster.usable_memory_bytes)
         cand = replace(cand, layer_split=split)
     memory = plan_memory(c, cand, request.model.num_layers, request.param_bytes)
-    if max(s.total for s in memory) > request.cluster.usable_memory_bytes:
+    if max(s.total for s in memory) > request.memory_limit_bytes:
         return Evaluated(cand, memory, None)
     return Evaluated(cand, memory, predict(c, cand, request.model.num_layers, request.cluster, request.param_bytes))
 
@@ -292,7 +312,8 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
     if require_fit and not feasible:
         m = request.model
         what = (f"{m.kind} with {m.num_layers} layers, hidden {m.hidden_size} on {request.num_gpus} GPUs "
-                f"of {request.cluster.usable_memory_bytes / GiB:.1f} GiB usable, global batch {request.global_batch_size}")
+                f"of {request.cluster.usable_memory_bytes / GiB:.1f} GiB usable{_margin_text(request)}, global batch "
+                f"{request.global_batch_size}")
         if considered == 0:
             raise ConfigError(f"no layout of {what}: no (t, d, w, b) divides the GPUs, layers and global batch")
         raise ConfigError(f"nothing fits: {what}; the smallest of {considered} candidates needs "

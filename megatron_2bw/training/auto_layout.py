@@ -29,7 +29,8 @@ def _tokenizer(args: argparse.Namespace) -> object | None:
         return None
     from ..data.tokenizers import build_tokenizer  # noqa: PLC0415
 
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                           getattr(args, "vocab_size", None))
 
 
 def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout, object | None]:

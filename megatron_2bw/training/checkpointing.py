@@ -61,6 +61,7 @@ _SHAPE_FIELDS = (
     "position_embedding_type", "rotary_base", "rotary_percent", "swiglu", "normalization", "group_query_attention",
     "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
 )
+_SHAPE_FIELDS += ("make_vocab_size_divisible_by",)  # the embedding's padded rows (issue 19)
 
 
 def iteration_dir(root: str, iteration: int) -> str:

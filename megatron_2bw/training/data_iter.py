@@ -49,10 +49,12 @@ class MicrobatchProvider:
         lo, hi = self.sample_range(mb)
         if lo < 0 or hi > len(self.dataset):
             raise IndexError(f"microbatch {mb} needs samples [{lo}, {hi}) but the dataset has {len(self.dataset)}")
-        stacked = collate([self.dataset[j] for j in range(lo, hi)])
+        raw = collate([self.dataset[j] for j in range(lo, hi)])
         if self.vocab_size is not None:
-            self._check_ids(stacked, lo, hi)
-        batch = self.make_batch(stacked)
+            self._check_ids(raw, lo, hi)
+        if isinstance(raw, torch.Tensor):  # GPT: tokens first, so masks built from them are built on the device
+            raw = raw.to(self.device, non_blocking=True)
+        batch = self.make_batch(raw)
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _check_ids(self, stacked, lo: int, hi: int) -> None:

@@ -13,6 +13,7 @@ print one line per rank and exit 1 without waiting on teardown (``loop.run``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -24,12 +25,15 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from . import save_guard, signals, supervision
 from .auto_layout import plan_layout
+from .checkpoint_args import apply_checkpoint_args
+from .launcher_errors import report_under_torchrun, torchrun_parent
 from .manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
 from .tb_writer import require_tensorboard
 from .wandb_writer import require_wandb, wandb_settings
 
 log = logging.getLogger("megatron_2bw")
+QUIET_ENV = "MEGATRON_2BW_VALIDATE_QUIET"  # set by scripts/run_local.sh for its validation pass
 
 
 @dataclass
@@ -85,7 +89,7 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
 
     dc = cfg.data
     if tokenizer is None:
-        tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file)
+        tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file, dc.vocab_size)
     cfg = cfg.with_vocab(tokenizer.vocab_size)
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
     fingerprints = _fingerprints(dc, tokenizer)
@@ -119,6 +123,8 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
     sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
     check_index_memory(cfg, sizes)
     extra = {"masked_lm_prob": dc.mask_prob, "short_seq_prob": dc.short_seq_prob} if cfg.kind == "bert" else {}
+    extra.update(mock_data=dc.mock_data, cache_dir=dc.data_cache_path)
+    _check_eod(cfg, tokenizer)
     prep.train_ds, prep.valid_ds, prep.test_ds = build_datasets(
         cfg.kind, list(dc.data_path), dc.split, cfg.model.seq_length, sizes, tc.seed, tokenizer, **extra,
     )
@@ -168,6 +174,16 @@ def _check_fingerprints(prep: Prepared, sd: dict, where: str) -> None:
                           "or --override-resumed-settings to resume anyway")
     if prep.rank == 0:
         log.warning(" --override-resumed-settings: resuming with %s", "; ".join(changes))
+
+
+def _check_eod(cfg: RunConfig, tokenizer) -> None:
+    """--eod-mask-loss and the --reset-* flags key on the tokenizer's end-of-document id."""
+    dc = cfg.data
+    used = [f for f, on in (("--eod-mask-loss", dc.eod_mask_loss), ("--reset-position-ids", dc.reset_position_ids),
+                            ("--reset-attention-mask", dc.reset_attention_mask)) if on]
+    if used and getattr(tokenizer, "eod", None) is None:
+        raise ConfigError(f"{used[0]} needs an end-of-document token, but the {cfg.data.tokenizer_type} tokenizer "
+                          "has none")
 
 
 def _find_resume(prep: Prepared) -> None:
@@ -222,6 +238,30 @@ def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]
     rank, world = env_world()
     setup_logging(rank)
     args = parse_args(argv, kind)
+    with startup_warnings(rank, bool(args.validate_only)):
+        return _configure(kind, args, rank, world)
+
+
+@contextlib.contextmanager
+def startup_warnings(rank: int, validate_only: bool):
+    """Start-up warnings once, not once per rank (and the validation pass): every rank runs the same checks,
+    so only rank 0 prints their warnings; ``scripts/run_local.sh``'s validation pass (QUIET_ENV) leaves them
+    to the run's rank 0. Errors always print."""
+    root = logging.getLogger()
+    quiet = rank != 0 or (validate_only and os.environ.get(QUIET_ENV) == "1")
+    level = root.level
+    if quiet:
+        root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def _configure(kind: str, args: argparse.Namespace, rank: int, world: int) -> tuple[Prepared, argparse.Namespace]:
+    taken = apply_checkpoint_args(args)
+    if taken and rank == 0:
+        log.info(" %s", taken)
     layout, tokenizer = plan_layout(args, kind, world) if args.auto_plan else (None, None)
     cfg = build_config(args, kind, world, layout=layout)
     check_writers(cfg)
@@ -295,10 +335,16 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     """
 
     def train(argv: list[str]) -> int | str:
+        agent = torchrun_parent() if under_launcher() else None
         if under_launcher():
             supervision.install_parent_death_signal()
         early = early_exit_handling()
-        prep, args = configure(kind, argv)
+        try:
+            prep, args = configure(kind, argv)
+        except ConfigError as e:
+            if report_under_torchrun(str(e), agent):  # one line, no torchrun traceback
+                return 2
+            raise
         if args.validate_only:
             early.restore()
             return summary(prep)

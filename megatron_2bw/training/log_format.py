@@ -197,7 +197,8 @@ def eta_line(iteration: int, train_iters: int, start_iteration: int, elapsed_s: 
     done = iteration - start_iteration
     rate = done / elapsed_s if elapsed_s > 0 and done > 0 else 0.0
     remaining = _hms((train_iters - iteration) / rate) if rate > 0 else "?:??:??"
-    return (f" [ETA] iteration {iteration}/{train_iters} | elapsed {_hms(elapsed_s)} | "
+    # not "iteration N/T": Megatron log parsers key on that pattern, and this is no training line
+    return (f" [ETA] {iteration} of {train_iters} iterations done | elapsed {_hms(elapsed_s)} | "
             f"remaining {remaining} | {rate:.2f} it/s")
 
 

@@ -44,6 +44,7 @@ from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..errors import ConfigError
 from ..export.names import WORD
+from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..pipeline.recompute_policy import RecomputePolicy
@@ -59,6 +60,7 @@ from .log_format import (
     cuda_memory, eta_line, iteration_of_step, memory_report_line, peak_tflops_of, saved_checkpoint_line, window_line,
 )
 from .lr_schedule import lr_at
+from .params_norm import params_sumsq, with_params_norm
 from .metrics import Metrics, MetricsWriteError, step_record
 from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
 from .wandb_writer import wandb_settings
@@ -105,7 +107,8 @@ class Trainer:
         seed_everything(stage_seed, state.device)
         self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
         spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
-                         split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline))
+                         split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline),
+                         masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)))
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
         self.stage = PipelineStage(
@@ -276,7 +279,9 @@ class Trainer:
         if self.state.rank == 0:
             wb = wandb_settings(tc.wandb_project, tc.wandb_exp_name, tc.wandb_save_dir, tc.save)
             self.metrics = Metrics(path=tc.metrics_file, tensorboard_dir=tc.tensorboard_dir, train_iters=tc.train_iters,
-                                   start_iter=stage.step, wandb=wb, config=describe(self.cfg))
+                                   start_iter=stage.step, wandb=wb, config=describe(self.cfg),
+                                   tensorboard_log_interval=tc.tensorboard_log_interval,
+                                   log_timers=tc.log_timers_to_tensorboard)
         self.allreduce_and_log_start()
         lr_fn = lambda t: lr_at(self.cfg.lr, t)  # noqa: E731
         self.window, self.last_eval = [], None
@@ -396,13 +401,33 @@ class Trainer:
         self._times[r.step], self._t_last = now - self._t_last, now
         self._results[r.step] = r
         handler, duration = self.prep.exit_handler, self.prep.exit_duration
+        self._between_steps(r.step)
         self.step_stats.issue(r.step, r.loss, r.components, handler is not None and handler.should_exit(),
-                              duration is not None and duration.expired(), self._stage_row())
+                              duration is not None and duration.expired(), self._stage_row(),
+                              params_sumsq(self.stage) if self._norm_step(r.step) else 0.0)
         for st in self.step_stats.ready(r.step - WAIT_LAG):
             self._arrived(st)
         if self._stop_at is None and (self.unhealthy is not None or self.exit_wanted):
             self._stop_at = r.step + STOP_LAG
         return self._stop_at
+
+    def _norm_step(self, step: int) -> bool:
+        """Whether every rank measures the weights' norm after ``step`` (--log-params-norm: log steps)."""
+        tc = self.cfg.training
+        return tc.log_params_norm and (_at_interval(step + 1, tc.log_interval) or step + 1 == tc.train_iters)
+
+    def _between_steps(self, step: int) -> None:
+        """--empty-unused-memory-level and --profile (CUDA): what Megatron does between iterations."""
+        tc, dev = self.cfg.training, self.state.device
+        if dev.type != "cuda":
+            return
+        if tc.empty_unused_memory_level >= 1:
+            torch.cuda.empty_cache()
+        if tc.profile and self.state.rank in (tc.profile_ranks or (0,)):
+            if step + 1 == tc.profile_step_start:
+                torch.cuda.cudart().cudaProfilerStart()
+            elif step + 1 == tc.profile_step_end:
+                torch.cuda.cudart().cudaProfilerStop()
 
     def _arrived(self, st: StepStats) -> None:
         """Every rank, in step order: judge a step's reduced numbers; rank 0 also records and logs it."""
@@ -418,6 +443,8 @@ class Trainer:
         rec = step_record(r, st.loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
                           tflops=tfl, consumed_samples=self.provider.consumed_samples(st.step + 1),
                           components=st.components or None)
+        if self._norm_step(st.step):
+            rec["params_norm"] = st.params_norm
         self.metrics.train_step(rec)
         self.window.append(rec)
         self.stages_seen = st.stages
@@ -445,9 +472,10 @@ class Trainer:
             return
         window, stages, self.window = self.window, self.stages_seen, []
         tc, s = self.cfg.training, self.state
-        log.info(window_line(window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
-                             seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops,
-                             loss_keys={key.replace("_", " "): key for key in self.loss_keys} or None))
+        log.info(with_params_norm(window_line(
+            window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
+            seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops,
+            loss_keys={key.replace("_", " "): key for key in self.loss_keys} or None), window[-1].get("params_norm")))
         if not self.memory_reported:
             self.memory_reported = True
             cuda = cuda_memory(s.device) if s.device.type == "cuda" else None

@@ -71,8 +71,11 @@ class Metrics:
     """
 
     def __init__(self, *, path: str | None, tensorboard_dir: str | None, train_iters: int, start_iter: int,
-                 progress: bool | None = None, wandb: WandbSettings | None = None, config: dict | None = None) -> None:
+                 progress: bool | None = None, wandb: WandbSettings | None = None, config: dict | None = None,
+                 tensorboard_log_interval: int = 1, log_timers: bool = False) -> None:
         self.file = None
+        # --tensorboard-log-interval: training scalars every this many iterations; --log-timers-to-tensorboard
+        self.tb_interval, self.log_timers = tensorboard_log_interval, log_timers
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a", encoding="utf-8")
@@ -106,10 +109,12 @@ class Metrics:
 
     def train_step(self, record: dict) -> None:
         self.write({"type": "train", **record})
-        self.scalars("train", {k: record[k] for k in ("loss", "lm_loss", "sop_loss", "lr", "grad_norm", "loss_scale",
-                                                      "samples_per_sec", "tokens_per_sec", "tflops_per_device")
-                               if record.get(k) is not None},
-                     iteration_of_step(record["iteration"]))
+        iteration = iteration_of_step(record["iteration"])
+        if iteration % self.tb_interval:
+            return
+        keys = ("loss", "lm_loss", "sop_loss", "lr", "grad_norm", "loss_scale", "samples_per_sec", "tokens_per_sec",
+                "tflops_per_device", "params_norm") + (("step_time_s",) if self.log_timers else ())
+        self.scalars("train", {k: record[k] for k in keys if record.get(k) is not None}, iteration)
 
     def progress(self, n: int, loss: float | None) -> None:
         if self.bar is not None:

@@ -38,6 +38,10 @@ RESUME_SETTINGS = (
     "tokenizer_model", "vocab_file", "merge_file", "mask_prob", "short_seq_prob", "2bw_compensation", "2bw_dc_lambda",
     "2bw_ef_scale",
 )
+# Megatron's data and schedule flags of issue 19: they change the batches or the rates like the above.
+# (not vocab_size: Megatron's args name the model's vocabulary so; the model shape check compares it)
+RESUME_SETTINGS += ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "mock_data",
+                    "lr_wsd_decay_style", "lr_wsd_decay_iters")
 _PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file")
 
 

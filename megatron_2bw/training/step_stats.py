@@ -78,6 +78,7 @@ class StepStats:
     signal: bool = False  # some rank had received an exit signal by its update of this step
     duration: bool = False  # some rank's --exit-duration-in-mins had passed by then
     stages: list[dict] = field(default_factory=list)  # every stage's statistics at this step
+    params_norm: float = 0.0  # --log-params-norm: the weights' L2 norm after this step (measured at log steps)
 
 
 class StepReducer:
@@ -93,11 +94,14 @@ class StepReducer:
         self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
 
     def issue(self, step: int, loss: float | None, components: dict[str, float] | None, signal: bool,
-              duration: bool, row: list[float]) -> None:
-        """This rank's part of ``step``'s vector; every rank calls it once per step, in step order."""
+              duration: bool, row: list[float], params_sumsq: float = 0.0) -> None:
+        """This rank's part of ``step``'s vector; every rank calls it once per step, in step order.
+
+        ``params_sumsq``: this rank's share of the squared weight norm (``params_norm.py``; 0 where not
+        measured: the caller knows at which steps every rank measures)."""
         parts = components or {}
-        vec = pack(self.state, [loss, *(parts.get(key) for key in self.loss_keys)], [float(signal), float(duration)],
-                   row)
+        vec = pack(self.state, [loss, *(parts.get(key) for key in self.loss_keys)],
+                   [float(signal), float(duration), float(params_sumsq)], row)
         work = dist.all_reduce(vec, group=self.group, async_op=True) if self.group is not None else None
         self._pending.append((step, vec, work))
 
@@ -118,5 +122,6 @@ class StepReducer:
     def _decode(self, step: int, vals: list[float]) -> StepStats:
         nk = len(self.loss_keys)
         comps = dict(zip(self.loss_keys, vals[1:1 + nk]))
+        sq = vals[3 + nk]
         return StepStats(step, vals[0], comps, vals[1 + nk] > 0, vals[2 + nk] > 0,
-                         stage_dicts(vals[3 + nk:], self.state.d))
+                         stage_dicts(vals[4 + nk:], self.state.d), params_norm=max(sq, 0.0) ** 0.5)
