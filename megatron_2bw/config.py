@@ -674,6 +674,9 @@ class RunConfig:
                  "would need a full gather at every drain); use dc or none")
         _require(not (self.optimizer.optimizer == "muon" and self.pipeline.compensation == "predict"),
                  "--2bw-compensation predict extrapolates Adam or SGD steps only: use ef or dc with --optimizer muon")
+        _require(not (self.data.reset_position_ids and self.model.position_embedding_type == "rope"),
+                 "--reset-position-ids resets learned absolute positions; with --position-embedding-type rope the "
+                 "rotary positions are not reset (use --reset-attention-mask to keep documents apart)")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

@@ -197,7 +197,7 @@ def test_yaml_cfg_gives_flags_and_the_command_line_wins(corpus, tmp_path):  # no
 @pytest.mark.parametrize("flag, hint", [
     ("--foo-bar", "unrecognized argument --foo-bar (see --help)"),
     ("--pipeline-schedul", "unrecognized argument --pipeline-schedul (did you mean --pipeline-schedule?)"),
-    ("--use-flash-attn", "Megatron flag not supported by megatron_2bw: --use-flash-attn ("),
+    ("--use-mcore-models", "Megatron flag not supported by megatron_2bw: --use-mcore-models ("),
 ])
 def test_unknown_flag_is_one_line_with_a_hint(flag, hint):
     res = run([PY, GPT, "--train-iters", "5", "--lr", "1e-3", flag], timeout=60)

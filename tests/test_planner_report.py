@@ -158,8 +158,10 @@ def test_memory_margin_tokens_and_mfu(capsys):
     assert runs[None]["feasible"] < runs["0"]["feasible"]
     best = runs[None]["best"]
     assert best["tokens_per_sec"] == pytest.approx(best["samples_per_sec"] * 4096, rel=1e-3)
-    L, h, s, V = 32, 4096, 4096, 128256  # Narayanan et al. 2021, eq. 3, no recomputation: model FLOPs per sample
-    per_sample = 72 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    # Megatron-LM's closed form without recomputation (MFU counts model FLOPs only), the vocabulary padded to a
+    # multiple of 128 (128256 = 1002 * 128 already is): model FLOPs per sample
+    L, h, s, V = 32, 4096, 4096, 128256
+    per_sample = 72 * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
     peak = load_cluster("dgx-h200").peak("bf16")
     assert best["mfu"] == pytest.approx(best["samples_per_sec"] * per_sample / (64 * peak), abs=1e-4)
     assert 0 < best["mfu"] < 1

@@ -68,8 +68,8 @@ def test_unknown_key_names_the_nearest_flag(tmp_path):
         parse(tmp_path, "train_iter: 10\n", REQUIRED)
     msg = str(e.value)
     assert "unknown key 'train_iter'" in msg and "did you mean --train-iters?" in msg and "\n" not in msg
-    with pytest.raises(ConfigError, match="Megatron flag not supported by megatron_2bw: --use-flash-attn"):
-        parse(tmp_path, "use_flash_attn: true\n", REQUIRED)
+    with pytest.raises(ConfigError, match="Megatron flag not supported by megatron_2bw: --use-mcore-models"):
+        parse(tmp_path, "use_mcore_models: true\n", REQUIRED)
 
 
 @pytest.mark.parametrize("text,match", [
