@@ -256,8 +256,8 @@ class PipelineStage:
 
     def _apply(self, t: int, lr: float, next_lr: float | None = None) -> StepResult:
         t0 = time.perf_counter()
-        sumsq = float(self.reducer.finish(t).item())
-        self.stats.update_wait_s += time.perf_counter() - t0
+        sumsq = self.reducer.finish(t)  # a float the reducer's worker read: no sync of this stream
+        self.stats.update_wait_s += time.perf_counter() - t0  # the host's wait for the reductions alone
         update = self.updater.apply(t, sumsq, lr, next_lr)
         self.step = t + 1
         acc = self._losses.pop(t, None)

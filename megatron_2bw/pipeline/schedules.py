@@ -134,7 +134,13 @@ class _TwoBW(ScheduleSpec):
         """REDUCE_GRADS(t) follows step t's last backward, so the reductions start at once;
         APPLY_UPDATE(t) (which makes W(t+1)) waits until just before the first forward that
         needs W(t+1), the first of step t+2 (before its RECV_ACT, which stays glued to the
-        forward), so the reductions hide behind a whole step of compute. Updates still pending
+        forward), so the reductions hide behind a whole step of compute; but never after
+        REDUCE_GRADS(t+1): on the last stage, which has no warm-up, the first forward of step
+        t+2 comes after step t+1's last backward, and APPLY_UPDATE(t) goes just before
+        REDUCE_GRADS(t+1) instead. The distributed optimizer's all-gather of W(t+1), which
+        APPLY_UPDATE(t) issues, then runs on the reducer's ordered worker before chain(t+1), not
+        behind it (chain(t+1) ends only when stage 0 has finished step t+1, (d-1) backward slots
+        later, and the last stage's next forward waits for the all-gather). Updates still pending
         at the end of the segment are applied after the last action, leaving it drained."""
         out: list[Action] = []
         has_prev, has_next = r > 0, r < d - 1
@@ -147,6 +153,9 @@ class _TwoBW(ScheduleSpec):
                 next_update = t - 1
             out.extend(_fragment(forward, mb, t, versions[t], has_prev, has_next))
             if not forward and i == m - 1:
+                if t - 1 >= next_update:  # the last stage (no warm-up): see the docstring
+                    out.append(Action(Op.APPLY_UPDATE, step=t - 1))
+                    next_update = t
                 out.append(Action(Op.REDUCE_GRADS, step=t))
         out.extend(Action(Op.APPLY_UPDATE, step=t) for t in range(next_update, first_step + num_steps))
         return out

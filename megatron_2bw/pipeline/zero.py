@@ -22,6 +22,7 @@ is copied into the rank's own range (gloo's in-place reduce-scatter is wrong for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,16 +91,22 @@ class ShardLayout:
         return self.padded(full[self.lo:self.hi].to(device=device or full.device), dtype)
 
 
-def reduce_scatter(padded: torch.Tensor, layout: ShardLayout, group, scratch: torch.Tensor) -> None:
+def _block(work) -> None:
+    work.wait()
+
+
+def reduce_scatter(padded: torch.Tensor, layout: ShardLayout, group, scratch: torch.Tensor,
+                   wait: Callable = _block) -> None:
     """This rank's range of ``padded`` = the sum over ``group`` of every rank's copy of that range; the
-    other ranges are left as they are. ``scratch``: ``size`` elements of ``padded``'s dtype."""
-    _reduce_scatter(scratch, padded, group=group)
+    other ranges are left as they are. ``scratch``: ``size`` elements of ``padded``'s dtype. ``wait``
+    settles the collective's work handle (the reducer's :func:`~.grad_reducer.settle`)."""
+    wait(_reduce_scatter(scratch, padded, group=group, async_op=True))
     layout.own(padded).copy_(scratch)
 
 
-def all_gather(padded: torch.Tensor, layout: ShardLayout, group) -> None:
+def all_gather(padded: torch.Tensor, layout: ShardLayout, group, wait: Callable = _block) -> None:
     """In place: every other rank's range of ``padded`` = that rank's own range of its copy."""
-    _all_gather(padded, layout.own(padded), group=group)
+    wait(_all_gather(padded, layout.own(padded), group=group, async_op=True))
 
 
 def gather_full(shard: torch.Tensor, layout: ShardLayout, group, everywhere: bool = True) -> torch.Tensor | None:
