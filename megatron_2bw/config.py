@@ -484,6 +484,9 @@ class RunConfig:
         _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),
                  "--use-distributed-optimizer does not support --2bw-compensation predict (its predicted weights "
                  "would need a full gather at every drain); use dc or none")
+        _require(not (self.pipeline.p2p_mode == "prefetch" and self.system.backend == "nccl"),
+                 "--p2p-mode prefetch deadlocks on NCCL (its receives posted ahead of the sends to the same peer "
+                 "block each other); use --p2p-mode grouped or auto with --distributed-backend nccl")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""
