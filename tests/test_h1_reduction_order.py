@@ -194,6 +194,7 @@ def fake_dist(monkeypatch):
     monkeypatch.setattr(d, "broadcast", lambda t, src=None, group=None, async_op=False: _Work(log, "broadcast", group, src=src))
     monkeypatch.setattr(d, "get_global_rank", lambda group, r: {"dp": 6}[group] + r)
     monkeypatch.setattr(zero, "_reduce_scatter", lambda out, inp, group=None, async_op=False: _Work(log, "reduce_scatter", group))
+    monkeypatch.setattr(zero, "_gloo", lambda group: False)  # the NCCL collectives
     monkeypatch.setattr(zero, "_all_gather", lambda out, inp, group=None, async_op=False: _Work(log, "all_gather", group))
     return log
 

@@ -108,6 +108,8 @@ class GradReducer:
         self.use_emb = has_embedding_group and shared_range is not None
         self.shard = shard if shard is not None and w > 1 else None  # the distributed optimizer's layout
         self.cuda = device is not None and device.type == "cuda"
+        if self.cuda and device.index is None:  # the worker thread must know which device (its own default is 0)
+            device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self.poll = self.cuda  # NCCL: settle a collective by polling its completion (see :func:`settle`)
         # replica 0's rank in the data-parallel group: the source of the norm's broadcast

@@ -47,4 +47,6 @@ class MicrobatchProvider:
         if lo < 0 or hi > len(self.dataset):
             raise IndexError(f"microbatch {mb} needs samples [{lo}, {hi}) but the dataset has {len(self.dataset)}")
         batch = self.make_batch(collate([self.dataset[j] for j in range(lo, hi)]))
+        if self.device.type == "cuda":  # pinned, so the copy is asynchronous and off the compute's way
+            return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
