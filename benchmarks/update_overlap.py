@@ -74,19 +74,34 @@ def _zero_worker(model: dict, b: int, m: int, steps: int, rounds: int) -> list[d
                                    OptimizerConfig(lr=1e-4, use_distributed_optimizer=on),
                                    (b, cfg.seq_length, cfg.hidden_size))
         stages[on].train(1, get_batch, lambda t: 1e-4)  # warm-up step
+        _time_gather_waits(stages[on])
     out = []
     for rd in range(rounds):
         row = {}
         for on in ((False, True) if rd % 2 == 0 else (True, False)):
             stage = stages[on]
-            stage.stats.update_wait_s = 0.0
+            stage.stats.update_wait_s = stage.gather_wait_s = 0.0
             dist.barrier()
             t0 = time.perf_counter()
             stage.train(steps, get_batch, lambda t: 1e-4)
             row["zero" if on else "plain"] = {"step_s": (time.perf_counter() - t0) / steps,
-                                              "wait_s": stage.stats.update_wait_s / steps}
+                                              "wait_s": stage.stats.update_wait_s / steps,
+                                              "gather_wait_s": stage.gather_wait_s / steps}
         out.append(row)
     return out
+
+
+def _time_gather_waits(stage: PipelineStage) -> None:
+    """Count the seconds the stage's forwards wait for the all-gather of their weights (``gather_wait_s``)."""
+    wait_slot = stage.reducer.wait_slot
+
+    def timed(slot: int) -> None:
+        t0 = time.perf_counter()
+        wait_slot(slot)
+        stage.gather_wait_s += time.perf_counter() - t0
+
+    stage.gather_wait_s = 0.0
+    stage.reducer.wait_slot = timed
 
 
 def _zero_main(args, model: dict) -> int:
@@ -96,17 +111,20 @@ def _zero_main(args, model: dict) -> int:
            for k in ("plain", "zero")}
     wait = {k: statistics.median(max(r[i][k]["wait_s"] for r in ranks) for i in range(args.rounds))
             for k in ("plain", "zero")}
+    gather = statistics.median(max(r[i]["zero"]["gather_wait_s"] for r in ranks) for i in range(args.rounds))
     ratio = med["zero"] / med["plain"]
     pairs = [max(r[i]["zero"]["step_s"] for r in ranks) / max(r[i]["plain"]["step_s"] for r in ranks)
              for i in range(args.rounds)]
     print("2bw d=2 w=2 | step ms (median of rounds) | update wait ms per step")
     for k in ("plain", "zero"):
         print(f"{k:5} | {med[k] * 1e3:8.1f} | {wait[k] * 1e3:8.2f}")
+    print(f"forwards' wait for the all-gather, ms per step (median): {gather * 1e3:.2f}")
     print(f"distributed optimizer / plain = {ratio:.3f} (ratio of medians); {statistics.median(pairs):.3f} "
           f"(median of the {args.rounds} paired rounds)")
     if args.json:
         result = {"model": model, "micro_batch": args.micro_batch, "m": args.m, "d": 2, "w": 2, "steps": args.steps,
                   "rounds": args.rounds, "step_s_median": med, "update_wait_s_median": wait, "ratio": ratio,
+                  "zero_gather_wait_s_median": gather,
                   "paired_ratio_median": statistics.median(pairs),
                   "per_round_step_s": [{k: max(r[i][k]["step_s"] for r in ranks) for k in ("plain", "zero")}
                                        for i in range(args.rounds)]}

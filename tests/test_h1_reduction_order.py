@@ -12,8 +12,9 @@ distributed optimizer. ``test_reducer_*`` checks that the real :class:`GradReduc
 properties that model assumes, with fake collectives whose completion the test controls.
 
 P1. The all-gather of W(t+1) shares the worker with chain(t+1); the schedule issues it first on
-every stage, so 2BW with the distributed optimizer is as fast as without it in the timed model
-(and the old last-stage order is measurably slower there: the model can tell them apart).
+every stage, and half-way between step t's reductions and the first forward on W(t+1), so 2BW
+with the distributed optimizer is as fast as without it in the timed model, also with collectives
+that take time (the old order is measurably slower there: the model can tell them apart).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 import pytest
 import torch
 
-from megatron_2bw.pipeline import grad_reducer, zero
+from megatron_2bw.pipeline import grad_reducer, schedules, zero
 from megatron_2bw.pipeline.actions import Action, Op
 from megatron_2bw.pipeline.grad_reducer import GradReducer
 from megatron_2bw.pipeline.grouping import comm_groups
@@ -65,6 +66,7 @@ class EngineModel(Replay):
         self.lane_free = [0.0] * self.d
         self.gathered: list[dict[int, float]] = [{} for _ in range(self.d)]  # version -> its gather done
         self.gather_waiters: dict[tuple[int, int], int] = {}
+        self.chain_s = self.gather_s = 0.0  # how long a chain / an all-gather takes once every member is in
 
     def _pump(self) -> None:
         """Run every worker until each is empty or waits for another stage's worker at a chain."""
@@ -74,14 +76,14 @@ class EngineModel(Replay):
             for r in range(self.d):
                 while self.lane[r] and self.lane[r][0][0] == "gather":
                     _, v, issued = self.lane[r].pop(0)
-                    self.lane_free[r] = self.gathered[r][v] = max(issued, self.lane_free[r])
+                    self.lane_free[r] = self.gathered[r][v] = max(issued, self.lane_free[r]) + self.gather_s
                     if (r, v) in self.gather_waiters:
                         self.ready.append(self.gather_waiters.pop((r, v)))
                     progress = True
             heads = [q[0] if q else None for q in self.lane]
             if all(h is not None and h[0] == "chain" for h in heads) and len({h[1] for h in heads}) == 1:
                 t = heads[0][1]
-                done = max(max(h[2], free) for h, free in zip(heads, self.lane_free))
+                done = max(max(h[2], free) for h, free in zip(heads, self.lane_free)) + self.chain_s
                 for r in range(self.d):
                     self.lane[r].pop(0)
                     self.lane_free[r] = done
@@ -151,20 +153,35 @@ def test_every_stage_applies_update_t_before_it_reduces_step_t_plus_1(d: int) ->
                 assert at[(Op.APPLY_UPDATE, t)] < at[(Op.REDUCE_GRADS, t + 1)], (d, m, r, t)
 
 
+def _old_programs(monkeypatch, d: int, m: int, steps: int) -> list[list[Action]]:
+    """The 2BW order before the P1 fix: APPLY_UPDATE(t) just before step t+2's first forward, after
+    REDUCE_GRADS(t+1) on the last stage."""
+    monkeypatch.setattr(schedules._TwoBW, "update_forward", staticmethod(lambda d, m: m))
+    try:
+        return _programs("2bw", d, m, steps, last_stage_reduce_first=True)
+    finally:
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("d", (2, 4, 8))
-def test_the_all_gather_hides_in_the_timed_model(d: int) -> None:
-    """Forward 1, backward 2, 6 steps (the review's appendix C): 2BW with the distributed optimizer takes
-    exactly as long as without it; the old last-stage order stalls (+11% at d = 2 in the review)."""
+def test_the_all_gather_hides_in_the_timed_model(monkeypatch, d: int) -> None:
+    """Forward 1, backward 2, 6 steps (the review's appendix C), free collectives: 2BW with the
+    distributed optimizer takes exactly as long as without it; the old order stalls on the last stage
+    (75 -> 83 at d = 2, as the review modelled). With a reduction chain of 3 units and an all-gather
+    of 1 (m = 2d): still exactly as long as 2BW without the distributed optimizer."""
     m = 2 * d
     timing = Timing((1.0,) * d, (2.0,) * d, *([(0.0,) * d] * 5))
 
-    def makespan(zero_on: bool, old: bool = False) -> float:
-        progs = _programs("2bw", d, m, 6, last_stage_reduce_first=old)
-        return EngineModel(progs, zero=zero_on, timing=timing).run().makespan
+    def makespan(progs, zero_on: bool, chain_s: float = 0.0, gather_s: float = 0.0) -> float:
+        model = EngineModel(progs, zero=zero_on, timing=timing)
+        model.chain_s, model.gather_s = chain_s, gather_s
+        return model.run().makespan
 
-    plain = makespan(False)
-    assert makespan(True) == plain
-    assert makespan(True, old=True) > plain * 1.05
+    new, old = _programs("2bw", d, m, 6), _old_programs(monkeypatch, d, m, 6)
+    plain = makespan(new, False)
+    assert makespan(new, True) == plain == makespan(old, False)
+    assert makespan(old, True) > plain * 1.05
+    assert makespan(new, True, 3.0, 1.0) == makespan(new, False, 3.0) < makespan(old, True, 3.0, 1.0)
 
 
 # --------------------------------------------------------------------------- the reducer itself
