@@ -207,12 +207,17 @@ class _Work:
 def fake_dist(monkeypatch):
     log: list[_Work] = []
     d = grad_reducer.dist
-    monkeypatch.setattr(d, "all_reduce", lambda t, group=None, async_op=False: _Work(log, "all_reduce", group, n=t.numel()))
-    monkeypatch.setattr(d, "broadcast", lambda t, src=None, group=None, async_op=False: _Work(log, "broadcast", group, src=src))
+
+    def collective(name: str):
+        return lambda *args, group=None, async_op=False, src=None, **kw: _Work(
+            log, name, group, **({"src": src} if name == "broadcast" else {"n": args[0].numel()}))
+
+    monkeypatch.setattr(d, "all_reduce", collective("all_reduce"))
+    monkeypatch.setattr(d, "broadcast", collective("broadcast"))
     monkeypatch.setattr(d, "get_global_rank", lambda group, r: {"dp": 6}[group] + r)
-    monkeypatch.setattr(zero, "_reduce_scatter", lambda out, inp, group=None, async_op=False: _Work(log, "reduce_scatter", group))
     monkeypatch.setattr(zero, "_gloo", lambda group: False)  # the NCCL collectives
-    monkeypatch.setattr(zero, "_all_gather", lambda out, inp, group=None, async_op=False: _Work(log, "all_gather", group))
+    monkeypatch.setattr(zero, "_reduce_scatter", collective("reduce_scatter"))
+    monkeypatch.setattr(zero, "_all_gather", collective("all_gather"))
     return log
 
 
