@@ -677,6 +677,9 @@ class RunConfig:
         _require(not (self.data.reset_position_ids and self.model.position_embedding_type == "rope"),
                  "--reset-position-ids resets learned absolute positions; with --position-embedding-type rope the "
                  "rotary positions are not reset (use --reset-attention-mask to keep documents apart)")
+        _require(not (self.pipeline.p2p_mode == "prefetch" and self.system.backend == "nccl"),
+                 "--p2p-mode prefetch deadlocks on NCCL (its receives posted ahead of the sends to the same peer "
+                 "block each other); use --p2p-mode grouped or auto with --distributed-backend nccl")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

@@ -150,3 +150,20 @@ def test_muon_and_ef_flags():
             cfg_of([*base, *bad], world=2)
     with pytest.raises(ConfigError, match="only applies to --pipeline-schedule 2bw"):
         cfg_of([*base, "--pipeline-schedule", "flush", "--2bw-compensation", "ef"], world=2)
+
+
+def test_prefetch_p2p_refused_with_nccl(capsys):
+    """Review finding H2: prefetching receives deadlocks on NCCL's in-order p2p; one line, exit 2."""
+    from megatron_2bw.errors import run_cli
+
+    cuda = ["--model-preset", "gpt-tiny", *MINIMAL, "--device", "cuda", "--distributed-backend", "nccl"]
+
+    def run(argv):
+        build_config(parse_args(argv, "gpt"), "gpt", 1, cuda_available=True)
+
+    assert run_cli(run, [*cuda, "--p2p-mode", "prefetch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --p2p-mode prefetch deadlocks on NCCL"), err
+    for mode in ("grouped", "auto"):
+        assert run_cli(run, [*cuda, "--p2p-mode", mode]) == 0
+    assert run_cli(run, ["--model-preset", "gpt-tiny", *MINIMAL, "--p2p-mode", "prefetch"]) == 0  # gloo: its mode

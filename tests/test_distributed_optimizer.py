@@ -113,7 +113,7 @@ def _run_updater(w: int, rank: int, group, optimizer: str) -> dict:
         b = weights.grad_buffer(t)
         weights.grad_flat[b].copy_(_int_grad(t, rank) if group is not None else sum(_int_grad(t, r) for r in range(w)))
         red.start(t, weights.padded_grad[b], weights.norm_views[b])
-        skipped.append(upd.apply(t, float(red.finish(t).item()), 1e-2).skipped)
+        skipped.append(upd.apply(t, red.finish(t), 1e-2).skipped)
     red.wait_all()
     return {"newest": weights.flat[weights.slot(STEPS)].clone(), "older": weights.flat[weights.slot(STEPS - 1)].clone(),
             "state": upd.state_dict(), "skipped": skipped, "state_bytes": upd.state_bytes}

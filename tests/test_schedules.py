@@ -43,35 +43,35 @@ def test_every_small_pipeline_is_correct(schedule: str, first_step: int) -> None
 def test_2bw_d2_m2_exact() -> None:
     assert _line("2bw", 2, 0, 2, 0, 3) == (
         "F0v0 SA0 F1v0 SA1 RG0 B0v0 F2v0 SA2 RG1 B1v0 R0 F3v0 SA3 RG2 B2v0 "
-        "U0 F4v1 SA4 RG3 B3v0 R1 F5v1 SA5 RG4 B4v1 RG5 B5v1 R2 U1 U2"
+        "U0 F4v1 SA4 RG3 B3v0 R1 F5v1 SA5 RG4 B4v1 RG5 B5v1 U1 R2 U2"
     )
     assert _line("2bw", 2, 1, 2, 0, 3) == (
-        "RA0 F0v0 B0v0 SG0 RA1 F1v0 B1v0 SG1 R0 RA2 F2v0 B2v0 SG2 RA3 F3v0 B3v0 SG3 R1 "
-        "U0 RA4 F4v1 B4v1 SG4 RA5 F5v1 B5v1 SG5 R2 U1 U2"
+        "RA0 F0v0 B0v0 SG0 RA1 F1v0 B1v0 SG1 R0 RA2 F2v0 B2v0 SG2 RA3 F3v0 B3v0 SG3 U0 "
+        "R1 RA4 F4v1 B4v1 SG4 RA5 F5v1 B5v1 SG5 U1 R2 U2"
     )
 
 
 def test_2bw_d2_m4_exact() -> None:
     assert _line("2bw", 2, 0, 4, 0, 2) == (
         "F0v0 SA0 F1v0 SA1 RG0 B0v0 F2v0 SA2 RG1 B1v0 F3v0 SA3 RG2 B2v0 F4v0 SA4 RG3 B3v0 R0 "
-        "F5v0 SA5 RG4 B4v0 F6v0 SA6 RG5 B5v0 F7v0 SA7 RG6 B6v0 RG7 B7v0 R1 U0 U1"
+        "F5v0 SA5 RG4 B4v0 F6v0 SA6 RG5 B5v0 U0 F7v0 SA7 RG6 B6v0 RG7 B7v0 R1 U1"
     )
     assert _line("2bw", 2, 1, 4, 0, 2) == (
         "RA0 F0v0 B0v0 SG0 RA1 F1v0 B1v0 SG1 RA2 F2v0 B2v0 SG2 RA3 F3v0 B3v0 SG3 R0 "
-        "RA4 F4v0 B4v0 SG4 RA5 F5v0 B5v0 SG5 RA6 F6v0 B6v0 SG6 RA7 F7v0 B7v0 SG7 R1 U0 U1"
+        "RA4 F4v0 B4v0 SG4 RA5 F5v0 B5v0 SG5 RA6 F6v0 B6v0 SG6 U0 RA7 F7v0 B7v0 SG7 R1 U1"
     )
 
 
 def test_2bw_segment_after_drain_exact() -> None:
     # Steps 2-3 after a drain: step 2 still runs on W(1); U0, U1 ran at the end of the last segment.
     assert _line("2bw", 2, 0, 2, 2, 2) == (
-        "F4v1 SA4 F5v1 SA5 RG4 B4v1 F6v2 SA6 RG5 B5v1 R2 F7v2 SA7 RG6 B6v2 RG7 B7v2 R3 U2 U3"
+        "F4v1 SA4 F5v1 SA5 RG4 B4v1 F6v2 SA6 RG5 B5v1 R2 F7v2 SA7 RG6 B6v2 RG7 B7v2 U2 R3 U3"
     )
 
 
 def test_2bw_single_stage_keeps_delay_one() -> None:
     assert _line("2bw", 1, 0, 2, 0, 3) == (
-        "F0v0 B0v0 F1v0 B1v0 R0 F2v0 B2v0 F3v0 B3v0 R1 U0 F4v1 B4v1 F5v1 B5v1 R2 U1 U2"
+        "F0v0 B0v0 F1v0 B1v0 R0 F2v0 B2v0 U0 F3v0 B3v0 R1 F4v1 B4v1 U1 F5v1 B5v1 R2 U2"
     )
 
 
@@ -212,7 +212,7 @@ def test_checker_catches_wrong_version() -> None:
 
 
 def test_checker_catches_forward_before_its_update() -> None:
-    lines = _edited("2bw", 1, 2, 3, 0, "U0 F4v1", "F4v1 U0")
+    lines = _edited("2bw", 1, 2, 3, 0, "U0 F3v0 B3v0 R1 F4v1", "F3v0 B3v0 R1 F4v1 U0")
     with pytest.raises(ScheduleError, match=r"before APPLY_UPDATE\(0\)"):
         _check_lines("2bw", 2, lines, 3)
 

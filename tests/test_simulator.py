@@ -51,7 +51,10 @@ def test_equal_stages_give_the_ideal_bubble(schedule, d, m):
 def test_slowest_stage_sets_the_2bw_step_and_updates_add_up():
     st = [StageCosts(1.0, 2.0, update_s=0.5), StageCosts(2.0, 4.0, update_s=0.5)]
     r = simulate("2bw", 2, 4, st, num_steps=6)
-    assert r.step_time_s == pytest.approx(4 * 6.0 + 0.5)  # the bottleneck stage never waits
+    # the bottleneck stage never waits: every step from the second on takes its 4 slots and its update
+    # (stage 0's first update sits in its slack, so step 1 -> 2 is half a unit shorter, once)
+    s = r.step_starts
+    assert [b - a for a, b in zip(s[2:], s[3:])] == pytest.approx([4 * 6.0 + 0.5] * 3)
     r = simulate("flush", 2, 4, st, num_steps=6)
     # stage 0's first forward, 4 slots of stage 1, stage 0's last backward, then the update
     assert r.step_time_s == pytest.approx(1.0 + 4 * 6.0 + 2.0 + 0.5)

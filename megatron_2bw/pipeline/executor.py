@@ -81,6 +81,21 @@ def _loss_row(total: torch.Tensor, comps: dict[str, torch.Tensor]) -> torch.Tens
     return torch.stack([total.detach().float(), *(c.detach().float() for c in comps.values())])
 
 
+class _HostCopy:
+    """A device tensor on its way to pinned host memory; :meth:`result` waits for that copy alone (an
+    event), not for everything queued on the stream since, as ``tolist()`` would."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def result(self) -> list[float]:
+        self.done.synchronize()
+        return self.host.tolist()
+
+
 def _run(layers: nn.ModuleList, batch: dict, x):
     for layer in layers:
         x = layer(x, batch)
@@ -123,8 +138,9 @@ class PipelineStage:
         # tensors between compute and transfer, by (transfer op, microbatch): received and not yet
         # consumed (RECV_ACT, RECV_GRAD), or produced and not yet sent (SEND_ACT, SEND_GRAD)
         self._mail: dict[tuple[Op, int], torch.Tensor] = {}
-        # by step: the sum of its microbatch losses, then of each loss component (last stage)
-        self._losses: dict[int, torch.Tensor] = {}
+        # by step: the sum of its microbatch losses, then of each loss component (last stage); on CUDA
+        # copied to the host once the step's last forward added its row, read at the update
+        self._losses: dict[int, torch.Tensor | _HostCopy] = {}
         self._loss_keys: tuple[str, ...] = ()  # the loss components' names, in ``_losses`` order
 
     @property
@@ -206,6 +222,8 @@ class PipelineStage:
             acc, row = self._losses.get(a.step), _loss_row(loss, comps)
             self._losses[a.step] = row if acc is None else acc + row
             self._loss_keys = tuple(comps)
+            if self.state.device.type == "cuda" and a.mb % self.pipe.num_microbatches == self.pipe.num_microbatches - 1:
+                self._losses[a.step] = _HostCopy(self._losses[a.step])  # the step's sum is complete
         else:
             self._mail[(Op.SEND_ACT, a.mb)] = out
         self._stash[a.mb] = StashEntry(x, None if recompute else (loss if last else out), batch, snap, nbytes, a.version)
@@ -257,8 +275,8 @@ class PipelineStage:
 
     def _apply(self, t: int, lr: float, next_lr: float | None = None) -> StepResult:
         t0 = time.perf_counter()
-        sumsq = float(self.reducer.finish(t).item())
-        self.stats.update_wait_s += time.perf_counter() - t0
+        sumsq = self.reducer.finish(t)  # a float the reducer's worker read: no sync of this stream
+        self.stats.update_wait_s += time.perf_counter() - t0  # the host's wait for the reductions alone
         update = self.updater.apply(t, sumsq, lr, next_lr)
         self.step = t + 1
         acc = self._losses.pop(t, None)
@@ -267,11 +285,11 @@ class PipelineStage:
         return StepResult(t, means["loss"] if means is not None else None, update.norm, update.skipped,
                           update.loss_scale, lr, comps or None)
 
-    def _means(self, acc: torch.Tensor | None, n: int) -> dict[str, float] | None:
+    def _means(self, acc: torch.Tensor | _HostCopy | None, n: int) -> dict[str, float] | None:
         """``{"loss": total / n, <component>: value / n, ...}`` from a summed loss row (one host sync)."""
         if acc is None:
             return None
-        vals = acc.tolist()
+        vals = acc.result() if isinstance(acc, _HostCopy) else acc.tolist()
         return dict(zip(("loss", *self._loss_keys), (v / n for v in vals)))
 
     # ------------------------------------------------------------------ evaluation

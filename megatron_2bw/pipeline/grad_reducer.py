@@ -11,27 +11,45 @@ reduce-scatter it could not be done (a shard's embedding range on the first stag
 stage are different ranges of different buffers), and with it first both chains add the same
 terms in the same order, so the sharded gradient equals the unsharded one.
 
+After the model-group all-reduce, a data-parallel world broadcasts data-parallel rank 0's total
+(one 4-byte message): the replicas' model groups are different communicators whose summation
+orders may differ in the last bit, and a clip factor that differs between replicas would let
+them drift apart. An all-reduce leaves every member of its group the same bits, so after the
+broadcast every rank of the world holds the one total.
+
 The executor starts the chain at REDUCE_GRADS(t) and waits for it only at APPLY_UPDATE(t) (in
-2BW a microbatch slot or more later, which hides the reductions). The whole chain is issued at
-the start, never by polling from the training loop: another stage's update may be waiting for
-this rank's part of the chain while this rank's loop is blocked in a transfer that the other
-stage only serves after its update. Polling from the loop deadlocks there; so
+2BW a microbatch slot or more later, which hides the reductions). The whole chain is handed at
+once to a daemon worker thread, never advanced by polling from the training loop: another
+stage's update may be waiting for this rank's part of the chain while this rank's loop is
+blocked in a transfer that the other stage only serves after its update. Polling from the loop
+deadlocks there.
 
-- on CUDA the links are launched at once on a side stream, ordered by stream waits;
-- on CPU (gloo, whose waits block the host) a daemon worker thread runs the links in order.
+The worker orders the links on the host, on every device: it issues a collective, waits until
+its work handle reports completion (:func:`settle`), and only then issues the next. No GPU stream
+ever waits on another rank's progress. On NCCL a ``work.wait()`` on an unfinished collective
+makes the calling stream wait for it, and a stream wait in a hardware queue shared with the
+training loop's work (``CUDA_DEVICE_MAX_CONNECTIONS=1``, a pool stream sharing a connection) or
+a host-blocking wait (``TORCH_NCCL_BLOCKING_WAIT=1``) would stall this rank's next transfers
+behind a collective that other stages join only after those transfers: 2BW deadlocks at its
+first step boundary (``tests/test_h1_reduction_order.py`` replays it). On CUDA the worker runs
+on a side stream that first waits for an event the training thread recorded at the request
+(local work only: the backward that produced the gradient), and it reads the total to the host
+itself, so the training thread gets a float without synchronizing its own queue.
 
-Chains run in step order on one stream or one thread, so every group sees its collectives in
-the same order on every rank. This is the model the schedule checker proves deadlock-free:
+Chains run in step order on the one worker, so every group sees its collectives in the same
+order on every rank. This is the model the schedule checker proves deadlock-free:
 APPLY_UPDATE(t) waits until every stage has run REDUCE_GRADS(t). The distributed optimizer's
-all-gather of updated shards (:meth:`GradReducer.gather`) goes through the same stream or thread,
-since two issuers on the data-parallel group would race; it is waited for only by the first
-reader of the weights it writes (:meth:`wait_slot`, :meth:`wait_all`).
+all-gather of updated shards (:meth:`GradReducer.gather`) goes through the same worker, since two
+issuers on the data-parallel group would race; it is waited for only by the first reader of the
+weights it writes (:meth:`wait_slot`, :meth:`wait_all`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -40,19 +58,42 @@ import torch.distributed as dist
 
 from .zero import ShardLayout, _all_gather as _all_gather_into, all_gather, reduce_scatter
 
+_POLL_MIN_S, _POLL_MAX_S = 1e-5, 2e-4  # the worker's polling interval while a collective runs
+
+
+def settle(work, poll: bool) -> None:
+    """Wait on the host until a collective's ``work`` has completed; ``wait()`` raises its error, if any.
+
+    ``poll`` (NCCL): ``wait()`` only once ``is_completed()`` says so, since on NCCL ``wait()`` on
+    unfinished work is a stream wait on other ranks' progress. Without it (gloo) ``wait()`` itself
+    blocks the host, which is what is wanted (gloo's reduce-scatter reports completion only then).
+    """
+    delay = _POLL_MIN_S
+    while poll and not work.is_completed():
+        time.sleep(delay)
+        delay = min(2 * delay, _POLL_MAX_S)
+    work.wait()
+
 
 def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """This rank's part of the squared global gradient norm, shape [1], in fp32."""
-    norms = torch._foreach_norm(views) if views else []
-    return (torch.stack(norms).float().square().sum() if norms else torch.zeros((), device=device)).reshape(1)
+    """This rank's part of the squared global gradient norm, shape [1], in fp32. The per-tensor norms
+    are computed in fp32 too: an fp16 norm rounds every scaled norm above 65504 to inf, which would
+    count a finite step as an overflow."""
+    if not views:
+        return torch.zeros(1, device=device)
+    try:
+        norms = torch._foreach_norm(views, 2, dtype=torch.float32)
+    except TypeError:  # a torch without the dtype argument
+        norms = [torch.linalg.vector_norm(v, dtype=torch.float32) for v in views]
+    return torch.stack(norms).square().sum().reshape(1)
 
 
 class _Job:
-    """One piece of work on the ordered channel: done when ``event`` is set (``error`` if it failed)."""
+    """One piece of work for the worker: done when ``event`` is set (``error`` if it failed)."""
 
-    def __init__(self, step: int, run: Callable[[], torch.Tensor | None], keep: tuple = ()) -> None:
-        self.step, self.run, self.keep = step, run, keep  # ``keep``: tensors the work reads (CUDA lifetimes)
-        self.result: torch.Tensor | None = None
+    def __init__(self, step: int, run: Callable[[], float | None], ready: torch.cuda.Event | None) -> None:
+        self.step, self.run, self.ready = step, run, ready  # ``ready``: the training stream's work it reads
+        self.result: float | None = None
         self.error: BaseException | None = None
         self.event = threading.Event()
         self.cuda_event: torch.cuda.Event | None = None
@@ -67,6 +108,12 @@ class GradReducer:
         self.use_emb = has_embedding_group and shared_range is not None
         self.shard = shard if shard is not None and w > 1 else None  # the distributed optimizer's layout
         self.cuda = device is not None and device.type == "cuda"
+        if self.cuda and device.index is None:  # the worker thread must know which device (its own default is 0)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self.poll = self.cuda  # NCCL: settle a collective by polling its completion (see :func:`settle`)
+        # replica 0's rank in the data-parallel group: the source of the norm's broadcast
+        self._dp_root = dist.get_global_rank(dp_group, 0) if w > 1 and model_group is not None else None
         self._pending: deque[_Job] = deque()
         self._gathers: dict[int, _Job] = {}  # by weight buffer: its pending all-gather
         self._scratch: torch.Tensor | None = None  # the reduce-scatter's output (chains run one at a time)
@@ -75,51 +122,51 @@ class GradReducer:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the chain
-    def _chain(self, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> torch.Tensor:
-        """Issue the links; each waits for the previous (a host wait on CPU, a stream wait on CUDA)."""
+    def _chain(self, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> float:
+        """Run the links one after another (each settled before the next); the global squared norm."""
         if self.use_emb:
             lo, hi = self.shared_range
-            dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True).wait()
+            self._settle(dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True))
         if self.shard is not None:
             if self._scratch is None:
                 self._scratch = grad.new_empty(self.shard.size)
-            reduce_scatter(grad, self.shard, self.dp_group, self._scratch)
+            reduce_scatter(grad, self.shard, self.dp_group, self._scratch, self._settle)
             sumsq = grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
-            dist.all_reduce(sumsq, group=self.dp_group, async_op=True).wait()
+            self._settle(dist.all_reduce(sumsq, group=self.dp_group, async_op=True))
         else:
-            if self.w > 1:
-                self._dp_all_reduce(grad)
+            for i in range(0, grad.numel(), self.bucket_numel) if self.w > 1 else ():
+                self._settle(dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True))
             sumsq = grad_sumsq(norm_views, grad.device)
         if self.model_group is not None:
-            dist.all_reduce(sumsq, group=self.model_group, async_op=True).wait()
-        return sumsq
+            self._settle(dist.all_reduce(sumsq, group=self.model_group, async_op=True))
+            if self.w > 1:  # every replica takes replica 0's bits (see the module docstring)
+                self._settle(dist.broadcast(sumsq, src=self._dp_root, group=self.dp_group, async_op=True))
+        return float(sumsq.item())  # on CUDA: synchronizes the side stream only
 
-    def _dp_all_reduce(self, grad: torch.Tensor) -> None:
-        works = [dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True)
-                 for i in range(0, grad.numel(), self.bucket_numel)]
-        for work in works:
-            work.wait()
+    def _settle(self, work) -> None:
+        settle(work, self.poll)
 
     def _worker(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job.result = job.run()
-            except BaseException as exc:  # handed to the waiter on the training thread
-                job.error = exc
-            job.event.set()
+        device = torch.cuda.device(self._device) if self.cuda else contextlib.nullcontext()
+        stream = torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext()
+        with device, stream:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                try:
+                    if job.ready is not None:
+                        self._stream.wait_event(job.ready)  # local work: what the job reads was written
+                    job.result = job.run()
+                    if self.cuda:
+                        job.cuda_event = torch.cuda.Event()
+                        job.cuda_event.record(self._stream)
+                except BaseException as exc:  # handed to the waiter on the training thread
+                    job.error = exc
+                job.event.set()
 
-    def _issue(self, job: _Job, ref: torch.Tensor) -> None:
-        """Run ``job`` after every job issued before it: on the side stream (CUDA) or the worker (CPU)."""
-        if self.cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(ref.device))
-            with torch.cuda.stream(self._stream):
-                job.result = job.run()
-                job.cuda_event = torch.cuda.Event()
-                job.cuda_event.record(self._stream)
-            return
+    def _issue(self, job: _Job) -> None:
+        """Queue ``job`` for the worker, after every job queued before it."""
         if self._thread is None:
             self._jobs = queue.SimpleQueue()
             # a daemon, so that a rank failing elsewhere never hangs at exit joining it
@@ -127,25 +174,34 @@ class GradReducer:
             self._thread.start()
         self._jobs.put(job)
 
-    def _wait(self, job: _Job) -> torch.Tensor | None:
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(job.cuda_event)
-        else:
-            job.event.wait()
-            if job.error is not None:
-                raise job.error
+    def _ready(self) -> torch.cuda.Event | None:
+        """An event after the training stream's work so far (CUDA): what the next job reads is written."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def _wait(self, job: _Job) -> float | None:
+        """Block the host until ``job`` is done; on CUDA the training stream then orders after it (its
+        collectives are complete by then, so this stream wait is on finished local work)."""
+        job.event.wait()
+        if job.error is not None:
+            raise job.error
+        if job.cuda_event is not None:
+            torch.cuda.current_stream(self._device).wait_event(job.cuda_event)
         return job.result
 
     # ------------------------------------------------------------------ API
     def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> None:
         """Issue step ``step``'s whole chain now; it runs while the training loop goes on. ``grad``: the
         step's whole (padded) gradient storage, ``StageWeights.padded_grad``."""
-        job = _Job(step, lambda: self._chain(grad, norm_views))
+        job = _Job(step, lambda: self._chain(grad, norm_views), self._ready())
         self._pending.append(job)
-        self._issue(job, grad)
+        self._issue(job)
 
-    def finish(self, step: int) -> torch.Tensor:
-        """Wait for step ``step``'s chain (the oldest); return the global squared gradient norm, shape [1]."""
+    def finish(self, step: int) -> float:
+        """Wait for step ``step``'s chain (the oldest); return the global squared gradient norm."""
         if not self._pending or self._pending[0].step != step:
             oldest = self._pending[0].step if self._pending else None
             raise RuntimeError(f"update of step {step} reached before its reductions (oldest pending: {oldest})")
@@ -155,9 +211,9 @@ class GradReducer:
         """Start filling every other rank's range of weight buffer ``slot`` (``padded``, the whole padded
         storage) from its own range, which must already hold this rank's shard; waited for by :meth:`wait_slot`."""
         self.wait_slot(slot)  # never two writers of one buffer
-        job = _Job(-1, lambda: all_gather(padded, self.shard, self.dp_group), keep=(padded,))
+        job = _Job(-1, lambda: all_gather(padded, self.shard, self.dp_group, self._settle), self._ready())
         self._gathers[slot] = job
-        self._issue(job, padded)
+        self._issue(job)
 
     def gather_shards(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` (its range of a padded buffer), concatenated: an all-gather over the

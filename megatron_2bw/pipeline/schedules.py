@@ -130,23 +130,46 @@ class _TwoBW(ScheduleSpec):
     def bubble_slots(self, d: int) -> int:
         return 0
 
+    @staticmethod
+    def update_forward(d: int, m: int) -> int:
+        """APPLY_UPDATE(t) goes just before the forward of microbatch (t+1)*m + k (its RECV_ACT stays
+        glued to the forward): k = d - 1 + ceil((m - d + 1) / 2), in [d, m].
+
+        Stage 0, the last to finish step t, runs m - d + 1 forwards between REDUCE_GRADS(t) and the
+        first forward that needs W(t+1) (step t+2's first, k = m). The update goes half-way through
+        them: the reductions hide behind the first half, and the distributed optimizer's all-gather
+        of W(t+1), which the update issues, behind the second. At m = d that is step t+2's first
+        forward. k >= d keeps it after step t's last backward and step t+1's first on every stage,
+        so W(t-1)'s buffer is free and step t+1's loss scale fixed on every stage before it."""
+        return d - 1 + -(-(m - d + 1) // 2)
+
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
         """REDUCE_GRADS(t) follows step t's last backward, so the reductions start at once;
-        APPLY_UPDATE(t) (which makes W(t+1)) waits until just before the first forward that
-        needs W(t+1), the first of step t+2 (before its RECV_ACT, which stays glued to the
-        forward), so the reductions hide behind a whole step of compute. Updates still pending
+        APPLY_UPDATE(t) (which makes W(t+1)) comes at most as late as just before the first
+        forward that needs W(t+1), the first of step t+2 (:meth:`update_forward` says where), so
+        the reductions hide behind step t+1's compute; but never after REDUCE_GRADS(t+1): at
+        m = d the last stage, which has no warm-up, reaches step t+2's first forward only after
+        step t+1's last backward, and APPLY_UPDATE(t) goes just before REDUCE_GRADS(t+1) instead.
+        The distributed optimizer's all-gather of W(t+1), which APPLY_UPDATE(t) issues, then runs on the reducer's ordered worker before chain(t+1), not
+        behind it (chain(t+1) ends only when stage 0 has finished step t+1, (d-1) backward slots
+        later, and the last stage's next forward waits for the all-gather). Updates still pending
         at the end of the segment are applied after the last action, leaving it drained."""
         out: list[Action] = []
         has_prev, has_next = r > 0, r < d - 1
         next_update = first_step  # APPLY_UPDATE(first_step - 1) ran at the end of the previous segment
         versions = {t: self.version(t) for t in range(first_step, first_step + num_steps)}
+        k = self.update_forward(d, m)
         for forward, mb in self.order(d, r, first_step * m, num_steps * m):
             t, i = divmod(mb, m)
-            if forward and i == 0 and t - 2 >= next_update:
-                out.append(Action(Op.APPLY_UPDATE, step=t - 2))
-                next_update = t - 1
+            u = (mb - k) // m - 1  # the update that goes before this forward, if (mb - k) % m == 0
+            if forward and (mb - k) % m == 0 and u >= next_update:
+                out.append(Action(Op.APPLY_UPDATE, step=u))
+                next_update = u + 1
             out.extend(_fragment(forward, mb, t, versions[t], has_prev, has_next))
             if not forward and i == m - 1:
+                if t - 1 >= next_update:  # the last stage (no warm-up): see the docstring
+                    out.append(Action(Op.APPLY_UPDATE, step=t - 1))
+                    next_update = t
                 out.append(Action(Op.REDUCE_GRADS, step=t))
         out.extend(Action(Op.APPLY_UPDATE, step=t) for t in range(next_update, first_step + num_steps))
         return out

@@ -17,11 +17,13 @@ usual layer sizes) and otherwise to an ulp in those few elements.
 The weight and gradient buffers are padded to ``w * s`` elements (``StageWeights(shards=w)``), so
 rank r's range is the r-th of w equal pieces of the padded storage and the collectives run on the
 buffers themselves: the all-gather in place, the reduce-scatter into an ``s``-element scratch that
-is copied into the rank's own range (gloo's in-place reduce-scatter is wrong for w > 2).
+is copied into the rank's own range (gloo's in-place reduce-scatter is wrong for w > 2). On gloo
+both are all-reduces of the whole buffer instead, which gloo runs several times faster.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,16 +94,38 @@ class ShardLayout:
         return self.padded(full[self.lo:self.hi].to(device=device or full.device), dtype)
 
 
-def reduce_scatter(padded: torch.Tensor, layout: ShardLayout, group, scratch: torch.Tensor) -> None:
+def _block(work) -> None:
+    work.wait()
+
+
+def _gloo(group) -> bool:
+    """gloo's reduce-scatter and all-gather are several times slower than its all-reduce of the whole
+    buffer (about 10x and 5x for 8 MB on two CPU processes), so on gloo both are all-reduces."""
+    return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter(padded: torch.Tensor, layout: ShardLayout, group, scratch: torch.Tensor,
+                   wait: Callable = _block) -> None:
     """This rank's range of ``padded`` = the sum over ``group`` of every rank's copy of that range; the
-    other ranges are left as they are. ``scratch``: ``size`` elements of ``padded``'s dtype."""
-    _reduce_scatter(scratch, padded, group=group)
+    other ranges are unspecified afterwards (nothing reads them). ``scratch``: ``size`` elements of
+    ``padded``'s dtype. ``wait`` settles the collective's work handle (the reducer's ``settle``)."""
+    if _gloo(group):
+        wait(dist.all_reduce(padded, group=group, async_op=True))
+        return
+    wait(_reduce_scatter(scratch, padded, group=group, async_op=True))
     layout.own(padded).copy_(scratch)
 
 
-def all_gather(padded: torch.Tensor, layout: ShardLayout, group) -> None:
-    """In place: every other rank's range of ``padded`` = that rank's own range of its copy."""
-    _all_gather(padded, layout.own(padded), group=group)
+def all_gather(padded: torch.Tensor, layout: ShardLayout, group, wait: Callable = _block) -> None:
+    """In place: every other rank's range of ``padded`` = that rank's own range of its copy. On gloo the
+    other ranges are zeroed and the buffer all-reduced: x + 0 + ... + 0 is x exactly (up to a zero's sign)."""
+    if _gloo(group):
+        lo, hi = layout.rank * layout.size, (layout.rank + 1) * layout.size
+        padded[:lo].zero_()
+        padded[hi:].zero_()
+        wait(dist.all_reduce(padded, group=group, async_op=True))
+        return
+    wait(_all_gather(padded, layout.own(padded), group=group, async_op=True))
 
 
 GATHER_CHUNK = CKPT_GATHER_CHUNK  # elements per message of :func:`gather_full` to one rank: 64 MiB of fp32

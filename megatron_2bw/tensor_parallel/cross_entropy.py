@@ -20,14 +20,14 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp: TPGroup):
         per_rank = logits.shape[-1]
         start = tp.rank * per_rank
-        logits = logits.float()
+        # one fp32 buffer of its own, worked on in place from here on (the softmax it ends as is saved)
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
         n_real = vocab_size - start  # real columns on this rank (may be <= 0 or > per_rank)
         if n_real < per_rank:
-            logits = logits.clone()
             logits[..., max(n_real, 0):] = float("-inf")
         local_max = logits.max(dim=-1).values
         local_max = all_reduce(local_max, tp, dist.ReduceOp.MAX)
-        logits = logits - local_max.unsqueeze(-1)
+        logits.sub_(local_max.unsqueeze(-1))
         local_t = target - start
         outside = (local_t < 0) | (local_t >= per_rank)
         local_t = local_t.masked_fill(outside, 0)
@@ -44,7 +44,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        grad = softmax  # in place, as Megatron does: the loss's graph is run backward once (no retain_graph)
         grad.scatter_add_(-1, local_t.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None

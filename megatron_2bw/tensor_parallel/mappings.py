@@ -49,7 +49,12 @@ class _Copy(torch.autograd.Function):
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
-        return all_reduce(x.clone() if tp.size > 1 else x, tp)
+        # in place, as Megatron does: ``x`` is a fresh matmul or embedding output that no backward reads;
+        # ``mark_dirty`` makes autograd refuse (not silently miscompute) any use that did save it
+        if tp.size > 1 and x.is_contiguous():
+            ctx.mark_dirty(x)
+            return all_reduce(x, tp)
+        return all_reduce(x, tp)  # a size-1 group's identity, or a reduced contiguous copy
 
     @staticmethod
     def backward(ctx, g):

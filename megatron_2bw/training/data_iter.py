@@ -52,9 +52,13 @@ class MicrobatchProvider:
         raw = collate([self.dataset[j] for j in range(lo, hi)])
         if self.vocab_size is not None:
             self._check_ids(raw, lo, hi)
+        pinned = self.device.type == "cuda"  # pinned, so the copy is asynchronous and off the compute's way
         if isinstance(raw, torch.Tensor):  # GPT: tokens first, so masks built from them are built on the device
-            raw = raw.to(self.device, non_blocking=True)
+            raw = (raw.pin_memory() if pinned else raw).to(self.device, non_blocking=True)
         batch = self.make_batch(raw)
+        if pinned:
+            return {k: v if v.device == self.device else v.pin_memory().to(self.device, non_blocking=True)
+                    for k, v in batch.items()}
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _check_ids(self, stacked, lo: int, hi: int) -> None:
