@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_PLAN_ENV, KILL_RANK_ENV
+from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_PLAN_ENV, KILL_RANK_ENV, POISON_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -60,7 +60,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any launcher variables (so a child never thinks it is a rank)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-           and k not in (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV) and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+           and k not in (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV, POISON_ENV) and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env

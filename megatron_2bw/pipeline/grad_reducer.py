@@ -219,8 +219,9 @@ class GradReducer:
         """Every rank's ``shard`` (its range of a padded buffer), concatenated: an all-gather over the
         data-parallel group issued on the ordered channel and waited for (``--optimizer muon``)."""
         out = shard.new_empty(self.shard.w * shard.numel())
-        job = _Job(-1, lambda: _all_gather_into(out, shard, self.dp_group), keep=(out, shard))
-        self._issue(job, shard)
+        job = _Job(-1, lambda: self._settle(_all_gather_into(out, shard, group=self.dp_group, async_op=True)),
+                   self._ready())
+        self._issue(job)
         self._wait(job)
         return out
 

@@ -28,6 +28,9 @@ KILL_ITER_ENV = "MEGATRON_2BW_FAULT_KILL_ITER"
 # killed again at the same step.
 KILL_PLAN_ENV = "MEGATRON_2BW_FAULT_KILL_PLAN"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+# "rank:first-last,...": an inf in ``rank``'s gradient of every step from ``first`` to ``last`` (0-based;
+# "rank:step" for one step): the overflow path through the command line
+POISON_ENV = "MEGATRON_2BW_FAULT_POISON"
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,28 @@ class FaultInjector:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
         """The kill fault named by ``$MEGATRON_2BW_FAULT_KILL_RANK`` / ``_ITER``, or this launch attempt's
-        entry of ``$MEGATRON_2BW_FAULT_KILL_PLAN``; None when neither names one."""
+        entry of ``$MEGATRON_2BW_FAULT_KILL_PLAN``, with the gradients ``$MEGATRON_2BW_FAULT_POISON``
+        names; None when none is set."""
+        poison = cls.parse_poison(environ.get(POISON_ENV, ""))
         if environ.get(KILL_PLAN_ENV):
-            return cls.from_plan(environ[KILL_PLAN_ENV], int(environ.get(RESTART_COUNT_ENV, "0")))
-        if environ.get(KILL_RANK_ENV) is None:
-            return None
-        return cls(kill_rank=int(environ[KILL_RANK_ENV]), kill_iteration=int(environ.get(KILL_ITER_ENV, "0")))
+            kill = cls.from_plan(environ[KILL_PLAN_ENV], int(environ.get(RESTART_COUNT_ENV, "0")))
+        elif environ.get(KILL_RANK_ENV) is not None:
+            kill = cls(kill_rank=int(environ[KILL_RANK_ENV]), kill_iteration=int(environ.get(KILL_ITER_ENV, "0")))
+        else:
+            kill = None
+        if not poison:
+            return kill
+        return cls(poison, kill.kill_rank, kill.kill_iteration) if kill is not None else cls(poison)
+
+    @staticmethod
+    def parse_poison(spec: str) -> frozenset[tuple[int, int]]:
+        """``"rank:first-last,..."`` (or ``"rank:step"``) as (rank, step) pairs."""
+        out = set()
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            rank, steps = item.split(":")
+            first, _, last = steps.partition("-")
+            out.update((int(rank), s) for s in range(int(first), int(last or first) + 1))
+        return frozenset(out)
 
     @classmethod
     def from_plan(cls, plan: str, restart: int) -> FaultInjector | None:
