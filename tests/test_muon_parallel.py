@@ -1,11 +1,16 @@
 """--optimizer muon under tensor parallelism, the distributed optimizer, low precision and resume.
 
 - t = 2: a matrix split by rows (column-parallel) or columns (row-parallel) is orthogonalized as the
-  whole matrix, so the split update equals the unsplit one bitwise (optimizer level, 50 steps, the
-  bf16 Newton-Schulz), and the engine at t = 2 trains like the single process (to the tolerance of
-  TP's other summation order, with fp32 Newton-Schulz: see test_2bw_semantics.fp32_newton_schulz);
-- w = 2 with the distributed optimizer (shards that cut matrices in the middle): bitwise the
-  unsharded update, at the optimizer level and in the engine;
+  whole matrix, so the split update equals the unsplit one (optimizer level, 50 steps), and the
+  engine at t = 2 trains like the single process (to the tolerance of TP's other summation order);
+- w = 2 with the distributed optimizer (shards that cut matrices in the middle): the unsharded
+  update, at the optimizer level and in the engine.
+  Split/sharded and whole runs are two code paths: the momentum's ``lerp`` and the AdamW elements run
+  over other spans, and CPU kernels compute a span's vector body (with FMA) and its tail (scalar)
+  differently, so the last bits can differ by instruction set. These comparisons therefore use fp32
+  Newton-Schulz (test_2bw_semantics.fp32_newton_schulz: bf16's rounding of U would amplify a last-bit
+  difference to 1e-3) and a bound of 1e-5 of the largest weight, where a wrong slice or offset moves
+  weights by about the learning rate;
 - bf16 weights with fp32 masters track fp32; fp16 loss scaling skips an overflowing step;
 - a trainer run with Muon and ``ef`` under the distributed optimizer resumes bitwise.
 """
@@ -97,13 +102,13 @@ def _cases() -> dict:
     out = {}
     tp = build_state(2, 1, 1, torch.device("cpu"))
     mats, grads = _problem(50)
-    out["tp_split"], out["tp_whole"] = _run(mats, grads, tp.tp_rank, 2, tp.tp_group), _run(mats, grads, None)
     dp = build_state(1, 1, 2, torch.device("cpu"))
-    out["dp"] = _sharded(2, dp.dp_rank, dp.dp_group)
     with fp32_newton_schulz():
+        out["tp_split"], out["tp_whole"] = _run(mats, grads, tp.tp_rank, 2, tp.tp_group), _run(mats, grads, None)
+        out["dp"] = _sharded(2, dp.dp_rank, dp.dp_group)
         out["engine_t2"] = pipeline_harness.train_tiny("flush", layout=(2, 1, 1), **KW)
-    out["engine_zero"] = [_with(use_distributed_optimizer=on)("2bw", layout=(1, 1, 2), compensation="ef")
-                          for on in (False, True)]
+        out["engine_zero"] = [_with(use_distributed_optimizer=on)("2bw", layout=(1, 1, 2), compensation="ef")
+                              for on in (False, True)]
     out["rank"] = rank
     return out
 
@@ -113,22 +118,30 @@ def cases():
     return run_workers(_cases, 2, timeout=420)
 
 
-def test_split_matrix_update_equals_the_unsplit_one_bitwise(cases):
+REL = 1e-5  # of the largest weight (module docstring)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and (got - want).abs().max().item() <= REL * want.abs().max().item()
+
+
+def test_split_matrix_update_equals_the_unsplit_one(cases):
     for o in cases:
         for got, whole, (_, dim) in zip(o["tp_split"], o["tp_whole"], FULL):
             want = whole if dim is None else whole.chunk(2, dim=dim)[o["rank"]]
-            assert torch.equal(got, want), dim
+            assert _close(got, want), dim
 
 
-def test_distributed_optimizer_update_equals_the_unsharded_one_bitwise(cases):
+def test_distributed_optimizer_update_equals_the_unsharded_one(cases):
     for o in cases:
         got, want = o["dp"]
-        assert got.numel() > 0 and torch.equal(got, want)
+        assert got.numel() > 0 and _close(got, want)
     for o in cases:
         plain, zero = o["engine_zero"]
         if plain["losses"] is not None:
-            assert plain["losses"] == zero["losses"]
-        assert all(torch.equal(plain["params"][k], zero["params"][k]) for k in plain["params"])
+            assert max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], zero["losses"])) <= 1e-6
+        scale = max(v.abs().max().item() for v in plain["params"].values())
+        assert max((plain["params"][k] - zero["params"][k]).abs().max().item() for k in plain["params"]) <= REL * scale
 
 
 def test_engine_at_t2_trains_like_one_process(cases):
