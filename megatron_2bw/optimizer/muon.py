@@ -156,6 +156,7 @@ class FlatMuon:
         self.adam_rest = _runs([(max(a, d), b) for a, b in gaps])
         self.n_adam = sum(b - a for a, b in self.adam_decay + self.adam_rest)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self._direction: torch.Tensor | None = None  # Muon's direction, allocated at the first step and reused
         self._sq = torch.zeros(self.n_adam, dtype=torch.float32, device=device)  # compact second moment
         self._sq_views: dict[tuple[int, int], torch.Tensor] = {}
         o = 0
@@ -178,7 +179,9 @@ class FlatMuon:
         if not self.mine:
             return
         mu = self.momentum
-        u = torch.zeros_like(self.exp_avg)  # the direction on this rank's Muon elements
+        if self._direction is None:  # one buffer for every step: only the Muon runs are written, the rest stays 0
+            self._direction = torch.zeros_like(self.exp_avg)
+        u = self._direction  # the direction on this rank's Muon elements
         for a, b in self.muon_runs:
             buf = self.exp_avg[a:b]
             buf.lerp_(grad[a:b], 1 - mu)
