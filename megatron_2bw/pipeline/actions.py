@@ -20,6 +20,8 @@ class Op(enum.Enum):
     SEND_ACT = "SA"
     RECV_GRAD = "RG"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # the input-gradient half of a split backward (zero-bubble schedules)
+    BACKWARD_WEIGHT = "W"  # the weight-gradient half, run later from the graph I kept
     SEND_GRAD = "SG"
     REDUCE_GRADS = "R"
     APPLY_UPDATE = "U"
@@ -30,11 +32,12 @@ class Op(enum.Enum):
 
 
 MICROBATCH_OPS: frozenset[Op] = frozenset(
-    {Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT, Op.RECV_GRAD, Op.BACKWARD, Op.SEND_GRAD}
+    {Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT, Op.RECV_GRAD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT,
+     Op.SEND_GRAD}
 )
 """Ops that act on one microbatch (``mb`` is meaningful); the others act on a whole step."""
 
-COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD})
+COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
 """Ops that run the model on a weight version (``version`` is meaningful)."""
 
 TRANSFERS: dict[Op, tuple[int, Op]] = {
@@ -53,21 +56,26 @@ class Action:
     ``mb`` is the global 0-based microbatch index counted from the start of training,
     ``step`` the optimizer step it belongs to (``mb // m``; for REDUCE_GRADS / APPLY_UPDATE
     the step whose gradients they handle) and ``version`` the weight version W(v) a
-    FORWARD / BACKWARD runs on. Unused fields stay -1.
+    compute action runs on. Unused fields stay -1. ``chunk`` is the model chunk (virtual stage) of the
+    rank a microbatch action belongs to: 0 unless the schedule places several chunks on a rank
+    (interleaved, V); printed as ``c<chunk>`` only when it is not 0 (``F3c1v0``, ``SA3c1``).
+    BACKWARD is a whole backward; BACKWARD_INPUT then BACKWARD_WEIGHT split it in two.
     """
 
     op: Op
     mb: int = -1
     step: int = -1
     version: int = -1
+    chunk: int = 0
 
     def __str__(self) -> str:
         label = self.op.value
-        if self.op is Op.FORWARD or self.op is Op.BACKWARD:
-            return f"{label}{self.mb}v{self.version}"
         if self.op is Op.REDUCE_GRADS or self.op is Op.APPLY_UPDATE:
             return f"{label}{self.step}"
-        return f"{label}{self.mb}"
+        c = f"c{self.chunk}" if self.chunk else ""
+        if self.op in COMPUTE_OPS:
+            return f"{label}{self.mb}{c}v{self.version}"
+        return f"{label}{self.mb}{c}"
 
 
 def format_actions(actions: Iterable[Action]) -> str:
@@ -75,7 +83,7 @@ def format_actions(actions: Iterable[Action]) -> str:
     return " ".join(str(a) for a in actions)
 
 
-_TOKEN = re.compile(r"(RA|SA|RG|SG|F|B|R|U)(\d+)(?:v(\d+))?")
+_TOKEN = re.compile(r"(RA|SA|RG|SG|F|B|I|W|R|U)(\d+)(?:c(\d+))?(?:v(\d+))?")
 _BY_LABEL: dict[str, Op] = {op.value: op for op in Op}
 
 
@@ -86,11 +94,13 @@ def parse_action(token: str, m: int) -> Action:
     match = _TOKEN.fullmatch(token)
     if match is None:
         raise ConfigError(f"cannot parse schedule action {token!r}")
-    op, number, version = _BY_LABEL[match.group(1)], int(match.group(2)), match.group(3)
+    op, number, chunk, version = _BY_LABEL[match.group(1)], int(match.group(2)), match.group(3), match.group(4)
     if (version is not None) != (op in COMPUTE_OPS):
-        raise ConfigError(f"action {token!r}: only F and B carry a version (F3v1)")
+        raise ConfigError(f"action {token!r}: only F, B, I and W carry a version (F3v1)")
     if op in MICROBATCH_OPS:
-        return Action(op, number, number // m, -1 if version is None else int(version))
+        return Action(op, number, number // m, -1 if version is None else int(version), int(chunk or 0))
+    if chunk is not None:
+        raise ConfigError(f"action {token!r}: R and U act on a whole step and carry no chunk")
     return Action(op, step=number)
 
 
