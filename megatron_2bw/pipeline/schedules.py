@@ -64,6 +64,8 @@ class ScheduleSpec:
     weight_versions: int = 1
     grad_buffers: int = 1
     stale_steps: int = 0
+    chunks: int = 1  # model chunks (virtual stages) per rank: 2 for interleaved and V layouts
+    split_backward: bool = False  # backwards run as BACKWARD_INPUT then BACKWARD_WEIGHT (zero-bubble)
 
     def min_microbatches(self, d: int) -> int:
         """Fewest microbatches per step the schedule runs at depth ``d``."""
@@ -80,6 +82,18 @@ class ScheduleSpec:
     def bubble_slots(self, d: int) -> int:
         """Extra microbatch slots per step: the fill and the drain."""
         return d - 1
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """Ideal idle time per step of a stage whose forward, input-gradient half and weight-gradient
+        half of one microbatch (all of the rank's chunks together) take ``f``, ``b`` and ``w`` seconds
+        (a whole backward is ``b + w``): what the planner prices. Schedules that split the backward or
+        interleave chunks override it (ZB-H1: ``(d - 1) * (f + b - w)``)."""
+        return self.bubble_slots(d) * (f + b + w)
+
+    def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
+        """Most microbatches stage ``r`` holds input-gradient-done but weight-gradient-pending (their
+        layer inputs and output gradients stay alive until W): 0 unless the backward is split."""
+        return 0
 
     def version(self, step: int) -> int:
         """The weight version W(v) every microbatch of ``step`` runs on (forward and backward)."""
