@@ -26,15 +26,26 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
   gradients; 38 with fp32 ones); with the distributed optimizer only on this GPU's ``ceil(N/w)``.
 
 Per batch of ``m`` microbatches, with ``t_mb`` the slowest stage's ``compute + tensor_comm + p2p``
-and the schedule's ``bubble_slots`` (``ScheduleSpec``):
+and the schedule's ideal bubble ``ScheduleSpec.bubble_time(d, m, f, b, w)``, priced from that stage's
+``t_mb`` split three ways (``StageTime.fbw``): ``f`` the forward (its compute, its tensor all-reduces, the
+activations' p2p), ``w`` the weight-gradient GEMMs (``BlockCost.weight_grad_s``), ``b`` the rest of the
+backward (input-gradient GEMMs, every elementwise and attention kernel, a recomputed forward, the backward's
+all-reduces, the gradients' p2p). The default ``bubble_time`` is ``bubble_slots * (f + b + w)``: Flush's and
+GPipe's ``(d - 1) * t_mb``, 2BW's 0; zero-bubble schedules (ZB-H1: ``(d - 1)(f + b - w)``) and interleaved
+ones state their own. A schedule with ``chunks`` model chunks per rank (interleaved, V) sends each
+microbatch's activations and gradients across ``chunks`` boundaries per rank instead of one: its ``p2p`` is
+``chunks`` times the boundary transfers (less one on the first rank's input and the last rank's output; the
+first rank receives its later chunks' inputs from the last rank, at ``wrap_bandwidth``). A V layout's
+turn stays on one rank, so this overcharges it by one boundary per microbatch.
 
 - Schedules with a second gradient buffer (2BW): ``max(m * t_mb, allreduce) + optimizer``. No flush,
   so no bubble in steady state, and the all-reduce overlaps the next batch's microbatches (they run on
   the other weight version and accumulate into the other buffer). With the distributed optimizer the
   reduce-scatter and the all-gather both overlap them: the all-gather writes W(t+1) into the idle
   version buffer, which no microbatch reads before step t+2.
-- Flushing schedules (Flush, GPipe): ``(m + bubble_slots) * t_mb + allreduce + optimizer``: the
-  ``d - 1`` extra microbatch times fill and drain the pipeline, and the all-reduce waits for the drain.
+- Flushing schedules (Flush, GPipe, the zero-bubble and interleaved ones): ``m * t_mb + bubble_time +
+  allreduce + optimizer``: the fill and drain (``d - 1`` extra microbatch times for Flush and GPipe), and
+  the all-reduce waits for the drain.
   With the distributed optimizer the reduce-scatter waits for the drain and the all-gather is exposed
   too: the next step's first forward needs the whole new weights (an all-gather overlapped with the
   forward, as Megatron's ``--overlap-param-gather``, is not modelled).
@@ -93,6 +104,16 @@ def bubble_slots(schedule: str, d: int) -> int:
     return 0 if schedule == SEQUENTIAL else get_schedule(schedule).bubble_slots(d)
 
 
+def bubble_time(schedule: str, d: int, m: int, f: float, b: float, w: float) -> float:
+    """The schedule's ideal idle time per batch (``ScheduleSpec.bubble_time``); the sequential baseline: 0."""
+    return 0.0 if schedule == SEQUENTIAL else get_schedule(schedule).bubble_time(d, m, f, b, w)
+
+
+def chunks_of(schedule: str) -> int:
+    """Model chunks per rank (``ScheduleSpec.chunks``); the sequential baseline: 1."""
+    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).chunks
+
+
 # ---- placement: rank = stage * (t*w) + replica * t + tensor_rank; server = rank // G ------------
 
 def tensor_bandwidth(t: int, cluster: Cluster) -> float:
@@ -121,6 +142,15 @@ def boundary_bandwidth(t: int, w: int, boundary: int, cluster: Cluster) -> float
     if crossing == 0:
         return cluster.intra_server_p2p_bandwidth
     return cluster.inter_server_bandwidth / crossing
+
+
+def wrap_bandwidth(t: int, w: int, d: int, cluster: Cluster) -> float:
+    """Per-GPU bandwidth from the last stage back to the first (a chunked schedule's later chunks): NVLink
+    when the whole pipeline sits in one server, else the NIC shared by the GPUs of a stage that cross."""
+    G, tw = cluster.devices_per_server, t * w
+    if tw * d <= G:
+        return cluster.intra_server_p2p_bandwidth
+    return cluster.inter_server_bandwidth / min(tw, G)
 
 
 def data_parallel_allreduce_time(nbytes: float, t: int, w: int, cluster: Cluster) -> float:
@@ -172,11 +202,21 @@ class StageTime:
     p2p_s: float
     allreduce_s: float
     optimizer_s: float
+    # the parts of ``microbatch_s`` a split backward and the bubble formulas need (module docstring):
+    # the forward (compute, its all-reduces, the activations' p2p) and the weight-gradient GEMMs
+    forward_s: float = 0.0
+    weight_grad_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
         """Time this stage needs per microbatch."""
         return self.compute_s + self.tensor_comm_s + self.p2p_s
+
+    @property
+    def fbw(self) -> tuple[float, float, float]:
+        """``(f, b, w)`` of one microbatch, the arguments of ``ScheduleSpec.bubble_time``: ``f + b + w`` is
+        ``microbatch_s``, ``b`` what is neither forward nor weight gradient."""
+        return self.forward_s, self.microbatch_s - self.forward_s - self.weight_grad_s, self.weight_grad_s
 
 
 @dataclass(frozen=True)
@@ -230,6 +270,19 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     # Token ids come from the data loader, and the loss stays on the last stage.
     in_bytes = 0 if part.embedding else lay.input_bytes
     out_bytes = 0 if part.head else lay.output_bytes
+    chunks = chunks_of(cand.schedule)
+    if chunks > 1:  # every chunk but the first rank's first receives, every chunk but the last rank's last sends
+        wrap = wrap_bandwidth(t, w, d, cluster)
+        in_bytes = (chunks - part.embedding) * lay.input_bytes
+        out_bytes = (chunks - part.head) * lay.output_bytes
+        in_bandwidth = in_bandwidth if in_bandwidth != float("inf") else wrap
+        out_bandwidth = out_bandwidth if out_bandwidth != float("inf") else wrap
+    p2p = p2p_time(in_bytes, out_bytes, in_bandwidth, out_bandwidth)
+    tensor_comm = ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster))
+    # the forward's share: one forward pass, its all-reduces (the ring is linear in bytes), the activations' half of p2p
+    tp_forward = sum(n * b.tp_allreduce_forward_bytes for b, n in blocks)
+    forward = (sum(n * b.forward_s for b, n in blocks) + (tensor_comm * tp_forward / tp_bytes if tp_bytes else 0.0)
+               + p2p / 2)
     params = slice_params(costs, part)
     allreduce = gradient_sync_time(params, cand, cluster, param_bytes)
     if part.embedding or part.head:
@@ -237,10 +290,12 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     return StageTime(
         stage=stage,
         compute_s=compute,
-        tensor_comm_s=ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster)),
-        p2p_s=p2p_time(in_bytes, out_bytes, in_bandwidth, out_bandwidth),
+        tensor_comm_s=tensor_comm,
+        p2p_s=p2p,
         allreduce_s=allreduce,
         optimizer_s=optimizer_numel(params, cand) * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
+        forward_s=forward,
+        weight_grad_s=sum(n * b.weight_grad_s for b, n in blocks),
     )
 
 
@@ -282,15 +337,16 @@ def predict(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: C
     """Time per batch and samples per second of ``cand``."""
     d, m = cand.pipeline_parallel, cand.num_micro_batches
     stages = stage_times(costs, cand, num_layers, cluster, param_bytes)
-    per_mb = max(s.microbatch_s for s in stages)
+    slowest = max(stages, key=lambda s: s.microbatch_s)
+    per_mb = slowest.microbatch_s
     allreduce = max(s.allreduce_s for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
-    bubble = bubble_slots(cand.schedule, d) * per_mb
+    bubble = bubble_time(cand.schedule, d, m, *slowest.fbw)
     if cand.schedule == SEQUENTIAL:
         pipeline = m * _sequential_microbatch_s(costs, cand, num_layers, cluster, stages, param_bytes)
         exposed = allreduce
     elif get_schedule(cand.schedule).grad_buffers > 1:  # the reduction overlaps the next step
-        pipeline = m * per_mb
+        pipeline = m * per_mb + bubble
         exposed = max(0.0, allreduce - pipeline)
     else:
         pipeline = m * per_mb + bubble

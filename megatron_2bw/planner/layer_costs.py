@@ -120,11 +120,34 @@ class BlockCost:
     # what selective recomputation re-runs and frees (0: unknown, e.g. a profile without it)
     core_forward_s: float = 0.0
     core_stash_bytes: int = 0
+    # the weight-gradient GEMMs inside ``backward_s`` (what a split backward's W runs; the rest of the
+    # backward, input-gradient GEMMs and every elementwise and attention kernel, is its I), and what a
+    # microbatch whose W is deferred keeps until it runs: the weight GEMMs' inputs and output
+    # gradients (0: unknown, see ``weight_grad_s`` / ``deferred_bytes``)
+    backward_weight_s: float = 0.0
+    weight_grad_stash_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key, value in asdict(self).items():
             if value < 0:
                 raise ConfigError(f"block cost {key} must be >= 0, got {value}")
+
+    @property
+    def weight_grad_s(self) -> float:
+        """Seconds of the weight-gradient half of the backward; a profile that does not state it gets half
+        the backward (a linear layer's input- and weight-gradient GEMMs have the same FLOPs)."""
+        return min(self.backward_weight_s, self.backward_s) if self.backward_weight_s else self.backward_s / 2
+
+    @property
+    def input_grad_s(self) -> float:
+        """Seconds of the input-gradient half: the rest of the backward."""
+        return self.backward_s - self.weight_grad_s
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes a microbatch keeps between its input gradient and its deferred weight gradient; a profile
+        that does not state it gets the whole stash (an upper bound on the GEMM inputs kept)."""
+        return self.weight_grad_stash_bytes or self.stash_bytes
 
 
 @dataclass(frozen=True)
@@ -267,6 +290,27 @@ def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = 
     return replicated + split // t + core
 
 
+def linear_forward_flops(model: ModelConfig, b: int, t: int) -> float:
+    """The weight GEMMs of one layer forward (QKV, projection, the MLP's): the layer's FLOPs without the
+    attention core. A weight gradient is one GEMM of the same size per weight GEMM."""
+    return layer_forward_flops(model, b, t) - core_forward_flops(model, b, t)
+
+
+def weight_grad_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
+    """What one layer keeps for a deferred weight gradient: each weight GEMM's input and output gradient.
+    Inputs: QKV's and the first MLP GEMM's (``bsh``, replicated across the tensor group), the projection's
+    (``bsh/t``) and the last MLP GEMM's (``bsf/t``); output gradients: QKV's (``bs (a+2g) d_head / t``), the
+    first MLP GEMM's (``bs f/t``, twice with SwiGLU) and the projection's and the last MLP GEMM's (``bsh``,
+    replicated). Under sequence parallelism the replicated ones are sharded too."""
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
+    qkv, mlp_in, _, _ = _llama_terms(model)
+    replicated = 4 * b * s * h * e
+    split = (h + f + qkv + mlp_in) * b * s * e
+    if model.sequence_parallel and t > 1:
+        return (replicated + split) // t
+    return replicated + split // t
+
+
 def layer_memory_bound_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> tuple[float, float]:
     """``(layer, attention core)`` bytes the memory-bound kernels of one layer's forward move on one
     GPU (Megatron's fused kernels): ``HIDDEN_PASSES`` over ``bsh`` (LayerNorms, bias-dropout-adds),
@@ -296,6 +340,10 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     layer_fwd = layer_forward_flops(model, b, t) / speed + mem_layer / cluster.memory_bandwidth
     stash = layer_stash_bytes(model, b, t, e, flash)
     layer = BlockCost(
+        # the weight-gradient GEMMs: as many FLOPs as the weight GEMMs of the forward (memory-bound kernels
+        # and the attention core's backward belong to the input gradient)
+        backward_weight_s=linear_forward_flops(model, b, t) / speed,
+        weight_grad_stash_bytes=weight_grad_stash_bytes(model, b, t, e),
         core_forward_s=core_forward_flops(model, b, t) / speed + mem_core / cluster.memory_bandwidth,
         core_stash_bytes=core_stash_bytes(model, b, t, e, flash),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
@@ -308,7 +356,9 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
 
     emb_time = EMBEDDING_PASSES * hidden / cluster.memory_bandwidth
     embedding = BlockCost(
-        forward_s=emb_time, backward_s=emb_time, params=embedding_params(model, t),
+        # the embedding's backward is all weight gradient (a scatter-add into the table): nothing upstream
+        forward_s=emb_time, backward_s=emb_time, backward_weight_s=emb_time, params=embedding_params(model, t),
+        weight_grad_stash_bytes=b * s * TOKEN_ID_BYTES + shard,
         stash_bytes=(b * s * h * shard // hidden if model.hidden_dropout > 0 else 0),
         input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=shard,
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
@@ -320,6 +370,9 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     head = BlockCost(
         forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
         backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
+        backward_weight_s=head_fwd,  # the output layer's weight gradient: one logit-sized GEMM
+        # its input and the logits' gradient (what the output layer's weight gradient reads)
+        weight_grad_stash_bytes=shard + e * logits,
         params=head_params(model, t),
         stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
         input_bytes=shard, output_bytes=0,

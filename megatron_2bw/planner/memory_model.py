@@ -18,6 +18,20 @@ each stage come from ``models/stages.py``'s split: the even one, or ``Candidate.
 ``slice_*`` functions take a stage's contents directly, so ``planner/split.py`` can price a stage with
 any number of layers before a whole split exists.
 
+Schedules beyond the paper's read the same ``ScheduleSpec`` (no schedule names here):
+
+- ``inflight`` counts FORWARD actions not yet backwarded, as the checker counts them
+  (``pipeline/checker.py``): one unit is one microbatch through one *chunk*. With ``chunks`` model chunks
+  per rank (interleaved 1F1B, V layouts) a rank's layers are split over its chunks, so a unit holds
+  ``1/chunks`` of the rank's per-microbatch stash; the planner converts to whole-rank microbatches
+  (``rank_units``). With one chunk a unit is a whole-rank microbatch, as before.
+- ``deferred_weight_grads`` (split-backward schedules: ZB-H1, ZB-H2, ZB-V) counts microbatches whose input
+  gradient ran and whose weight gradient waits, in the same units. They hold no stash any more, only what
+  the weight gradients read: each weight GEMM's input and output gradient (``BlockCost.deferred_bytes``,
+  ``layer_costs.weight_grad_stash_bytes``). ``inflight`` does not count them (the checker frees a stash at
+  the input gradient).
+- ``weight_versions`` and ``grad_buffers`` as for the paper's schedules.
+
 What real runs also pay, and the paper's formula leaves out:
 
 - Gradients and optimizer state: mixed-precision Adam keeps an fp16 weight (2 bytes), fp16 gradient
@@ -56,7 +70,7 @@ from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-expor
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
+from ..pipeline.schedules import SCHEDULES, get_schedule, validate_pipeline
 from .layer_costs import MicrobatchCosts
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
@@ -91,8 +105,8 @@ class Candidate:
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.schedule not in SCHEDULE_NAMES + (SEQUENTIAL,):
-            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
+        if self.schedule not in (*SCHEDULES, SEQUENTIAL):  # the registry as it is now (tests add schedules)
+            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule != SEQUENTIAL:
             validate_pipeline(self.schedule, self.pipeline_parallel, self.num_micro_batches)
 
@@ -186,6 +200,21 @@ def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     return 1 if schedule == SEQUENTIAL else get_schedule(schedule).inflight(d, stage, m)
 
 
+def chunks_of(schedule: str) -> int:
+    """Model chunks per rank (``ScheduleSpec.chunks``; the sequential baseline: 1)."""
+    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).chunks
+
+
+def deferred(schedule: str, d: int, m: int, stage: int) -> int:
+    """Microbatch-chunks whose weight gradient waits on stage ``stage`` at its peak (split backward only)."""
+    return 0 if schedule == SEQUENTIAL else get_schedule(schedule).deferred_weight_grads(d, stage, m)
+
+
+def rank_units(count: int, chunks: int) -> float:
+    """``count`` chunk-microbatches as whole-rank microbatches (the module docstring); exact for one chunk."""
+    return count if chunks == 1 else count / chunks
+
+
 def slice_params(costs: MicrobatchCosts, part: StageSlice) -> int:
     """Parameters on one GPU of a stage holding ``part``: its layers, the embedding, the head."""
     n = part.num_layers * costs.layer.params
@@ -240,16 +269,38 @@ def layer_stash_with(costs: MicrobatchCosts, num_layers: int, policy: RecomputeP
     return kept, max((n * lay.stash_bytes for _, n, rec in segs if rec), default=0)
 
 
+def _deferred_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
+    """What one whole-rank microbatch keeps while its weight gradients wait (``BlockCost.deferred_bytes``)."""
+    n = part.num_layers * costs.layer.deferred_bytes
+    if part.embedding:
+        n += costs.embedding.deferred_bytes
+    if part.head:
+        n += costs.head.deferred_bytes
+    return n
+
+
 def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
-    """Activations held at the peak of a stage holding ``part`` (see :func:`activation_bytes`)."""
-    n = in_flight(cand.schedule, cand.pipeline_parallel, cand.num_micro_batches, stage)
+    """Activations held at the peak of a stage holding ``part`` (see :func:`activation_bytes`).
+
+    A chunked schedule's in-flight count is in chunk-microbatches (the module docstring): each keeps
+    ``1/chunks`` of the rank's stash, and with recomputation its chunk's input; the one being recomputed
+    rebuilds one chunk. Deferred weight gradients add their GEMM inputs and output gradients."""
+    d, m = cand.pipeline_parallel, cand.num_micro_batches
+    n = in_flight(cand.schedule, d, m, stage)
+    chunks = chunks_of(cand.schedule)
     layers, transient = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
     edge = _edge_bytes(costs, part)
+    waiting = deferred(cand.schedule, d, m, stage)
+    held = round(rank_units(waiting, chunks) * _deferred_bytes(costs, part)) if waiting else 0
     if cand.recompute:
         # A_input: what the stage received (the first stage: the token ids)
         received = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
-        return n * received + layers + edge
-    return n * (layers + edge) + transient
+        if chunks == 1:
+            return n * received + layers + edge + held
+        return n * costs.layer.input_bytes + round((layers + edge) / chunks) + held
+    if chunks == 1:
+        return n * (layers + edge) + transient + held
+    return round(rank_units(n, chunks) * (layers + edge)) + transient + held
 
 
 def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int) -> int:

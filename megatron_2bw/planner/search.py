@@ -34,7 +34,7 @@ from typing import Iterator
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from ..pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, get_schedule
 from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
@@ -93,7 +93,7 @@ class PlanRequest:
         if self.precision not in ACTIVATION_BYTES:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
         self.cluster.peak(self.precision)
-        allowed = SCHEDULE_NAMES + (SEQUENTIAL,)
+        allowed = (*SCHEDULES, SEQUENTIAL)  # the registry as it is now (tests register schedules)
         bad = [s for s in self.schedules if s not in allowed]
         if bad or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
@@ -234,7 +234,10 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
     A stage's time per microbatch is ``base_r + n_r * slope`` (``split.stage_lines``), so the stages
     add up to the same total under every split, and the slowest is at least the mean. The pipeline
     runs ``m`` microbatch slots at the slowest stage's pace (2BW), plus the fill and drain
-    (``bubble_slots``) for the flushing schedules; reductions and the optimizer only add to that.
+    (``bubble_slots``) for the flushing schedules whose ``bubble_time`` is the default
+    ``bubble_slots * (f + b + w)``; a schedule with its own ``bubble_time`` (zero-bubble, interleaved) gets
+    no bubble in the bound, as its formula need not grow with the slowest stage's time. Reductions and
+    the optimizer only add to that.
     Recomputation whose cost is not linear in a stage's layers (``block``, ``uniform`` chunks of
     several layers) and the sequential baseline get no bound.
     """
@@ -247,7 +250,8 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
                               request.param_bytes)
     mean = (sum(base) + request.model.num_layers * min(slope)) / d
     spec = get_schedule(cand.schedule)
-    return (m if spec.grad_buffers > 1 else m + spec.bubble_slots(d)) * mean
+    default_bubble = type(spec).bubble_time is ScheduleSpec.bubble_time
+    return (m if spec.grad_buffers > 1 or not default_bubble else m + spec.bubble_slots(d)) * mean
 
 
 def _group(c: Candidate) -> tuple:
