@@ -100,3 +100,71 @@ def test_plan_cli_calibration(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in out] == [r.name for r in RUNS]
     assert all(abs(r["ratio"] - 1) <= TOLERANCE for r in out)
+
+
+# ---- the Zero Bubble paper's schedule ratios (published.json "schedule_ratios") ----------------------
+
+from megatron_2bw.planner.calibration import (  # noqa: E402 - this section's imports
+    ZB_SCHEDULES, format_schedule_ratios, load_schedule_ratios, predict_schedule_ratios, schedule_ratio_calibration,
+    zb_formula_bubble,
+)
+
+ZB_SOURCES, ZB_RUNS = load_schedule_ratios()
+ZB_ROWS = {r.run.name: r for r in schedule_ratio_calibration(ZB_RUNS)}
+
+
+@pytest.mark.parametrize("name", [r.name for r in ZB_RUNS])
+def test_zero_bubble_ratios_within_tolerance(name):
+    """Qi et al. 2024, Table 4: ZB-1p and ZB-2p over 1F1B, predicted by zb-h1 / zb-h2 over Flush."""
+    row = ZB_ROWS[name]
+    assert row.run.source in ZB_SOURCES
+    assert set(row.predicted) == set(ZB_SCHEDULES)
+    for schedule in ZB_SCHEDULES:
+        assert abs(row.error(schedule)) <= TOLERANCE, (name, schedule, row.predicted[schedule],
+                                                       row.run.published_ratio(schedule))
+        assert row.predicted[schedule] > 1.0  # every published ZB run beat 1F1B
+    assert row.predicted["zb-2p"] >= row.predicted["zb-1p"]
+
+
+def test_zero_bubble_layouts_as_published():
+    # Table 3: 22 layers on 8 stages, the first and last one layer fewer; 12 layouts of Table 4
+    r = next(r for r in ZB_RUNS if r.name == "1.5B m=24")
+    assert r.layer_split == (2, 3, 3, 3, 3, 3, 3, 2) and r.micro_batch_size == 6 and r.model.seq_length == 1024
+    assert len(ZB_RUNS) == 12 and all(sum(x.layer_split) == x.model.num_layers for x in ZB_RUNS)
+    assert r.published_ratio("zb-2p") == pytest.approx(14.5 / 11.8)
+    assert "1.5B m=24" in format_schedule_ratios(list(ZB_ROWS.values()))
+
+
+def test_zero_bubble_ratios_use_the_registry_once_registered(monkeypatch):
+    """The fallback formula is for the time before the zb-h1/zb-h2 specs merge: registered specs win."""
+    from dataclasses import dataclass
+
+    from megatron_2bw.pipeline.schedules import SCHEDULES, ScheduleSpec
+
+    @dataclass(frozen=True)
+    class _Spec(ScheduleSpec):
+        def bubble_time(self, d, m, f, b, w):
+            return zb_formula_bubble(self.name, d, m, f, b, w)
+
+    run = ZB_RUNS[0]
+    before = predict_schedule_ratios(run)
+    for ours in ZB_SCHEDULES.values():
+        if ours not in SCHEDULES:
+            monkeypatch.setitem(SCHEDULES, ours, _Spec(ours, split_backward=True))
+    after = predict_schedule_ratios(run)
+    assert set(after.priced_by.values()) == {"registry"}
+    if set(before.priced_by.values()) == {"formula"}:  # the same formulas give the same ratios either way
+        assert after.predicted == pytest.approx(before.predicted, rel=1e-12)
+
+
+def test_plan_cli_schedule_calibration(capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("tool_plan_zb", path)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert plan.main(["--schedule-calibration", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in out] == [r.name for r in ZB_RUNS]
+    assert all(abs(v["predicted"] / v["published"] - 1) <= TOLERANCE for r in out for v in r["ratios"].values())

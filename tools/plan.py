@@ -6,6 +6,7 @@
     python tools/plan.py --new-options [--json]
     python tools/plan.py --max-model --model-preset gpt-3.8b --num-gpus 64 [--json]
     python tools/plan.py --calibration [--json]
+    python tools/plan.py --schedule-calibration [--json]
 
 The search tries every schedule (``--schedules``) with no recomputation, the engine's whole-stage
 recomputation and Megatron's selective and per-layer ones (``--recompute-granularity selective``,
@@ -32,7 +33,10 @@ from dataclasses import asdict
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.planner.calibration import calibration, calibration_json, format_calibration
+from megatron_2bw.planner.calibration import (
+    calibration, calibration_json, format_calibration, format_schedule_ratios, schedule_ratio_calibration,
+    schedule_ratios_json,
+)
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
@@ -84,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--calibration", action="store_true",
                    help="the cost model on published layouts (megatron_2bw/planner/published.json), "
                         "predicted vs published")
+    o.add_argument("--schedule-calibration", action="store_true",
+                   help="the Zero Bubble paper's ZB-1p/ZB-2p vs 1F1B throughput ratios (published.json "
+                        "schedule_ratios), predicted vs published")
     return p
 
 
@@ -118,6 +125,9 @@ def run(argv: list[str]) -> str:
     if args.calibration:
         rows = calibration()
         return json.dumps(calibration_json(rows), indent=2) if args.json else format_calibration(rows)
+    if args.schedule_calibration:
+        ratios = schedule_ratio_calibration()
+        return json.dumps(schedule_ratios_json(ratios), indent=2) if args.json else format_schedule_ratios(ratios)
     cluster = load_cluster(args.cluster)
     if args.new_options:
         opts, largest = options_comparison(cluster), options_max_model(cluster)

@@ -198,3 +198,146 @@ def calibration_json(rows: list[CalibrationRow]) -> list[dict[str, Any]]:
                     "published_tflops_per_gpu": run.tflops_per_gpu,
                     "predicted_tflops_per_gpu": round(r.predicted_tflops_per_gpu, 1)})
     return out
+
+
+# ---- schedule ratios: the Zero Bubble paper's ZB-1p / ZB-2p over 1F1B on one layout ------------------
+
+# The paper's schedules and ours: ZB-1p is the automatic scheduler under 1F1B's activation memory (its
+# Table 5 gives it ZB-H1's bubble in every setting), ZB-2p the same under twice that (ZB-H2's memory).
+ZB_SCHEDULES = {"zb-1p": "zb-h1", "zb-2p": "zb-h2"}
+BASELINE = "1f1b"  # the paper's 1F1B is our PipeDream-Flush
+
+
+def zb_formula_bubble(schedule: str, d: int, m: int, f: float, b: float, w: float) -> float:
+    """FALLBACK, used only while ``schedule`` is not in the registry: the Zero Bubble paper's handcrafted
+    bubbles (Qi et al. 2024, section 3): ZB-H1 ``(d-1)(f + b - w)``, ZB-H2 ``(d-1)(f + b - 2w)`` (at least
+    0). The ``zb-h1`` / ``zb-h2`` specs come from another branch; once they are registered,
+    :func:`predict_schedule_ratios` prices through their ``bubble_time`` and this is not called."""
+    if schedule == "zb-h1":
+        return (d - 1) * max(f + b - w, 0.0)
+    if schedule == "zb-h2":
+        return (d - 1) * max(f + b - 2 * w, 0.0)
+    raise ConfigError(f"no fallback bubble formula for {schedule!r}")
+
+
+@dataclass(frozen=True)
+class ScheduleRatioRun:
+    """One layout of ``published.json``'s ``schedule_ratios``: the throughput of several schedules on it."""
+
+    name: str
+    source: str
+    model: ModelConfig
+    cluster: str
+    precision: str
+    pipeline_parallel: int
+    num_gpus: int
+    micro_batch_size: int
+    num_micro_batches: int
+    recompute: str
+    flash_attention: bool
+    published: dict[str, float]  # the source's schedule name -> samples per GPU per second
+
+    @property
+    def layer_split(self) -> tuple[int, ...]:
+        """The paper's split: the first and the last stage hold one layer fewer than the others."""
+        d, n = self.pipeline_parallel, (self.model.num_layers + 2) // self.pipeline_parallel
+        split = (n - 1,) + (n,) * (d - 2) + (n - 1,)
+        if sum(split) != self.model.num_layers:
+            raise ConfigError(f"published.json: {self.name}: {self.model.num_layers} layers do not split as "
+                              f"n - 1, n, ..., n, n - 1 over {d} stages")
+        return split
+
+    def published_ratio(self, schedule: str) -> float:
+        return self.published[schedule] / self.published[BASELINE]
+
+
+def load_schedule_ratios(path: str | Path = PUBLISHED) -> tuple[dict[str, str], list[ScheduleRatioRun]]:
+    """``(sources, runs)`` of ``published.json``'s ``schedule_ratios`` section."""
+    data = json.loads(Path(path).read_text())
+    d, section = data["defaults"], data["schedule_ratios"]
+    runs = []
+    for r in section["runs"]:
+        get = lambda k: r.get(k, section.get(k, d.get(k)))  # noqa: E731 - run, then section, then file default
+        model = ModelConfig("gpt", r["num_layers"], r["hidden_size"], r["num_attention_heads"], get("seq_length"),
+                            vocab_size=get("vocab_size"), hidden_dropout=get("hidden_dropout"),
+                            attention_dropout=get("attention_dropout"))
+        if r["num_gpus"] != r["pipeline_parallel"]:
+            raise ConfigError(f"published.json: {r['name']}: schedule ratios are pure pipelines (one stage per GPU)")
+        runs.append(ScheduleRatioRun(r["name"], r["source"], model, get("cluster"), get("precision"),
+                                     r["pipeline_parallel"], r["num_gpus"], r["micro_batch_size"],
+                                     r["num_micro_batches"], get("recompute"), bool(get("flash_attention")),
+                                     {k: float(v) for k, v in r["samples_per_gpu_per_sec"].items()}))
+    return data["sources"], runs
+
+
+@dataclass(frozen=True)
+class ScheduleRatioRow:
+    """A layout's predicted throughput ratios to Flush beside the published ones."""
+
+    run: ScheduleRatioRun
+    flush_samples_per_gpu: float       # predicted 1F1B samples per GPU per second
+    predicted: dict[str, float]        # the source's schedule name -> predicted ratio to 1F1B
+    priced_by: dict[str, str]          # "registry" (the spec's bubble_time) or "formula" (the fallback)
+
+    def error(self, schedule: str) -> float:
+        """Predicted over published ratio, less 1."""
+        return self.predicted[schedule] / self.run.published_ratio(schedule) - 1
+
+
+def predict_schedule_ratios(run: ScheduleRatioRun) -> ScheduleRatioRow:
+    """Flush and each zero-bubble schedule on ``run``'s layout (t = 1, w = 1, the paper's split)."""
+    from ..pipeline.schedules import SCHEDULES  # noqa: PLC0415 - the registry as it is at call time
+
+    cluster = replace(load_cluster(run.cluster), flash_attention=run.flash_attention)
+    stage, policy = parse_recompute(run.recompute)
+    costs = analytic_layer_costs(run.model, cluster, run.precision, (1,), (run.micro_batch_size,)).at(
+        1, run.micro_batch_size)
+    cand = Candidate(1, run.pipeline_parallel, 1, run.micro_batch_size, run.num_micro_batches, stage, "flush",
+                     layer_split=run.layer_split, recompute_policy=policy)
+    L = run.model.num_layers
+    flush = predict(costs, cand, L, cluster)
+    predicted, how = {}, {}
+    for theirs, ours in ZB_SCHEDULES.items():
+        if theirs not in run.published:
+            continue
+        if ours in SCHEDULES:
+            batch = predict(costs, replace(cand, schedule=ours), L, cluster).batch_s
+            how[theirs] = "registry"
+        else:
+            slowest = max(flush.stages, key=lambda s: s.microbatch_s)
+            d, m = run.pipeline_parallel, run.num_micro_batches
+            batch = flush.batch_s - flush.bubble_s + zb_formula_bubble(ours, d, m, *slowest.fbw)
+            how[theirs] = "formula"
+        predicted[theirs] = flush.batch_s / batch
+    return ScheduleRatioRow(run, flush.samples_per_sec / run.num_gpus, predicted, how)
+
+
+def schedule_ratio_calibration(runs: Iterable[ScheduleRatioRun] | None = None) -> list[ScheduleRatioRow]:
+    """Every schedule-ratio layout, predicted."""
+    return [predict_schedule_ratios(r) for r in (load_schedule_ratios()[1] if runs is None else runs)]
+
+
+def format_schedule_ratios(rows: list[ScheduleRatioRow]) -> str:
+    """The predicted-vs-published ratio table (docs/planner.md section 7)."""
+    names = list(ZB_SCHEDULES)
+    head = " ".join(f"{n + ' pub/pred':>16}" for n in names)
+    lines = [f"{'run':<14} {'p':>3} {'b':>2} {'m':>4} {'1F1B/GPU pub/pred':>18} {head}"]
+    for r in rows:
+        run = r.run
+        cells = " ".join(f"{run.published_ratio(n):>7.3f}/{r.predicted[n]:<7.3f}"
+                         + ("*" if abs(r.error(n)) > TOLERANCE else " ") for n in names if n in r.predicted)
+        lines.append(f"{run.name:<14} {run.pipeline_parallel:>3} {run.micro_batch_size:>2} {run.num_micro_batches:>4} "
+                     f"{run.published[BASELINE]:>8.2f}/{r.flush_samples_per_gpu:<9.2f} {cells}")
+    via = sorted({v for r in rows for v in r.priced_by.values()})
+    lines.append(f"ratios to 1F1B (Flush) throughput ({'*'}: outside {TOLERANCE:.0%}); ZB-1p priced as zb-h1, "
+                 f"ZB-2p as zb-h2, by {' and '.join('the registry' if v == 'registry' else 'the fallback formula' for v in via)}")
+    return "\n".join(lines)
+
+
+def schedule_ratios_json(rows: list[ScheduleRatioRow]) -> list[dict[str, Any]]:
+    return [{"name": r.run.name, "source": r.run.source, "pipeline_parallel": r.run.pipeline_parallel,
+             "micro_batch_size": r.run.micro_batch_size, "num_micro_batches": r.run.num_micro_batches,
+             "published_1f1b_samples_per_gpu": r.run.published[BASELINE],
+             "predicted_1f1b_samples_per_gpu": round(r.flush_samples_per_gpu, 3),
+             "ratios": {n: {"published": round(r.run.published_ratio(n), 4), "predicted": round(r.predicted[n], 4),
+                            "priced_by": r.priced_by[n]} for n in r.predicted}} for r in rows]
