@@ -194,3 +194,26 @@ def test_unknown_schedule_still_refused():
 
     with pytest.raises(ConfigError, match="--pipeline-schedule must be one of"):
         _cand("zbh1-like")  # registered only inside the tests that ask for fake_schedules
+
+
+def test_13b_t2_fits_on_8_h100_by_hand():
+    """scale-review section 1: "a standard 13B t=2 on 8 H100 does not fit". It does (bf16, fp32 gradient
+    accumulation, distributed optimizer over w = 4, fused attention, b = 1), by this hand count."""
+    from megatron_2bw.planner.hardware import GiB
+    from megatron_2bw.planner.search import default_costs, evaluate
+
+    model = ModelConfig("gpt", 40, 5120, 40, 2048, vocab_size=50257, hidden_dropout=0.1, attention_dropout=0.1)
+    req = PlanRequest(model, load_cluster("dgx-h100"), 8, 1024, "bf16", memory_margin=0.1)
+    ev = evaluate(Candidate(2, 1, 4, 1, 256, False, "flush", distributed_optimizer=True), default_costs(req), req)
+    s, h, f, a, t, V = 2048, 5120, 4 * 5120, 40, 2, 50432  # the vocabulary padded to a multiple of 128 * t
+    layer = (4 * h * h + 3 * h + 2 * h * f + f) // t + 6 * h
+    p = 40 * layer + V * h // t + s * h + 2 * h  # layers, word + position embeddings, final LayerNorm (tied head)
+    mem = ev.memory[0]
+    assert mem.params == p
+    assert (mem.weights, mem.grads, mem.master, mem.optimizer_state) == (2 * p, 4 * p, 4 * -(-p // 4), 8 * -(-p // 4))
+    # Korthikanti's sbh(10 + 24/t) per layer plus the kernel's log-sum-exp; the embedding's dropout mask and
+    # token ids; the head's norm tensors and fp32 softmax
+    acts = 40 * (s * h * (10 + 24 // t) + 4 * a * s // t) + (s * h + 8 * s) + (2 * 2 * s * h + 4 * s * V // t)
+    assert mem.activations == acts
+    assert ev.prediction is not None and ev.memory_bytes_per_gpu < req.memory_limit_bytes
+    assert 60 * GiB < ev.memory_bytes_per_gpu < 66 * GiB
