@@ -293,7 +293,9 @@ def build_config(
     parallel, pipe, B = layout_configs(layout, model, args.global_batch_size, world_size,
                                        args.p2p_mode)
     given = _fields(args, "pipeline")
-    pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda", "ef_scale") or "recompute_" in k})
+    # the recompute flags apply unless the layout (the planner's) chose a policy and they are not given
+    pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda", "ef_scale")
+                            or ("recompute_" in k and (v is not None or layout.recompute_policy is None))})
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
     if layout.distributed_optimizer:  # the planner's choice (--auto-plan)
         opt = replace(opt, use_distributed_optimizer=True)

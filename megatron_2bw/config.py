@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .models.stages import canonical_split, layers_per_stage
-from .pipeline.recompute_policy import check_recompute
+from .pipeline.recompute_policy import RecomputePolicy, check_recompute
 from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
 
@@ -621,6 +621,8 @@ class Layout:
     schedule: str
     layer_split: tuple[int, ...] | None = None
     distributed_optimizer: bool = False  # the planner's choice of --use-distributed-optimizer
+    # the planner's recomputation inside stages (--recompute-granularity/-method/-num-layers); None: none
+    recompute_policy: RecomputePolicy | None = None
 
 
 def layout_configs(
@@ -646,8 +648,11 @@ def layout_configs(
         B % (b * w) == 0,
         f"--global-batch-size {B} is not divisible by --micro-batch-size {b} x data-parallel size {w}",
     )
+    policy = layout.recompute_policy
+    inner = ({"recompute_granularity": policy.granularity, "recompute_method": policy.method,
+              "recompute_num_layers": policy.num_layers} if policy is not None and policy.active else {})
     pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode,
-                          layer_split=split)
+                          layer_split=split, **inner)
     pipe.check_depth(par.pipeline)
     return par, pipe, B
 

@@ -2,8 +2,13 @@
 
     choice = auto_plan(model_cfg, num_gpus=64, global_batch=512, cluster="dgx-h200",
                        profile_path="gpt-2.2b.profile.json", precision="bf16")
-    t, d, w, b, recompute, schedule, split, zero = choice   # split: layers per stage (None: even)
+    t, d, w, b, recompute, schedule, split, zero, policy = choice   # split: layers per stage (None: even)
                                                              # zero: --use-distributed-optimizer
+                                                             # policy: recomputation inside stages (None: none)
+
+The search tries Megatron's selective and per-layer recomputation inside stages too
+(``recompute_policies``, default ``search.FINER_RECOMPUTE``), beside none and whole stages; the choice's
+``recompute_policy`` becomes ``--recompute-granularity/-method/-num-layers`` in its ``layout``.
 
 ``profile_path``: read it if it exists; otherwise profile here and write it there, so a job array
 profiles once and every later job reuses the file (profile on the kind of GPU you will train on).
@@ -34,6 +39,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..config import Layout, ModelConfig
+from ..pipeline.recompute_policy import RecomputePolicy
 from ..errors import ConfigError
 from ..models.stages import format_split
 from ..pipeline.schedules import SCHEDULE_NAMES
@@ -41,7 +47,7 @@ from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported
 from .profile_check import load_checked_profile
-from .search import DEFAULT_MEMORY_MARGIN, PlanRequest, SearchResult, micro_batch_sizes, search
+from .search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchResult, micro_batch_sizes, search
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +57,8 @@ DEVICE_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100
 
 class PlanChoice(NamedTuple):
     """What the trainer needs: tensor, pipeline and data parallel sizes, microbatch, recompute, schedule,
-    the layers of each stage (``None``: the even split) and whether the optimizer is distributed."""
+    the layers of each stage (``None``: the even split), whether the optimizer is distributed and the
+    recomputation inside stages (``None``: none)."""
 
     t: int
     d: int
@@ -61,11 +68,13 @@ class PlanChoice(NamedTuple):
     schedule: str
     split: tuple[int, ...] | None = None
     distributed_optimizer: bool = False
+    recompute_policy: RecomputePolicy | None = None
 
     @property
     def layout(self) -> Layout:
         """The choice as the trainer's config takes it (``cli.build_config(..., layout=)``)."""
-        return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split, self.distributed_optimizer)
+        return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split, self.distributed_optimizer,
+                      self.recompute_policy)
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,9 @@ class AutoPlan:
     def describe(self) -> str:
         c, ev = self.choice, self.result.best
         split = f" layers/stage={format_split(c.split)}" if c.split else ""
+        recompute = "on" if c.recompute else c.recompute_policy.label if c.recompute_policy else "off"
         return (f"auto-plan: t={c.t} d={c.d} w={c.w} b={c.b} m={self.num_micro_batches} "
-                f"recompute={'on' if c.recompute else 'off'} schedule={c.schedule}{split} "
+                f"recompute={recompute} schedule={c.schedule}{split} "
                 f"distributed-optimizer={'on' if c.distributed_optimizer else 'off'}: "
                 f"{ev.samples_per_sec:.1f} samples/s predicted, {ev.memory_bytes_per_gpu / GiB:.2f} GiB/GPU "
                 f"on {self.cluster.name}; costs from {self.costs.source}")
@@ -168,7 +178,7 @@ def auto_plan_details(
     tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULE_NAMES, recompute_options=(False, True),
     warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None, fp32_grads: bool | None = None,
     distributed_optimizer_options: tuple[bool, ...] = (False, True), compensation: str = "none",
-    memory_margin: float = DEFAULT_MEMORY_MARGIN,
+    memory_margin: float = DEFAULT_MEMORY_MARGIN, recompute_policies: tuple[RecomputePolicy, ...] = FINER_RECOMPUTE,
 ) -> AutoPlan:
     """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
     from .profiler import resolve_device  # noqa: PLC0415
@@ -182,11 +192,12 @@ def auto_plan_details(
     request = PlanRequest(model_cfg, cl, num_gpus, global_batch, precision, max_micro_batch_size=max_micro_batch_size,
                           schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
                           distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation,
-                          memory_margin=memory_margin)
+                          memory_margin=memory_margin, recompute_policies=tuple(recompute_policies))
     result = search(request, costs)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
-                               c.schedule, c.layer_split, c.distributed_optimizer), c.num_micro_batches, result, costs, cl,
+                               c.schedule, c.layer_split, c.distributed_optimizer, c.recompute_policy),
+                    c.num_micro_batches, result, costs, cl,
                     str(profile_path) if profile_path is not None else None, here)
     (log_fn or log.info)(plan.describe())
     return plan

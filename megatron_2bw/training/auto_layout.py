@@ -58,12 +58,17 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
     opt = optimizer_config(args)
     # --use-distributed-optimizer given: the planner keeps it; otherwise it may choose it
     sharding = (True,) if opt.use_distributed_optimizer else (False, True)
+    # --recompute-granularity given: it applies to whatever layout is chosen, so the planner searches neither
+    # whole-stage recomputation (the two exclude each other) nor other policies (its memory is over-counted)
+    user_policy = getattr(args, "recompute_granularity", None) is not None
+    finer = {"recompute_options": (False,), "recompute_policies": ()} if user_policy else {}
     choice = auto_plan(model, world, args.global_batch_size, cluster=args.cluster, profile_path=path,
                        device=device, precision=precision_of(args), fp32_grads=opt.fp32_grads,
                        distributed_optimizer_options=sharding,
-                       compensation=getattr(args, "2bw_compensation", None) or "none")
+                       compensation=getattr(args, "2bw_compensation", None) or "none", **finer)
+    inner = f" +recompute {choice.recompute_policy.label}" if choice.recompute_policy else ""
     log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s%s", choice.t,
-             choice.d, choice.w, choice.b, " +recompute" if choice.recompute else "", choice.schedule,
+             choice.d, choice.w, choice.b, " +recompute" if choice.recompute else inner, choice.schedule,
              format_split(choice.split) if choice.split else "even",
              ", distributed optimizer" if choice.distributed_optimizer else "")
     return choice.layout, tokenizer
