@@ -72,7 +72,11 @@ class ScheduleSpec:
         return 1
 
     def inflight(self, d: int, r: int, m: int) -> int:
-        """Most microbatches stage ``r`` holds forwarded but not backwarded (activation stashes)."""
+        """Most microbatches stage ``r`` holds forwarded but not backwarded (activation stashes).
+
+        Counted as the checker counts them, per FORWARD action: with ``chunks`` > 1 in chunk-microbatches
+        (each ``1/chunks`` of the rank's stash; the planner converts), and with a split backward until the
+        input gradient (what waits for W is ``deferred_weight_grads``)."""
         return min(d - r, m)
 
     def bubble(self, d: int, m: int) -> float:

@@ -8,6 +8,11 @@ planner's fastest power of two that divides the batch), and the published TFLOP/
 samples/s with the source's own FLOP count (Megatron's Eq. 3, which counts the recomputed forward).
 ``docs/planner.md`` section 7 prints the table; ``tests/test_planner_calibration.py`` holds every
 run within ``TOLERANCE``.
+
+``published.json``'s ``schedule_ratios`` hold runs that measured several schedules on one layout (the
+Zero Bubble paper's ZB-1p and ZB-2p beside 1F1B): the planner predicts each schedule's throughput over
+Flush's on that layout, compared with the published ratio (section 7.1, ``tools/plan.py
+--schedule-calibration``).
 """
 
 from __future__ import annotations

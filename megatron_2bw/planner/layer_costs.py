@@ -60,7 +60,10 @@ Profile JSON (``--profile FILE``), one entry per (tensor-parallel size, microbat
 
 Per block: ``forward_s``/``backward_s`` are seconds for one microbatch on one GPU (a profiler at
 ``t > 1`` measures them including the tensor-parallel all-reduces and writes
-``tp_allreduce_*_bytes = 0``); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
+``tp_allreduce_*_bytes = 0``); optional ``backward_weight_s`` (the weight-gradient GEMMs inside
+``backward_s``, what a split backward's W runs; absent: half the backward) and
+``weight_grad_stash_bytes`` (what a deferred weight gradient keeps: the weight GEMMs' inputs and output
+gradients; absent: the whole stash); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
 forward keeps for the backward, including the block's input; ``input_bytes``/``output_bytes`` the
 tensors crossing its boundaries; ``workspace_bytes`` the extra peak while it runs. The search only
 considers the (t, b) pairs a profile has.

@@ -7,8 +7,9 @@ number of layers (``balance_stages``, the default: each candidate gets the split
 planner); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
 power-of-two microbatch ``b`` up to a limit, recomputation on and off (plus, when asked,
 ``recompute_policies`` inside stages: ``FINER_RECOMPUTE``), each schedule of the registry
-(``pipeline/schedules.py``), and with ``w > 1`` the optimizer replicated or distributed (ZeRO-1:
-less memory, a shorter optimizer step). Gradients accumulate in the precision's default
+(``pipeline/schedules.py``, priced through its ``ScheduleSpec``: ``bubble_time``, ``chunks``,
+``inflight``, ``deferred_weight_grads``, never by name; see ``cost_model``), and with ``w > 1`` the
+optimizer replicated or distributed (ZeRO-1: less memory, a shorter optimizer step). Gradients accumulate in the precision's default
 (``memory_model.fp32_grads_for``: fp32 for bf16, fp16 for fp16) unless ``fp32_grads`` says
 otherwise. The number of microbatches per batch is fixed by the global batch, ``m = B / (b*w)``: a
 ``b`` that does not divide it is skipped, and so is a schedule that needs more microbatches
