@@ -262,8 +262,16 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     passes = 2 if cand.recompute else 1  # our engine recomputes the whole stage, embedding and head included
     lay, emb, head = costs.layer, costs.embedding, costs.head
     blocks = [(lay, part.num_layers)] + ([(emb, 1)] if part.embedding else []) + ([(head, 1)] if part.head else [])
-    compute = sum(n * (passes * b.forward_s + b.backward_s) for b, n in blocks)
-    tp_bytes = sum(n * (passes * b.tp_allreduce_forward_bytes + b.tp_allreduce_backward_bytes) for b, n in blocks)
+    fwd = bwd = wgrad = 0.0
+    tp_forward = tp_backward = 0
+    for blk, n in blocks:
+        fwd += n * blk.forward_s
+        bwd += n * blk.backward_s
+        wgrad += n * blk.weight_grad_s
+        tp_forward += n * blk.tp_allreduce_forward_bytes
+        tp_backward += n * blk.tp_allreduce_backward_bytes
+    compute = passes * fwd + bwd
+    tp_bytes = passes * tp_forward + tp_backward
     extra_s, extra_tp = inner_recompute_cost(costs, part.num_layers, cand.recompute_policy)
     compute += extra_s
     tp_bytes += extra_tp
@@ -280,9 +288,7 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     p2p = p2p_time(in_bytes, out_bytes, in_bandwidth, out_bandwidth)
     tensor_comm = ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster))
     # the forward's share: one forward pass, its all-reduces (the ring is linear in bytes), the activations' half of p2p
-    tp_forward = sum(n * b.tp_allreduce_forward_bytes for b, n in blocks)
-    forward = (sum(n * b.forward_s for b, n in blocks) + (tensor_comm * tp_forward / tp_bytes if tp_bytes else 0.0)
-               + p2p / 2)
+    forward = fwd + (tensor_comm * tp_forward / tp_bytes if tp_bytes else 0.0) + p2p / 2
     params = slice_params(costs, part)
     allreduce = gradient_sync_time(params, cand, cluster, param_bytes)
     if part.embedding or part.head:
@@ -295,7 +301,7 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
         allreduce_s=allreduce,
         optimizer_s=optimizer_numel(params, cand) * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
         forward_s=forward,
-        weight_grad_s=sum(n * b.weight_grad_s for b, n in blocks),
+        weight_grad_s=wgrad,
     )
 
 

@@ -286,11 +286,13 @@ def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageS
     ``1/chunks`` of the rank's stash, and with recomputation its chunk's input; the one being recomputed
     rebuilds one chunk. Deferred weight gradients add their GEMM inputs and output gradients."""
     d, m = cand.pipeline_parallel, cand.num_micro_batches
-    n = in_flight(cand.schedule, d, m, stage)
-    chunks = chunks_of(cand.schedule)
+    if cand.schedule == SEQUENTIAL:
+        n, chunks, waiting = 1, 1, 0
+    else:
+        spec = get_schedule(cand.schedule)
+        n, chunks, waiting = spec.inflight(d, stage, m), spec.chunks, spec.deferred_weight_grads(d, stage, m)
     layers, transient = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
     edge = _edge_bytes(costs, part)
-    waiting = deferred(cand.schedule, d, m, stage)
     held = round(rank_units(waiting, chunks) * _deferred_bytes(costs, part)) if waiting else 0
     if cand.recompute:
         # A_input: what the stage received (the first stage: the token ids)
