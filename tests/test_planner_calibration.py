@@ -124,6 +124,8 @@ def test_zero_bubble_ratios_within_tolerance(name):
                                                        row.run.published_ratio(schedule))
         assert row.predicted[schedule] > 1.0  # every published ZB run beat 1F1B
     assert row.predicted["zb-2p"] >= row.predicted["zb-1p"]
+    # Table 4's memory of 1F1B (GB per GPU) against the memory model's fullest stage of the same layout
+    assert abs(row.memory_gb["1f1b"] / row.run.published_memory_gb["1f1b"] - 1) <= TOLERANCE
 
 
 def test_zero_bubble_layouts_as_published():
@@ -153,6 +155,7 @@ def test_zero_bubble_ratios_use_the_registry_once_registered(monkeypatch):
             monkeypatch.setitem(SCHEDULES, ours, _Spec(ours, split_backward=True))
     after = predict_schedule_ratios(run)
     assert set(after.priced_by.values()) == {"registry"}
+    assert set(after.memory_gb) == {"1f1b", *ZB_SCHEDULES}  # registered specs get their memory priced too
     if set(before.priced_by.values()) == {"formula"}:  # the same formulas give the same ratios either way
         assert after.predicted == pytest.approx(before.predicted, rel=1e-12)
 

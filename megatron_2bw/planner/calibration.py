@@ -18,7 +18,7 @@ Flush's on that layout, compared with the published ratio (section 7.1, ``tools/
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..pipeline.recompute_policy import RecomputePolicy
 from .hardware import GiB, load_cluster
 from .layer_costs import analytic_layer_costs
-from .memory_model import Candidate
+from .memory_model import Candidate, ParamBytes, plan_memory
 from .search import Evaluated, PlanRequest, evaluate, micro_batch_sizes
 from .cost_model import predict
 
@@ -241,6 +241,7 @@ class ScheduleRatioRun:
     recompute: str
     flash_attention: bool
     published: dict[str, float]  # the source's schedule name -> samples per GPU per second
+    published_memory_gb: dict[str, float] = field(default_factory=dict)  # the same -> GB (1e9 bytes) per GPU
 
     @property
     def layer_split(self) -> tuple[int, ...]:
@@ -271,7 +272,8 @@ def load_schedule_ratios(path: str | Path = PUBLISHED) -> tuple[dict[str, str], 
         runs.append(ScheduleRatioRun(r["name"], r["source"], model, get("cluster"), get("precision"),
                                      r["pipeline_parallel"], r["num_gpus"], r["micro_batch_size"],
                                      r["num_micro_batches"], get("recompute"), bool(get("flash_attention")),
-                                     {k: float(v) for k, v in r["samples_per_gpu_per_sec"].items()}))
+                                     {k: float(v) for k, v in r["samples_per_gpu_per_sec"].items()},
+                                     {k: float(v) for k, v in r.get("memory_GB", {}).items()}))
     return data["sources"], runs
 
 
@@ -283,6 +285,9 @@ class ScheduleRatioRow:
     flush_samples_per_gpu: float       # predicted 1F1B samples per GPU per second
     predicted: dict[str, float]        # the source's schedule name -> predicted ratio to 1F1B
     priced_by: dict[str, str]          # "registry" (the spec's bubble_time) or "formula" (the fallback)
+    # the source's schedule name -> predicted GB (1e9 bytes) on the fullest GPU: 1F1B always, the others
+    # only once their specs are registered (their stashes and deferred weight gradients come from the spec)
+    memory_gb: dict[str, float] = field(default_factory=dict)
 
     def error(self, schedule: str) -> float:
         """Predicted over published ratio, less 1."""
@@ -300,13 +305,19 @@ def predict_schedule_ratios(run: ScheduleRatioRun) -> ScheduleRatioRow:
     cand = Candidate(1, run.pipeline_parallel, 1, run.micro_batch_size, run.num_micro_batches, stage, "flush",
                      layer_split=run.layer_split, recompute_policy=policy)
     L = run.model.num_layers
+    pb = ParamBytes.for_precision(run.precision)
     flush = predict(costs, cand, L, cluster)
-    predicted, how = {}, {}
+
+    def gb(c: Candidate) -> float:
+        return max(s.total for s in plan_memory(costs, c, L, pb)) / 1e9
+
+    predicted, how, memory = {}, {}, {BASELINE: gb(cand)}
     for theirs, ours in ZB_SCHEDULES.items():
         if theirs not in run.published:
             continue
         if ours in SCHEDULES:
             batch = predict(costs, replace(cand, schedule=ours), L, cluster).batch_s
+            memory[theirs] = gb(replace(cand, schedule=ours))
             how[theirs] = "registry"
         else:
             slowest = max(flush.stages, key=lambda s: s.microbatch_s)
@@ -314,7 +325,7 @@ def predict_schedule_ratios(run: ScheduleRatioRun) -> ScheduleRatioRow:
             batch = flush.batch_s - flush.bubble_s + zb_formula_bubble(ours, d, m, *slowest.fbw)
             how[theirs] = "formula"
         predicted[theirs] = flush.batch_s / batch
-    return ScheduleRatioRow(run, flush.samples_per_sec / run.num_gpus, predicted, how)
+    return ScheduleRatioRow(run, flush.samples_per_sec / run.num_gpus, predicted, how, memory)
 
 
 def schedule_ratio_calibration(runs: Iterable[ScheduleRatioRun] | None = None) -> list[ScheduleRatioRow]:
@@ -326,17 +337,25 @@ def format_schedule_ratios(rows: list[ScheduleRatioRow]) -> str:
     """The predicted-vs-published ratio table (docs/planner.md section 7)."""
     names = list(ZB_SCHEDULES)
     head = " ".join(f"{n + ' pub/pred':>16}" for n in names)
-    lines = [f"{'run':<14} {'p':>3} {'b':>2} {'m':>4} {'1F1B/GPU pub/pred':>18} {head}"]
+    mem_head = " ".join(f"{n + ' GB':>11}" for n in [BASELINE, *names])
+    lines = [f"{'run':<14} {'p':>3} {'b':>2} {'m':>4} {'1F1B/GPU pub/pred':>18} {head}  {mem_head}"]
     for r in rows:
         run = r.run
         cells = " ".join(f"{run.published_ratio(n):>7.3f}/{r.predicted[n]:<7.3f}"
                          + ("*" if abs(r.error(n)) > TOLERANCE else " ") for n in names if n in r.predicted)
+        mems = " ".join(f"{_num(run.published_memory_gb.get(n), '.0f'):>5}/{_num(r.memory_gb.get(n), '.1f'):<5}"
+                        for n in [BASELINE, *names])
         lines.append(f"{run.name:<14} {run.pipeline_parallel:>3} {run.micro_batch_size:>2} {run.num_micro_batches:>4} "
-                     f"{run.published[BASELINE]:>8.2f}/{r.flush_samples_per_gpu:<9.2f} {cells}")
+                     f"{run.published[BASELINE]:>8.2f}/{r.flush_samples_per_gpu:<9.2f} {cells}  {mems}")
     via = sorted({v for r in rows for v in r.priced_by.values()})
     lines.append(f"ratios to 1F1B (Flush) throughput ({'*'}: outside {TOLERANCE:.0%}); ZB-1p priced as zb-h1, "
-                 f"ZB-2p as zb-h2, by {' and '.join('the registry' if v == 'registry' else 'the fallback formula' for v in via)}")
+                 f"ZB-2p as zb-h2, by {' and '.join('the registry' if v == 'registry' else 'the fallback formula' for v in via)}; "
+                 "GB (1e9 bytes) per GPU published/predicted (-: the spec is not registered)")
     return "\n".join(lines)
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def schedule_ratios_json(rows: list[ScheduleRatioRow]) -> list[dict[str, Any]]:
@@ -344,5 +363,7 @@ def schedule_ratios_json(rows: list[ScheduleRatioRow]) -> list[dict[str, Any]]:
              "micro_batch_size": r.run.micro_batch_size, "num_micro_batches": r.run.num_micro_batches,
              "published_1f1b_samples_per_gpu": r.run.published[BASELINE],
              "predicted_1f1b_samples_per_gpu": round(r.flush_samples_per_gpu, 3),
+             "memory_GB": {n: {"published": r.run.published_memory_gb.get(n), "predicted": round(v, 2)}
+                           for n, v in r.memory_gb.items()},
              "ratios": {n: {"published": round(r.run.published_ratio(n), 4), "predicted": round(r.predicted[n], 4),
                             "priced_by": r.priced_by[n]} for n in r.predicted}} for r in rows]
