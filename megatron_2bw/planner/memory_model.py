@@ -200,16 +200,6 @@ def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     return 1 if schedule == SEQUENTIAL else get_schedule(schedule).inflight(d, stage, m)
 
 
-def chunks_of(schedule: str) -> int:
-    """Model chunks per rank (``ScheduleSpec.chunks``; the sequential baseline: 1)."""
-    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).chunks
-
-
-def deferred(schedule: str, d: int, m: int, stage: int) -> int:
-    """Microbatch-chunks whose weight gradient waits on stage ``stage`` at its peak (split backward only)."""
-    return 0 if schedule == SEQUENTIAL else get_schedule(schedule).deferred_weight_grads(d, stage, m)
-
-
 def rank_units(count: int, chunks: int) -> float:
     """``count`` chunk-microbatches as whole-rank microbatches (the module docstring); exact for one chunk."""
     return count if chunks == 1 else count / chunks
