@@ -589,6 +589,9 @@ class SystemConfig:
     timeout_minutes: float = 10.0
     fused_kernels: str = "auto"
     stall_timeout_s: float = 45.0  # name a rank that stops making progress this long (0: off)
+    # --use-cpu-initialization: full weights drawn on the CPU and split (layout-independent); off
+    # (Megatron's default): each rank draws its own shards on its device (tensor_parallel/init.py)
+    use_cpu_initialization: bool = False
 
     def __post_init__(self) -> None:
         from .training.watchdog import check_stall_timeout  # noqa: PLC0415 - imports no torch at module level
