@@ -104,6 +104,28 @@ def test_a_snapshot_state_dict_still_copies():
     assert sd["optimizer"]["exp_avg"].data_ptr() != stage.updater.optimizer.exp_avg.data_ptr()
 
 
+def test_a_torch_format_resume_reads_the_file_in_place(tmp_path):
+    """The file is memory-mapped and each state family is a view of it, copied once into the live
+    buffers: a resume allocates no second copy of the state (before: the file in RAM, then every family
+    concatenated into a new flat buffer, 2x the state). The restored state equals the saved one."""
+    saved = _stage(ParallelState.single())
+    state = ParallelState.single()
+    ck.save(str(tmp_path), 2, state, lambda: _payload(saved))
+    fresh = _stage(state)  # the same two steps: perturbed, so that the restore has to write every value
+    for f in fresh.weights.flat:
+        f.add_(1.0)
+    sd = ck.load_rank_file(str(tmp_path), 2, 1, 1, 0, 0)
+    path = ck.checkpoint_path(str(tmp_path), 2, 0, 0, 1)
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        assert path in f.read()  # the tensors are the file's pages
+    with Allocations() as alloc:
+        ck.restore(sd, fresh, fresh.rng, CPU)
+    assert alloc.total < 0.02 * _state_bytes(saved), alloc.by_op
+    assert all(torch.equal(a, b) for a, b in zip(fresh.weights.flat, saved.weights.flat))
+    assert torch.equal(fresh.updater.master, saved.updater.master)
+    assert torch.equal(fresh.updater.optimizer.exp_avg_sq, saved.updater.optimizer.exp_avg_sq)
+
+
 def _zero_case() -> dict:
     rank, w = dist.get_rank(), dist.get_world_size()
     state = build_state(1, 1, w, CPU)
