@@ -197,6 +197,34 @@ def test_memory_model_counts_the_save_buffer_and_refuses_a_plan_it_does_not_fit(
     assert small.save == 0  # w = 1: nothing to gather
 
 
+def test_memory_model_counts_the_async_save_host_copy():
+    """``--async-save``'s host buffers hold one copy of what the rank writes: the model's ``host_save``
+    equals the staging buffers a real save allocates (bf16 2BW Adam: two versions, master, moments =
+    16 B/param), is 1/w of that per replica, and stays out of the device total."""
+    from dataclasses import replace
+
+    from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
+    from megatron_2bw.planner.memory_model import Candidate, ParamBytes, async_save_host_bytes, stage_memory
+    from megatron_2bw.training import dist_checkpoint as dc
+
+    stage = _stage(ParallelState.single())
+    writer = dc.AsyncWriter()
+    writer.staging.stage(dc.save_chunks(stage, stage.spec.cfg))
+    real = sum(b.numel() * b.element_size() for b in writer.staging.buffers.values())
+    one = Candidate(1, 1, 1, 1, 2, False, "2bw", async_save=True)
+    bf16 = ParamBytes.for_precision("bf16")
+    assert async_save_host_bytes(stage.weights.numel, one, bf16) == real == 16 * stage.weights.numel
+
+    costs = MicrobatchCosts(
+        layer=BlockCost(1.0, 2.0, params=1 << 20, stash_bytes=1000, input_bytes=100, output_bytes=100),
+        embedding=BlockCost(0.0, 0.0, params=0, stash_bytes=0, input_bytes=0, output_bytes=100),
+        head=BlockCost(0.5, 1.0, params=0, stash_bytes=0, input_bytes=100, output_bytes=0))
+    base = Candidate(1, 2, 2, 1, 2, False, "2bw", distributed_optimizer=True)
+    plain, copy = stage_memory(costs, base, 4, 0, bf16), stage_memory(costs, replace(base, async_save=True), 4, 0, bf16)
+    assert plain.host_save == 0 and copy.host_save == (2 << 20) // 2 * 16  # 2 layers per stage, w = 2
+    assert copy.total == plain.total  # host memory: not the device's
+
+
 def test_checkpoint_format_flags_are_validated():
     """``--ckpt-format`` takes Megatron's names; ``--async-save`` needs torch_dist and --save (one line each)."""
     import pytest
