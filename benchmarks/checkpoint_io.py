@@ -1,6 +1,8 @@
 """Checkpoint I/O at size (issue 21): save and resume time and peak host memory, torch vs torch_dist.
 
     python benchmarks/checkpoint_io.py --size 150 --json out.json     # ~150M parameters, d = 2 on CPU
+    python benchmarks/checkpoint_io.py --size 1000 --hidden 2048 --dir SCRATCH --json out.json
+        # the issue's 1.01B (18 layers): about 64 GiB of RAM and 60 GB of disk under SCRATCH
 
 A GPT of about ``--size`` million parameters (hidden 768 or ``--hidden``, 50257-token vocabulary,
 as many layers as the size allows) runs as a d = 2 pipeline (2 processes, 2BW, bf16 weights,
