@@ -220,7 +220,7 @@ def _to(mods: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> None:
         return t if t.is_meta else t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
     for m in mods.modules():
-        for k, p in m._parameters.items():
+        for p in m._parameters.values():
             if p is not None and not p.is_meta:
                 with torch.no_grad():
                     p.data = move(p.data)

@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,11 @@ from .files import COMMON, DATA_RE, FORMAT, METADATA, rng_key
 from .planners import SavePlanner
 from .shard_map import Chunk, save_chunks
 
-if TYPE_CHECKING:
-    from .async_writer import AsyncWriter
+
+class BackgroundWriter(Protocol):
+    """What :func:`save` hands an asynchronous save to (``async_writer.AsyncWriter``, which imports this module)."""
+
+    def start(self, root: str, iteration: int, chunks: list[Chunk], objects: dict, group) -> None: ...
 
 
 def _publish(root: str, iteration: int, tmp: str, entries: dict) -> str:
@@ -136,7 +139,7 @@ def _objects(stage, tracker, common: dict) -> dict:
     return out
 
 
-def save(root: str, iteration: int, stage, tracker, common: dict, writer: AsyncWriter | None = None) -> str:
+def save(root: str, iteration: int, stage, tracker, common: dict, writer: BackgroundWriter | None = None) -> str:
     """Write this iteration's torch_dist checkpoint (every rank calls it, at a drained boundary).
 
     With ``writer`` (``--async-save``) the chunks are copied to host memory here and written in the
