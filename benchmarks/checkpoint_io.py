@@ -1,6 +1,8 @@
 """Checkpoint I/O at size (issue 21): save and resume time and peak host memory, torch vs torch_dist.
 
     python benchmarks/checkpoint_io.py --size 150 --json out.json     # ~150M parameters, d = 2 on CPU
+    python benchmarks/checkpoint_io.py --size 1000 --hidden 2048 --dir SCRATCH --json out.json
+        # the issue's 1.01B (18 layers): about 64 GiB of RAM and 60 GB of disk under SCRATCH
 
 A GPT of about ``--size`` million parameters (hidden 768 or ``--hidden``, 50257-token vocabulary,
 as many layers as the size allows) runs as a d = 2 pipeline (2 processes, 2BW, bf16 weights,
@@ -39,6 +41,30 @@ def _reset_peak() -> int:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
     return _kib("VmRSS")
+
+
+class _AnonPeak:
+    """The peak of anonymous RSS (``RssAnon``: the heap, not the pages of a memory-mapped file, which the
+    kernel can drop) sampled every millisecond by a thread while a block runs; VmHWM counts both."""
+
+    def __enter__(self) -> "_AnonPeak":
+        import threading
+
+        self.start = self.peak = _kib("RssAnon")
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, _kib("RssAnon"))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _kib("RssAnon"))
 
 
 def _build(conf: dict):
@@ -132,15 +158,18 @@ def resume_worker(conf: dict, fmt: str) -> dict:
     it = ck.read_tracker(root)
     rss0 = _reset_peak()
     t0 = time.perf_counter()
-    if fmt == "torch":
-        sd = ck.load_rank_file(root, it, 1, conf["d"], 0, state.pp_rank)
-    else:
-        sd = dc.read_checkpoint(root, it, state.rank, state.world_size, (1, conf["d"], 1, None))
-    ck.restore(sd, stage, tracker, state.device)
-    del sd
+    with _AnonPeak() as anon:
+        if fmt == "torch":
+            sd = ck.load_rank_file(root, it, 1, conf["d"], 0, state.pp_rank)
+        else:
+            sd = dc.read_checkpoint(root, it, state.rank, state.world_size, (1, conf["d"], 1, None))
+        ck.restore(sd, stage, tracker, state.device)
+        peak = _kib("VmHWM")
+        del sd
     dt = time.perf_counter() - t0
-    return {"rank": state.rank, "resume_s": dt, "rss_before": rss0, "peak_added_bytes": _kib("VmHWM") - rss0,
-            "peak_bytes": _kib("VmHWM"), "state_bytes": _state_bytes(stage), "step": stage.step}
+    return {"rank": state.rank, "resume_s": dt, "rss_before": rss0, "peak_added_bytes": peak - rss0,
+            "peak_bytes": peak, "anon_peak_added_bytes": anon.peak - anon.start, "state_bytes": _state_bytes(stage),
+            "step": stage.step}
 
 
 def model_for(size_m: float, hidden: int, vocab: int = 50257, seq: int = 128) -> dict:
@@ -174,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                    "steps_lost": s["pause_s"] / r["step_s"],
                    "save_peak_added_over_state": s["peak_added_bytes"] / state,
                    "resume_s": res["resume_s"], "resume_peak_added_over_state": res["peak_added_bytes"] / state,
+                   "resume_anon_peak_added_over_state": res["anon_peak_added_bytes"] / state,
                    "resume_peak_over_state": res["peak_bytes"] / state}
             if "write_s" in s:
                 row.update(write_s=s["write_s"], overlapped_step_s=s["overlapped_step_s"],

@@ -276,6 +276,7 @@ def system_config(args: argparse.Namespace, cuda_available: bool | None = None) 
         _require(cuda_available or args.device == "auto", "--device cuda but no CUDA device is available")
         device = "cuda" if cuda_available else "cpu"
     rest = {k: v for k, v in _fields(args, "system").items() if k not in ("device", "backend")}
+    rest["use_cpu_initialization"] = bool(_switched(args, "system.use_cpu_initialization"))
     return SystemConfig(device, args.distributed_backend or ("nccl" if device == "cuda" else "gloo"), **rest)
 
 

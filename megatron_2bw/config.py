@@ -261,7 +261,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "muon")  # optimizer/flat.py, optimizer/muon.py
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
 COMPENSATIONS = ("none", "predict", "dc", "ef")  # 2BW stale-gradient compensation (pipeline/compensation.py)
-CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint.py)
+CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint/)
 # elements per message when the distributed optimizer's state is gathered for a torch-format save: the
 # only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
 CKPT_GATHER_CHUNK = 1 << 24
@@ -589,6 +589,9 @@ class SystemConfig:
     timeout_minutes: float = 10.0
     fused_kernels: str = "auto"
     stall_timeout_s: float = 45.0  # name a rank that stops making progress this long (0: off)
+    # --use-cpu-initialization: full weights drawn on the CPU and split (layout-independent); off
+    # (Megatron's default): each rank draws its own shards on its device (tensor_parallel/init.py)
+    use_cpu_initialization: bool = False
 
     def __post_init__(self) -> None:
         from .training.watchdog import check_stall_timeout  # noqa: PLC0415 - imports no torch at module level

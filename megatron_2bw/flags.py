@@ -293,8 +293,9 @@ FLAGS: tuple[Flag, ...] = (
          help="accepted (Megatron): bias and GeLU are never fused here (see --fused-kernels)"),
     Flag("--no-bias-dropout-fusion", None, SYS, const=True,
          help="accepted (Megatron): bias, dropout and residual are never fused here"),
-    Flag("--use-cpu-initialization", None, SYS, const=True,
-         help="accepted (Megatron): weights are always initialized on the CPU, identical for every layout"),
+    Flag("--use-cpu-initialization", "system.use_cpu_initialization", SYS, const=True,
+         help="draw every full weight on the CPU from the seed and split it: the same model at every layout "
+              "(default: each rank draws only its own shards, on its device, from its own stream)"),
     Flag("--overlap-grad-reduce", None, SYS, const=True,
          help="accepted (Megatron): gradient reductions are always issued asynchronously and overlapped"),
     Flag("--overlap-param-gather", None, SYS, const=True,

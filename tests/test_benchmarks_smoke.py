@@ -175,6 +175,18 @@ def test_muon_throughput_quick(tmp_path):
     assert tp["max_rel_diff_gather_vs_distributed"] < 0.1
 
 
+def test_init_memory_quick(tmp_path):
+    import init_memory
+
+    out = tmp_path / "init.json"
+    assert init_memory.main(["--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["d1 cpu-init", "t2 rank0 per-partition"]
+    whole, shard = rows
+    assert 0.4 < shard["params"] / whole["params"] < 0.6  # a tensor rank builds about half the model
+    assert all(r["host_peak_added_bytes"] > 0 and r["buffer_bytes"] > 0 for r in rows)
+
+
 def test_benchmarks_doc_answers_from_every_saved_run():
     """docs/benchmarks.md opens with the user's questions, each figure beside its stage-split ceiling and its JSON;
     a target an older run missed and a newer one meets is judged by the newer (issue 19)."""

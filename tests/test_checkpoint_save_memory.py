@@ -104,6 +104,28 @@ def test_a_snapshot_state_dict_still_copies():
     assert sd["optimizer"]["exp_avg"].data_ptr() != stage.updater.optimizer.exp_avg.data_ptr()
 
 
+def test_a_torch_format_resume_reads_the_file_in_place(tmp_path):
+    """The file is memory-mapped and each state family is a view of it, copied once into the live
+    buffers: a resume allocates no second copy of the state (before: the file in RAM, then every family
+    concatenated into a new flat buffer, 2x the state). The restored state equals the saved one."""
+    saved = _stage(ParallelState.single())
+    state = ParallelState.single()
+    ck.save(str(tmp_path), 2, state, lambda: _payload(saved))
+    fresh = _stage(state)  # the same two steps: perturbed, so that the restore has to write every value
+    for f in fresh.weights.flat:
+        f.add_(1.0)
+    sd = ck.load_rank_file(str(tmp_path), 2, 1, 1, 0, 0)
+    path = ck.checkpoint_path(str(tmp_path), 2, 0, 0, 1)
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        assert path in f.read()  # the tensors are the file's pages
+    with Allocations() as alloc:
+        ck.restore(sd, fresh, fresh.rng, CPU)
+    assert alloc.total < 0.02 * _state_bytes(saved), alloc.by_op
+    assert all(torch.equal(a, b) for a, b in zip(fresh.weights.flat, saved.weights.flat))
+    assert torch.equal(fresh.updater.master, saved.updater.master)
+    assert torch.equal(fresh.updater.optimizer.exp_avg_sq, saved.updater.optimizer.exp_avg_sq)
+
+
 def _zero_case() -> dict:
     rank, w = dist.get_rank(), dist.get_world_size()
     state = build_state(1, 1, w, CPU)
@@ -173,6 +195,34 @@ def test_memory_model_counts_the_save_buffer_and_refuses_a_plan_it_does_not_fit(
     assert zero.total == static + zero.save  # ... so a device of less than this refuses the plan
     small = stage_memory(big, replace(base, distributed_optimizer=True, data_parallel=1), 4, 0)
     assert small.save == 0  # w = 1: nothing to gather
+
+
+def test_memory_model_counts_the_async_save_host_copy():
+    """``--async-save``'s host buffers hold one copy of what the rank writes: the model's ``host_save``
+    equals the staging buffers a real save allocates (bf16 2BW Adam: two versions, master, moments =
+    16 B/param), is 1/w of that per replica, and stays out of the device total."""
+    from dataclasses import replace
+
+    from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
+    from megatron_2bw.planner.memory_model import Candidate, ParamBytes, async_save_host_bytes, stage_memory
+    from megatron_2bw.training import dist_checkpoint as dc
+
+    stage = _stage(ParallelState.single())
+    writer = dc.AsyncWriter()
+    writer.staging.stage(dc.save_chunks(stage, stage.spec.cfg))
+    real = sum(b.numel() * b.element_size() for b in writer.staging.buffers.values())
+    one = Candidate(1, 1, 1, 1, 2, False, "2bw", async_save=True)
+    bf16 = ParamBytes.for_precision("bf16")
+    assert async_save_host_bytes(stage.weights.numel, one, bf16) == real == 16 * stage.weights.numel
+
+    costs = MicrobatchCosts(
+        layer=BlockCost(1.0, 2.0, params=1 << 20, stash_bytes=1000, input_bytes=100, output_bytes=100),
+        embedding=BlockCost(0.0, 0.0, params=0, stash_bytes=0, input_bytes=0, output_bytes=100),
+        head=BlockCost(0.5, 1.0, params=0, stash_bytes=0, input_bytes=100, output_bytes=0))
+    base = Candidate(1, 2, 2, 1, 2, False, "2bw", distributed_optimizer=True)
+    plain, copy = stage_memory(costs, base, 4, 0, bf16), stage_memory(costs, replace(base, async_save=True), 4, 0, bf16)
+    assert plain.host_save == 0 and copy.host_save == (2 << 20) // 2 * 16  # 2 layers per stage, w = 2
+    assert copy.total == plain.total  # host memory: not the device's
 
 
 def test_checkpoint_format_flags_are_validated():

@@ -83,7 +83,24 @@ def flatten(named: dict[str, torch.Tensor], order: list[str], sizes: list[int], 
         if named[n].numel() != size:
             raise ConfigError(f"checkpoint file {path} has {named[n].numel()} values of {what} {n} but this stage "
                               f"has {size} (another model or layout?)")
-    return torch.cat([named[n].reshape(-1) for n in order])
+    parts = [named[n] for n in order]
+    view = _flat_view(parts)
+    return view if view is not None else torch.cat([t.reshape(-1) for t in parts])
+
+
+def _flat_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``parts`` as one flat view when they lie back to back in one storage, as a file saved from the engine's
+    flat buffers holds them: no copy (a memory-mapped file's pages are then read once, by the restore's copy)."""
+    if not parts:
+        return None
+    first = parts[0]
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in parts:
+        if (t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    return torch.as_strided(first, (offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def engine_state(sd: dict, model: ModelConfig, order: list[str], sizes: list[int], local_names: list[str],

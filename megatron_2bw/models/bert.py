@@ -10,16 +10,15 @@ from ..config import ModelConfig
 from ..fused import Kernels, layer_norm
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
-from ..tensor_parallel.init import normal_full
+from ..tensor_parallel.init import Init, parameter
 from .embedding import tied_logits, word_embedding
 
 
 def _linear(cfg: ModelConfig, seed: int, name: str, out_f: int, in_f: int) -> nn.Linear:
-    """A replicated (not tensor-parallel) linear with layout-independent init."""
-    lin = nn.Linear(in_f, out_f)
-    with torch.no_grad():
-        lin.weight.copy_(normal_full((out_f, in_f), cfg.init_method_std, seed, name))
-        lin.bias.zero_()
+    """A replicated (not tensor-parallel) linear, its weight and bias made like the parallel layers'."""
+    lin = nn.Linear(in_f, out_f, device="meta")
+    lin.weight = parameter(Init(name, seed, (out_f, in_f), cfg.init_method_std))
+    lin.bias = parameter(Init(f"{name}.bias", seed, (out_f,)))
     return lin
 
 
@@ -34,7 +33,7 @@ class BertHead(nn.Module):
         self.lm_dense = _linear(cfg, seed, "head.lm_dense", h, h)
         self.lm_ln = layer_norm(h, cfg.layernorm_epsilon, kernels)
         self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
-        self.lm_bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size(tp.size) // tp.size))
+        self.lm_bias = parameter(Init("head.lm_bias", seed, (cfg.padded_vocab_size(tp.size),), None, 0, tp.rank, tp.size))
         self.lm_bias.tensor_parallel = tp.size > 1
         self.pooler = _linear(cfg, seed, "head.pooler", h, h)
         self.sop = _linear(cfg, seed, "head.sop", 2, h)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..tensor_parallel.group import TPGroup
-from ..tensor_parallel.init import normal_full
+from ..tensor_parallel.init import Init, parameter
 from ..tensor_parallel.layers import VocabParallelEmbedding, column_parallel
 from ..tensor_parallel.mappings import seq_shard
 from ..tensor_parallel.random import RNGTracker
@@ -42,12 +42,12 @@ class Embedding(nn.Module):
         self.tp, self.sharded = tp, cfg.sequence_parallel and tp.size > 1
         self.rng = rng
         self.position = (  # None with RoPE: positions enter each attention layer's q and k instead
-            nn.Parameter(normal_full((cfg.max_position_embeddings, cfg.hidden_size), cfg.init_method_std, seed,
-                                     "embedding.position"))
+            parameter(Init("embedding.position", seed, (cfg.max_position_embeddings, cfg.hidden_size),
+                           cfg.init_method_std))
             if cfg.position_embedding_type == "learned_absolute" else None
         )
         self.tokentype = (
-            nn.Parameter(normal_full((cfg.num_tokentypes, cfg.hidden_size), cfg.init_method_std, seed, "embedding.tokentype"))
+            parameter(Init("embedding.tokentype", seed, (cfg.num_tokentypes, cfg.hidden_size), cfg.init_method_std))
             if cfg.num_tokentypes else None
         )
         self.dropout = cfg.hidden_dropout

@@ -11,25 +11,12 @@ from torch import nn
 from ..config import ModelConfig
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
-from ..tensor_parallel.init import normal_full
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 from ..pipeline.recompute import checkpointed
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
 from .norms import norm
 from .rope import RotaryEmbedding, apply_rotary
-
-
-def interleaved_qkv(cfg: ModelConfig, seed: int, name: str) -> torch.Tensor:
-    """Full QKV weight with rows grouped per query group: the group's query heads, its key, its value.
-
-    Without grouped-query attention a group is one head (q, k, v of head 0, then head 1, ...); with
-    it, rows are [groups, heads/groups + 2, head_dim] (Megatron-Core's ``linear_qkv`` order).
-    Splitting the rows into t contiguous blocks gives each tensor rank whole groups, so the dense
-    model (t = 1) and every sharded one use the same numbers.
-    """
-    h, hd = cfg.hidden_size, cfg.head_dim
-    return normal_full(((cfg.num_attention_heads + 2 * cfg.query_groups) * hd, h), cfg.init_method_std, seed, name)
 
 
 class ParallelAttention(nn.Module):
@@ -46,9 +33,13 @@ class ParallelAttention(nn.Module):
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         qkv_out = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         sp = cfg.sequence_parallel
+        # QKV rows grouped per query group: the group's query heads, its key, its value (without
+        # grouped-query attention a group is one head: q, k, v of head 0, then head 1, ...; with it,
+        # [groups, heads/groups + 2, head_dim], Megatron-Core's ``linear_qkv`` order), so t contiguous
+        # row blocks give each tensor rank whole groups
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_out, tp, seed=seed, name=f"{prefix}.qkv", std=cfg.init_method_std,
-            full_weight=interleaved_qkv(cfg, seed, f"{prefix}.qkv"), bias=cfg.add_bias_linear, sequence_parallel=sp,
+            bias=cfg.add_bias_linear, sequence_parallel=sp,
         )
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std,
                                       bias=cfg.add_bias_linear, sequence_parallel=sp)

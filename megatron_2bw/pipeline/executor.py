@@ -107,6 +107,7 @@ class PipelineStage:
         self, build: Callable[[], list[nn.Module]], loss_fn: Callable, state: ParallelState,
         pipe: PipelineConfig, opt: OptimizerConfig, act_shape: tuple[int, ...], *,
         rng_tracker: RNGTracker | None = None, names: GlobalNames = GlobalNames(), faults: FaultInjector | None = None,
+        cpu_init: bool = True,
     ) -> None:
         pipe.check_depth(state.d)
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
@@ -116,6 +117,7 @@ class PipelineStage:
             build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=dtype,
             device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
             grad_dtype=opt.torch_grad_dtype, shards=state.w if opt.use_distributed_optimizer else 1,
+            cpu_init=cpu_init,  # the layout-independent CPU path unless the trainer asks for per-partition
         )
         self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
         bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(self.weights.grad_dtype).bits * 8

@@ -20,6 +20,12 @@ Parameters carry two names: the local one (``"1.attn.qkv.weight"``: index in thi
 list) that checkpoints use to match a stage's buffers, and the global one, the name the
 parameter has in the full single-stage model (``"5.attn.qkv.weight"``), that checkpoint
 payloads and cross-layout comparisons use.
+
+Construction never holds more than the buffers: the stage is built inside ``init.deferred()``, so
+its tensor-parallel weights are meta tensors with an ``Init``, and each is written straight into
+its view of the first buffer on the device (``cpu_init``: the layout-independent CPU path,
+``--use-cpu-initialization``; else each rank draws its own shard there). A further version is a
+copy of the first buffer, its modules a deep copy whose parameters are placeholders.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from ..tensor_parallel import init
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
@@ -74,9 +82,11 @@ class StageWeights:
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
         device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
         names: GlobalNames = GlobalNames(), num_grad_buffers: int | None = None,
-        grad_dtype: torch.dtype | None = None, shards: int = 1,
+        grad_dtype: torch.dtype | None = None, shards: int = 1, cpu_init: bool = True,
     ) -> None:
-        first = nn.ModuleList(build()).to(device=device, dtype=dtype)
+        with init.deferred():
+            first = nn.ModuleList(build())
+        _to(first, device, dtype)
         named = _unique_params(first)
         # decayed matrices first, then vectors (biases, norms): weight decay is one slice
         order = sorted(range(len(named)), key=lambda i: named[i][1].dim() < 2)
@@ -98,13 +108,14 @@ class StageWeights:
         self.partition_dims = [getattr(p, "partition_dim", None) if p.dim() == 2 else None for _, p in named]
         self.tp_split = [bool(getattr(p, "tensor_parallel", False)) for _, p in named]
         self.dtype, self.device, self.num_versions = dtype, device, num_versions
+        self.cpu_init = cpu_init
 
         self.slots: list[nn.ModuleList] = []
         self.flat: list[torch.Tensor] = []
         self.padded_flat: list[torch.Tensor] = []  # the storage behind each ``flat`` (zero tail)
         self.params: list[list[nn.Parameter]] = []
         for v in range(num_versions):
-            self._add_version(first if v == 0 else copy.deepcopy(first), order)
+            self._add_version(first if v == 0 else _placeholder_copy(first), order)
 
         num_grad = num_versions if num_grad_buffers is None else num_grad_buffers
         self.grad_dtype = dtype if grad_dtype is None else grad_dtype
@@ -134,16 +145,32 @@ class StageWeights:
         self.storages = {f.untyped_storage().data_ptr() for f in self.flat + self.grad_flat}
 
     def _add_version(self, mods: nn.ModuleList, order: list[int]) -> None:
-        """Move ``mods``' parameters into one new flat buffer (their values copied, they become views)."""
+        """Move ``mods``' parameters into one new flat buffer (they become views of it): the first
+        version's values copied or made in place (deferred ones), a further version's copied from the first."""
         padded = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        padded[self.numel:].zero_()
-        flat = padded[:self.numel]
         ps = [p for _, p in _unique_params(mods)]
         ps = [ps[i] for i in order]
         with torch.no_grad():
+            if self.flat:
+                padded.copy_(self.padded_flat[0])
+            else:
+                padded[self.numel:].zero_()
+            flat = padded[:self.numel]
+            adopted = {}
             for p, view in zip(ps, self._views(flat)):
-                view.copy_(p.data)
-                p.data = view
+                if not p.is_meta:
+                    view.copy_(p.data)
+                    p.data = view
+                    continue
+                if not self.flat:
+                    init.materialize(p, view, cpu=self.cpu_init)
+                adopted[id(p)] = _adopt(p, view)
+            if adopted:  # a meta tensor cannot take a buffer's view as its data: new Parameter objects
+                for m in mods.modules():
+                    for k, q in m._parameters.items():
+                        if q is not None and id(q) in adopted:
+                            m._parameters[k] = adopted[id(q)]
+                ps = [adopted.get(id(p), p) for p in ps]
         self.slots.append(mods)
         self.flat.append(flat)
         self.padded_flat.append(padded)
@@ -185,6 +212,39 @@ class StageWeights:
     def state_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Global parameter name -> view of ``flat``, a buffer laid out like a version (or a copy of one)."""
         return dict(zip(self.global_names, self._views(flat)))
+
+
+def _to(mods: nn.ModuleList, device: torch.device, dtype: torch.dtype) -> None:
+    """``Module.to(device, dtype)`` for everything but deferred (meta) parameters, which keep only their shape."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_meta else t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+    for m in mods.modules():
+        for p in m._parameters.values():
+            if p is not None and not p.is_meta:
+                with torch.no_grad():
+                    p.data = move(p.data)
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = move(b)
+
+
+def _adopt(p: nn.Parameter, view: torch.Tensor) -> nn.Parameter:
+    """A Parameter over ``view`` with ``p``'s flag and attributes (``tensor_parallel``, ``init``, ...)."""
+    q = nn.Parameter(view, requires_grad=p.requires_grad)
+    q.__dict__.update(p.__dict__)
+    return q
+
+
+def _placeholder_copy(mods: nn.ModuleList) -> nn.ModuleList:
+    """A deep copy of ``mods`` whose parameters are meta placeholders (the new version's values are a
+    copy of the first buffer, so copying the old storage as well would cost a version more)."""
+    memo: dict = {}
+    for _, p in _unique_params(mods):
+        q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        q.__dict__.update(p.__dict__)
+        memo[id(p)] = q
+    return copy.deepcopy(mods, memo)
 
 
 class _Parameters(nn.Module):

@@ -59,6 +59,12 @@ What real runs also pay, and the paper's formula leaves out:
   the fp32 state to data-parallel rank 0 through one device buffer of at most
   ``CKPT_GATHER_CHUNK`` fp32 elements (``save``). The peak is the larger of the activations plus
   workspace and the save's buffer, so a plan whose save would not fit is refused like any other.
+- ``--async-save`` (torch_dist): the host (pinned on CUDA) buffers that hold one copy of what the
+  rank writes while the write runs (``host_save``, host memory, not in ``total``): every weight
+  version, the master and the optimizer state of its 1/w range of the stage's flat buffers (the
+  distributed optimizer's shard; replicas share the writing of replicated buffers the same way).
+  An upper bound: tensor-replicated vectors and the last stage's tied embedding copy are written
+  by one rank only.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ class Candidate:
     recompute_policy: RecomputePolicy | None = None
     # ZeRO-1: master and optimizer state sharded over the w replicas (a no-op at w = 1)
     distributed_optimizer: bool = False
+    async_save: bool = False  # --async-save: a host copy of what each rank writes (StageMemory.host_save)
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -160,6 +167,7 @@ class StageMemory:
     activations: int
     workspace: int
     save: int = 0  # device bytes a checkpoint save allocates (at a drained boundary: no activations then)
+    host_save: int = 0  # host bytes of --async-save's copy of what this rank writes (not device memory)
 
     @property
     def optimizer(self) -> int:
@@ -176,6 +184,15 @@ def save_bytes(shard: int, cand: "Candidate") -> int:
     """Device bytes of a save: the distributed optimizer's gather buffer (fp32, at most
     ``CKPT_GATHER_CHUNK`` elements) on data-parallel rank 0; nothing otherwise."""
     return 4 * min(shard, CKPT_GATHER_CHUNK) if cand.distributed_optimizer and cand.data_parallel > 1 else 0
+
+
+def async_save_host_bytes(params: int, cand: "Candidate", param_bytes: "ParamBytes") -> int:
+    """Host bytes of ``--async-save``'s buffers: every version, master and optimizer state of a 1/w range."""
+    if not cand.async_save:
+        return 0
+    per_param = (weight_versions(cand.schedule) * param_bytes.weight + param_bytes.master
+                 + param_bytes.optimizer_state + _stale_correction(cand, param_bytes))
+    return -(-params // cand.data_parallel) * per_param
 
 
 def weight_versions(schedule: str) -> int:
@@ -344,6 +361,7 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
         save=save_bytes(shard, cand),
+        host_save=async_save_host_bytes(p, cand, param_bytes),
     )
 
 

@@ -1,19 +1,36 @@
-"""Layout-independent parameter initialization.
+"""Parameter initialization: layout-independent on the CPU, or per partition on the device.
 
-Every parameter is drawn in full from a generator seeded by (seed, parameter name) and then
-sliced to this rank's shard. So the same seed gives the same full model for every tensor and
-pipeline layout, which is what lets every layout be checked against the single-process run.
+A tensor-parallel layer does not draw its weight when it is built: it gets a parameter carrying an
+:class:`Init` (what the full tensor is: its shape, N(0, std^2) or zeros, and which slice of it this
+rank holds). Built inside :func:`deferred` (as ``StageWeights`` builds a stage), the parameter is a
+meta tensor, and the values are written straight into the stage's flat buffer on its device, one
+parameter at a time; outside it, the values are made at once (a layer built on its own, in tests).
+Either way there are two ways to make them (Megatron's ``--use-cpu-initialization`` chooses):
+
+- **CPU (layout-independent)**: the full fp32 tensor is drawn on the CPU from a generator seeded by
+  (seed, parameter name) and sliced to this rank's shard. The same seed gives the same full model
+  for every tensor and pipeline layout, which is what lets every layout be checked against the
+  single-process run; each full matrix exists once, briefly, on every tensor rank.
+- **Per partition (Megatron's default)**: each rank draws only its own shard, on its device, from a
+  stream of its own seeded by (seed, parameter name, tensor rank, t) - the model-parallel RNG keyed
+  per parameter, so the values do not depend on the order layers are built in and the dropout
+  streams (``random.RNGTracker``) are left as they are. No full unsharded matrix is allocated.
+  Replicated parameters (and every parameter at t = 1) use the CPU path's stream, so at t = 1 on
+  the CPU both paths give the same bits; at t > 1 a shard is not a slice of the t = 1 tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
-def param_generator(seed: int, name: str) -> torch.Generator:
-    g = torch.Generator(device="cpu")
+def param_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     return g
 
@@ -26,3 +43,93 @@ def normal_full(shape: tuple[int, ...], std: float, seed: int, name: str) -> tor
 def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     """This rank's contiguous slice of ``full`` along ``dim``."""
     return full.chunk(size, dim=dim)[rank].contiguous() if size > 1 else full
+
+
+@dataclass(frozen=True)
+class Init:
+    """How one parameter is made: the full tensor (``full_shape``; N(0, std^2) in its first ``rows``
+    rows, zero elsewhere, or all zero when ``std`` is None) and this rank's slice of it along ``dim``
+    (``rank`` of ``size``; ``dim`` None: the whole tensor, replicated)."""
+
+    name: str
+    seed: int
+    full_shape: tuple[int, ...]
+    std: float | None = None
+    dim: int | None = None
+    rank: int = 0
+    size: int = 1
+    rows: int | None = None  # drawn rows (the real vocabulary of a padded embedding); None: all
+
+    @property
+    def split(self) -> bool:
+        return self.dim is not None and self.size > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """This rank's shape."""
+        s = list(self.full_shape)
+        if self.split:
+            s[self.dim] //= self.size
+        return tuple(s)
+
+    def full(self) -> torch.Tensor:
+        """The full fp32 tensor on the CPU (the layout-independent path)."""
+        if self.std is None:
+            return torch.zeros(self.full_shape)
+        if self.rows is None:
+            return normal_full(self.full_shape, self.std, self.seed, self.name)
+        out = torch.zeros(self.full_shape)
+        out[:self.rows] = normal_full((self.rows, *self.full_shape[1:]), self.std, self.seed, self.name)
+        return out
+
+    def cpu_shard(self) -> torch.Tensor:
+        """This rank's slice of :meth:`full` (``--use-cpu-initialization``)."""
+        return shard(self.full(), self.dim, self.rank, self.size) if self.split else self.full()
+
+    def fill_shard(self, out: torch.Tensor) -> None:
+        """Write this rank's values into ``out`` (on any device, any dtype) drawing only them (per partition)."""
+        out.zero_()
+        if self.std is None:
+            return
+        drawn = out
+        if self.rows is not None:  # the real rows among this rank's (the rest is vocabulary padding)
+            first = self.rank * self.shape[0] if self.split and self.dim == 0 else 0
+            drawn = out[:max(0, min(self.shape[0], self.rows - first))]
+        if drawn.numel() == 0:
+            return
+        key = f"{self.name}@tp{self.rank}of{self.size}" if self.split else self.name
+        values = torch.empty(drawn.shape, device=out.device)  # fp32, then rounded once, as the CPU path
+        values.normal_(0.0, self.std, generator=param_generator(self.seed, key, out.device))
+        drawn.copy_(values)
+
+
+_DEFERRED = [0]  # depth of open ``deferred()`` blocks
+
+
+@contextlib.contextmanager
+def deferred():
+    """Build parameters that carry an :class:`Init` on the meta device (``StageWeights`` materializes them)."""
+    _DEFERRED[0] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED[0] -= 1
+
+
+def parameter(init: Init) -> nn.Parameter:
+    """A parameter made by ``init``: a meta tensor inside :func:`deferred`, else its CPU values now."""
+    if _DEFERRED[0]:
+        p = nn.Parameter(torch.empty(init.shape, device="meta"))
+    else:
+        p = nn.Parameter(init.cpu_shard())
+    p.init = init
+    return p
+
+
+def materialize(p: nn.Parameter, out: torch.Tensor, *, cpu: bool) -> None:
+    """Write a deferred parameter's values into ``out`` (its view of a flat buffer)."""
+    init: Init = p.init
+    if cpu:
+        out.copy_(init.cpu_shard())
+    else:
+        init.fill_shard(out)

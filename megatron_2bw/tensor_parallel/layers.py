@@ -1,7 +1,9 @@
 """Megatron's tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
 
-Weights are created full with ``init.normal_full`` and sliced, so a layer at t = 4 holds exactly
-the rows/columns of the dense layer that its rank owns. Parameters that are sharded carry
+Weights are made by an ``init.Init`` (the full tensor and this rank's slice of it): with the CPU
+path a layer at t = 4 holds exactly the rows/columns of the dense layer that its rank owns; built
+inside ``init.deferred()`` the weights stay on the meta device until the stage's flat buffers are
+filled (``pipeline/weights.py``, per partition or from the CPU path). Parameters that are sharded carry
 ``tensor_parallel = True``; the rest are replicated across the tensor group (gradient norms count
 them once). The linear layers' weights also carry Megatron's ``partition_dim`` (0: split by rows,
 1: by columns), which marks them as the hidden matrices ``--optimizer muon`` orthogonalizes.
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .group import TPGroup
-from .init import normal_full, shard
+from .init import Init, parameter
 from .mappings import _gather_seq, _reduce_scatter_seq, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq
 
 
@@ -70,17 +72,17 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, tp: TPGroup, *, seed: int, name: str, std: float,
-        bias: bool = True, gather_output: bool = False, full_weight: torch.Tensor | None = None,
-        sequence_parallel: bool = False,
+        bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"{name}: {out_features} outputs not divisible by tensor size {tp.size}")
         self.tp, self.gather_output, self.sequence_parallel = tp, gather_output, sequence_parallel
-        full = full_weight if full_weight is not None else normal_full((out_features, in_features), std, seed, name)
-        self.weight = _mark(nn.Parameter(shard(full, 0, tp.rank, tp.size)), tp.size > 1)
+        self.weight = _mark(parameter(Init(name, seed, (out_features, in_features), std, 0, tp.rank, tp.size)),
+                            tp.size > 1)
         self.weight.partition_dim = 0
-        self.bias = _mark(nn.Parameter(torch.zeros(out_features // tp.size)), tp.size > 1) if bias else None
+        self.bias = _mark(parameter(Init(f"{name}.bias", seed, (out_features,), None, 0, tp.rank, tp.size)),
+                          tp.size > 1) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel(x, self.tp, [self.weight], [self.bias], self.sequence_parallel)[0]
@@ -98,10 +100,10 @@ class RowParallelLinear(nn.Module):
         if in_features % tp.size:
             raise ValueError(f"{name}: {in_features} inputs not divisible by tensor size {tp.size}")
         self.tp, self.sequence_parallel = tp, sequence_parallel
-        full = normal_full((out_features, in_features), std, seed, name)
-        self.weight = _mark(nn.Parameter(shard(full, 1, tp.rank, tp.size)), tp.size > 1)
+        self.weight = _mark(parameter(Init(name, seed, (out_features, in_features), std, 1, tp.rank, tp.size)),
+                            tp.size > 1)
         self.weight.partition_dim = 1
-        self.bias = _mark(nn.Parameter(torch.zeros(out_features)), False) if bias else None
+        self.bias = _mark(parameter(Init(f"{name}.bias", seed, (out_features,))), False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # reduce-scatter along the sequence; the bias sees a shard: sum its grad
@@ -129,9 +131,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp, self.vocab_size, self.padded_vocab = tp, vocab_size, padded_vocab
         self.per_rank = padded_vocab // tp.size
         self.start = tp.rank * self.per_rank
-        full = torch.zeros(padded_vocab, dim)
-        full[:vocab_size] = normal_full((vocab_size, dim), std, seed, name)
-        self.weight = _mark(nn.Parameter(shard(full, 0, tp.rank, tp.size)), tp.size > 1)
+        self.weight = _mark(parameter(Init(name, seed, (padded_vocab, dim), std, 0, tp.rank, tp.size, rows=vocab_size)),
+                            tp.size > 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import time
 from dataclasses import fields
@@ -174,12 +175,34 @@ def _verified_load(path: str, idir: str, rel: str, iteration: int, t: int, d: in
     if doc is None:
         log.warning(" %s has no %s (written before manifests existed): not verified", idir, manifest.MANIFEST)
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=False)
+        sd = _torch_load(path)
     except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
         raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({_first_line(e)})") from None
     if isinstance(sd, dict):
         sd["_manifest"] = doc is not None
     return sd
+
+
+def _safe_globals() -> list:
+    """What a trainer file holds besides tensors and containers: Megatron's ``args`` and numpy's RNG state."""
+    import argparse  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    core = getattr(np, "_core", None) or np.core
+    return [argparse.Namespace, core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _torch_load(path: str):
+    """``torch.load`` memory-mapped (tensors stay in the file's pages until the restore copies them into the
+    live buffers: a resume holds no second copy of the state) and weights-only with the few classes a trainer
+    file holds; a file with other objects (another tool's) is unpickled in full."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError:
+        log.info(" %s holds objects beyond weights and Megatron's args: unpickled in full", path)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
 def require_manifest(path: str, sd: dict, has_manifest: bool) -> None:

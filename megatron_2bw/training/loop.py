@@ -115,6 +115,7 @@ class Trainer:
             lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
             cfg.model.stage_activation_shape(b, state.t), rng_tracker=self.tracker, faults=faults,
             names=GlobalNames(spec.stage_range(state.d, state.pp_rank)[0], tied=WORD),
+            cpu_init=cfg.system.use_cpu_initialization,  # off: each rank draws its own shards on its device
         )
         if prep.checkpoint is not None:
             checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device,

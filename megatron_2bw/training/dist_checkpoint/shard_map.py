@@ -1,0 +1,156 @@
+"""Where a rank's elements sit in the checkpoint's layout-independent global tensors.
+
+Every per-parameter buffer of a stage (both 2BW versions, the fp32 master, the optimizer state)
+is stored as the t = 1 model's tensor under ``FAMILY/GLOBAL_NAME``; a rank's flat range of a
+buffer is cut per parameter into at most three rectangles of its tensor-parallel shard, placed by
+the shard's offset. The writer offers these chunks, the resharding load asks for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...config import ModelConfig
+from ...export.names import WORD
+from ...export.reshard import is_vocab, split_dim
+from ...pipeline.zero import ShardLayout
+
+MODEL, OLDER, MASTER = "model", "older", "master"
+EF_PREV = "optimizer.ef_prev_grad"  # --2bw-compensation ef's previous gradient (pipeline/compensation.py)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a stage: where it sits in the flat buffers and in the global tensor."""
+
+    name: str  # global name
+    offset: int  # in the stage's flat buffer
+    shape: tuple[int, ...]  # local, as 1-D (n,) or 2-D (rows, cols)
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]  # of the local tensor's first element
+    rows: int  # local rows (elements of a 1-D tensor) inside the global tensor (vocabulary padding cut)
+    writes: bool  # this rank writes it (replicated over the tensor group: rank 0; tied copy: the first stage)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def stage_params(weights, cfg: ModelConfig, t: int, tp: int, pp: int) -> list[Param]:
+    """The stage's parameters in flat-buffer order with their global placement."""
+    out = []
+    for name, off, shape in zip(weights.global_names, weights.offsets, weights.shapes):
+        shape = tuple(shape)
+        if len(shape) > 2:
+            shape = (shape[0], int(torch.Size(shape[1:]).numel()))
+        dim = split_dim(cfg, name)
+        if dim is not None and dim >= len(shape):
+            raise ValueError(f"parameter {name} of shape {shape} is split along dimension {dim}")
+        g, o = list(shape), [0] * len(shape)
+        if dim is not None and t > 1:
+            g[dim], o[dim] = shape[dim] * t, shape[dim] * tp
+        rows = shape[0]
+        if is_vocab(cfg, name):  # the t = 1 model's padded rows
+            g[0] = cfg.padded_vocab_size(1)
+            rows = max(0, min(shape[0], g[0] - o[0]))
+        writes = (dim is not None or tp == 0) and (name != WORD or pp == 0)
+        out.append(Param(name, off, shape, tuple(g), tuple(o), rows, writes))
+    return out
+
+
+def _rects(p: Param, a: int, b: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Rectangles covering local elements ``[a, b)`` of ``p`` (inside the global tensor):
+    (first local element, sizes, global offsets)."""
+    if len(p.shape) == 1:
+        b = min(b, p.rows)
+        return [(a, (b - a,), (p.global_offset[0] + a,))] if a < b else []
+    cols = p.shape[1]
+    (ra, ca), (rb, cb) = divmod(a, cols), divmod(b, cols)
+    boxes = []  # (row, col, rows, cols)
+    if ra == rb:
+        boxes.append((ra, ca, 1, cb - ca))
+    else:
+        full = ra
+        if ca:
+            boxes.append((ra, ca, 1, cols - ca))
+            full += 1
+        if rb > full:
+            boxes.append((full, 0, rb - full, cols))
+        if cb:
+            boxes.append((rb, 0, 1, cb))
+    out = []
+    for r, c, nr, nc in boxes:
+        nr = min(nr, p.rows - r)
+        if nr > 0 and nc > 0:
+            out.append((r * cols + c, (nr, nc), (p.global_offset[0] + r, p.global_offset[1] + c)))
+    return out
+
+
+@dataclass
+class Chunk:
+    fqn: str
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    tensor: torch.Tensor  # a view of the live buffer (or of a host staging buffer)
+
+
+def chunks_of(family: str, buf: torch.Tensor, base: int, lo: int, hi: int, params: list[Param],
+            writing: bool) -> list[Chunk]:
+    """The chunks of flat range ``[lo, hi)`` of a buffer whose element 0 is flat index ``base``."""
+    out = []
+    for p in params:
+        if writing and not p.writes:
+            continue
+        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+        if a >= b:
+            continue
+        for start, sizes, goff in _rects(p, a - p.offset, b - p.offset):
+            n = 1
+            for s in sizes:
+                n *= s
+            first = p.offset + start - base
+            out.append(Chunk(f"{family}/{p.name}", goff, p.global_shape, buf[first:first + n].view(sizes)))
+    return out
+
+
+def families(stage) -> list[tuple[str, torch.Tensor, bool]]:
+    """(family, buffer, sharded) of every per-parameter buffer: the two versions, master, optimizer."""
+    w, u = stage.weights, stage.updater
+    out = [(MODEL, w.flat[w.slot(stage.step)], False)]
+    if w.num_versions > 1:
+        out.append((OLDER, w.flat[w.slot(stage.step + 1)], False))
+    sharded = u.shard is not None
+    size = u.shard.size if sharded else w.numel
+    if u.master is not None:
+        out.append((MASTER, u.master, sharded))
+    for k, v in u.optimizer.state_dict().items():
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == size:
+            out.append((f"optimizer.{k}", v, sharded))
+    if u.ef_prev is not None:  # --2bw-compensation ef: the previous gradient, sharded as the optimizer state
+        out.append((EF_PREV, u.ef_prev, sharded))
+    return out
+
+
+def write_range(stage, sharded: bool) -> tuple[int, int, int]:
+    """(base, lo, hi): a buffer's first flat index and the range this rank writes."""
+    st, u, n = stage.state, stage.updater, stage.weights.numel
+    if sharded:
+        return u.shard.lo, u.shard.lo, u.shard.hi
+    lo, hi = ShardLayout(n, st.w, st.dp_rank).bounds(st.dp_rank)
+    return 0, lo, hi
+
+
+def save_chunks(stage, cfg: ModelConfig) -> list[Chunk]:
+    """What this rank writes: views of its live buffers (no copy)."""
+    st = stage.state
+    params = stage_params(stage.weights, cfg, st.t, st.tp_rank, st.pp_rank)
+    out = []
+    for family, buf, sharded in families(stage):
+        base, lo, hi = write_range(stage, sharded)
+        out += chunks_of(family, buf, base, lo, hi, params, writing=True)
+    return out
