@@ -80,6 +80,9 @@ class Candidate:
     recompute_policy: RecomputePolicy | None = None
     # ZeRO-1: master and optimizer state sharded over the w replicas (a no-op at w = 1)
     distributed_optimizer: bool = False
+    # --sequence-parallel (t > 1): norms, dropout and the residual stream sharded over the tensor group;
+    # its costs (a layer's whole stash over t, sharded stage inputs) are ``LayerCosts.at(..., True)``'s
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -95,6 +98,8 @@ class Candidate:
             raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULE_NAMES)}, got {self.schedule!r}")
         if self.schedule != SEQUENTIAL:
             validate_pipeline(self.schedule, self.pipeline_parallel, self.num_micro_batches)
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
     @property
     def num_gpus(self) -> int:
