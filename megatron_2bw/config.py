@@ -694,6 +694,10 @@ class RunConfig:
                  f"--attention-backend {self.system.attention_backend} with --attention-dropout "
                  f"{self.model.attention_dropout} on the CPU: torch's CPU flash kernel has no dropout (use auto, "
                  "unfused or --attention-dropout 0)")
+        masked = "BERT's padding mask" if self.kind == "bert" else \
+            "--reset-attention-mask's mask" if self.data.reset_attention_mask else None
+        _require(not (self.system.attention_backend == "flash" and masked),
+                 f"--attention-backend flash takes no attention mask ({masked}): use fused, auto or unfused")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

@@ -158,6 +158,10 @@ def test_attention_backend_flag(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --attention-backend flash with --attention-dropout 0.1 on the CPU")
     assert run_cli(run, [*MINIMAL, "--attention-backend", "flash"]) == 0
+    assert run_cli(run, [*MINIMAL, "--attention-backend", "flash", "--reset-attention-mask"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "takes no attention mask (--reset-attention-mask's mask)" in err[0]
+    assert run_cli(run, [*MINIMAL, "--attention-backend", "fused", "--reset-attention-mask"]) == 0
     assert run_cli(run, [*MINIMAL, "--attention-backend", "xformers"]) == 2
     assert "--attention-backend" in capsys.readouterr().err
 
