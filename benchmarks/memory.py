@@ -243,12 +243,12 @@ def run_sequence_parallel(args: argparse.Namespace) -> int:
     show = [dict(r, sequence_parallel={True: "on", False: "off"}.get(r["sequence_parallel"], r["sequence_parallel"]),
                  measured_stash_bytes=r["measured_stash_bytes"] / MiB,
                  planner_activation_bytes=r["planner_activation_bytes"] / MiB) for r in rows]
-    cols = [("t", "t", ""), ("d", "d", ""), ("m", "m", ""), ("stage", "stage", ""), ("sequence_parallel", "seq-par", ""),
-            ("max_inflight", "inflight", ""), ("measured_stash_bytes", "A meas MiB", ".3f"),
+    cols = [("t", "t", ""), ("d", "d", ""), ("m", "m", ""), ("stage", "stage", ""),
+            ("sequence_parallel", "seq-par", ""), ("max_inflight", "inflight", ""), ("measured_stash_bytes", "A meas MiB", ".3f"),
             ("planner_activation_bytes", "A planner", ".3f"), ("measured_over_planner", "meas/planner", ".3f")]
     cfg = conf["model"]
-    print(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, b {args.micro_batch}, "
-          f"dropout {args.dropout}, fp32, {SP_SCHEDULE} m={conf['m']}: peak stash per stage at t=2 with and without "
+    print(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, "
+          f"b {args.micro_batch}, dropout {args.dropout}, fp32, {SP_SCHEDULE} m={conf['m']}: peak stash per stage at t=2 with and without "
           "--sequence-parallel, and what it saves")
     print(common.table(show, cols))
     common.write_json(args.json, {"sequence_parallel": rows, "machine": common.machine_info(), "config": conf})

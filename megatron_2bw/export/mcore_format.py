@@ -109,7 +109,8 @@ def mcore_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: 
     return model
 
 
-def from_mcore_model(cfg: ModelConfig, model: dict, d: int = 1, r: int = 0, split: Split = None) -> dict[str, torch.Tensor]:
+def from_mcore_model(cfg: ModelConfig, model: dict, d: int = 1, r: int = 0,
+                     split: Split = None) -> dict[str, torch.Tensor]:
     """Our global names for the tensors of stage ``r`` of ``d`` from its flat Megatron-Core state dict."""
     impl = detect_impl(model)
     out = {}
