@@ -580,6 +580,12 @@ class DataConfig:
     data_cache_path: str | None = None  # where the GPT sample indices are cached (default: not cached)
 
 
+# Megatron's --attention-backend: auto (torch's scaled_dot_product_attention picks its kernel), flash and fused
+# (only its fused kernels: flash / memory-efficient, no s^2 tensor kept), unfused and local (softmax(QK^T) with
+# dropout written out, Megatron's DotProductAttention: the s^2 scores, mask and probabilities are kept)
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
 @dataclass(frozen=True)
 class SystemConfig:
     """Where the run executes: the resolved device, the process-group backend and kernels."""
@@ -592,8 +598,11 @@ class SystemConfig:
     # --use-cpu-initialization: full weights drawn on the CPU and split (layout-independent); off
     # (Megatron's default): each rank draws its own shards on its device (tensor_parallel/init.py)
     use_cpu_initialization: bool = False
+    attention_backend: str = "auto"  # Megatron's --attention-backend (ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
+        _require(self.attention_backend in ATTENTION_BACKENDS, f"--attention-backend must be one of "
+                 f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         from .training.watchdog import check_stall_timeout  # noqa: PLC0415 - imports no torch at module level
 
         check_stall_timeout(self.stall_timeout_s)
@@ -688,6 +697,15 @@ class RunConfig:
         _require(not (self.pipeline.p2p_mode == "prefetch" and self.system.backend == "nccl"),
                  "--p2p-mode prefetch deadlocks on NCCL (its receives posted ahead of the sends to the same peer "
                  "block each other); use --p2p-mode grouped or auto with --distributed-backend nccl")
+        _require(not (self.system.attention_backend in ("flash", "fused") and self.system.device == "cpu"
+                       and self.model.attention_dropout > 0),
+                 f"--attention-backend {self.system.attention_backend} with --attention-dropout "
+                 f"{self.model.attention_dropout} on the CPU: torch's CPU flash kernel has no dropout (use auto, "
+                 "unfused or --attention-dropout 0)")
+        masked = "BERT's padding mask" if self.kind == "bert" else \
+            "--reset-attention-mask's mask" if self.data.reset_attention_mask else None
+        _require(not (self.system.attention_backend == "flash" and masked),
+                 f"--attention-backend flash takes no attention mask ({masked}): use fused, auto or unfused")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

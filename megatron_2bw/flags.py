@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .config import ATTENTION_BACKENDS
 from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
                      P2P_MODES, POSITION_EMBEDDING_TYPES)
 from .models.presets import GPT2_VOCAB, PRESETS
@@ -228,6 +229,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
     Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
     Flag("--fused-kernels", "system.fused_kernels", SYS, choices=("auto", "apex", "torch"), default="auto"),
+    Flag("--attention-backend", "system.attention_backend", SYS, choices=ATTENTION_BACKENDS, default="auto",
+         help="attention kernel (Megatron's): auto lets scaled_dot_product_attention pick; flash, fused: only its "
+              "fused kernels (no s^2 tensor kept); unfused, local: softmax(QK^T) and dropout written out (the "
+              "planner's memory model follows the choice)"),
     Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0, help="exit 4 naming a rank stalled this long (0: off)"),
     Flag(YAML_FLAG, None, SYS, metavar="FILE", help="YAML mapping of flag names (train_iters or train-iters) to values; "
                                     "flags on the command line win"),

@@ -2,7 +2,8 @@
 
 The choice is made once per process (``select_kernels``), logged once, and can be forced with
 ``--fused-kernels {auto,apex,torch}``. No try/except import silently changes behaviour: the
-chosen path is always reported. Attention always runs ``F.scaled_dot_product_attention`` and
+chosen path is always reported. Attention runs ``F.scaled_dot_product_attention`` (``--attention-backend``
+auto, or flash/fused: only its fused kernels) or the written-out unfused core (unfused/local) and
 the optimizer picks torch's fused AdamW itself when the build has it (``optimizer.flat``), so
 neither is a choice made here.
 """
@@ -27,9 +28,10 @@ class Kernels:
     """The implementations in use; passed to the model builders."""
 
     layer_norm: str = "torch"  # "apex" (FusedLayerNorm) or "torch" (nn.LayerNorm)
+    attention: str = "auto"  # --attention-backend (config.ATTENTION_BACKENDS; models/attention_core.py)
 
     def describe(self) -> str:
-        return f"layer_norm={self.layer_norm}"
+        return f"layer_norm={self.layer_norm}" + (f" attention={self.attention}" if self.attention != "auto" else "")
 
 
 # What the apex path uses: the module and class the model builds, and the CUDA extension it calls
@@ -58,8 +60,8 @@ def apex_available() -> bool:
     return apex_unusable_reason() is None
 
 
-def select_kernels(mode: str = "auto", device_type: str = "cpu") -> Kernels:
-    """Pick kernels for ``mode`` in {auto, apex, torch} on ``device_type``."""
+def select_kernels(mode: str = "auto", device_type: str = "cpu", attention: str = "auto") -> Kernels:
+    """Pick kernels for ``mode`` in {auto, apex, torch} on ``device_type``; ``attention``: --attention-backend."""
     if mode not in ("auto", "apex", "torch"):
         raise ConfigError(f"--fused-kernels must be auto, apex or torch, got {mode!r}")
     why_not = apex_unusable_reason() if mode != "torch" and device_type == "cuda" else None
@@ -67,7 +69,7 @@ def select_kernels(mode: str = "auto", device_type: str = "cpu") -> Kernels:
         raise ConfigError("--fused-kernels apex needs CUDA and an importable apex"
                           f"{f' ({why_not})' if why_not else ''}; neither path was forced silently")
     use_apex = mode == "apex" or (mode == "auto" and device_type == "cuda" and why_not is None)
-    k = Kernels(layer_norm="apex" if use_apex else "torch")
+    k = Kernels(layer_norm="apex" if use_apex else "torch", attention=attention)
     if mode == "auto" and device_type == "cuda" and why_not is not None:
         log.info("fused kernels: %s (apex not used: %s)", k.describe(), why_not)
     else:

@@ -123,6 +123,23 @@ def test_memory_states_quick(tmp_path):
     assert any(r["numel"] % 2 for r in rows)  # an odd N: the last shard is padded
 
 
+def test_memory_sequence_parallel_quick(tmp_path):
+    """The SP stash at t = 2, d = 2 (one 4-process launch, attention and hidden dropout on: torch's CPU math
+    path and its dtype-sized masks): each stage's stash with and without --sequence-parallel, and what it saves,
+    within 10% of the planner's (measured: within 2%)."""
+    out = tmp_path / "sp.json"
+    assert memory.main(["--sequence-parallel", "--quick", "--dropout", "0.1", "--json", str(out)]) == 0
+    rows = _load(out)["sequence_parallel"]
+    assert {(r["stage"], r["sequence_parallel"]) for r in rows} == {
+        (k, sp) for k in (0, 1) for sp in (False, True, "saving")}
+    for r in rows:
+        assert r["t"] == 2 and r["d"] == 2 and r["measured_stash_bytes"] > 0
+        assert abs(r["measured_over_planner"] - 1) <= 0.10, r
+    on = {r["stage"]: r["measured_stash_bytes"] for r in rows if r["sequence_parallel"] is True}
+    off = {r["stage"]: r["measured_stash_bytes"] for r in rows if r["sequence_parallel"] is False}
+    assert all(on[k] < 0.85 * off[k] for k in on)  # SP stashes less on every stage
+
+
 def test_gpu_check_cpu_form(tmp_path, capsys):
     """``benchmarks/gpu_check.py --allow-cpu``: the acceptance script's code runs on the CPU (tiny model) and
     says which checks need a GPU; its JSON goes where --out says."""

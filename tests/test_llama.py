@@ -158,6 +158,10 @@ LAYOUTS = {  # (schedule, recomputation, distributed optimizer, sequence paralle
     (2, 1, 2): [("flush", None, False, False), ("flush", None, True, False), ("gpipe", SELECTIVE, True, False),
                 ("flush", None, True, True), ("2bw", SELECTIVE, False, True)],
     (1, 2, 2): [(s, None, s == "2bw", False) for s in SCHEDULES],
+    # every axis at once (8 processes): each schedule with sequence parallelism (Flush with the distributed
+    # optimizer), and 2BW without it
+    (2, 2, 2): [("2bw", None, False, True), ("flush", None, True, True), ("gpipe", None, False, True),
+                ("2bw", None, False, False)],
 }
 
 

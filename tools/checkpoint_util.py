@@ -4,6 +4,7 @@
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
     python tools/checkpoint_util.py --load-dir ckpt --save-dir hf_model --saver hf
     python tools/checkpoint_util.py --loader hf --load-dir hf_model --save-dir ckpt --target-tensor-parallel-size 2
+    python tools/checkpoint_util.py --load-dir ckpt --save-dir ckpt_mcore --saver mcore --target-tensor-parallel-size 2
 
 Flags follow Megatron-LM's tools/checkpoint_util.py. The model is read whole (every shard
 merged), then split again for the target layout: QKV rows by head, the vocabulary padded to a
@@ -14,7 +15,10 @@ SGD momentum, the fp32 master copy) and 2BW's older version are resharded with t
 the trainer resumes from the result at the new layout; ``--no-optimizer`` writes the weights only
 (a plain Megatron-LM checkpoint, for --finetune or other tools). ``--saver hf`` always writes the
 weights only (the output line says the optimizer state was left out) and, when the checkpoint names
-its tokenizer and the files are there, the tokenizer beside them.
+its tokenizer and the files are there, the tokenizer beside them. ``--saver mcore`` (or ``core``) writes
+Megatron-Core's torch format (``decoder.layers.N.self_attention.linear_qkv.weight``, ...; norms fused into
+the linears for ``--saver-transformer-impl transformer_engine``, Megatron's default, or modules of their
+own for ``local``), weights only; ``--loader mcore`` reads it (also found by itself).
 
 Between the trainer's two formats: a ``--ckpt-format torch_dist`` source is read whole (its global
 tensors are the t = 1 model's) and written at the target layout in the torch format, or the other
@@ -33,6 +37,7 @@ import sys
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
+from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
 from megatron_2bw.export.megatron_format import Exported, find_iteration_dir
 from megatron_2bw.export.trainer_reshard import (
     read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
@@ -47,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-dir", required=True)
     p.add_argument("--loader", choices=LOADERS[1:], help="source format (default: Hugging Face if config.json is there)")
     p.add_argument("--saver", choices=SAVERS, default="megatron")
+    p.add_argument("--saver-transformer-impl", choices=TRANSFORMER_IMPLS, default=TRANSFORMER_IMPLS[0],
+                   help="--saver mcore: Megatron-Core's layer names for Transformer Engine layers (norms fused into "
+                        "linear_qkv/linear_fc1) or local ones (input_layernorm, pre_mlp_layernorm)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-schedule", choices=SCHEDULE_NAMES, help="pipeline schedule the trainer resumes with")
@@ -85,7 +93,9 @@ def run(argv: list[str]) -> str:
     dropped = ""
     if has_optimizer and not args.no_optimizer and args.saver != "megatron":
         # a Hugging Face model never holds optimizer state: export the newest weights and say what was left
-        dropped = "; the optimizer state was left out (a Hugging Face model holds none: the source keeps it)"
+        dropped = ("; the optimizer state was left out (a Hugging Face model holds none: the source keeps it)"
+                   if args.saver == "hf" else "; the optimizer state was left out (--saver mcore writes the weights "
+                   "only: the source keeps it)")
     elif has_optimizer and not args.no_optimizer:
         ckpt = ckpt if dist_source else read_trainer_checkpoint(args.load_dir)
         if args.ckpt_format == "torch_dist":
@@ -97,11 +107,12 @@ def run(argv: list[str]) -> str:
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
         return (f"wrote trainer checkpoint at iteration {ex.iteration} to {where} t={t} d={d} schedule "
                 f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
-    where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule)
+    where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule,
+                            transformer_impl=args.saver_transformer_impl)
     cfg = ex.cfg
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
             f"at iteration {ex.iteration} to {where} as {args.saver}"
-            + (f" t={t} d={d}" if args.saver == "megatron" else "") + dropped)
+            + (f" t={t} d={d}" if args.saver != "hf" else "") + dropped)
 
 
 def _is_dist(path: str) -> bool:

@@ -14,12 +14,15 @@ recomputation and Megatron's selective and per-layer ones (``--recompute-granula
 only), and prints each plan's staleness (none for synchronous schedules; for 2BW the loss ratio
 measured on a small model) beside its throughput. It tries the distributed optimizer (ZeRO-1)
 wherever there is more than one replica (``--use-distributed-optimizer``: only it;
-``--no-distributed-optimizer``: never). Gradients accumulate
+``--no-distributed-optimizer``: never), and for GPT with t > 1 sequence parallelism on and off
+(``--sequence-parallel``: only on; ``--no-sequence-parallel-search``: only off; the table's ``seq-par``
+column). Gradients accumulate
 in the precision's default (fp32 for bf16, fp16 for fp16) unless ``--accumulate-allreduce-grads-in-fp32``
 or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer.
 
 Without ``--profile`` the per-layer times are an analytic estimate from FLOPs and bytes (the output
-says so). The model flags follow the trainer's rule (``cli.model_config``). Bad input prints one
+says so); its activation memory follows ``--attention-backend`` (the trainer's flag: which attention
+kernel runs, so whether the ``s^2`` scores are kept). The model flags follow the trainer's rule (``cli.model_config``). Bad input prints one
 ``error: ...`` line on stderr and exits with status 2.
 """
 
@@ -28,10 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
-from megatron_2bw.config import ModelConfig
+from megatron_2bw.config import ATTENTION_BACKENDS, ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.calibration import (
     calibration, calibration_json, format_calibration, format_schedule_ratios, schedule_ratio_calibration,
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--global-batch-size", type=int)
     r.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     r.add_argument("--profile", help="measured per-layer costs (schema in megatron_2bw/planner/layer_costs.py)")
+    r.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="the trainer's --attention-backend, for the activation memory (default: the cluster's, auto: "
+                        "scaled_dot_product_attention's kernel on that device; flash/fused keep no s^2 tensor, "
+                        "unfused/local keep Korthikanti's 5as^2b)")
     r.add_argument("--max-micro-batch-size", type=int, default=64)
     r.add_argument("--memory-margin", type=parse_margin, default=None, metavar="FRACTION|N%",
                    help=f"memory a plan leaves free, of the usable memory (default {DEFAULT_MEMORY_MARGIN:.0%}; "
@@ -77,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-finer-recompute", dest="finer_recompute", action="store_false",
                    help="search only the engine's whole-stage recomputation, not Megatron's selective "
                         "and per-layer (--recompute-granularity) ones")
+    s.add_argument("--no-sequence-parallel-search", dest="sp_search", action="store_false",
+                   help="do not try --sequence-parallel (tried by default for GPT wherever t > 1)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
@@ -129,6 +138,8 @@ def run(argv: list[str]) -> str:
         ratios = schedule_ratio_calibration()
         return json.dumps(schedule_ratios_json(ratios), indent=2) if args.json else format_schedule_ratios(ratios)
     cluster = load_cluster(args.cluster)
+    if args.attention_backend is not None:
+        cluster = replace(cluster, attention_backend=args.attention_backend)
     if args.new_options:
         opts, largest = options_comparison(cluster), options_max_model(cluster)
         return json.dumps(options_json(opts, largest), indent=2) if args.json else format_options(opts, largest)
@@ -160,10 +171,18 @@ def run(argv: list[str]) -> str:
                           max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
                           distributed_optimizer_options=args.zero, schedules=args.schedules,
                           recompute_policies=FINER_RECOMPUTE if args.finer_recompute else (),
-                          memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin)
+                          memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin,
+                          sequence_parallel_options=sequence_parallel_options(model, args.sp_search))
     costs = load_checked_profile(args.profile, model, args.precision, cluster.device) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)
+
+
+def sequence_parallel_options(model: ModelConfig, search: bool) -> tuple[bool, ...]:
+    """``--sequence-parallel`` given: only on; else off and on for GPT (``search``), off for BERT."""
+    if model.sequence_parallel:
+        return (True,)
+    return (False, True) if search and model.kind == "gpt" else (False,)
 
 
 def main(argv: list[str] | None = None) -> int:

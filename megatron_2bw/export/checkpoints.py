@@ -3,7 +3,9 @@
 Formats read: a Megatron-LM v2.x directory (``latest_checkpointed_iteration.txt`` or an
 iteration dir of ``mp_rank_*`` files, any t x d), a trainer checkpoint of this project
 (``format`` 1 files: per-stage parameter names and engine state), and a Hugging Face model
-directory. Formats written: Megatron-LM v2.x (any t x d) and Hugging Face.
+directory. Formats written: Megatron-LM v2.x (any t x d) and Hugging Face. Megatron-Core's torch
+format (flat ``decoder.layers.N`` names, ``mcore_format.py``) is read and written too: ``mcore`` or
+Megatron's newer name ``core``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from .megatron_format import (
     Exported, find_iteration_dir, rank_weights, read_megatron_dir, read_rank_files, write_megatron_dir,
 )
 from . import trainer_format
+from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
 from .names import WORD, Split
 from .reshard import unshard
 
-LOADERS = ("auto", "megatron", "hf")
-SAVERS = ("megatron", "hf")
+LOADERS = ("auto", "megatron", "hf", "mcore", "core")
+SAVERS = ("megatron", "hf", "mcore", "core")
+MCORE = ("mcore", "core")  # Megatron-LM's tools/checkpoint/convert.py takes both for saver_core/loader_core
 
 
 def is_trainer_file(sd: dict) -> bool:
@@ -103,15 +107,19 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
     first = verified_rank_files(idir)
     if is_trainer_file(first[min(first)]):
         return read_trainer_iteration(idir, first)
+    if loader in MCORE or (loader == "auto" and is_mcore_file(first[min(first)])):
+        return read_mcore_files(first, path), any("optimizer" in f for f in first.values())
     has_optimizer = any("optimizer" in f for f in first.values())
     return read_megatron_dir(path), has_optimizer
 
 
 def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,
-                    split: Split = None) -> str:
+                    split: Split = None, transformer_impl: str = TRANSFORMER_IMPLS[0]) -> str:
     """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
     if saver not in SAVERS:
         raise ConfigError(f"--saver must be one of {', '.join(SAVERS)}, got {saver!r}")
+    if saver in MCORE:
+        return write_mcore_dir(path, ex, t, d, split, transformer_impl)
     if saver == "hf":
         if (t, d) != (1, 1):
             raise ConfigError("--saver hf writes one whole model: drop --target-tensor/pipeline-parallel-size")

@@ -15,15 +15,18 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, co
 from ..pipeline.recompute import checkpointed
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
+from .attention_core import attention
 from .norms import norm
 from .rope import RotaryEmbedding, apply_rotary
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str, causal: bool, rng: RNGTracker | None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str, causal: bool, rng: RNGTracker | None,
+                 backend: str = "auto"):
         super().__init__()
         cfg.check_tensor_parallel(tp.size)
         self.causal, self.rng, self.dropout = causal, rng, cfg.attention_dropout
+        self.backend = backend  # --attention-backend (attention_core.py)
         self.selective = False  # re-run core() in backward (RecomputePolicy selective)
         self.heads = cfg.num_attention_heads // tp.size
         self.groups = cfg.query_groups // tp.size  # key/value heads on this rank
@@ -49,12 +52,11 @@ class ParallelAttention(nn.Module):
 
         A given ``mask`` is complete (GPT's --reset-attention-mask is already causal)."""
         p = self.dropout if self.training else 0.0
-        gqa = {"enable_gqa": True} if self.per_group > 1 else {}
         causal = self.causal and mask is None  # --reset-attention-mask: the mask holds causality too
         if p > 0 and self.rng is not None:
             with self.rng.fork():  # this rank's heads draw their own dropout masks
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
+                return attention(self.backend, q, k, v, mask, p, causal)
+        return attention(self.backend, q, k, v, mask, p, causal)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[b, s, rows]`` -> q ``[b, heads, s, hd]``, k and v ``[b, groups, s, hd]`` (this rank's)."""
@@ -119,7 +121,8 @@ class TransformerLayer(nn.Module):
         super().__init__()
         prefix = f"layers.{index}"
         self.ln1 = norm(cfg, kernels, tp)
-        self.attn = ParallelAttention(cfg, tp, seed, f"{prefix}.attn", causal, rng)
+        self.attn = ParallelAttention(cfg, tp, seed, f"{prefix}.attn", causal, rng,
+                                      kernels.attention if kernels is not None else "auto")
         self.ln2 = norm(cfg, kernels, tp)
         self.mlp = ParallelMLP(cfg, tp, seed, f"{prefix}.mlp")
         self.hidden_dropout = cfg.hidden_dropout

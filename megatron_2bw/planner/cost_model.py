@@ -8,7 +8,9 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
   whole stage, embedding and head included. A ``recompute_policy`` inside the stage instead adds the
   forward of what it re-runs: the attention cores (selective) or the recomputed layers (full).
 - ``tensor_comm``: the tensor-parallel all-reduces of that microbatch (and of the recomputed forward),
-  ring cost ``2(t-1)/t * bytes / bw`` over the server's NVLink.
+  ring cost ``2(t-1)/t * bytes / bw`` over the server's NVLink. With sequence parallelism
+  (``Candidate.sequence_parallel``) each all-reduce is an all-gather plus a reduce-scatter, each
+  ``(t-1)/t`` of the buffer: the same time, so the same ``tp_allreduce_*`` bytes price it.
 - ``p2p``: ``2 * (|A_in| / bw_in + |A_out| / bw_out)`` - the paper's ``2|A_in+out|/bw``: activations
   and their gradients. A boundary inside a server uses NVLink; one between servers shares the
   server's NIC with every GPU of the server sending across it at the same time (all ``t*w`` GPUs of

@@ -16,6 +16,7 @@ cluster without touching code. Units are in the key names, as on spec sheets::
       "inter_server_Gbps": 25,             # one server's NIC, each direction, shared by its GPUs
       "efficiency": {"max_fraction_of_peak": 0.62, "half_work_macs": 1.0e10},  # efficiency.py
       "flash_attention": false,            # fused attention kernel: no s^2 activations (default false)
+      "attention_backend": "auto",         # the run's --attention-backend (optional; default auto)
       "sources": ["..."]
     }
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..config import ATTENTION_BACKENDS
 from ..errors import ConfigError
 from .efficiency import EfficiencyCurve
 
@@ -57,6 +59,14 @@ class Cluster:
     flash_attention: bool = False
     description: str = ""
     sources: tuple[str, ...] = field(default=())
+    # the run's --attention-backend (config.ATTENTION_BACKENDS): auto takes this device's default kernel
+    # (``layer_costs.attention_kernel``); tools/plan.py --attention-backend sets it
+    attention_backend: str = "auto"
+
+    @property
+    def is_cpu(self) -> bool:
+        """CPU processes (the cpu-host preset, ``auto_plan.host_cluster``): torch's CPU kernels apply."""
+        return self.device.upper().startswith("CPU")
 
     def __post_init__(self) -> None:
         where = f"cluster {self.name!r}"
@@ -72,6 +82,9 @@ class Cluster:
                 raise ConfigError(f"{where}: {key} must be positive")
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ConfigError(f"{where}: peak_TFLOPs needs at least one positive entry")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"{where}: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -137,6 +150,7 @@ def cluster_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Cluste
         inter_server_bandwidth=_num(data, "inter_server_Gbps", source) * 1e9 / 8,
         efficiency=_efficiency(eff, source),
         flash_attention=_flag(data, "flash_attention", source),
+        attention_backend=str(data.get("attention_backend", "auto")),
         description=str(data.get("description", "")),
         sources=tuple(str(s) for s in data.get("sources", ())),
     )

@@ -21,7 +21,12 @@ Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm,
   (``ab s^2 (1 + e)``). For fp16, f = 4h, dropout on, t = 1 this is the paper-era ``sbh(34 + 5as/h)``.
 - With a fused attention kernel (``Cluster.flash_attention``: the engine's
   ``F.scaled_dot_product_attention`` on sm80+ GPUs) the ``s^2`` terms give way to the kernel's fp32
-  log-sum-exp per row (``4abs/t``): Korthikanti's ``sbh(10 + 24/t)``.
+  log-sum-exp per row (``4abs/t``): Korthikanti's ``sbh(10 + 24/t)``. Which kernel runs follows the
+  run's ``--attention-backend`` (``Cluster.attention_backend``, ``attention_kernel``): flash/fused keep
+  no ``s^2`` tensor, unfused/local keep Korthikanti's, and auto on the CPU is torch's flash kernel
+  without attention dropout and its fp32 math path (three fp32 ``s^2`` tensors: ``12abs^2/t``) with it.
+  A dropout mask is 1 byte on GPUs (fused dropout) and ``e`` bytes on the CPU (torch keeps the scaled
+  noise there).
 - With an efficiency curve in ``macs`` (efficiency.py) the curve prices the GEMMs and the
   memory-bound kernels between them are timed on HBM (``layer_memory_bound_bytes``); the earlier
   ``elements`` curve folds them into its fixed cost.
@@ -72,7 +77,7 @@ considers the (t, b) pairs a profile has.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -170,17 +175,30 @@ class MicrobatchCosts:
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """Costs per (t, b). ``source`` says where they came from, for the output."""
+    """Costs per (t, b). ``source`` says where they came from, for the output.
+
+    ``sequence_parallel``: the setting ``table`` was counted or measured with (the model's). ``sp_table``:
+    where the search tries sequence parallelism as an axis, the same (t > 1, b) with it on (``table``
+    then holds them with it off); empty otherwise.
+    """
 
     source: str
     table: Mapping[tuple[int, int], MicrobatchCosts]
+    sequence_parallel: bool = False
+    sp_table: Mapping[tuple[int, int], MicrobatchCosts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.table:
             raise ConfigError(f"layer costs from {self.source} have no entries")
 
-    def at(self, tensor_parallel: int, micro_batch_size: int) -> MicrobatchCosts | None:
-        return self.table.get((tensor_parallel, micro_batch_size))
+    def at(self, tensor_parallel: int, micro_batch_size: int,
+           sequence_parallel: bool | None = None) -> MicrobatchCosts | None:
+        """The costs at (t, b); with ``sequence_parallel`` given, those of that setting (None where unknown).
+        At t = 1 sequence parallelism changes nothing, so both settings read ``table``."""
+        key = (tensor_parallel, micro_batch_size)
+        if sequence_parallel is None or tensor_parallel == 1 or sequence_parallel == self.sequence_parallel:
+            return self.table.get(key)
+        return self.sp_table.get(key) if sequence_parallel else None
 
     def tensor_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({t for t, _ in self.table}))
@@ -267,27 +285,69 @@ def core_forward_flops(model: ModelConfig, b: int, t: int) -> float:
     return 4 * b * model.seq_length ** 2 * model.hidden_size / t
 
 
-def core_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> int:
-    """What the attention core keeps beyond Q, K, V: the softmax output and, with attention dropout,
-    its mask (1 byte) and output: ``ab s^2 e (+ ab s^2 (1 + e))`` split by ``t``. A fused (flash or
-    memory-efficient) kernel keeps none of them, only its fp32 log-sum-exp per row: ``4abs / t``."""
+# What the attention core keeps, by kernel (``attention_kernel``): ``fused`` (flash / memory-efficient:
+# a log-sum-exp per row), ``unfused`` (Megatron's softmax and dropout: the s^2 probabilities, mask and
+# dropped probabilities), ``math`` (torch's SDPA fallback on the CPU, in fp32: three fp32 s^2 tensors).
+ATTENTION_KERNELS = ("fused", "unfused", "math")
+MATH_BYTES = 4  # torch's CPU math path computes the scores, softmax and dropout in fp32
+
+
+def attention_kernel(cluster: Cluster, model: ModelConfig) -> str:
+    """The core the engine runs for the cluster's ``attention_backend`` (``models/attention_core.py``):
+    flash/fused -> ``fused``; unfused/local -> ``unfused``; auto -> what scaled_dot_product_attention picks:
+    on the CPU its flash kernel without attention dropout and its math path with it, on a GPU its fused
+    kernels where the cluster says it has them (``flash_attention``), else the paper-era unfused core."""
+    backend = cluster.attention_backend
+    if backend in ("flash", "fused"):
+        return "fused"
+    if backend in ("unfused", "local"):
+        return "unfused"
+    if cluster.is_cpu:
+        return "math" if model.attention_dropout > 0 else "fused"
+    return "fused" if cluster.flash_attention else "unfused"
+
+
+def dropout_mask_bytes(cluster: Cluster, e: int) -> int:
+    """Bytes per element of a dropout mask kept for backward: CUDA's fused dropout keeps a bool mask;
+    torch's CPU dropout keeps its scaled noise in the activations' dtype."""
+    return e if cluster.is_cpu else 1
+
+
+def core_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False, kernel: str | None = None,
+                     mask_bytes: int = 1) -> int:
+    """What the attention core keeps beyond Q, K, V, split by ``t`` (``kernel`` None: ``fused`` with ``flash``,
+    else ``unfused``). ``unfused``: the softmax output and, with attention dropout, its mask (``mask_bytes``)
+    and output: ``ab s^2 e (+ ab s^2 (mask_bytes + e))``. ``fused`` (flash or memory-efficient) keeps none of
+    them, only its fp32 log-sum-exp per row: ``4abs``. ``math``: the unfused tensors in fp32 (``MATH_BYTES``
+    each, the mask too), and Q, K and V promoted to fp32 with K and V repeated for every query head (they
+    replace the ``e``-byte Q, K, V the layer counts: ``(4 * 3h - e(h + 2g head_dim)) bs``)."""
     s, a = model.seq_length, model.num_attention_heads
-    if flash:
+    kernel = kernel or ("fused" if flash else "unfused")
+    if kernel not in ATTENTION_KERNELS:
+        raise ConfigError(f"unknown attention kernel {kernel!r}; one of {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "fused":
         return 4 * a * b * s // t
-    n = a * b * s * s * e + (a * b * s * s * (1 + e) if model.attention_dropout > 0 else 0)
-    return n // t
+    promoted = 0
+    if kernel == "math":
+        h, kv = model.hidden_size, 2 * model.query_groups * model.head_dim
+        promoted = max(0, MATH_BYTES * 3 * h - e * (h + kv)) * b * s
+        e = mask_bytes = max(e, MATH_BYTES)
+    n = a * b * s * s * e + (a * b * s * s * (mask_bytes + e) if model.attention_dropout > 0 else 0)
+    return (n + promoted) // t
 
 
-def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> int:
+def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False, kernel: str | None = None,
+                      mask_bytes: int = 1) -> int:
     """Bytes one layer keeps for its backward, its input included (see the module docstring); with
-    ``flash`` (a fused attention kernel) the core's ``s^2`` tensors give way to its log-sum-exp."""
+    ``flash`` (a fused attention kernel; or ``kernel``, see :func:`core_stash_bytes`) the core's ``s^2``
+    tensors give way to its log-sum-exp. ``mask_bytes``: per element of each dropout mask."""
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
-    replicated = 4 * b * s * h * e + (2 * b * s * h if model.hidden_dropout > 0 else 0)
+    replicated = 4 * b * s * h * e + (2 * b * s * h * mask_bytes if model.hidden_dropout > 0 else 0)
     # Q and the projection input (2h) plus K and V (2 g head_dim: 2h without grouped-query attention);
     # the MLP keeps GeLU's input and output (2f), or SwiGLU's gate, silu(gate), up and their product (4f)
     kv = 2 * model.query_groups * model.head_dim
     split = (2 * h + kv) * b * s * e + (4 if model.swiglu else 2) * b * s * f * e
-    core = core_stash_bytes(model, b, t, e, flash)
+    core = core_stash_bytes(model, b, t, e, flash, kernel, mask_bytes)
     if model.sequence_parallel and t > 1:  # norms' and linears' inputs and dropout masks sharded too
         return (replicated + split) // t + core
     return replicated + split // t + core
@@ -333,7 +393,8 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     vocab = model.padded_vocab_size(t) // t
     speed = cluster.peak(precision) * cluster.efficiency.layer_fraction(b, s, h, t)
     hidden = b * s * h * e  # one hidden-state tensor
-    flash = cluster.flash_attention
+    kernel, mask = attention_kernel(cluster, model), dropout_mask_bytes(cluster, e)
+    flash = kernel == "fused"
     # what crosses stage boundaries and sits between layers: a sequence shard under sequence parallelism
     shard = hidden // t if model.sequence_parallel and t > 1 else hidden
 
@@ -341,14 +402,14 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     mem_layer, mem_core = (layer_memory_bound_bytes(model, b, t, e, flash) if cluster.efficiency.unit == "macs"
                            else (0.0, 0.0))
     layer_fwd = layer_forward_flops(model, b, t) / speed + mem_layer / cluster.memory_bandwidth
-    stash = layer_stash_bytes(model, b, t, e, flash)
+    stash = layer_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask)
     layer = BlockCost(
         # the weight-gradient GEMMs: as many FLOPs as the weight GEMMs of the forward (memory-bound kernels
         # and the attention core's backward belong to the input gradient)
         backward_weight_s=linear_forward_flops(model, b, t) / speed,
         weight_grad_stash_bytes=weight_grad_stash_bytes(model, b, t, e),
         core_forward_s=core_forward_flops(model, b, t) / speed + mem_core / cluster.memory_bandwidth,
-        core_stash_bytes=core_stash_bytes(model, b, t, e, flash),
+        core_stash_bytes=core_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
         stash_bytes=stash, input_bytes=shard, output_bytes=shard,
         # The gradients of a layer's activations exist while its backward runs: about its stash again.
@@ -362,7 +423,7 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         # the embedding's backward is all weight gradient (a scatter-add into the table): nothing upstream
         forward_s=emb_time, backward_s=emb_time, backward_weight_s=emb_time, params=embedding_params(model, t),
         weight_grad_stash_bytes=b * s * TOKEN_ID_BYTES + shard,
-        stash_bytes=(b * s * h * shard // hidden if model.hidden_dropout > 0 else 0),
+        stash_bytes=(b * s * h * mask * shard // hidden if model.hidden_dropout > 0 else 0),
         input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=shard,
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
     )
@@ -387,15 +448,23 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
 
 
 def analytic_layer_costs(model: ModelConfig, cluster: Cluster, precision: str,
-                         tensor_sizes: Iterable[int], micro_batch_sizes: Iterable[int]) -> LayerCosts:
-    """The analytic estimate on a (t, b) grid."""
-    sizes = tuple(micro_batch_sizes)
+                         tensor_sizes: Iterable[int], micro_batch_sizes: Iterable[int],
+                         search_sequence_parallel: bool = False) -> LayerCosts:
+    """The analytic estimate on a (t, b) grid; ``search_sequence_parallel``: both settings (``table`` off,
+    ``sp_table`` on at t > 1) for a search that tries sequence parallelism as an axis."""
+    sizes, tensor_sizes = tuple(micro_batch_sizes), tuple(tensor_sizes)
+    sp_table: dict[tuple[int, int], MicrobatchCosts] = {}
+    if search_sequence_parallel and model.kind == "gpt":  # sequence parallelism is GPT's only
+        on = replace(model, sequence_parallel=True)
+        sp_table = {(t, b): analytic_microbatch_costs(on, cluster, precision, t, b)
+                    for t in tensor_sizes if t > 1 and model.seq_length % t == 0 for b in sizes}
+        model = replace(model, sequence_parallel=False)
     table = {(t, b): analytic_microbatch_costs(model, cluster, precision, t, b) for t in tensor_sizes for b in sizes}
     eff = cluster.efficiency
     source = (f"analytic estimate from FLOPs and bytes ({cluster.device}, {precision} peak "
               f"{cluster.peak(precision) / 1e12:g} TFLOP/s x efficiency curve max {eff.max_fraction:g}, "
               f"half at {eff.half_work:g} {eff.unit}); no profile")
-    return LayerCosts(source, table)
+    return LayerCosts(source, table, model.sequence_parallel, sp_table)
 
 
 # ---- profiles -----------------------------------------------------------------------------------

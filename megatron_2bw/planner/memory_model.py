@@ -101,6 +101,9 @@ class Candidate:
     # ZeRO-1: master and optimizer state sharded over the w replicas (a no-op at w = 1)
     distributed_optimizer: bool = False
     async_save: bool = False  # --async-save: a host copy of what each rank writes (StageMemory.host_save)
+    # --sequence-parallel (t > 1): norms, dropout and the residual stream sharded over the tensor group;
+    # its costs (a layer's whole stash over t, sharded stage inputs) are ``LayerCosts.at(..., True)``'s
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -116,6 +119,8 @@ class Candidate:
             raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule != SEQUENTIAL:
             validate_pipeline(self.schedule, self.pipeline_parallel, self.num_micro_batches)
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
     @property
     def num_gpus(self) -> int:

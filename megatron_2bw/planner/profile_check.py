@@ -6,6 +6,7 @@ or kind of device is refused with one line (a 5M-parameter fp32 CPU profile once
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -66,4 +67,5 @@ def load_checked_profile(path: str | Path, model: ModelConfig, precision: str, d
     """``layer_costs.load_profile`` after :func:`check_profile_fits`."""
     data = read_profile_json(path)
     check_profile_fits(path, data, model, precision, device)
-    return layer_costs_from_json(data, str(path))
+    # the profiler measured the model as configured, --sequence-parallel included
+    return replace(layer_costs_from_json(data, str(path)), sequence_parallel=model.sequence_parallel)

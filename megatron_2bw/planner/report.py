@@ -54,9 +54,14 @@ def fp32_grads_flag(request: PlanRequest) -> bool | None:
 def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     """The ``pretrain_gpt.py`` (or ``pretrain_bert.py``) command line that runs ``ev``."""
     c = ev.candidate
-    argv = pretrain_argv(request.model, candidate_layout(c), c.global_batch_size, request.precision,
+    model = request.model
+    if model.kind == "gpt" and model.sequence_parallel != c.sequence_parallel:  # the search's choice
+        model = replace(model, sequence_parallel=c.sequence_parallel)
+    argv = pretrain_argv(model, candidate_layout(c), c.global_batch_size, request.precision,
                          fp32_grads_flag(request))
-    return argv + recompute_policy_argv(c, request.model.kind)
+    backend = request.cluster.attention_backend  # the kernel the memory was counted for
+    return argv + recompute_policy_argv(c, request.model.kind) + (
+        ["--attention-backend", backend] if backend != "auto" else [])
 
 
 def recompute_policy_argv(c: Candidate, kind: str) -> list[str]:
@@ -89,6 +94,7 @@ def describe(ev: Evaluated, req: PlanRequest | None = None) -> dict[str, Any]:
         "data_parallel": c.data_parallel, "micro_batch_size": c.micro_batch_size,
         "num_micro_batches": c.num_micro_batches, "global_batch_size": c.global_batch_size,
         "recompute": c.recompute, "schedule": c.schedule, "distributed_optimizer": c.distributed_optimizer,
+        "sequence_parallel": c.sequence_parallel,
         "layer_split": list(c.layer_split) if c.layer_split else None,  # layers per stage; None: even
         "samples_per_sec": round(ev.samples_per_sec, 3),
         "memory_bytes_per_gpu": ev.memory_bytes_per_gpu,
@@ -141,6 +147,7 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
         "",
         f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
+        f"{'seq-par':>7} "
         f"{'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
     width = len(lines[-1])  # rows are padded to the header, then the staleness column follows
@@ -151,7 +158,8 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         lines.append(
             f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
             f"{c.num_micro_batches:>4} {recompute_text(c):>8} {sched:>8} "
-            f"{'yes' if c.distributed_optimizer else 'no':>8} {ev.samples_per_sec:>10.1f} "
+            f"{'yes' if c.distributed_optimizer else 'no':>8} {'yes' if c.sequence_parallel else 'no':>7} "
+            f"{ev.samples_per_sec:>10.1f} "
             f"{tokens_per_sec(ev, req):>10.0f} {100 * mfu(ev, req):>5.1f}% "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )

@@ -13,7 +13,9 @@ optimizer replicated or distributed (ZeRO-1: less memory, a shorter optimizer st
 (``memory_model.fp32_grads_for``: fp32 for bf16, fp16 for fp16) unless ``fp32_grads`` says
 otherwise. The number of microbatches per batch is fixed by the global batch, ``m = B / (b*w)``: a
 ``b`` that does not divide it is skipped, and so is a schedule that needs more microbatches
-(``ScheduleSpec.min_microbatches``). A layout
+(``ScheduleSpec.min_microbatches``). Where ``t > 1``, ``sequence_parallel_options`` may add
+sequence parallelism on and off (``Candidate.sequence_parallel``; the analytic costs then hold both
+settings, ``LayerCosts.sp_table``). A layout
 whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
 samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
 
@@ -80,6 +82,8 @@ class PlanRequest:
     # share of the usable memory a plan leaves free (tools/plan.py --memory-margin, DEFAULT_MEMORY_MARGIN):
     # the allocator's fragmentation and what the model leaves out; 0 reproduces the paper's planner
     memory_margin: float = 0.0
+    # --sequence-parallel off/on, tried where t > 1 (GPT only); None: the model's own setting
+    sequence_parallel_options: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_margin < 1.0:
@@ -98,6 +102,17 @@ class PlanRequest:
         bad = [s for s in self.schedules if s not in allowed]
         if bad or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
+
+    @property
+    def sequence_parallel_choices(self) -> tuple[bool, ...]:
+        """The sequence-parallel settings searched (where t > 1)."""
+        opts = self.sequence_parallel_options
+        return (self.model.sequence_parallel,) if opts is None else tuple(dict.fromkeys(opts)) or (False,)
+
+    @property
+    def searches_sequence_parallel(self) -> bool:
+        """Whether both settings are tried: the analytic costs then hold both (``LayerCosts.sp_table``)."""
+        return len(self.sequence_parallel_choices) > 1 or self.sequence_parallel_choices != (self.model.sequence_parallel,)
 
     @property
     def param_bytes(self) -> ParamBytes:
@@ -175,7 +190,17 @@ def default_costs(request: PlanRequest) -> LayerCosts:
     """The analytic estimate on the grid the search needs."""
     return analytic_layer_costs(request.model, request.cluster, request.precision,
                                 tensor_sizes(request.model, request.cluster, request.num_gpus),
-                                micro_batch_sizes(request.max_micro_batch_size))
+                                micro_batch_sizes(request.max_micro_batch_size),
+                                search_sequence_parallel=request.searches_sequence_parallel)
+
+
+def sequence_parallel_choices(request: PlanRequest, costs: LayerCosts, t: int, b: int) -> tuple[bool, ...]:
+    """The sequence-parallel settings tried at (t, b): none but off at t = 1 (nothing to shard), and only
+    those the costs know (``LayerCosts.at``); costs of one setting only (a profile) are that setting."""
+    if not costs.sp_table:
+        return (costs.sequence_parallel and t > 1,)
+    wanted = dict.fromkeys(sp and t > 1 for sp in request.sequence_parallel_choices)
+    return tuple(sp for sp in wanted if costs.at(t, b, sp) is not None)
 
 
 def distributed_optimizer_choices(request: PlanRequest, w: int) -> tuple[bool, ...]:
@@ -200,21 +225,24 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                 if b > request.max_micro_batch_size or B % (b * w):
                     continue
                 m = B // (b * w)
-                for schedule in schedules:
+                sps = sequence_parallel_choices(request, costs, t, b)
+                for schedule, sp in ((x, y) for x in schedules for y in sps):
                     if schedule != SEQUENTIAL and m < get_schedule(schedule).min_microbatches(d):
                         continue
-                    c = costs.at(t, b)
+                    c = costs.at(t, b, sp)
                     policies = sorted((p for p in request.recompute_policies if not _saves_nothing(p, c)),
                                       key=lambda p: inner_recompute_cost(c, request.model.num_layers, p)[0])
                     for zero in distributed_optimizer_choices(request, w):
                         # cheapest recomputation first (none, inside stages, whole stages): see search()
                         if False in request.recompute_options:
-                            yield Candidate(t, d, w, b, m, False, schedule, distributed_optimizer=zero)
+                            yield Candidate(t, d, w, b, m, False, schedule, distributed_optimizer=zero,
+                                            sequence_parallel=sp)
                         for policy in policies:
                             yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy,
-                                            distributed_optimizer=zero)
+                                            distributed_optimizer=zero, sequence_parallel=sp)
                         if True in request.recompute_options:
-                            yield Candidate(t, d, w, b, m, True, schedule, distributed_optimizer=zero)
+                            yield Candidate(t, d, w, b, m, True, schedule, distributed_optimizer=zero,
+                                            sequence_parallel=sp)
 
 
 # Selective recomputation is skipped where it frees less than this share of a layer's stash: with a
@@ -247,7 +275,7 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
                                        and (p.method != "uniform" or p.num_layers != 1)):
         return 0.0
     d, m = cand.pipeline_parallel, cand.num_micro_batches
-    base, slope = stage_lines(costs.at(cand.tensor_parallel, cand.micro_batch_size), cand, request.cluster,
+    base, slope = stage_lines(candidate_costs(costs, cand), cand, request.cluster,
                               request.param_bytes)
     mean = (sum(base) + request.model.num_layers * min(slope)) / d
     spec = get_schedule(cand.schedule)
@@ -258,14 +286,20 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
 def _group(c: Candidate) -> tuple:
     """Candidates that differ only in their recomputation."""
     return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule,
-            c.distributed_optimizer)
+            c.distributed_optimizer, c.sequence_parallel)
+
+
+def candidate_costs(costs: LayerCosts, cand: Candidate) -> MicrobatchCosts | None:
+    """The costs of ``cand``'s (t, b) with its sequence-parallel setting."""
+    return costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel)
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
     """Memory first; the time only for what fits."""
-    c = costs.at(cand.tensor_parallel, cand.micro_batch_size)
+    c = candidate_costs(costs, cand)
     if c is None:
-        raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}")
+        raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}"
+                          + (" with --sequence-parallel" if cand.sequence_parallel else ""))
     if request.balance_stages and cand.pipeline_parallel > 1 and cand.layer_split is None:
         split = balanced_split(c, cand, request.model.num_layers, request.cluster, request.param_bytes,
                                request.cluster.usable_memory_bytes)
@@ -280,7 +314,7 @@ def _rank_key(e: Evaluated) -> tuple:
     c = e.candidate
     policy = c.recompute_policy.label if c.recompute_policy else ""
     return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute, policy,
-            c.distributed_optimizer)
+            c.distributed_optimizer, c.sequence_parallel)
 
 
 def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit: bool = True) -> SearchResult:

@@ -139,7 +139,7 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
                     tc.global_batch_size, tc.eval_iters * tc.global_batch_size, distinct)
     from ..fused import select_kernels
 
-    prep.kernels = select_kernels(cfg.system.fused_kernels, cfg.system.device)
+    prep.kernels = select_kernels(cfg.system.fused_kernels, cfg.system.device, cfg.system.attention_backend)
     return prep
 
 

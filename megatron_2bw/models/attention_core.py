@@ -1,0 +1,66 @@
+"""The attention core, softmax(QK^T / sqrt(d)) V with dropout, by ``--attention-backend`` (Megatron's names).
+
+- ``auto``: ``F.scaled_dot_product_attention`` picks its kernel (on GPUs flash / memory-efficient; on the
+  CPU its flash kernel without dropout and its math path, which keeps three fp32 ``[b, a, s, s]`` tensors,
+  with dropout);
+- ``flash``: only SDPA's flash kernel; ``fused``: only its fused kernels (flash, memory-efficient,
+  cuDNN). Neither keeps an ``s^2`` tensor, only a log-sum-exp per row;
+- ``unfused`` / ``local``: the core written out as Megatron's ``DotProductAttention``: scores, masked
+  softmax, dropout, times V. It keeps the softmax output, the dropout mask and the dropped
+  probabilities (Korthikanti et al.'s ``5as^2b`` in fp16), which the planner counts
+  (``planner/layer_costs.py``, ``core_stash_bytes``).
+
+Query heads are grouped by key/value head (``[b, groups * per_group, s, d]``, group-major), so the
+unfused core multiplies each group's ``per_group * s`` query rows by its one key matrix: no copy of K or
+V per query head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ATTENTION_BACKENDS
+
+_FUSED = {"flash": ("FLASH_ATTENTION",), "fused": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")}
+
+
+def _sdpa_backends(names: tuple[str, ...]) -> list:
+    from torch.nn.attention import SDPBackend  # noqa: PLC0415 - torch >= 2.3
+
+    return [getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)]
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
+                      causal: bool) -> torch.Tensor:
+    """``q [b, a, s, d]``, ``k, v [b, g, s, d]`` (a = g * per_group) -> ``[b, a, s, d]``, as SDPA computes it.
+    ``mask``: SDPA's convention (bool: True takes part; float: added to the scores)."""
+    b, a, s, d = q.shape
+    g = k.shape[1]
+    scores = torch.matmul(q.reshape(b, g, (a // g) * s, d), k.transpose(-1, -2)).view(b, a, s, s)
+    scores = scores * (1.0 / math.sqrt(d))
+    if causal:
+        keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = F.dropout(torch.softmax(scores, dim=-1), p, p > 0)
+    return torch.matmul(probs.view(b, g, (a // g) * s, s), v).view(b, a, s, d)
+
+
+def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
+              causal: bool) -> torch.Tensor:
+    """The core by ``backend`` (module docstring); ``p`` the dropout probability (0 in eval)."""
+    if backend in ("unfused", "local"):
+        return unfused_attention(q, k, v, mask, p, causal)
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
+    if backend not in _FUSED:
+        raise ValueError(f"unknown attention backend {backend!r}; one of {', '.join(ATTENTION_BACKENDS)}")
+    from torch.nn.attention import sdpa_kernel  # noqa: PLC0415
+
+    with sdpa_kernel(_sdpa_backends(_FUSED[backend])):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
