@@ -118,8 +118,8 @@ def test_3p8b_choice_is_first():
 def test_search_is_fast(gpus, limit):
     model = ModelConfig("gpt", 96, 12288, 96, 2048, 2048, 50257)
     request = PlanRequest(model, load_cluster("dgx-a100-80gb"), gpus, 1536, "bf16")
-    start = time.perf_counter()
+    start = time.process_time()
     result = search(request, require_fit=False)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     print(f"\nsearch over {gpus} GPUs: {result.considered} candidates in {elapsed * 1e3:.0f} ms")
     assert elapsed < limit
