@@ -16,6 +16,9 @@ recomputation, I's re-run) built; nothing is computed twice. This is what torch'
   with the kept gradients to the parameters' accumulators: only the weight side of each node (``dW =
   dY^T X``) runs, no input-gradient GEMM and no collective, and the graph is freed as it goes.
 
+Custom autograd Functions that compute their input and weight gradients in one backward (the
+sequence-parallel column GEMMs) read :func:`phase` and compute only the half asked for.
+
 The first stage has no input gradient to send: its I does nothing and its W runs the whole backward
 (torch does the same). Layer-level recomputation (``--recompute-granularity``, torch checkpoints)
 re-runs its checkpointed forwards once per autograd pass: in I, and again in W for the regions whose
@@ -24,11 +27,31 @@ saved tensors W's nodes read.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+
+_PHASE: list[str | None] = [None]
+
+
+def phase() -> str | None:
+    """``"input"`` while a BACKWARD_INPUT runs autograd, ``"weight"`` while a BACKWARD_WEIGHT does, None
+    otherwise (a whole backward)."""
+    return _PHASE[0]
+
+
+@contextlib.contextmanager
+def _in_phase(name: str) -> Iterator[None]:
+    _PHASE[0] = name
+    try:
+        yield
+    finally:
+        _PHASE[0] = None
 
 
 def accumulator(t: torch.Tensor) -> Node:
@@ -140,7 +163,8 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
                 def keep(grad_outputs, g=g, i=i):
                     g.grads[i] = grad_outputs
                 handles.append(node.register_prehook(keep))
-        (dx,) = torch.autograd.grad(output, inp, grad_output, retain_graph=True)
+        with _in_phase("input"):
+            (dx,) = torch.autograd.grad(output, inp, grad_output, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
@@ -164,7 +188,9 @@ def backward_weight(deferred: DeferredWeightGrad, params: list[torch.Tensor], in
         if len(g.nodes) > 1:  # a node below another one of the group must not count its gradient twice
             handles = [node.register_prehook(lambda _, c=caught: c) for node, caught in zip(g.nodes, g.grads)]
         try:
-            dws = torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in g.params], grads, allow_unused=True)
+            with _in_phase("weight"):
+                dws = torch.autograd.grad(edges, [GradientEdge(acc, 0) for acc in g.params], grads,
+                                          allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
