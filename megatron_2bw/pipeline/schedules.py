@@ -322,6 +322,12 @@ class _ZBH2(_ZeroBubble):
     def inflight_bound(self, d: int, r: int) -> int:
         return 2 * d - 1
 
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """``(d - 1) * f`` where that holds (m >= 2d - 1, b and w at most f, b at most 2w); replayed otherwise."""
+        if m >= 2 * d - 1 and max(b, w) <= f and b <= 2 * w:
+            return (d - 1) * f
+        return super().bubble_time(d, m, f, b, w)
+
 
 @functools.lru_cache(maxsize=1 << 12)
 def _greedy_orders(d: int, m: int, limit: int) -> tuple[SplitOrder, ...]:
