@@ -382,6 +382,8 @@ def stage_costs(
             static_bytes=sm.weights + sm.second_weights + sm.grads + sm.optimizer,
             stash_bytes=w.stash_bytes, backward_extra_bytes=w.backward_extra_bytes,
             workspace_bytes=max(b.workspace_bytes for _, b, n in blocks if n),
+            # a split backward: the engine's first stage sends no gradient, so its W runs the whole backward
+            input_s=0.0 if r == 0 else None, weight_s=bwd if r == 0 else None,
         ))
     return out
 
