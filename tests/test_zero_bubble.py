@@ -3,8 +3,8 @@ with dropout, like Flush on the same layout, whose stages draw the same masks); 
 in-flight bounds against the paper's formulas and the replay; the checker refuses broken split programs.
 
 CI runs a covering set of layouts, not the whole cross product: d2 m4 t1 with dropout and stage
-recomputation (against Flush on the layout), d4 m8 t1 (against the single process), d2 m4 t2 with the
-tied embedding split across stages (against the single process), and Llama (untied, GQA, SwiGLU) d2 m4.
+recomputation (against Flush on the layout); against the single process d4 m8 t1, d2 m4 t2 (the tied
+embedding split across stages; Llama under sequence parallelism) and Llama and BERT at d2 m4.
 """
 
 from __future__ import annotations
@@ -205,7 +205,13 @@ def test_d2_m4_t2_tied_equals_the_single_process(single):
     _assert_close([o[("zb-h1", LLAMA_SP)] for o in outs], train_tiny("flush", **dict(LLAMA)), *VS_SINGLE)
 
 
-def test_llama_d2_m4_equals_the_single_process():
-    ref = train_tiny("flush", **dict(LLAMA))
-    outs = run_workers(_layout_runs, 2, (1, 2, 1), [("zb-h2", LLAMA)], timeout=240)
-    _assert_close([o[("zb-h2", LLAMA)] for o in outs], ref, *VS_SINGLE)
+BERT = (("global_batch", 4), ("kind", "bert-tiny"), *KW.items())
+
+
+def test_llama_and_bert_d2_m4_equal_the_single_process():
+    """Llama (untied output layer, GQA, SwiGLU, RMSNorm) and BERT (pooler, sentence-order head, both
+    losses) split their backwards like GPT."""
+    variants = [("zb-h2", LLAMA), ("zb-h1", BERT)]
+    outs = run_workers(_layout_runs, 2, (1, 2, 1), variants, timeout=240)
+    for name, opts in variants:
+        _assert_close([o[(name, opts)] for o in outs], train_tiny("flush", **dict(opts)), *VS_SINGLE)
