@@ -264,9 +264,10 @@ class PipelineStage:
         entry = self._stash.pop(a.mb) if entry is None else entry
         w = self.weights
         w.point_grads(w.slot(entry.version), w.grad_buffer(a.step))
+        factor = self._loss_factor(a.step)  # fixes the step's loss scale on every stage (the update unscales by it)
         x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
         if self.state.is_last_stage:
-            (out * self._loss_factor(a.step)).backward()
+            (out * factor).backward()
         else:
             torch.autograd.backward(out, self._mail.pop((Op.RECV_GRAD, a.mb)))
         if not self.state.is_first_stage:
@@ -282,12 +283,13 @@ class PipelineStage:
         """The input-gradient half of a split backward (:mod:`.split_backward`): recompute if the stage
         recomputes, send the input's gradient on, keep the graph and the first-use gradients for W. The
         first stage sends nothing: its W runs the whole backward."""
+        factor = self._loss_factor(a.step)  # fixes the step's loss scale on every stage, as a whole backward does
         if self.state.is_first_stage:
             return
         entry = self._stash[a.mb]
         x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
         if self.state.is_last_stage:
-            out, grad = out * self._loss_factor(a.step), None
+            out, grad = out * factor, None
         else:
             grad = self._mail.pop((Op.RECV_GRAD, a.mb))
         dx, entry.deferred = backward_input(out, grad, x, self._accumulators(entry.version))
