@@ -226,3 +226,21 @@ def test_llama_and_bert_d2_m4_equal_the_single_process():
     outs = run_workers(_layout_runs, 2, (1, 2, 1), variants, timeout=240)
     for name, opts in variants:
         _assert_close([o[(name, opts)] for o in outs], train_tiny("flush", **dict(opts)), *VS_SINGLE)
+
+
+def _fp16_overflow(layout):
+    # the last stage poisons its gradient of step 2: every rank skips it and backs the loss scale off
+    return {s: train_tiny(s, layout=layout, dtype="fp16", steps=5, lr=3e-3, clip=1.0, global_batch=4, inject_inf=(1, 2))
+            for s in ("flush", "zb-h1")}
+
+
+def test_fp16_overflow_skips_and_backs_off_like_flush():
+    """fp16 dynamic loss scaling through a split backward: the step's scale is fixed at its first I on
+    every stage and the update unscales by it; an overflow skips the step and halves the scale from the
+    next step on, exactly as Flush does."""
+    for o in run_workers(_fp16_overflow, 2, (1, 2, 1), timeout=240):
+        flush, zb = o["flush"], o["zb-h1"]
+        assert zb["skipped"] == flush["skipped"] == [False, False, True, False, False]
+        assert zb["scales"] == flush["scales"] == [2.0**12] * 3 + [2.0**11] * 2
+        for k, p in flush["params"].items():
+            assert (p - zb["params"][k]).abs().max().item() < 1e-6, k
