@@ -41,7 +41,6 @@ def _grads_both_ways(kind: str, d: int, r: int, dropout: float = 0.0, **kw):
     last = r == d - 1
     params = [p for p in layers.parameters()]
     x0 = torch.randn(2, cfg.seq_length, cfg.hidden_size) if r > 0 else None
-    out_shape = None
     results = []
     for split in (False, True):
         for p in params:

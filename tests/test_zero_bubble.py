@@ -111,7 +111,8 @@ def test_2bw_flags_are_refused() -> None:
     from megatron_2bw.config import PipelineConfig
 
     for name in ZB:
-        with pytest.raises(ConfigError, match=f"--2bw-compensation predict only applies to --pipeline-schedule 2bw, not {name}"):
+        refused = f"--2bw-compensation predict only applies to --pipeline-schedule 2bw, not {name}"
+        with pytest.raises(ConfigError, match=refused):
             PipelineConfig(name, 1, 4, compensation="predict")
 
 
