@@ -6,7 +6,10 @@ must name the expected microbatch; APPLY_UPDATE(t) waits until every stage has r
 (those reductions are collectives across stages).
 
 Beyond deadlock freedom it proves, per stage: every microbatch of the segment is forwarded once and
-backwarded once (forward first, backwards in microbatch order); the in-flight count never exceeds
+backwarded once (forward first, backwards in microbatch order); a schedule that splits its backward
+runs BACKWARD_INPUT (in microbatch order, after the forward) then BACKWARD_WEIGHT of each microbatch
+and never a whole BACKWARD (the others never I or W), sends the gradient only after I, and reduces a
+step only after every W of it; the in-flight count (until a microbatch's B or W) never exceeds
 the schedule's :meth:`~.schedules.ScheduleSpec.inflight`; every microbatch runs forward and backward
 on the schedule's :meth:`~.schedules.ScheduleSpec.version`; a version is used only after the update
 that makes it; an update uses only finished backwards; no more weight versions are live on a stage
@@ -34,7 +37,8 @@ class CheckReport:
     """What a successful check measured.
 
     ``time_slots`` is the replayed makespan with every FORWARD and BACKWARD costing one
-    slot and communication / reductions free: a rough estimate for bubbles, not a profile.
+    slot (BACKWARD_INPUT and BACKWARD_WEIGHT half a slot each) and communication / reductions free:
+    a rough estimate for bubbles, not a profile.
     ``max_live_versions``: per stage, most weight versions needed at once (in flight or newest).
     """
 
@@ -44,7 +48,7 @@ class CheckReport:
     first_step: int
     num_steps: int
     max_inflight: tuple[int, ...]
-    time_slots: int
+    time_slots: float
     max_live_versions: tuple[int, ...] = ()
 
     @property
@@ -65,6 +69,7 @@ class _StageRules:
         self.versions = [spec.version(t) for t in range(first_step, first_step + num_steps)]
         self.fwd_version = [-1] * n_mb
         self.done_bwd, self.sent_act, self.sent_grad = bytearray(n_mb), bytearray(n_mb), bytearray(n_mb)
+        self.done_inp = bytearray(n_mb)  # the input gradient exists: B or I ran
         self.got_act, self.got_grad = bytearray(n_mb), bytearray(n_mb)
         self.bwd_per_step = [0] * num_steps
         self.reduced = bytearray(num_steps)
@@ -74,6 +79,7 @@ class _StageRules:
         self.max_live = 1
         self.check = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.RECV_ACT: self._recv_act,
+            Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.RECV_GRAD: self._recv_grad, Op.SEND_ACT: self._send_act, Op.SEND_GRAD: self._send_grad,
             Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update,
         }
@@ -121,11 +127,33 @@ class _StageRules:
         self._count_live(i, a)
 
     def _backward(self, i: int, a: Action) -> None:
+        if self.spec.split_backward:
+            raise self._fail(i, a, f"{self.spec.name} splits its backward: BACKWARD_INPUT then BACKWARD_WEIGHT")
+        self._input_grad(i, a)
+        self._weight_grad(i, a)
+
+    def _backward_input(self, i: int, a: Action) -> None:
+        if not self.spec.split_backward:
+            raise self._fail(i, a, f"{self.spec.name} runs whole backwards, not BACKWARD_INPUT")
+        self._input_grad(i, a)
+
+    def _backward_weight(self, i: int, a: Action) -> None:
+        if not self.spec.split_backward:
+            raise self._fail(i, a, f"{self.spec.name} runs whole backwards, not BACKWARD_WEIGHT")
+        j = a.mb - self.lo
+        if not self.done_inp[j]:
+            raise self._fail(i, a, "weight gradient before the input gradient (BACKWARD_INPUT)")
+        if a.version != self.fwd_version[j]:
+            raise self._fail(i, a, f"weight gradient on W({a.version}) but forward ran on W({self.fwd_version[j]})")
+        self._weight_grad(i, a)
+
+    def _input_grad(self, i: int, a: Action) -> None:
+        """B or I: the input gradient, from the next stage's gradient, in microbatch order."""
         j = a.mb - self.lo
         v = self.fwd_version[j]
         if v < 0:
             raise self._fail(i, a, "backward before forward")
-        if self.done_bwd[j]:
+        if self.done_inp[j]:
             raise self._fail(i, a, "microbatch backwarded twice")
         if j != self.next_bwd:
             raise self._fail(i, a, f"backwards out of microbatch order (expected mb {self.lo + self.next_bwd})")
@@ -135,8 +163,16 @@ class _StageRules:
             if self.got_grad[j] != _RECEIVED:
                 raise self._fail(i, a, "backward without its gradient received (RECV_GRAD missing)")
             self.got_grad[j] = _CONSUMED
-        self.done_bwd[j] = 1
+        self.done_inp[j] = 1
         self.next_bwd += 1
+
+    def _weight_grad(self, i: int, a: Action) -> None:
+        """B or W: the step's gradient gets this microbatch's part; its stash is freed."""
+        j = a.mb - self.lo
+        if self.done_bwd[j]:
+            raise self._fail(i, a, "weight gradient of the microbatch computed twice")
+        v = self.fwd_version[j]
+        self.done_bwd[j] = 1
         self.bwd_per_step[a.step - self.first_step] += 1
         self.inflight -= 1
         if self.live[v] == 1:
@@ -164,7 +200,7 @@ class _StageRules:
 
     def _send_grad(self, i: int, a: Action) -> None:
         j = a.mb - self.lo
-        if not self.done_bwd[j] or self.sent_grad[j]:
+        if not self.done_inp[j] or self.sent_grad[j]:
             raise self._fail(i, a, "gradient sent before the backward or sent twice")
         self.sent_grad[j] = 1
 
@@ -186,7 +222,7 @@ class _StageRules:
     def finish(self) -> None:
         """The segment must end drained: everything forwarded, backwarded, sent, used and applied."""
         where = f"stage {self.r} at the end of the segment"
-        if self.next_bwd != len(self.fwd_version):
+        if self.next_bwd != len(self.fwd_version) or not all(self.done_bwd):
             missing = [self.lo + j for j, v in enumerate(self.fwd_version) if v < 0 or not self.done_bwd[j]]
             raise ScheduleError(f"{where}: microbatches not forwarded and backwarded: {missing[:8]}")
         if not self.first and not all(x == _CONSUMED for x in self.got_act):
@@ -225,7 +261,7 @@ def check_actions(
     rules = [_StageRules(spec, d, r, m, first_step, num_steps) for r in range(d)]
     trace = Replay(stages, timing=Timing.unit(d), rules=rules).run()
     return CheckReport(schedule, d, m, first_step, num_steps, tuple(x.max_inflight for x in rules),
-                       int(trace.makespan), tuple(x.max_live for x in rules))
+                       trace.makespan, tuple(x.max_live for x in rules))
 
 
 def check_schedule(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3) -> CheckReport:
