@@ -10,6 +10,8 @@ d2 m4 t2.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from megatron_2bw.errors import ConfigError
@@ -250,3 +252,33 @@ def test_fp16_overflow_skips_and_backs_off_like_flush():
         assert zb["scales"] == flush["scales"] == [2.0**12] * 3 + [2.0**11] * 2
         for k, p in flush["params"].items():
             assert (p - zb["params"][k]).abs().max().item() < 1e-6, k
+
+
+def test_bubble_time_shortcuts_match_the_full_replay():
+    """The planner's zero-bubble price replays at most 4d microbatches on times relative to f rounded to
+    1e-3: against the full replay at random costs and m past 4d, within 0.2% (the rounding's reach)."""
+    from megatron_2bw.pipeline.schedules import _replayed_bubble
+
+    rng = random.Random(0)
+    for _ in range(40):
+        d = rng.randint(2, 5)
+        f, b, w = (rng.uniform(0.2, 2.0) for _ in range(3))
+        for name in ("zb-h1", "zb-h2"):
+            for m in (4 * d + 1, 8 * d):
+                full = _replayed_bubble(name, d, m, f, b, w)
+                assert get_schedule(name).bubble_time(d, m, f, b, w) == pytest.approx(full, rel=2e-3, abs=1e-9)
+
+
+def test_deferred_weight_grads_past_4d_equal_the_full_order():
+    """The memory model's deferred-W count is taken at 4d microbatches: it equals the count on the full
+    generated order for every stage up to d = 6 and m up to 8d + 2."""
+    for name in ("zb-h1", "zb-h2"):
+        spec = get_schedule(name)
+        for d in range(1, 7):
+            for r in range(d):
+                for m in (4 * d + 1, 6 * d + 1, 8 * d + 2):
+                    pending = most = 0
+                    for op, _ in spec.split_order(d, r, m):
+                        pending += (op.value == "I") - (op.value == "W")
+                        most = max(most, pending)
+                    assert spec.deferred_weight_grads(d, r, m) == most, (name, d, r, m)
