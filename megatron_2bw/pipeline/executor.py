@@ -31,7 +31,7 @@ from torch import nn
 from ..config import OptimizerConfig, PipelineConfig
 from ..parallel_state import ParallelState
 from ..tensor_parallel.random import RNGTracker
-from .accounting import SavedBytes, StageStats
+from .accounting import SavedBytes, StageStats, clock_units
 from .actions import Action, Op
 from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
@@ -167,10 +167,13 @@ class PipelineStage:
         if predicting:  # the drain left W(step) in its buffer; step+1's microbatches run on P(W(step))
             self.updater.write_prediction(self.weights.slot(self.step), lr_fn(self.step))
         done, units = 0, self.transport.units(actions)
+        clock, train_s = time.perf_counter(), self.stats.train_s  # the stage's clocks (StageStats)
         while (unit := next(units, None)) is not None:
             a = unit[0]
             op = a.op
             done += len(unit)
+            t0 = time.perf_counter()
+            self.stats.train_s = train_s + (t0 - clock)
             if op is Op.FORWARD:
                 self._forward(a, get_batch)
             elif op is Op.BACKWARD:
@@ -187,7 +190,9 @@ class PipelineStage:
                     units = self.transport.units(rest)
             else:
                 self._transfer(unit)
+            clock_units(self.stats, unit, time.perf_counter() - t0)
         self.transport.drain()
+        self.stats.train_s = train_s + (time.perf_counter() - clock)
         self.reducer.wait_all()  # drained: no all-gather left running beside the caller's collectives
         if predicting:  # evaluation and checkpoints see the newest weights
             self.updater.write_newest(self.weights.slot(self.step))
