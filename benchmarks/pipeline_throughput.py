@@ -529,32 +529,34 @@ def worker(conf: dict) -> dict:
             idle_cpu.append(cpu / wall)
         # per rank over its own steady window (its step 1 .. step k-1 starts): 1 - compute / wall, and
         # (ours) the executor's idle clock (receive and update waits) / wall; NaN where not measured
-        vec, miss = torch.zeros(1 + 2 * d, dtype=torch.float64), torch.zeros(1 + 2 * d, dtype=torch.float64)
+        n = 3  # per rank: bubble, idle waits, compute ms per microbatch
+        vec, miss = torch.zeros(1 + n * d, dtype=torch.float64), torch.zeros(1 + n * d, dtype=torch.float64)
         vec[0] = cpu
         clocks = runners[s, sp, m].clocks if not alone else []
-        bub = idle = None
+        vals = [None] * n
         if len(clocks) >= k >= 3:
-            win = marks[k - 1] - marks[1]
-            bub = 1.0 - (clocks[k - 1][0] - clocks[1][0]) / win
+            win, comp = marks[k - 1] - marks[1], clocks[k - 1][0] - clocks[1][0]
+            vals[0], vals[2] = 1.0 - comp / win, 1e3 * comp / ((k - 2) * m)
             if clocks[1][1] is not None:
-                idle = (clocks[k - 1][1] - clocks[1][1]) / win
-        for j, x in ((1 + 2 * rank, bub), (2 + 2 * rank, idle)):
+                vals[1] = (clocks[k - 1][1] - clocks[1][1]) / win
+        for j, x in enumerate(vals):
             if x is None:
-                miss[j] = 1.0
+                miss[1 + n * rank + j] = 1.0
             else:
-                vec[j] = x
-        dist.all_reduce(vec)  # CPU seconds of all our ranks (every thread) during the segment; every rank's bubble
+                vec[1 + n * rank + j] = x
+        dist.all_reduce(vec)  # CPU seconds of all our ranks (every thread) during the segment; every rank's clocks
         dist.all_reduce(miss)
-        ours = vec
+
+        def per_rank(j):
+            return [None if miss[1 + n * r + j] else float(vec[1 + n * r + j]) for r in range(d)]
         if rank != 0 or rnd < 0:
             return {}
-        bubble = [None if miss[j] else float(vec[j]) for j in range(1, 1 + 2 * d, 2)]
-        idle = [None if miss[j] else float(vec[j]) for j in range(2, 2 + 2 * d, 2)]
         # pipelines: step 1 .. step k-2 (no fill, no drain); one process: k-1 steps, 1 .. k-2 the same
         return dict(round=rnd, system=s, split=sp, m=m, steady_s=marks[k - 1] - marks[1], steady_steps=k - 2,
-                    wall_s=wall, steps=k - 1 if alone else k, own_cpus=float(ours[0]) / wall,
-                    foreign_cpus=max(0.0, busy - float(ours[0])) / wall if busy > 0 else None,
-                    **({} if alone else {"bubble": bubble, "idle_wait": idle}))
+                    wall_s=wall, steps=k - 1 if alone else k, own_cpus=float(vec[0]) / wall,
+                    foreign_cpus=max(0.0, busy - float(vec[0])) / wall if busy > 0 else None,
+                    **({} if alone else {"bubble": per_rank(0), "idle_wait": per_rank(1),
+                                         "compute_ms_per_microbatch": per_rank(2)}))
 
     def one(s: str, sp: str, m: int, k: int, rnd: int) -> None:
         """A segment; with --retry-noisy, re-run (up to N times) while other jobs loaded the machine."""
@@ -629,7 +631,8 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                                       vs_twin=ratio(sps(r), sps(twin)),
                                       wall=wall, wall_vs_single=ratio(wall, wall_single),
                                       foreign=r.get("foreign_cpus"), quiet=quiet_groups[rnd, m],
-                                      bubble=r.get("bubble"), idle=r.get("idle_wait")))
+                                      bubble=r.get("bubble"), idle=r.get("idle_wait"),
+                                      compute=r.get("compute_ms_per_microbatch")))
             if not per_round:
                 continue
             ideal = ideal_vs_single(s, d, m)
@@ -670,6 +673,9 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                                                         if busy and max(busy) > 0 else None),
                 # ours: the executor's idle clock (receive waits + update waits) / wall, what the trainer logs
                 "idle_wait_per_stage": None if alone else per_stage("idle"),
+                # each rank's compute per microbatch in the window (all its chunks): a slower compute path
+                # shows here, a schedule or transfer stall in the bubble
+                "compute_ms_per_microbatch_per_stage": None if alone else per_stage("compute"),
                 "wall_samples_per_sec": common.median(p["wall"] for p in per_round),
                 "wall_speedup_vs_single": common.median(p["wall_vs_single"] for p in per_round),
                 "speedup_vs_single_min": min(vs) if vs else None,
@@ -786,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             ("speedup_vs_single_min", "min", ".3f"), ("speedup_vs_single_max", "max", ".3f"),
             ("ratio_vs_torch_counterpart", "x torch twin", ".3f"),
             ("ideal_bubble", "ideal bubble", ".3f"), ("bubble_text", "bubble per stage", ""),
-            ("idle_text", "waits per stage", ""),
+            ("idle_text", "waits per stage", ""), ("compute_text", "compute ms/mb", ""),
             ("foreign_load_cpus", "other load", ".2f"), ("quiet_rounds", "quiet", ""),
             ("quiet_speedup_vs_single", "q x single", ".3f"), ("quiet_ratio_vs_torch_1f1b", "q x t1F1B", ".3f")]
     def stages_text(xs):
@@ -796,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         r_text = ",".join(map(str, r["layers_per_stage"]))
         r["layers_text"] = r_text
         r["bubble_text"], r["idle_text"] = stages_text(r.get("bubble_per_stage")), stages_text(r.get("idle_wait_per_stage"))
+        r["compute_text"] = " ".join(f"{x:.1f}" for x in r.get("compute_ms_per_microbatch_per_stage") or [] if x is not None)
     for name, fields in models.items():
         print()
         print(f"{name}: GPT {fields['num_layers']} layers, hidden {fields['hidden_size']}, seq {fields['seq_length']}, "
@@ -810,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
             print(common.table([r for r in all_results if r["compared_in_world_d"] == d and r["model"] == name], cols))
     for r in all_results:
-        del r["layers_text"], r["bubble_text"], r["idle_text"]
+        del r["layers_text"], r["bubble_text"], r["idle_text"], r["compute_text"]
     skipped = {f"{name} d={d}": e["skipped"] for name, pm in per_model.items() for d, e in pm.items() if e["skipped"]}
     for where, what in skipped.items():
         print(f"\nskipped ({where}): " + "; ".join(f"{k}: {v}" for k, v in what.items()))
