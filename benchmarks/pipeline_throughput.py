@@ -107,6 +107,11 @@ def ideal_vs_single(system: str, d: int, m: int) -> float:
     return 1.0 if system in ("single", "engine_d1") else d * (1.0 - ideal_bubble(system, d, m))
 
 
+def _splits_of(system: str, splits) -> list[str]:
+    """The stage splits a system runs: ours with one chunk per rank every split, the rest the uniform one."""
+    return list(splits) if system in OURS and getattr(SCHEDULES[system], "chunks", 1) == 1 else ["uniform"]
+
+
 # ============================================================================ runners (inside a worker)
 class _Ctx:
     """What every runner of one worker shares: the model spec, the loss, the data, the groups."""
@@ -184,7 +189,11 @@ class SingleRunner(Runner):
 
 
 class EngineRunner(Runner):
-    """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone)."""
+    """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone).
+
+    A schedule with several model chunks per rank (``ScheduleSpec.chunks``) gets the chunks its
+    placement gives this rank, the model cut evenly into its virtual stages, as ``pretrain_gpt.py``
+    builds them (``ModelSpec.build_chunks`` of ``stages.chunk_ranges``)."""
 
     def __init__(self, ctx: _Ctx, schedule: str, m: int, single: bool = False, spec=None):
         from megatron_2bw.config import OptimizerConfig, PipelineConfig
@@ -194,11 +203,21 @@ class EngineRunner(Runner):
         self.ctx, self.m = ctx, m
         state = ParallelState.single() if single else ctx.state
         d, r = state.d, state.pp_rank
+        chunks = getattr(SCHEDULES[schedule], "chunks", 1) if not single else 1
+        extra = {"virtual_stages": chunks} if chunks > 1 else {}
         pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"],
-                              p2p_mode=ctx.conf["p2p_mode"])
+                              p2p_mode=ctx.conf["p2p_mode"], **extra)
         opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=CLIP, dtype="fp32")
         spec = spec or ctx.spec
-        self.stage = PipelineStage(lambda: spec.build_stage(d, r), ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+        if chunks > 1:
+            from megatron_2bw.models.stages import chunk_ranges
+
+            place = SCHEDULES[schedule].placement(d)
+            ranges = chunk_ranges(ctx.cfg.num_layers, place.stages_of(r), place.num_stages)
+            build = lambda: ctx.spec.build_chunks(ranges)  # noqa: E731
+        else:
+            build = lambda: spec.build_stage(d, r)  # noqa: E731
+        self.stage = PipelineStage(build, ctx.loss_fn, state, pipe, opt, ctx.act_shape)
 
     def run(self, k: int) -> list[float]:
         import time as _t
@@ -466,7 +485,7 @@ def worker(conf: dict) -> dict:
             splits["balanced"] = bal
     specs = {name: ModelSpec(ctx.cfg, TPGroup(), 1234, split=split) for name, split in splits.items()}
     # (system, split): our schedules under every split; the others use the uniform split
-    entries = [(s, sp) for s in systems for sp in (splits if s in OURS else ["uniform"])]
+    entries = [(s, sp) for s in systems for sp in _splits_of(s, splits)]
     runners: dict[tuple[str, str, int], Runner] = {}
     skipped: dict[str, str] = {}  # "system m=M": why it cannot run here (every rank agrees)
 
@@ -476,11 +495,12 @@ def worker(conf: dict) -> dict:
                 return None
             return SingleRunner(ctx, m) if s == "single" else EngineRunner(ctx, "flush", m, single=True)
         if s in OURS:
-            spec = SCHEDULES[s]
-            if m < spec.min_microbatches(d):
-                raise ValueError(f"needs m >= {spec.min_microbatches(d)} at d = {d}")
-            if L % (d * getattr(spec, "chunks", 1)):
-                raise ValueError(f"{L} layers do not cut into d * chunks = {d * spec.chunks} stages")
+            from megatron_2bw.pipeline.schedules import validate_pipeline
+
+            validate_pipeline(s, d, m)  # one line naming what the schedule needs (e.g. m >= d)
+            chunks = getattr(SCHEDULES[s], "chunks", 1)
+            if L % (d * chunks):
+                raise ValueError(f"{L} layers do not cut into d * chunks = {d * chunks} virtual stages")
             return EngineRunner(ctx, s, m, spec=specs[sp])
         return TorchRunner(ctx, s, m)
 
@@ -617,7 +637,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
         for rnd in range(conf["rounds"]):
             loads = [r.get("foreign_cpus") for r in recs if r["round"] == rnd and r["m"] == m]
             quiet_groups[rnd, m] = bool(loads) and all(x is not None and x < quiet_cpus for x in loads)
-        for s, sp in [(s, sp) for s in conf["systems"] for sp in (splits if s in OURS else ["uniform"])]:
+        for s, sp in [(s, sp) for s in conf["systems"] for sp in _splits_of(s, splits)]:
             per_round = []
             for rnd in range(conf["rounds"]):
                 r = by.get((rnd, s, sp, m))
@@ -637,6 +657,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                 continue
             ideal = ideal_vs_single(s, d, m)
             ib = ideal_bubble(s, d, m)
+            chunks = TORCH[s][2] if s in TORCH else getattr(SCHEDULES.get(s), "chunks", 1)
 
             def per_stage(key):
                 rows = [p[key] for p in per_round if p[key] is not None]
@@ -649,7 +670,9 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
             alone = s in ("single", "engine_d1")
             row = {
                 "system": s, "d": 1 if alone else d, "m": m, "model": conf["model_name"], "split": sp,
-                "layers_per_stage": [conf["model"]["num_layers"]] if alone else splits[sp],
+                # per (virtual) stage: a rank of a two-chunk schedule holds two of them
+                "layers_per_stage": [conf["model"]["num_layers"]] if alone else splits[sp] if chunks == 1
+                else [conf["model"]["num_layers"] // (d * chunks)] * (d * chunks),
                 "ideal_speedup": 1.0 if alone else ceiling.get(sp),
                 # the schedule's bubble-limited ideal scaled by the split's imbalance (2BW: the ceiling itself)
                 "ideal_vs_single_with_split": ideal if alone or sp not in ceiling else ideal * ceiling[sp] / d,
@@ -659,7 +682,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                 "ideal_vs_single": ideal,
                 "ideal_vs_single_on_cores": min(ideal, conf["cpus"]),  # d processes share the machine's cores
                 "ideal_vs_torch_1f1b": ideal / ideal_vs_single("torch_1f1b", d, m),
-                "chunks_per_rank": TORCH[s][2] if s in TORCH else getattr(SCHEDULES.get(s), "chunks", 1),
+                "chunks_per_rank": chunks,
                 "torch_counterpart": COUNTERPART.get(s) if COUNTERPART.get(s) in conf["systems"] else None,
                 "ratio_vs_torch_counterpart": common.median(p["vs_twin"] for p in per_round),
                 "ratio_vs_torch_counterpart_per_round": [p["vs_twin"] for p in per_round],
