@@ -93,12 +93,15 @@ def _fallback_bubble(system: str, d: int, m: int) -> float:
 
 def ideal_bubble(system: str, d: int, m: int) -> float:
     """The schedule's idle fraction per step with balanced stages and free transfers: our registry's
-    ``ScheduleSpec.bubble`` (torch's systems: their counterpart's, when it is registered)."""
+    ``ScheduleSpec.bubble`` (torch's systems: their counterpart's, when it is registered with as many
+    chunks per rank; torch's interleaved zero bubble has two, our zb-h1 one)."""
     if system in ("single", "engine_d1"):
         return 0.0
-    name = system if system in SCHEDULES else TORCH[system][1]
-    if name in SCHEDULES:
-        return SCHEDULES[name].bubble(d, m)
+    if system in SCHEDULES:
+        return SCHEDULES[system].bubble(d, m)
+    twin = SCHEDULES.get(TORCH[system][1])
+    if twin is not None and getattr(twin, "chunks", 1) == TORCH[system][2]:  # the same layout as ours
+        return twin.bubble(d, m)
     return _fallback_bubble(system, d, m)
 
 
