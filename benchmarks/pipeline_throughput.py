@@ -221,6 +221,8 @@ class EngineRunner(Runner):
         else:
             build = lambda: spec.build_stage(d, r)  # noqa: E731
         self.stage = PipelineStage(build, ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+        if ctx.conf.get("sync_sends"):  # the engine before its send thread: sends issued by the training thread
+            self.stage.transport.send_thread = False
 
     def run(self, k: int) -> list[float]:
         import time as _t
@@ -761,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(the same rule for every system; the last attempt is kept)")
     p.add_argument("--p2p-mode", choices=("prefetch", "grouped"), default="prefetch",
                    help="engine transfers: receives posted ahead (gloo's default) or batch_isend_irecv groups (NCCL's)")
+    p.add_argument("--sync-sends", action="store_true",
+                   help="engine: issue sends from the training thread (as before the transport's send thread), for A/B runs")
     p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
     p.add_argument("--models", nargs="+", choices=(*MODELS, "custom"), default=list(MODELS),
                    help="named models (custom: the --layers/--hidden/... flags)")
@@ -780,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         models[name] = {"kind": "gpt", "max_position_embeddings": fields["seq_length"], **fields}
     conf = dict(model=None, model_name=None, splits=list(args.splits), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
                 steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
-                systems=list(args.systems), track_memory=args.track_memory, pool=64,
+                systems=list(args.systems), track_memory=args.track_memory, pool=64, sync_sends=args.sync_sends,
                 cpus=common.machine_info()["cpus_usable"], p2p_mode=args.p2p_mode, quiet_cpus=args.quiet_cpus,
                 retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
                 balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
@@ -854,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
                        warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
-                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode,
+                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode, sync_sends=args.sync_sends,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
                        throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1"),
         "per_d": per_d, "executor_overhead_d1_pct": overhead, "skipped": skipped,
