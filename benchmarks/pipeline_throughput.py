@@ -47,9 +47,23 @@ import time
 
 import common
 
-SYSTEMS = ("single", "engine_d1", "2bw", "flush", "gpipe", "torch_1f1b", "torch_gpipe")
-OURS = ("2bw", "flush", "gpipe")
-TORCH = {"torch_1f1b": "Schedule1F1B", "torch_gpipe": "ScheduleGPipe"}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package beside benchmarks/
+from megatron_2bw.pipeline.schedules import SCHEDULES  # noqa: E402  (pure data: no torch.distributed)
+
+# every schedule of our registry: a new entry is measured with no change here
+OURS = tuple(SCHEDULES)
+# torch's systems: (torch.distributed.pipelining class, our registry's counterpart, model chunks per rank,
+# stage-to-rank style); adding one is one line here
+TORCH: dict[str, tuple[str, str, int, str]] = {
+    "torch_1f1b": ("Schedule1F1B", "flush", 1, "loop"),
+    "torch_gpipe": ("ScheduleGPipe", "gpipe", 1, "loop"),
+    "torch_interleaved_1f1b": ("ScheduleInterleaved1F1B", "interleaved-1f1b", 2, "loop"),
+    "torch_interleaved_zb": ("ScheduleInterleavedZeroBubble", "zb-h1", 2, "loop"),
+    "torch_zbv": ("ScheduleZBVZeroBubble", "zb-v", 2, "v"),
+    "torch_dualpipe_v": ("ScheduleDualPipeV", "dualpipe-v", 2, "v"),
+}
+COUNTERPART = {ours: t for t, (_, ours, _, _) in TORCH.items()}  # our schedule -> torch's
+SYSTEMS = ("single", "engine_d1", *OURS, *TORCH)
 SPLITS = ("uniform", "balanced")
 # Named models (ModelConfig fields); ``custom`` is the --layers/--hidden/... flags.
 MODELS = {
@@ -59,6 +73,46 @@ MODELS = {
 LR = 1e-4
 CLIP = 1.0
 WD = 0.01
+
+
+def _fallback_bubble(system: str, d: int, m: int) -> float:
+    """Ideal bubble of a torch schedule whose counterpart is not in our registry (yet): equal-cost
+    stages, free transfers, forward = input-gradient = weight-gradient time, v = 2 chunks per rank.
+    Interleaved 1F1B (Narayanan et al. 2021): a fill and drain of (d - 1) chunk slots, (d-1)/(v m + d-1);
+    interleaved ZB-H1 (Qi et al. 2024): each of those slots keeps only F + I - W = 1/3 of it idle;
+    ZB-V and DualPipe-V: none at these costs (DualPipe-V's (d/2 - 1) overlapped slots vanish at d = 2)."""
+    v = TORCH[system][2]
+    if system == "torch_interleaved_1f1b":
+        return (d - 1) / (v * m + d - 1)
+    if system == "torch_interleaved_zb":
+        return (d - 1) / (3 * v * m + d - 1)
+    if system in ("torch_zbv", "torch_dualpipe_v"):
+        return 0.0 if system == "torch_zbv" or d <= 2 else (d / 2 - 1) * 2 / (3 * v * m + (d / 2 - 1) * 2)
+    return (d - 1) / (m + d - 1)
+
+
+def ideal_bubble(system: str, d: int, m: int) -> float:
+    """The schedule's idle fraction per step with balanced stages and free transfers: our registry's
+    ``ScheduleSpec.bubble`` (torch's systems: their counterpart's, when it is registered with as many
+    chunks per rank; torch's interleaved zero bubble has two, our zb-h1 one)."""
+    if system in ("single", "engine_d1"):
+        return 0.0
+    if system in SCHEDULES:
+        return SCHEDULES[system].bubble(d, m)
+    twin = SCHEDULES.get(TORCH[system][1])
+    if twin is not None and getattr(twin, "chunks", 1) == TORCH[system][2]:  # the same layout as ours
+        return twin.bubble(d, m)
+    return _fallback_bubble(system, d, m)
+
+
+def ideal_vs_single(system: str, d: int, m: int) -> float:
+    """Bubble-limited speedup over one process: d stages busy a (1 - bubble) share of the time."""
+    return 1.0 if system in ("single", "engine_d1") else d * (1.0 - ideal_bubble(system, d, m))
+
+
+def _splits_of(system: str, splits) -> list[str]:
+    """The stage splits a system runs: ours with one chunk per rank every split, the rest the uniform one."""
+    return list(splits) if system in OURS and getattr(SCHEDULES[system], "chunks", 1) == 1 else ["uniform"]
 
 
 # ============================================================================ runners (inside a worker)
@@ -91,7 +145,11 @@ class _Ctx:
 class Runner:
     """One system at one m: ``run(K)`` trains a segment of K steps.
 
-    Returns stage 0's K step-start times (the first forward of each step) and the end time."""
+    Returns this rank's K step-start times (the first forward of each step) and the end time; the
+    pipelines also leave ``clocks``: at each step start, (this rank's compute seconds so far, its idle
+    seconds so far or None), so the stage's bubble over the steady window is measured per rank."""
+
+    clocks: list[tuple[float, float | None]] = []
 
     def run(self, k: int) -> list[float]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -134,7 +192,11 @@ class SingleRunner(Runner):
 
 
 class EngineRunner(Runner):
-    """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone)."""
+    """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone).
+
+    A schedule with several model chunks per rank (``ScheduleSpec.chunks``) gets the chunks its
+    placement gives this rank, the model cut evenly into its virtual stages, as ``pretrain_gpt.py``
+    builds them (``ModelSpec.build_chunks`` of ``stages.chunk_ranges``)."""
 
     def __init__(self, ctx: _Ctx, schedule: str, m: int, single: bool = False, spec=None):
         from megatron_2bw.config import OptimizerConfig, PipelineConfig
@@ -144,11 +206,23 @@ class EngineRunner(Runner):
         self.ctx, self.m = ctx, m
         state = ParallelState.single() if single else ctx.state
         d, r = state.d, state.pp_rank
+        chunks = getattr(SCHEDULES[schedule], "chunks", 1) if not single else 1
+        extra = {"virtual_stages": chunks} if chunks > 1 else {}
         pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"],
-                              p2p_mode=ctx.conf["p2p_mode"])
+                              p2p_mode=ctx.conf["p2p_mode"], **extra)
         opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=CLIP, dtype="fp32")
         spec = spec or ctx.spec
-        self.stage = PipelineStage(lambda: spec.build_stage(d, r), ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+        if chunks > 1:
+            from megatron_2bw.models.stages import chunk_ranges
+
+            place = SCHEDULES[schedule].placement(d)
+            ranges = chunk_ranges(ctx.cfg.num_layers, place.stages_of(r), place.num_stages)
+            build = lambda: ctx.spec.build_chunks(ranges)  # noqa: E731
+        else:
+            build = lambda: spec.build_stage(d, r)  # noqa: E731
+        self.stage = PipelineStage(build, ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+        if ctx.conf.get("sync_sends"):  # the engine before its send thread: sends issued by the training thread
+            self.stage.transport.send_thread = False
 
     def run(self, k: int) -> list[float]:
         import time as _t
@@ -156,12 +230,16 @@ class EngineRunner(Runner):
         ctx, m, marks = self.ctx, self.m, {}
         batches, n = ctx.batches, len(ctx.batches)
 
+        st, clocks = self.stage.stats, {}
+
         def get_batch(mb: int) -> dict:
-            if mb % m == 0 and mb // m not in marks:
+            if mb % m == 0 and mb // m not in marks:  # every stage fetches every microbatch at its forward
                 marks[mb // m] = _t.perf_counter()
+                clocks[mb // m] = (st.compute_s, st.idle_s)  # the executor's clocks (StageStats)
             return batches[mb % n]
 
         self.stage.train(k, get_batch, lambda step: LR)
+        self.clocks = [clocks[t] for t in sorted(clocks)]
         return [marks[t] for t in sorted(marks)] + [_t.perf_counter()]
 
 
@@ -191,38 +269,86 @@ class _TorchStageModule:
 
 
 class TorchRunner(Runner):
-    """``torch.distributed.pipelining`` Schedule1F1B / ScheduleGPipe over the same stage layers."""
+    """A ``torch.distributed.pipelining`` schedule over the same layers: one stage per rank, or (interleaved
+    and V schedules) ``v`` model chunks per rank, the model cut into ``d * v`` virtual stages of equal layer
+    counts, placed as torch's ``generate_stage_to_rank_mapping`` places them (loop or V).
+
+    Compute is timed by wrapping each torch stage's ``forward_one_chunk``, ``backward_one_chunk``,
+    ``backward_weight_one_chunk`` and the loss (host wall clock: exact on CPU), so its bubble per rank
+    is measured the way ours is."""
 
     def __init__(self, ctx: _Ctx, which: str, m: int):
         import torch
+        from torch import nn
         from torch.distributed import pipelining as pp
+        from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+        from megatron_2bw.models.spec import ModelSpec
+        from megatron_2bw.tensor_parallel.group import TPGroup
 
         self.ctx, self.m = ctx, m
         st = ctx.state
         d, r = st.d, st.pp_rank
-        self.module = _TorchStageModule.make(ctx.spec.build_stage(d, r), first=st.is_first_stage)
-        self.stage = pp.PipelineStage(self.module, r, d, torch.device("cpu"))
+        cls_name, _, v, style = TORCH[which]
+        n_stages, L = d * v, ctx.cfg.num_layers
+        if L % n_stages:
+            raise ValueError(f"{L} layers do not cut into {n_stages} equal virtual stages")
+        placement = generate_stage_to_rank_mapping(d, n_stages, style=style) if v > 1 else {i: i for i in range(d)}
+        mine = [i for i in range(n_stages) if placement[i] == r]
+        spec = ctx.spec if v == 1 else ModelSpec(ctx.cfg, TPGroup(), 1234)  # even split of L over d*v stages
+        self.compute_s = 0.0
+        self.modules = [_TorchStageModule.make(spec.build_stage(n_stages, i), first=i == 0) for i in mine]
+        self.stages = [pp.PipelineStage(mod, i, n_stages, torch.device("cpu")) for mod, i in zip(self.modules, mine)]
+        for stage in self.stages:
+            self._time(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"))
+        self.has_first, self.has_last = 0 in mine, n_stages - 1 in mine
         ones = torch.ones(ctx.b, ctx.cfg.seq_length)
         gpt_loss = ctx.loss_fn
 
         def loss_fn(out, target):  # the same masked-mean LM loss as the engine's
-            return gpt_loss(out, {"labels": target, "loss_mask": ones})
+            t0 = time.perf_counter()
+            loss = gpt_loss(out, {"labels": target, "loss_mask": ones})
+            self.compute_s += time.perf_counter() - t0
+            return loss
 
-        cls = getattr(pp, TORCH[which])
-        self.schedule = cls(self.stage, m, loss_fn=loss_fn)  # scale_grads=True: mean over microbatches
-        self.params = list(self.module.parameters())
+        cls = getattr(pp, cls_name)
+        # scale_grads=True: mean over microbatches
+        self.schedule = cls(self.stages[0] if v == 1 else self.stages, m, loss_fn=loss_fn)
+        self.params = [p for mod in self.modules for p in mod.parameters()]
         self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
-        # the tied word embedding: first and last stage hold a copy; all-reduce its gradient
-        self.shared = [p for p in self.params if getattr(p, "shared_embedding", False)] if d > 1 else []
-        # each parameter counted once in the global norm (the tied copy only on the first stage)
-        self.norm_params = [p for p in self.params if st.is_first_stage or not getattr(p, "shared_embedding", False)]
+        # the tied word embedding: the first and the last virtual stage hold a copy; all-reduce its
+        # gradient between their ranks, or add the two copies' gradients where one rank holds both (V)
+        shared = [p for mod in self.modules for p in mod.parameters() if getattr(p, "shared_embedding", False)]
+        self.local_tied = shared if len(shared) == 2 else []
+        self.shared = shared if len(shared) == 1 and placement[0] != placement[n_stages - 1] else []
+        # each parameter counted once in the global norm (the tied copy only where the first stage is)
+        first_mod = self.modules[mine.index(0)] if self.has_first else None
+        self.norm_params = [p for mod in self.modules for p in mod.parameters()
+                            if mod is first_mod or not getattr(p, "shared_embedding", False)]
         n = len(ctx.batches)
         self.inputs, self.targets = [], []
-        for s in range(max(1, n // m)):  # whole-batch inputs: m microbatches concatenated
-            mbs = [ctx.batches[(s * m + i) % n] for i in range(m)]
+        for s_ in range(max(1, n // m)):  # whole-batch inputs: m microbatches concatenated
+            mbs = [ctx.batches[(s_ * m + i) % n] for i in range(m)]
             self.inputs.append(torch.cat([b["tokens"] for b in mbs]))
             self.targets.append(torch.cat([b["labels"] for b in mbs]))
         self.next_step = 0
+        del nn
+
+    def _time(self, stage, names) -> None:
+        """Wrap the stage's compute methods with a host clock (``self.compute_s``)."""
+        for name in names:
+            fn = getattr(stage, name, None)
+            if fn is None:
+                continue
+
+            def timed(*a, _fn=fn, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.compute_s += time.perf_counter() - t0
+
+            setattr(stage, name, timed)
 
     def run(self, k: int) -> list[float]:
         import time as _t
@@ -230,17 +356,19 @@ class TorchRunner(Runner):
         import torch
         import torch.distributed as dist
 
-        st, marks = self.ctx.state, []
+        st, marks, self.clocks = self.ctx.state, [], []
         for _ in range(k):
             marks.append(_t.perf_counter())
+            self.clocks.append((self.compute_s, None))
             i = self.next_step % len(self.inputs)
             self.next_step += 1
-            if st.is_first_stage:
-                self.schedule.step(self.inputs[i])
-            elif st.is_last_stage:
-                self.schedule.step(target=self.targets[i], return_outputs=False)
-            else:
-                self.schedule.step()
+            args = (self.inputs[i],) if self.has_first else ()
+            kwargs = dict(target=self.targets[i], return_outputs=False) if self.has_last else {}
+            self.schedule.step(*args, **kwargs)
+            if self.local_tied:
+                a, b = (p.grad for p in self.local_tied)
+                a.add_(b)
+                b.copy_(a)
             for p in self.shared:
                 dist.all_reduce(p.grad, group=st.embedding_group)
             grads = [p.grad for p in self.norm_params if p.grad is not None]
@@ -362,18 +490,38 @@ def worker(conf: dict) -> dict:
             splits["balanced"] = bal
     specs = {name: ModelSpec(ctx.cfg, TPGroup(), 1234, split=split) for name, split in splits.items()}
     # (system, split): our schedules under every split; the others use the uniform split
-    entries = [(s, sp) for s in systems for sp in (splits if s in OURS else ["uniform"])]
+    entries = [(s, sp) for s in systems for sp in _splits_of(s, splits)]
     runners: dict[tuple[str, str, int], Runner] = {}
+    skipped: dict[str, str] = {}  # "system m=M": why it cannot run here (every rank agrees)
+
+    def make(s: str, sp: str, m: int) -> Runner | None:
+        if s in ("single", "engine_d1"):
+            if rank != 0:
+                return None
+            return SingleRunner(ctx, m) if s == "single" else EngineRunner(ctx, "flush", m, single=True)
+        if s in OURS:
+            from megatron_2bw.pipeline.schedules import validate_pipeline
+
+            validate_pipeline(s, d, m)  # one line naming what the schedule needs (e.g. m >= d)
+            chunks = getattr(SCHEDULES[s], "chunks", 1)
+            if L % (d * chunks):
+                raise ValueError(f"{L} layers do not cut into d * chunks = {d * chunks} virtual stages")
+            return EngineRunner(ctx, s, m, spec=specs[sp])
+        return TorchRunner(ctx, s, m)
+
     for m in conf["ms"]:
         for s, sp in entries:
-            if s in ("single", "engine_d1"):
-                if rank == 0:
-                    runners[s, sp, m] = (SingleRunner(ctx, m) if s == "single"
-                                         else EngineRunner(ctx, "flush", m, single=True))
-            elif s in OURS:
-                runners[s, sp, m] = EngineRunner(ctx, s, m, spec=specs[sp])
-            else:
-                runners[s, sp, m] = TorchRunner(ctx, s, m)
+            try:
+                runner, why = make(s, sp, m), None
+            except Exception as e:  # noqa: BLE001 - a system that cannot run here is reported, not fatal
+                runner, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            flag = torch.tensor([0.0 if why is None else 1.0])
+            dist.all_reduce(flag)  # skipped on every rank if any rank cannot build it
+            if float(flag):
+                skipped[f"{s} m={m}"] = why or "failed on another rank"
+            elif runner is not None:
+                runners[s, sp, m] = runner
+    entries_at = {m: [(s, sp) for s, sp in entries if f"{s} m={m}" not in skipped] for m in conf["ms"]}
 
     prof_system = conf.get("profile_system")
     prof = cProfile.Profile() if prof_system else None
@@ -404,14 +552,36 @@ def worker(conf: dict) -> dict:
         busy = common.cpu_busy_seconds() - busy0 if rank == 0 else 0.0
         if alone and rank != 0 and rnd >= 0:
             idle_cpu.append(cpu / wall)
-        ours = torch.tensor([cpu], dtype=torch.float64)
-        dist.all_reduce(ours)  # CPU seconds of all our ranks (every thread) during the segment
+        # per rank over its own steady window (its step 1 .. step k-1 starts): 1 - compute / wall, and
+        # (ours) the executor's idle clock (receive and update waits) / wall; NaN where not measured
+        n = 3  # per rank: bubble, idle waits, compute ms per microbatch
+        vec, miss = torch.zeros(1 + n * d, dtype=torch.float64), torch.zeros(1 + n * d, dtype=torch.float64)
+        vec[0] = cpu
+        clocks = runners[s, sp, m].clocks if not alone else []
+        vals = [None] * n
+        if len(clocks) >= k >= 3:
+            win, comp = marks[k - 1] - marks[1], clocks[k - 1][0] - clocks[1][0]
+            vals[0], vals[2] = 1.0 - comp / win, 1e3 * comp / ((k - 2) * m)
+            if clocks[1][1] is not None:
+                vals[1] = (clocks[k - 1][1] - clocks[1][1]) / win
+        for j, x in enumerate(vals):
+            if x is None:
+                miss[1 + n * rank + j] = 1.0
+            else:
+                vec[1 + n * rank + j] = x
+        dist.all_reduce(vec)  # CPU seconds of all our ranks (every thread) during the segment; every rank's clocks
+        dist.all_reduce(miss)
+
+        def per_rank(j):
+            return [None if miss[1 + n * r + j] else float(vec[1 + n * r + j]) for r in range(d)]
         if rank != 0 or rnd < 0:
             return {}
         # pipelines: step 1 .. step k-2 (no fill, no drain); one process: k-1 steps, 1 .. k-2 the same
         return dict(round=rnd, system=s, split=sp, m=m, steady_s=marks[k - 1] - marks[1], steady_steps=k - 2,
-                    wall_s=wall, steps=k - 1 if alone else k, own_cpus=float(ours) / wall,
-                    foreign_cpus=max(0.0, busy - float(ours)) / wall if busy > 0 else None)
+                    wall_s=wall, steps=k - 1 if alone else k, own_cpus=float(vec[0]) / wall,
+                    foreign_cpus=max(0.0, busy - float(vec[0])) / wall if busy > 0 else None,
+                    **({} if alone else {"bubble": per_rank(0), "idle_wait": per_rank(1),
+                                         "compute_ms_per_microbatch": per_rank(2)}))
 
     def one(s: str, sp: str, m: int, k: int, rnd: int) -> None:
         """A segment; with --retry-noisy, re-run (up to N times) while other jobs loaded the machine."""
@@ -429,13 +599,13 @@ def worker(conf: dict) -> dict:
     quiet_wait: list[float] = []
     # warm-up: every system once (shape inference of torch's stages, allocator, caches)
     for m in conf["ms"]:
-        for s, sp in entries:
+        for s, sp in entries_at[m]:
             one(s, sp, m, max(2, conf["warmup_steps"]), -1)
     for rnd in range(conf["rounds"]):
         balance.append({sp: _stage_compute_ms(ctx, conf["balance_reps"], specs[sp]) for sp in splits})
         for m in conf["ms"]:
             k = max(3, conf["steps"] or 2 + math.ceil(conf["window_microbatches"] / m))
-            for s, sp in entries:
+            for s, sp in entries_at[m]:
                 one(s, sp, m, k, rnd)
         if rank == 0:
             print(f"[d={d}] round {rnd + 1}/{conf['rounds']} done", flush=True)
@@ -443,7 +613,7 @@ def worker(conf: dict) -> dict:
         os.makedirs(conf["profile_dir"], exist_ok=True)
         prof.dump_stats(os.path.join(conf["profile_dir"], f"{prof_system}_d{d}_rank{rank}.pstats"))
     return {"rank": rank, "records": records, "idle_cpu": idle_cpu, "balance_ms": balance, "quiet_wait_s": quiet_wait,
-            "splits": {k: list(v) for k, v in splits.items()}}
+            "splits": {k: list(v) for k, v in splits.items()}, "skipped": skipped}
 
 
 # ============================================================================ driver
@@ -472,27 +642,42 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
         for rnd in range(conf["rounds"]):
             loads = [r.get("foreign_cpus") for r in recs if r["round"] == rnd and r["m"] == m]
             quiet_groups[rnd, m] = bool(loads) and all(x is not None and x < quiet_cpus for x in loads)
-        for s, sp in [(s, sp) for s in conf["systems"] for sp in (splits if s in OURS else ["uniform"])]:
+        for s, sp in [(s, sp) for s in conf["systems"] for sp in _splits_of(s, splits)]:
             per_round = []
             for rnd in range(conf["rounds"]):
                 r = by.get((rnd, s, sp, m))
                 if r is None:
                     continue
                 one, t1 = by.get((rnd, "single", "uniform", m)), by.get((rnd, "torch_1f1b", "uniform", m))
+                twin = by.get((rnd, COUNTERPART.get(s), "uniform", m))  # torch's counterpart, same round
                 wall = r["steps"] * m * b / r["wall_s"]
                 wall_single = one and one["steps"] * m * b / one["wall_s"]
                 per_round.append(dict(sps=sps(r), vs_single=ratio(sps(r), sps(one)), vs_t1=ratio(sps(r), sps(t1)),
+                                      vs_twin=ratio(sps(r), sps(twin)),
                                       wall=wall, wall_vs_single=ratio(wall, wall_single),
-                                      foreign=r.get("foreign_cpus"), quiet=quiet_groups[rnd, m]))
+                                      foreign=r.get("foreign_cpus"), quiet=quiet_groups[rnd, m],
+                                      bubble=r.get("bubble"), idle=r.get("idle_wait"),
+                                      compute=r.get("compute_ms_per_microbatch")))
             if not per_round:
                 continue
-            ideal = common.ideal_vs_single(s, d, m)
+            ideal = ideal_vs_single(s, d, m)
+            ib = ideal_bubble(s, d, m)
+            chunks = TORCH[s][2] if s in TORCH else getattr(SCHEDULES.get(s), "chunks", 1)
+
+            def per_stage(key):
+                rows = [p[key] for p in per_round if p[key] is not None]
+                return [common.median(x[i] for x in rows) for i in range(d)] if rows else None
+
+            bubble = per_stage("bubble")
+            busy = [1.0 - x for x in bubble] if bubble and None not in bubble else None
             vs = [p["vs_single"] for p in per_round if p["vs_single"] is not None]
             quiet = [p for p in per_round if p["quiet"]]
             alone = s in ("single", "engine_d1")
             row = {
                 "system": s, "d": 1 if alone else d, "m": m, "model": conf["model_name"], "split": sp,
-                "layers_per_stage": [conf["model"]["num_layers"]] if alone else splits[sp],
+                # per (virtual) stage: a rank of a two-chunk schedule holds two of them
+                "layers_per_stage": [conf["model"]["num_layers"]] if alone else splits[sp] if chunks == 1
+                else [conf["model"]["num_layers"] // (d * chunks)] * (d * chunks),
                 "ideal_speedup": 1.0 if alone else ceiling.get(sp),
                 # the schedule's bubble-limited ideal scaled by the split's imbalance (2BW: the ceiling itself)
                 "ideal_vs_single_with_split": ideal if alone or sp not in ceiling else ideal * ceiling[sp] / d,
@@ -501,7 +686,24 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                 "ratio_vs_torch_1f1b": common.median(p["vs_t1"] for p in per_round),
                 "ideal_vs_single": ideal,
                 "ideal_vs_single_on_cores": min(ideal, conf["cpus"]),  # d processes share the machine's cores
-                "ideal_vs_torch_1f1b": ideal / common.ideal_vs_single("torch_1f1b", d, m),
+                "ideal_vs_torch_1f1b": ideal / ideal_vs_single("torch_1f1b", d, m),
+                "chunks_per_rank": chunks,
+                "torch_counterpart": COUNTERPART.get(s) if COUNTERPART.get(s) in conf["systems"] else None,
+                "ratio_vs_torch_counterpart": common.median(p["vs_twin"] for p in per_round),
+                "ratio_vs_torch_counterpart_per_round": [p["vs_twin"] for p in per_round],
+                # the schedule's ideal idle fraction (balanced stages, free transfers) and each stage's measured
+                # one over its steady window: 1 - compute / wall (the same clock for ours and torch's)
+                "ideal_bubble": None if alone else ib,
+                "bubble_per_stage": None if alone else bubble,
+                # the ideal once the stages' measured compute is unequal: a stage with less compute than the
+                # busiest idles the difference as well
+                "ideal_bubble_with_balance_per_stage": ([1.0 - (1.0 - ib) * c / max(busy) for c in busy]
+                                                        if busy and max(busy) > 0 else None),
+                # ours: the executor's idle clock (receive waits + update waits) / wall, what the trainer logs
+                "idle_wait_per_stage": None if alone else per_stage("idle"),
+                # each rank's compute per microbatch in the window (all its chunks): a slower compute path
+                # shows here, a schedule or transfer stall in the bubble
+                "compute_ms_per_microbatch_per_stage": None if alone else per_stage("compute"),
                 "wall_samples_per_sec": common.median(p["wall"] for p in per_round),
                 "wall_speedup_vs_single": common.median(p["wall_vs_single"] for p in per_round),
                 "speedup_vs_single_min": min(vs) if vs else None,
@@ -530,6 +732,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
         "stage_compute_ms_per_microbatch_by_split": stage_ms,
         "ideal_speedup_by_split": ceiling,
         "foreign_load_cpus_per_round": rounds_load,
+        "skipped": out.get("skipped", {}),
         "quiet_wait_s_per_segment": out.get("quiet_wait_s"),
         "records": recs,
     }
@@ -560,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(the same rule for every system; the last attempt is kept)")
     p.add_argument("--p2p-mode", choices=("prefetch", "grouped"), default="prefetch",
                    help="engine transfers: receives posted ahead (gloo's default) or batch_isend_irecv groups (NCCL's)")
+    p.add_argument("--sync-sends", action="store_true",
+                   help="engine: issue sends from the training thread (as before the transport's send thread), for A/B runs")
     p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
     p.add_argument("--models", nargs="+", choices=(*MODELS, "custom"), default=list(MODELS),
                    help="named models (custom: the --layers/--hidden/... flags)")
@@ -579,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         models[name] = {"kind": "gpt", "max_position_embeddings": fields["seq_length"], **fields}
     conf = dict(model=None, model_name=None, splits=list(args.splits), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
                 steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
-                systems=list(args.systems), track_memory=args.track_memory, pool=64,
+                systems=list(args.systems), track_memory=args.track_memory, pool=64, sync_sends=args.sync_sends,
                 cpus=common.machine_info()["cpus_usable"], p2p_mode=args.p2p_mode, quiet_cpus=args.quiet_cpus,
                 retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
                 balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
@@ -615,11 +820,19 @@ def main(argv: list[str] | None = None) -> int:
             ("ratio_vs_torch_1f1b", "x torch1F1B", ".3f"), ("ideal_vs_torch_1f1b", "ideal", ".3f"),
             ("wall_speedup_vs_single", "wall x single", ".3f"),
             ("speedup_vs_single_min", "min", ".3f"), ("speedup_vs_single_max", "max", ".3f"),
+            ("ratio_vs_torch_counterpart", "x torch twin", ".3f"),
+            ("ideal_bubble", "ideal bubble", ".3f"), ("bubble_text", "bubble per stage", ""),
+            ("idle_text", "waits per stage", ""), ("compute_text", "compute ms/mb", ""),
             ("foreign_load_cpus", "other load", ".2f"), ("quiet_rounds", "quiet", ""),
             ("quiet_speedup_vs_single", "q x single", ".3f"), ("quiet_ratio_vs_torch_1f1b", "q x t1F1B", ".3f")]
+    def stages_text(xs):
+        return " ".join(f"{x:.3f}" if x is not None else "-" for x in xs) if xs else ""
+
     for r in all_results:
         r_text = ",".join(map(str, r["layers_per_stage"]))
         r["layers_text"] = r_text
+        r["bubble_text"], r["idle_text"] = stages_text(r.get("bubble_per_stage")), stages_text(r.get("idle_wait_per_stage"))
+        r["compute_text"] = " ".join(f"{x:.1f}" for x in r.get("compute_ms_per_microbatch_per_stage") or [] if x is not None)
     for name, fields in models.items():
         print()
         print(f"{name}: GPT {fields['num_layers']} layers, hidden {fields['hidden_size']}, seq {fields['seq_length']}, "
@@ -634,7 +847,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
             print(common.table([r for r in all_results if r["compared_in_world_d"] == d and r["model"] == name], cols))
     for r in all_results:
-        del r["layers_text"]
+        del r["layers_text"], r["bubble_text"], r["idle_text"], r["compute_text"]
+    skipped = {f"{name} d={d}": e["skipped"] for name, pm in per_model.items() for d, e in pm.items() if e["skipped"]}
+    for where, what in skipped.items():
+        print(f"\nskipped ({where}): " + "; ".join(f"{k}: {v}" for k, v in what.items()))
     print("\nexecutor overhead at d=1 (engine flush vs plain loop), % step time: "
           + ", ".join(f"m={m}: {common.fmt(v, '+.1f')}" for m, v in overhead.items()))
     common.write_json(args.json, {
@@ -642,10 +858,10 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
                        warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
-                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode,
+                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode, sync_sends=args.sync_sends,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
                        throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1"),
-        "per_d": per_d, "executor_overhead_d1_pct": overhead,
+        "per_d": per_d, "executor_overhead_d1_pct": overhead, "skipped": skipped,
     })
     return 0
 

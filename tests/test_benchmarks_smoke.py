@@ -30,13 +30,22 @@ def test_pipeline_throughput_quick(tmp_path):
     data = _load(out)
     assert {"results", "machine", "config"} <= set(data)
     rows = data["results"]
-    assert {r["system"] for r in rows} == set(pipeline_throughput.SYSTEMS)
+    skipped = {k.split()[0] for where in data["skipped"].values() for k in where}
+    # every registry schedule and every torch system is measured unless it says why it cannot run
+    assert {r["system"] for r in rows} == set(pipeline_throughput.SYSTEMS) - skipped
+    assert {"2bw", "flush", "gpipe", "torch_1f1b", "torch_interleaved_1f1b", "torch_zbv"} <= {r["system"] for r in rows}
     for r in rows:
         for key in ("system", "d", "m", "samples_per_sec", "speedup_vs_single", "ratio_vs_torch_1f1b"):
             assert key in r, key
         assert r["samples_per_sec"] > 0
         assert r["d"] == (1 if r["system"] in ("single", "engine_d1") else 2)
         assert r["m"] == 4
+        if r["d"] == 2:  # each stage's measured bubble over its steady window, beside the schedule's ideal
+            assert len(r["bubble_per_stage"]) == 2 and all(0.0 <= x <= 1.0 for x in r["bubble_per_stage"]), r
+            assert 0.0 <= r["ideal_bubble"] < 1.0
+    flush = next(r for r in rows if r["system"] == "flush")
+    assert flush["ideal_bubble"] == pytest.approx(1 / 5) and flush["torch_counterpart"] == "torch_1f1b"
+    assert len(flush["idle_wait_per_stage"]) == 2  # ours: the executor's receive and update waits too
     single = next(r for r in rows if r["system"] == "single")
     assert single["speedup_vs_single"] == pytest.approx(1.0)
     t1 = next(r for r in rows if r["system"] == "torch_1f1b")

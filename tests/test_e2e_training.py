@@ -11,6 +11,7 @@ import re
 import pytest
 
 from e2e import REPO, bert_flush_run, corpus, gpt_2bw_run, read_metrics, torchrun, train_args  # noqa: F401
+from megatron_2bw.training.log_format import parse_bubble
 from megatron_2bw.training.loop import next_boundary
 
 DOC = os.path.join(REPO, "docs", "training.md")
@@ -88,6 +89,10 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
                     assert r["lm_loss"] + r["sop_loss"] == pytest.approx(r["loss"], rel=1e-6)
     for r in by_type["stages"] + by_type["start"]:
         assert len(r["stages"]) == d and all(stage_keys <= set(s) for s in r["stages"])
+    for r in by_type["stages"]:  # each stage's idle fraction over the log window
+        assert len(r["bubble"]) == d and all(0.0 <= x <= 1.0 for x in r["bubble"]), r
+    lines = [ln for ln in res.stderr.splitlines() if "TFLOP/s/device" in ln]
+    assert lines and all(len(parse_bubble(ln) or ()) == d for ln in lines), lines[:2]
     start = by_type["start"][0]
     assert start["layout"] == {"t": t, "d": d, "w": w} and start["num_microbatches"] == 8 // (2 * w)
 

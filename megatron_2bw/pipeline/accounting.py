@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .actions import COMPUTE_OPS
+from .transport import RECV_OPS
+
 
 @dataclass
 class StageStats:
@@ -25,9 +28,32 @@ class StageStats:
     optimizer_bytes: int = 0
     cuda_peak_bytes: int | None = None
     update_wait_s: float = 0.0  # time APPLY_UPDATE waited for its reductions (hidden when ~0)
+    # host clocks of the training loop, cumulative (a log window's bubble is their difference over it)
+    recv_wait_s: float = 0.0  # time spent in receive units (posting and waiting for activations / gradients)
+    compute_s: float = 0.0  # time in compute actions (forward, backward and its halves)
+    train_s: float = 0.0  # time inside PipelineStage.train, so boundaries (evaluation, saves) do not count
+
+    @property
+    def idle_s(self) -> float:
+        """The stage's idle time: waiting on receives and on the reductions before an update, nothing else."""
+        return self.recv_wait_s + self.update_wait_s
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def clock_units(stats: StageStats, unit, seconds: float) -> None:
+    """Book one executed unit's host seconds: compute actions to ``compute_s``, transfer units that
+    receive to ``recv_wait_s`` (sends never block; the update's wait is booked by the update itself).
+
+    Host wall clock: exact on CPU. On CUDA compute is the host's dispatch time and a receive's wait
+    is the host's (NCCL's ``wait()`` makes the stream wait, not the host), so the bubble from these
+    clocks reads low there; no device synchronization is added to measure it."""
+    op = unit[0].op
+    if op in COMPUTE_OPS:
+        stats.compute_s += seconds
+    elif any(a.op in RECV_OPS for a in unit):
+        stats.recv_wait_s += seconds
 
 
 class SavedBytes:

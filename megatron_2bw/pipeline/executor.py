@@ -31,7 +31,7 @@ from torch import nn
 from ..config import OptimizerConfig, PipelineConfig
 from ..parallel_state import ParallelState
 from ..tensor_parallel.random import RNGTracker
-from .accounting import SavedBytes, StageStats
+from .accounting import SavedBytes, StageStats, clock_units
 from .actions import Action, Op
 from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
@@ -147,6 +147,7 @@ class PipelineStage:
         self._losses: dict[int, torch.Tensor | _HostCopy] = {}
         self._loss_keys: tuple[str, ...] = ()  # the loss components' names, in ``_losses`` order
         self._acc_nodes: dict[int, dict] = {}  # by weight slot: AccumulateGrad node -> parameter index
+        self._clock = (time.perf_counter(), 0.0)  # (perf_counter at the segment's start, train_s then)
 
     @property
     def newest_layers(self) -> nn.ModuleList:
@@ -172,10 +173,12 @@ class PipelineStage:
         if predicting:  # the drain left W(step) in its buffer; step+1's microbatches run on P(W(step))
             self.updater.write_prediction(self.weights.slot(self.step), lr_fn(self.step))
         done, units = 0, self.transport.units(actions)
+        self._clock = (time.perf_counter(), self.stats.train_s)  # the stage's clocks (StageStats)
         while (unit := next(units, None)) is not None:
             a = unit[0]
             op = a.op
             done += len(unit)
+            t0 = self._tick()
             if op is Op.FORWARD:
                 self._forward(a, get_batch)
             elif op is Op.BACKWARD:
@@ -196,13 +199,21 @@ class PipelineStage:
                     units = self.transport.units(rest)
             else:
                 self._transfer(unit)
+            clock_units(self.stats, unit, time.perf_counter() - t0)
         self.transport.drain()
+        self._tick()
         self.reducer.wait_all()  # drained: no all-gather left running beside the caller's collectives
         if predicting:  # evaluation and checkpoints see the newest weights
             self.updater.write_newest(self.weights.slot(self.step))
         if self.state.device.type == "cuda":
             self.stats.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.state.device)
         return results
+
+    def _tick(self) -> float:
+        """Bring ``stats.train_s`` (time inside ``train``) up to now; returns now."""
+        now = time.perf_counter()
+        self.stats.train_s = self._clock[1] + (now - self._clock[0])
+        return now
 
     def _transfer(self, unit: Sequence[Action]) -> None:
         outgoing = {a: self._mail.pop((a.op, a.mb)) for a in unit if a.op in SEND_OPS}
@@ -336,6 +347,7 @@ class PipelineStage:
         sumsq = self.reducer.finish(t)  # a float the reducer's worker read: no sync of this stream
         self.stats.update_wait_s += time.perf_counter() - t0  # the host's wait for the reductions alone
         update = self.updater.apply(t, sumsq, lr, next_lr)
+        self._tick()  # the statistics taken after the update see its wait and its time alike
         self.step = t + 1
         acc = self._losses.pop(t, None)
         means = self._means(acc, self.pipe.num_microbatches)

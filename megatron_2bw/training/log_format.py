@@ -15,6 +15,7 @@ from 0; :func:`iteration_of_step` converts.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -72,13 +73,15 @@ def train_log_line(
     losses: Mapping[str, float | None], loss_scale: float, grad_norm: float | None, skipped: int, nan: int,
     samples_per_sec: float, tokens_per_sec: float, memory: MemoryReading | None = None,
     tflops_per_device: float | None = None, peak_tflops: float | None = None, now: datetime | None = None,
+    bubble: Sequence[float | None] | None = None,
 ) -> str:
     """Megatron's training line, then samples/s, tokens/s, memory, TFLOP/s/device and MFU.
 
     ``losses`` maps Megatron's loss names to window means: ``{"lm loss": x}`` for GPT,
     ``{"lm loss": mlm, "sop loss": sop}`` for BERT. ``skipped`` counts steps the optimizer
     skipped (fp16 overflow); ``nan`` counts steps whose loss was not finite. MFU is printed
-    only when ``peak_tflops`` (the device's dense peak in the run's precision) is known.
+    only when ``peak_tflops`` (the device's dense peak in the run's precision) is known. ``bubble``:
+    each pipeline stage's measured idle fraction over the window, printed ``bubble: s0 0.12 s1 0.03 |``.
     """
     s = f" {timestamp(now)} iteration {iteration:8d}/{train_iters:8d} |"
     s += f" consumed samples: {consumed_samples:12d} |"
@@ -98,7 +101,23 @@ def train_log_line(
         s += f" TFLOP/s/device: {tflops_per_device:.4f} |"
         if peak_tflops:
             s += f" MFU: {100.0 * tflops_per_device / peak_tflops:.2f}% |"
+    if bubble:
+        s += bubble_field(bubble)
     return s
+
+
+def bubble_field(bubble: Sequence[float | None]) -> str:
+    """`` bubble: s0 0.12 s1 0.03 |``: each stage's idle fraction (``-`` where not measured)."""
+    return " bubble:" + "".join(f" s{r} {v:.2f}" if v is not None else f" s{r} -" for r, v in enumerate(bubble)) + " |"
+
+
+def parse_bubble(line: str) -> list[float | None] | None:
+    """The per-stage bubble of a training line (:func:`bubble_field`), or None when it has none."""
+    m = re.search(r" bubble:((?: s\d+ (?:[0-9.]+|-))+) \|", line)
+    if m is None:
+        return None
+    vals = m.group(1).split()[1::2]
+    return [None if v == "-" else float(v) for v in vals]
 
 
 def _finite(x) -> bool:
@@ -122,7 +141,8 @@ def window_losses(window: Sequence[Mapping], keys: Mapping[str, str]) -> tuple[d
 
 def window_line(window: Sequence[Mapping], *, completed: int, train_iters: int, global_batch: int, seq_length: int,
                 stages: Sequence[Mapping] = (), loss_keys: Mapping[str, str] | None = None,
-                peak_tflops: float | None = None, now: datetime | None = None) -> str:
+                peak_tflops: float | None = None, now: datetime | None = None,
+                bubble: Sequence[float | None] | None = None) -> str:
     """The training line of one log window of the loop's per-step records.
 
     A record has ``loss`` (or the fields named in ``loss_keys``; BERT: ``{"lm loss": "lm_loss",
@@ -147,7 +167,7 @@ def window_line(window: Sequence[Mapping], *, completed: int, train_iters: int, 
         loss_scale=last["loss_scale"], grad_norm=last["grad_norm"], skipped=sum(bool(r["skipped"]) for r in window),
         nan=nan, samples_per_sec=global_batch / time_s, tokens_per_sec=global_batch * seq_length / time_s,
         memory=memory_from_stages(stages), tflops_per_device=tflops, peak_tflops=peak_tflops,
-        now=now,
+        now=now, bubble=bubble,
     )
 
 
@@ -249,7 +269,7 @@ def peak_tflops_of(device_name: str, precision: str) -> float | None:
 
 
 __all__ = [
-    "CudaMemory", "MemoryReading", "PPL_KEYS", "cuda_memory", "eta_line", "framed", "iteration_of_step",
-    "memory_from_stages", "memory_report_line", "peak_tflops_of", "saved_checkpoint_line", "timestamp",
+    "CudaMemory", "MemoryReading", "PPL_KEYS", "bubble_field", "cuda_memory", "eta_line", "framed", "iteration_of_step",
+    "memory_from_stages", "memory_report_line", "parse_bubble", "peak_tflops_of", "saved_checkpoint_line", "timestamp",
     "train_log_line", "validation_line", "window_line", "window_losses",
 ]

@@ -62,7 +62,7 @@ from .log_format import (
 from .lr_schedule import lr_at
 from .params_norm import params_sumsq, with_params_norm
 from .metrics import Metrics, MetricsWriteError, step_record
-from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
+from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row, window_bubble
 from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
@@ -140,6 +140,7 @@ class Trainer:
         self.metrics: Metrics | None = None
         self.window: list[dict] = []  # train records since the last log line
         self.stages_seen: list[dict] = []  # every stage's statistics at the newest recorded step
+        self.stages_logged: list[dict] | None = None  # ... at the last log line: the bubble's window starts there
         self.last_saved: int | None = None
         self.async_writer = dist_checkpoint.AsyncWriter() if tc.async_save else None  # --async-save
         self.last_eval: int | None = None
@@ -446,11 +447,14 @@ class Trainer:
                           components=st.components or None)
         if self._norm_step(st.step):
             rec["params_norm"] = st.params_norm
+        self.stages_seen = st.stages
+        log_step = _at_interval(st.step + 1, tc.log_interval) or st.step + 1 == tc.train_iters
+        if log_step:  # the window's per-stage bubble, beside its TFLOP/s
+            rec["bubble"] = window_bubble(st.stages, self.stages_logged)
         self.metrics.train_step(rec)
         self.window.append(rec)
-        self.stages_seen = st.stages
         self.metrics.progress(1, st.loss)
-        if _at_interval(st.step + 1, tc.log_interval) or st.step + 1 == tc.train_iters:
+        if log_step:
             self._flush_window(st.step + 1)
 
     def _finish(self, done: int) -> None:
@@ -472,10 +476,12 @@ class Trainer:
         if self.metrics is None or not self.window:
             return
         window, stages, self.window = self.window, self.stages_seen, []
+        bubble = window_bubble(stages, self.stages_logged) if stages else None
+        self.stages_logged = stages
         tc, s = self.cfg.training, self.state
         log.info(with_params_norm(window_line(
             window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
-            seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops,
+            seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops, bubble=bubble,
             loss_keys={key.replace("_", " "): key for key in self.loss_keys} or None), window[-1].get("params_norm")))
         if not self.memory_reported:
             self.memory_reported = True
@@ -483,7 +489,7 @@ class Trainer:
             log.info(memory_report_line(s.rank, completed, cuda, stages))
         if self.metrics.bar is None:
             log.info(eta_line(completed, tc.train_iters, self.start_step, time.time() - self.t_start))
-        self.metrics.stages(completed - 1, stages)
+        self.metrics.stages(completed - 1, stages, bubble)
 
 
 def _init_attempt_group(cfg) -> None:

@@ -115,6 +115,8 @@ class Metrics:
         keys = ("loss", "lm_loss", "sop_loss", "lr", "grad_norm", "loss_scale", "samples_per_sec", "tokens_per_sec",
                 "tflops_per_device", "params_norm") + (("step_time_s",) if self.log_timers else ())
         self.scalars("train", {k: record[k] for k in keys if record.get(k) is not None}, iteration)
+        if record.get("bubble"):  # the log window's idle fraction per stage
+            self.scalars("bubble", {f"stage{r}": v for r, v in enumerate(record["bubble"]) if v is not None}, iteration)
 
     def progress(self, n: int, loss: float | None) -> None:
         if self.bar is not None:
@@ -139,8 +141,10 @@ class Metrics:
         named = {k.replace("_", " "): v for k, v in comps.items()} or {"lm loss": loss}
         log.info(framed(validation_line(iteration, named, split=split, final=final)))
 
-    def stages(self, iteration: int, stages: list[dict]) -> None:
-        self.write({"type": "stages", "iteration": iteration, "stages": stages})
+    def stages(self, iteration: int, stages: list[dict], bubble: list[float | None] | None = None) -> None:
+        """Every stage's statistics; ``bubble``: each stage's measured idle fraction over the log window."""
+        self.write({"type": "stages", "iteration": iteration, "stages": stages,
+                    **({"bubble": bubble} if bubble is not None else {})})
         parts = []
         for s in stages:
             parts.append(

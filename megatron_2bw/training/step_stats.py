@@ -32,8 +32,23 @@ WAIT_LAG = 2  # at the update of step u every rank waits for the vector of step 
 
 # Stage statistics in this order (see pipeline/accounting.py); -1 stands for None.
 STAT_KEYS = ("weight_versions", "max_live_versions", "max_inflight", "stashed_bytes", "peak_stashed_bytes",
-             "weight_bytes", "grad_bytes", "optimizer_bytes", "cuda_peak_bytes", "update_wait_s")
-_INT_STATS = set(STAT_KEYS) - {"update_wait_s"}
+             "weight_bytes", "grad_bytes", "optimizer_bytes", "cuda_peak_bytes", "update_wait_s",
+             "recv_wait_s", "compute_s", "train_s")
+_INT_STATS = set(STAT_KEYS) - {"update_wait_s", "recv_wait_s", "compute_s", "train_s"}
+
+
+def window_bubble(now: list[dict], base: list[dict] | None = None) -> list[float | None]:
+    """Each stage's measured bubble over a log window: its idle seconds (waiting on receives and on the
+    reductions before its updates) over its seconds in the training loop, between the statistics
+    ``base`` (the previous window's end; None: the start) and ``now`` (:func:`stage_dicts`). None for a
+    stage whose clock did not advance."""
+    out: list[float | None] = []
+    for r, st in enumerate(now):
+        b = base[r] if base is not None and r < len(base) else {}
+        wall = st["train_s"] - b.get("train_s", 0.0)
+        idle = st["recv_wait_s"] + st["update_wait_s"] - b.get("recv_wait_s", 0.0) - b.get("update_wait_s", 0.0)
+        out.append(min(max(idle / wall, 0.0), 1.0) if wall > 0 else None)
+    return out
 
 
 def stage_row(stats: object) -> list[float]:
