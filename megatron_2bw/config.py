@@ -260,7 +260,7 @@ P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "muon")  # optimizer/flat.py, optimizer/muon.py
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
-COMPENSATIONS = ("none", "predict", "dc", "ef")  # 2BW stale-gradient compensation (pipeline/compensation.py)
+COMPENSATIONS = ("none", "predict", "dc", "ef", "extrapolate")  # 2BW stale-gradient compensation (pipeline/compensation.py)
 CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint.py)
 # elements per message when the distributed optimizer's state is gathered for a torch-format save: the
 # only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
@@ -279,9 +279,9 @@ class PipelineConfig:
     # stage-to-stage transfers: "prefetch" posts receives ahead (gloo), "grouped" issues each run of
     # transfers with one peer as one batch_isend_irecv group (required by NCCL); "auto" picks by backend
     p2p_mode: str = "auto"
-    compensation: str = "none"  # 2BW only: none, predict (weight prediction) or dc (delay-compensated gradient)
+    compensation: str = "none"  # 2BW only: none, predict, dc, ef or extrapolate (pipeline/compensation.py)
     dc_lambda: float = 0.04  # lambda of compensation "dc"
-    ef_scale: float = 1.0  # gamma of compensation "ef": g_t + gamma * (g_t - g_{t-1})
+    ef_scale: float = 1.0  # gamma of "ef" (applied D_t + gamma (D_t - D_{t-1})) and of "extrapolate" (g_t + gamma (g_t - g_{t-1}))
     # transformer layers of each stage (models/stages.py); None: the even split
     layer_split: tuple[int, ...] | None = None
     # recomputation inside a stage (pipeline/recompute_policy.py); ``recompute`` re-runs whole stages

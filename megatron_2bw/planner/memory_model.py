@@ -27,9 +27,11 @@ What real runs also pay, and the paper's formula leaves out:
   With fp32 gradient accumulation (``--accumulate-allreduce-grads-in-fp32``, the default for bf16,
   ``OptimizerConfig.fp32_grads``) each gradient buffer holds 4 bytes per parameter.
 - A 2BW stale-gradient compensation's own state (``ParamBytes.stale_correction``, charged to 2BW
-  candidates only): ``ef`` keeps the previous step's fp32 gradient (4 bytes per parameter, sharded
-  like the optimizer state); ``predict`` in fp32 keeps an fp32 copy of the newest weights (4; in
-  bf16/fp16 the master it uses exists anyway: 0); ``dc`` nothing (pipeline/compensation.py).
+  candidates only): ``ef`` one fp32 buffer (4 bytes per parameter, sharded like the optimizer state:
+  the scratch of the optimizer's next iterate in bf16/fp16, the master iterate in fp32);
+  ``extrapolate`` the previous step's fp32 gradient (4); ``predict`` in fp32 keeps an fp32 copy of
+  the newest weights (4; in bf16/fp16 the master it uses exists anyway: 0); ``dc`` nothing
+  (pipeline/compensation.py).
 - The distributed optimizer (``--use-distributed-optimizer``, ZeRO-1): each of the ``w`` replicas of
   a stage keeps the master and the optimizer state of one contiguous shard of ``ceil(N/w)`` elements
   of the stage's flat parameter buffer (the last shard padded to the same size); weights (every
@@ -122,7 +124,7 @@ class ParamBytes:
         ``compensation``: the run's ``--2bw-compensation``."""
         if precision not in ("fp16", "bf16", "fp32"):
             raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
-        extra = 4 if compensation == "ef" or (compensation == "predict" and precision == "fp32") else 0
+        extra = 4 if compensation in ("ef", "extrapolate") or (compensation == "predict" and precision == "fp32") else 0
         if precision in ("fp16", "bf16"):
             return cls(2, 4 if fp32_grads_for(precision, fp32_grads) else 2, 4, 8, extra)
         return cls(4, 4, 0, 8, extra)

@@ -74,7 +74,7 @@ FORMAT = "torch_dist"
 METADATA = ".metadata"
 COMMON = "common"
 MODEL, OLDER, MASTER = "model", "older", "master"
-EF_PREV = "optimizer.ef_prev_grad"  # --2bw-compensation ef's previous gradient (pipeline/compensation.py)
+EF_PREV = "optimizer.extrapolate_prev_grad"  # --2bw-compensation extrapolate's previous gradient (pipeline/compensation.py)
 _DATA_RE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -198,7 +198,7 @@ def _families(stage) -> list[tuple[str, torch.Tensor, bool]]:
     for k, v in u.optimizer.state_dict().items():
         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == size:
             out.append((f"optimizer.{k}", v, sharded))
-    if u.ef_prev is not None:  # --2bw-compensation ef: the previous gradient, sharded as the optimizer state
+    if u.ef_prev is not None:  # --2bw-compensation extrapolate: the previous gradient, sharded as the optimizer state
         out.append((EF_PREV, u.ef_prev, sharded))
     return out
 
@@ -434,7 +434,7 @@ def common_state(stage, *, iteration: int, config: dict, args, consumed_samples:
         "data": {"consumed_train_samples": int(consumed_samples), "global_batch_size": int(global_batch)},
         "scaler": u.scaler.state_dict(),
         "optimizer": {k: v for k, v in u.optimizer.state_dict().items() if not isinstance(v, torch.Tensor)},
-        "ef_has_prev": bool(u.ef_prev is not None and u.ef_has_prev),
+        "extrapolate_has_prev": bool(u.ef_prev is not None and u.ef_has_prev),
         "time": time.time(),
     }
 
@@ -668,8 +668,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
         live = u.optimizer.state_dict()
         u.optimizer.load_state_dict({**live, **common["optimizer"]})
         u.scaler.load_state_dict(common["scaler"])
-    if u.ef_prev is not None:  # a checkpoint without ef's gradient (another compensation's) starts ef afresh
-        u.ef_has_prev = with_optim and EF_PREV in read and bool(common.get("ef_has_prev", False))
+    if u.ef_prev is not None:  # a checkpoint without extrapolate's gradient (another compensation's) starts afresh
+        u.ef_has_prev = with_optim and EF_PREV in read and bool(common.get("extrapolate_has_prev", False))
     if u.master is not None and MASTER not in read:
         u.master_from(newest)
     if load_rng and not finetune:
