@@ -51,10 +51,11 @@ What real runs also pay, and the paper's formula leaves out:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import CKPT_GATHER_CHUNK
 from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
+from ..config import resolve_compensation
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
 from ..pipeline.recompute_policy import RecomputePolicy
@@ -117,11 +118,21 @@ class ParamBytes:
     master: int = 4
     optimizer_state: int = 8
     stale_correction: int = 0  # the 2BW compensation's state (2BW candidates only; module docstring)
+    # bytes of optimizer state fewer per element of a Muon matrix (--optimizer muon: one fp32 momentum
+    # buffer instead of Adam's two moments; the transformer layers' weights, see muon_matrix_numel)
+    muon_saving: int = 0
 
     @classmethod
-    def for_precision(cls, precision: str, fp32_grads: bool | None = None, compensation: str = "none") -> "ParamBytes":
+    def for_precision(cls, precision: str, fp32_grads: bool | None = None, compensation: str = "none",
+                      optimizer: str = "adam") -> "ParamBytes":
         """The copies of ``precision``; ``fp32_grads`` None: that precision's default accumulation;
-        ``compensation``: the run's ``--2bw-compensation``."""
+        ``compensation``: the run's ``--2bw-compensation``; ``optimizer``: ``--optimizer`` (muon: 4 bytes
+        less state per matrix element)."""
+        # auto: the trainer's default for a 2BW stage (replicated optimizer; predict costs nothing in half
+        # precision and is what auto picks there, and with the distributed optimizer auto picks none: 0 too)
+        compensation = resolve_compensation(compensation, "2bw", optimizer, precision, False)
+        if optimizer == "muon":
+            return replace(cls.for_precision(precision, fp32_grads, compensation), muon_saving=4)
         if precision not in ("fp16", "bf16", "fp32"):
             raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
         extra = 4 if compensation in ("ef", "extrapolate") or (compensation == "predict" and precision == "fp32") else 0
@@ -186,6 +197,13 @@ def shard_numel(numel: int, cand: Candidate) -> int:
 def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at its peak."""
     return 1 if schedule == SEQUENTIAL else get_schedule(schedule).inflight(d, stage, m)
+
+
+def muon_matrix_numel(costs: MicrobatchCosts, part: StageSlice) -> int:
+    """Elements of a stage slice that Muon updates (its transformer layers' weights; the embedding, the
+    head and the layers' few 1-D norms and biases go to AdamW; those last, about 13 h of a layer's 12 h^2,
+    are counted as matrices here: the planner's costs do not split them out, an error of 1/h)."""
+    return part.num_layers * costs.layer.params
 
 
 def slice_params(costs: MicrobatchCosts, part: StageSlice) -> int:
@@ -299,7 +317,8 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
         grads=grad_buffers(cand.schedule) * p * param_bytes.grad,
         master=shard * param_bytes.master,
-        optimizer_state=shard * (param_bytes.optimizer_state + _stale_correction(cand, param_bytes)),
+        optimizer_state=shard * (param_bytes.optimizer_state + _stale_correction(cand, param_bytes))
+        - (param_bytes.muon_saving * muon_matrix_numel(costs, part) * shard // p if p else 0),
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
         save=save_bytes(shard, cand),

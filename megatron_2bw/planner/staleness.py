@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..pipeline.schedules import get_schedule
+from ..config import resolve_compensation
 from .memory_model import SEQUENTIAL, Candidate
 
 STALENESS = Path(__file__).resolve().parent / "staleness.json"
@@ -67,15 +68,28 @@ def stale_steps(c: Candidate) -> int:
     return get_schedule(c.schedule).stale_steps
 
 
-def staleness(c: Candidate, compensation: str = "none") -> Staleness:
-    """The staleness cost of ``c`` (``compensation``: the trainer's ``--2bw-compensation``)."""
+def measured_key(compensation: str, optimizer: str = "adam") -> str:
+    """The key of a (compensation, optimizer) in ``staleness.json``: the mode for Adam (the measured AdamW
+    runs; SGD is not measured and reads Adam's), ``muon/<mode>`` for Muon."""
+    return f"muon/{compensation}" if optimizer == "muon" else compensation
+
+
+def staleness(c: Candidate, compensation: str = "none", optimizer: str = "adam", precision: str = "fp32") -> Staleness:
+    """The staleness cost of ``c`` (``compensation``: the trainer's ``--2bw-compensation``, ``auto`` resolved as
+    the trainer resolves it for ``c``; a mode never measured with ``optimizer`` shows plain 2BW's ratio)."""
     n = stale_steps(c)
     if not n:
         return Staleness(0, {})
+    mode = resolve_compensation(compensation, c.schedule, optimizer, precision, c.distributed_optimizer)
     regimes = measured()["regimes"]
     here = [r for r in REGIMES if r in regimes]
-    return Staleness(n, {r: regimes[r]["valid_loss_ratio_vs_flush"][compensation] for r in here},
-                     {r: regimes[r]["time_vs_flush_to_2bw_final_loss"][compensation] for r in here})
+
+    def pick(r: str, what: str) -> float:
+        table = regimes[r][what]
+        return table.get(measured_key(mode, optimizer), table[measured_key("none", optimizer)])
+
+    return Staleness(n, {r: pick(r, "valid_loss_ratio_vs_flush") for r in here},
+                     {r: pick(r, "time_vs_flush_to_2bw_final_loss") for r in here})
 
 
 STALENESS_NOTE = ("* staleness: 2BW's final validation loss over Flush's, measured on the small gpt-demo model "
