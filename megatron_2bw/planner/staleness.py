@@ -5,7 +5,8 @@ the weights they update: no cost. PipeDream-2BW's gradients are ``stale_steps`` 
 (``ScheduleSpec.stale_steps``); what that costs depends on the model, the optimizer and the learning
 rate, and nothing in the planner can predict it. What it reports instead is what this project
 measured: the final validation loss of 2BW over Flush's with the same data, seeds and steps
-(``staleness.json``, a summary of ``docs/data/convergence_regimes.json``), on the small gpt-demo
+(``staleness.json``, a summary of ``docs/data/convergence_optimizers.json``, per optimizer and
+``--2bw-compensation`` mode, the one a candidate would train with), on the small gpt-demo
 model on CPU, and the wall time 2BW took to its final loss over the time Flush took to reach the
 same loss (``time_vs_flush_to_2bw_final_loss``, in the JSON). The report labels it so; the ranking
 stays by throughput (``tools/plan.py --schedules flush,gpipe`` searches only the synchronous
@@ -49,7 +50,7 @@ class Staleness:
         if not self.stale_steps:
             return "none"
         pct = sorted((r - 1) * 100 for r in self.valid_loss_ratio.values())
-        return f"+{pct[0]:.1f}..{pct[-1]:.1f}%*" if len(pct) > 1 else f"+{pct[0]:.1f}%*"
+        return f"{pct[0]:+.1f}..{pct[-1]:.1f}%*" if len(pct) > 1 else f"{pct[0]:+.1f}%*"  # below Flush: -x
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stale_steps": self.stale_steps}
@@ -93,5 +94,5 @@ def staleness(c: Candidate, compensation: str = "none", optimizer: str = "adam",
 
 
 STALENESS_NOTE = ("* staleness: 2BW's final validation loss over Flush's, measured on the small gpt-demo model "
-                  "(CPU, 300-500 steps, learning rates 3e-4..1e-3; docs/data/convergence_regimes.json), "
+                  "(CPU, 300-500 steps, learning rates 3e-4..1e-3; docs/data/convergence_optimizers.json), "
                   "not a prediction for this model; Flush/GPipe: none")
