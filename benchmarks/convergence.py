@@ -140,7 +140,7 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
            "--eval-iters", str(args.eval_iters), "--metrics-file", metrics]
     if args.model_flags:
         cmd += args.model_flags
-    if compensation != "none":
+    if schedule == "2bw":  # explicit, "none" too: the trainer's default (auto) picks a mode by optimizer and precision
         cmd += ["--2bw-compensation", compensation, "--2bw-dc-lambda", str(args.dc_lambda)]
     if optimizer == "muon":  # the matrices' peak lr, scheduled like --lr (warm-up, cosine, the same min ratio)
         cmd += ["--optimizer", "muon", "--muon-lr", str(getattr(args, "muon_lr", MUON_LR) * lr / args.lr)]
