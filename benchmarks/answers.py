@@ -195,7 +195,7 @@ def _optimizer_rows(opt: dict | None, link, target_loss: float) -> list[str]:
     return ["", "By optimizer (`benchmarks/convergence.py --optimizers adamw muon`, d = 1: 2BW's rule does not "
                 "depend on d):", ""] + _table(
         ["setting", "optimizer", "2BW compensation", "2BW / Flush, same optimizer", "2BW / best Flush of any optimizer",
-         "from"], rows) + [""] + _optimizer_targets(groups)
+         "from"], rows) + [""] + _optimizer_targets(groups) + ([f"- Data: {opt['data_note']}"] if opt.get("data_note") else [])
 
 
 # issue 24's targets: the best 2BW run within this factor of Flush (same optimizer, and the best Flush of any)
