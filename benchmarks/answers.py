@@ -116,13 +116,13 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
     if mu and mu.get("step_s_2bw_d2"):
         st, tp = mu["step_s_2bw_d2"], mu.get("tp2_one_layer") or {}
         ups = {u["optimizer"]: u["update_s"] for u in mu.get("update", []) if u.get("stage") == 0}
-        lines += ["", f"Muon against AdamW, side by side (2BW, d = 2, gpt-demo, CPU): training step {_fmt(st.get('muon'), '.2f')} s "
-                      f"against {_fmt(st.get('adam'), '.2f')} s (x{_fmt(mu.get('step_ratio_muon_over_adam'))}); stage 0's "
-                      f"update alone {_fmt(1e3 * ups['muon'], '.0f') if 'muon' in ups else '-'} ms against "
-                      f"{_fmt(1e3 * ups['adam'], '.0f') if 'adam' in ups else '-'} ms. At t = 2, one layer's matrices: the "
-                      f"exact gather + whole Newton-Schulz (the one used) {_fmt(1e3 * tp['gather'], '.0f') if 'gather' in tp else '-'} ms, "
-                      f"of which the all-gather {_fmt(1e3 * tp['allgather_only'], '.0f') if 'allgather_only' in tp else '-'} ms; "
-                      f"distributed Newton-Schulz {_fmt(1e3 * tp['distributed'], '.0f') if 'distributed' in tp else '-'} ms "
+        ms = lambda d, k: _fmt(1e3 * d[k], ".0f") if k in d else "-"  # noqa: E731
+        lines += ["", f"Muon against AdamW, side by side (2BW, d = 2, gpt-demo, CPU): training step "
+                      f"{_fmt(st.get('muon'), '.2f')} s against {_fmt(st.get('adam'), '.2f')} s "
+                      f"(x{_fmt(mu.get('step_ratio_muon_over_adam'))}); stage 0's update alone {ms(ups, 'muon')} ms "
+                      f"against {ms(ups, 'adam')} ms. At t = 2, one layer's matrices: the exact gather + whole "
+                      f"Newton-Schulz (the one used) {ms(tp, 'gather')} ms, of which the all-gather "
+                      f"{ms(tp, 'allgather_only')} ms; distributed Newton-Schulz {ms(tp, 'distributed')} ms "
                       f"([muon_throughput.json]({link('muon_throughput.json')}) {_date(mu)})."]
     lines += ["", "### At what memory?", ""]
     mem, states = _load(json_dir, "memory.json"), _load(json_dir, "memory_states.json")
@@ -195,7 +195,8 @@ def _optimizer_rows(opt: dict | None, link, target_loss: float) -> list[str]:
     return ["", "By optimizer (`benchmarks/convergence.py --optimizers adamw muon`, d = 1: 2BW's rule does not "
                 "depend on d):", ""] + _table(
         ["setting", "optimizer", "2BW compensation", "2BW / Flush, same optimizer", "2BW / best Flush of any optimizer",
-         "from"], rows) + [""] + _optimizer_targets(groups) + ([f"- Data: {opt['data_note']}"] if opt.get("data_note") else [])
+         "from"], rows) + [""] + _optimizer_targets(groups) + (
+        [f"- Data: {opt['data_note']}"] if opt.get("data_note") else [])
 
 
 # issue 24's targets: the best 2BW run within this factor of Flush (same optimizer, and the best Flush of any)
