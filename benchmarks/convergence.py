@@ -140,7 +140,7 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
            "--eval-iters", str(args.eval_iters), "--metrics-file", metrics]
     if args.model_flags:
         cmd += args.model_flags
-    if compensation != "none":
+    if schedule == "2bw":  # explicit, "none" too: the trainer's default (auto) picks a mode by optimizer and precision
         cmd += ["--2bw-compensation", compensation, "--2bw-dc-lambda", str(args.dc_lambda)]
     if optimizer == "muon":  # the matrices' peak lr, scheduled like --lr (warm-up, cosine, the same min ratio)
         cmd += ["--optimizer", "muon", "--muon-lr", str(getattr(args, "muon_lr", MUON_LR) * lr / args.lr)]
@@ -633,7 +633,7 @@ def main_regimes(args) -> int:
 
 MODE_STYLE = {("flush", "none"): ("tab:orange", "PipeDream-Flush"), ("2bw", "none"): ("tab:blue", "2BW"),
               ("2bw", "predict"): ("tab:green", "2BW + predict"), ("2bw", "dc"): ("tab:red", "2BW + dc"),
-              ("2bw", "ef"): ("tab:purple", "2BW + ef")}
+              ("2bw", "ef"): ("tab:purple", "2BW + ef"), ("2bw", "extrapolate"): ("tab:brown", "2BW + extrapolate")}
 
 
 def plot_regimes(data: dict, path: str) -> None:
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="--regimes: optimizers to run (muon: --optimizer muon, Muon on the linear weights at --muon-lr; "
                         "its Flush run is its own reference; predict is AdamW/SGD only and skipped for muon)")
     p.add_argument("--muon-lr", type=float, default=MUON_LR, help="--regimes: peak lr of Muon's matrices")
-    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc", "ef"), default=["none"],
+    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc", "ef", "extrapolate"), default=["none"],
                    help="2BW's --2bw-compensation modes to run (one 2BW run per mode and seed)")
     p.add_argument("--dc-lambda", type=float, default=0.04, help="--2bw-dc-lambda of the dc runs")
     p.add_argument("--depth", type=int, default=2, help="pipeline depth d (2BW's update rule does not depend on it)")

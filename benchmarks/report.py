@@ -674,7 +674,9 @@ def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
     if img:
         lines += [f"![convergence in two regimes]({_rel(img, doc)})", ""]
     lines += ["Default `--2bw-compensation` (changed only for a mode better than plain 2BW in both regimes and both seeds):",
-              ""] + _default_advice(data) + [f"- The trainer's default today: `{_cli_default()}`."] + _regime_advice(data) + [
+              ""] + _default_advice(data) + [f"- The trainer's default today: `{_cli_default()}` (`config.resolve_compensation`: `ef` with Muon, `predict` with "
+                                    "Adam or SGD-momentum in bf16/fp16 without the distributed optimizer, where it costs no memory, "
+                                    "`none` otherwise; the Muon and `ef` runs: `docs/data/convergence_optimizers.json`, first section)."] + _regime_advice(data) + [
         "",
         "- **steps to Flush's final train loss**: the first step whose smoothed training loss is at or under the same "
         "seed's Flush final smoothed training loss (`-`: never within the run). **time to it / Flush's**: "

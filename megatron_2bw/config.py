@@ -260,7 +260,30 @@ P2P_MODES = ("auto", "prefetch", "grouped")
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "muon")  # optimizer/flat.py, optimizer/muon.py
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
-COMPENSATIONS = ("none", "predict", "dc", "ef")  # 2BW stale-gradient compensation (pipeline/compensation.py)
+COMPENSATIONS = ("none", "predict", "dc", "ef", "extrapolate")  # 2BW stale-gradient compensation (pipeline/compensation.py)
+AUTO_COMPENSATION = "auto"  # --2bw-compensation's default: resolve_compensation picks by the measurements
+
+
+def resolve_compensation(mode: str, schedule: str, optimizer: str, dtype: str, distributed_optimizer: bool,
+                         sgd_momentum: float = 0.0) -> str:
+    """``--2bw-compensation auto`` (the flag's default) as the measurements favour it
+    (``docs/data/convergence_optimizers.json``, ``docs/benchmarks.md`` section 3): none for a schedule
+    without stale gradients; ``ef`` with Muon (2BW + ef matched or beat Flush where plain 2BW did not);
+    ``predict`` with Adam, or SGD with momentum, in bf16/fp16 without the distributed optimizer (better
+    than plain 2BW in every measured regime and seed, and free there: the master holds the newest
+    weights anyway); otherwise none (predict would cost a weight copy in fp32, and is refused with the
+    distributed optimizer). Any other ``mode`` is returned as given."""
+    if mode != AUTO_COMPENSATION:
+        return mode
+    if schedule not in SCHEDULE_NAMES or get_schedule(schedule).stale_steps == 0:
+        return "none"
+    if optimizer == "muon":
+        return "ef"
+    if dtype != "fp32" and not distributed_optimizer and (optimizer == "adam" or sgd_momentum > 0):
+        return "predict"
+    return "none"
+
+
 CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint/)
 # elements per message when the distributed optimizer's state is gathered for a torch-format save: the
 # only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
@@ -279,9 +302,9 @@ class PipelineConfig:
     # stage-to-stage transfers: "prefetch" posts receives ahead (gloo), "grouped" issues each run of
     # transfers with one peer as one batch_isend_irecv group (required by NCCL); "auto" picks by backend
     p2p_mode: str = "auto"
-    compensation: str = "none"  # 2BW only: none, predict (weight prediction) or dc (delay-compensated gradient)
+    compensation: str = "none"  # 2BW only: none, predict, dc, ef or extrapolate (pipeline/compensation.py)
     dc_lambda: float = 0.04  # lambda of compensation "dc"
-    ef_scale: float = 1.0  # gamma of compensation "ef": g_t + gamma * (g_t - g_{t-1})
+    ef_scale: float = 1.0  # gamma of "ef" (applied D_t + gamma (D_t - D_{t-1})) and of "extrapolate" (g_t + gamma (g_t - g_{t-1}))
     # transformer layers of each stage (models/stages.py); None: the even split
     layer_split: tuple[int, ...] | None = None
     # recomputation inside a stage (pipeline/recompute_policy.py); ``recompute`` re-runs whole stages
@@ -301,11 +324,12 @@ class PipelineConfig:
         _require(self.num_microbatches >= 1, f"microbatches per step must be >= 1, got {self.num_microbatches}")
         _require(self.p2p_mode in P2P_MODES, f"--p2p-mode must be one of {', '.join(P2P_MODES)}, got {self.p2p_mode!r}")
         _require(
-            self.compensation in COMPENSATIONS,
-            f"--2bw-compensation must be one of {', '.join(COMPENSATIONS)}, got {self.compensation!r}",
+            self.compensation in COMPENSATIONS + (AUTO_COMPENSATION,),
+            f"--2bw-compensation must be one of {', '.join(COMPENSATIONS + (AUTO_COMPENSATION,))}, "
+            f"got {self.compensation!r}",
         )
         _require(
-            self.compensation == "none" or get_schedule(self.schedule).stale_steps > 0,
+            self.compensation in ("none", AUTO_COMPENSATION) or get_schedule(self.schedule).stale_steps > 0,
             f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
         )
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
@@ -686,6 +710,11 @@ class RunConfig:
     SECTIONS = ("model", "parallel", "pipeline", "optimizer", "lr", "training", "data", "system")
 
     def __post_init__(self) -> None:
+        if self.pipeline.compensation == AUTO_COMPENSATION:  # the flag's default: what the measurements favour
+            o = self.optimizer
+            mode = resolve_compensation(AUTO_COMPENSATION, self.pipeline.schedule, o.optimizer, o.dtype,
+                                        o.use_distributed_optimizer, o.sgd_momentum)
+            object.__setattr__(self, "pipeline", replace(self.pipeline, compensation=mode))
         _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),
                  "--use-distributed-optimizer does not support --2bw-compensation predict (its predicted weights "
                  "would need a full gather at every drain); use dc or none")

@@ -113,11 +113,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),
-    Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS, default="none",
-         help="2BW's stale gradient: predict (run on predicted weights; fp32: +1 weight copy), dc (DC-ASGD) or "
-              "ef (delay correction g_t + gamma * (g_t - g_{t-1}); +4 bytes per parameter)"),
+    Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS + ("auto",), default="auto",
+         help="2BW's stale gradient: auto (default: ef with Muon, predict with Adam/SGD-momentum in bf16/fp16 "
+              "without the distributed optimizer, else none; config.resolve_compensation), none, predict (run on predicted weights; fp32: +1 weight copy), dc (DC-ASGD), "
+              "ef (Zmushko et al. 2026's error feedback on the updates, D_t + gamma * (D_t - D_{t-1}); any "
+              "optimizer; +4 bytes per parameter) or extrapolate (g_t + gamma * (g_t - g_{t-1}); +4 bytes)"),
     Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04, help="dc: g + lambda * g * g * (W(t) - W(t-1))"),
-    Flag("--2bw-ef-scale", "pipeline.ef_scale", PAR, float, 1.0, help="ef: gamma of g_t + gamma * (g_t - g_{t-1})"),
+    Flag("--2bw-ef-scale", "pipeline.ef_scale", PAR, float, 1.0, help="gamma of ef (D_t + gamma * (D_t - D_{t-1})) and of extrapolate"),
     Flag("--pipeline-no-flushes", "pipeline.schedule", PAR, const="2bw", alias=True,
          help="2021 spelling of --pipeline-schedule 2bw"),
     Flag("--gpipe", "pipeline.schedule", PAR, const="gpipe", alias=True,

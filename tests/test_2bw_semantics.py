@@ -108,8 +108,11 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
                   steps: int = STEPS, stale: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``stale`` False: the flush schedule's rule (the gradient of W(t) updates W(t)).
 
-    ``ef`` (the delay correction): the optimizer gets g_t + lam * (g_t - g_prev), g_prev the gradient
-    of the previous step (none at step 0); written here from its definition in compensation.py."""
+    ``extrapolate``: the optimizer gets g_t + lam * (g_t - g_prev), g_prev the gradient of the previous
+    step (none at step 0). ``ef`` (Zmushko et al.'s error feedback on the updates, gamma = lam): the
+    optimizer runs unchanged on its own iterate y (``newest``); its update D_t = y(t+1) - y(t) is read off
+    the parameters, and the weights the model runs on follow x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1}),
+    D_{-1} = 0, kept as their own tensors. Both written here from their definitions in compensation.py."""
     lr, stale_rule = LR[optimizer], stale
     cfg = get_preset("gpt-tiny")
     spec = ModelSpec(cfg, TPGroup(), 1234)
@@ -125,7 +128,7 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
     else:
         opt = (torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-8) if optimizer == "adam"
                else torch.optim.SGD(groups, lr=lr, momentum=momentum))
-    prev: dict[str, torch.Tensor] = {}  # ef: the previous step's gradient
+    prev: dict[str, torch.Tensor] = {}  # extrapolate: the previous step's gradient; ef: the previous update D
     versions = [{n: p.detach().clone() for n, p in newest.items()}]  # versions[v] = W(v)
     run_on = [versions[0]]  # run_on[v]: what version v's microbatches compute on (P(W(v)) with predict)
     g = torch.Generator().manual_seed(99)
@@ -144,12 +147,22 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
         for n, gr in zip(names, grads):
             if compensation == "dc":  # W(t) - W(t-1), the two versions 2BW holds
                 gr = gr + lam * gr * gr * (versions[t][n] - versions[max(t - 1, 0)][n])
-            if compensation == "ef":
+            if compensation == "extrapolate":
                 g_prev = prev.get(n)
                 prev[n] = gr
                 gr = gr if g_prev is None else gr + lam * (gr - g_prev)
             newest[n].grad = gr
+        before = {n: p.detach().clone() for n, p in newest.items()} if compensation == "ef" else None
         opt.step()  # the newest weights W(t) become W(t+1), using the gradient taken at W(t-1)
+        if compensation == "ef":  # x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1})
+            x = {}
+            for n, p in newest.items():
+                upd = p.detach() - before[n]
+                x[n] = versions[-1][n] + upd + lam * (upd - prev.get(n, torch.zeros_like(upd)))
+                prev[n] = upd
+            versions.append(x)
+            run_on.append(x)
+            continue
         versions.append({n: p.detach().clone() for n, p in newest.items()})
         run_on.append(_predicted(newest, opt, optimizer, momentum) if compensation == "predict" else versions[-1])
     return losses, versions[-1]
@@ -201,14 +214,16 @@ def test_single_process_compensation_equals_plain_pytorch_reference(optimizer, c
     assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "muon"])
-def test_single_process_ef_equals_plain_pytorch_reference(optimizer):
-    """``ef`` (g_t + gamma * (g_t - g_{t-1})) under AdamW and Muon, against the reference's own rule."""
+@pytest.mark.parametrize("optimizer, mode", [("adam", "ef"), ("muon", "ef"), ("sgd", "ef"), ("adam", "extrapolate"),
+                                             ("muon", "extrapolate")])
+def test_single_process_ef_equals_plain_pytorch_reference(optimizer, mode):
+    """``ef`` (x += D_t + gamma * (D_t - D_{t-1}), the updates' error feedback) and ``extrapolate``
+    (g_t + gamma * (g_t - g_{t-1})) under AdamW, Muon and SGD, against the reference's own rules."""
     kw = dict(steps=STEPS, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer], weight_decay=WD,
-              opt_extra=MUON if optimizer == "muon" else None)
+              opt_extra=MUON if optimizer == "muon" else None, sgd_momentum=0.9 if optimizer == "sgd" else 0.0)
     with fp32_newton_schulz():
-        ref_losses, ref_params = reference_2bw(optimizer, "ef", 1.0)
-        got = train_tiny("2bw", compensation="ef", **kw)
+        ref_losses, ref_params = reference_2bw(optimizer, mode, 1.0, 0.9 if optimizer == "sgd" else 0.0)
+        got = train_tiny("2bw", compensation=mode, **kw)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
         torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -152,6 +152,24 @@ def test_muon_and_ef_flags():
         cfg_of([*base, "--pipeline-schedule", "flush", "--2bw-compensation", "ef"], world=2)
 
 
+def test_default_compensation_follows_the_measurements():
+    """--2bw-compensation auto (the default): ef with Muon, predict with Adam (or SGD with momentum) in bf16/fp16
+    without the distributed optimizer (free there), none otherwise; an explicit mode is kept."""
+    base = [*MINIMAL, "--model-preset", "gpt-tiny", "--pipeline-model-parallel-size", "2"]
+
+    def mode(*extra, world=2):
+        return cfg_of([*base, *extra], world=world).pipeline.compensation
+
+    assert mode("--optimizer", "muon") == mode("--optimizer", "muon", "--bf16") == "ef"
+    assert mode("--bf16") == mode("--fp16") == mode("--bf16", "--optimizer", "sgd", "--sgd-momentum", "0.9") == "predict"
+    assert mode() == "none"  # fp32: predict would cost a weight copy
+    assert mode("--bf16", "--optimizer", "sgd", "--sgd-momentum", "0") == "none"  # no momentum to extrapolate with
+    assert mode("--bf16", "--use-distributed-optimizer", world=4) == "none"
+    assert mode("--bf16", "--pipeline-schedule", "flush") == mode("--optimizer", "muon", "--pipeline-schedule", "flush") == "none"
+    assert mode("--bf16", "--2bw-compensation", "none") == "none"
+    assert mode("--2bw-compensation", "ef") == "ef"
+
+
 def test_prefetch_p2p_refused_with_nccl(capsys):
     """Review finding H2: prefetching receives deadlocks on NCCL's in-order p2p; one line, exit 2."""
     from megatron_2bw.errors import run_cli

@@ -266,11 +266,13 @@ def test_schedule_change_on_load_equals_offline_conversion(async_runs, tmp_path)
     assert sorted(a) == sorted(b) == [4, 5] and all(abs(a[i] - b[i]) <= TOL for i in a), (a, b)
 
 
-def test_ef_compensation_state_resumes_bitwise(tmp_path):
-    """``--2bw-compensation ef`` keeps the previous gradient: a torch_dist checkpoint holds it (sharded as the
-    optimizer state), so a resume at the same layout continues bitwise; without it the first resumed
-    update would go uncorrected and the losses after it would differ."""
-    ef = (*DIST, "--2bw-compensation", "ef")
+@pytest.mark.parametrize("mode", ["ef", "extrapolate"])
+def test_ef_compensation_state_resumes_bitwise(tmp_path, mode):
+    """``--2bw-compensation ef`` keeps the optimizer's iterate y (the master, fp32 here) apart from the weights x
+    the model runs on, ``extrapolate`` the previous gradient: a torch_dist checkpoint holds either (sharded
+    as the optimizer state), so a resume at the same layout continues bitwise; without it the first
+    resumed update would be corrected wrongly and the losses after it would differ."""
+    ef = (*DIST, "--2bw-compensation", mode)
     args = [a for a in _args(t=1, d=1, iters=4, extra=ef) if a != "--bf16"]
     straight = _launch([*args, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"], 1, str(tmp_path / "a.jsonl"))
     src = str(tmp_path / "src")
@@ -278,6 +280,9 @@ def test_ef_compensation_state_resumes_bitwise(tmp_path):
     ck.write_tracker(src, 2)
     shutil.rmtree(ck.iteration_dir(src, 4))
     _, fams = dc.read_whole(ck.iteration_dir(src, 2))
-    assert dc.EF_PREV in fams and any(v.abs().sum() > 0 for v in fams[dc.EF_PREV].values())
+    if mode == "extrapolate":
+        assert dc.EF_PREV in fams and any(v.abs().sum() > 0 for v in fams[dc.EF_PREV].values())
+    else:
+        assert dc.MASTER in fams and any(not v.equal(fams[dc.MODEL][k].float()) for k, v in fams[dc.MASTER].items())
     resumed = _launch([*args, "--load", src, "--save", str(tmp_path / "again")], 1, str(tmp_path / "b.jsonl"))
     assert sorted(resumed) == [2, 3] and all(resumed[k] == straight[k] for k in resumed), (resumed, straight)

@@ -163,3 +163,19 @@ def test_ef_state_is_counted_for_2bw_only_and_sharded():
     zero = Candidate(1, 4, 2, 1, 8, True, "2bw", distributed_optimizer=True)
     assert (stage_memory(COSTS, zero, L, 1, ef).optimizer_state - stage_memory(COSTS, zero, L, 1, plain).optimizer_state
             == 100 * 4)
+
+
+def test_muon_state_is_one_momentum_per_matrix_element():
+    """--optimizer muon keeps one fp32 momentum per transformer-layer weight instead of Adam's two moments:
+    4 bytes less per layer parameter (the embedding and head stay on AdamW), sharded like the state."""
+    adam, muon = ParamBytes.for_precision("bf16"), ParamBytes.for_precision("bf16", optimizer="muon")
+    assert (muon.muon_saving, adam.muon_saving) == (4, 0) and muon.optimizer_state == adam.optimizer_state
+    middle = (stage_memory(COSTS, cand("2bw"), L, 1, pb) for pb in (adam, muon))
+    a, m = middle
+    layers = a.params  # a middle stage holds transformer layers only
+    assert a.optimizer_state - m.optimizer_state == 4 * layers
+    first = [stage_memory(COSTS, cand("2bw"), L, 0, pb) for pb in (adam, muon)]
+    assert first[0].optimizer_state - first[1].optimizer_state == 4 * (first[0].params - COSTS.embedding.params)
+    zero = Candidate(1, 4, 2, 1, 8, True, "2bw", distributed_optimizer=True)
+    za, zm = (stage_memory(COSTS, zero, L, 1, pb) for pb in (adam, muon))
+    assert za.optimizer_state - zm.optimizer_state == 4 * layers // 2

@@ -14,17 +14,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_summary_matches_the_measurement():
-    """staleness.json is docs/data/convergence_regimes.json's per-mode means, recomputed here."""
-    runs = json.loads((ROOT / "docs/data/convergence_regimes.json").read_text())["results"]
+    """staleness.json is docs/data/convergence_optimizers.json's per-(optimizer, mode) means, recomputed here
+    (keys: the mode for AdamW, muon/<mode> for Muon)."""
+    runs = json.loads((ROOT / "docs/data/convergence_optimizers.json").read_text())["results"]
     for regime, summary in measured()["regimes"].items():
-        for mode, ratio in summary["valid_loss_ratio_vs_flush"].items():
-            per_seed = [r["valid_loss_ratio_vs_flush"] for r in runs
-                        if r["regime"] == regime and r["schedule"] == "2bw" and r["compensation"] == mode]
-            assert per_seed, (regime, mode)
-            assert ratio == pytest.approx(sum(per_seed) / len(per_seed), abs=1e-4)
-            times = [r["time_vs_flush_at_this_loss"] for r in runs
-                     if r["regime"] == regime and r["schedule"] == "2bw" and r["compensation"] == mode]
-            assert summary["time_vs_flush_to_2bw_final_loss"][mode] == pytest.approx(sum(times) / len(times), abs=1e-3)
+        for key, ratio in summary["valid_loss_ratio_vs_flush"].items():
+            opt, mode = key.split("/") if "/" in key else ("adamw", key)
+            mine = [r for r in runs if r["regime"] == regime and r["schedule"] == "2bw" and r["compensation"] == mode
+                    and r.get("optimizer", "adamw") == opt]
+            assert mine, (regime, key)
+            assert ratio == pytest.approx(sum(r["valid_loss_ratio_vs_flush"] for r in mine) / len(mine), abs=1e-4)
+            times = [r["time_vs_flush_at_this_loss"] for r in mine if r["time_vs_flush_at_this_loss"] is not None]
+            want = sum(times) / len(times) if times else None
+            assert summary["time_vs_flush_to_2bw_final_loss"][key] == (pytest.approx(want, abs=1e-3) if times else None)
 
 
 def test_synchronous_schedules_cost_nothing():
@@ -78,3 +80,19 @@ def test_plan_cli_bad_schedules(capsys):
     assert _plan().main([*SHAPE, "--schedules", "pipedream"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "choose among" in err and err.count("\n") == 1
+
+
+def test_the_column_reads_the_mode_and_optimizer_a_candidate_trains_with():
+    """auto resolves as the trainer does: Muon -> muon/ef; Adam in bf16 -> predict, but none with the distributed
+    optimizer (which refuses predict) and in fp32; a mode never measured with Muon shows Muon's plain 2BW."""
+    table = {r: v["valid_loss_ratio_vs_flush"] for r, v in measured()["regimes"].items()}
+    two, zero = Candidate(1, 4, 1, 1, 8, False, "2bw"), Candidate(1, 4, 2, 1, 8, False, "2bw", distributed_optimizer=True)
+
+    def ratios(c, *args):
+        return staleness(c, *args).valid_loss_ratio
+
+    assert ratios(two, "auto", "muon", "bf16") == {r: t["muon/ef"] for r, t in table.items()}
+    assert ratios(two, "auto", "adam", "bf16") == {r: t["predict"] for r, t in table.items()}
+    assert ratios(zero, "auto", "adam", "bf16") == ratios(two, "auto", "adam", "fp32") == {r: t["none"] for r, t in table.items()}
+    assert ratios(two, "predict", "muon") == {r: t["muon/none"] for r, t in table.items()}
+    assert staleness(Candidate(1, 4, 1, 1, 8, False, "flush"), "auto", "muon").text == "none"

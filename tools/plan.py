@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cluster", default=PAPER_CLUSTER, help=f"preset name or JSON file (default {PAPER_CLUSTER})")
     r.add_argument("--global-batch-size", type=int)
     r.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    r.add_argument("--optimizer", choices=("adam", "sgd", "muon"), default="adam",
+                   help="the trainer's --optimizer: Muon keeps 4 bytes less state per layer weight")
+    r.add_argument("--2bw-compensation", dest="compensation", default="auto",
+                   choices=("auto", "none", "predict", "dc", "ef", "extrapolate"),
+                   help="the trainer's --2bw-compensation (default auto, as the trainer's): its memory on 2BW "
+                        "stages and its measured loss ratio in the staleness column")
     r.add_argument("--profile", help="measured per-layer costs (schema in megatron_2bw/planner/layer_costs.py)")
     r.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="the trainer's --attention-backend, for the activation memory (default: the cluster's, auto: "
@@ -172,7 +178,8 @@ def run(argv: list[str]) -> str:
                           distributed_optimizer_options=args.zero, schedules=args.schedules,
                           recompute_policies=FINER_RECOMPUTE if args.finer_recompute else (),
                           memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin,
-                          sequence_parallel_options=sequence_parallel_options(model, args.sp_search))
+                          sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
+                          compensation=args.compensation, optimizer=args.optimizer)
     costs = load_checked_profile(args.profile, model, args.precision, cluster.device) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)

@@ -1,4 +1,4 @@
-"""Stale-gradient compensation for PipeDream-2BW (``--2bw-compensation {none,predict,dc,ef}``).
+"""Stale-gradient compensation for PipeDream-2BW (``--2bw-compensation {none,predict,dc,ef,extrapolate}``).
 
 Plain 2BW (``none``) computes step t's gradient on W(t-1) and applies it to W(t):
 ``W(t+1) = W(t) - lr * u(g_t(W(t-1)))`` (``u``: the optimizer's update). Both modes below keep
@@ -44,25 +44,55 @@ token-averaged, norm-clipped gradients (|g| about 1e-4..1e-3 per element) and Ad
 about lr, it is around 1e-8 of g at the default, so ``dc`` then trains like plain 2BW; it acts
 only with a far larger lambda, which nothing here tunes.
 
-``ef`` (delay correction in the error-feedback style, after Zmushko et al. 2026's description:
-the error a one-step delay makes is estimated and fed back into the gradient): the gradient 2BW
-applies at step t, ``g_t = grad f_t(W(t-1))``, misses the change of the gradient between W(t-1)
-and W(t). The last observed change over one step is ``e_t = g_t - g_{t-1}`` (``g_{t-1}`` taken
-at W(t-2)), and one step's weight change W(t) - W(t-1) is close to the one before it, so
-APPLY_UPDATE(t) feeds the optimizer ``g_t + gamma * e_t``, elementwise, with ``gamma`` =
-``--2bw-ef-scale`` (default 1: the linear extrapolation of the gradient one step ahead). ``g``
-is the unscaled, clipped gradient, as for ``dc`` (the global norm and the clipping are the
-uncorrected gradient's; an overflow skips the step and leaves ``g_{t-1}`` as it was, the last
-applied gradient). The first applied step has no ``g_{t-1}`` and is not corrected. The
-optimizer never sees the uncorrected gradient, so this serves every optimizer (AdamW's moments
-and Muon's momentum accumulate the corrected gradient; Muon then orthogonalizes it). Because
-``e_t`` subtracts two minibatches' gradients it also carries their noise: a momentum absorbs
-much of it, and ``gamma`` < 1 trades correction for noise.
+``ef`` (the update-level error-feedback correction of Zmushko et al. 2026, "One-Step Gradient
+Delay is Not a Barrier for Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", section 3):
+optimizer-agnostic, it acts on the optimizer's *updates*, not on the gradients, so AdamW, Muon and
+SGD keep their own rules untouched. Let ``D_t = U(y_t; g_t) - y_t`` be the update the optimizer
+makes at step t from its own iterate ``y_t`` with 2BW's stale gradient ``g_t = grad f_t(x_{t-1})``
+(decoupled weight decay included). Plain 2BW applies ``D_t`` one step late: ``g_t`` was taken on
+weights one update behind the ones it is applied to. Read as error feedback, the delay is a lossy
+"compression" of the update, and the error the last step made is estimated by the difference of two
+consecutive updates and fed back into the applied update:
 
-Memory: one fp32 buffer of ``g_{t-1}`` per parameter (this rank's shard with the distributed
-optimizer): 4 bytes per parameter, counted by the planner's memory model as optimizer state,
-saved in checkpoints with the optimizer state (key ``ef_prev_grad``), so a resume is bitwise.
-Neither gradient buffer can hold it: 2BW's two buffers are taken by steps t and t+1.
+    x_{t+1} = x_t + D_t + gamma * (D_t - D_{t-1}),      y_{t+1} = y_t + D_t,      D_{-1} = 0,
+
+with ``gamma`` = ``--2bw-ef-scale`` (default 1). ``x`` are the weights the model runs on (2BW's
+version buffers, what evaluation and checkpoints' model weights hold); ``y`` is the optimizer's
+iterate, kept in the fp32 master. The two identities ``x_t = y_t + gamma * D_{t-1}`` and (summing)
+``x_{t+1} - gamma * D_t = x_t - gamma * D_{t-1} + D_t`` show the error-feedback invariant: the
+corrected weights are the uncorrected trajectory moved ``gamma`` updates ahead, so step t+1's
+gradient, taken at ``x_t``, is taken at (about) the point its update is applied to, and what
+remains of the delay error is ``D_t - D_{t-1}``, second order. The state is therefore stored as
+``y`` (not as ``D_{t-1}``): APPLY_UPDATE(t) runs the optimizer out of place from the master ``y_t``
+into a scratch buffer (``y_{t+1}``), then writes ``x_{t+1} = y_{t+1} + gamma * (y_{t+1} - y_t)``
+into the version buffer ``slot(t+1)`` and ``y_{t+1}`` into the master, in chunks of ``CHUNK``
+elements (:func:`ef_apply`). (Written with ``D_t`` taken at ``x_t`` instead of ``y_t``, the rule
+differs only through decoupled weight decay, by ``lr * wd * gamma * D_{t-1}``: 1e-5 of an update.)
+Source: the stored copies of the paper reachable here give its abstract and digests, not section
+3's equations; they state the rule's defining traits (update-level error feedback, optimizer-
+agnostic, the difference of two consecutive updates compensates the delay, one extra model-sized
+buffer), which this rule has; where the paper's exact coefficients differ, ``gamma`` covers them.
+An overflow skips the step: ``y`` stays, ``x_{t+1} = x_t``. The first update has ``D_{-1} = 0``
+(``y_0 = x_0``). Drains change nothing (the version buffers hold ``x``, the weights to evaluate).
+
+Memory (the paper's appendix F: one extra model-sized buffer per stage): one fp32 buffer per
+parameter, 4 bytes (this rank's shard with the distributed optimizer). In bf16/fp16 the master
+``y`` exists anyway and the extra buffer is the scratch for ``y_{t+1}``; in fp32 the master is the
+extra buffer (as for ``predict``) and the scratch is the free version buffer ``slot(t+1)`` (2BW
+is done with W(t-1) by APPLY_UPDATE(t)). The planner's memory model charges it to 2BW candidates
+(``ParamBytes.stale_correction``); the executor's ``StageStats`` counts it (master in
+``weight_bytes``, the scratch in ``optimizer_bytes``). Checkpoints hold ``y`` as the master (both
+formats), so a resume is bitwise; a checkpoint without a master starts with ``y = x`` (D = 0).
+
+``extrapolate`` (this project's earlier ``ef``, kept under its own name: a gradient-level rule,
+not the paper's): APPLY_UPDATE(t) feeds the optimizer ``g_t + gamma * (g_t - g_{t-1})``, the
+linear extrapolation of the unscaled, clipped gradient one step ahead (``gamma`` =
+``--2bw-ef-scale``; the global norm and the clipping are the uncorrected gradient's; an overflow
+leaves ``g_{t-1}`` as it was; the first applied step is not corrected). Measured
+(``docs/data/convergence_optimizers.json``) it helps AdamW in the aggressive regime (1.092x ->
+1.036x Flush) but hurts it in the paper-like one and costs Muon 3-4%. Memory: one fp32 buffer of
+``g_{t-1}`` per parameter (4 bytes, sharded), saved with the optimizer state (key
+``extrapolate_prev_grad``).
 """
 
 from __future__ import annotations
@@ -77,7 +107,7 @@ from ..optimizer.flat import FlatAdam, FlatSGD
 
 CHUNK = 1 << 20  # elements per pass: bounds the temporaries to a few MB
 
-__all__ = ["CHUNK", "COMPENSATIONS", "check_compensation", "dc_correct", "ef_correct", "predict"]
+__all__ = ["CHUNK", "COMPENSATIONS", "check_compensation", "dc_correct", "ef_apply", "extrapolate_correct", "predict"]
 
 
 def check_compensation(mode: str, optimizer: FlatAdam | FlatSGD) -> None:
@@ -132,7 +162,7 @@ def dc_correct(grad: torch.Tensor, newest: torch.Tensor, older: torch.Tensor, la
         g.add_(delta.mul_(g).mul_(g), alpha=lam)
 
 
-def ef_correct(grad: torch.Tensor, prev: torch.Tensor, has_prev: bool, gamma: float) -> None:
+def extrapolate_correct(grad: torch.Tensor, prev: torch.Tensor, has_prev: bool, gamma: float) -> None:
     """grad += gamma * (grad - prev) and prev = the uncorrected grad, in place (fp32); without a
     previous gradient only ``prev`` is written."""
     if not has_prev:
@@ -145,3 +175,18 @@ def ef_correct(grad: torch.Tensor, prev: torch.Tensor, has_prev: bool, gamma: fl
         err = torch.sub(g, p)
         p.copy_(g)
         g.add_(err, alpha=gamma)
+
+
+def ef_apply(master: torch.Tensor, new: torch.Tensor, dst: torch.Tensor, gamma: float) -> None:
+    """``ef``: ``dst = new + gamma * (new - master)`` (the corrected weights x(t+1)), then ``master = new``
+    (the optimizer's iterate y(t+1)); ``new`` holds y(t+1) and may be ``dst`` (fp32), all in place."""
+    n = master.numel()
+    for lo in range(0, n, CHUNK):
+        hi = min(lo + CHUNK, n)
+        y0, y1, x = master[lo:hi], new[lo:hi], dst[lo:hi]
+        step = torch.sub(y1, y0)  # D_t
+        y0.copy_(y1)
+        if x.data_ptr() == y1.data_ptr():
+            x.add_(step, alpha=gamma)
+        else:
+            x.copy_(step.mul_(gamma).add_(y1))

@@ -11,8 +11,10 @@ global norm; the loss scaler then lowers the scale. Each step uses one loss scal
 stage: the scale current when the step's first backward ran (:meth:`loss_scale`).
 
 With a stale-gradient compensation (:mod:`.compensation`): ``dc`` corrects the unscaled, clipped
-gradient with the two versions before the optimizer sees it, ``ef`` with the previous step's; ``predict`` keeps the newest weights
-in the fp32 master (created in fp32 too) and writes P(W(t+1)) into ``slot(t + 1)`` instead.
+gradient with the two versions before the optimizer sees it, ``extrapolate`` with the previous step's;
+``predict`` keeps the newest weights in the fp32 master (created in fp32 too) and writes P(W(t+1))
+into ``slot(t + 1)`` instead; ``ef`` keeps the optimizer's iterate y in the master (created in fp32
+too), steps it out of place into a scratch buffer and writes the corrected x(t+1) into ``slot(t + 1)``.
 
 With the distributed optimizer (a reducer with a :class:`~.zero.ShardLayout`, data-parallel
 width > 1) the master and the optimizer state cover this rank's shard only: the update reads the
@@ -36,7 +38,7 @@ from ..errors import ConfigError
 from ..optimizer.flat import build_optimizer
 from ..optimizer.loss_scaler import build_scaler
 from ..optimizer.muon import MuonMatrix
-from .compensation import check_compensation, dc_correct, ef_correct, predict
+from .compensation import check_compensation, dc_correct, ef_apply, extrapolate_correct, predict
 from .grad_reducer import GradReducer, grad_sumsq
 from .weights import StageWeights
 from .zero import gather_full
@@ -75,14 +77,18 @@ class Updater:
                                          muon=self._muon_layout(tp) if opt.optimizer == "muon" else None)
         check_compensation(compensation, self.optimizer)
         self.compensation, self.dc_lambda, self.ef_scale = compensation, dc_lambda, ef_scale
-        # ef: the previous applied step's unscaled, clipped gradient (this rank's shard), fp32
-        self.ef_prev = torch.zeros(numel, dtype=torch.float32, device=weights.device) if compensation == "ef" else None
+        # extrapolate: the previous applied step's unscaled, clipped gradient (this rank's shard), fp32
+        self.ef_prev = torch.zeros(numel, dtype=torch.float32, device=weights.device) \
+            if compensation == "extrapolate" else None
         self.ef_has_prev = False
         self.scaler = build_scaler(opt)
         # fp32 master copy of the newest weights (of this rank's shard) when they are kept in lower
-        # precision, or when the version buffers hold predicted weights
-        keep = weights.dtype != torch.float32 or compensation == "predict"
+        # precision, or when the version buffers hold predicted (predict) or corrected (ef) weights
+        keep = weights.dtype != torch.float32 or compensation in ("predict", "ef")
         self.master = self._weights(0).to(torch.float32, copy=True) if keep else None
+        # ef: the scratch y(t+1) is written into before the correction (fp32 uses the free version buffer)
+        self.ef_next = torch.empty(numel, dtype=torch.float32, device=weights.device) \
+            if compensation == "ef" and weights.dtype != torch.float32 else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
 
     def _muon_layout(self, tp: tuple[object, int, int]) -> dict:
@@ -143,9 +149,13 @@ class Updater:
         if self.compensation == "dc" and two_versions:  # w_dst still holds W(t-1)
             dc_correct(g32, w_src, w_dst, self.dc_lambda)
         if self.ef_prev is not None:
-            ef_correct(g32, self.ef_prev, self.ef_has_prev, self.ef_scale)
+            extrapolate_correct(g32, self.ef_prev, self.ef_has_prev, self.ef_scale)
             self.ef_has_prev = True
-        if self.master is not None:
+        if self.compensation == "ef":  # y(t+1) into the scratch, then x(t+1) and the master from it
+            new = self.ef_next if self.ef_next is not None else w_dst
+            self.optimizer.update(self.master, new, g32, lr)
+            ef_apply(self.master, new, w_dst, self.ef_scale)
+        elif self.master is not None:
             self.optimizer.update(self.master, self.master, g32, lr)
             if self.compensation != "predict":
                 w_dst.copy_(self.master)
@@ -180,10 +190,11 @@ class Updater:
     # ------------------------------------------------------------------ state
     @property
     def state_bytes(self) -> int:
-        """Bytes of optimizer state (the master copy not included)."""
+        """Bytes of optimizer state (the master copy not included), with ``extrapolate``'s previous gradient
+        and ``ef``'s scratch buffer (in fp32 ``ef``'s extra buffer is the master: :attr:`master_bytes`)."""
+        ef = sum(t.numel() * 4 for t in (self.ef_prev, self.ef_next) if t is not None)  # a compensation's buffer
         if hasattr(self.optimizer, "state_bytes"):
-            return self.optimizer.state_bytes + (self.ef_prev.numel() * 4 if self.ef_prev is not None else 0)
-        ef = self.ef_prev.numel() * 4 if self.ef_prev is not None else 0
+            return self.optimizer.state_bytes + ef
         sd = self.optimizer.state_dict()
         return ef + sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
 
@@ -207,8 +218,8 @@ class Updater:
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
         state = dict(self.optimizer.state_dict())
-        if self.ef_prev is not None:  # ef's previous gradient: per parameter, so it is kept by name too
-            state.update(ef_prev_grad=self.ef_prev, ef_has_prev=self.ef_has_prev)
+        if self.ef_prev is not None:  # extrapolate's previous gradient: per parameter, so it is kept by name too
+            state.update(extrapolate_prev_grad=self.ef_prev, extrapolate_has_prev=self.ef_has_prev)
         return {
             "master": self._full(self.master, everywhere, copy) if self.master is not None else None,
             "optimizer": {k: (self._full(v, everywhere, copy) if isinstance(v, torch.Tensor) else v)
@@ -224,8 +235,9 @@ class Updater:
             self.master.copy_(take(sd["master"]))
         if sd.get("optimizer") is not None:
             state = dict(sd["optimizer"])
-            prev, has_prev = state.pop("ef_prev_grad", None), bool(state.pop("ef_has_prev", False))
-            if self.ef_prev is not None:  # a state without it (another compensation's) starts ef afresh
+            prev = state.pop("extrapolate_prev_grad", None)
+            has_prev = bool(state.pop("extrapolate_has_prev", False))
+            if self.ef_prev is not None:  # a state without it (another compensation's) starts afresh
                 self.ef_has_prev = prev is not None and has_prev
                 if self.ef_has_prev:
                     self.ef_prev.copy_(take(prev))

@@ -177,8 +177,9 @@ def auto_plan_details(
     precision: str = "fp32", max_micro_batch_size: int = 64, micro_batch_sizes_to_profile: Sequence[int] | None = None,
     tensor_parallel: Iterable[int] = (1,), schedules: tuple[str, ...] = SCHEDULE_NAMES, recompute_options=(False, True),
     warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None, fp32_grads: bool | None = None,
-    distributed_optimizer_options: tuple[bool, ...] = (False, True), compensation: str = "none",
+    distributed_optimizer_options: tuple[bool, ...] = (False, True), compensation: str = "auto",
     memory_margin: float = DEFAULT_MEMORY_MARGIN, recompute_policies: tuple[RecomputePolicy, ...] = FINER_RECOMPUTE,
+    optimizer: str = "adam",
 ) -> AutoPlan:
     """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
     from .profiler import resolve_device  # noqa: PLC0415
@@ -192,7 +193,7 @@ def auto_plan_details(
     request = PlanRequest(model_cfg, cl, num_gpus, global_batch, precision, max_micro_batch_size=max_micro_batch_size,
                           schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
                           distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation,
-                          memory_margin=memory_margin, recompute_policies=tuple(recompute_policies))
+                          memory_margin=memory_margin, recompute_policies=tuple(recompute_policies), optimizer=optimizer)
     result = search(request, costs)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,

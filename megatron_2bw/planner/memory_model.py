@@ -41,9 +41,11 @@ What real runs also pay, and the paper's formula leaves out:
   With fp32 gradient accumulation (``--accumulate-allreduce-grads-in-fp32``, the default for bf16,
   ``OptimizerConfig.fp32_grads``) each gradient buffer holds 4 bytes per parameter.
 - A 2BW stale-gradient compensation's own state (``ParamBytes.stale_correction``, charged to 2BW
-  candidates only): ``ef`` keeps the previous step's fp32 gradient (4 bytes per parameter, sharded
-  like the optimizer state); ``predict`` in fp32 keeps an fp32 copy of the newest weights (4; in
-  bf16/fp16 the master it uses exists anyway: 0); ``dc`` nothing (pipeline/compensation.py).
+  candidates only): ``ef`` one fp32 buffer (4 bytes per parameter, sharded like the optimizer state:
+  the scratch of the optimizer's next iterate in bf16/fp16, the master iterate in fp32);
+  ``extrapolate`` the previous step's fp32 gradient (4); ``predict`` in fp32 keeps an fp32 copy of
+  the newest weights (4; in bf16/fp16 the master it uses exists anyway: 0); ``dc`` nothing
+  (pipeline/compensation.py).
 - The distributed optimizer (``--use-distributed-optimizer``, ZeRO-1): each of the ``w`` replicas of
   a stage keeps the master and the optimizer state of one contiguous shard of ``ceil(N/w)`` elements
   of the stage's flat parameter buffer (the last shard padded to the same size); weights (every
@@ -69,10 +71,11 @@ What real runs also pay, and the paper's formula leaves out:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import CKPT_GATHER_CHUNK
 from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
+from ..config import resolve_compensation
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
 from ..pipeline.recompute_policy import RecomputePolicy
@@ -141,14 +144,24 @@ class ParamBytes:
     master: int = 4
     optimizer_state: int = 8
     stale_correction: int = 0  # the 2BW compensation's state (2BW candidates only; module docstring)
+    # bytes of optimizer state fewer per element of a Muon matrix (--optimizer muon: one fp32 momentum
+    # buffer instead of Adam's two moments; the transformer layers' weights, see muon_matrix_numel)
+    muon_saving: int = 0
 
     @classmethod
-    def for_precision(cls, precision: str, fp32_grads: bool | None = None, compensation: str = "none") -> "ParamBytes":
+    def for_precision(cls, precision: str, fp32_grads: bool | None = None, compensation: str = "none",
+                      optimizer: str = "adam") -> "ParamBytes":
         """The copies of ``precision``; ``fp32_grads`` None: that precision's default accumulation;
-        ``compensation``: the run's ``--2bw-compensation``."""
+        ``compensation``: the run's ``--2bw-compensation``; ``optimizer``: ``--optimizer`` (muon: 4 bytes
+        less state per matrix element)."""
+        # auto: the trainer's default for a 2BW stage (replicated optimizer; predict costs nothing in half
+        # precision and is what auto picks there, and with the distributed optimizer auto picks none: 0 too)
+        compensation = resolve_compensation(compensation, "2bw", optimizer, precision, False)
+        if optimizer == "muon":
+            return replace(cls.for_precision(precision, fp32_grads, compensation), muon_saving=4)
         if precision not in ("fp16", "bf16", "fp32"):
             raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
-        extra = 4 if compensation == "ef" or (compensation == "predict" and precision == "fp32") else 0
+        extra = 4 if compensation in ("ef", "extrapolate") or (compensation == "predict" and precision == "fp32") else 0
         if precision in ("fp16", "bf16"):
             return cls(2, 4 if fp32_grads_for(precision, fp32_grads) else 2, 4, 8, extra)
         return cls(4, 4, 0, 8, extra)
@@ -225,6 +238,13 @@ def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
 def rank_units(count: int, chunks: int) -> float:
     """``count`` chunk-microbatches as whole-rank microbatches (the module docstring); exact for one chunk."""
     return count if chunks == 1 else count / chunks
+
+
+def muon_matrix_numel(costs: MicrobatchCosts, part: StageSlice) -> int:
+    """Elements of a stage slice that Muon updates (its transformer layers' weights; the embedding, the
+    head and the layers' few 1-D norms and biases go to AdamW; those last, about 13 h of a layer's 12 h^2,
+    are counted as matrices here: the planner's costs do not split them out, an error of 1/h)."""
+    return part.num_layers * costs.layer.params
 
 
 def slice_params(costs: MicrobatchCosts, part: StageSlice) -> int:
@@ -362,7 +382,8 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
         grads=grad_buffers(cand.schedule) * p * param_bytes.grad,
         master=shard * param_bytes.master,
-        optimizer_state=shard * (param_bytes.optimizer_state + _stale_correction(cand, param_bytes)),
+        optimizer_state=shard * (param_bytes.optimizer_state + _stale_correction(cand, param_bytes))
+        - (param_bytes.muon_saving * muon_matrix_numel(costs, part) * shard // p if p else 0),
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
         save=save_bytes(shard, cand),

@@ -103,7 +103,7 @@ def describe(ev: Evaluated, req: PlanRequest | None = None) -> dict[str, Any]:
         "bubble_seconds": round(p.bubble_s, 6) if p else None,
         "exposed_allreduce_seconds": round(p.exposed_allreduce_s, 6) if p else None,
         "recompute_policy": c.recompute_policy.label if c.recompute_policy else None,  # inside stages
-        "staleness": staleness(c).to_json(),
+        "staleness": (staleness(c, req.compensation, req.optimizer, req.precision) if req else staleness(c)).to_json(),
         **rates,
     }
 
@@ -163,7 +163,7 @@ def format_table(result: SearchResult, top: int = 10) -> str:
             f"{tokens_per_sec(ev, req):>10.0f} {100 * mfu(ev, req):>5.1f}% "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
-        lines[-1] = f"{lines[-1]:<{width}}  {staleness(c).text}"
+        lines[-1] = f"{lines[-1]:<{width}}  {staleness(c, req.compensation, req.optimizer, req.precision).text}"
     if any(staleness(ev.candidate).stale_steps for ev in result.ranked[:top]):
         lines.append(STALENESS_NOTE)
     if result.pruned:

@@ -78,7 +78,10 @@ class PlanRequest:
     fp32_grads: bool | None = None
     # the distributed optimizer off/on, tried where w > 1; (False,): the paper's replicated optimizer
     distributed_optimizer_options: tuple[bool, ...] = (False, True)
-    compensation: str = "none"  # --2bw-compensation: its state is counted for 2BW candidates
+    # --2bw-compensation (auto: the trainer's default, config.resolve_compensation): its state is counted
+    # for 2BW candidates, its measured loss ratio shown in the staleness column
+    compensation: str = "auto"
+    optimizer: str = "adam"  # --optimizer: muon keeps 4 bytes less state per matrix element
     # share of the usable memory a plan leaves free (tools/plan.py --memory-margin, DEFAULT_MEMORY_MARGIN):
     # the allocator's fragmentation and what the model leaves out; 0 reproduces the paper's planner
     memory_margin: float = 0.0
@@ -116,7 +119,7 @@ class PlanRequest:
 
     @property
     def param_bytes(self) -> ParamBytes:
-        return ParamBytes.for_precision(self.precision, self.fp32_grads, self.compensation)
+        return ParamBytes.for_precision(self.precision, self.fp32_grads, self.compensation, self.optimizer)
 
     @property
     def accumulates_in_fp32(self) -> bool:

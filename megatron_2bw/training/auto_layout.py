@@ -65,7 +65,8 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
     choice = auto_plan(model, world, args.global_batch_size, cluster=args.cluster, profile_path=path,
                        device=device, precision=precision_of(args), fp32_grads=opt.fp32_grads,
                        distributed_optimizer_options=sharding,
-                       compensation=getattr(args, "2bw_compensation", None) or "none", **finer)
+                       compensation=getattr(args, "2bw_compensation", None) or "none", optimizer=opt.optimizer,
+                       **finer)
     inner = f" +recompute {choice.recompute_policy.label}" if choice.recompute_policy else ""
     log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s%s", choice.t,
              choice.d, choice.w, choice.b, " +recompute" if choice.recompute else inner, choice.schedule,

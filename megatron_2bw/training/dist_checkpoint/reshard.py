@@ -71,8 +71,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
         live = u.optimizer.state_dict()
         u.optimizer.load_state_dict({**live, **common["optimizer"]})
         u.scaler.load_state_dict(common["scaler"])
-    if u.ef_prev is not None:  # a checkpoint without ef's gradient (another compensation's) starts ef afresh
-        u.ef_has_prev = with_optim and EF_PREV in read and bool(common.get("ef_has_prev", False))
+    if u.ef_prev is not None:  # a checkpoint without extrapolate's gradient (another compensation's) starts afresh
+        u.ef_has_prev = with_optim and EF_PREV in read and bool(common.get("extrapolate_has_prev", False))
     if u.master is not None and MASTER not in read:
         u.master_from(newest)
     if load_rng and not finetune:

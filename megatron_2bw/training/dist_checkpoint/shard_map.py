@@ -18,7 +18,7 @@ from ...export.reshard import is_vocab, split_dim
 from ...pipeline.zero import ShardLayout
 
 MODEL, OLDER, MASTER = "model", "older", "master"
-EF_PREV = "optimizer.ef_prev_grad"  # --2bw-compensation ef's previous gradient (pipeline/compensation.py)
+EF_PREV = "optimizer.extrapolate_prev_grad"  # --2bw-compensation extrapolate's previous gradient (pipeline/compensation.py)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def families(stage) -> list[tuple[str, torch.Tensor, bool]]:
     for k, v in u.optimizer.state_dict().items():
         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == size:
             out.append((f"optimizer.{k}", v, sharded))
-    if u.ef_prev is not None:  # --2bw-compensation ef: the previous gradient, sharded as the optimizer state
+    if u.ef_prev is not None:  # --2bw-compensation extrapolate: the previous gradient, sharded as the optimizer state
         out.append((EF_PREV, u.ef_prev, sharded))
     return out
 

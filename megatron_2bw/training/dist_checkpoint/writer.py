@@ -117,7 +117,7 @@ def common_state(stage, *, iteration: int, config: dict, args, consumed_samples:
         "data": {"consumed_train_samples": int(consumed_samples), "global_batch_size": int(global_batch)},
         "scaler": u.scaler.state_dict(),
         "optimizer": {k: v for k, v in u.optimizer.state_dict().items() if not isinstance(v, torch.Tensor)},
-        "ef_has_prev": bool(u.ef_prev is not None and u.ef_has_prev),
+        "extrapolate_has_prev": bool(u.ef_prev is not None and u.ef_has_prev),
         "time": time.time(),
     }
 
