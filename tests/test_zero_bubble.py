@@ -59,11 +59,12 @@ def test_bubbles_match_the_paper(d: int) -> None:
         zb2 = _step_time("zb-h2", d, m, f, b, w) - m * (f + b + w)
         assert zb2 == pytest.approx((d - 1) * f), (f, b, w)
         assert get_schedule("zb-h2").bubble_time(d, m, f, b, w) == pytest.approx(zb2)
-    # and the replayed bubble_time agrees with the simulator off the formulas' range too
+    # and the replayed bubble_time agrees with the simulator off the formulas' range too (within the
+    # 1e-3 rounding of the times relative to f that the planner's price replays on)
     for name in ZB:
         for mm, (f, b, w) in ((d // 2 or 1, (1.0, 1.0, 1.0)), (m, (0.3, 1.0, 2.0)), (d + 1, (1.0, 2.0, 0.5))):
             assert get_schedule(name).bubble_time(d, mm, f, b, w) == pytest.approx(
-                _step_time(name, d, mm, f, b, w) - mm * (f + b + w)), (name, mm, f, b, w)
+                _step_time(name, d, mm, f, b, w) - mm * (f + b + w), rel=2e-3), (name, mm, f, b, w)
 
 
 def test_inflight_and_deferred_weight_grads() -> None:
