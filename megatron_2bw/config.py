@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .errors import ConfigError
-from .models.stages import canonical_split, layers_per_stage
+from .models.stages import canonical_split, check_virtual_split, layers_per_stage
 from .pipeline.recompute_policy import check_recompute
 from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
@@ -288,6 +288,14 @@ class PipelineConfig:
     recompute_granularity: str | None = None  # full or selective
     recompute_method: str | None = None  # uniform or block (full only)
     recompute_num_layers: int | None = None
+    # model chunks per rank (Megatron's --virtual-pipeline-model-parallel-size; interleaved-1f1b); None: the
+    # schedule's own count (1 for the one-chunk schedules, 2 for interleaved-1f1b)
+    virtual_stages: int | None = None
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank the schedule runs."""
+        return get_schedule(self.schedule, self.virtual_stages).chunks
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -308,6 +316,7 @@ class PipelineConfig:
             self.compensation == "none" or get_schedule(self.schedule).stale_steps > 0,
             f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
         )
+        get_schedule(self.schedule, self.virtual_stages)  # refuses chunks the schedule does not take (one line)
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
                  f"--2bw-dc-lambda must be finite and >= 0, got {self.dc_lambda}")
         _require(math.isfinite(self.ef_scale) and self.ef_scale >= 0,
@@ -323,6 +332,7 @@ class PipelineConfig:
             f"PipeDream-{self.schedule.upper()} needs at least {at_least} "
             "(raise --global-batch-size or lower --micro-batch-size)",
         )
+        get_schedule(self.schedule, self.virtual_stages).check_layout(d, m)
 
 
 def fp32_grads_for(dtype: str, given: bool | None = None) -> bool:
@@ -621,6 +631,7 @@ class Layout:
     schedule: str
     layer_split: tuple[int, ...] | None = None
     distributed_optimizer: bool = False  # the planner's choice of --use-distributed-optimizer
+    virtual_stages: int | None = None  # model chunks per rank (--virtual-pipeline-model-parallel-size)
 
 
 def layout_configs(
@@ -647,8 +658,11 @@ def layout_configs(
         f"--global-batch-size {B} is not divisible by --micro-batch-size {b} x data-parallel size {w}",
     )
     pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode,
-                          layer_split=split)
+                          layer_split=split, virtual_stages=layout.virtual_stages)
     pipe.check_depth(par.pipeline)
+    if pipe.chunks > 1:
+        _require(split is None, "interleaved-1f1b needs the even stage split (no --pipeline-layer-split)")
+        check_virtual_split(model.num_layers, par.pipeline, pipe.chunks)
     return par, pipe, B
 
 

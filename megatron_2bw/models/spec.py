@@ -64,6 +64,11 @@ class ModelSpec:
         """Stage ``r`` of ``d`` under this spec's split."""
         return self.build(*self.stage_range(d, r))
 
+    def build_chunks(self, ranges: list[tuple[int, int]]) -> list[list[nn.Module]]:
+        """A rank's model chunks (one layer list per ``stages.chunk_ranges`` range), built separately: a head
+        never shares a Parameter with an embedding of another chunk (the pipeline keeps them tied)."""
+        return [self.build(lo, hi) for lo, hi in ranges]
+
     def stage_range(self, d: int, r: int) -> tuple[int, int]:
         """Half-open range of layer-list indices of stage ``r`` of ``d`` (``models/stages.py``)."""
         return stage_range(self.cfg.num_layers, d, r, self.split)
