@@ -48,7 +48,7 @@ def _global_names(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     local indices start at 0.
     """
     lay = sd["layout"]
-    if "language_model" in sd["model"]:  # Megatron-format contents
+    if "model0" in sd or "language_model" in sd["model"]:  # Megatron-format contents (model0..: interleaved)
         return {n: v.detach().float().clone() for n, v in rank_weights(
             sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split")).items()}
     start = stage_range(cfg.num_layers, lay["d"], lay["pp_rank"], lay.get("split"))[0]
@@ -108,7 +108,7 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
 
 
 def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,
-                    split: Split = None) -> str:
+                    split: Split = None, chunks: int = 1) -> str:
     """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
     if saver not in SAVERS:
         raise ConfigError(f"--saver must be one of {', '.join(SAVERS)}, got {saver!r}")
@@ -117,4 +117,4 @@ def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int =
             raise ConfigError("--saver hf writes one whole model: drop --target-tensor/pipeline-parallel-size")
         note = save_hf_dir(path, ex)
         return f"{path} ({note})"
-    return write_megatron_dir(path, ex, t, d, schedule, split)
+    return write_megatron_dir(path, ex, t, d, schedule, split, chunks)

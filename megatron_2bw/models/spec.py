@@ -19,7 +19,7 @@ from . import bert, gpt
 from .embedding import Embedding
 from ..pipeline.recompute_policy import RecomputePolicy
 from .transformer import TransformerLayer, apply_recompute
-from .stages import stage_range
+from .stages import chunk_ranges, stage_range
 
 
 @dataclass
@@ -68,6 +68,15 @@ class ModelSpec:
         """A rank's model chunks (one layer list per ``stages.chunk_ranges`` range), built separately: a head
         never shares a Parameter with an embedding of another chunk (the pipeline keeps them tied)."""
         return [self.build(lo, hi) for lo, hi in ranges]
+
+    def rank_build(self, d: int, r: int, chunks: int = 1) -> tuple[Callable[[], list], list[tuple[int, int]]]:
+        """(builder, layer-list ranges by chunk) of pipeline rank ``r``: one chunk, its stage under this spec's
+        split; ``chunks`` > 1, virtual stages ``c * d + r`` of ``d * chunks`` even ones (interleaved), the
+        builder returning one layer list per chunk (what ``PipelineStage`` takes)."""
+        if chunks == 1:
+            return (lambda: self.build_stage(d, r)), [self.stage_range(d, r)]
+        ranges = chunk_ranges(self.cfg.num_layers, [c * d + r for c in range(chunks)], d * chunks)
+        return (lambda: self.build_chunks(ranges)), ranges
 
     def stage_range(self, d: int, r: int) -> tuple[int, int]:
         """Half-open range of layer-list indices of stage ``r`` of ``d`` (``models/stages.py``)."""

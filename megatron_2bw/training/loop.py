@@ -111,10 +111,11 @@ class Trainer:
                          masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)))
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
+        build, ranges = spec.rank_build(state.d, state.pp_rank, cfg.pipeline.chunks)  # chunks: interleaved
         self.stage = PipelineStage(
-            lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
+            build, spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
             cfg.model.stage_activation_shape(b, state.t), rng_tracker=self.tracker, faults=faults,
-            names=GlobalNames(spec.stage_range(state.d, state.pp_rank)[0], tied=WORD),
+            names=GlobalNames(ranges[0][0], tied=WORD) if len(ranges) == 1 else GlobalNames.of_chunks(ranges, tied=WORD),
         )
         if prep.checkpoint is not None:
             checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device,
