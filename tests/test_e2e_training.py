@@ -46,6 +46,7 @@ CASES = {
     # name: (script, preset, t, d, schedule) or a shared session run
     "gpt-2bw-d2w2": "gpt_2bw_run",
     "gpt-flush-t2d2": ("pretrain_gpt.py", "gpt-tiny", 2, 2, "flush"),
+    "gpt-zbh2-t2d2": ("pretrain_gpt.py", "gpt-tiny", 2, 2, "zb-h2"),  # a split backward from the command line
     "bert-2bw-t2d2": ("pretrain_bert.py", "bert-tiny", 2, 2, "2bw"),
     "bert-flush-d2w2": "bert_flush_run",
 }

@@ -26,7 +26,7 @@ def test_comm_groups_cut_runs_by_peer():
     assert comm_groups(acts) == {0: 1, 2: 3, 3: 4, 5: 7, 8: 10}
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", (*SCHEDULES, "zb-h1", "zb-h2"))
 def test_grouped_transfers_never_deadlock(schedule):
     for d in range(1, 9):
         for m in range(1, 17):

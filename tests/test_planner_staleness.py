@@ -75,6 +75,6 @@ def test_plan_cli_staleness_schedules_and_recompute(capsys):
 
 
 def test_plan_cli_bad_schedules(capsys):
-    assert _plan().main([*SHAPE, "--schedules", "zb-h1"]) == 2
+    assert _plan().main([*SHAPE, "--schedules", "pipedream"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "choose among" in err and err.count("\n") == 1

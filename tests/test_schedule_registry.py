@@ -38,11 +38,11 @@ def _programs(name: str, d: int, m: int, steps: int = STEPS):
 
 
 def _live_gradient_steps(program) -> int:
-    """Most steps whose gradients are held at once: from a step's first backward to its update."""
+    """Most steps whose gradients are held at once: from a step's first backward (or W) to its update."""
     held: set[int] = set()
     most = 0
     for a in program:
-        if a.op is Op.BACKWARD:
+        if a.op is Op.BACKWARD or a.op is Op.BACKWARD_WEIGHT:
             held.add(a.step)
             most = max(most, len(held))
         elif a.op is Op.APPLY_UPDATE:
@@ -56,7 +56,7 @@ def _live_versions(events) -> int:
     for e in events:
         if e.op is Op.FORWARD:
             inflight[(e.mb, e.chunk)] = e.version
-        elif e.op is Op.BACKWARD:
+        elif e.op is Op.BACKWARD or e.op is Op.BACKWARD_WEIGHT:  # a split backward holds its weights until W
             inflight.pop((e.mb, e.chunk))
         elif e.op is Op.APPLY_UPDATE:
             newest = e.step + 1
@@ -69,7 +69,7 @@ def test_registry_names_and_lookup():
     for name in SCHEDULE_NAMES:
         assert get_schedule(name).name == name
     with pytest.raises(ConfigError, match=r"^unknown pipeline schedule 'pipedream'; choose one of 2bw, flush, gpipe, "
-                                          r"interleaved-1f1b$"):
+                                          r"interleaved-1f1b, zb-h1, zb-h2$"):
         get_schedule("pipedream")
 
 

@@ -8,7 +8,7 @@ import pytest
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.pipeline.actions import Action, Op, format_actions, parse_actions
 from megatron_2bw.pipeline.checker import ScheduleError, check_actions, check_schedule
-from megatron_2bw.pipeline.schedules import bubble_fraction, inflight_limit, stage_actions
+from megatron_2bw.pipeline.schedules import bubble_fraction, get_schedule, inflight_limit, stage_actions
 
 NUM_STEPS = 3
 
@@ -25,14 +25,17 @@ def _line(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int
 
 
 @pytest.mark.parametrize("first_step", [0, 2])
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe", "zb-h1", "zb-h2"])
 def test_every_small_pipeline_is_correct(schedule: str, first_step: int) -> None:
+    spec = get_schedule(schedule)
     for d in range(1, 17):
         for m in range(d if schedule == "2bw" else 1, 65):
             report = check_schedule(schedule, d, m, first_step, NUM_STEPS)
             assert report.max_inflight == tuple(inflight_limit(schedule, d, r, m) for r in range(d)), (d, m)
             if schedule == "2bw":  # one fill and one drain for the whole segment
                 assert report.time_slots == 2 * NUM_STEPS * m + 2 * (d - 1), (d, m)
+            elif spec.split_backward:  # the checker's unit clock: F one slot, I and W half a slot each
+                assert report.time_slots == pytest.approx(NUM_STEPS * (2 * m + spec.bubble_time(d, m, 1, 0.5, 0.5)))
             else:  # a fill and a drain every step
                 assert report.time_slots == NUM_STEPS * 2 * (m + d - 1), (d, m)
 

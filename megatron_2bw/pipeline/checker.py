@@ -7,7 +7,10 @@ must name the expected microbatch; APPLY_UPDATE(t) waits until every stage has r
 
 Beyond deadlock freedom it proves, per stage: every microbatch of the segment is forwarded once and
 backwarded once on each of the rank's model chunks (forward first, each chunk's backwards in microbatch
-order; ``in flight`` counts chunk stashes); the in-flight count never exceeds
+order; ``in flight`` counts chunk stashes); a schedule that splits its backward
+runs BACKWARD_INPUT (in microbatch order, after the forward) then BACKWARD_WEIGHT of each microbatch
+and never a whole BACKWARD (the others never I or W), sends the gradient only after I, and reduces a
+step only after every W of it; the in-flight count (until a microbatch's B or W) never exceeds
 the schedule's :meth:`~.schedules.ScheduleSpec.inflight`; every microbatch runs forward and backward
 on the schedule's :meth:`~.schedules.ScheduleSpec.version`; a version is used only after the update
 that makes it; an update uses only finished backwards; no more weight versions are live on a stage
@@ -35,7 +38,8 @@ class CheckReport:
     """What a successful check measured.
 
     ``time_slots`` is the replayed makespan with every FORWARD and BACKWARD costing one
-    slot and communication / reductions free: a rough estimate for bubbles, not a profile.
+    slot (BACKWARD_INPUT and BACKWARD_WEIGHT half a slot each) and communication / reductions free:
+    a rough estimate for bubbles, not a profile.
     ``max_live_versions``: per stage, most weight versions needed at once (in flight or newest).
     """
 
@@ -45,7 +49,7 @@ class CheckReport:
     first_step: int
     num_steps: int
     max_inflight: tuple[int, ...]
-    time_slots: int
+    time_slots: float
     max_live_versions: tuple[int, ...] = ()
     chunks: int = 1  # model chunks per rank: every chunk's FORWARD and BACKWARD is one slot
 
@@ -72,6 +76,7 @@ class _StageRules:
         self.versions = [spec.version(t) for t in range(first_step, first_step + num_steps)]
         self.fwd_version = [-1] * n_mb
         self.done_bwd, self.sent_act, self.sent_grad = bytearray(n_mb), bytearray(n_mb), bytearray(n_mb)
+        self.done_inp = bytearray(n_mb)  # the input gradient exists: B or I ran
         self.got_act, self.got_grad = bytearray(n_mb), bytearray(n_mb)
         self.bwd_per_step = [0] * num_steps
         self.reduced = bytearray(num_steps)
@@ -82,6 +87,7 @@ class _StageRules:
         self.max_live = 1
         self.check = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.RECV_ACT: self._recv_act,
+            Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.RECV_GRAD: self._recv_grad, Op.SEND_ACT: self._send_act, Op.SEND_GRAD: self._send_grad,
             Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update,
         }
@@ -135,11 +141,33 @@ class _StageRules:
         self._count_live(i, a)
 
     def _backward(self, i: int, a: Action) -> None:
+        if self.spec.split_backward:
+            raise self._fail(i, a, f"{self.spec.name} splits its backward: BACKWARD_INPUT then BACKWARD_WEIGHT")
+        self._input_grad(i, a)
+        self._weight_grad(i, a)
+
+    def _backward_input(self, i: int, a: Action) -> None:
+        if not self.spec.split_backward:
+            raise self._fail(i, a, f"{self.spec.name} runs whole backwards, not BACKWARD_INPUT")
+        self._input_grad(i, a)
+
+    def _backward_weight(self, i: int, a: Action) -> None:
+        if not self.spec.split_backward:
+            raise self._fail(i, a, f"{self.spec.name} runs whole backwards, not BACKWARD_WEIGHT")
+        j = self._index(i, a)
+        if not self.done_inp[j]:
+            raise self._fail(i, a, "weight gradient before the input gradient (BACKWARD_INPUT)")
+        if a.version != self.fwd_version[j]:
+            raise self._fail(i, a, f"weight gradient on W({a.version}) but forward ran on W({self.fwd_version[j]})")
+        self._weight_grad(i, a)
+
+    def _input_grad(self, i: int, a: Action) -> None:
+        """B or I: the input gradient, from the next stage's gradient, in microbatch order (per chunk)."""
         j = self._index(i, a)
         v = self.fwd_version[j]
         if v < 0:
             raise self._fail(i, a, "backward before forward")
-        if self.done_bwd[j]:
+        if self.done_inp[j]:
             raise self._fail(i, a, "microbatch backwarded twice")
         c = a.chunk
         if a.mb - self.lo != self.next_bwd[c]:
@@ -150,8 +178,16 @@ class _StageRules:
             if self.got_grad[j] != _RECEIVED:
                 raise self._fail(i, a, "backward without its gradient received (RECV_GRAD missing)")
             self.got_grad[j] = _CONSUMED
-        self.done_bwd[j] = 1
+        self.done_inp[j] = 1
         self.next_bwd[c] += 1
+
+    def _weight_grad(self, i: int, a: Action) -> None:
+        """B or W: the step's gradient gets this microbatch's part; its stash is freed."""
+        j = self._index(i, a)
+        if self.done_bwd[j]:
+            raise self._fail(i, a, "weight gradient of the microbatch computed twice")
+        v = self.fwd_version[j]
+        self.done_bwd[j] = 1
         self.bwd_per_step[a.step - self.first_step] += 1
         self.inflight -= 1
         if self.live[v] == 1:
@@ -179,7 +215,7 @@ class _StageRules:
 
     def _send_grad(self, i: int, a: Action) -> None:
         j = self._index(i, a)
-        if not self.done_bwd[j] or self.sent_grad[j]:
+        if not self.done_inp[j] or self.sent_grad[j]:
             raise self._fail(i, a, "gradient sent before the backward or sent twice")
         self.sent_grad[j] = 1
 
@@ -202,7 +238,7 @@ class _StageRules:
         """The segment must end drained: everything forwarded, backwarded, sent, used and applied."""
         where = f"stage {self.r} at the end of the segment"
         v = self.v
-        if sum(self.next_bwd) != len(self.fwd_version):
+        if sum(self.next_bwd) != len(self.fwd_version) or not all(self.done_bwd):
             missing = [self.lo + j // v for j, x in enumerate(self.fwd_version) if x < 0 or not self.done_bwd[j]]
             raise ScheduleError(f"{where}: microbatches not forwarded and backwarded: {missing[:8]}")
         for c in range(v):
@@ -244,7 +280,7 @@ def check_actions(
     rules = [_StageRules(spec, d, r, m, first_step, num_steps) for r in range(d)]
     trace = Replay(stages, timing=Timing.unit(d), rules=rules, placement=spec.placement(d)).run()
     return CheckReport(schedule, d, m, first_step, num_steps, tuple(x.max_inflight for x in rules),
-                       int(trace.makespan), tuple(x.max_live for x in rules), spec.chunks)
+                       trace.makespan, tuple(x.max_live for x in rules), spec.chunks)
 
 
 def check_schedule(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3,

@@ -37,6 +37,7 @@ from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
 from .placement import group_key
 from .schedules import cut_segment, get_schedule, stage_actions
+from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight
 from .transport import SEND_OPS, Transport
 from .updater import Updater, host
 from .weights import GlobalNames, StageWeights
@@ -69,6 +70,7 @@ class StashEntry:
     nbytes: int  # activation bytes held for the backward
     version: int  # the weight version W(v) the forward ran on
     chunk: int = 0  # the rank's model chunk the forward ran (interleaved schedules)
+    deferred: DeferredWeightGrad | None = None  # a split backward between its I and its W
 
 
 def loss_parts(loss_fn: Callable, out, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -171,6 +173,7 @@ class PipelineStage:
         # copied to the host once the step's last forward added its row, read at the update
         self._losses: dict[int, torch.Tensor | _HostCopy] = {}
         self._loss_keys: tuple[str, ...] = ()  # the loss components' names, in ``_losses`` order
+        self._acc_nodes: dict[int, dict] = {}  # by weight slot: AccumulateGrad node -> parameter index
 
     @property
     def newest_layers(self) -> nn.ModuleList:
@@ -205,6 +208,10 @@ class PipelineStage:
                 self._forward(a, get_batch)
             elif op is Op.BACKWARD:
                 self._backward(a)
+            elif op is Op.BACKWARD_INPUT:
+                self._backward_input(a)
+            elif op is Op.BACKWARD_WEIGHT:
+                self._backward_weight(a)
             elif op is Op.REDUCE_GRADS:
                 self._reduce(a.step)
             elif op is Op.APPLY_UPDATE:
@@ -284,19 +291,66 @@ class PipelineStage:
         now.restore(self.state.device, self.rng)
         return x, out
 
-    def _backward(self, a: Action) -> None:
-        entry = self._stash.pop((a.chunk, a.mb))
+    def _backward(self, a: Action, entry: StashEntry | None = None) -> None:
+        entry = self._stash.pop((a.chunk, a.mb)) if entry is None else entry
         w = self.weights
         w.point_grads(w.slot(entry.version), w.grad_buffer(a.step))
-        scale = self.updater.loss_scale(a.step)  # one loss scale for the whole step, on every stage
         x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
         if self._last[a.chunk]:
-            (out * (scale / (self.pipe.num_microbatches * self.state.w))).backward()
+            (out * self._loss_factor(a.step)).backward()
         else:
             torch.autograd.backward(out, self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb)))
         if not self._first[a.chunk]:
             self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = x.grad
         self._account()
+
+    def _loss_factor(self, step: int) -> float:
+        """What the last stage's loss is scaled by for backward: the step's loss scale (one for the whole
+        step, on every stage) over the microbatches that average it."""
+        return self.updater.loss_scale(step) / (self.pipe.num_microbatches * self.state.w)
+
+    def _backward_input(self, a: Action) -> None:
+        """The input-gradient half of a split backward (:mod:`.split_backward`): recompute if the stage
+        recomputes, send the input's gradient on, keep the graph and the first-use gradients for W. The
+        first stage (chunk 0 of rank 0) sends nothing: its W runs the whole backward."""
+        if self._first[a.chunk]:
+            return
+        entry = self._stash[(a.chunk, a.mb)]
+        x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
+        if self._last[a.chunk]:
+            out, grad = out * self._loss_factor(a.step), None
+        else:
+            grad = self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb))
+        dx, entry.deferred = backward_input(out, grad, x, self._accumulators(entry.version))
+        self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = dx
+        # W holds the graph (every saved activation, recomputed ones included) and the caught gradients
+        held = entry.nbytes + entry.deferred.nbytes
+        if entry.rng is not None and self.pipe.track_memory:
+            held += self.saved.bytes
+        entry.input = entry.output = entry.rng = None
+        entry.nbytes = held
+        self._account()
+
+    def _backward_weight(self, a: Action) -> None:
+        """The weight-gradient half: into the step's gradient buffer, as a whole backward would add them."""
+        entry = self._stash.pop((a.chunk, a.mb))
+        if entry.deferred is None:  # the first stage: the whole backward
+            self._backward(a, entry)
+            return
+        w = self.weights
+        slot = w.slot(entry.version)
+        w.point_grads(slot, w.grad_buffer(a.step))
+        backward_weight(entry.deferred, w.params[slot], self._accumulators(entry.version), w.main_grads)
+        self._account()
+
+    def _accumulators(self, version: int) -> dict:
+        """The AccumulateGrad node of each parameter of W(version) -> its index (kept alive here, so every
+        microbatch's graph reaches the same nodes)."""
+        slot = self.weights.slot(version)
+        accs = self._acc_nodes.get(slot)
+        if accs is None:
+            accs = self._acc_nodes[slot] = {accumulator(p): i for i, p in enumerate(self.weights.params[slot])}
+        return accs
 
     def _reduce(self, t: int) -> None:
         buf = self.weights.grad_buffer(t)

@@ -10,12 +10,12 @@ it waits for happens, so sweeping every small pipeline stays fast. Blocking poin
   is one group, done only when every op in it meets its counterpart in the group the peer is blocked on);
 - ``APPLY_UPDATE(t)``, until every stage ran ``REDUCE_GRADS(t)`` (the reductions are collectives).
 
-The clock (:class:`Timing`; by default compute takes one unit and everything else is free) ends every
-action at a time: compute takes its stage's time; a message occupies its link after the later of its
-send and the link's previous message and arrives ``latency`` later; a receive ends at the later of the
-stage's clock and the arrival; the reduction chain of step t is done for every stage at
-``max_r(launch_r + reduce_s_r) + collective_s``, chains finishing in step order; an update starts when
-its chain is done.
+The clock (:class:`Timing`; by default compute takes one unit, a split backward's halves half a unit
+each, and everything else is free) ends every action at a time: compute takes its stage's time; a
+message occupies its link after the later of its send and the link's previous message and arrives
+``latency`` later; a receive ends at the later of the stage's clock and the arrival; the reduction
+chain of step t is done for every stage at ``max_r(launch_r + reduce_s_r) + collective_s``, chains
+finishing in step order; an update starts when its chain is done.
 
 Programs whose ranks hold several model chunks (``Action.chunk``) name each transfer's peer through the
 :class:`~.placement.Placement` given (by default one chunk per rank: stage ``r`` on rank ``r``), and a
@@ -66,12 +66,22 @@ class Timing:
     transfer_s: Sequence[float]
     latency_s: Sequence[float]
     collective_s: float = 0.0
+    # a split backward's halves, BACKWARD_INPUT and BACKWARD_WEIGHT; None: half of ``backward_s`` each
+    input_s: Sequence[float] | None = None
+    weight_s: Sequence[float] | None = None
 
     @classmethod
     def unit(cls, d: int) -> Timing:
-        """Every FORWARD and BACKWARD one slot; transfers, reductions and updates free."""
+        """Every FORWARD and BACKWARD one slot (a split one's I and W half a slot each); transfers,
+        reductions and updates free."""
         zeros = (0.0,) * d
         return cls((1.0,) * d, (1.0,) * d, zeros, zeros, zeros, zeros, zeros)
+
+    def split(self) -> tuple[list[float], list[float]]:
+        """Per stage, the times of BACKWARD_INPUT and BACKWARD_WEIGHT."""
+        half = [b / 2 for b in self.backward_s]
+        return (list(self.input_s) if self.input_s is not None else half,
+                list(self.weight_s) if self.weight_s is not None else half)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class Replay:
             raise ValueError(f"a placement of {self.placement.d} ranks for {d} programs")
         self.timing = timing or Timing.unit(d)
         self.forward_s, self.backward_s = list(self.timing.forward_s), list(self.timing.backward_s)
+        self.input_s, self.weight_s = self.timing.split()
         self.rules, self.error = rules, error
         self.pc, self.clock = [0] * d, [0.0] * d
         self.end = [[0.0] * len(p) for p in self.programs]
@@ -133,6 +144,7 @@ class Replay:
     def _stage_handlers(self, r: int) -> dict[Op, Handler]:
         return {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, **self.channel.handlers(r),
         }
 
@@ -199,6 +211,14 @@ class Replay:
 
     def _backward(self, r: int, i: int, a: Action) -> int:
         self.end[r][i] = self.clock[r] = self.clock[r] + self.backward_s[r]
+        return i + 1
+
+    def _backward_input(self, r: int, i: int, a: Action) -> int:
+        self.end[r][i] = self.clock[r] = self.clock[r] + self.input_s[r]
+        return i + 1
+
+    def _backward_weight(self, r: int, i: int, a: Action) -> int:
+        self.end[r][i] = self.clock[r] = self.clock[r] + self.weight_s[r]
         return i + 1
 
     def _reduce(self, r: int, i: int, a: Action) -> int:

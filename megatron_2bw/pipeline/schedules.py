@@ -10,7 +10,8 @@ be a dumb loop.
 Conventions (see :class:`~megatron_2bw.pipeline.actions.Action`): microbatches of step ``t`` are
 ``t*m .. t*m+m-1``; RECV_ACT(i) sits just before FORWARD(i), SEND_ACT(i) just after it; RECV_GRAD(j)
 just before BACKWARD(j), SEND_GRAD(j) just after it; stage 0 has no RECV_ACT / SEND_GRAD, stage d-1
-no SEND_ACT / RECV_GRAD.
+no SEND_ACT / RECV_GRAD. A schedule that splits its backward (``split_backward``) runs BACKWARD_INPUT(j)
+in BACKWARD(j)'s place, between the same transfers, and BACKWARD_WEIGHT(j) on its own later.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 from .actions import Action, Op
 from .placement import Placement
+from .replay import Replay, Timing
 
 Order = list[tuple[bool, int]]  # (is_forward, microbatch) in the order a stage runs them
 
@@ -304,6 +306,78 @@ class _Interleaved(ScheduleSpec):
         return out
 
 
+SplitOrder = list[tuple[Op, int]]  # (FORWARD, BACKWARD_INPUT or BACKWARD_WEIGHT, microbatch of the step)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _split_fragment(op: Op, mb: int, step: int, version: int, has_prev: bool, has_next: bool) -> tuple[Action, ...]:
+    """A split schedule's compute action with its transfers: F as in :func:`_fragment`; I between the
+    next stage's gradient and the send of its own (SEND_GRAD follows I, not W); W alone."""
+    if op is Op.FORWARD:
+        return _fragment(True, mb, step, version, has_prev, has_next)
+    if op is Op.BACKWARD_WEIGHT:
+        return (Action(op, mb, step, version),)
+    recv = (Action(Op.RECV_GRAD, mb, step),) if has_next else ()
+    send = (Action(Op.SEND_GRAD, mb, step),) if has_prev else ()
+    return (*recv, Action(op, mb, step, version), *send)
+
+
+@dataclass(frozen=True)
+class _ZeroBubble(ScheduleSpec):
+    """Zero-bubble schedules (Qi et al., ICLR 2024): the backward split into I (input gradient) and W
+    (weight gradient), W deferred into what would be bubble. Synchronous: one weight version, a flush
+    per step. A microbatch is in flight from its F to its W (W keeps its activations)."""
+
+    split_backward: bool = True
+
+    def split_order(self, d: int, r: int, m: int) -> SplitOrder:
+        """Stage ``r``'s F/I/W order over one step's microbatches ``0 .. m-1``."""
+        raise NotImplementedError
+
+    def order(self, d: int, r: int, lo: int, count: int) -> Order:
+        """Forwards and input gradients (the whole-backward view of :meth:`split_order`)."""
+        return [(op is Op.FORWARD, lo + i) for op, i in self.split_order(d, r, count) if op is not Op.BACKWARD_WEIGHT]
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        return min(self.inflight_bound(d, r), m)
+
+    def inflight_bound(self, d: int, r: int) -> int:
+        raise NotImplementedError
+
+    def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
+        """Most microbatches between their I and their W at once, counted on the generated order."""
+        pending = most = 0
+        for op, _ in self.split_order(d, r, m):
+            pending += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
+            most = max(most, pending)
+        return most
+
+    def bubble(self, d: int, m: int) -> float:
+        """With the paper's equal forward, input-gradient and weight-gradient times."""
+        idle = self.bubble_time(d, m, 1.0, 1.0, 1.0)
+        return idle / (3 * m + idle)
+
+    def bubble_slots(self, d: int) -> float:  # type: ignore[override]
+        """Extra microbatch slots per step (a slot is F + I + W) with equal F, I and W times and m >= d
+        (ZB-H2: m >= 2d - 1), where both idle only for the fill of the first forward, ``(d - 1) * f``."""
+        return (d - 1) / 3
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """Exact: one step of the generated programs replayed with these times and free communication
+        (a flush per step: the step's makespan less its compute)."""
+        return _replayed_bubble(self.name, d, m, float(f), float(b), float(w))
+
+    def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        out: list[Action] = []
+        for t in range(first_step, first_step + num_steps):
+            v, lo = self.version(t), t * m
+            for op, i in self.split_order(d, r, m):
+                out.extend(_split_fragment(op, lo + i, t, v, r > 0, r < d - 1))
+            out.append(Action(Op.REDUCE_GRADS, step=t))
+            out.append(Action(Op.APPLY_UPDATE, step=t))
+        return out
+
+
 _COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD})
 Round = tuple[tuple[bool, int, int], ...]  # (is_forward, chunk, microbatch) computes a rank runs, then communicates
 
@@ -380,11 +454,109 @@ def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tup
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _ZBH1(_ZeroBubble):
+    """ZB-H1: 1F1B's warm-up (d - r - 1 forwards) and steady F, I pairs; stage r defers each W by r
+    microbatches (after I(k) comes W(k - r)), so the later stages, which 1F1B leaves idle at the end of a
+    step, finish their deferred Ws there. The order of torch's ``ScheduleInterleavedZeroBubble`` with one
+    chunk. Every stage holds at most d microbatches (F to W): 1F1B's peak, which 1F1B reaches on stage 0
+    only. Bubble ``(d - 1) * (f + b - w)`` per step, a third of 1F1B's when the three are equal."""
+
+    def split_order(self, d: int, r: int, m: int) -> SplitOrder:
+        return _zb_h1_order(d, r, m)
+
+    def inflight_bound(self, d: int, r: int) -> int:
+        return d
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """The paper's ``(d - 1) * (f + b - w)`` where it holds (m >= d, w <= min(f, b): the Ws a stage
+        deferred fit in its drain); replayed otherwise."""
+        if m >= d and w <= min(f, b):
+            return (d - 1) * (f + b - w)
+        return super().bubble_time(d, m, f, b, w)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _replayed_bubble(name: str, d: int, m: int, f: float, b: float, w: float) -> float:
+    programs = [stage_actions(name, d, r, m, 0, 1) for r in range(d)]
+    zeros = (0.0,) * d
+    timing = Timing((f,) * d, (b + w,) * d, zeros, zeros, zeros, zeros, zeros, input_s=(b,) * d, weight_s=(w,) * d)
+    return max(Replay(programs, timing=timing).run().makespan - m * (f + b + w), 0.0)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _zb_h1_order(d: int, r: int, m: int) -> SplitOrder:
+    warm = min(d - r - 1, m)
+    order: SplitOrder = [(Op.FORWARD, i) for i in range(warm)]
+    weights = 0
+    for k in range(m):
+        if warm + k < m:
+            order.append((Op.FORWARD, warm + k))
+        order.append((Op.BACKWARD_INPUT, k))
+        if k >= r:
+            order.append((Op.BACKWARD_WEIGHT, weights))
+            weights += 1
+    order.extend((Op.BACKWARD_WEIGHT, j) for j in range(weights, m))
+    return order
+
+
+@dataclass(frozen=True)
+class _ZBH2(_ZeroBubble):
+    """ZB-H2: up to 2d - 1 microbatches in flight (F to W) on every stage: the first stage runs 2d - 1
+    forwards before its first I, and the Ws every stage deferred fill the drain, so that (with equal
+    F, I and W times) no stage idles but for the fill of the step's first forward, ``(d - 1) * f``: a flush
+    per step (the synchronous optimizer step) cannot hide that fill; the paper's zero bubble needs its
+    post-validation, which overlaps the optimizer step with the next step's warm-up."""
+
+    def split_order(self, d: int, r: int, m: int) -> SplitOrder:
+        return _greedy_orders(d, m, 2 * d - 1)[r]
+
+    def inflight_bound(self, d: int, r: int) -> int:
+        return 2 * d - 1
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """``(d - 1) * f`` where that holds (m >= 2d - 1, b and w at most f, b at most 2w); replayed otherwise."""
+        if m >= 2 * d - 1 and max(b, w) <= f and b <= 2 * w:
+            return (d - 1) * f
+        return super().bubble_time(d, m, f, b, w)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _greedy_orders(d: int, m: int, limit: int) -> tuple[SplitOrder, ...]:
+    """Every stage's F/I/W order for one step, from a replay in unit time where each free stage runs an I
+    whose gradient has arrived, else a forward whose activation has arrived (while fewer than ``limit``
+    microbatches are in flight), else its oldest deferred W."""
+    f_end = [[-1] * m for _ in range(d)]  # when each stage's forward of each microbatch ended (-1: not yet)
+    i_end = [[-1] * m for _ in range(d)]
+    nf, ni, nw = [0] * d, [0] * d, [0] * d
+    orders: list[SplitOrder] = [[] for _ in range(d)]
+    t = 0
+    while min(nw) < m:
+        for r in range(d):  # every op takes one unit: a stage is free at every t
+            k = ni[r]
+            if k < nf[r] and 0 <= f_end[r][k] <= t and (r == d - 1 or 0 <= i_end[r + 1][k] <= t):
+                orders[r].append((Op.BACKWARD_INPUT, k))
+                i_end[r][k], ni[r] = t + 1, k + 1
+                continue
+            k = nf[r]
+            if k < m and k - nw[r] < limit and (r == 0 or 0 <= f_end[r - 1][k] <= t):
+                orders[r].append((Op.FORWARD, k))
+                f_end[r][k], nf[r] = t + 1, k + 1
+                continue
+            if nw[r] < ni[r] and i_end[r][nw[r]] <= t:
+                orders[r].append((Op.BACKWARD_WEIGHT, nw[r]))
+                nw[r] += 1
+        t += 1
+    return tuple(orders)
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {
     "2bw": _TwoBW("2bw", weight_versions=2, grad_buffers=2, stale_steps=1),
     "flush": ScheduleSpec("flush"),
     "gpipe": _GPipe("gpipe"),
     "interleaved-1f1b": _Interleaved("interleaved-1f1b"),
+    "zb-h1": _ZBH1("zb-h1"),
+    "zb-h2": _ZBH2("zb-h2"),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 

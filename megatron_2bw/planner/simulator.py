@@ -5,6 +5,9 @@ per stage, through the checker's replay core (``pipeline/replay.py``, FIFO chann
 
 - ``FORWARD`` / ``BACKWARD`` take the stage's per-microbatch time (from a profile or from the
   cost model's per-block times); with recomputation the backward includes the re-run forward.
+  A split backward's ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT`` take ``input_s`` / ``weight_s``
+  (half of ``backward_s`` each unless given); a microbatch's stash is held until its W, and with
+  recomputation its recomputed activations from its I to its W.
 - ``SEND_ACT`` / ``SEND_GRAD`` never block (the engine's ``isend``). The message occupies its
   link (one per boundary and direction) for ``bytes / bandwidth`` after the later of the send and
   the link's previous message, and arrives ``latency`` after that.
@@ -71,10 +74,14 @@ class StageCosts:
     stash_bytes: int = 0            # kept per microbatch from its FORWARD's end to its BACKWARD's end
     backward_extra_bytes: int = 0   # held while a BACKWARD runs (recomputed activations)
     workspace_bytes: int = 0        # held while any FORWARD / BACKWARD runs
+    input_s: float | None = None    # BACKWARD_INPUT of a split backward; None: half of backward_s
+    weight_s: float | None = None   # BACKWARD_WEIGHT; None: half of backward_s
 
     def __post_init__(self) -> None:
-        for k in ("forward_s", "backward_s", "update_s", "reduce_s", "reduce_busy_s"):
+        for k in ("forward_s", "backward_s", "update_s", "reduce_s", "reduce_busy_s", "input_s", "weight_s"):
             v = getattr(self, k)
+            if v is None:
+                continue
             if not (v >= 0 and math.isfinite(v)):
                 raise ConfigError(f"stage cost {k} must be a finite number >= 0, got {v}")
 
@@ -146,7 +153,8 @@ class SimResult:
             return s[0], s[1]
         return 0.0, self.makespan
 
-    def busy_s(self, stage: int, ops=(Op.FORWARD, Op.BACKWARD, Op.APPLY_UPDATE, Op.REDUCE_GRADS)) -> float:
+    def busy_s(self, stage: int, ops=(Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT,
+                                       Op.APPLY_UPDATE, Op.REDUCE_GRADS)) -> float:
         """Time ``stage`` spends in ``ops`` inside the steady-state window."""
         lo, hi = self.window
         return sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in self.events[stage] if e.op in ops)
@@ -179,7 +187,7 @@ class SimResult:
                 if e.op is Op.FORWARD:
                     n += 1
                     best = max(best, n)
-                elif e.op is Op.BACKWARD:
+                elif e.op is Op.BACKWARD or e.op is Op.BACKWARD_WEIGHT:
                     n -= 1
             out.append(best)
         return out
@@ -204,6 +212,8 @@ def _timing(stages: Sequence[StageCosts], links: Sequence[Link], collective_s: f
     """The replay's clock: per-stage costs; a boundary's message is the sending side's output."""
     return Timing(
         forward_s=[s.forward_s for s in stages], backward_s=[s.backward_s for s in stages],
+        input_s=[s.backward_s / 2 if s.input_s is None else s.input_s for s in stages],
+        weight_s=[s.backward_s / 2 if s.weight_s is None else s.weight_s for s in stages],
         update_s=[s.update_s for s in stages], reduce_s=[s.reduce_s for s in stages],
         reduce_busy_s=[s.reduce_busy_s for s in stages],
         transfer_s=[link.occupancy(stages[b].output_bytes) for b, link in enumerate(links)],
@@ -212,9 +222,10 @@ def _timing(stages: Sequence[StageCosts], links: Sequence[Link], collective_s: f
 
 
 def _memory(events: list[Event], st: StageCosts, chunks: int = 1) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
-    """(total, activations) over time: a FORWARD's stash is held until its BACKWARD ends; a
-    backward also holds its recomputed activations, and any compute its workspace. With ``chunks``
-    chunks per rank each chunk's stash and backward transient are the stage's divided by ``chunks``."""
+    """(total, activations) over time: a FORWARD's stash is held until its BACKWARD (or W) ends; a
+    backward also holds its recomputed activations (a split one from its I to its W), and any compute
+    its workspace. With ``chunks`` chunks per rank each chunk's stash and backward transient are the
+    stage's divided by ``chunks``."""
     total, acts = [(0.0, st.static_bytes)], [(0.0, 0)]
     stash: dict[tuple[int, int], int] = {}
     held = 0
@@ -233,6 +244,16 @@ def _memory(events: list[Event], st: StageCosts, chunks: int = 1) -> tuple[list[
             record(e.end, held)
         elif e.op is Op.BACKWARD:
             record(e.start, held + extra_bytes, st.workspace_bytes)
+            held -= stash.pop((e.mb, e.chunk), 0)
+            record(e.end, held)
+        elif e.op is Op.BACKWARD_INPUT:  # its recomputed activations stay until W
+            key = (e.mb, e.chunk)
+            stash[key] = stash.get(key, 0) + extra_bytes
+            held += extra_bytes
+            record(e.start, held, st.workspace_bytes)
+            record(e.end, held)
+        elif e.op is Op.BACKWARD_WEIGHT:
+            total.append((e.start, st.static_bytes + held + st.workspace_bytes))
             held -= stash.pop((e.mb, e.chunk), 0)
             record(e.end, held)
     return total, acts
@@ -374,6 +395,8 @@ def stage_costs(
             static_bytes=sm.weights + sm.second_weights + sm.grads + sm.optimizer,
             stash_bytes=w.stash_bytes, backward_extra_bytes=w.backward_extra_bytes,
             workspace_bytes=max(b.workspace_bytes for _, b, n in blocks if n),
+            # a split backward: the engine's first stage sends no gradient, so its W runs the whole backward
+            input_s=0.0 if r == 0 else None, weight_s=bwd if r == 0 else None,
         ))
     return out
 

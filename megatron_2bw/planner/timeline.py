@@ -22,7 +22,8 @@ from ..pipeline.actions import Op
 from .simulator import SimResult
 
 _US = 1e6
-_COMPUTE = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.APPLY_UPDATE: "update"}
+_COMPUTE = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "input_grad",
+            Op.BACKWARD_WEIGHT: "weight_grad", Op.APPLY_UPDATE: "update"}
 
 
 def chrome_trace(result: SimResult, *, title: str | None = None) -> dict[str, Any]:
@@ -80,7 +81,8 @@ def _draw_timeline(ax, result: SimResult, scale: float, palette: list, title: st
                 ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors="0.35", edgecolor="black", linewidth=0.3)
                 continue
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=palette[e.mb % m % len(palette)],
-                           alpha=0.45 if e.op is Op.FORWARD else 1.0, edgecolor="black", linewidth=0.3)
+                           alpha=0.45 if e.op is Op.FORWARD else 1.0, edgecolor="black", linewidth=0.3,
+                           hatch="///" if e.op is Op.BACKWARD_WEIGHT else None)  # a split backward's W
             if w > span * scale / 120:
                 ax.text(x + w / 2, y, f"{e.mb}", ha="center", va="center", fontsize=6)
     for t, s in enumerate(result.step_starts):

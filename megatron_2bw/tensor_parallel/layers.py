@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..pipeline.split_backward import phase
 from .group import TPGroup
 from .init import normal_full, shard
 from .mappings import _gather_seq, _reduce_scatter_seq, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq
@@ -39,19 +40,24 @@ class _SequenceParallelColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = _gather_seq(x, ctx.tp)
-        rows = full.reshape(-1, full.shape[-1])
+        half = phase()  # a split backward (zero-bubble schedules) asks for one half only
+        want_x, want_w = half != "weight", half != "input"
+        rows = None
+        if want_w:
+            full = _gather_seq(x, ctx.tp)
+            rows = full.reshape(-1, full.shape[-1])
         gx, gws, gbs = None, [], []
         for g, w, has_bias in zip(grads, weights, ctx.has_bias):
-            if g is None:
+            if g is None or not want_w:
                 gws.append(None)
                 gbs.append(None)
-                continue
-            gi = g @ w
-            gx = gi if gx is None else gx + gi
-            g2 = g.reshape(-1, g.shape[-1])
-            gws.append(g2.t() @ rows)
-            gbs.append(g2.sum(0) if has_bias else None)
+            else:
+                g2 = g.reshape(-1, g.shape[-1])
+                gws.append(g2.t() @ rows)
+                gbs.append(g2.sum(0) if has_bias else None)
+            if g is not None and want_x:
+                gi = g @ w
+                gx = gi if gx is None else gx + gi
         return (None, None, None if gx is None else _reduce_scatter_seq(gx, ctx.tp), *gws, *gbs)
 
 

@@ -1,0 +1,135 @@
+"""The split backward (pipeline/split_backward.py) against the whole one: I's input gradient and W's
+weight gradients equal a plain ``backward()``'s for GPT, Llama and BERT stages (first, middle and last,
+tied embeddings, dropout, torch-checkpointed layers), and W runs no input-gradient GEMM: FLOPs counted
+by torch's FlopCounterMode add up to the whole backward's, W's being the weight GEMMs alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_2bw.models.presets import get_preset
+from megatron_2bw.models.spec import ModelSpec
+from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
+from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.tensor_parallel.random import RNGTracker
+from pipeline_harness import _dataset
+
+
+def _stage(kind: str, d: int, r: int, dropout: float = 0.0, policy: RecomputePolicy | None = None):
+    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout)
+    torch.manual_seed(0)
+    tracker = RNGTracker(7, 0)
+    spec = ModelSpec(cfg, TPGroup(), 7, rng=tracker, recompute=policy)
+    layers = nn.ModuleList(spec.build_stage(d, r))
+    data = _dataset(cfg, 2)
+    batch = spec.make_batch(data)
+    return cfg, spec, layers, batch, tracker
+
+
+def _run(cfg, spec, layers, batch, x, last):
+    for layer in layers:
+        x = layer(x, batch)
+    return spec.loss_fn()(x, batch) if last else x
+
+
+def _grads_both_ways(kind: str, d: int, r: int, dropout: float = 0.0, **kw):
+    cfg, spec, layers, batch, tracker = _stage(kind, d, r, dropout, **kw)
+    last = r == d - 1
+    params = [p for p in layers.parameters()]
+    x0 = torch.randn(2, cfg.seq_length, cfg.hidden_size) if r > 0 else None
+    out_shape = None
+    results = []
+    for split in (False, True):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        torch.manual_seed(5)
+        tracker_state = tracker.get_state()
+        x = x0.clone().requires_grad_(True) if x0 is not None else None
+        out = _run(cfg, spec, layers, batch, x, last)
+        g = None if last else torch.linspace(-1, 1, out.numel()).view_as(out)
+        if not split:
+            torch.autograd.backward(out, g)
+            dx = x.grad
+        else:
+            index = {accumulator(p): i for i, p in enumerate(params)}
+            dx, deferred = backward_input(out, g, x, index)
+            assert all(p.grad.abs().sum() == 0 for p in params), "I must not produce weight gradients"
+            backward_weight(deferred, params, index, main_grads=False)
+        tracker.set_state(tracker_state)
+        results.append((dx, [p.grad.clone() for p in params]))
+    return params, results
+
+
+CASES = [("gpt-tiny", 4, 1), ("gpt-tiny", 2, 1), ("llama-tiny", 4, 1), ("llama-tiny", 2, 1), ("bert-tiny", 2, 1),
+         ("bert-tiny", 4, 2)]
+
+
+@pytest.mark.parametrize(("kind", "d", "r"), CASES, ids=lambda v: str(v))
+def test_split_gradients_equal_the_whole_backward(kind, d, r):
+    params, ((dx_a, ga), (dx_b, gb)) = _grads_both_ways(kind, d, r, dropout=0.1)
+    # the same kernels on the same inputs: equal up to the order in which a weight's uses are summed
+    assert torch.allclose(dx_a, dx_b, rtol=0, atol=1e-6)
+    scale = max(g.abs().max().item() for g in ga)
+    for p, a, b in zip(params, ga, gb):
+        assert a.abs().sum() > 0 or b.abs().sum() == 0
+        assert torch.allclose(a, b, rtol=0, atol=1e-6 * max(scale, 1.0)), p.shape
+
+
+def test_tied_head_gradient_lands_in_w():
+    """The last stage's copy of the word embedding (the tied head) gets its gradient in W, not I."""
+    cfg, spec, layers, batch, _ = _stage("gpt-tiny", 2, 1)
+    tied = [p for p in layers.parameters() if getattr(p, "shared_embedding", False)]
+    assert len(tied) == 1
+    params = list(layers.parameters())
+    index = {accumulator(p): i for i, p in enumerate(params)}
+    x = torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
+    _, deferred = backward_input(_run(cfg, spec, layers, batch, x, True), None, x, index)
+    assert tied[0].grad is None
+    backward_weight(deferred, params, index, main_grads=False)
+    assert tied[0].grad is not None and tied[0].grad.abs().sum() > 0
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("kind", ["gpt-tiny", "llama-tiny"])
+def test_w_does_not_repeat_the_input_gradient_gemms(kind):
+    """FLOPs: I + W == the whole backward, and W is exactly the weight GEMMs: 2 * rows * in * out per
+    linear (a middle stage: every weight is a transformer linear, a norm or a bias)."""
+    cfg, spec, layers, batch, _ = _stage(kind, 4, 1)
+    params = list(layers.parameters())
+    index = {accumulator(p): i for i, p in enumerate(params)}
+    x0 = torch.randn(2, cfg.seq_length, cfg.hidden_size)
+
+    def fresh():
+        x = x0.clone().requires_grad_(True)
+        out = _run(cfg, spec, layers, batch, x, False)
+        return x, out, torch.ones_like(out)
+
+    x, out, g = fresh()
+    whole = _flops(lambda: torch.autograd.backward(out, g))
+    x, out, g = fresh()
+    box = {}
+    i_flops = _flops(lambda: box.update(d=backward_input(out, g, x, index)[1]))
+    w_flops = _flops(lambda: backward_weight(box["d"], params, index, main_grads=False))
+    rows = 2 * cfg.seq_length
+    weight_gemms = sum(2 * rows * p.shape[0] * p.shape[1] for p in params if p.dim() == 2)
+    assert w_flops == weight_gemms
+    assert i_flops + w_flops == whole
+    assert i_flops >= w_flops  # the input GEMMs plus attention's score and context GEMMs
+
+
+def test_torch_checkpointed_layers_split_too():
+    """Layer-level recomputation (torch's non-reentrant checkpoint) gives the same gradients split."""
+    params, ((dx_a, ga), (dx_b, gb)) = _grads_both_ways("gpt-tiny", 4, 1, dropout=0.1,
+                                                        policy=RecomputePolicy("full", "uniform", 1))
+    assert torch.allclose(dx_a, dx_b, rtol=0, atol=1e-6)
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
