@@ -115,8 +115,8 @@ def train_tiny(
         results += stage.train(seg, get_batch, lambda step: lr)
     losses = [r.loss for r in results]
     keys = sorted(results[0].components or {}) if results else []
-    comps = [[(r.components or {})[k] for k in keys] for r in results] if state.is_last_stage else None
-    if state.is_last_stage and w > 1:
+    comps = [[(r.components or {})[k] for k in keys] for r in results] if state.holds_loss else None
+    if state.holds_loss and w > 1:
         x = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(x, group=state.dp_group)
         losses = (x / w).tolist()
@@ -126,8 +126,8 @@ def train_tiny(
             comps = (c / w).tolist()
     params = {name: view.detach().float().clone() for name, view in stage.newest_state().items()}
     return {
-        "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.is_last_stage,
-        "losses": losses if state.is_last_stage else None, "params": params,
+        "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.holds_loss,
+        "losses": losses if state.holds_loss else None, "params": params,
         # per step: the loss's named components (BERT: lm_loss, sop_loss), mean over replicas like "losses"
         "components": [dict(zip(keys, row)) for row in comps] if comps is not None and keys else None,
         "norms": [r.grad_norm for r in results], "skipped": [r.skipped for r in results],

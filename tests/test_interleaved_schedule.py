@@ -117,3 +117,55 @@ def test_refusals_are_one_line():
         with pytest.raises(ConfigError, match=pattern) as info:
             call()
         assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- zb-v: two chunks in a V, split backward
+
+
+def _torch_zbv_order(d: int, r: int, m: int) -> list[tuple[str, int, int]]:
+    """(F/I/W, virtual stage, microbatch) of torch's ScheduleZBVZeroBubble on rank r."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    s = object.__new__(ScheduleZBVZeroBubble)
+    s.pp_group_size, s.num_stages, s.rank, s._n_microbatches = d, 2 * d, r, m
+    short = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+    return [(short[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in s._calculate_single_rank_operations(r) if a is not None]
+
+
+def test_zbv_compute_order_is_torchs():
+    label = {Op.FORWARD: "F", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
+    for d in (2, 3, 4, 6):
+        for m in (2 * d - 1, 2 * d, 3 * d):
+            place = get_schedule("zb-v").placement(d)
+            for r in range(d):
+                prog = stage_actions("zb-v", d, r, m, 0, 1)
+                ours = [(label[a.op], place.stage(r, a.chunk), a.mb) for a in prog if a.op in label]
+                assert ours == _torch_zbv_order(d, r, m), (d, m, r)
+
+
+def test_zbv_every_small_layout_is_correct_under_gloo_and_nccl_matching():
+    spec = get_schedule("zb-v")
+    for d in range(2, 7):
+        for m in range(2 * d - 1, 3 * d + 1):
+            report = check_schedule("zb-v", d, m, 0, NUM_STEPS)
+            check_grouped("zb-v", d, m, 0, NUM_STEPS)
+            # every rank holds 2d chunk stashes at most: d whole-rank microbatches, 1F1B's peak on its first stage
+            assert report.max_inflight == (2 * d,) * d == tuple(spec.inflight(d, r, m) for r in range(d)), (d, m)
+            assert [spec.deferred_weight_grads(d, r, m) for r in range(d)] == [2 * r + 1 for r in range(d)]
+    progs = [stage_actions("zb-v", 4, r, 7, 0, 1) for r in range(4)]
+    # rank d-1 turns the V by itself: no transfer between its chunks; rank 0 sends and receives nothing of chunk 1's end
+    assert not any(a.op in (Op.SEND_ACT,) and a.chunk == 0 for a in progs[3])
+    assert not any(a.op is Op.RECV_GRAD for a in progs[0] if a.chunk == 1)
+    with pytest.raises(ConfigError, match=r"m=6 < d=4"):
+        validate_pipeline("zb-v", 4, 6)
+
+
+def test_zbv_bubble_is_the_fill_of_half_a_rank():
+    spec = get_schedule("zb-v")
+    for d, m in ((2, 4), (4, 8), (4, 16)):
+        # equal F, I, W: only the step's fill of d-1 chunk forwards (half a rank's forward each) stays idle
+        assert spec.bubble_time(d, m, 1.0, 1.0, 1.0) == pytest.approx((d - 1) / 2)
+        assert spec.bubble_time(d, m, 1.0, 1.0, 1.0) < get_schedule("zb-h1").bubble_time(d, m, 1.0, 1.0, 1.0)
+        sim = simulate("zb-v", d, m, [StageCosts(1.0, 2.0) for _ in range(d)], num_steps=4)
+        assert sim.step_time_s == pytest.approx(3 * m + spec.bubble_time(d, m, 1.0, 1.0, 1.0))

@@ -70,6 +70,11 @@ class _StageRules:
         # per chunk: whether its virtual stage is the model's first / last (no RECV_ACT / no RECV_GRAD)
         self.first = [place.is_first(r, c) for c in range(v)]
         self.last = [place.is_last(r, c) for c in range(v)]
+        # per chunk: the chunk of this rank its input comes from / its output goes to, where the neighbouring
+        # virtual stage is on the rank itself (a V's turn): a hand-over, no transfer
+        mine = {place.stage(r, c): c for c in range(v)}
+        self.local_in = [mine.get(place.stage(r, c) - 1) if not self.first[c] else None for c in range(v)]
+        self.local_out = [mine.get(place.stage(r, c) + 1) if not self.last[c] else None for c in range(v)]
         # microbatch actions are indexed j = (mb - lo) * v + chunk
         self.lo, n_mb = first_step * m, num_steps * m * v
         self.limit = spec.inflight(d, r, m)
@@ -127,7 +132,11 @@ class _StageRules:
             raise self._fail(i, a, f"forward on W({v}) but microbatch k={a.mb + 1} must use W({want})")
         if v > self.newest:
             raise self._fail(i, a, f"forward on W({v}) before APPLY_UPDATE({v - 1}) on this stage")
-        if not self.first[a.chunk]:
+        src = self.local_in[a.chunk]
+        if src is not None:
+            if self.fwd_version[j - a.chunk + src] < 0:
+                raise self._fail(i, a, f"forward before chunk {src} on this rank made its input")
+        elif not self.first[a.chunk]:
             if self.got_act[j] != _RECEIVED:
                 raise self._fail(i, a, "forward without its activations received (RECV_ACT missing)")
             self.got_act[j] = _CONSUMED
@@ -174,7 +183,11 @@ class _StageRules:
             raise self._fail(i, a, f"backwards out of microbatch order (expected mb {self.lo + self.next_bwd[c]})")
         if a.version != v:
             raise self._fail(i, a, f"backward on W({a.version}) but forward ran on W({v})")
-        if not self.last[c]:
+        dst = self.local_out[c]
+        if dst is not None:
+            if not self.done_inp[j - c + dst]:
+                raise self._fail(i, a, f"backward before chunk {dst} on this rank made its output's gradient")
+        elif not self.last[c]:
             if self.got_grad[j] != _RECEIVED:
                 raise self._fail(i, a, "backward without its gradient received (RECV_GRAD missing)")
             self.got_grad[j] = _CONSUMED
@@ -243,11 +256,13 @@ class _StageRules:
             raise ScheduleError(f"{where}: microbatches not forwarded and backwarded: {missing[:8]}")
         for c in range(v):
             mine = slice(c, None, v)  # the chunk's slots
-            if not self.first[c] and not all(x == _CONSUMED for x in self.got_act[mine]):
+            gets = not self.first[c] and self.local_in[c] is None  # its input and gradient cross ranks
+            gives = not self.last[c] and self.local_out[c] is None
+            if gets and not all(x == _CONSUMED for x in self.got_act[mine]):
                 raise ScheduleError(f"{where}: received activations never used")
-            if not self.last[c] and (not all(self.sent_act[mine]) or not all(x == _CONSUMED for x in self.got_grad[mine])):
+            if gives and (not all(self.sent_act[mine]) or not all(x == _CONSUMED for x in self.got_grad[mine])):
                 raise ScheduleError(f"{where}: activations not sent or gradients not used")
-            if not self.first[c] and not all(self.sent_grad[mine]):
+            if gets and not all(self.sent_grad[mine]):
                 raise ScheduleError(f"{where}: input gradients not sent back")
         if not all(self.reduced) or self.newest != self.first_step + self.num_steps:
             raise ScheduleError(f"{where}: not drained: applied up to W({self.newest}), reduced {list(self.reduced)}")

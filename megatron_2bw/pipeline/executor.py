@@ -124,6 +124,14 @@ class PipelineStage:
         r = state.pp_rank
         self._first = [place.is_first(r, c) for c in range(self.chunks)]
         self._last = [place.is_last(r, c) for c in range(self.chunks)]
+        # where a neighbouring virtual stage is on this rank (a V's turn), the chunk hands over by itself: the
+        # producer's output (SEND_ACT / SEND_GRAD mail) is the consumer's input, with no transfer
+        mine = {place.stage(r, c): c for c in range(self.chunks)}
+        self._local_in = [None if self._first[c] else mine.get(place.stage(r, c) - 1) for c in range(self.chunks)]
+        self._local_out = [None if self._last[c] else mine.get(place.stage(r, c) + 1) for c in range(self.chunks)]
+        state.loss_stage = place.rank(place.num_stages - 1)  # the loss's rank (rank 0 in a V)
+        # the tied word embedding is all-reduced between ranks only where the embedding and the head are apart
+        tied_apart = place.rank(0) != place.rank(place.num_stages - 1)
         bounds = [0]
         if self.chunks > 1:
             parts = build()
@@ -153,7 +161,7 @@ class PipelineStage:
         self.reducer = GradReducer(
             dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
             w=state.w, shared_range=self.weights.shared_range, bucket_numel=bucket,
-            has_embedding_group=state.d > 1 and state.embedding_group is not None, device=state.device,
+            has_embedding_group=state.d > 1 and state.embedding_group is not None and tied_apart, device=state.device,
             shard=ShardLayout(self.weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
         )
         self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer,
@@ -243,7 +251,9 @@ class PipelineStage:
         self.reducer.wait_slot(self.weights.slot(a.version))  # the distributed optimizer's all-gather of W(v)
         layers = self._chunk_layers[self.weights.slot(a.version)][a.chunk]
         batch = get_batch(a.mb)
-        x = self._mail.pop((Op.RECV_ACT, a.chunk, a.mb), None)
+        src = self._local_in[a.chunk]
+        x = self._mail.pop((Op.RECV_ACT, a.chunk, a.mb), None) if src is None else \
+            self._mail.pop((Op.SEND_ACT, src, a.mb)).detach()
         recompute, last = self.pipe.recompute, self._last[a.chunk]
         if x is not None and not recompute:
             x.requires_grad_(True)
@@ -299,10 +309,15 @@ class PipelineStage:
         if self._last[a.chunk]:
             (out * self._loss_factor(a.step)).backward()
         else:
-            torch.autograd.backward(out, self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb)))
+            torch.autograd.backward(out, self._output_grad(a))
         if not self._first[a.chunk]:
             self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = x.grad
         self._account()
+
+    def _output_grad(self, a: Action) -> torch.Tensor:
+        """The gradient of chunk ``a.chunk``'s output: received, or handed over by the next chunk on this rank."""
+        dst = self._local_out[a.chunk]
+        return self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb) if dst is None else (Op.SEND_GRAD, dst, a.mb))
 
     def _loss_factor(self, step: int) -> float:
         """What the last stage's loss is scaled by for backward: the step's loss scale (one for the whole
@@ -320,7 +335,7 @@ class PipelineStage:
         if self._last[a.chunk]:
             out, grad = out * self._loss_factor(a.step), None
         else:
-            grad = self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb))
+            grad = self._output_grad(a)
         dx, entry.deferred = backward_input(out, grad, x, self._accumulators(entry.version))
         self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = dx
         # W holds the graph (every saved activation, recomputed ones included) and the caught gradients
@@ -394,15 +409,20 @@ class PipelineStage:
         chunks = self._chunk_layers[self.weights.slot(self.step)]
         # microbatch by microbatch through every chunk in turn: each rank's transfers then come in the order its
         # peers issue theirs, which NCCL's in-order matching needs on the ring of chunks (rank d-1 feeds rank 0)
+        handed: dict[int, torch.Tensor] = {}  # a chunk's output that the next chunk on this rank takes (a V)
         for i, c in ((i, c) for i in range(num_microbatches) for c in range(self.chunks)):
             batch = get_batch(i)
-            x = None if self._first[c] else self.transport.recv(Action(Op.RECV_ACT, i, chunk=c))
+            src = self._local_in[c]
+            x = None if self._first[c] else handed.pop(src) if src is not None else \
+                self.transport.recv(Action(Op.RECV_ACT, i, chunk=c))
             out = _run(chunks[c], batch, x)
             if self._last[c]:
                 loss, comps = loss_parts(self.loss_fn, out, batch)
                 row = _loss_row(loss, comps)
                 total = row if total is None else total + row
                 self._loss_keys = tuple(comps)
+            elif self._local_out[c] is not None:
+                handed[c] = out
             else:
                 self.transport.send(Action(Op.SEND_ACT, i, chunk=c), out)
         self.transport.drain()

@@ -274,19 +274,19 @@ class _Interleaved(ScheduleSpec):
 
     def order_chunks(self, d: int, r: int, lo: int, m: int) -> list[tuple[bool, int, int]]:
         """(is_forward, chunk, microbatch) of rank ``r`` over the step's microbatches ``lo .. lo+m-1``."""
-        return [x for rnd in self.rounds(d, r, lo, m) for x in rnd]
+        return [(op is Op.FORWARD, c, j) for rnd in self.rounds(d, r, lo, m) for op, c, j in rnd]
 
-    def rounds(self, d: int, r: int, lo: int, m: int) -> list[tuple[tuple[bool, int, int], ...]]:
+    def rounds(self, d: int, r: int, lo: int, m: int) -> list[Round]:
         """The order cut where Megatron communicates: one forward per warm-up round, a forward and a
         backward per steady round, one backward per cool-down round."""
         v = self.chunks
         total, warm = v * m, self.warmup(d, r, m)
 
-        def fwd(k: int) -> tuple[bool, int, int]:
-            return True, (k // d) % v, lo + (k // (d * v)) * d + k % d
+        def fwd(k: int) -> tuple[Op, int, int]:
+            return Op.FORWARD, (k // d) % v, lo + (k // (d * v)) * d + k % d
 
-        def bwd(k: int) -> tuple[bool, int, int]:
-            return False, v - 1 - (k // d) % v, lo + (k // (d * v)) * d + k % d
+        def bwd(k: int) -> tuple[Op, int, int]:
+            return Op.BACKWARD, v - 1 - (k // d) % v, lo + (k // (d * v)) * d + k % d
 
         out = [(fwd(k),) for k in range(warm)]
         out.extend((fwd(warm + k), bwd(k)) for k in range(total - warm))
@@ -378,8 +378,9 @@ class _ZeroBubble(ScheduleSpec):
         return out
 
 
-_COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD})
-Round = tuple[tuple[bool, int, int], ...]  # (is_forward, chunk, microbatch) computes a rank runs, then communicates
+_COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
+Round = tuple[tuple[Op, int, int], ...]  # (compute op, chunk, microbatch) computes a rank runs, then communicates
+_GRAD = frozenset({Op.BACKWARD, Op.BACKWARD_INPUT})  # the computes that make the input gradient
 
 
 @functools.lru_cache(maxsize=1024)
@@ -400,49 +401,50 @@ def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tup
     and a backward each in the steady state) keep the slots of all ranks equally long.
     """
     d, last = place.d, place.num_stages - 1
-    slot: dict[tuple[int, bool, int], int] = {}  # (virtual stage, forward?, microbatch) -> its slot
+
+    def kind(op: Op) -> int:  # 0: forward, 1: input gradient (B or I), 2: weight gradient (W)
+        return 0 if op is Op.FORWARD else 1 if op in _GRAD else 2
+
+    def dep(op: Op, s: int) -> int | None:
+        """The virtual stage whose compute this one needs (W needs only its own I, earlier on the rank)."""
+        if op is Op.FORWARD:
+            return s - 1 if s > 0 else None
+        return s + 1 if op in _GRAD and s < last else None
+
+    slot: dict[tuple[int, int, int], int] = {}  # (virtual stage, kind, microbatch) -> its slot
     pc, free = [0] * d, [0] * d
     progress = True
     while progress:
         progress = False
         for r in range(d):
             while pc[r] < len(rounds[r]):
-                k = free[r]
-                deps = []
-                for fwd, c, j in rounds[r][pc[r]]:
-                    s = place.stage(r, c)
-                    if (0 < s) if fwd else (s < last):
-                        deps.append((s - 1 if fwd else s + 1, fwd, j))
+                deps = [(x, kind(op), j) for op, c, j in rounds[r][pc[r]]
+                        if (x := dep(op, place.stage(r, c))) is not None]
                 if any(x not in slot for x in deps):
                     break
-                k = max([k] + [slot[x] + 1 for x in deps])
-                for fwd, c, j in rounds[r][pc[r]]:
-                    slot[(place.stage(r, c), fwd, j)] = k
+                k = max([free[r]] + [slot[x] + 1 for x in deps])
+                for op, c, j in rounds[r][pc[r]]:
+                    slot[(place.stage(r, c), kind(op), j)] = k
                 free[r], pc[r], progress = k + 1, pc[r] + 1, True
     if any(pc[r] < len(rounds[r]) for r in range(d)):
         raise RuntimeError(f"compute orders wait on each other: ranks stopped at rounds {pc}")
     span = max(slot.values()) + 1
     programs: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
-    for r in range(d):  # the computes of each slot, in the round's order
-        k0 = 0
-        for rnd in rounds[r]:
-            k0 = slot[(place.stage(r, rnd[0][1]), rnd[0][0], rnd[0][2])]
-            programs[r][k0].extend((Op.FORWARD if fwd else Op.BACKWARD, c, j) for fwd, c, j in rnd)
-    sends = [[[] for _ in range(span)] for _ in range(d)]
-    recvs = [[[] for _ in range(span)] for _ in range(d)]
+    sends: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
+    recvs: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
     for r in range(d):
-        for k in range(span):
-            for op, c, j in programs[r][k]:
+        for rnd in rounds[r]:
+            op0, c0, j0 = rnd[0]
+            k = slot[(place.stage(r, c0), kind(op0), j0)]
+            programs[r][k].extend(rnd)
+            for op, c, j in rnd:
                 s = place.stage(r, c)
-                fwd = op is Op.FORWARD
-                to = (s + 1 if s < last else None) if fwd else (s - 1 if s > 0 else None)
-                if to is None:
+                to = (s + 1 if s < last else None) if op is Op.FORWARD else (s - 1 if s > 0 else None) \
+                    if op in _GRAD else None
+                if to is None or place.rank(to) == r:  # the model's end, a W, or a hand-over on the rank itself
                     continue
-                q = place.rank(to)
-                if q == r:
-                    raise RuntimeError(f"virtual stages {s} and {to} share rank {r}: local hand-overs are not lowered yet")
-                sends[r][k].append((Op.SEND_ACT if fwd else Op.SEND_GRAD, c, j))
-                recvs[q][k].append((Op.RECV_ACT if fwd else Op.RECV_GRAD, place.chunk(to), j))
+                sends[r][k].append((Op.SEND_ACT if op is Op.FORWARD else Op.SEND_GRAD, c, j))
+                recvs[place.rank(to)][k].append((Op.RECV_ACT if op is Op.FORWARD else Op.RECV_GRAD, place.chunk(to), j))
     out = []
     for r in range(d):
         prog: list[tuple[Op, int, int]] = []
@@ -481,7 +483,9 @@ def _replayed_bubble(name: str, d: int, m: int, f: float, b: float, w: float) ->
     programs = [stage_actions(name, d, r, m, 0, 1) for r in range(d)]
     zeros = (0.0,) * d
     timing = Timing((f,) * d, (b + w,) * d, zeros, zeros, zeros, zeros, zeros, input_s=(b,) * d, weight_s=(w,) * d)
-    return max(Replay(programs, timing=timing).run().makespan - m * (f + b + w), 0.0)
+    spec = get_schedule(name)
+    work = m * spec.chunks * (f + b + w)  # every chunk's share
+    return max(Replay(programs, timing=timing, placement=spec.placement(d)).run().makespan - work, 0.0)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -550,6 +554,100 @@ def _greedy_orders(d: int, m: int, limit: int) -> tuple[SplitOrder, ...]:
     return tuple(orders)
 
 
+@dataclass(frozen=True)
+class _ZBV(_ZeroBubble):
+    """ZB-V (Qi et al. 2024, section 6; torch's ``ScheduleZBVZeroBubble`` order): two chunks per rank in a V,
+    chunk 0 of rank r is virtual stage r, chunk 1 is 2d - 1 - r, so rank d-1 hands its chunk 0's output to its
+    chunk 1 itself and rank 0 holds both the embedding and the head (the tied embedding is local there);
+    split backward, W deferred into the bubbles, one weight version, a flush per step. Needs m >= 2d - 1
+    (rank 0 runs 2d - 1 warm-up forwards). Units: :meth:`inflight` and :meth:`deferred_weight_grads` count
+    one chunk's stashes (half a rank's layers), as for interleaved-1f1b."""
+
+    chunks: int = 2
+
+    def placement(self, d: int) -> Placement:
+        return Placement(d, 2, "v")
+
+    def min_microbatches(self, d: int) -> int:
+        return 2 * d - 1
+
+    def check_layout(self, d: int, m: int) -> None:
+        if d < 2:
+            raise ConfigError("zb-v needs --pipeline-model-parallel-size >= 2 (its V turns on the last rank)")
+
+    def chunk_order(self, d: int, r: int, m: int) -> list[tuple[Op, int, int]]:
+        """(F, I or W; chunk; microbatch) of rank ``r`` over one step: torch's ZBV order."""
+        return list(_zbv_order(d, r, m))
+
+    def split_order(self, d: int, r: int, m: int) -> SplitOrder:
+        raise NotImplementedError("zb-v orders (op, chunk, microbatch): see chunk_order")
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        held = most = 0
+        for op, _, _ in self.chunk_order(d, r, m):
+            held += (op is Op.FORWARD) - (op is Op.BACKWARD_WEIGHT)
+            most = max(most, held)
+        return most
+
+    def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
+        pending = most = 0
+        for op, _, _ in self.chunk_order(d, r, m):
+            pending += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
+            most = max(most, pending)
+        return most
+
+    def bubble_slots(self, d: int) -> float:  # type: ignore[override]
+        return _ZeroBubble.bubble_slots(self, d) / 2
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """One step of the generated programs replayed with each chunk's share (half) of these times."""
+        return _replayed_bubble(self.name, d, m, f / 2, b / 2, w / 2)
+
+    def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        rounds = lower_rounds(self.placement(d), tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))[r]
+        out: list[Action] = []
+        for t in range(first_step, first_step + num_steps):
+            v, lo = self.version(t), t * m
+            out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
+            out.append(Action(Op.REDUCE_GRADS, step=t))
+            out.append(Action(Op.APPLY_UPDATE, step=t))
+        return out
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _zbv_order(d: int, r: int, m: int) -> tuple[tuple[Op, int, int], ...]:
+    """torch's ``ScheduleZBVZeroBubble._calculate_single_rank_operations`` (m >= 2d - 1): chunk 0 warms up with
+    2(d - r) - 1 forwards, then F1/F0 pairs, then F1 I1 W1 triples, a steady F0 I0 W0 F1 I1 W1, and a
+    cool-down whose deferred Ws fill the drain."""
+    F, I, W = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    out: list[tuple[Op, int, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (d - r) - 1):
+        out.append((F, 0, f0))
+        f0 += 1
+    for _ in range(r):
+        out += [(F, 1, f1), (F, 0, f0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(d - r):
+        out += [(F, 1, f1), (I, 1, b1), (W, 1, b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < m:
+        if f0 < m:
+            out.append((F, 0, f0))
+            f0 += 1
+        out += [(I, 0, b0), (W, 0, b0), (F, 1, f1), (I, 1, b1), (W, 1, b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(r):
+        out += [(I, 0, b0), (I, 1, b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(d - r):
+        out += [(I, 0, b0), (W, 0, w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    out += [(W, 1, j) for j in range(w1, b1)] + [(W, 0, j) for j in range(w0, b0)]
+    return tuple(out)
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {
     "2bw": _TwoBW("2bw", weight_versions=2, grad_buffers=2, stale_steps=1),
     "flush": ScheduleSpec("flush"),
@@ -557,6 +655,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "interleaved-1f1b": _Interleaved("interleaved-1f1b"),
     "zb-h1": _ZBH1("zb-h1"),
     "zb-h2": _ZBH2("zb-h2"),
+    "zb-v": _ZBV("zb-v"),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 

@@ -292,7 +292,8 @@ def simulate(
         raise ConfigError(f"simulate at least one step, got num_steps={num_steps}")
     timing = _timing(stages, _links(links, d), collective_s)
     if v > 1:
-        timing = replace(timing, forward_s=[x / v for x in timing.forward_s], backward_s=[x / v for x in timing.backward_s])
+        timing = replace(timing, forward_s=[x / v for x in timing.forward_s], backward_s=[x / v for x in timing.backward_s],
+                         input_s=[x / v for x in timing.input_s], weight_s=[x / v for x in timing.weight_s])
     progs = [list(a) for a in actions] if actions is not None else [
         stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)]
     trace = Replay(progs, timing=timing, error=SimulationError, placement=spec.placement(d)).run()

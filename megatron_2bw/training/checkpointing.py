@@ -352,6 +352,9 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None
     chunks = stage.chunks  # model chunks per rank: an interleaved run's file holds model0, model1, ...
+    if stage.placement.shape != "interleaved":
+        raise ConfigError(f"--ckpt-format torch cannot hold {schedule}'s V layout yet (its model0/model1 would be "
+                          "another run's virtual stages): use --ckpt-format torch_dist, whose tensors are global")
     margs = trainer_format.train_args(model, args, iteration=iteration, t=state.t, d=state.d, schedule=schedule,
                                       dtype=config.get("optimizer", {}).get("dtype", "fp32"), split=split,
                                       chunks=chunks)
