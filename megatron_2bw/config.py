@@ -686,6 +686,11 @@ class RunConfig:
         _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),
                  "--use-distributed-optimizer does not support --2bw-compensation predict (its predicted weights "
                  "would need a full gather at every drain); use dc or none")
+        _require(not (self.training.save and self.training.ckpt_format == "torch" and self.parallel.pipeline > 1
+                      and get_schedule(self.pipeline.schedule, self.pipeline.virtual_stages).placement(
+                          self.parallel.pipeline).shape != "interleaved"),
+                 f"--ckpt-format torch cannot hold {self.pipeline.schedule}'s V layout yet: save with --ckpt-format "
+                 "torch_dist (its tensors are global)")
         _require(not (self.optimizer.optimizer == "muon" and self.pipeline.compensation == "predict"),
                  "--2bw-compensation predict extrapolates Adam or SGD steps only: use ef or dc with --optimizer muon")
         _require(not (self.data.reset_position_ids and self.model.position_embedding_type == "rope"),

@@ -114,3 +114,43 @@ def test_torch_dist_holds_the_same_global_tensors(straight):
     dist_save, dist_losses = _train(tmp, "dist", "--ckpt-format", "torch_dist")
     assert dist_losses == losses
     _same_families(read_trainer_checkpoint(save), read_dist_checkpoint(dist_save))
+
+
+_V = ARGS.index("--num-layers-per-virtual-pipeline-stage")
+ZBV = [a if a != "interleaved-1f1b" else "zb-v" for a in ARGS[:_V] + ARGS[_V + 2:]]  # its 2 chunks are fixed
+
+
+def test_config_refusals_are_one_line():
+    from megatron_2bw.cli import build_config, parse_args
+    from megatron_2bw.errors import ConfigError
+
+    def refused(argv, pattern):
+        with pytest.raises(ConfigError, match=pattern) as info:
+            build_config(parse_args(argv, "gpt"), "gpt", 2)
+        assert "\n" not in str(info.value)
+
+    refused([*ZBV, "--save", "x"], r"--ckpt-format torch cannot hold zb-v's V layout yet")
+    refused([*ARGS, "--virtual-pipeline-model-parallel-size", "2"], r"mutually exclusive")
+    refused([*ARGS[:ARGS.index("--num-layers-per-virtual-pipeline-stage") + 1], "3",
+             *ARGS[ARGS.index("--num-layers-per-virtual-pipeline-stage") + 2:]], r"must divide the 2 layers")
+    flush = [a if a != "interleaved-1f1b" else "flush" for a in ARGS]
+    refused(flush, r"needs --pipeline-schedule interleaved-1f1b")
+    assert build_config(parse_args([*ARGS, "--save", "x"], "gpt"), "gpt", 2).pipeline.chunks == 2
+
+
+def test_zbv_trains_end_to_end_and_resumes_bitwise_from_torch_dist(tmp_path):
+    save, metrics = str(tmp_path / "zbv"), str(tmp_path / "zbv.jsonl")
+    common = [*ZBV, "--ckpt-format", "torch_dist", "--data-cache-path", str(tmp_path / "cache")]
+    res = torchrun("pretrain_gpt.py", [*common, "--save", save, "--metrics-file", metrics], nproc=2)
+    assert res.returncode == 0, res.describe()
+    losses = train_losses(read_metrics(metrics))
+    assert losses[max(losses)] < losses[0]  # it learns
+    resume = tmp_path / "resume"
+    os.makedirs(resume)
+    shutil.copytree(os.path.join(save, "iter_0000003"), resume / "iter_0000003")
+    (resume / "latest_checkpointed_iteration.txt").write_text("3\n")
+    res = torchrun("pretrain_gpt.py", [*common, "--load", str(resume), "--save", str(resume),
+                                       "--metrics-file", str(tmp_path / "again.jsonl")], nproc=2)
+    assert res.returncode == 0, res.describe()
+    again = train_losses(read_metrics(str(tmp_path / "again.jsonl")))
+    assert sorted(again) == sorted(losses)[3:] and all(again[i] == losses[i] for i in again), (again, losses)
