@@ -661,7 +661,8 @@ def layout_configs(
                           layer_split=split, virtual_stages=layout.virtual_stages)
     pipe.check_depth(par.pipeline)
     if pipe.chunks > 1:
-        _require(split is None, "interleaved-1f1b needs the even stage split (no --pipeline-layer-split)")
+        _require(split is None, f"{layout.schedule} runs {pipe.chunks} model chunks per rank: it needs the even stage "
+                                "split (no --pipeline-layer-split)")
         check_virtual_split(model.num_layers, par.pipeline, pipe.chunks)
     return par, pipe, B
 

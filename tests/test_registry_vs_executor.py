@@ -11,16 +11,17 @@ from multiproc import run_workers
 from pipeline_harness import train_tiny
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 from megatron_2bw.planner.memory_model import in_flight, weight_versions
 
 MICROBATCHES = (4, 8)
 
 
-def _runs(s: str, d: int) -> bool:
-    """Whether schedule ``s`` runs at depth ``d`` (interleaved-1f1b needs d >= 2)."""
+def _runs(s: str, d: int, m: int) -> bool:
+    """Whether schedule ``s`` runs at depth ``d`` with ``m`` microbatches (interleaved-1f1b and zb-v need
+    d >= 2, zb-v m >= 2d - 1)."""
     try:
-        get_schedule(s).check_layout(d, MICROBATCHES[0])
+        validate_pipeline(s, d, m)
     except ConfigError:
         return False
     return True
@@ -35,7 +36,7 @@ def _layers(s: str, d: int) -> dict:
 def _run_all(layout):
     d = 1 if layout is None else layout[1]
     return {(s, m): train_tiny(s, layout=layout, steps=3, global_batch=m, lr=1e-3, **_layers(s, d))["stats"]
-            for s in SCHEDULE_NAMES if _runs(s, d) for m in MICROBATCHES}
+            for s in SCHEDULE_NAMES for m in MICROBATCHES if _runs(s, d, m)}
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])

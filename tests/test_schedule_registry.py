@@ -12,7 +12,7 @@ import pytest
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.pipeline.actions import Op
 from megatron_2bw.pipeline.checker import check_actions
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, get_schedule, stage_actions
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, get_schedule, stage_actions, validate_pipeline
 from megatron_2bw.planner.cost_model import bubble_slots
 from megatron_2bw.planner.memory_model import Candidate, in_flight, weight_versions
 from megatron_2bw.planner.simulator import StageCosts, simulate
@@ -21,9 +21,9 @@ STEPS = 4  # enough for 2BW to run steps on two versions at once
 
 
 def _runs(name: str, d: int, m: int) -> bool:
-    """Whether the schedule runs this layout (interleaved-1f1b refuses one stage)."""
+    """Whether the schedule runs this layout (interleaved-1f1b and zb-v refuse one stage, zb-v m < 2d - 1)."""
     try:
-        get_schedule(name).check_layout(d, m)
+        validate_pipeline(name, d, m)
     except ConfigError:
         return False
     return True
@@ -69,7 +69,7 @@ def test_registry_names_and_lookup():
     for name in SCHEDULE_NAMES:
         assert get_schedule(name).name == name
     with pytest.raises(ConfigError, match=r"^unknown pipeline schedule 'pipedream'; choose one of 2bw, flush, gpipe, "
-                                          r"interleaved-1f1b, zb-h1, zb-h2$"):
+                                          r"interleaved-1f1b, zb-h1, zb-h2, zb-v$"):
         get_schedule("pipedream")
 
 
