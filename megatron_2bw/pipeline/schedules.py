@@ -676,8 +676,11 @@ def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None) 
         raise ConfigError(f"pipeline depth must be >= 1, got d={d}")
     if m < 1:
         raise ConfigError(f"microbatches per step must be >= 1, got m={m}")
-    if m < spec.min_microbatches(d):
-        raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
+    need = spec.min_microbatches(d)
+    if m < need:
+        if need == d:
+            raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
+        raise ConfigError(f"{schedule.upper()} needs at least {need} microbatches per step at d={d}: m={m} < {need}")
     spec.check_layout(d, m)
 
 
