@@ -27,7 +27,7 @@ from .config import (
 from .errors import ConfigError, run_cli
 from .flags import FLAGS, MEGATRON_DROPOUT, MODEL, TOOL_MODEL_FLAGS, Flag
 from .models.presets import GPT2_VOCAB, get_preset
-from .models.stages import split_from_args
+from .models.stages import split_from_args, virtual_stages
 from .yaml_cfg import expand_yaml_cfg, explain_unrecognized
 
 __all__ = [
@@ -291,6 +291,9 @@ def build_config(
     model = model_config(args, kind)
     if layout is None:
         layout = replace(layout_of(args), layer_split=split_from_args(args, model.num_layers))
+        layout = replace(layout, virtual_stages=virtual_stages(
+            model.num_layers, layout.pipeline, layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
+            virtual_size=args.virtual_pipeline_model_parallel_size, split=layout.layer_split))
     parallel, pipe, B = layout_configs(layout, model, args.global_batch_size, world_size,
                                        args.p2p_mode)
     given = _fields(args, "pipeline")
@@ -359,7 +362,7 @@ def pretrain_argv(model: ModelConfig, layout: Layout, global_batch_size: int, pr
     values = {
         **model_values(model), "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline,
         "pipeline.schedule": layout.schedule, "pipeline.micro_batch_size": layout.micro_batch_size,
-        "pipeline.layer_split": layout.layer_split,
+        "pipeline.layer_split": layout.layer_split, "pipeline.virtual_stages": layout.virtual_stages,
         "training.global_batch_size": global_batch_size, "pipeline.recompute": layout.recompute,
         "optimizer.dtype": precision, "optimizer.accumulate_allreduce_grads_in_fp32": fp32_grads,
         "optimizer.use_distributed_optimizer": layout.distributed_optimizer,

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .errors import ConfigError
-from .models.stages import canonical_split, layers_per_stage
+from .models.stages import canonical_split, check_virtual_split, layers_per_stage
 from .pipeline.recompute_policy import RecomputePolicy, check_recompute
 from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
@@ -311,6 +311,14 @@ class PipelineConfig:
     recompute_granularity: str | None = None  # full or selective
     recompute_method: str | None = None  # uniform or block (full only)
     recompute_num_layers: int | None = None
+    # model chunks per rank (Megatron's --virtual-pipeline-model-parallel-size; interleaved-1f1b); None: the
+    # schedule's own count (1 for the one-chunk schedules, 2 for interleaved-1f1b)
+    virtual_stages: int | None = None
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank the schedule runs."""
+        return get_schedule(self.schedule, self.virtual_stages).chunks
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -332,6 +340,7 @@ class PipelineConfig:
             self.compensation in ("none", AUTO_COMPENSATION) or get_schedule(self.schedule).stale_steps > 0,
             f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
         )
+        get_schedule(self.schedule, self.virtual_stages)  # refuses chunks the schedule does not take (one line)
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
                  f"--2bw-dc-lambda must be finite and >= 0, got {self.dc_lambda}")
         _require(math.isfinite(self.ef_scale) and self.ef_scale >= 0,
@@ -347,6 +356,7 @@ class PipelineConfig:
             f"PipeDream-{self.schedule.upper()} needs at least {at_least} "
             "(raise --global-batch-size or lower --micro-batch-size)",
         )
+        get_schedule(self.schedule, self.virtual_stages).check_layout(d, m)
 
 
 def fp32_grads_for(dtype: str, given: bool | None = None) -> bool:
@@ -659,6 +669,7 @@ class Layout:
     distributed_optimizer: bool = False  # the planner's choice of --use-distributed-optimizer
     # the planner's recomputation inside stages (--recompute-granularity/-method/-num-layers); None: none
     recompute_policy: RecomputePolicy | None = None
+    virtual_stages: int | None = None  # model chunks per rank (--virtual-pipeline-model-parallel-size)
 
 
 def layout_configs(
@@ -688,8 +699,12 @@ def layout_configs(
     inner = ({"recompute_granularity": policy.granularity, "recompute_method": policy.method,
               "recompute_num_layers": policy.num_layers} if policy is not None and policy.active else {})
     pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode,
-                          layer_split=split, **inner)
+                          layer_split=split, virtual_stages=layout.virtual_stages, **inner)
     pipe.check_depth(par.pipeline)
+    if pipe.chunks > 1:
+        _require(split is None, f"{layout.schedule} runs {pipe.chunks} model chunks per rank: it needs the even stage "
+                                "split (no --pipeline-layer-split)")
+        check_virtual_split(model.num_layers, par.pipeline, pipe.chunks)
     return par, pipe, B
 
 
@@ -718,6 +733,11 @@ class RunConfig:
         _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),
                  "--use-distributed-optimizer does not support --2bw-compensation predict (its predicted weights "
                  "would need a full gather at every drain); use dc or none")
+        _require(not (self.training.save and self.training.ckpt_format == "torch" and self.parallel.pipeline > 1
+                      and get_schedule(self.pipeline.schedule, self.pipeline.virtual_stages).placement(
+                          self.parallel.pipeline).shape != "interleaved"),
+                 f"--ckpt-format torch cannot hold {self.pipeline.schedule}'s V layout yet: save with --ckpt-format "
+                 "torch_dist (its tensors are global)")
         _require(not (self.optimizer.optimizer == "muon" and self.pipeline.compensation == "predict"),
                  "--2bw-compensation predict extrapolates Adam or SGD steps only: use ef or dc with --optimizer muon")
         _require(not (self.data.reset_position_ids and self.model.position_embedding_type == "rope"),

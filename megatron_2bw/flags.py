@@ -110,6 +110,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--pipeline-schedule", "pipeline.schedule", PAR, choices=SCHEDULE_NAMES,
          help="default: 2bw with more than one pipeline stage, flush with one (where 2BW would only add a stale "
               "gradient and a second weight copy)"),
+    Flag("--num-layers-per-virtual-pipeline-stage", None, PAR, int,
+         help="layers of each model chunk (Megatron): v = num-layers / pipeline size / N chunks per rank, "
+              "chunk c of rank r is virtual stage c*d + r; needs --pipeline-schedule interleaved-1f1b"),
+    Flag("--virtual-pipeline-model-parallel-size", "pipeline.virtual_stages", PAR, int,
+         help="model chunks per rank (Megatron; interleaved-1f1b, default 2 there)"),
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),

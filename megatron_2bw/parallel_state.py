@@ -72,6 +72,9 @@ class ParallelState:
     model_group: object | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: datetime.timedelta | None = None  # --distributed-timeout-minutes, for groups made later (None: torch's)
+    # the pipeline rank holding the model's last virtual stage, where the loss is (None: the last rank; a V
+    # layout puts it on rank 0: the pipeline stage sets it from its placement)
+    loss_stage: int | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -80,6 +83,11 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.d - 1
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank computes the loss (the last stage, unless the chunk placement says otherwise)."""
+        return self.pp_rank == (self.d - 1 if self.loss_stage is None else self.loss_stage)
 
     @property
     def prev_rank(self) -> int | None:

@@ -15,9 +15,10 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.models.stages import stage_range
+from megatron_2bw.models.stages import chunk_ranges, stage_range
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.schedules import get_schedule
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -57,33 +58,43 @@ def train_tiny(
     dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
     dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
     sequence_parallel: bool = False, opt_extra: dict | None = None, ef_scale: float = 1.0,
+    virtual_stages: int | None = None, num_layers: int | None = None,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
     ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``);
-    ``opt_extra``: more ``OptimizerConfig`` fields (Muon's, the distributed optimizer)."""
+    ``opt_extra``: more ``OptimizerConfig`` fields (Muon's, the distributed optimizer); ``virtual_stages``:
+    model chunks per rank (interleaved-1f1b), built as ``pretrain_gpt.py`` builds them; ``num_layers``
+    overrides the preset's (d * v chunks need as many layers)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
         state = build_state(t, d, w, torch.device("cpu"))
     else:
         state = ParallelState.single()
     t, d, w = state.t, state.d, state.w
-    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel and t > 1)
+    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel and t > 1,
+                     **({} if num_layers is None else {"num_layers": num_layers}))
     seed = 1234
     torch.manual_seed(seed)
     tracker = RNGTracker(seed, state.tp_rank)
     spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker)
     m = global_batch // (micro * w)
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
-                          dc_lambda=dc_lambda, ef_scale=ef_scale)
+                          dc_lambda=dc_lambda, ef_scale=ef_scale, virtual_stages=virtual_stages if d > 1 else None)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12, sgd_momentum=sgd_momentum,
                           **({} if distributed_optimizer is None else {"use_distributed_optimizer": distributed_optimizer}),
                           **(opt_extra or {}))
     start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
     names = GlobalNames(start, tied=WORD)  # the head's copy of the word embedding is named as the original
+    build_layers = lambda: spec.build_stage(d, state.pp_rank)  # noqa: E731
+    if pipe.chunks > 1:  # one layer list per chunk: virtual stages c*d + r of the d*v even ones
+        place = get_schedule(schedule, virtual_stages).placement(d)
+        ranges = chunk_ranges(cfg.num_layers, place.stages_of(state.pp_rank), place.num_stages)
+        names = GlobalNames.of_chunks(ranges, tied=WORD)
+        build_layers = lambda: spec.build_chunks(ranges)  # noqa: E731
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     def build() -> PipelineStage:
-        return PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
+        return PipelineStage(build_layers, spec.loss_fn(), state, pipe, opt,
                              cfg.stage_activation_shape(micro, t), rng_tracker=tracker, names=names, faults=faults)
 
     stage = build()
@@ -104,8 +115,8 @@ def train_tiny(
         results += stage.train(seg, get_batch, lambda step: lr)
     losses = [r.loss for r in results]
     keys = sorted(results[0].components or {}) if results else []
-    comps = [[(r.components or {})[k] for k in keys] for r in results] if state.is_last_stage else None
-    if state.is_last_stage and w > 1:
+    comps = [[(r.components or {})[k] for k in keys] for r in results] if state.holds_loss else None
+    if state.holds_loss and w > 1:
         x = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(x, group=state.dp_group)
         losses = (x / w).tolist()
@@ -115,8 +126,8 @@ def train_tiny(
             comps = (c / w).tolist()
     params = {name: view.detach().float().clone() for name, view in stage.newest_state().items()}
     return {
-        "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.is_last_stage,
-        "losses": losses if state.is_last_stage else None, "params": params,
+        "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.holds_loss,
+        "losses": losses if state.holds_loss else None, "params": params,
         # per step: the loss's named components (BERT: lm_loss, sop_loss), mean over replicas like "losses"
         "components": [dict(zip(keys, row)) for row in comps] if comps is not None and keys else None,
         "norms": [r.grad_norm for r in results], "skipped": [r.skipped for r in results],

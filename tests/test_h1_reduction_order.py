@@ -128,9 +128,11 @@ def _programs(schedule: str, d: int, m: int, steps: int, last_stage_reduce_first
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 @pytest.mark.parametrize("d", (2, 3, 4))
 def test_blocking_collectives_never_deadlock_the_engine(schedule: str, d: int) -> None:
-    for m in sorted({max(d, 2), 2 * d}):
+    least = schedules.get_schedule(schedule).min_microbatches(d)  # zb-v: 2d - 1
+    for m in sorted({max(d, 2, least), 2 * d}):
         for use_zero in (False, True):
-            EngineModel(_programs(schedule, d, m, 4), zero=use_zero, channel=Rendezvous(comm_groups)).run()
+            EngineModel(_programs(schedule, d, m, 4), zero=use_zero, channel=Rendezvous(comm_groups),
+                        placement=schedules.get_schedule(schedule).placement(d)).run()
 
 
 @pytest.mark.parametrize("d", (2, 3, 4))

@@ -43,7 +43,8 @@ from megatron_2bw.export.trainer_reshard import (
     read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
 )
 from megatron_2bw.training.dist_checkpoint import CKPT_FORMATS, is_dist_checkpoint
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
+from megatron_2bw.models.stages import check_virtual_split
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-schedule", choices=SCHEDULE_NAMES, help="pipeline schedule the trainer resumes with")
+    p.add_argument("--target-virtual-pipeline-parallel-size", type=int,
+                   help="model chunks per pipeline rank of the target (interleaved-1f1b: model0, model1, ... per "
+                        "file); default: the source's when the schedule stays, else the target schedule's")
     p.add_argument("--no-optimizer", action="store_true", help="convert the weights only")
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch",
                    help="what a trainer checkpoint is written as (the trainer's --ckpt-format; the source's is read "
@@ -103,11 +107,16 @@ def run(argv: list[str]) -> str:
             moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
             return (f"wrote torch_dist trainer checkpoint at iteration {ex.iteration} to {where} (any layout) schedule "
                     f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
-        where = write_trainer_checkpoint(args.save_dir, ckpt, t=t, d=d, schedule=args.target_schedule)
+        where = write_trainer_checkpoint(args.save_dir, ckpt, t=t, d=d, schedule=args.target_schedule,
+                                         chunks=args.target_virtual_pipeline_parallel_size)
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
         return (f"wrote trainer checkpoint at iteration {ex.iteration} to {where} t={t} d={d} schedule "
                 f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
-    where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule,
+    chunks = get_schedule(args.target_schedule or "flush", args.target_virtual_pipeline_parallel_size).chunks \
+        if args.target_schedule or args.target_virtual_pipeline_parallel_size else 1
+    if chunks > 1:
+        check_virtual_split(ex.cfg.num_layers, d, chunks)
+    where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule, chunks=chunks,
                             transformer_impl=args.saver_transformer_impl)
     cfg = ex.cfg
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "

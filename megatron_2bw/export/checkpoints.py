@@ -52,7 +52,7 @@ def _global_names(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     local indices start at 0.
     """
     lay = sd["layout"]
-    if "language_model" in sd["model"]:  # Megatron-format contents
+    if "model0" in sd or "language_model" in sd["model"]:  # Megatron-format contents (model0..: interleaved)
         return {n: v.detach().float().clone() for n, v in rank_weights(
             sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split")).items()}
     start = stage_range(cfg.num_layers, lay["d"], lay["pp_rank"], lay.get("split"))[0]
@@ -114,15 +114,17 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
 
 
 def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,
-                    split: Split = None, transformer_impl: str = TRANSFORMER_IMPLS[0]) -> str:
+                    split: Split = None, transformer_impl: str = TRANSFORMER_IMPLS[0], chunks: int = 1) -> str:
     """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
     if saver not in SAVERS:
         raise ConfigError(f"--saver must be one of {', '.join(SAVERS)}, got {saver!r}")
     if saver in MCORE:
+        if chunks > 1:
+            raise ConfigError("--saver mcore writes one model chunk per rank: drop the virtual pipeline target")
         return write_mcore_dir(path, ex, t, d, split, transformer_impl)
     if saver == "hf":
         if (t, d) != (1, 1):
             raise ConfigError("--saver hf writes one whole model: drop --target-tensor/pipeline-parallel-size")
         note = save_hf_dir(path, ex)
         return f"{path} ({note})"
-    return write_megatron_dir(path, ex, t, d, schedule, split)
+    return write_megatron_dir(path, ex, t, d, schedule, split, chunks)

@@ -2,7 +2,10 @@
 
 A Megatron file (``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt``) holds ``model`` (nested
 ``language_model.{embedding,encoder[,pooler]}`` plus BERT's ``lm_head`` and ``binary_head``),
-``args`` (an ``argparse.Namespace``), ``checkpoint_version`` and ``iteration``. We write
+``args`` (an ``argparse.Namespace``), ``checkpoint_version`` and ``iteration``. An interleaved run's
+file (``--virtual-pipeline-model-parallel-size`` v) holds ``model0`` .. ``model{v-1}`` instead, one per
+model chunk, each laid out as the virtual stage ``c * d + r`` of ``d * v`` it is (as Megatron saves
+them); the global layer order is the same, so converting to and from it is a reshard. We write
 checkpoint_version 3.0, whose QKV rows are ordered [heads, 3, head_dim]: our own order, so no
 permutation is needed; older versions are permuted on reading.
 """
@@ -19,7 +22,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..training.manifest import atomic_file
-from .names import Split, megatron_path, stage_names, swiglu_part
+from .names import Split, megatron_path, rank_stages, stage_names, swiglu_part
 from .reshard import reshard, unshard
 
 CHECKPOINT_VERSION = 3.0
@@ -38,7 +41,8 @@ class Exported:
     dtype: str = "fp32"
 
 
-def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, split: Split = None) -> argparse.Namespace:
+def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, split: Split = None,
+                  chunks: int = 1) -> argparse.Namespace:
     """Megatron's training arguments for ``ex`` saved at layout ``t x d`` (fields its loaders read)."""
     cfg = ex.cfg
     tok = ex.tokenizer
@@ -67,6 +71,7 @@ def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, spl
         # fields of our own (Megatron ignores unknown fields)
         vocab_size=cfg.vocab_size, model_kind=cfg.kind, pipeline_schedule=schedule,
         pipeline_split=list(split) if split is not None else None,
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
     )
 
 
@@ -124,32 +129,52 @@ def qkv_from_version(value: torch.Tensor, version: float, heads: int) -> torch.T
     return value.view(3, heads, hd, *rest).transpose(0, 1).reshape(value.shape).contiguous()  # [3, heads, hd]
 
 
+def model_keys(chunks: int) -> list[str]:
+    """The file's model keys: ``model``, or Megatron's ``model0`` .. ``model{v-1}`` for an interleaved run."""
+    return ["model"] if chunks == 1 else [f"model{c}" for c in range(chunks)]
+
+
+def chunks_of(contents: dict) -> int:
+    """How many model chunks a rank's file holds (``model0``, ``model1``, ...: interleaved; ``model``: one)."""
+    n = 0
+    while f"model{n}" in contents:
+        n += 1
+    return max(n, 1)
+
+
 def rank_contents(meta: Exported, part: dict[str, torch.Tensor], *, t: int, d: int, pp: int,
-                  schedule: str | None = None, split: Split = None) -> dict:
+                  schedule: str | None = None, split: Split = None, chunks: int = 1) -> dict:
     """One rank's Megatron file contents from its global-name shard ``part`` (``meta.weights`` unused).
 
     The trainer can put these keys in its own files (and its engine state beside them under
     keys of its own) so that Megatron's loaders and transformers' converters read them.
     """
+    models = {key: megatron_model(meta.cfg, part, n, s, split)
+              for key, (n, s) in zip(model_keys(chunks), rank_stages(d, pp, chunks))}
     return {
-        "model": megatron_model(meta.cfg, part, d, pp, split),
-        "args": megatron_args(meta, t, d, schedule, split),
+        **models,
+        "args": megatron_args(meta, t, d, schedule, split, chunks),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": meta.iteration,
     }
 
 
 def rank_weights(contents: dict, cfg: ModelConfig, *, t: int, d: int, pp: int, split: Split = None) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`rank_contents`: a rank's global-name shard from its Megatron file contents."""
+    """Inverse of :func:`rank_contents`: a rank's global-name shard from its Megatron file contents (all of its
+    model chunks: an interleaved file's ``model0``, ``model1``, ... say how many)."""
     version = float(contents.get("checkpoint_version", 0.0))
-    return from_megatron_model(cfg, contents["model"], d, pp, version, t, split)
+    chunks = chunks_of(contents)
+    out: dict[str, torch.Tensor] = {}
+    for key, (n, s) in zip(model_keys(chunks), rank_stages(d, pp, chunks)):
+        out.update(from_megatron_model(cfg, contents[key], n, s, version, t, split))
+    return out
 
 
 def megatron_files(ex: Exported, t: int, d: int, schedule: str | None = None,
-                   split: Split = None) -> dict[tuple[int, int], dict]:
-    """Every (tensor rank, pipeline rank) file's contents for layout ``t x d``."""
-    return {key: rank_contents(ex, part, t=t, d=d, pp=key[1], schedule=schedule, split=split)
-            for key, part in reshard(ex.cfg, ex.weights, t, d, split).items()}
+                   split: Split = None, chunks: int = 1) -> dict[tuple[int, int], dict]:
+    """Every (tensor rank, pipeline rank) file's contents for layout ``t x d`` (``chunks`` per rank)."""
+    return {key: rank_contents(ex, part, t=t, d=d, pp=key[1], schedule=schedule, split=split, chunks=chunks)
+            for key, part in reshard(ex.cfg, ex.weights, t, d, split, chunks).items()}
 
 
 def rank_dir(tp: int, pp: int, d: int) -> str:
@@ -158,10 +183,10 @@ def rank_dir(tp: int, pp: int, d: int) -> str:
 
 
 def write_megatron_dir(root: str, ex: Exported, t: int = 1, d: int = 1, schedule: str | None = None,
-                       split: Split = None) -> str:
+                       split: Split = None, chunks: int = 1) -> str:
     """Write ``ex`` under ``root`` in Megatron's layout (pointer file last); returns the iteration dir."""
     idir = os.path.join(root, f"iter_{ex.iteration:07d}")
-    for (tp, pp), contents in megatron_files(ex, t, d, schedule, split).items():
+    for (tp, pp), contents in megatron_files(ex, t, d, schedule, split, chunks).items():
         path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_file(path, "wb") as f:
@@ -260,9 +285,10 @@ def read_megatron_dir(root: str) -> Exported:
     """A Megatron-layout checkpoint (any t x d) as a whole model."""
     files = read_rank_files(find_iteration_dir(root))
     first = files[min(files)]
-    if "args" not in first or "model" not in first or "language_model" not in first["model"]:
+    model = first.get("model", first.get("model0"))  # model0: an interleaved run's first chunk
+    if "args" not in first or not isinstance(model, dict) or "language_model" not in model:
         raise ConfigError(f"{root} is not a Megatron-LM checkpoint (no args/model.language_model)")
-    cfg = config_from_args(first["args"], first["model"])
+    cfg = config_from_args(first["args"], model)
     d = 1 + max(pp for _, pp in files)
     t = 1 + max(tp for tp, _ in files)
     a = vars(first["args"])

@@ -118,6 +118,23 @@ def stage_names(cfg: ModelConfig, d: int, r: int, split: Split = None) -> list[s
     return names
 
 
+def rank_stages(d: int, r: int, chunks: int = 1) -> list[tuple[int, int]]:
+    """(stage count, stage) of each model chunk pipeline rank ``r`` holds: ``[(d, r)]`` with one chunk; with
+    ``chunks`` > 1 (interleaved) virtual stage ``c * d + r`` of ``d * chunks`` for each chunk c, which is how
+    Megatron saves them (``model0``, ``model1``, ..., each with chunk-local layer numbers)."""
+    return [(d, r)] if chunks == 1 else [(d * chunks, c * d + r) for c in range(chunks)]
+
+
+def rank_names(cfg: ModelConfig, d: int, r: int, split: Split = None, chunks: int = 1) -> list[str]:
+    """Global names pipeline rank ``r`` of ``d`` holds over all its chunks (:func:`rank_stages`)."""
+    if chunks == 1:
+        return stage_names(cfg, d, r, split)
+    out: list[str] = []
+    for n, s in rank_stages(d, r, chunks):
+        out += [x for x in stage_names(cfg, n, s) if x not in out]
+    return out
+
+
 def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Split = None) -> tuple[str, ...]:
     """Where global ``name`` lives in the ``model`` dict of stage ``r`` of ``d`` (local layer numbers)."""
     idx_text, rest = name.split(".", 1)

@@ -18,7 +18,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .names import OUTPUT, WORD, Split, head_index, stage_names
+from .names import OUTPUT, WORD, Split, head_index, rank_names, stage_names
 
 _COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",
            "mlp.gate.weight", "mlp.gate.bias", "mlp.up.weight", "mlp.up.bias")
@@ -87,9 +87,11 @@ def merge_tensor_parallel(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]
     return out
 
 
-def stage_slice(cfg: ModelConfig, state: dict[str, torch.Tensor], d: int, r: int, split: Split = None) -> dict[str, torch.Tensor]:
-    """The part of a (full or tensor-sharded) state dict that pipeline stage ``r`` of ``d`` holds."""
-    return {n: state[n] for n in stage_names(cfg, d, r, split)}
+def stage_slice(cfg: ModelConfig, state: dict[str, torch.Tensor], d: int, r: int, split: Split = None,
+                chunks: int = 1) -> dict[str, torch.Tensor]:
+    """The part of a (full or tensor-sharded) state dict that pipeline stage ``r`` of ``d`` holds (all of its
+    ``chunks`` model chunks)."""
+    return {n: state[n] for n in rank_names(cfg, d, r, split, chunks)}
 
 
 def join_stages(cfg: ModelConfig, stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -109,10 +111,11 @@ def join_stages(cfg: ModelConfig, stages: list[dict[str, torch.Tensor]]) -> dict
 
 
 def reshard(cfg: ModelConfig, full: dict[str, torch.Tensor], t: int, d: int,
-            split: Split = None) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """Every (tensor rank, pipeline rank) file's state dict of a ``t x d`` layout."""
+            split: Split = None, chunks: int = 1) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """Every (tensor rank, pipeline rank) file's state dict of a ``t x d`` layout (``chunks`` model chunks
+    per rank: interleaved)."""
     shards = split_tensor_parallel(cfg, full, t)
-    return {(tp, pp): stage_slice(cfg, shards[tp], d, pp, split) for tp in range(t) for pp in range(d)}
+    return {(tp, pp): stage_slice(cfg, shards[tp], d, pp, split, chunks) for tp in range(t) for pp in range(d)}
 
 
 def unshard(cfg: ModelConfig, files: dict[tuple[int, int], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

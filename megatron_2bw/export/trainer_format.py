@@ -47,21 +47,23 @@ def named_engine_state(esd: dict, views: Views, numel: int, newest_slot: int) ->
 
 
 def train_args(model: ModelConfig, cli_args: dict, *, iteration: int, t: int, d: int, schedule: str,
-               dtype: str, split: Split = None) -> argparse.Namespace:
+               dtype: str, split: Split = None, chunks: int = 1) -> argparse.Namespace:
     """Megatron's ``args``: its model and parallel fields, then every flag of this run (same names as Megatron's)."""
     tok = {k: cli_args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
     meta = Exported(model, {}, iteration, {k: v for k, v in tok.items() if v}, dtype)
-    ns = vars(megatron_args(meta, t, d, schedule, split))
+    ns = vars(megatron_args(meta, t, d, schedule, split, chunks))
     ns.update({k: v for k, v in cli_args.items() if k not in ns or v is not None})
-    ns.update(tensor_model_parallel_size=t, pipeline_model_parallel_size=d, pipeline_schedule=schedule)
+    ns.update(tensor_model_parallel_size=t, pipeline_model_parallel_size=d, pipeline_schedule=schedule,
+              virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
     return argparse.Namespace(**ns)
 
 
 def file_contents(model: ModelConfig, newest: dict[str, torch.Tensor], *, args: argparse.Namespace, iteration: int,
-                  t: int, pp: int, d: int, split: Split = None, **ours) -> dict:
-    """One rank's file: Megatron's keys from ``newest`` (global names) and ``args``, then ``ours`` as given."""
+                  t: int, pp: int, d: int, split: Split = None, chunks: int = 1, **ours) -> dict:
+    """One rank's file: Megatron's keys from ``newest`` (global names) and ``args``, then ``ours`` as given
+    (``chunks`` > 1: ``model0``, ``model1``, ... one per model chunk, as Megatron's interleaved runs save)."""
     meta = Exported(model, {}, iteration)
-    contents = rank_contents(meta, newest, t=t, d=d, pp=pp, split=split)
+    contents = rank_contents(meta, newest, t=t, d=d, pp=pp, split=split, chunks=chunks)
     contents["args"] = args
     contents["format"] = FORMAT
     contents.update(ours)

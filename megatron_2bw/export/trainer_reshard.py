@@ -7,7 +7,9 @@ the optimizer state moves with the parameter it belongs to. Scalars (the step, t
 step count, the loss scaler) are the same on every rank and are copied.
 
 Schedules: 2BW -> flush keeps the newest version (``model``) and drops the older one; flush ->
-2BW starts both versions equal (a file without an older version loads that way).
+2BW starts both versions equal (a file without an older version loads that way). Interleaved runs
+(``model0``, ``model1``, ... per rank: one per model chunk) convert to and from any other layout the
+same way: the families are whole-model dicts by global name, and the global layer order is the same.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..models.stages import check_virtual_split
 from ..pipeline.schedules import get_schedule
 from ..training import manifest
 from . import trainer_format
@@ -81,25 +84,44 @@ def _stage_entry(ckpt: TrainerCheckpoint, parts: dict[str, dict], schedule: str)
             "master": parts.get("master"), "optimizer": opt, "scaler": copy.deepcopy(st["scaler"])}
 
 
-def _file(ckpt: TrainerCheckpoint, parts: dict[str, dict], *, t: int, d: int, tp: int, pp: int, schedule: str) -> dict:
+def target_chunks(ckpt: TrainerCheckpoint, d: int, schedule: str | None, chunks: int | None) -> int:
+    """Model chunks per rank of the target: ``chunks`` if given, else the source's when the schedule stays,
+    else the target schedule's own (2 for interleaved-1f1b); refused (one line) where they do not fit."""
+    source = ckpt.first["layout"]
+    if chunks is None:
+        chunks = source.get("chunks", 1) if schedule in (None, source["schedule"]) else get_schedule(schedule).chunks
+    spec = get_schedule(schedule or source["schedule"], chunks)
+    if spec.chunks > 1:
+        check_virtual_split(ckpt.cfg.num_layers, d, spec.chunks)
+    return spec.chunks
+
+
+def _file(ckpt: TrainerCheckpoint, parts: dict[str, dict], *, t: int, d: int, tp: int, pp: int, schedule: str,
+          chunks: int = 1) -> dict:
     first = ckpt.first
     args = copy.deepcopy(first["args"])
     vars(args).update(tensor_model_parallel_size=t, pipeline_model_parallel_size=d, model_parallel_size=t,
-                      padded_vocab_size=ckpt.cfg.padded_vocab_size(t), pipeline_schedule=schedule, pipeline_split=None)
+                      padded_vocab_size=ckpt.cfg.padded_vocab_size(t), pipeline_schedule=schedule, pipeline_split=None,
+                      virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
     config = copy.deepcopy(first["config"])
-    config.setdefault("pipeline", {}).update(schedule=schedule, layer_split=None)
+    config.setdefault("pipeline", {}).update(schedule=schedule, layer_split=None,
+                                             virtual_stages=chunks if chunks > 1 else None)
     config.setdefault("parallel", {}).update(tensor=t, pipeline=d)
     return trainer_format.file_contents(
-        ckpt.cfg, parts[MODEL], args=args, iteration=int(first["iteration"]), t=t, pp=pp, d=d,
-        layout={"t": t, "d": d, "w": 1, "tp_rank": tp, "pp_rank": pp, "schedule": schedule, "split": None},
+        ckpt.cfg, parts[MODEL], args=args, iteration=int(first["iteration"]), t=t, pp=pp, d=d, chunks=chunks,
+        layout={"t": t, "d": d, "w": 1, "tp_rank": tp, "pp_rank": pp, "schedule": schedule, "split": None,
+                **({"chunks": chunks} if chunks > 1 else {})},
         stage=_stage_entry(ckpt, parts, schedule), rng=None, data=copy.deepcopy(first["data"]), config=config,
     )
 
 
-def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: int, schedule: str | None) -> str:
-    """Write ``ckpt`` under ``root`` for layout ``t x d`` (manifest, then the pointer file); returns the iteration dir."""
+def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: int, schedule: str | None,
+                             chunks: int | None = None) -> str:
+    """Write ``ckpt`` under ``root`` for layout ``t x d`` (manifest, then the pointer file); returns the iteration dir.
+    ``chunks``: model chunks per rank (:func:`target_chunks`)."""
+    chunks = target_chunks(ckpt, d, schedule, chunks)
     schedule = schedule or ckpt.first["layout"]["schedule"]
-    split = {n: reshard(ckpt.cfg, full, t, d) for n, full in ckpt.families.items()}
+    split = {n: reshard(ckpt.cfg, full, t, d, chunks=chunks) for n, full in ckpt.families.items()}
     it = int(ckpt.first["iteration"])
     idir = os.path.join(root, f"iter_{it:07d}")
     entries = {}
@@ -109,7 +131,7 @@ def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: i
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with manifest.atomic_file(path, "wb") as f:
             cw = manifest.ChecksumWriter(f)
-            torch.save(_file(ckpt, parts, t=t, d=d, tp=tp, pp=pp, schedule=schedule), cw)
+            torch.save(_file(ckpt, parts, t=t, d=d, tp=tp, pp=pp, schedule=schedule, chunks=chunks), cw)
         ident = manifest.shard_identity(iteration=it, t=t, d=d, w=1, tp_rank=tp, pp_rank=pp, schedule=schedule)
         rel, entry = manifest.manifest_entry(idir, path, ident, cw.checksum, cw.size)
         entries[rel] = entry
@@ -147,6 +169,8 @@ def write_dist_checkpoint(root: str, ckpt: TrainerCheckpoint, *, schedule: str |
     vars(args).update(pipeline_schedule=schedule)
     config = copy.deepcopy(first["config"])
     config.setdefault("pipeline", {}).update(schedule=schedule, layer_split=None)
+    if schedule != first["layout"]["schedule"]:  # the resuming run's own chunk count applies
+        config["pipeline"]["virtual_stages"] = None
     common = {"format": dc.FORMAT, "iteration": int(first["iteration"]), "step": int(st["step"]), "schedule": schedule,
               "layout": {"t": None, "d": None, "w": None, "schedule": schedule, "split": None,
                          "distributed_optimizer": False},

@@ -17,9 +17,10 @@ from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
 from . import bert, gpt
 from .embedding import Embedding
+from ..pipeline.placement import Placement
 from ..pipeline.recompute_policy import RecomputePolicy
 from .transformer import TransformerLayer, apply_recompute
-from .stages import stage_range
+from .stages import chunk_ranges, stage_range
 
 
 @dataclass
@@ -38,11 +39,12 @@ class ModelSpec:
         """Length of the ordered layer list: embedding, transformer layers, head."""
         return self.cfg.num_layers + 2
 
-    def build(self, start: int, end: int) -> list[nn.Module]:
+    def build(self, start: int, end: int, word: nn.Parameter | None = None) -> list[nn.Module]:
         """Layers ``start .. end-1`` of [embedding, L transformer layers, head]; only these are built.
 
-        A head on the same stage as the embedding shares its word-embedding Parameter; on
-        another stage it builds an identical copy (kept tied by the pipeline).
+        A head on the same stage as the embedding shares its word-embedding Parameter (``word``: the
+        embedding's built in another chunk of the rank); on another stage it builds an identical copy (kept
+        tied by the pipeline).
         """
         cfg, gpt_model = self.cfg, self.cfg.kind == "gpt"
         head_cls = gpt.GPTHead if gpt_model else bert.BertHead
@@ -56,13 +58,36 @@ class ModelSpec:
                 layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=gpt_model, rng=self.rng,
                                                kernels=self.kernels))
             else:
-                layers.append(head_cls(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else None))
+                layers.append(head_cls(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else word))
         apply_recompute(layers, self.recompute)
         return layers
 
     def build_stage(self, d: int, r: int) -> list[nn.Module]:
         """Stage ``r`` of ``d`` under this spec's split."""
         return self.build(*self.stage_range(d, r))
+
+    def build_chunks(self, ranges: list[tuple[int, int]]) -> list[list[nn.Module]]:
+        """A rank's model chunks (one layer list per ``stages.chunk_ranges`` range), built separately: a head
+        never shares a Parameter with an embedding of another chunk (the pipeline keeps them tied)."""
+        parts = [self.build(lo, hi) for lo, hi in ranges if not (hi == self.num_items and lo > 0)]
+        heads = [(lo, hi) for lo, hi in ranges if hi == self.num_items and lo > 0]
+        if heads:  # a V: the head's chunk on the embedding's rank shares its word embedding
+            word = next((p[0].word.weight for p, (lo, _) in zip(parts, [r for r in ranges if r not in heads])
+                         if lo == 0), None)
+            built = {heads[0]: self.build(*heads[0], word=word)}
+            it = iter(parts)
+            parts = [built[r] if r in built else next(it) for r in ranges]
+        return parts
+
+    def rank_build(self, d: int, r: int, place: Placement | None = None) -> tuple[Callable[[], list], list[tuple[int, int]]]:
+        """(builder, layer-list ranges by chunk) of pipeline rank ``r``: one chunk, its stage under this spec's
+        split; several (``place``), its virtual stages of the ``place.num_stages`` even ones (interleaved:
+        ``c * d + r``; V: ``r`` and ``2d - 1 - r``), the builder returning one layer list per chunk (what
+        ``PipelineStage`` takes)."""
+        if place is None or place.chunks == 1:
+            return (lambda: self.build_stage(d, r)), [self.stage_range(d, r)]
+        ranges = chunk_ranges(self.cfg.num_layers, place.stages_of(r), place.num_stages)
+        return (lambda: self.build_chunks(ranges)), ranges
 
     def stage_range(self, d: int, r: int) -> tuple[int, int]:
         """Half-open range of layer-list indices of stage ``r`` of ``d`` (``models/stages.py``)."""

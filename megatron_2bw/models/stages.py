@@ -189,3 +189,52 @@ def split_from_args(args: object, num_layers: int) -> Split:
                           last=args.decoder_last_pipeline_num_layers,
                           account_for_embedding=args.account_for_embedding_in_pipeline_split,
                           account_for_loss=args.account_for_loss_in_pipeline_split)
+
+
+# ---- virtual stages (several model chunks per rank: interleaved schedules) ------------------------
+
+VIRTUAL_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size")
+
+
+def virtual_stages(num_layers: int, d: int, *, layers_per_virtual_stage: int | None = None,
+                   virtual_size: int | None = None, split: Split = None) -> int | None:
+    """Model chunks per rank from Megatron's flags (None when neither is given).
+
+    ``--num-layers-per-virtual-pipeline-stage N`` gives v = L / d / N, ``--virtual-pipeline-model-parallel-size
+    V`` gives v = V; they are mutually exclusive (as in Megatron), and the L layers must cut into d * v equal
+    virtual stages (chunk c of rank r is virtual stage c * d + r: layers assigned round-robin)."""
+    a, b = VIRTUAL_FLAGS
+    if layers_per_virtual_stage is not None and virtual_size is not None:
+        raise ConfigError(f"{a} and {b} are mutually exclusive (give one)")
+    if layers_per_virtual_stage is None and virtual_size is None:
+        return None
+    if split is not None:
+        raise ConfigError(f"{a if virtual_size is None else b} needs the even stage split, not uneven stages "
+                          f"({' / '.join(SPLIT_FLAGS[:3])})")
+    if num_layers % d:
+        raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {d}")
+    per_rank = num_layers // d
+    if layers_per_virtual_stage is not None:
+        n = layers_per_virtual_stage
+        if n < 1 or per_rank % n:
+            raise ConfigError(f"{a} {n} must divide the {per_rank} layers of each pipeline stage "
+                              f"(--num-layers {num_layers} / --pipeline-model-parallel-size {d})")
+        return per_rank // n
+    v = virtual_size
+    if v < 1 or per_rank % v:
+        raise ConfigError(f"{b} {v} must divide the {per_rank} layers of each pipeline stage "
+                          f"(--num-layers {num_layers} / --pipeline-model-parallel-size {d})")
+    return v
+
+
+def check_virtual_split(num_layers: int, d: int, chunks: int) -> None:
+    """Refuse (one line) a model that does not cut into ``d * chunks`` equal virtual stages."""
+    if num_layers % (d * chunks):
+        raise ConfigError(f"--num-layers {num_layers} does not cut into {d} pipeline stages x {chunks} model chunks "
+                          "of equal layers (--virtual-pipeline-model-parallel-size)")
+
+
+def chunk_ranges(num_layers: int, stages: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
+    """Half-open layer-list ranges (embedding = 0, head = L + 1) of the virtual ``stages`` a rank holds (by
+    chunk) when the model is cut evenly into ``num_stages`` virtual stages."""
+    return [stage_range(num_layers, num_stages, s) for s in stages]

@@ -6,7 +6,8 @@ must name the expected microbatch; APPLY_UPDATE(t) waits until every stage has r
 (those reductions are collectives across stages).
 
 Beyond deadlock freedom it proves, per stage: every microbatch of the segment is forwarded once and
-backwarded once (forward first, backwards in microbatch order); a schedule that splits its backward
+backwarded once on each of the rank's model chunks (forward first, each chunk's backwards in microbatch
+order; ``in flight`` counts chunk stashes); a schedule that splits its backward
 runs BACKWARD_INPUT (in microbatch order, after the forward) then BACKWARD_WEIGHT of each microbatch
 and never a whole BACKWARD (the others never I or W), sends the gradient only after I, and reduces a
 step only after every W of it; the in-flight count (until a microbatch's B or W) never exceeds
@@ -50,11 +51,12 @@ class CheckReport:
     max_inflight: tuple[int, ...]
     time_slots: float
     max_live_versions: tuple[int, ...] = ()
+    chunks: int = 1  # model chunks per rank: every chunk's FORWARD and BACKWARD is one slot
 
     @property
     def bubble(self) -> float:
         """Idle fraction of a stage over the simulated makespan."""
-        busy = 2 * self.m * self.num_steps
+        busy = 2 * self.m * self.num_steps * self.chunks
         return (self.time_slots - busy) / self.time_slots
 
 
@@ -63,8 +65,18 @@ class _StageRules:
 
     def __init__(self, spec: ScheduleSpec, d: int, r: int, m: int, first_step: int, num_steps: int) -> None:
         self.spec, self.r, self.m, self.first_step, self.num_steps = spec, r, m, first_step, num_steps
-        self.first, self.last = r == 0, r == d - 1
-        self.lo, n_mb = first_step * m, num_steps * m
+        place = spec.placement(d)
+        v = self.v = place.chunks
+        # per chunk: whether its virtual stage is the model's first / last (no RECV_ACT / no RECV_GRAD)
+        self.first = [place.is_first(r, c) for c in range(v)]
+        self.last = [place.is_last(r, c) for c in range(v)]
+        # per chunk: the chunk of this rank its input comes from / its output goes to, where the neighbouring
+        # virtual stage is on the rank itself (a V's turn): a hand-over, no transfer
+        mine = {place.stage(r, c): c for c in range(v)}
+        self.local_in = [mine.get(place.stage(r, c) - 1) if not self.first[c] else None for c in range(v)]
+        self.local_out = [mine.get(place.stage(r, c) + 1) if not self.last[c] else None for c in range(v)]
+        # microbatch actions are indexed j = (mb - lo) * v + chunk
+        self.lo, n_mb = first_step * m, num_steps * m * v
         self.limit = spec.inflight(d, r, m)
         self.versions = [spec.version(t) for t in range(first_step, first_step + num_steps)]
         self.fwd_version = [-1] * n_mb
@@ -75,7 +87,8 @@ class _StageRules:
         self.reduced = bytearray(num_steps)
         self.live: dict[int, int] = {}  # version -> in-flight microbatches using it
         self.newest = first_step  # updates of earlier steps were applied before this segment
-        self.inflight = self.max_inflight = self.next_bwd = 0
+        self.inflight = self.max_inflight = 0
+        self.next_bwd = [0] * v  # per chunk: the next microbatch (from lo) to backward
         self.max_live = 1
         self.check = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.RECV_ACT: self._recv_act,
@@ -87,13 +100,19 @@ class _StageRules:
     def _fail(self, i: int, a: Action, msg: str) -> ScheduleError:
         return ScheduleError(f"stage {self.r} action #{i} {a}: {msg}")
 
+    def _index(self, i: int, a: Action) -> int:
+        """The slot of ``a``'s (microbatch, chunk)."""
+        if not 0 <= a.chunk < self.v:
+            raise self._fail(i, a, f"chunk {a.chunk} outside the schedule's {self.v} chunk(s) per rank")
+        return (a.mb - self.lo) * self.v + a.chunk
+
     def _step(self, i: int, a: Action) -> int:
         """Index of ``a``'s step within the segment, once all of its backwards ran here."""
         s = a.step - self.first_step
         if not 0 <= s < self.num_steps:
             raise self._fail(i, a, f"step outside this segment ({self.first_step}..{self.first_step + self.num_steps - 1})")
-        if self.bwd_per_step[s] != self.m:
-            raise self._fail(i, a, f"only {self.bwd_per_step[s]} of the {self.m} backwards of step {a.step} done")
+        if self.bwd_per_step[s] != self.m * self.v:
+            raise self._fail(i, a, f"only {self.bwd_per_step[s]} of the {self.m * self.v} backwards of step {a.step} done")
         return s
 
     def _count_live(self, i: int, a: Action) -> None:
@@ -105,7 +124,7 @@ class _StageRules:
                 raise self._fail(i, a, f"weight versions {versions} live, the schedule keeps {self.spec.weight_versions}")
 
     def _forward(self, i: int, a: Action) -> None:
-        j, v = a.mb - self.lo, a.version
+        j, v = self._index(i, a), a.version
         if self.fwd_version[j] >= 0:
             raise self._fail(i, a, "microbatch forwarded twice")
         want = self.versions[a.step - self.first_step]
@@ -113,7 +132,11 @@ class _StageRules:
             raise self._fail(i, a, f"forward on W({v}) but microbatch k={a.mb + 1} must use W({want})")
         if v > self.newest:
             raise self._fail(i, a, f"forward on W({v}) before APPLY_UPDATE({v - 1}) on this stage")
-        if not self.first:
+        src = self.local_in[a.chunk]
+        if src is not None:
+            if self.fwd_version[j - a.chunk + src] < 0:
+                raise self._fail(i, a, f"forward before chunk {src} on this rank made its input")
+        elif not self.first[a.chunk]:
             if self.got_act[j] != _RECEIVED:
                 raise self._fail(i, a, "forward without its activations received (RECV_ACT missing)")
             self.got_act[j] = _CONSUMED
@@ -140,7 +163,7 @@ class _StageRules:
     def _backward_weight(self, i: int, a: Action) -> None:
         if not self.spec.split_backward:
             raise self._fail(i, a, f"{self.spec.name} runs whole backwards, not BACKWARD_WEIGHT")
-        j = a.mb - self.lo
+        j = self._index(i, a)
         if not self.done_inp[j]:
             raise self._fail(i, a, "weight gradient before the input gradient (BACKWARD_INPUT)")
         if a.version != self.fwd_version[j]:
@@ -148,27 +171,32 @@ class _StageRules:
         self._weight_grad(i, a)
 
     def _input_grad(self, i: int, a: Action) -> None:
-        """B or I: the input gradient, from the next stage's gradient, in microbatch order."""
-        j = a.mb - self.lo
+        """B or I: the input gradient, from the next stage's gradient, in microbatch order (per chunk)."""
+        j = self._index(i, a)
         v = self.fwd_version[j]
         if v < 0:
             raise self._fail(i, a, "backward before forward")
         if self.done_inp[j]:
             raise self._fail(i, a, "microbatch backwarded twice")
-        if j != self.next_bwd:
-            raise self._fail(i, a, f"backwards out of microbatch order (expected mb {self.lo + self.next_bwd})")
+        c = a.chunk
+        if a.mb - self.lo != self.next_bwd[c]:
+            raise self._fail(i, a, f"backwards out of microbatch order (expected mb {self.lo + self.next_bwd[c]})")
         if a.version != v:
             raise self._fail(i, a, f"backward on W({a.version}) but forward ran on W({v})")
-        if not self.last:
+        dst = self.local_out[c]
+        if dst is not None:
+            if not self.done_inp[j - c + dst]:
+                raise self._fail(i, a, f"backward before chunk {dst} on this rank made its output's gradient")
+        elif not self.last[c]:
             if self.got_grad[j] != _RECEIVED:
                 raise self._fail(i, a, "backward without its gradient received (RECV_GRAD missing)")
             self.got_grad[j] = _CONSUMED
         self.done_inp[j] = 1
-        self.next_bwd += 1
+        self.next_bwd[c] += 1
 
     def _weight_grad(self, i: int, a: Action) -> None:
         """B or W: the step's gradient gets this microbatch's part; its stash is freed."""
-        j = a.mb - self.lo
+        j = self._index(i, a)
         if self.done_bwd[j]:
             raise self._fail(i, a, "weight gradient of the microbatch computed twice")
         v = self.fwd_version[j]
@@ -181,25 +209,25 @@ class _StageRules:
             self.live[v] -= 1
 
     def _recv_act(self, i: int, a: Action) -> None:
-        j = a.mb - self.lo
+        j = self._index(i, a)
         if self.got_act[j] != _NOT_RECEIVED:
             raise self._fail(i, a, "activations received twice")
         self.got_act[j] = _RECEIVED
 
     def _recv_grad(self, i: int, a: Action) -> None:
-        j = a.mb - self.lo
+        j = self._index(i, a)
         if self.got_grad[j] != _NOT_RECEIVED:
             raise self._fail(i, a, "gradient received twice")
         self.got_grad[j] = _RECEIVED
 
     def _send_act(self, i: int, a: Action) -> None:
-        j = a.mb - self.lo
+        j = self._index(i, a)
         if self.fwd_version[j] < 0 or self.sent_act[j]:
             raise self._fail(i, a, "activations sent before the forward or sent twice")
         self.sent_act[j] = 1
 
     def _send_grad(self, i: int, a: Action) -> None:
-        j = a.mb - self.lo
+        j = self._index(i, a)
         if not self.done_inp[j] or self.sent_grad[j]:
             raise self._fail(i, a, "gradient sent before the backward or sent twice")
         self.sent_grad[j] = 1
@@ -222,15 +250,20 @@ class _StageRules:
     def finish(self) -> None:
         """The segment must end drained: everything forwarded, backwarded, sent, used and applied."""
         where = f"stage {self.r} at the end of the segment"
-        if self.next_bwd != len(self.fwd_version) or not all(self.done_bwd):
-            missing = [self.lo + j for j, v in enumerate(self.fwd_version) if v < 0 or not self.done_bwd[j]]
+        v = self.v
+        if sum(self.next_bwd) != len(self.fwd_version) or not all(self.done_bwd):
+            missing = [self.lo + j // v for j, x in enumerate(self.fwd_version) if x < 0 or not self.done_bwd[j]]
             raise ScheduleError(f"{where}: microbatches not forwarded and backwarded: {missing[:8]}")
-        if not self.first and not all(x == _CONSUMED for x in self.got_act):
-            raise ScheduleError(f"{where}: received activations never used")
-        if not self.last and (not all(self.sent_act) or not all(x == _CONSUMED for x in self.got_grad)):
-            raise ScheduleError(f"{where}: activations not sent or gradients not used")
-        if not self.first and not all(self.sent_grad):
-            raise ScheduleError(f"{where}: input gradients not sent back")
+        for c in range(v):
+            mine = slice(c, None, v)  # the chunk's slots
+            gets = not self.first[c] and self.local_in[c] is None  # its input and gradient cross ranks
+            gives = not self.last[c] and self.local_out[c] is None
+            if gets and not all(x == _CONSUMED for x in self.got_act[mine]):
+                raise ScheduleError(f"{where}: received activations never used")
+            if gives and (not all(self.sent_act[mine]) or not all(x == _CONSUMED for x in self.got_grad[mine])):
+                raise ScheduleError(f"{where}: activations not sent or gradients not used")
+            if gets and not all(self.sent_grad[mine]):
+                raise ScheduleError(f"{where}: input gradients not sent back")
         if not all(self.reduced) or self.newest != self.first_step + self.num_steps:
             raise ScheduleError(f"{where}: not drained: applied up to W({self.newest}), reduced {list(self.reduced)}")
 
@@ -247,24 +280,26 @@ def _check_fields(r: int, program: Sequence[Action], m: int, first_step: int, nu
 
 
 def check_actions(
-    schedule: str, d: int, m: int, first_step: int, num_steps: int, stages: Sequence[Sequence[Action]]
+    schedule: str, d: int, m: int, first_step: int, num_steps: int, stages: Sequence[Sequence[Action]],
+    chunks: int | None = None,
 ) -> CheckReport:
     """Check hand-made or generated stage programs (one list per stage) for a drained segment."""
-    validate_pipeline(schedule, d, m)
+    validate_pipeline(schedule, d, m, chunks)
     if first_step < 0 or num_steps < 1:
         raise ConfigError(f"a segment needs first_step >= 0 and num_steps >= 1, got {first_step}, {num_steps}")
     if len(stages) != d:
         raise ScheduleError(f"expected programs for {d} stages, got {len(stages)}")
     for r, program in enumerate(stages):
         _check_fields(r, program, m, first_step, num_steps)
-    spec = get_schedule(schedule)
+    spec = get_schedule(schedule, chunks)
     rules = [_StageRules(spec, d, r, m, first_step, num_steps) for r in range(d)]
-    trace = Replay(stages, timing=Timing.unit(d), rules=rules).run()
+    trace = Replay(stages, timing=Timing.unit(d), rules=rules, placement=spec.placement(d)).run()
     return CheckReport(schedule, d, m, first_step, num_steps, tuple(x.max_inflight for x in rules),
-                       trace.makespan, tuple(x.max_live for x in rules))
+                       trace.makespan, tuple(x.max_live for x in rules), spec.chunks)
 
 
-def check_schedule(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3) -> CheckReport:
+def check_schedule(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3,
+                   chunks: int | None = None) -> CheckReport:
     """Generate every stage's program with :func:`stage_actions` and check them together."""
-    stages = [stage_actions(schedule, d, r, m, first_step, num_steps) for r in range(d)]
-    return check_actions(schedule, d, m, first_step, num_steps, stages)
+    stages = [stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)]
+    return check_actions(schedule, d, m, first_step, num_steps, stages, chunks)

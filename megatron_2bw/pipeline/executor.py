@@ -35,6 +35,7 @@ from .accounting import SavedBytes, StageStats, clock_units
 from .actions import Action, Op
 from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
+from .placement import group_key
 from .schedules import cut_segment, get_schedule, stage_actions
 from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight
 from .transport import SEND_OPS, Transport
@@ -68,6 +69,7 @@ class StashEntry:
     rng: RNGSnapshot | None  # the RNG state before the forward, for recomputation
     nbytes: int  # activation bytes held for the backward
     version: int  # the weight version W(v) the forward ran on
+    chunk: int = 0  # the rank's model chunk the forward ran (interleaved schedules)
     deferred: DeferredWeightGrad | None = None  # a split backward between its I and its W
 
 
@@ -114,19 +116,54 @@ class PipelineStage:
         pipe.check_depth(state.d)
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
         dtype = opt.torch_dtype
-        spec = get_schedule(pipe.schedule)
+        spec = get_schedule(pipe.schedule, pipe.virtual_stages)
+        # Several model chunks per rank (interleaved): ``build`` returns one layer list per chunk; the weights
+        # are one flat buffer over all of them (optimizer, reducer and checkpoints unchanged) and each chunk's
+        # layers run on their own. Chunk c's virtual stage says whether it holds the embedding or the loss.
+        place = self.placement = spec.placement(state.d)
+        self.chunks = place.chunks
+        r = state.pp_rank
+        self._first = [place.is_first(r, c) for c in range(self.chunks)]
+        self._last = [place.is_last(r, c) for c in range(self.chunks)]
+        # where a neighbouring virtual stage is on this rank (a V's turn), the chunk hands over by itself: the
+        # producer's output (SEND_ACT / SEND_GRAD mail) is the consumer's input, with no transfer
+        mine = {place.stage(r, c): c for c in range(self.chunks)}
+        self._local_in = [None if self._first[c] else mine.get(place.stage(r, c) - 1) for c in range(self.chunks)]
+        self._local_out = [None if self._last[c] else mine.get(place.stage(r, c) + 1) for c in range(self.chunks)]
+        state.loss_stage = place.rank(place.num_stages - 1)  # the loss's rank (rank 0 in a V)
+        # the tied word embedding is all-reduced between ranks only where the embedding and the head are apart
+        tied_apart = place.rank(0) != place.rank(place.num_stages - 1)
+        bounds = [0]
+        if self.chunks > 1:
+            parts = build()
+            if len(parts) != self.chunks:
+                raise ValueError(f"the stage builder gave {len(parts)} model chunks, the schedule runs {self.chunks}")
+            for part in parts:
+                bounds.append(bounds[-1] + len(part))
+            layers = [layer for part in parts for layer in part]
+            build = lambda: layers  # noqa: E731  (StageWeights builds from a callable)
         self.weights = StageWeights(
             build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=dtype,
             device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
             grad_dtype=opt.torch_grad_dtype, shards=state.w if opt.use_distributed_optimizer else 1,
             cpu_init=cpu_init,  # the layout-independent CPU path unless the trainer asks for per-partition
         )
-        self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
+        if self.chunks > 1:  # a transfer's peer follows its chunk's virtual stage (rank d-1 feeds rank 0)
+            ranks = state.pipeline_ranks
+            self.transport = Transport(None, None, act_shape, dtype, state.device, mode=pipe.p2p_mode,
+                                       peer_of=lambda a: ranks[place.peer(r, a)], group_key=group_key(place))
+        else:
+            self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device,
+                                       mode=pipe.p2p_mode)
+        # per weight buffer, per chunk: the chunk's layers (views into the one module list)
+        self._chunk_layers = [[slot] if self.chunks == 1 else
+                              [nn.ModuleList(list(slot)[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+                              for slot in self.weights.slots]
         bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(self.weights.grad_dtype).bits * 8
         self.reducer = GradReducer(
             dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
             w=state.w, shared_range=self.weights.shared_range, bucket_numel=bucket,
-            has_embedding_group=state.d > 1 and state.embedding_group is not None, device=state.device,
+            has_embedding_group=state.d > 1 and state.embedding_group is not None and tied_apart, device=state.device,
             shard=ShardLayout(self.weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
         )
         self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer,
@@ -138,10 +175,10 @@ class PipelineStage:
             grad_bytes=self.weights.grad_bytes, optimizer_bytes=self.updater.state_bytes,
         )
         self.step = 0  # updates applied so far: the newest version is W(step)
-        self._stash: dict[int, StashEntry] = {}  # by microbatch, from its forward to its backward
-        # tensors between compute and transfer, by (transfer op, microbatch): received and not yet
+        self._stash: dict[tuple[int, int], StashEntry] = {}  # by (chunk, microbatch), from its forward to its backward
+        # tensors between compute and transfer, by (transfer op, chunk, microbatch): received and not yet
         # consumed (RECV_ACT, RECV_GRAD), or produced and not yet sent (SEND_ACT, SEND_GRAD)
-        self._mail: dict[tuple[Op, int], torch.Tensor] = {}
+        self._mail: dict[tuple[Op, int, int], torch.Tensor] = {}
         # by step: the sum of its microbatch losses, then of each loss component (last stage); on CUDA
         # copied to the host once the step's last forward added its row, read at the update
         self._losses: dict[int, torch.Tensor | _HostCopy] = {}
@@ -165,7 +202,8 @@ class PipelineStage:
         """
         s, first, m = self.state, self.step, self.pipe.num_microbatches
         end = first + num_steps
-        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, first, num_steps)
+        v = self.pipe.virtual_stages
+        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, first, num_steps, v)
         results: list[StepResult] = []
         for layer_list in self.weights.slots:
             layer_list.train()
@@ -193,7 +231,7 @@ class PipelineStage:
                 results.append(self._apply(a.step, lr_fn(a.step), lr_fn(a.step + 1) if predicting else None))
                 stop = on_update(results[-1]) if on_update is not None else None
                 if stop is not None and stop < end:
-                    rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, m, first, actions[:done], stop)
+                    rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, m, first, actions[:done], stop, v)
                     actions, end = actions[:done] + rest, stop
                     self.transport.forget_plan()  # the rest plans its own receives
                     units = self.transport.units(rest)
@@ -216,18 +254,20 @@ class PipelineStage:
         return now
 
     def _transfer(self, unit: Sequence[Action]) -> None:
-        outgoing = {a: self._mail.pop((a.op, a.mb)) for a in unit if a.op in SEND_OPS}
+        outgoing = {a: self._mail.pop((a.op, a.chunk, a.mb)) for a in unit if a.op in SEND_OPS}
         for a, tensor in self.transport.run(unit, outgoing):
-            self._mail[(a.op, a.mb)] = tensor
+            self._mail[(a.op, a.chunk, a.mb)] = tensor
 
     def _forward(self, a: Action, get_batch: Callable[[int], dict]) -> None:
         if self.faults is not None:
             self.faults.before_forward(self.state.rank, a.step)
         self.reducer.wait_slot(self.weights.slot(a.version))  # the distributed optimizer's all-gather of W(v)
-        layers = self.weights.layers(a.version)
+        layers = self._chunk_layers[self.weights.slot(a.version)][a.chunk]
         batch = get_batch(a.mb)
-        x = self._mail.pop((Op.RECV_ACT, a.mb), None)
-        recompute, last = self.pipe.recompute, self.state.is_last_stage
+        src = self._local_in[a.chunk]
+        x = self._mail.pop((Op.RECV_ACT, a.chunk, a.mb), None) if src is None else \
+            self._mail.pop((Op.SEND_ACT, src, a.mb)).detach()
+        recompute, last = self.pipe.recompute, self._last[a.chunk]
         if x is not None and not recompute:
             x.requires_grad_(True)
         snap = RNGSnapshot.capture(self.state.device, self.rng) if recompute else None
@@ -245,8 +285,9 @@ class PipelineStage:
             if self.state.device.type == "cuda" and a.mb % self.pipe.num_microbatches == self.pipe.num_microbatches - 1:
                 self._losses[a.step] = _HostCopy(self._losses[a.step])  # the step's sum is complete
         else:
-            self._mail[(Op.SEND_ACT, a.mb)] = out
-        self._stash[a.mb] = StashEntry(x, None if recompute else (loss if last else out), batch, snap, nbytes, a.version)
+            self._mail[(Op.SEND_ACT, a.chunk, a.mb)] = out
+        self._stash[(a.chunk, a.mb)] = StashEntry(x, None if recompute else (loss if last else out), batch, snap, nbytes,
+                                                  a.version, a.chunk)
         self._account()
 
     def _account(self) -> None:
@@ -264,8 +305,8 @@ class PipelineStage:
         x = entry.input.detach().requires_grad_(True) if entry.input is not None else None
         measure = self.saved.measure() if self.pipe.track_memory else contextlib.nullcontext()
         with measure:
-            out = _run(self.weights.layers(entry.version), entry.batch, x)
-            if self.state.is_last_stage:
+            out = _run(self._chunk_layers[self.weights.slot(entry.version)][entry.chunk], entry.batch, x)
+            if self._last[entry.chunk]:
                 out = loss_parts(self.loss_fn, out, entry.batch)[0]
         if self.pipe.track_memory:
             st = self.stats
@@ -274,18 +315,23 @@ class PipelineStage:
         return x, out
 
     def _backward(self, a: Action, entry: StashEntry | None = None) -> None:
-        entry = self._stash.pop(a.mb) if entry is None else entry
+        entry = self._stash.pop((a.chunk, a.mb)) if entry is None else entry
         w = self.weights
         w.point_grads(w.slot(entry.version), w.grad_buffer(a.step))
         factor = self._loss_factor(a.step)  # fixes the step's loss scale on every stage (the update unscales by it)
         x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
-        if self.state.is_last_stage:
+        if self._last[a.chunk]:
             (out * factor).backward()
         else:
-            torch.autograd.backward(out, self._mail.pop((Op.RECV_GRAD, a.mb)))
-        if not self.state.is_first_stage:
-            self._mail[(Op.SEND_GRAD, a.mb)] = x.grad
+            torch.autograd.backward(out, self._output_grad(a))
+        if not self._first[a.chunk]:
+            self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = x.grad
         self._account()
+
+    def _output_grad(self, a: Action) -> torch.Tensor:
+        """The gradient of chunk ``a.chunk``'s output: received, or handed over by the next chunk on this rank."""
+        dst = self._local_out[a.chunk]
+        return self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb) if dst is None else (Op.SEND_GRAD, dst, a.mb))
 
     def _loss_factor(self, step: int) -> float:
         """What the last stage's loss is scaled by for backward: the step's loss scale (one for the whole
@@ -295,18 +341,18 @@ class PipelineStage:
     def _backward_input(self, a: Action) -> None:
         """The input-gradient half of a split backward (:mod:`.split_backward`): recompute if the stage
         recomputes, send the input's gradient on, keep the graph and the first-use gradients for W. The
-        first stage sends nothing: its W runs the whole backward."""
+        first stage (chunk 0 of rank 0) sends nothing: its W runs the whole backward."""
         factor = self._loss_factor(a.step)  # fixes the step's loss scale on every stage, as a whole backward does
-        if self.state.is_first_stage:
+        if self._first[a.chunk]:
             return
-        entry = self._stash[a.mb]
+        entry = self._stash[(a.chunk, a.mb)]
         x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
-        if self.state.is_last_stage:
+        if self._last[a.chunk]:
             out, grad = out * factor, None
         else:
-            grad = self._mail.pop((Op.RECV_GRAD, a.mb))
+            grad = self._output_grad(a)
         dx, entry.deferred = backward_input(out, grad, x, self._accumulators(entry.version))
-        self._mail[(Op.SEND_GRAD, a.mb)] = dx
+        self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = dx
         # W holds the graph (every saved activation, recomputed ones included) and the caught gradients
         held = entry.nbytes + entry.deferred.nbytes
         if entry.rng is not None and self.pipe.track_memory:
@@ -317,7 +363,7 @@ class PipelineStage:
 
     def _backward_weight(self, a: Action) -> None:
         """The weight-gradient half: into the step's gradient buffer, as a whole backward would add them."""
-        entry = self._stash.pop(a.mb)
+        entry = self._stash.pop((a.chunk, a.mb))
         if entry.deferred is None:  # the first stage: the whole backward
             self._backward(a, entry)
             return
@@ -376,17 +422,25 @@ class PipelineStage:
         layers = self.newest_layers
         layers.eval()
         total = None
-        for i in range(num_microbatches):
+        chunks = self._chunk_layers[self.weights.slot(self.step)]
+        # microbatch by microbatch through every chunk in turn: each rank's transfers then come in the order its
+        # peers issue theirs, which NCCL's in-order matching needs on the ring of chunks (rank d-1 feeds rank 0)
+        handed: dict[int, torch.Tensor] = {}  # a chunk's output that the next chunk on this rank takes (a V)
+        for i, c in ((i, c) for i in range(num_microbatches) for c in range(self.chunks)):
             batch = get_batch(i)
-            x = None if self.state.is_first_stage else self.transport.recv(Action(Op.RECV_ACT, i))
-            out = _run(layers, batch, x)
-            if self.state.is_last_stage:
+            src = self._local_in[c]
+            x = None if self._first[c] else handed.pop(src) if src is not None else \
+                self.transport.recv(Action(Op.RECV_ACT, i, chunk=c))
+            out = _run(chunks[c], batch, x)
+            if self._last[c]:
                 loss, comps = loss_parts(self.loss_fn, out, batch)
                 row = _loss_row(loss, comps)
                 total = row if total is None else total + row
                 self._loss_keys = tuple(comps)
+            elif self._local_out[c] is not None:
+                handed[c] = out
             else:
-                self.transport.send(Action(Op.SEND_ACT, i), out)
+                self.transport.send(Action(Op.SEND_ACT, i, chunk=c), out)
         self.transport.drain()
         layers.train()
         return self._means(total, num_microbatches)

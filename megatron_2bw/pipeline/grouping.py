@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from .actions import TRANSFERS, Action, Op
+from .placement import Placement
 from .replay import Rendezvous, Replay, ScheduleError
-from .schedules import stage_actions, validate_pipeline
+from .schedules import get_schedule, stage_actions, validate_pipeline
 
 __all__ = ["COMM_OPS", "ScheduleError", "check_grouped", "check_grouped_actions", "comm_groups", "peer_offset"]
 
@@ -35,11 +36,14 @@ def peer_offset(op: Op) -> int:
     return TRANSFERS[op][0]
 
 
-def comm_groups(actions: Sequence[Action]) -> dict[int, int]:
+def comm_groups(actions: Sequence[Action], peer: Callable[[Action], object] | None = None) -> dict[int, int]:
     """``{start: end}`` for every maximal run ``actions[start:end]`` of transfers with one peer.
 
-    Transfers that are adjacent in the list but go to different peers form separate groups.
+    Transfers that are adjacent in the list but go to different peers form separate groups. ``peer``
+    names a transfer's peer (a rank: :meth:`~.placement.Placement.peer`, where chunks make it depend on the
+    action); by default the stage offset of its op.
     """
+    key = peer or (lambda a: peer_offset(a.op))
     groups: dict[int, int] = {}
     i, n = 0, len(actions)
     while i < n:
@@ -47,8 +51,8 @@ def comm_groups(actions: Sequence[Action]) -> dict[int, int]:
         if op not in COMM_OPS:
             i += 1
             continue
-        j = i + 1
-        while j < n and actions[j].op in COMM_OPS and peer_offset(actions[j].op) == peer_offset(op):
+        j, mine = i + 1, key(actions[i])
+        while j < n and actions[j].op in COMM_OPS and key(actions[j]) == mine:
             j += 1
         groups[i] = j
         i = j
@@ -56,7 +60,8 @@ def comm_groups(actions: Sequence[Action]) -> dict[int, int]:
 
 
 def check_grouped_actions(
-    stages: Sequence[Sequence[Action]], groups_of: Callable[[Sequence[Action]], dict[int, int]] = comm_groups,
+    stages: Sequence[Sequence[Action]], groups_of: Callable[..., dict[int, int]] = comm_groups,
+    placement: Placement | None = None,
 ) -> None:
     """Replay all stages with grouped transfers (:class:`~.replay.Rendezvous`); raise
     :class:`ScheduleError` on a deadlock.
@@ -68,10 +73,13 @@ def check_grouped_actions(
     waits until every stage ran ``REDUCE_GRADS(t)`` (those reductions are collectives).
     ``groups_of`` cuts a program into groups (tests pass other cuttings to show they deadlock).
     """
-    Replay(stages, channel=Rendezvous(groups_of)).run()
+    Replay(stages, channel=Rendezvous(groups_of), placement=placement).run()
 
 
-def check_grouped(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3) -> None:
+def check_grouped(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3,
+                  chunks: int | None = None) -> None:
     """:func:`check_grouped_actions` on the generated programs of every stage."""
-    validate_pipeline(schedule, d, m)
-    check_grouped_actions([stage_actions(schedule, d, r, m, first_step, num_steps) for r in range(d)])
+    validate_pipeline(schedule, d, m, chunks)
+    place = get_schedule(schedule, chunks).placement(d)
+    check_grouped_actions([stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)],
+                          placement=place)

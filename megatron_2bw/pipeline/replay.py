@@ -17,6 +17,11 @@ message occupies its link after the later of its send and the link's previous me
 chain of step t is done for every stage at ``max_r(launch_r + reduce_s_r) + collective_s``, chains
 finishing in step order; an update starts when its chain is done.
 
+Programs whose ranks hold several model chunks (``Action.chunk``) name each transfer's peer through the
+:class:`~.placement.Placement` given (by default one chunk per rank: stage ``r`` on rank ``r``), and a
+message is matched by what it carries (the sending virtual stage and the microbatch), so a link between
+two ranks may carry several chunks' messages (interleaved: rank d-1 to rank 0 for the next chunk).
+
 Rules (the checker's semantics) plug in per stage: ``check[op](i, action)`` runs once before each action
 and ``finish()`` when the stage's program ends; both raise to refuse the program.
 """
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .actions import TRANSFERS, Action, Op
+from .placement import Placement, group_key
 
 BLOCKED = -1  # a handler's answer when the stage must wait
 
@@ -111,10 +117,13 @@ class Replay:
     def __init__(
         self, programs: Sequence[Sequence[Action]], *, channel: Fifo | Rendezvous | None = None,
         timing: Timing | None = None, rules: Sequence[StageRules] | None = None,
-        error: type[Exception] = ScheduleError,
+        error: type[Exception] = ScheduleError, placement: Placement | None = None,
     ) -> None:
         self.programs = [p if isinstance(p, (list, tuple)) else list(p) for p in programs]
         d = self.d = len(self.programs)
+        self.placement = placement or Placement(d)
+        if self.placement.d != d:
+            raise ValueError(f"a placement of {self.placement.d} ranks for {d} programs")
         self.timing = timing or Timing.unit(d)
         self.forward_s, self.backward_s = list(self.timing.forward_s), list(self.timing.backward_s)
         self.input_s, self.weight_s = self.timing.split()
@@ -146,6 +155,16 @@ class Replay:
         """The handler of a transfer towards a stage that does not exist."""
         raise self.fail(r, i, a, _NO_PEER[a.op])
 
+    def peer(self, r: int, i: int, a: Action) -> int:
+        """The rank transfer ``a`` of stage ``r`` talks to; refuses a missing neighbour or a chunk off the layout."""
+        place = self.placement
+        if not 0 <= a.chunk < place.chunks:
+            raise self.fail(r, i, a, f"chunk {a.chunk} outside the layout's {place.chunks} chunk(s) per rank")
+        p = place.peer(r, a)
+        if p is None:
+            self.no_peer(r, i, a)
+        return p
+
     def run(self) -> Trace:
         """Run to the end; the error names every stuck stage or the messages never received."""
         ready = self.ready
@@ -157,7 +176,7 @@ class Replay:
             raise self.error(f"{self.channel.deadlock}: {where}")
         left = self.channel.leftover()
         if left is not None:
-            raise self.error(f"messages between stages {left} and {left + 1} were never received")
+            raise self.error(f"messages from stage {left[0]} to stage {left[1]} were never received")
         return Trace(self.end, self.update_start)
 
     def _advance(self, r: int) -> None:
@@ -227,74 +246,108 @@ class Replay:
 
 
 class _Link:
-    """One boundary in one direction: queued (microbatch, arrival), when it is next free, and
-    whether its receiver is blocked on it; ``send``/``recv`` are the handlers of its two ends."""
+    """Messages of one kind from one rank to another: queued (message, arrival), when the link is next
+    free, and whether its receiver is blocked on it; ``send``/``recv`` are the handlers of its two ends."""
 
     __slots__ = ("replay", "sender", "receiver", "what", "queue", "free", "waiting", "transfer_s", "latency_s")
 
     def __init__(self, replay: Replay, sender: int, receiver: int, what: str) -> None:
-        boundary = min(sender, receiver)
+        d = replay.d
+        # the boundary's costs; a wrap-around link (rank d-1 to rank 0, interleaved) costs like boundary d-2
+        boundary = min(sender, receiver, d - 2) if abs(sender - receiver) == 1 else d - 2
         self.replay, self.sender, self.receiver, self.what = replay, sender, receiver, what
-        self.queue: deque[tuple[int, float]] = deque()
+        self.queue: deque[tuple[object, float]] = deque()
         self.free, self.waiting = 0.0, False
         self.transfer_s, self.latency_s = replay.timing.transfer_s[boundary], replay.timing.latency_s[boundary]
 
-    def send(self, r: int, i: int, a: Action) -> int:
+    def send(self, r: int, i: int, a: Action, key: object) -> int:
         """Queue the message after the later of now and the link's previous message."""
         rp = self.replay
         now = rp.clock[r]
         self.free = (now if now > self.free else self.free) + self.transfer_s
-        self.queue.append((a.mb, self.free + self.latency_s))
+        self.queue.append((key, self.free + self.latency_s))
         if self.waiting:
             self.waiting = False
             rp.ready.append(self.receiver)
         rp.end[r][i] = now
         return i + 1
 
-    def recv(self, r: int, i: int, a: Action) -> int:
-        """Take the head message, which must be ``a``'s microbatch; the wait ends at its arrival."""
+    def recv(self, r: int, i: int, a: Action, key: object) -> int:
+        """Take the head message, which must be ``key`` (``a``'s); the wait ends at its arrival."""
         if not self.queue:
             self.waiting = True
             return BLOCKED
         rp = self.replay
-        mb, arrival = self.queue[0]
-        if mb != a.mb:
-            raise rp.fail(r, i, a, f"mismatched order: stage {self.sender} sent the {self.what} of microbatch {mb} first")
+        head, arrival = self.queue[0]
+        if head != key:
+            got = head if isinstance(head, int) else f"{head[2]} of virtual stage {head[1]}"
+            raise rp.fail(r, i, a, f"mismatched order: stage {self.sender} sent the {self.what} of microbatch {got} first")
         self.queue.popleft()
         now = rp.clock[r]
         rp.end[r][i] = rp.clock[r] = arrival if arrival > now else now
         return i + 1
 
 
+_ACT_KIND = frozenset({Op.SEND_ACT, Op.RECV_ACT})
+
+
 class Fifo:
-    """Sends never block; each boundary (between stages b and b + 1) and direction is a FIFO queue."""
+    """Sends never block; each (sender rank, receiver rank, kind) is a FIFO queue (one chunk per rank:
+    each boundary between stages b and b + 1 and direction)."""
 
     deadlock = "deadlock"
 
     def attach(self, replay: Replay) -> None:
-        self.acts = [_Link(replay, b, b + 1, "activations") for b in range(replay.d - 1)]
-        self.grads = [_Link(replay, b + 1, b, "gradient") for b in range(replay.d - 1)]
         self.replay = replay
+        self.links: dict[tuple[int, int, bool], _Link] = {}
+        if replay.placement.chunks == 1:  # the plain pipeline's links, in boundary order
+            for b in range(replay.d - 1):
+                self._link(b, b + 1, True)
+            for b in range(replay.d - 1):
+                self._link(b + 1, b, False)
+
+    def _link(self, sender: int, receiver: int, acts: bool) -> _Link:
+        link = self.links.get((sender, receiver, acts))
+        if link is None:
+            link = self.links[(sender, receiver, acts)] = _Link(
+                self.replay, sender, receiver, "activations" if acts else "gradient")
+        return link
 
     def handlers(self, r: int) -> dict[Op, Handler]:
         """Stage ``r``'s transfers bound to its links (a missing neighbour refuses them)."""
-        no = self.replay.no_peer
-        first, last = r == 0, r == self.replay.d - 1
-        return {
-            Op.SEND_ACT: no if last else self.acts[r].send, Op.RECV_GRAD: no if last else self.grads[r].recv,
-            Op.RECV_ACT: no if first else self.acts[r - 1].recv, Op.SEND_GRAD: no if first else self.grads[r - 1].send,
-        }
+        rp = self.replay
+        if rp.placement.chunks == 1:  # fast path: one link per op, the message is the microbatch
+            def bound(op: Op) -> Handler:
+                p = r + TRANSFERS[op][0]
+                if not 0 <= p < rp.d:
+                    return rp.no_peer
+                acts = op in _ACT_KIND
+                link = self._link(r, p, acts) if op in (Op.SEND_ACT, Op.SEND_GRAD) else self._link(p, r, acts)
+                end = link.send if op in (Op.SEND_ACT, Op.SEND_GRAD) else link.recv
+                return lambda r_, i, a: end(r_, i, a, a.mb)
+            return {op: bound(op) for op in TRANSFERS}
+        return dict.fromkeys(TRANSFERS, self._chunked)
 
-    def leftover(self) -> int | None:
-        """The first boundary with a message nobody received."""
-        return next((b for b in range(len(self.acts)) if self.acts[b].queue or self.grads[b].queue), None)
+    def _chunked(self, r: int, i: int, a: Action) -> int:
+        """A transfer of a chunked layout: the link follows the chunk's virtual stage."""
+        rp = self.replay
+        p = rp.peer(r, i, a)
+        key = rp.placement.message(r, a)
+        if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+            return self._link(r, p, key[0]).send(r, i, a, key)
+        return self._link(p, r, key[0]).recv(r, i, a, key)
+
+    def leftover(self) -> tuple[int, int] | None:
+        """(sender, receiver) of the first link with a message nobody received."""
+        return next(((link.sender, link.receiver) for link in self.links.values() if link.queue), None)
 
 
 class Rendezvous:
     """Transfers in issue order, each run with one peer issued as one group (an NCCL group).
 
-    ``groups_of(program)`` gives ``{start: end}`` for every group; a group is done once every op in
-    it met its counterpart (same microbatch) in the group the peer has posted and waits on.
+    ``groups_of(program)`` gives ``{start: end}`` for every group (with chunks, ``groups_of(program, peer=...)``
+    with each transfer's peer rank); a group is done once every op in it met its counterpart (same
+    message) in the group the peer has posted and waits on.
     """
 
     deadlock = "grouped transfers deadlock"
@@ -304,7 +357,11 @@ class Rendezvous:
 
     def attach(self, replay: Replay) -> None:
         self.replay = replay
-        self.groups = [self.groups_of(p) for p in replay.programs]
+        key = group_key(replay.placement)
+        if key is None:
+            self.groups = [self.groups_of(p) for p in replay.programs]
+        else:  # several chunks: each round's run of transfers is one group
+            self.groups = [self.groups_of(p, peer=key) for p in replay.programs]
         self.pending: list[set[tuple[Op, int]] | None] = [None] * replay.d  # the posted group's open ops
         self.done_at = [0.0] * replay.d  # when its last op met its counterpart
 
@@ -331,27 +388,22 @@ class Rendezvous:
         """Match the group's ops against the peer's posted group; wake the peer if that completes it."""
         rp = self.replay
         acts = rp.programs[r][i:end]
-        peers = {self._peer(r, i + k, x) for k, x in enumerate(acts)}
-        mine = {(x.op, x.mb) for x in acts}
+        peers = {rp.peer(r, i + k, x) for k, x in enumerate(acts)}
+        place = rp.placement
+        mine = {(x.op, place.message(r, x)) for x in acts}  # the message identifies the chunk's virtual stage
         self.pending[r], self.done_at[r] = mine, rp.clock[r]
         for p in peers:
             theirs = self.pending[p]
             if not theirs:
                 continue
-            for op, mb in list(mine):
-                if (TRANSFERS[op][1], mb) in theirs:
-                    mine.discard((op, mb))
-                    theirs.discard((TRANSFERS[op][1], mb))
+            for op, msg in list(mine):
+                if (TRANSFERS[op][1], msg) in theirs:
+                    mine.discard((op, msg))
+                    theirs.discard((TRANSFERS[op][1], msg))
                     met = max(rp.clock[r], self.done_at[p])
                     self.done_at[r], self.done_at[p] = max(self.done_at[r], met), max(self.done_at[p], met)
             if not theirs:
                 rp.ready.append(p)
 
-    def _peer(self, r: int, i: int, a: Action) -> int:
-        p = r + TRANSFERS[a.op][0]
-        if not 0 <= p < self.replay.d:
-            self.replay.no_peer(r, i, a)
-        return p
-
-    def leftover(self) -> int | None:
+    def leftover(self) -> tuple[int, int] | None:
         return None

@@ -17,29 +17,33 @@ in BACKWARD(j)'s place, between the same transfers, and BACKWARD_WEIGHT(j) on it
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from .actions import Action, Op
+from .placement import Placement
 from .replay import Replay, Timing
 
 Order = list[tuple[bool, int]]  # (is_forward, microbatch) in the order a stage runs them
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _fragment(forward: bool, mb: int, step: int, version: int, has_prev: bool, has_next: bool) -> tuple[Action, ...]:
+def _fragment(forward: bool, mb: int, step: int, version: int, has_prev: bool, has_next: bool,
+              chunk: int = 0) -> tuple[Action, ...]:
     """One compute action with the point-to-point communication wrapped around it.
 
     Interned: every stage (and every (d, m) with the same m) shares these immutable
     objects, which keeps generating all schedules for the exhaustive checker cheap.
+    ``has_prev``/``has_next``: whether the chunk's virtual stage has a stage before / after it.
     """
+    c = chunk
     if forward:
-        recv = (Action(Op.RECV_ACT, mb, step),) if has_prev else ()
-        send = (Action(Op.SEND_ACT, mb, step),) if has_next else ()
-        return (*recv, Action(Op.FORWARD, mb, step, version), *send)
-    recv = (Action(Op.RECV_GRAD, mb, step),) if has_next else ()
-    send = (Action(Op.SEND_GRAD, mb, step),) if has_prev else ()
-    return (*recv, Action(Op.BACKWARD, mb, step, version), *send)
+        recv = (Action(Op.RECV_ACT, mb, step, chunk=c),) if has_prev else ()
+        send = (Action(Op.SEND_ACT, mb, step, chunk=c),) if has_next else ()
+        return (*recv, Action(Op.FORWARD, mb, step, version, c), *send)
+    recv = (Action(Op.RECV_GRAD, mb, step, chunk=c),) if has_next else ()
+    send = (Action(Op.SEND_GRAD, mb, step, chunk=c),) if has_prev else ()
+    return (*recv, Action(Op.BACKWARD, mb, step, version, c), *send)
 
 
 def _one_f_one_b(lo: int, count: int, warmup: int) -> Order:
@@ -85,7 +89,7 @@ class ScheduleSpec:
         """Ideal idle fraction per step with equal-cost microbatches: a fill and a drain every step."""
         return (d - 1) / (m + d - 1)
 
-    def bubble_slots(self, d: int) -> int:
+    def bubble_slots(self, d: int) -> float:
         """Extra microbatch slots per step: the fill and the drain."""
         return d - 1
 
@@ -100,6 +104,22 @@ class ScheduleSpec:
         """Most microbatches stage ``r`` holds input-gradient-done but weight-gradient-pending (their
         layer inputs and output gradients stay alive until W): 0 unless the backward is split."""
         return 0
+
+    def placement(self, d: int) -> Placement:
+        """Which rank holds which virtual stage at depth ``d`` (one chunk: stage ``r`` on rank ``r``)."""
+        return Placement(d, self.chunks)
+
+    def with_chunks(self, chunks: int | None) -> ScheduleSpec:
+        """This schedule with ``chunks`` model chunks per rank (None: its own); only schedules built for
+        virtual stages take another count."""
+        if chunks is None or chunks == self.chunks:
+            return self
+        raise ConfigError(f"pipeline schedule {self.name} runs {self.chunks} model chunk(s) per rank, not {chunks} "
+                          "(--virtual-pipeline-model-parallel-size needs --pipeline-schedule interleaved-1f1b)")
+
+    def check_layout(self, d: int, m: int) -> None:
+        """Refuse (one line) a depth / microbatch count the schedule's own rules exclude (beyond
+        :meth:`min_microbatches`): nothing by default."""
 
     def version(self, step: int) -> int:
         """The weight version W(v) every microbatch of ``step`` runs on (forward and backward)."""
@@ -195,6 +215,101 @@ class _TwoBW(ScheduleSpec):
         return out
 
 
+@dataclass(frozen=True)
+class _Interleaved(ScheduleSpec):
+    """Interleaved 1F1B (Narayanan et al. 2021; Megatron-Core's and ``torch.distributed.pipelining``'s
+    ``ScheduleInterleaved1F1B``): each rank holds ``chunks`` = v model chunks, chunk c of rank r being
+    virtual stage c*d + r, and flushes every step (one weight version, no stale gradient).
+
+    The order is Megatron's (and torch's when m is a multiple of d, which Megatron requires): the k-th
+    forward of every rank is chunk ``(k // d) % v`` of microbatch ``(k // (d*v)) * d + k % d`` (groups of d
+    microbatches go through one chunk, then the next: depth first), the k-th backward the same with the
+    chunks reversed; rank r runs ``(v-1)*d + 2*(d-1-r)`` warm-up forwards, then one forward and one
+    backward alternately, then the remaining backwards. Ideal bubble: the 1F1B fill and drain of
+    (d - 1) slots shrink v-fold, since a slot is one chunk's work: ``(d-1) / (v*m)`` of the step's work.
+
+    **Units.** :meth:`inflight` counts stashes of *one chunk's* activations (a chunk holds 1/v of the rank's
+    layers), as the executor's stash and the checker count them; in whole-rank microbatches (what
+    :meth:`ScheduleSpec.inflight` means for the one-chunk schedules) that is ``inflight / v``: rank 0 holds
+    ``min((v-1)*d + 2*(d-1) + 1, v*m)`` chunk stashes, ``d + (d-1)/v`` whole-rank microbatches when m is
+    large, against 1F1B's ``d`` (Megatron's "interleaving needs more activation memory").
+    """
+
+    chunks: int = 2
+
+    def min_microbatches(self, d: int) -> int:
+        return d
+
+    def check_layout(self, d: int, m: int) -> None:
+        if d < 2:
+            raise ConfigError("interleaved-1f1b needs --pipeline-model-parallel-size >= 2 (with one stage there is "
+                              "nothing to interleave)")
+        if m % d:
+            raise ConfigError(f"interleaved-1f1b needs the microbatches per step to be a multiple of the pipeline "
+                              f"depth (as Megatron requires): m={m}, d={d}")
+
+    def with_chunks(self, chunks: int | None) -> ScheduleSpec:
+        if chunks is None or chunks == self.chunks:
+            return self
+        if chunks < 1:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1, got {chunks}")
+        return replace(self, chunks=chunks)
+
+    def warmup(self, d: int, r: int, m: int) -> int:
+        """Forwards rank ``r`` runs before its first backward (Megatron's ``num_warmup_microbatches``)."""
+        return min((self.chunks - 1) * d + 2 * (d - 1 - r), self.chunks * m)
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        """Most chunk-activation stashes rank ``r`` holds at once (see the class docstring for the unit)."""
+        return min(self.warmup(d, r, m) + 1, self.chunks * m)
+
+    def bubble(self, d: int, m: int) -> float:
+        """Idle fraction of the step: (d - 1) chunk slots of fill and drain beside v*m; relative to the
+        work alone that is the paper's ``(d - 1) / (v * m)``."""
+        return (d - 1) / (self.chunks * m + d - 1)
+
+    def bubble_slots(self, d: int) -> float:
+        """In whole-rank microbatch slots: (d - 1) chunk slots are ``(d - 1) / v`` of them."""
+        return (d - 1) / self.chunks
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """(d - 1) slots of one chunk's forward and backward: ``(d - 1) * (f + b + w) / v``."""
+        return (d - 1) * (f + b + w) / self.chunks
+
+    def order_chunks(self, d: int, r: int, lo: int, m: int) -> list[tuple[bool, int, int]]:
+        """(is_forward, chunk, microbatch) of rank ``r`` over the step's microbatches ``lo .. lo+m-1``."""
+        return [(op is Op.FORWARD, c, j) for rnd in self.rounds(d, r, lo, m) for op, c, j in rnd]
+
+    def rounds(self, d: int, r: int, lo: int, m: int) -> list[Round]:
+        """The order cut where Megatron communicates: one forward per warm-up round, a forward and a
+        backward per steady round, one backward per cool-down round."""
+        v = self.chunks
+        total, warm = v * m, self.warmup(d, r, m)
+
+        def fwd(k: int) -> tuple[Op, int, int]:
+            return Op.FORWARD, (k // d) % v, lo + (k // (d * v)) * d + k % d
+
+        def bwd(k: int) -> tuple[Op, int, int]:
+            return Op.BACKWARD, v - 1 - (k // d) % v, lo + (k // (d * v)) * d + k % d
+
+        out = [(fwd(k),) for k in range(warm)]
+        out.extend((fwd(warm + k), bwd(k)) for k in range(total - warm))
+        out.extend((bwd(k),) for k in range(total - warm, total))
+        return out
+
+    def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        """Each step fills, drains, reduces and applies on its own, like Flush; its transfers are placed
+        in rounds (:func:`lower_rounds`)."""
+        rounds = lower_rounds(self.placement(d), tuple(tuple(self.rounds(d, q, 0, m)) for q in range(d)))[r]
+        out: list[Action] = []
+        for t in range(first_step, first_step + num_steps):
+            v, lo = self.version(t), t * m
+            out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
+            out.append(Action(Op.REDUCE_GRADS, step=t))
+            out.append(Action(Op.APPLY_UPDATE, step=t))
+        return out
+
+
 SplitOrder = list[tuple[Op, int]]  # (FORWARD, BACKWARD_INPUT or BACKWARD_WEIGHT, microbatch of the step)
 
 
@@ -279,6 +394,84 @@ class _ZeroBubble(ScheduleSpec):
         return out
 
 
+_COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
+Round = tuple[tuple[Op, int, int], ...]  # (compute op, chunk, microbatch) computes a rank runs, then communicates
+_GRAD = frozenset({Op.BACKWARD, Op.BACKWARD_INPUT})  # the computes that make the input gradient
+
+
+@functools.lru_cache(maxsize=1024)
+def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tuple[tuple[tuple[Op, int, int], ...], ...]:
+    """Every rank's (op, chunk, microbatch) program for one step of compute ``rounds`` (per rank, in order),
+    with the transfers placed between the rounds: the lowering pass that makes a multi-chunk order a program.
+
+    With several chunks the ranks form a ring (rank d-1 feeds rank 0 the next chunk), where the one-chunk
+    convention (each transfer next to its compute, each run of transfers with one peer one NCCL group)
+    deadlocks under NCCL's in-order matching: every rank can sit in a send to its previous rank that no
+    one receives. Here each round gets a slot, the earliest after the rank's previous round and after every
+    compute it needs on a neighbouring virtual stage; after slot k every rank runs its transfers of slot k
+    as one run: the sends of its slot-k computes, then the receives of what its neighbours computed in slot
+    k for it (Megatron's ``send_forward_backward_recv_forward_backward``: both directions in one group).
+    The ranks' slot-k runs match among themselves, so they complete slot after slot under gloo's queues
+    and NCCL's rendezvous alike (the checker proves it for every layout), and every input arrives at least
+    a slot before its compute, waiting in the executor's mail until then. Megatron-like rounds (a forward
+    and a backward each in the steady state) keep the slots of all ranks equally long.
+    """
+    d, last = place.d, place.num_stages - 1
+
+    def kind(op: Op) -> int:  # 0: forward, 1: input gradient (B or I), 2: weight gradient (W)
+        return 0 if op is Op.FORWARD else 1 if op in _GRAD else 2
+
+    def dep(op: Op, s: int) -> int | None:
+        """The virtual stage whose compute this one needs (W needs only its own I, earlier on the rank)."""
+        if op is Op.FORWARD:
+            return s - 1 if s > 0 else None
+        return s + 1 if op in _GRAD and s < last else None
+
+    slot: dict[tuple[int, int, int], int] = {}  # (virtual stage, kind, microbatch) -> its slot
+    pc, free = [0] * d, [0] * d
+    progress = True
+    while progress:
+        progress = False
+        for r in range(d):
+            while pc[r] < len(rounds[r]):
+                deps = [(x, kind(op), j) for op, c, j in rounds[r][pc[r]]
+                        if (x := dep(op, place.stage(r, c))) is not None]
+                if any(x not in slot for x in deps):
+                    break
+                k = max([free[r]] + [slot[x] + 1 for x in deps])
+                for op, c, j in rounds[r][pc[r]]:
+                    slot[(place.stage(r, c), kind(op), j)] = k
+                free[r], pc[r], progress = k + 1, pc[r] + 1, True
+    if any(pc[r] < len(rounds[r]) for r in range(d)):
+        raise RuntimeError(f"compute orders wait on each other: ranks stopped at rounds {pc}")
+    span = max(slot.values()) + 1
+    programs: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
+    sends: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
+    recvs: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
+    for r in range(d):
+        for rnd in rounds[r]:
+            op0, c0, j0 = rnd[0]
+            k = slot[(place.stage(r, c0), kind(op0), j0)]
+            programs[r][k].extend(rnd)
+            for op, c, j in rnd:
+                s = place.stage(r, c)
+                to = (s + 1 if s < last else None) if op is Op.FORWARD else (s - 1 if s > 0 else None) \
+                    if op in _GRAD else None
+                if to is None or place.rank(to) == r:  # the model's end, a W, or a hand-over on the rank itself
+                    continue
+                sends[r][k].append((Op.SEND_ACT if op is Op.FORWARD else Op.SEND_GRAD, c, j))
+                recvs[place.rank(to)][k].append((Op.RECV_ACT if op is Op.FORWARD else Op.RECV_GRAD, place.chunk(to), j))
+    out = []
+    for r in range(d):
+        prog: list[tuple[Op, int, int]] = []
+        for k in range(span):
+            prog.extend(programs[r][k])
+            prog.extend(sends[r][k])
+            prog.extend(sorted(recvs[r][k], key=lambda x: (x[0] is Op.RECV_GRAD, x[1], x[2])))
+        out.append(tuple(prog))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class _ZBH1(_ZeroBubble):
     """ZB-H1: 1F1B's warm-up (d - r - 1 forwards) and steady F, I pairs; stage r defers each W by r
@@ -309,7 +502,9 @@ def _replayed_bubble(name: str, d: int, m: int, f: float, b: float, w: float) ->
     programs = [stage_actions(name, d, r, m, 0, 1) for r in range(d)]
     zeros = (0.0,) * d
     timing = Timing((f,) * d, (b + w,) * d, zeros, zeros, zeros, zeros, zeros, input_s=(b,) * d, weight_s=(w,) * d)
-    return max(Replay(programs, timing=timing).run().makespan - m * (f + b + w), 0.0)
+    spec = get_schedule(name)
+    work = m * spec.chunks * (f + b + w)  # every chunk's share
+    return max(Replay(programs, timing=timing, placement=spec.placement(d)).run().makespan - work, 0.0)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -378,51 +573,152 @@ def _greedy_orders(d: int, m: int, limit: int) -> tuple[SplitOrder, ...]:
     return tuple(orders)
 
 
+@dataclass(frozen=True)
+class _ZBV(_ZeroBubble):
+    """ZB-V (Qi et al. 2024, section 6; torch's ``ScheduleZBVZeroBubble`` order): two chunks per rank in a V,
+    chunk 0 of rank r is virtual stage r, chunk 1 is 2d - 1 - r, so rank d-1 hands its chunk 0's output to its
+    chunk 1 itself and rank 0 holds both the embedding and the head (the tied embedding is local there);
+    split backward, W deferred into the bubbles, one weight version, a flush per step. Needs m >= 2d - 1
+    (rank 0 runs 2d - 1 warm-up forwards). Units: :meth:`inflight` and :meth:`deferred_weight_grads` count
+    one chunk's stashes (half a rank's layers), as for interleaved-1f1b."""
+
+    chunks: int = 2
+
+    def placement(self, d: int) -> Placement:
+        return Placement(d, 2, "v")
+
+    def min_microbatches(self, d: int) -> int:
+        return 2 * d - 1
+
+    def check_layout(self, d: int, m: int) -> None:
+        if d < 2:
+            raise ConfigError("zb-v needs --pipeline-model-parallel-size >= 2 (its V turns on the last rank)")
+
+    def chunk_order(self, d: int, r: int, m: int) -> list[tuple[Op, int, int]]:
+        """(F, I or W; chunk; microbatch) of rank ``r`` over one step: torch's ZBV order."""
+        return list(_zbv_order(d, r, m))
+
+    def split_order(self, d: int, r: int, m: int) -> SplitOrder:
+        raise NotImplementedError("zb-v orders (op, chunk, microbatch): see chunk_order")
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        held = most = 0
+        for op, _, _ in self.chunk_order(d, r, m):
+            held += (op is Op.FORWARD) - (op is Op.BACKWARD_WEIGHT)
+            most = max(most, held)
+        return most
+
+    def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
+        pending = most = 0
+        for op, _, _ in self.chunk_order(d, r, m):
+            pending += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
+            most = max(most, pending)
+        return most
+
+    def bubble_slots(self, d: int) -> float:  # type: ignore[override]
+        return _ZeroBubble.bubble_slots(self, d) / 2
+
+    def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
+        """One step of the generated programs replayed with each chunk's share (half) of these times."""
+        return _replayed_bubble(self.name, d, m, f / 2, b / 2, w / 2)
+
+    def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        rounds = lower_rounds(self.placement(d), tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))[r]
+        out: list[Action] = []
+        for t in range(first_step, first_step + num_steps):
+            v, lo = self.version(t), t * m
+            out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
+            out.append(Action(Op.REDUCE_GRADS, step=t))
+            out.append(Action(Op.APPLY_UPDATE, step=t))
+        return out
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _zbv_order(d: int, r: int, m: int) -> tuple[tuple[Op, int, int], ...]:
+    """torch's ``ScheduleZBVZeroBubble._calculate_single_rank_operations`` (m >= 2d - 1): chunk 0 warms up with
+    2(d - r) - 1 forwards, then F1/F0 pairs, then F1 I1 W1 triples, a steady F0 I0 W0 F1 I1 W1, and a
+    cool-down whose deferred Ws fill the drain."""
+    F, I, W = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    out: list[tuple[Op, int, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (d - r) - 1):
+        out.append((F, 0, f0))
+        f0 += 1
+    for _ in range(r):
+        out += [(F, 1, f1), (F, 0, f0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(d - r):
+        out += [(F, 1, f1), (I, 1, b1), (W, 1, b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < m:
+        if f0 < m:
+            out.append((F, 0, f0))
+            f0 += 1
+        out += [(I, 0, b0), (W, 0, b0), (F, 1, f1), (I, 1, b1), (W, 1, b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(r):
+        out += [(I, 0, b0), (I, 1, b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(d - r):
+        out += [(I, 0, b0), (W, 0, w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    out += [(W, 1, j) for j in range(w1, b1)] + [(W, 0, j) for j in range(w0, b0)]
+    return tuple(out)
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {
     "2bw": _TwoBW("2bw", weight_versions=2, grad_buffers=2, stale_steps=1),
     "flush": ScheduleSpec("flush"),
     "gpipe": _GPipe("gpipe"),
+    "interleaved-1f1b": _Interleaved("interleaved-1f1b"),
     "zb-h1": _ZBH1("zb-h1"),
     "zb-h2": _ZBH2("zb-h2"),
+    "zb-v": _ZBV("zb-v"),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 
 
-def get_schedule(name: str) -> ScheduleSpec:
-    """The spec of ``name``; a one-line ``ConfigError`` naming the choices otherwise."""
+def get_schedule(name: str, chunks: int | None = None) -> ScheduleSpec:
+    """The spec of ``name`` (with ``chunks`` model chunks per rank where it takes a count: None, its own);
+    a one-line ``ConfigError`` naming the choices otherwise."""
     spec = SCHEDULES.get(name)
     if spec is None:
         raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return spec
+    return spec.with_chunks(chunks)
 
 
-def validate_pipeline(schedule: str, d: int, m: int) -> None:
+def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None) -> None:
     """Refuse a schedule / depth / microbatch count that no stage could run, with one line."""
-    spec = get_schedule(schedule)
+    spec = get_schedule(schedule, chunks)
     if d < 1:
         raise ConfigError(f"pipeline depth must be >= 1, got d={d}")
     if m < 1:
         raise ConfigError(f"microbatches per step must be >= 1, got m={m}")
-    if m < spec.min_microbatches(d):
-        raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
+    need = spec.min_microbatches(d)
+    if m < need:
+        if need == d:
+            raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
+        raise ConfigError(f"{schedule.upper()} needs at least {need} microbatches per step at d={d}: m={m} < {need}")
+    spec.check_layout(d, m)
 
 
-def _validate_stage(schedule: str, d: int, r: int, m: int) -> ScheduleSpec:
-    validate_pipeline(schedule, d, m)
+def _validate_stage(schedule: str, d: int, r: int, m: int, chunks: int | None = None) -> ScheduleSpec:
+    validate_pipeline(schedule, d, m, chunks)
     if not 0 <= r < d:
         raise ConfigError(f"pipeline stage must be in 0..{d - 1}, got r={r}")
-    return get_schedule(schedule)
+    return get_schedule(schedule, chunks)
 
 
-def inflight_limit(schedule: str, d: int, r: int, m: int) -> int:
+def inflight_limit(schedule: str, d: int, r: int, m: int, chunks: int | None = None) -> int:
     """:meth:`ScheduleSpec.inflight`, after validating the layout."""
-    return _validate_stage(schedule, d, r, m).inflight(d, r, m)
+    return _validate_stage(schedule, d, r, m, chunks).inflight(d, r, m)
 
 
-def bubble_fraction(schedule: str, d: int, m: int) -> float:
+def bubble_fraction(schedule: str, d: int, m: int, chunks: int | None = None) -> float:
     """:meth:`ScheduleSpec.bubble`, after validating the layout."""
-    validate_pipeline(schedule, d, m)
-    return get_schedule(schedule).bubble(d, m)
+    validate_pipeline(schedule, d, m, chunks)
+    return get_schedule(schedule, chunks).bubble(d, m)
 
 
 # A segment can be cut short to end at step count ``u + STOP_LAG`` once APPLY_UPDATE(u) has run, for every
@@ -432,27 +728,30 @@ def bubble_fraction(schedule: str, d: int, m: int) -> float:
 STOP_LAG = 3
 
 
-def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: list[Action], end: int) -> list[Action]:
+def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: list[Action], end: int,
+                chunks: int | None = None) -> list[Action]:
     """The actions still to run when a segment from ``first_step`` that has run ``done`` ends at step count ``end``.
 
     A RuntimeError if ``done`` is not how the segment ending at ``end`` starts (a caller's bug: cut too late).
     """
-    new = stage_actions(schedule, d, r, m, first_step, end - first_step)
+    new = stage_actions(schedule, d, r, m, first_step, end - first_step, chunks)
     if new[:len(done)] != done:
         raise RuntimeError(f"cannot end the segment from step {first_step} at step {end} on stage {r}: "
                            f"{len(done)} actions already ran that it does not start with")
     return new[len(done):]
 
 
-def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int,
+                  chunks: int | None = None) -> list[Action]:
     """Ordered actions of stage ``r`` of a depth-``d`` pipeline for a drained segment.
 
     The segment covers steps ``first_step .. first_step+num_steps-1`` and ends with every
     microbatch forwarded and backwarded and every update applied; a later segment starting
     at the next step continues microbatch indices and (for 2BW) weight versions exactly as
     an uninterrupted run would, so checkpoints and evaluations can sit at any step boundary.
+    ``chunks``: model chunks per rank for a schedule that takes a count (interleaved-1f1b); None: its own.
     """
-    spec = _validate_stage(schedule, d, r, m)
+    spec = _validate_stage(schedule, d, r, m, chunks)
     if first_step < 0:
         raise ConfigError(f"first step must be >= 0, got first_step={first_step}")
     if num_steps < 1:

@@ -12,6 +12,11 @@ r -> r+1 and gradients only r+1 -> r, so each direction carries one message kind
 microbatch order; with non-blocking sends, the schedule checker's simulation proves this order
 cannot deadlock. Shapes are known ahead (``[b, s, h]``), so no shape messages are exchanged.
 
+A rank holding several model chunks (interleaved) names each transfer's peer by its chunk
+(``peer_of``, from :class:`~.placement.Placement`): rank d-1 sends chunk c's activations to rank 0's
+chunk c+1. Receives are then keyed by (kind, chunk, microbatch); each kind still comes from one
+peer per chunk in the order that peer sends, which the checker proves per link.
+
 Two modes:
 
 - ``prefetch`` (gloo): gloo moves a message only once both its send and its receive are posted
@@ -38,7 +43,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -122,8 +127,14 @@ class Transport:
     """Point-to-point transfers of one stage with its previous and next stage."""
 
     def __init__(self, prev_rank: int | None, next_rank: int | None, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, *, ahead: int = 2, mode: str = "auto") -> None:
+                 device: torch.device, *, ahead: int = 2, mode: str = "auto",
+                 peer_of: Callable[[Action], int | None] | None = None,
+                 group_key: Callable[[Action], object] | None = None) -> None:
+        """``peer_of``: the global rank of each transfer's peer where it depends on the chunk (None: activations
+        from ``prev_rank``, gradients from ``next_rank``); ``group_key``: how runs of transfers are cut into
+        groups (``grouping.comm_groups``' ``peer``; None: by peer)."""
         self.prev, self.next, self.shape, self.dtype, self.device = prev_rank, next_rank, shape, dtype, device
+        self.peer_of, self.group_key = peer_of, group_key
         self.ahead = max(int(ahead), 1)
         if mode == "auto":
             mode = "prefetch" if not dist.is_initialized() or dist.get_backend() == "gloo" else "grouped"
@@ -132,18 +143,21 @@ class Transport:
         self.mode = mode
         self.grouped = mode == "grouped"
         # receives posted early are safe on gloo (independent matching per peer and tag), not on NCCL
-        self.can_plan = (prev_rank is not None or next_rank is not None) and dist.is_initialized() and not self.grouped
-        self._recvs: dict[tuple[Op, int], tuple[torch.Tensor, object]] = {}
+        has_peers = prev_rank is not None or next_rank is not None or peer_of is not None
+        self.can_plan = has_peers and dist.is_initialized() and not self.grouped
+        self._recvs: dict[tuple[Op, int, int], tuple[torch.Tensor, object]] = {}  # by (kind, chunk, microbatch)
         self._sends: deque[tuple[torch.Tensor, object]] = deque()
-        self._plan: dict[Op, deque[int]] = {Op.RECV_ACT: deque(), Op.RECV_GRAD: deque()}
+        self._plan: dict[Op, deque[tuple[int, int]]] = {Op.RECV_ACT: deque(), Op.RECV_GRAD: deque()}  # (chunk, mb)
         self._posted = {Op.RECV_ACT: 0, Op.RECV_GRAD: 0}  # receives of each kind posted, not yet consumed
         # sends from their own thread (prefetch on CPU; see the module docstring); started at the first send
         self.send_thread = not self.grouped and torch.device(device).type == "cpu"
         self._sender: _SendThread | None = None
 
-    def _peer(self, op: Op) -> int | None:
+    def _peer(self, a: Action) -> int | None:
         """The rank a transfer goes to or comes from: activations flow forward, gradients backward."""
-        return self.prev if op in (Op.RECV_ACT, Op.SEND_GRAD) else self.next
+        if self.peer_of is not None:
+            return self.peer_of(a)
+        return self.prev if a.op in (Op.RECV_ACT, Op.SEND_GRAD) else self.next
 
     # ------------------------------------------------------------------ the segment
     def units(self, actions: Sequence[Action]) -> Iterator[Sequence[Action]]:
@@ -154,7 +168,7 @@ class Transport:
         handed out every receive up to the next action is posted.
         """
         if self.grouped:
-            groups, i = comm_groups(actions), 0
+            groups, i = comm_groups(actions, self.group_key), 0
             while i < len(actions):
                 end = groups.get(i, i + 1)
                 yield actions[i:end]
@@ -191,8 +205,8 @@ class Transport:
         if not self.can_plan:
             return
         for a in recvs:
-            if (a.op, a.mb) not in self._recvs:
-                self._plan[a.op].append(a.mb)
+            if (a.op, a.chunk, a.mb) not in self._recvs:
+                self._plan[a.op].append((a.chunk, a.mb))
         self._fill()
 
     def forget_plan(self) -> None:
@@ -205,29 +219,31 @@ class Transport:
             while queue and self._posted[kind] < self.ahead:
                 self._post(kind, queue.popleft())
 
-    def _post(self, kind: Op, mb: int) -> None:
+    def _post(self, kind: Op, key: tuple[int, int]) -> None:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self._recvs[(kind, mb)] = (buf, dist.irecv(buf, src=self._peer(kind), tag=_TAG[kind]))
+        src = self._peer(Action(kind, key[1], chunk=key[0]))
+        self._recvs[(kind, *key)] = (buf, dist.irecv(buf, src=src, tag=_TAG[kind]))
         self._posted[kind] += 1
 
     def post_recv(self, a: Action) -> None:
         """Post receive ``a`` now. Idempotent; with a plan, every planned receive of its kind before it is
         posted first, so the posting order always equals the sending order."""
-        if (a.op, a.mb) in self._recvs:
+        key = (a.chunk, a.mb)
+        if (a.op, *key) in self._recvs:
             return
         queue = self._plan[a.op]
-        if a.mb in queue:
+        if key in queue:
             while queue:
                 nxt = queue.popleft()
                 self._post(a.op, nxt)
-                if nxt == a.mb:
+                if nxt == key:
                     return
-        self._post(a.op, a.mb)
+        self._post(a.op, key)
 
     def recv(self, a: Action) -> torch.Tensor:
         """Wait for receive ``a`` (``RECV_ACT`` or ``RECV_GRAD``), posting it first if needed."""
         self.post_recv(a)
-        buf, work = self._recvs.pop((a.op, a.mb))
+        buf, work = self._recvs.pop((a.op, a.chunk, a.mb))
         self._posted[a.op] -= 1
         self._fill()  # the next planned receive goes up before we block on this one
         work.wait()
@@ -238,7 +254,7 @@ class Transport:
         """Start send ``a`` (``SEND_ACT`` or ``SEND_GRAD``) without waiting; :meth:`drain` waits."""
         tensor = _outgoing(tensor)
         kind = _KIND[a.op]
-        self._isend(tensor, self._peer(a.op), _TAG[kind])
+        self._isend(tensor, self._peer(a), _TAG[kind])
         self.reap()
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
@@ -266,12 +282,12 @@ class Transport:
         ops, got = [], []
         for a in unit:
             if a.op in SEND_OPS:
-                ops.append(dist.P2POp(dist.isend, _outgoing(outgoing[a]), self._peer(a.op), tag=_TAG[_KIND[a.op]]))
+                ops.append(dist.P2POp(dist.isend, _outgoing(outgoing[a]), self._peer(a), tag=_TAG[_KIND[a.op]]))
         for a in unit:
             if a.op in RECV_OPS:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 got.append((a, buf))
-                ops.append(dist.P2POp(dist.irecv, buf, self._peer(a.op), tag=_TAG[a.op]))
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(a), tag=_TAG[a.op]))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return got
@@ -285,6 +301,6 @@ class Transport:
             work.wait()
         self._sends.clear()
         if self._recvs or any(self._plan.values()):
-            left = [f"{k.value}{mb}" for k, mb in sorted(self._recvs, key=lambda x: (x[0].value, x[1]))]
-            left += [f"{k.value}{mb}" for k, q in self._plan.items() for mb in q]
+            left = [str(Action(k, mb, chunk=c)) for k, c, mb in sorted(self._recvs, key=lambda x: (x[0].value, x[1:]))]
+            left += [str(Action(k, mb, chunk=c)) for k, q in self._plan.items() for c, mb in q]
             raise RuntimeError(f"pipeline segment ended with receives still posted or planned: {left[:4]}")

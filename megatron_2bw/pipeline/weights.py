@@ -67,13 +67,22 @@ class GlobalNames:
 
     first_index: int = 0
     tied: str | None = None
+    # the full-model list index of each local layer where the stage's layers are not one run (a rank
+    # holding several model chunks: its chunks' layers one after the other); None: first_index + i
+    indices: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_chunks(cls, ranges: list[tuple[int, int]], tied: str | None = None) -> GlobalNames:
+        """The names of a rank whose layer list is the concatenation of ``ranges`` (one per chunk)."""
+        return cls(ranges[0][0], tied, tuple(i for lo, hi in ranges for i in range(lo, hi)))
 
     def of(self, modules: nn.ModuleList, params: list[nn.Parameter]) -> list[str]:
         """The global name of each of ``params`` (parameters of ``modules``)."""
         by_id: dict[int, str] = {}
         for i, module in enumerate(modules):
+            g = self.first_index + i if self.indices is None else self.indices[i]
             for name, p in module.named_parameters(remove_duplicate=False):
-                by_id.setdefault(id(p), f"{self.first_index + i}.{name}")
+                by_id.setdefault(id(p), f"{g}.{name}")
         return [self.tied if self.tied and getattr(p, "shared_embedding", False) else by_id[id(p)] for p in params]
 
 

@@ -42,14 +42,14 @@ head's stashes stay per microbatch).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
 from ..models.stages import Split, stage_slice
 from ..pipeline.actions import Action, Op
 from ..pipeline.replay import Replay, Timing
-from ..pipeline.schedules import stage_actions, validate_pipeline
+from ..pipeline.schedules import get_schedule, stage_actions, validate_pipeline
 from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
 from .layer_costs import BlockCost, MicrobatchCosts
@@ -110,10 +110,11 @@ class Event:
     version: int
     start: float
     end: float
+    chunk: int = 0  # the rank's model chunk (interleaved schedules)
 
     @property
     def label(self) -> str:
-        return str(Action(self.op, self.mb, self.step, self.version))
+        return str(Action(self.op, self.mb, self.step, self.version, self.chunk))
 
 
 @dataclass
@@ -220,13 +221,15 @@ def _timing(stages: Sequence[StageCosts], links: Sequence[Link], collective_s: f
     )
 
 
-def _memory(events: list[Event], st: StageCosts) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+def _memory(events: list[Event], st: StageCosts, chunks: int = 1) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     """(total, activations) over time: a FORWARD's stash is held until its BACKWARD (or W) ends; a
     backward also holds its recomputed activations (a split one from its I to its W), and any compute
-    its workspace."""
+    its workspace. With ``chunks`` chunks per rank each chunk's stash and backward transient are the
+    stage's divided by ``chunks``."""
     total, acts = [(0.0, st.static_bytes)], [(0.0, 0)]
-    stash: dict[int, int] = {}
+    stash: dict[tuple[int, int], int] = {}
     held = 0
+    stash_bytes, extra_bytes = st.stash_bytes // chunks, st.backward_extra_bytes // chunks
 
     def record(t: float, activations: int, transient: int = 0) -> None:
         acts.append((t, activations))
@@ -236,21 +239,22 @@ def _memory(events: list[Event], st: StageCosts) -> tuple[list[tuple[float, int]
         if e.op is Op.FORWARD:
             if st.workspace_bytes:
                 total.append((e.start, st.static_bytes + held + st.workspace_bytes))
-            stash[e.mb] = st.stash_bytes
-            held += st.stash_bytes
+            stash[(e.mb, e.chunk)] = stash_bytes
+            held += stash_bytes
             record(e.end, held)
         elif e.op is Op.BACKWARD:
-            record(e.start, held + st.backward_extra_bytes, st.workspace_bytes)
-            held -= stash.pop(e.mb, 0)
+            record(e.start, held + extra_bytes, st.workspace_bytes)
+            held -= stash.pop((e.mb, e.chunk), 0)
             record(e.end, held)
         elif e.op is Op.BACKWARD_INPUT:  # its recomputed activations stay until W
-            stash[e.mb] = stash.get(e.mb, 0) + st.backward_extra_bytes
-            held += st.backward_extra_bytes
+            key = (e.mb, e.chunk)
+            stash[key] = stash.get(key, 0) + extra_bytes
+            held += extra_bytes
             record(e.start, held, st.workspace_bytes)
             record(e.end, held)
         elif e.op is Op.BACKWARD_WEIGHT:
             total.append((e.start, st.static_bytes + held + st.workspace_bytes))
-            held -= stash.pop(e.mb, 0)
+            held -= stash.pop((e.mb, e.chunk), 0)
             record(e.end, held)
     return total, acts
 
@@ -266,30 +270,40 @@ def _links(links: Sequence[Link] | Link | None, d: int) -> Sequence[Link]:
 def simulate(
     schedule: str, d: int, m: int, stages: Sequence[StageCosts], *, num_steps: int = 6, first_step: int = 0,
     links: Sequence[Link] | Link | None = None, collective_s: float = 0.0,
-    actions: Sequence[Sequence[Action]] | None = None,
+    actions: Sequence[Sequence[Action]] | None = None, chunks: int | None = None,
 ) -> SimResult:
     """Run every stage's action list with times; see the module docstring.
+
+    ``chunks``: model chunks per rank for a schedule that takes a count (interleaved-1f1b; None: its own).
+    ``stages`` then still give a whole rank's costs per microbatch; each chunk's compute, stash and
+    transient are 1/chunks of them (equal chunks, as the even split makes them), and a transfer between
+    rank d-1 and rank 0 (the next chunk) costs like the last boundary's.
 
     ``links[i]`` is the boundary between stages ``i`` and ``i+1`` (both directions alike); one
     ``Link`` applies to every boundary; ``None`` makes transfers free. ``actions`` overrides the
     generated programs (for hand-made schedules; they must pass the checker).
     """
-    validate_pipeline(schedule, d, m)
+    validate_pipeline(schedule, d, m, chunks)
+    spec = get_schedule(schedule, chunks)
+    v = spec.chunks
     if len(stages) != d:
         raise ConfigError(f"need costs for {d} stages, got {len(stages)}")
     if num_steps < 1:
         raise ConfigError(f"simulate at least one step, got num_steps={num_steps}")
     timing = _timing(stages, _links(links, d), collective_s)
+    if v > 1:
+        timing = replace(timing, forward_s=[x / v for x in timing.forward_s], backward_s=[x / v for x in timing.backward_s],
+                         input_s=[x / v for x in timing.input_s], weight_s=[x / v for x in timing.weight_s])
     progs = [list(a) for a in actions] if actions is not None else [
-        stage_actions(schedule, d, r, m, first_step, num_steps) for r in range(d)]
-    trace = Replay(progs, timing=timing, error=SimulationError).run()
-    events = [[Event(r, a.op, a.mb, a.step, a.version, trace.start(r, i), trace.end[r][i]) for i, a in enumerate(prog)]
-              for r, prog in enumerate(progs)]
+        stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)]
+    trace = Replay(progs, timing=timing, error=SimulationError, placement=spec.placement(d)).run()
+    events = [[Event(r, a.op, a.mb, a.step, a.version, trace.start(r, i), trace.end[r][i], a.chunk)
+               for i, a in enumerate(prog)] for r, prog in enumerate(progs)]
     step_starts: dict[int, float] = {}
     for e in events[0]:
-        if e.op is Op.FORWARD and e.mb % m == 0:
+        if e.op is Op.FORWARD and e.mb % m == 0 and e.chunk == 0:
             step_starts.setdefault(e.step, e.start)
-    memory = [_memory(evs, st) for evs, st in zip(events, stages)]
+    memory = [_memory(evs, st, v) for evs, st in zip(events, stages)]
     starts = [step_starts[t] for t in range(first_step, first_step + num_steps)]
     return SimResult(schedule, d, m, first_step, num_steps, events, starts, trace.makespan,
                      [mem for mem, _ in memory], [act for _, act in memory], [s.static_bytes for s in stages])

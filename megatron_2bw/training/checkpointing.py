@@ -249,7 +249,8 @@ def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) 
 
 def _is_megatron_weights(sd) -> bool:
     """A Megatron-LM file without this trainer's engine state (Megatron-LM's own, or checkpoint_util's)."""
-    return isinstance(sd, dict) and "format" not in sd and "args" in sd and "language_model" in sd.get("model", {})
+    model = sd.get("model", sd.get("model0", {})) if isinstance(sd, dict) else {}  # model0..: interleaved
+    return isinstance(sd, dict) and "format" not in sd and "args" in sd and "language_model" in model
 
 
 def _megatron_weights_file(sd: dict, path: str, tp: int, pp: int) -> dict:
@@ -259,7 +260,7 @@ def _megatron_weights_file(sd: dict, path: str, tp: int, pp: int) -> dict:
     of a Megatron-LM file) are left out of the compatibility check; the weights' sizes are checked on load.
     """
     a = vars(sd["args"]) if not isinstance(sd["args"], dict) else sd["args"]
-    cfg = megatron_format.config_from_args(sd["args"], sd["model"])
+    cfg = megatron_format.config_from_args(sd["args"], sd.get("model", sd.get("model0")))
     model = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     if pp > 0:
         model.pop("num_tokentypes")
@@ -290,7 +291,7 @@ def _check_split(path: str, layout: dict, num_layers: int, split: tuple[int, ...
 
 
 def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, weights_only: bool = False,
-                     split: tuple[int, ...] | None = None) -> None:
+                     split: tuple[int, ...] | None = None, chunks: int = 1) -> None:
     """Refuse a checkpoint whose model shape, schedule, optimizer or precision differs from this run's.
 
     ``weights_only`` (``--finetune``, ``--no-load-optim``): only the model shape must agree.
@@ -302,6 +303,12 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, w
         if a != b:
             raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
     _check_split(path, sd["layout"], model["num_layers"], split)
+    saved_chunks = megatron_format.chunks_of(sd) if sd.get("format") == MEGATRON_WEIGHTS else sd["layout"].get("chunks", 1)
+    if saved_chunks != chunks:
+        raise ConfigError(
+            f"checkpoint {path} holds {saved_chunks} model chunk(s) per pipeline rank but this run uses {chunks} "
+            "(--virtual-pipeline-model-parallel-size): each rank's layers differ; convert it with tools/checkpoint_util.py "
+            f"--target-schedule {schedule}" + (f" --target-virtual-pipeline-parallel-size {chunks}" if chunks > 1 else ""))
     if sd.get("format") == MEGATRON_WEIGHTS and not weights_only:
         saved_step(sd)  # weights only: a resume needs --finetune (--no-load-optim is refused in saved_step)
     if weights_only:
@@ -367,12 +374,18 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     schedule = stage.pipe.schedule
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None
+    chunks = stage.chunks  # model chunks per rank: an interleaved run's file holds model0, model1, ...
+    if stage.placement.shape != "interleaved":
+        raise ConfigError(f"--ckpt-format torch cannot hold {schedule}'s V layout yet (its model0/model1 would be "
+                          "another run's virtual stages): use --ckpt-format torch_dist, whose tensors are global")
     margs = trainer_format.train_args(model, args, iteration=iteration, t=state.t, d=state.d, schedule=schedule,
-                                      dtype=config.get("optimizer", {}).get("dtype", "fp32"), split=split)
+                                      dtype=config.get("optimizer", {}).get("dtype", "fp32"), split=split,
+                                      chunks=chunks)
     out = trainer_format.file_contents(
         model, newest, args=margs, iteration=iteration, t=state.t, pp=state.pp_rank, d=state.d, split=split,
+        chunks=chunks,
         layout={"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
-                "schedule": schedule, "split": split},
+                "schedule": schedule, "split": split, **({"chunks": chunks} if chunks > 1 else {})},
         stage=named,
         rng=RNGSnapshot.capture(state.device, tracker, host_libraries=True).as_dict(),
         data={"consumed_train_samples": consumed_samples, "global_batch_size": global_batch},

@@ -207,7 +207,8 @@ def _find_resume(prep: Prepared) -> None:
     else:
         sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
         checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer),
-                                       weights_only=tc.finetune or tc.no_load_optim, split=cfg.pipeline.layer_split)
+                                       weights_only=tc.finetune or tc.no_load_optim, split=cfg.pipeline.layer_split,
+                                       chunks=cfg.pipeline.chunks)
     if tc.finetune:  # the weights only: a new run from iteration 0 on this run's data and settings
         log.info(" --finetune: starting from the weights of %s at iteration %d", tc.load, it)
         prep.checkpoint = sd

@@ -48,7 +48,7 @@ from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import STOP_LAG
+from ..pipeline.schedules import STOP_LAG, get_schedule
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
@@ -111,10 +111,12 @@ class Trainer:
                          masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)))
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
+        place = get_schedule(cfg.pipeline.schedule, cfg.pipeline.virtual_stages).placement(state.d)
+        build, ranges = spec.rank_build(state.d, state.pp_rank, place)  # several chunks: interleaved, V
         self.stage = PipelineStage(
-            lambda: spec.build_stage(state.d, state.pp_rank), spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
+            build, spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
             cfg.model.stage_activation_shape(b, state.t), rng_tracker=self.tracker, faults=faults,
-            names=GlobalNames(spec.stage_range(state.d, state.pp_rank)[0], tied=WORD),
+            names=GlobalNames(ranges[0][0], tied=WORD) if len(ranges) == 1 else GlobalNames.of_chunks(ranges, tied=WORD),
             cpu_init=cfg.system.use_cpu_initialization,  # off: each rank draws its own shards on its device
         )
         if prep.checkpoint is not None:

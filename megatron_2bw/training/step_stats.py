@@ -74,7 +74,7 @@ def pack(state: ParallelState, last: list[float | None], flags: list[float], row
     (every rank's), then one ``row`` per stage (its tensor and data rank 0; :func:`stage_row`)."""
     s, e, f, k = state, len(last), len(flags), len(STAT_KEYS)
     vec = torch.zeros(e + f + s.d * k, dtype=torch.float64)
-    if s.is_last_stage and s.tp_rank == 0:
+    if s.holds_loss and s.tp_rank == 0:
         vec[:e] = torch.tensor([v if v is not None else float("nan") for v in last], dtype=torch.float64) / s.w
     vec[e:e + f] = torch.tensor(flags, dtype=torch.float64)
     if s.tp_rank == 0 and s.dp_rank == 0:

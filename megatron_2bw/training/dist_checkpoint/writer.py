@@ -112,7 +112,8 @@ def common_state(stage, *, iteration: int, config: dict, args, consumed_samples:
     return {
         "format": FORMAT, "iteration": int(iteration), "step": int(stage.step), "schedule": stage.pipe.schedule,
         "layout": {"t": st.t, "d": st.d, "w": st.w, "schedule": stage.pipe.schedule,
-                   "split": list(split) if split else None, "distributed_optimizer": u.shard is not None},
+                   "split": list(split) if split else None, "distributed_optimizer": u.shard is not None,
+                   "chunks": stage.chunks},  # model chunks per rank (interleaved); the tensors are global either way
         "config": config, "args": args,
         "data": {"consumed_train_samples": int(consumed_samples), "global_batch_size": int(global_batch)},
         "scaler": u.scaler.state_dict(),
@@ -129,7 +130,7 @@ def megatron_namespace(stage, cfg, cli_args: dict, iteration: int):
     st, split = stage.state, cfg.pipeline.layer_split
     return trainer_format.train_args(cfg.model, cli_args, iteration=iteration, t=st.t, d=st.d,
                                      schedule=stage.pipe.schedule, dtype=cfg.optimizer.dtype,
-                                     split=list(split) if split else None)
+                                     split=list(split) if split else None, chunks=stage.chunks)
 
 
 def _objects(stage, tracker, common: dict) -> dict:
