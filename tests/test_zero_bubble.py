@@ -273,13 +273,18 @@ def test_bubble_time_shortcuts_match_the_full_replay():
 def test_deferred_weight_grads_past_4d_equal_the_full_order():
     """The memory model's deferred-W count is taken at 4d microbatches: it equals the count on the full
     generated order for every stage up to d = 6 and m up to 8d + 2."""
-    for name in ("zb-h1", "zb-h2"):
+    for name in ("zb-h1", "zb-h2", "zb-v"):
         spec = get_schedule(name)
-        for d in range(1, 7):
+        for d in range(1 if name != "zb-v" else 2, 7):
             for r in range(d):
                 for m in (4 * d + 1, 6 * d + 1, 8 * d + 2):
-                    pending = most = 0
-                    for op, _ in spec.split_order(d, r, m):
+                    order = (spec.split_order(d, r, m) if name != "zb-v"
+                             else [(op, mb) for op, _, mb in spec.chunk_order(d, r, m)])
+                    pending = most = held = peak = 0
+                    for op, _ in order:
                         pending += (op.value == "I") - (op.value == "W")
-                        most = max(most, pending)
+                        held += (op.value == "F") - (op.value == "W")
+                        most, peak = max(most, pending), max(peak, held)
                     assert spec.deferred_weight_grads(d, r, m) == most, (name, d, r, m)
+                    if name == "zb-v":
+                        assert spec.inflight(d, r, m) == peak, (name, d, r, m)

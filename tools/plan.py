@@ -163,7 +163,10 @@ def run(argv: list[str]) -> str:
         raise ConfigError(f"--num-gpus must be positive, got {args.num_gpus}")
     if args.max_model:
         depths = [d for d in (2**i for i in range(args.num_gpus.bit_length())) if args.num_gpus % d == 0]
-        rows = [r for sched in SCHEDULE_NAMES for zero in args.zero
+        # the paper's Figure: its three systems (the chunked and zero-bubble schedules have layout rules,
+        # m >= 2d - 1 or m a multiple of d, that its m = d sweep does not meet)
+        paper = tuple(n for n in SCHEDULE_NAMES if n in ("2bw", "flush", "gpipe"))
+        rows = [r for sched in paper for zero in args.zero
                 for r in max_model_size(model, cluster, args.num_gpus, depths, sched, args.precision,
                                         distributed_optimizer=zero, fp32_grads=args.fp32_grads,
                                         memory_margin=args.memory_margin or 0.0)]

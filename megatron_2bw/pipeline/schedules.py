@@ -601,14 +601,21 @@ class _ZBV(_ZeroBubble):
     def split_order(self, d: int, r: int, m: int) -> SplitOrder:
         raise NotImplementedError("zb-v orders (op, chunk, microbatch): see chunk_order")
 
+    @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - specs are frozen module-level singletons
     def inflight(self, d: int, r: int, m: int) -> int:
+        """Counted on the generated order; past ``REPLAY_MICROBATCHES * d`` microbatches the steady state
+        only repeats, so at that count (cached: the planner asks for every stage of every candidate;
+        ``tests/test_zero_bubble.py`` checks both against the full order)."""
+        m = min(m, REPLAY_MICROBATCHES * d)
         held = most = 0
         for op, _, _ in self.chunk_order(d, r, m):
             held += (op is Op.FORWARD) - (op is Op.BACKWARD_WEIGHT)
             most = max(most, held)
         return most
 
+    @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - as inflight
     def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
+        m = min(m, REPLAY_MICROBATCHES * d)
         pending = most = 0
         for op, _, _ in self.chunk_order(d, r, m):
             pending += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
@@ -619,8 +626,9 @@ class _ZBV(_ZeroBubble):
         return _ZeroBubble.bubble_slots(self, d) / 2
 
     def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
-        """One step of the generated programs replayed with each chunk's share (half) of these times."""
-        return _replayed_bubble(self.name, d, m, f / 2, b / 2, w / 2)
+        """One step of the generated programs replayed with each chunk's share (half) of these times (on
+        the same shortcuts as :meth:`_ZeroBubble.bubble_time`)."""
+        return _ZeroBubble.bubble_time(self, d, m, f / 2, b / 2, w / 2)
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
         rounds = lower_rounds(self.placement(d), tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))[r]

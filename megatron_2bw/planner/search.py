@@ -37,7 +37,7 @@ from typing import Iterator
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, get_schedule
+from ..pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, get_schedule, validate_pipeline
 from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
@@ -230,7 +230,7 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                 m = B // (b * w)
                 sps = sequence_parallel_choices(request, costs, t, b)
                 for schedule, sp in ((x, y) for x in schedules for y in sps):
-                    if schedule != SEQUENTIAL and m < get_schedule(schedule).min_microbatches(d):
+                    if schedule != SEQUENTIAL and not runs(schedule, request.model.num_layers, d, m):
                         continue
                     c = costs.at(t, b, sp)
                     policies = sorted((p for p in request.recompute_policies if not _saves_nothing(p, c)),
@@ -297,13 +297,27 @@ def candidate_costs(costs: LayerCosts, cand: Candidate) -> MicrobatchCosts | Non
     return costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel)
 
 
+def runs(schedule: str, num_layers: int, d: int, m: int) -> bool:
+    """Whether the trainer would run ``schedule`` at depth ``d`` with ``m`` microbatches: its own layout rules
+    (``validate_pipeline``: interleaved's m a multiple of d, zb-v's m >= 2d - 1, ...) and, with several
+    chunks per rank, layers that divide evenly into the d * chunks virtual stages (uneven splits are refused
+    there, so the search keeps chunked schedules on even splits)."""
+    try:
+        validate_pipeline(schedule, d, m)
+    except ConfigError:
+        return False
+    chunks = get_schedule(schedule).chunks
+    return chunks == 1 or num_layers % (d * chunks) == 0
+
+
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
     """Memory first; the time only for what fits."""
     c = candidate_costs(costs, cand)
     if c is None:
         raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}"
                           + (" with --sequence-parallel" if cand.sequence_parallel else ""))
-    if request.balance_stages and cand.pipeline_parallel > 1 and cand.layer_split is None:
+    chunked = cand.schedule != SEQUENTIAL and get_schedule(cand.schedule).chunks > 1
+    if request.balance_stages and cand.pipeline_parallel > 1 and cand.layer_split is None and not chunked:
         split = balanced_split(c, cand, request.model.num_layers, request.cluster, request.param_bytes,
                                request.cluster.usable_memory_bytes)
         cand = replace(cand, layer_split=split)
