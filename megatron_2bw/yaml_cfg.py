@@ -25,8 +25,6 @@ YAML_FLAG = "--yaml-cfg"
 
 # Common Megatron-LM flags this project does not implement, with what to use instead.
 MEGATRON_UNSUPPORTED = {
-    "--num-layers-per-virtual-pipeline-stage": "interleaved (virtual) pipeline stages; use --pipeline-schedule 2bw, flush or gpipe",
-    "--virtual-pipeline-model-parallel-size": "interleaved (virtual) pipeline stages; use --pipeline-schedule 2bw, flush or gpipe",
     "--context-parallel-size": "context parallelism",
     "--num-experts": "mixture of experts",
     "--expert-model-parallel-size": "mixture of experts",

@@ -13,7 +13,11 @@ import pipeline_harness
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.export.names import WORD
 from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
+from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule
+
+# one model chunk per rank: these compare against a one-stage run, which a chunked schedule (interleaved,
+# V) cannot be; tests/test_interleaved_numerics.py covers those against the single process
+ONE_CHUNK = tuple(s for s in SCHEDULE_NAMES if get_schedule(s).chunks == 1)
 from megatron_2bw.pipeline.weights import StageWeights
 from megatron_2bw.testing.faults import FaultInjector
 from multiproc import run_workers
@@ -182,7 +186,7 @@ def _error(run: dict, ref: dict, steps: tuple[int, ...]) -> float:
 
 def _layout_runs(layout):
     out = {}
-    for schedule in SCHEDULE_NAMES:
+    for schedule in ONE_CHUNK:
         runs = {"bf16": train(schedule, "bf16", layout=layout), "fp16": train(schedule, "fp16", True, layout=layout)}
         if schedule in ORDERED:
             ref, rounded = train(schedule, layout=layout), train(schedule, "bf16", False, layout=layout)
@@ -212,7 +216,7 @@ def test_every_schedule_matches_the_single_process_and_is_closer_to_fp32():
     (measured 6.6e-5). Squared gradient error to the fp32 run: bf16 accumulation 1.24-1.27x fp32's.
     """
     outs = run_workers(_layout_runs, 4, (1, 2, 2))
-    for schedule in SCHEDULE_NAMES:
+    for schedule in ONE_CHUNK:
         for dtype, fp32 in (("bf16", None), ("fp16", True)):
             one, ranks = single(schedule, dtype, fp32), [o[schedule][dtype] for o in outs]
             assert all(r["grad_dtype"] == FP32 and not any(r["skipped"]) for r in ranks)
