@@ -18,17 +18,15 @@ tensor rank's [gate; up] rows, as our legacy export does.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.stages import stage_range
-from ..training.manifest import atomic_file
 from .megatron_format import (
-    CHECKPOINT_VERSION, FILENAME, TRACKER, Exported, config_from_args, find_iteration_dir, megatron_args,
-    rank_dir, read_rank_files,
+    CHECKPOINT_VERSION, Exported, config_from_args, find_iteration_dir, megatron_args, read_rank_files,
+    write_rank_files,
 )
 from .names import (
     BERT_HEAD, OUTPUT, POSITION, SWIGLU_MODULES, TOKENTYPE, WORD, Split, head_index, stage_names, swiglu_part,
@@ -151,17 +149,10 @@ def write_mcore_dir(root: str, ex: Exported, t: int = 1, d: int = 1, split: Spli
                     impl: str = "transformer_engine") -> str:
     """Write ``ex`` under ``root`` as Megatron-Core's torch format (pointer file last); returns the iteration dir."""
     _check_impl(impl)
-    idir = os.path.join(root, f"iter_{ex.iteration:07d}")
-    for (tp, pp), part in reshard(ex.cfg, ex.weights, t, d, split).items():
-        contents = {"model": mcore_model(ex.cfg, part, d, pp, split, impl), "args": mcore_args(ex, t, d, impl, split),
-                    "checkpoint_version": CHECKPOINT_VERSION, "iteration": ex.iteration}
-        path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with atomic_file(path, "wb") as f:
-            torch.save(contents, f)
-    with atomic_file(os.path.join(root, TRACKER), "w") as f:
-        f.write(f"{ex.iteration}\n")
-    return idir
+    files = ((key, {"model": mcore_model(ex.cfg, part, d, key[1], split, impl), "args": mcore_args(ex, t, d, impl, split),
+                    "checkpoint_version": CHECKPOINT_VERSION, "iteration": ex.iteration})
+             for key, part in reshard(ex.cfg, ex.weights, t, d, split).items())
+    return write_rank_files(root, ex.iteration, d, files)
 
 
 def read_mcore_files(files: dict[tuple[int, int], dict], root: str) -> Exported:

@@ -185,14 +185,20 @@ def rank_dir(tp: int, pp: int, d: int) -> str:
 def write_megatron_dir(root: str, ex: Exported, t: int = 1, d: int = 1, schedule: str | None = None,
                        split: Split = None, chunks: int = 1) -> str:
     """Write ``ex`` under ``root`` in Megatron's layout (pointer file last); returns the iteration dir."""
-    idir = os.path.join(root, f"iter_{ex.iteration:07d}")
-    for (tp, pp), contents in megatron_files(ex, t, d, schedule, split, chunks).items():
+    return write_rank_files(root, ex.iteration, d, megatron_files(ex, t, d, schedule, split, chunks).items())
+
+
+def write_rank_files(root: str, iteration: int, d: int, files) -> str:
+    """Each (tp, pp) rank's contents to its ``mp_rank_*`` file of ``iter_NNNNNNN``, atomically, then the
+    pointer file (so a reader never sees the pointer before the files); returns the iteration dir."""
+    idir = os.path.join(root, f"iter_{iteration:07d}")
+    for (tp, pp), contents in files:
         path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with atomic_file(path, "wb") as f:
             torch.save(contents, f)
     with atomic_file(os.path.join(root, TRACKER), "w") as f:
-        f.write(f"{ex.iteration}\n")
+        f.write(f"{iteration}\n")
     return idir
 
 

@@ -301,13 +301,7 @@ class _Interleaved(ScheduleSpec):
         """Each step fills, drains, reduces and applies on its own, like Flush; its transfers are placed
         in rounds (:func:`lower_rounds`)."""
         rounds = lower_rounds(self.placement(d), tuple(tuple(self.rounds(d, q, 0, m)) for q in range(d)))[r]
-        out: list[Action] = []
-        for t in range(first_step, first_step + num_steps):
-            v, lo = self.version(t), t * m
-            out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
-            out.append(Action(Op.REDUCE_GRADS, step=t))
-            out.append(Action(Op.APPLY_UPDATE, step=t))
-        return out
+        return _flushed_steps(self, rounds, m, first_step, num_steps)
 
 
 SplitOrder = list[tuple[Op, int]]  # (FORWARD, BACKWARD_INPUT or BACKWARD_WEIGHT, microbatch of the step)
@@ -494,6 +488,18 @@ class _ZBH1(_ZeroBubble):
         return super().bubble_time(d, m, f, b, w)
 
 
+def _flushed_steps(spec: ScheduleSpec, rounds, m: int, first_step: int, num_steps: int) -> list[Action]:
+    """A chunked schedule's segment: each step runs one step's lowered ``rounds`` ((op, chunk, microbatch of
+    the step) in order), then reduces and applies on its own, like Flush."""
+    out: list[Action] = []
+    for t in range(first_step, first_step + num_steps):
+        v, lo = spec.version(t), t * m
+        out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
+        out.append(Action(Op.REDUCE_GRADS, step=t))
+        out.append(Action(Op.APPLY_UPDATE, step=t))
+    return out
+
+
 REPLAY_MICROBATCHES = 4  # per stage, the most :meth:`_ZeroBubble.bubble_time` replays
 
 
@@ -632,13 +638,7 @@ class _ZBV(_ZeroBubble):
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
         rounds = lower_rounds(self.placement(d), tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))[r]
-        out: list[Action] = []
-        for t in range(first_step, first_step + num_steps):
-            v, lo = self.version(t), t * m
-            out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
-            out.append(Action(Op.REDUCE_GRADS, step=t))
-            out.append(Action(Op.APPLY_UPDATE, step=t))
-        return out
+        return _flushed_steps(self, rounds, m, first_step, num_steps)
 
 
 @functools.lru_cache(maxsize=1 << 12)
