@@ -348,12 +348,8 @@ class _ZeroBubble(ScheduleSpec):
         (cached: the planner's memory model asks for every stage of every candidate). Past
         ``REPLAY_MICROBATCHES * d`` microbatches the steady state only repeats, so the count is taken
         there (``tests/test_zero_bubble.py`` checks it against the full order)."""
-        m = min(m, REPLAY_MICROBATCHES * d)
-        pending = most = 0
-        for op, _ in self.split_order(d, r, m):
-            pending += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
-            most = max(most, pending)
-        return most
+        return _peak((op for op, _ in self.split_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
+                     Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 
     def bubble(self, d: int, m: int) -> float:
         """With the paper's equal forward, input-gradient and weight-gradient times."""
@@ -500,6 +496,16 @@ def _flushed_steps(spec: ScheduleSpec, rounds, m: int, first_step: int, num_step
     return out
 
 
+def _peak(ops, opens: Op, closes: Op) -> int:
+    """Most microbatches open at once in a stage's order of ops: opened by ``opens``, closed by ``closes``
+    (F..W: in flight; I..W: deferred weight gradients)."""
+    held = most = 0
+    for op in ops:
+        held += (op is opens) - (op is closes)
+        most = max(most, held)
+    return most
+
+
 REPLAY_MICROBATCHES = 4  # per stage, the most :meth:`_ZeroBubble.bubble_time` replays
 
 
@@ -612,21 +618,13 @@ class _ZBV(_ZeroBubble):
         """Counted on the generated order; past ``REPLAY_MICROBATCHES * d`` microbatches the steady state
         only repeats, so at that count (cached: the planner asks for every stage of every candidate;
         ``tests/test_zero_bubble.py`` checks both against the full order)."""
-        m = min(m, REPLAY_MICROBATCHES * d)
-        held = most = 0
-        for op, _, _ in self.chunk_order(d, r, m):
-            held += (op is Op.FORWARD) - (op is Op.BACKWARD_WEIGHT)
-            most = max(most, held)
-        return most
+        return _peak((op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
+                     Op.FORWARD, Op.BACKWARD_WEIGHT)
 
     @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - as inflight
     def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
-        m = min(m, REPLAY_MICROBATCHES * d)
-        pending = most = 0
-        for op, _, _ in self.chunk_order(d, r, m):
-            pending += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
-            most = max(most, pending)
-        return most
+        return _peak((op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
+                     Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 
     def bubble_slots(self, d: int) -> float:  # type: ignore[override]
         return _ZeroBubble.bubble_slots(self, d) / 2
