@@ -160,10 +160,17 @@ def test_memory_of_chunks_and_deferred_weight_gradients(fake_schedules):
     # stage 0, each half the rank's stash; stage 1: 3 of them, the head's stash included in the rank's
     assert inter[0].activations == round(5 / 2 * (20 + 12))
     assert inter[1].activations == round(3 / 2 * (20 + 50))
-    # ZB-H1-like: 1F1B's stashes, plus (r + 1) microbatches' deferred weight-gradient inputs
-    assert zb[0].activations == flush[0].activations + 1 * (2 * 3 + COSTS.embedding.deferred_bytes)
+    # ZB-H1-like: 1F1B's stashes (held until W), plus what (r + 1) deferred Ws keep beyond them: on the
+    # first stage, whose I has no input gradient to compute, the gradient received for its output (the
+    # layer's output, 100); elsewhere the gradients caught at the layers' (3 each) and the head's (7) nodes
+    assert zb[0].activations == flush[0].activations + 1 * COSTS.layer.output_bytes
     assert zb[1].activations == flush[1].activations + 2 * (2 * 3 + 7)
     assert COSTS.embedding.deferred_bytes == COSTS.embedding.stash_bytes  # unstated: the whole stash
+    # with recomputation each deferred W also keeps the graph its I recomputed: the stage's whole stash
+    rec = [stage_memory(COSTS, replace(_cand("zbh1-like"), recompute=True), L, r) for r in (0, 1)]
+    frec = [stage_memory(COSTS, replace(_cand("flush"), recompute=True), L, r) for r in (0, 1)]
+    assert rec[0].activations == frec[0].activations + 1 * (COSTS.layer.output_bytes + 20 + 12)
+    assert rec[1].activations == frec[1].activations + 2 * (2 * 3 + 7 + 20 + 50)
     assert all(z.weights == f.weights and z.grads == f.grads for z, f in zip(zb, flush))
 
 
@@ -179,14 +186,50 @@ def test_analytic_weight_gradient_is_the_weight_gemms():
     assert c.layer.input_grad_s == pytest.approx(c.layer.backward_s - gemms, rel=1e-12)
     assert 0 < c.layer.weight_grad_s < c.layer.input_grad_s  # dX also carries the core and memory-bound kernels
     s, h, f = 1024, 512, 4 * 512
-    # inputs: QKV and fc1 (bsh, replicated), proj (bsh/t), fc2 (bsf/t); output grads: QKV (3bsh/t), fc1
-    # (bsf/t), proj and fc2 (bsh, replicated)
-    want = e * b * s * (4 * h + (h + f + 3 * h + f) // t)
+    # output gradients: QKV (3bsh/t), fc1 (bsf/t), proj and fc2 (bsh, replicated), the two norms (bsh)
+    want = e * b * s * (4 * h + (3 * h + f) // t)
     assert c.layer.deferred_bytes == want
+    sp = analytic_microbatch_costs(replace(model, sequence_parallel=True), a100, "bf16", t, b)
+    assert sp.layer.deferred_bytes == e * b * s * (2 * h + (2 * h + 3 * h + f) // t)  # the norms' shard
     assert c.embedding.weight_grad_s == c.embedding.backward_s  # no input gradient below the embedding
     # a profile without the split: half the backward, the whole stash
     bare = BlockCost(1.0, 3.0, params=1, stash_bytes=9, input_bytes=1, output_bytes=1)
     assert (bare.weight_grad_s, bare.input_grad_s, bare.deferred_bytes) == (1.5, 1.5, 9)
+
+
+@pytest.mark.parametrize("kind", ["gpt-tiny", "llama-tiny", "bert-tiny"])
+def test_deferred_bytes_are_what_the_engine_keeps(kind):
+    """The analytic bytes a deferred W keeps beyond the stash equal what ``split_backward``'s I keeps for
+    W in a real stage (fp32, t = 1): a middle stage's layer, and the last stage's head on top of it."""
+    import torch
+    from torch import nn
+
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.pipeline.split_backward import accumulator, backward_input
+    from megatron_2bw.tensor_parallel.group import TPGroup
+    from megatron_2bw.tensor_parallel.random import RNGTracker
+    from pipeline_harness import _dataset
+
+    cfg = get_preset(kind, hidden_dropout=0.0, attention_dropout=0.0)
+    costs = analytic_microbatch_costs(cfg, load_cluster("dgx-a100-80gb"), "fp32", 1, 2)
+    kept = []
+    for r in (1, 3):  # d = 4: one layer in the middle, one layer and the head last
+        torch.manual_seed(0)
+        spec = ModelSpec(cfg, TPGroup(), 7, rng=RNGTracker(7, 0))
+        layers = nn.ModuleList(spec.build_stage(4, r))
+        batch = spec.make_batch(_dataset(cfg, 2))
+        x = out = torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
+        for layer in layers:
+            out = layer(out, batch)
+        last = r == 3
+        if last:
+            out = spec.loss_fn()(out, batch)
+        index = {accumulator(p): i for i, p in enumerate(layers.parameters())}
+        _, deferred = backward_input(out, None if last else torch.ones_like(out), x, index)
+        kept.append(deferred.nbytes)
+    assert kept[0] == costs.layer.deferred_bytes
+    assert kept[1] == costs.layer.deferred_bytes + costs.head.deferred_bytes
 
 
 def test_unknown_schedule_still_refused():

@@ -67,8 +67,9 @@ Per block: ``forward_s``/``backward_s`` are seconds for one microbatch on one GP
 ``t > 1`` measures them including the tensor-parallel all-reduces and writes
 ``tp_allreduce_*_bytes = 0``); optional ``backward_weight_s`` (the weight-gradient GEMMs inside
 ``backward_s``, what a split backward's W runs; absent: half the backward) and
-``weight_grad_stash_bytes`` (what a deferred weight gradient keeps: the weight GEMMs' inputs and output
-gradients; absent: the whole stash); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
+``weight_grad_stash_bytes`` (what a deferred weight gradient keeps beyond the stash, which stays alive
+until W: the gradients the input-gradient pass caught at the weight GEMMs and norms; absent: the whole
+stash again); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
 forward keeps for the backward, including the block's input; ``input_bytes``/``output_bytes`` the
 tensors crossing its boundaries; ``workspace_bytes`` the extra peak while it runs. The search only
 considers the (t, b) pairs a profile has.
@@ -130,8 +131,9 @@ class BlockCost:
     core_stash_bytes: int = 0
     # the weight-gradient GEMMs inside ``backward_s`` (what a split backward's W runs; the rest of the
     # backward, input-gradient GEMMs and every elementwise and attention kernel, is its I), and what a
-    # microbatch whose W is deferred keeps until it runs: the weight GEMMs' inputs and output
-    # gradients (0: unknown, see ``weight_grad_s`` / ``deferred_bytes``)
+    # microbatch whose W is deferred keeps until it runs on top of its stash (W reads the graph, so the
+    # stash stays): the output gradients caught at the weight GEMMs and norms (0: unknown, see
+    # ``weight_grad_s`` / ``deferred_bytes``)
     backward_weight_s: float = 0.0
     weight_grad_stash_bytes: int = 0
 
@@ -153,8 +155,9 @@ class BlockCost:
 
     @property
     def deferred_bytes(self) -> int:
-        """Bytes a microbatch keeps between its input gradient and its deferred weight gradient; a profile
-        that does not state it gets the whole stash (an upper bound on the GEMM inputs kept)."""
+        """Bytes a microbatch keeps between its input gradient and its deferred weight gradient beyond its
+        stash (the caught output gradients); a profile that does not state it gets the whole stash again
+        (an upper bound: no block catches more gradient than it stashes activations)."""
         return self.weight_grad_stash_bytes or self.stash_bytes
 
 
@@ -360,18 +363,18 @@ def linear_forward_flops(model: ModelConfig, b: int, t: int) -> float:
 
 
 def weight_grad_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
-    """What one layer keeps for a deferred weight gradient: each weight GEMM's input and output gradient.
-    Inputs: QKV's and the first MLP GEMM's (``bsh``, replicated across the tensor group), the projection's
-    (``bsh/t``) and the last MLP GEMM's (``bsf/t``); output gradients: QKV's (``bs (a+2g) d_head / t``), the
-    first MLP GEMM's (``bs f/t``, twice with SwiGLU) and the projection's and the last MLP GEMM's (``bsh``,
-    replicated). Under sequence parallelism the replicated ones are sharded too."""
-    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
+    """What one layer keeps for a deferred weight gradient beyond its stash (``split_backward``: I keeps the
+    graph, whose saved tensors hold the weight GEMMs' inputs, and the gradient arriving at each parameter's
+    first-use node): the output gradients of QKV (``bs (a+2g) d_head / t``), of the first MLP GEMM
+    (``bs f/t``, twice with SwiGLU), of the projection and the last MLP GEMM (``bsh`` each, replicated: the
+    gradient of a row-parallel GEMM's partial sum is the whole one, sequence parallelism gathers it), and
+    of the two norms (``bsh``, a sequence shard under sequence parallelism). A bias joins its GEMM's
+    gradient (the same tensor). ``tests/test_planner_schedules.py`` checks this against what the engine
+    keeps."""
+    s, h = model.seq_length, model.hidden_size
     qkv, mlp_in, _, _ = _llama_terms(model)
-    replicated = 4 * b * s * h * e
-    split = (h + f + qkv + mlp_in) * b * s * e
-    if model.sequence_parallel and t > 1:
-        return (replicated + split) // t
-    return replicated + split // t
+    norms = 2 * h // t if model.sequence_parallel and t > 1 else 2 * h
+    return (2 * h + norms + (qkv + mlp_in) // t) * b * s * e
 
 
 def layer_memory_bound_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> tuple[float, float]:
@@ -422,7 +425,9 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     embedding = BlockCost(
         # the embedding's backward is all weight gradient (a scatter-add into the table): nothing upstream
         forward_s=emb_time, backward_s=emb_time, backward_weight_s=emb_time, params=embedding_params(model, t),
-        weight_grad_stash_bytes=b * s * TOKEN_ID_BYTES + shard,
+        # the first stage's input-gradient pass does nothing (nothing upstream): its deferred W keeps the
+        # gradient it received for its output, the size of what it sent (``memory_model._deferred_bytes``)
+        weight_grad_stash_bytes=shard,
         stash_bytes=(b * s * h * mask * shard // hidden if model.hidden_dropout > 0 else 0),
         input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=shard,
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
@@ -435,8 +440,9 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
         backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
         backward_weight_s=head_fwd,  # the output layer's weight gradient: one logit-sized GEMM
-        # its input and the logits' gradient (what the output layer's weight gradient reads)
-        weight_grad_stash_bytes=shard + e * logits,
+        # the final norm's and the logits' gradients; BERT's LM-head transform adds its GEMM's and norm's
+        # output gradients and the pooler's and binary head's ([b, h] and [b, 2])
+        weight_grad_stash_bytes=shard + e * logits + (2 * hidden + e * b * (h + 2) if model.kind == "bert" else 0),
         params=head_params(model, t),
         stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
         input_bytes=shard, output_bytes=0,

@@ -26,10 +26,10 @@ Schedules beyond the paper's read the same ``ScheduleSpec`` (no schedule names h
   ``1/chunks`` of the rank's per-microbatch stash; the planner converts to whole-rank microbatches
   (``rank_units``). With one chunk a unit is a whole-rank microbatch, as before.
 - ``deferred_weight_grads`` (split-backward schedules: ZB-H1, ZB-H2, ZB-V) counts microbatches whose input
-  gradient ran and whose weight gradient waits, in the same units. They hold no stash any more, only what
-  the weight gradients read: each weight GEMM's input and output gradient (``BlockCost.deferred_bytes``,
-  ``layer_costs.weight_grad_stash_bytes``). ``inflight`` does not count them (the checker frees a stash at
-  the input gradient).
+  gradient ran and whose weight gradient waits, in the same units. ``inflight`` counts them too (a
+  zero-bubble microbatch is in flight from its F to its W: W reads the graph, so the stash stays); on top
+  they keep the gradients I caught for W (``BlockCost.deferred_bytes``, ``layer_costs.weight_grad_stash_bytes``),
+  and with recomputation the graph I recomputed, a whole stash.
 - ``weight_versions`` and ``grad_buffers`` as for the paper's schedules.
 
 What real runs also pay, and the paper's formula leaves out:
@@ -307,10 +307,12 @@ def layer_stash_with(costs: MicrobatchCosts, num_layers: int, policy: RecomputeP
 
 
 def _deferred_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
-    """What one whole-rank microbatch keeps while its weight gradients wait (``BlockCost.deferred_bytes``)."""
-    n = part.num_layers * costs.layer.deferred_bytes
+    """What one whole-rank microbatch keeps beyond its stash while its weight gradients wait
+    (``BlockCost.deferred_bytes``). The first stage has no input gradient to compute, so its I catches
+    nothing: the gradient it received for its output waits for W, which runs the whole backward."""
     if part.embedding:
-        n += costs.embedding.deferred_bytes
+        return costs.layer.output_bytes if part.num_layers else costs.embedding.deferred_bytes
+    n = part.num_layers * costs.layer.deferred_bytes
     if part.head:
         n += costs.head.deferred_bytes
     return n
@@ -332,8 +334,11 @@ def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageS
     edge = _edge_bytes(costs, part)
     held = round(rank_units(waiting, chunks) * _deferred_bytes(costs, part)) if waiting else 0
     if cand.recompute:
-        # A_input: what the stage received (the first stage: the token ids)
+        # A_input: what the stage received (the first stage: the token ids). A deferred W keeps the graph
+        # its I recomputed: that microbatch's whole stash until W runs.
         received = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
+        if waiting:
+            held += round(rank_units(waiting, chunks) * (layers + edge))
         if chunks == 1:
             return n * received + layers + edge + held
         return n * costs.layer.input_bytes + round((layers + edge) / chunks) + held
