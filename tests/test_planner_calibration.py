@@ -106,7 +106,6 @@ def test_plan_cli_calibration(capsys):
 
 from megatron_2bw.planner.calibration import (  # noqa: E402 - this section's imports
     ZB_SCHEDULES, format_schedule_ratios, load_schedule_ratios, predict_schedule_ratios, schedule_ratio_calibration,
-    zb_formula_bubble,
 )
 
 ZB_SOURCES, ZB_RUNS = load_schedule_ratios()
@@ -137,27 +136,41 @@ def test_zero_bubble_layouts_as_published():
     assert "1.5B m=24" in format_schedule_ratios(list(ZB_ROWS.values()))
 
 
-def test_zero_bubble_ratios_use_the_registry_once_registered(monkeypatch):
-    """The fallback formula is for the time before the zb-h1/zb-h2 specs merge: registered specs win."""
-    from dataclasses import dataclass
+def test_zero_bubble_ratios_are_priced_by_the_registry(monkeypatch):
+    """The ratios come from each spec's ``bubble_time``: a spec carrying the paper's handcrafted formulas
+    (ZB-H1 ``(d-1)(f+b-w)``, ZB-H2 ``(d-1)(f+b-2w)``) in place of the replayed programs moves the ratio
+    by exactly the bubble difference, computed here by hand from Flush's prediction."""
+    from dataclasses import dataclass, replace as dc_replace
 
-    from megatron_2bw.pipeline.schedules import SCHEDULES, ScheduleSpec
+    from megatron_2bw.pipeline.schedules import SCHEDULES, get_schedule
+    from megatron_2bw.planner.cost_model import predict
+    from megatron_2bw.planner.hardware import load_cluster
+    from megatron_2bw.planner.layer_costs import analytic_layer_costs
+    from megatron_2bw.planner.memory_model import Candidate
 
     @dataclass(frozen=True)
-    class _Spec(ScheduleSpec):
+    class _Paper(type(get_schedule("zb-h1"))):
+        weight_share: float = 1.0
+
         def bubble_time(self, d, m, f, b, w):
-            return zb_formula_bubble(self.name, d, m, f, b, w)
+            return (d - 1) * max(f + b - self.weight_share * w, 0.0)
 
     run = ZB_RUNS[0]
-    before = predict_schedule_ratios(run)
-    for ours in ZB_SCHEDULES.values():
-        if ours not in SCHEDULES:
-            monkeypatch.setitem(SCHEDULES, ours, _Spec(ours, split_backward=True))
-    after = predict_schedule_ratios(run)
-    assert set(after.priced_by.values()) == {"registry"}
-    assert set(after.memory_gb) == {"1f1b", *ZB_SCHEDULES}  # registered specs get their memory priced too
-    if set(before.priced_by.values()) == {"formula"}:  # the same formulas give the same ratios either way
-        assert after.predicted == pytest.approx(before.predicted, rel=1e-12)
+    monkeypatch.setitem(SCHEDULES, "zb-h1", _Paper("zb-h1", weight_share=1.0))
+    monkeypatch.setitem(SCHEDULES, "zb-h2", _Paper("zb-h2", weight_share=2.0))
+    row = predict_schedule_ratios(run)
+    cluster = dc_replace(load_cluster(run.cluster), flash_attention=run.flash_attention)
+    costs = analytic_layer_costs(run.model, cluster, run.precision, (1,), (run.micro_batch_size,)).at(
+        1, run.micro_batch_size)
+    cand = Candidate(1, run.pipeline_parallel, 1, run.micro_batch_size, run.num_micro_batches, False, "flush",
+                     layer_split=run.layer_split)
+    flush = predict(costs, cand, run.model.num_layers, cluster)
+    f, b, w = max(flush.stages, key=lambda s: s.microbatch_s).fbw
+    d = run.pipeline_parallel
+    for theirs, share in (("zb-1p", 1.0), ("zb-2p", 2.0)):
+        want = flush.batch_s / (flush.batch_s - flush.bubble_s + (d - 1) * max(f + b - share * w, 0.0))
+        assert row.predicted[theirs] == pytest.approx(want, rel=1e-9)
+    assert set(row.memory_gb) == {"1f1b", *ZB_SCHEDULES}
 
 
 def test_plan_cli_schedule_calibration(capsys):

@@ -14,7 +14,7 @@ from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.planner.auto_plan import AutoPlan, PlanChoice, auto_plan, auto_plan_details, host_cluster
 from megatron_2bw.planner.layer_costs import (
-    embedding_params, head_params, layer_params, layer_stash_bytes, load_profile, tied_params,
+    embedding_params, head_params, layer_params, layer_stash_bytes, load_profile, tied_params, weight_grad_stash_bytes,
 )
 from megatron_2bw.planner.profiler import (
     OptimizerCost, Profile, load_full_profile, merge_profiles, profile_model, profile_optimizer,
@@ -63,6 +63,20 @@ def test_tiny_profile_measures_every_block(tiny):
         assert c.embedding.stash_bytes == 0  # token ids are its input; no dropout mask at p = 0
         # with recomputation only the input stays
         assert c.layer.recompute_stash_bytes == c.layer.input_bytes < c.layer.stash_bytes
+        # the split backward: I and W timed apart; what I keeps for W is the analytic count (the output
+        # gradients at the weight GEMMs and norms); the planner gets W's share of the whole backward
+        for blk in (c.layer, c.head):
+            assert blk.backward_input_s > 0 and blk.backward_weight_s > 0
+            cost = blk.block_cost()
+            assert 0 < cost.weight_grad_s < cost.backward_s
+            assert cost.weight_grad_s == pytest.approx(
+                blk.backward_s * blk.backward_weight_s / (blk.backward_input_s + blk.backward_weight_s), rel=1e-12)
+        assert c.layer.weight_grad_stash_bytes == weight_grad_stash_bytes(cfg, b, 1, e)
+        assert c.head.weight_grad_stash_bytes == b * s * h * e + e * b * s * cfg.padded_vocab_size(1)
+        # the embedding has no input gradient: its W is its whole backward, waiting on its output's gradient
+        assert c.embedding.backward_input_s == 0 and c.embedding.backward_weight_s > 0
+        assert c.embedding.block_cost().weight_grad_s == c.embedding.backward_s
+        assert c.embedding.weight_grad_stash_bytes == c.embedding.output_bytes
     one, two = tiny.entries[(1, 1)], tiny.entries[(1, 2)]
     assert two.layer.stash_bytes == pytest.approx(2 * one.layer.stash_bytes, rel=0.02)
     assert tiny.optimizer is not None and tiny.optimizer.per_param_s > 0

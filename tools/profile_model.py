@@ -75,6 +75,7 @@ def run(argv: list[str]) -> str:
     lines = [f"wrote {args.out}: {len(prof.entries)} (t, b) entries in {time.perf_counter() - start:.1f} s; {prof.source}"]
     for (t, b), e in sorted(prof.entries.items()):
         lines.append(f"  t={t} b={b}: layer fwd {e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms "
+                     f"(split: I {e.layer.backward_input_s * 1e3:.3f} ms + W {e.layer.backward_weight_s * 1e3:.3f} ms) "
                      f"stash {e.layer.stash_bytes / 2**20:.2f} MiB; head fwd {e.head.forward_s * 1e3:.3f} ms "
                      f"bwd {e.head.backward_s * 1e3:.3f} ms stash {e.head.stash_bytes / 2**20:.2f} MiB")
     if prof.optimizer:

@@ -3,7 +3,10 @@
 The chain is the embedding, a few distinct transformer layers and the head with the loss. Each
 repetition runs the forward block after block, then the backward in reverse, each block timed on
 its own (the blocks are cut apart with ``detach``, so a block's backward is exactly its own), then
-the forward again under ``torch.no_grad`` (what a stage's first forward costs with recomputation).
+the forward again under ``torch.no_grad`` (what a stage's first forward costs with recomputation),
+then once more with the backward split as zero-bubble schedules run it (``pipeline.split_backward``:
+I, the input gradient, then W, the weight gradients, each timed), which also gives the bytes I keeps
+for W.
 Running distinct blocks in sequence keeps a block from finding its weights and buffers still in
 cache from its own previous repetition, which a block timed alone in a loop would.
 """
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from ..pipeline.accounting import SavedBytes
+from ..pipeline.split_backward import accumulator, backward_input, backward_weight
 from .layer_costs import BlockCost
 
 
@@ -74,13 +78,23 @@ class BlockMeasurement:
     workspace_measured: bool
     forward_samples: tuple[float, ...] = ()
     backward_samples: tuple[float, ...] = ()
+    # the split backward: I (input gradient) and W (weight gradients) timed apart, and what I keeps for
+    # W beyond the stash (0 where not measured; the embedding's I is empty: W is its whole backward)
+    backward_input_s: float = 0.0
+    backward_weight_s: float = 0.0
+    weight_grad_stash_bytes: int = 0
 
     def block_cost(self) -> BlockCost:
         """The planner's view of the block (``layer_costs.BlockCost``); a profiler at ``t > 1`` times
-        the tensor-parallel all-reduces inside ``forward_s``/``backward_s``, so none are added."""
+        the tensor-parallel all-reduces inside ``forward_s``/``backward_s``, so none are added. The
+        weight-gradient share is W's share of the measured I + W, applied to the whole backward: the
+        split's own overhead (I + W exceeds a whole backward on the CPU) is in ``extras``, not priced."""
+        split = self.backward_input_s + self.backward_weight_s
+        weight = self.backward_s * self.backward_weight_s / split if split > 0 else 0.0
         return BlockCost(forward_s=self.forward_s, backward_s=self.backward_s, params=self.params,
                          stash_bytes=self.stash_bytes, input_bytes=self.input_bytes, output_bytes=self.output_bytes,
-                         workspace_bytes=self.workspace_bytes)
+                         workspace_bytes=self.workspace_bytes, backward_weight_s=weight,
+                         weight_grad_stash_bytes=self.weight_grad_stash_bytes)
 
     @property
     def recompute_stash_bytes(self) -> int:
@@ -90,7 +104,8 @@ class BlockMeasurement:
     def extras(self) -> dict[str, Any]:
         return {"forward_nograd_s": self.forward_nograd_s, "recompute_stash_bytes": self.recompute_stash_bytes,
                 "workspace_measured": self.workspace_measured,
-                "forward_samples_s": list(self.forward_samples), "backward_samples_s": list(self.backward_samples)}
+                "forward_samples_s": list(self.forward_samples), "backward_samples_s": list(self.backward_samples),
+                "backward_input_s": self.backward_input_s, "backward_weight_s": self.backward_weight_s}
 
 
 class _Samples:
@@ -100,8 +115,11 @@ class _Samples:
         self.fwd: list[float] = []
         self.bwd: list[float] = []
         self.nograd: list[float] = []
+        self.bwd_i: list[float] = []
+        self.bwd_w: list[float] = []
         self.stash = self.input = self.output = 0
         self.workspace = 0
+        self.kept = 0
 
     def result(self, params: int, workspace_measured: bool) -> BlockMeasurement:
         return BlockMeasurement(
@@ -109,6 +127,7 @@ class _Samples:
             params=params, stash_bytes=self.stash, input_bytes=self.input, output_bytes=self.output,
             workspace_bytes=int(self.workspace) if workspace_measured else self.stash,
             workspace_measured=workspace_measured, forward_samples=tuple(self.fwd), backward_samples=tuple(self.bwd),
+            backward_input_s=median(self.bwd_i), backward_weight_s=median(self.bwd_w), weight_grad_stash_bytes=self.kept,
         )
 
 
@@ -171,6 +190,46 @@ class _Chain:
             grad = inputs[j].grad
         self._bwd(self.emb_s, (h,), (grad,), rec)
 
+    def _split(self, samples: _Samples, block: nn.Module, out: torch.Tensor, grad: torch.Tensor | None,
+               x: torch.Tensor, rec: bool) -> torch.Tensor:
+        """``block``'s backward as a zero-bubble stage runs it: I, then W, each timed; returns I's gradient."""
+        params = list(block.parameters())
+        index = {accumulator(p): i for i, p in enumerate(params)}
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        dx, deferred = backward_input(out, grad, x, index)
+        synchronize(self.device)
+        t1 = time.perf_counter()
+        samples.kept = deferred.nbytes
+        backward_weight(deferred, params, index, main_grads=False)
+        synchronize(self.device)
+        if rec:
+            samples.bwd_i.append(t1 - t0)
+            samples.bwd_w.append(time.perf_counter() - t1)
+        return dx
+
+    def split_pass(self, rec: bool) -> None:
+        """Forward block by block, then each block's I and W in reverse order (the embedding has no input
+        gradient: its W is its whole backward, and what waits for it is the gradient of its output)."""
+        batch = self.batch
+        h = self.emb(None, batch)
+        inputs, outputs = [], []
+        x = h.detach().requires_grad_(True)
+        for layer in self.layers:
+            inputs.append(x)
+            outputs.append(layer(x, batch))
+            x = outputs[-1].detach().requires_grad_(True)
+        grad = self._split(self.head_s, self.head, self.loss_fn(self.head(x, batch), batch), None, x, rec)
+        for j in reversed(range(len(self.layers))):
+            grad = self._split(self.lay_s, self.layers[j], outputs[j], grad, inputs[j], rec)
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        torch.autograd.backward((h,), (grad,))
+        synchronize(self.device)
+        if rec:
+            self.emb_s.bwd_w.append(time.perf_counter() - t0)
+        self.emb_s.kept = _nbytes(grad)
+
     @torch.no_grad()
     def nograd_pass(self, rec: bool) -> None:
         """The forward without autograd, each block timed on its own."""
@@ -209,11 +268,13 @@ def measure_chain(
     """Time and size the embedding, ``len(layers)`` distinct transformer layers and the head with
     the loss over ``warmup`` untimed and ``reps`` timed repetitions (see the module docstring).
     Per transformer layer: the median over the layers and the repetitions. Also: the forward
-    without autograd, and on CUDA each backward's peak above what was allocated before it."""
+    without autograd, the split backward's I and W, and on CUDA each backward's peak above what was
+    allocated before it."""
     chain = _Chain(emb, layers, head, loss_fn, batch, device)
     for i in range(warmup + reps):
         chain.train_pass(i >= warmup)
         chain.nograd_pass(i >= warmup)
+        chain.split_pass(i >= warmup)
     for p in unique_params([emb, *layers, head]):
         p.grad = None  # the next microbatch size starts from the same memory
     return chain.results()

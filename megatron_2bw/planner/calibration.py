@@ -213,18 +213,6 @@ ZB_SCHEDULES = {"zb-1p": "zb-h1", "zb-2p": "zb-h2"}
 BASELINE = "1f1b"  # the paper's 1F1B is our PipeDream-Flush
 
 
-def zb_formula_bubble(schedule: str, d: int, m: int, f: float, b: float, w: float) -> float:
-    """FALLBACK, used only while ``schedule`` is not in the registry: the Zero Bubble paper's handcrafted
-    bubbles (Qi et al. 2024, section 3): ZB-H1 ``(d-1)(f + b - w)``, ZB-H2 ``(d-1)(f + b - 2w)`` (at least
-    0). The ``zb-h1`` / ``zb-h2`` specs come from another branch; once they are registered,
-    :func:`predict_schedule_ratios` prices through their ``bubble_time`` and this is not called."""
-    if schedule == "zb-h1":
-        return (d - 1) * max(f + b - w, 0.0)
-    if schedule == "zb-h2":
-        return (d - 1) * max(f + b - 2 * w, 0.0)
-    raise ConfigError(f"no fallback bubble formula for {schedule!r}")
-
-
 @dataclass(frozen=True)
 class ScheduleRatioRun:
     """One layout of ``published.json``'s ``schedule_ratios``: the throughput of several schedules on it."""
@@ -284,9 +272,8 @@ class ScheduleRatioRow:
     run: ScheduleRatioRun
     flush_samples_per_gpu: float       # predicted 1F1B samples per GPU per second
     predicted: dict[str, float]        # the source's schedule name -> predicted ratio to 1F1B
-    priced_by: dict[str, str]          # "registry" (the spec's bubble_time) or "formula" (the fallback)
-    # the source's schedule name -> predicted GB (1e9 bytes) on the fullest GPU: 1F1B always, the others
-    # only once their specs are registered (their stashes and deferred weight gradients come from the spec)
+    # the source's schedule name -> predicted GB (1e9 bytes) on the fullest GPU (the zero-bubble ones from
+    # their specs' in-flight and deferred weight-gradient counts)
     memory_gb: dict[str, float] = field(default_factory=dict)
 
     def error(self, schedule: str) -> float:
@@ -295,9 +282,8 @@ class ScheduleRatioRow:
 
 
 def predict_schedule_ratios(run: ScheduleRatioRun) -> ScheduleRatioRow:
-    """Flush and each zero-bubble schedule on ``run``'s layout (t = 1, w = 1, the paper's split)."""
-    from ..pipeline.schedules import SCHEDULES  # noqa: PLC0415 - the registry as it is at call time
-
+    """Flush and each zero-bubble schedule on ``run``'s layout (t = 1, w = 1, the paper's split), every one
+    priced through its registry spec."""
     cluster = replace(load_cluster(run.cluster), flash_attention=run.flash_attention)
     stage, policy = parse_recompute(run.recompute)
     costs = analytic_layer_costs(run.model, cluster, run.precision, (1,), (run.micro_batch_size,)).at(
@@ -311,21 +297,13 @@ def predict_schedule_ratios(run: ScheduleRatioRun) -> ScheduleRatioRow:
     def gb(c: Candidate) -> float:
         return max(s.total for s in plan_memory(costs, c, L, pb)) / 1e9
 
-    predicted, how, memory = {}, {}, {BASELINE: gb(cand)}
+    predicted, memory = {}, {BASELINE: gb(cand)}
     for theirs, ours in ZB_SCHEDULES.items():
-        if theirs not in run.published:
-            continue
-        if ours in SCHEDULES:
-            batch = predict(costs, replace(cand, schedule=ours), L, cluster).batch_s
-            memory[theirs] = gb(replace(cand, schedule=ours))
-            how[theirs] = "registry"
-        else:
-            slowest = max(flush.stages, key=lambda s: s.microbatch_s)
-            d, m = run.pipeline_parallel, run.num_micro_batches
-            batch = flush.batch_s - flush.bubble_s + zb_formula_bubble(ours, d, m, *slowest.fbw)
-            how[theirs] = "formula"
-        predicted[theirs] = flush.batch_s / batch
-    return ScheduleRatioRow(run, flush.samples_per_sec / run.num_gpus, predicted, how, memory)
+        if theirs in run.published:
+            zb = replace(cand, schedule=ours)
+            predicted[theirs] = flush.batch_s / predict(costs, zb, L, cluster).batch_s
+            memory[theirs] = gb(zb)
+    return ScheduleRatioRow(run, flush.samples_per_sec / run.num_gpus, predicted, memory)
 
 
 def schedule_ratio_calibration(runs: Iterable[ScheduleRatioRun] | None = None) -> list[ScheduleRatioRow]:
@@ -347,10 +325,8 @@ def format_schedule_ratios(rows: list[ScheduleRatioRow]) -> str:
                         for n in [BASELINE, *names])
         lines.append(f"{run.name:<14} {run.pipeline_parallel:>3} {run.micro_batch_size:>2} {run.num_micro_batches:>4} "
                      f"{run.published[BASELINE]:>8.2f}/{r.flush_samples_per_gpu:<9.2f} {cells}  {mems}")
-    via = sorted({v for r in rows for v in r.priced_by.values()})
     lines.append(f"ratios to 1F1B (Flush) throughput ({'*'}: outside {TOLERANCE:.0%}); ZB-1p priced as zb-h1, "
-                 f"ZB-2p as zb-h2, by {' and '.join('the registry' if v == 'registry' else 'the fallback formula' for v in via)}; "
-                 "GB (1e9 bytes) per GPU published/predicted (-: the spec is not registered)")
+                 "ZB-2p as zb-h2; GB (1e9 bytes) per GPU published/predicted")
     return "\n".join(lines)
 
 
@@ -365,5 +341,5 @@ def schedule_ratios_json(rows: list[ScheduleRatioRow]) -> list[dict[str, Any]]:
              "predicted_1f1b_samples_per_gpu": round(r.flush_samples_per_gpu, 3),
              "memory_GB": {n: {"published": r.run.published_memory_gb.get(n), "predicted": round(v, 2)}
                            for n, v in r.memory_gb.items()},
-             "ratios": {n: {"published": round(r.run.published_ratio(n), 4), "predicted": round(r.predicted[n], 4),
-                            "priced_by": r.priced_by[n]} for n in r.predicted}} for r in rows]
+             "ratios": {n: {"published": round(r.run.published_ratio(n), 4), "predicted": round(r.predicted[n], 4)}
+                        for n in r.predicted}} for r in rows]
