@@ -14,7 +14,8 @@ from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.planner.auto_plan import AutoPlan, PlanChoice, auto_plan, auto_plan_details, host_cluster
 from megatron_2bw.planner.layer_costs import (
-    embedding_params, head_params, layer_params, layer_stash_bytes, load_profile, tied_params, weight_grad_stash_bytes,
+    embedding_params, head_params, layer_params, layer_stash_bytes, load_profile, tied_params, weight_grad_input_bytes,
+    weight_grad_stash_bytes,
 )
 from megatron_2bw.planner.profiler import (
     OptimizerCost, Profile, load_full_profile, merge_profiles, profile_model, profile_optimizer,
@@ -73,6 +74,9 @@ def test_tiny_profile_measures_every_block(tiny):
                 blk.backward_s * blk.backward_weight_s / (blk.backward_input_s + blk.backward_weight_s), rel=1e-12)
         assert c.layer.weight_grad_stash_bytes == weight_grad_stash_bytes(cfg, b, 1, e)
         assert c.head.weight_grad_stash_bytes == b * s * h * e + e * b * s * cfg.padded_vocab_size(1)
+        # and what W reads of the stash, all that stays once I has freed the rest
+        assert c.layer.weight_grad_input_bytes == weight_grad_input_bytes(cfg, b, 1, e) < c.layer.stash_bytes
+        assert c.head.weight_grad_input_bytes == 2 * b * s * h * e + 2 * b * s * 4 < c.head.stash_bytes
         # the embedding has no input gradient: its W is its whole backward, waiting on its output's gradient
         assert c.embedding.backward_input_s == 0 and c.embedding.backward_weight_s > 0
         assert c.embedding.block_cost().weight_grad_s == c.embedding.backward_s

@@ -179,7 +179,7 @@ def test_d2_m4_dropout_and_recompute_equal_flush():
     _same_as_flush(outs, ZB, opts)
     for name in ZB:
         _bounds([o[(name, opts)] for o in outs], name, 2)
-    # the last stage keeps a microbatch's recomputed graph from its I to its deferred W: counted
+    # the last stage keeps what a deferred W reads of its recomputed graph (and the caught gradients): counted
     last = next(o for o in outs if o[("flush", opts)]["last"])
     flush, zb = last[("flush", opts)]["stats"], last[("zb-h1", opts)]["stats"]
     assert (flush["max_inflight"], zb["max_inflight"]) == (1, 2)

@@ -37,6 +37,7 @@ from .grad_reducer import GradReducer
 from .recompute import RNGSnapshot
 from .placement import group_key
 from .schedules import cut_segment, get_schedule, stage_actions
+from .saved_release import BoxedSaves, release_unread
 from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight
 from .transport import SEND_OPS, Transport
 from .updater import Updater, host
@@ -71,6 +72,7 @@ class StashEntry:
     version: int  # the weight version W(v) the forward ran on
     chunk: int = 0  # the rank's model chunk the forward ran (interleaved schedules)
     deferred: DeferredWeightGrad | None = None  # a split backward between its I and its W
+    boxes: list | None = None  # the saved tensors of its graph, droppable at I (saved_release)
 
 
 def loss_parts(loss_fn: Callable, out, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -169,6 +171,10 @@ class PipelineStage:
         self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer,
                                tp=(state.tp_group, state.tp_rank, state.t), ef_scale=pipe.ef_scale)
         self.saved = SavedBytes(self.weights.storages)
+        # a split backward frees at I what W does not read (saved_release), unless torch checkpoint regions
+        # (layer-level recomputation) hold those tensors; the boxes also count the stash's bytes
+        self._boxed = BoxedSaves(self.weights.storages) if spec.split_backward and pipe.recompute_granularity is None \
+            else None
         self.stats = StageStats(
             stage=state.pp_rank, weight_versions=self.weights.num_versions,
             weight_bytes=self.weights.weight_bytes + self.updater.master_bytes,
@@ -271,11 +277,14 @@ class PipelineStage:
         if x is not None and not recompute:
             x.requires_grad_(True)
         snap = RNGSnapshot.capture(self.state.device, self.rng) if recompute else None
-        measure = self.saved.measure() if self.pipe.track_memory and not recompute else contextlib.nullcontext()
+        saver = self._boxed if self._boxed is not None and not self._first[a.chunk] else \
+            self.saved if self.pipe.track_memory else None
+        measure = saver.measure() if saver is not None and not recompute else contextlib.nullcontext()
         with measure, (torch.no_grad() if recompute else contextlib.nullcontext()):
             out = _run(layers, batch, x)
             loss, comps = loss_parts(self.loss_fn, out, batch) if last else (None, {})
-        nbytes = self.saved.bytes if self.pipe.track_memory and not recompute else 0
+        nbytes = saver.bytes if saver is not None and not recompute else 0
+        boxes = saver.boxes if saver is self._boxed and saver is not None and not recompute else None
         if recompute and x is not None:
             nbytes = x.numel() * x.element_size()
         if last:
@@ -287,7 +296,7 @@ class PipelineStage:
         else:
             self._mail[(Op.SEND_ACT, a.chunk, a.mb)] = out
         self._stash[(a.chunk, a.mb)] = StashEntry(x, None if recompute else (loss if last else out), batch, snap, nbytes,
-                                                  a.version, a.chunk)
+                                                  a.version, a.chunk, boxes=boxes)
         self._account()
 
     def _account(self) -> None:
@@ -298,19 +307,22 @@ class PipelineStage:
         live = {e.version for e in self._stash.values()} | {self.step}
         st.max_live_versions = max(st.max_live_versions, len(live))
 
-    def _recompute(self, entry: StashEntry) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _recompute(self, entry: StashEntry, split: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Replay the stashed forward with its dropout masks; returns (input, output or loss)."""
         now = RNGSnapshot.capture(self.state.device, self.rng)
         entry.rng.restore(self.state.device, self.rng)
         x = entry.input.detach().requires_grad_(True) if entry.input is not None else None
-        measure = self.saved.measure() if self.pipe.track_memory else contextlib.nullcontext()
-        with measure:
+        # an I re-runs its forward into boxes, so that it can free what its W will not read
+        saver = self._boxed if self._boxed is not None and split else self.saved if self.pipe.track_memory else None
+        with saver.measure() if saver is not None else contextlib.nullcontext():
             out = _run(self._chunk_layers[self.weights.slot(entry.version)][entry.chunk], entry.batch, x)
             if self._last[entry.chunk]:
                 out = loss_parts(self.loss_fn, out, entry.batch)[0]
-        if self.pipe.track_memory:
+        if saver is not None:
             st = self.stats
-            st.peak_stashed_bytes = max(st.peak_stashed_bytes, st.stashed_bytes + self.saved.bytes)
+            st.peak_stashed_bytes = max(st.peak_stashed_bytes, st.stashed_bytes + saver.bytes)
+            if saver is self._boxed:
+                entry.boxes = saver.boxes
         now.restore(self.state.device, self.rng)
         return x, out
 
@@ -346,17 +358,23 @@ class PipelineStage:
         if self._first[a.chunk]:
             return
         entry = self._stash[(a.chunk, a.mb)]
-        x, out = self._recompute(entry) if entry.rng is not None else (entry.input, entry.output)
+        x, out = self._recompute(entry, split=True) if entry.rng is not None else (entry.input, entry.output)
         if self._last[a.chunk]:
             out, grad = out * factor, None
         else:
             grad = self._output_grad(a)
         dx, entry.deferred = backward_input(out, grad, x, self._accumulators(entry.version))
         self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = dx
-        # W holds the graph (every saved activation, recomputed ones included) and the caught gradients
-        held = entry.nbytes + entry.deferred.nbytes
-        if entry.rng is not None and self.pipe.track_memory:
-            held += self.saved.bytes
+        # W holds what its nodes read and the caught gradients: with boxes the rest is freed here, otherwise
+        # the whole graph stays (every saved activation, recomputed ones included)
+        if entry.boxes is not None:
+            held = release_unread(entry.boxes, entry.deferred, self.weights.storages) + entry.deferred.nbytes
+            entry.boxes = None
+        else:
+            held = entry.nbytes + entry.deferred.nbytes
+            if entry.rng is not None and self.pipe.track_memory:
+                held += self.saved.bytes
+        del out
         entry.input = entry.output = entry.rng = None
         entry.nbytes = held
         self._account()

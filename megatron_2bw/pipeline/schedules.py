@@ -105,6 +105,13 @@ class ScheduleSpec:
         layer inputs and output gradients stay alive until W): 0 unless the backward is split."""
         return 0
 
+    def held_pairs(self, d: int, r: int, m: int) -> tuple[tuple[int, int], ...]:
+        """The (forwarded, not input-gradiented; input-gradiented, not weight-gradiented) counts stage ``r``
+        holds at the moments that can be its memory peak (the Pareto front over its order): a microbatch
+        keeps its whole stash until its I and only what its W reads after it, so the peak is the largest
+        ``a * stash + b * deferred`` over these pairs. Without a split backward: one pair, ``(inflight, 0)``."""
+        return ((self.inflight(d, r, m), 0),)
+
     def placement(self, d: int) -> Placement:
         """Which rank holds which virtual stage at depth ``d`` (one chunk: stage ``r`` on rank ``r``)."""
         return Placement(d, self.chunks)
@@ -324,7 +331,8 @@ def _split_fragment(op: Op, mb: int, step: int, version: int, has_prev: bool, ha
 class _ZeroBubble(ScheduleSpec):
     """Zero-bubble schedules (Qi et al., ICLR 2024): the backward split into I (input gradient) and W
     (weight gradient), W deferred into what would be bubble. Synchronous: one weight version, a flush
-    per step. A microbatch is in flight from its F to its W (W keeps its activations)."""
+    per step. A microbatch is in flight from its F to its W: its whole stash until I, what W reads of it
+    after (``saved_release``)."""
 
     split_backward: bool = True
 
@@ -350,6 +358,9 @@ class _ZeroBubble(ScheduleSpec):
         there (``tests/test_zero_bubble.py`` checks it against the full order)."""
         return _peak((op for op, _ in self.split_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
                      Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+    def held_pairs(self, d: int, r: int, m: int) -> tuple[tuple[int, int], ...]:
+        return _held_pairs(tuple(op for op, _ in self.split_order(d, r, min(m, REPLAY_MICROBATCHES * d))))
 
     def bubble(self, d: int, m: int) -> float:
         """With the paper's equal forward, input-gradient and weight-gradient times."""
@@ -506,6 +517,18 @@ def _peak(ops, opens: Op, closes: Op) -> int:
     return most
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _held_pairs(ops: tuple[Op, ...]) -> tuple[tuple[int, int], ...]:
+    """The Pareto front of (F..I, I..W) counts over a stage's ops (see :meth:`ScheduleSpec.held_pairs`)."""
+    a = b = 0
+    seen: set[tuple[int, int]] = set()
+    for op in ops:
+        a += (op is Op.FORWARD) - (op is Op.BACKWARD_INPUT)
+        b += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
+        seen.add((a, b))
+    return tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+
+
 REPLAY_MICROBATCHES = 4  # per stage, the most :meth:`_ZeroBubble.bubble_time` replays
 
 
@@ -625,6 +648,9 @@ class _ZBV(_ZeroBubble):
     def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
         return _peak((op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
                      Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+    def held_pairs(self, d: int, r: int, m: int) -> tuple[tuple[int, int], ...]:
+        return _held_pairs(tuple(op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))))
 
     def bubble_slots(self, d: int) -> float:  # type: ignore[override]
         return _ZeroBubble.bubble_slots(self, d) / 2

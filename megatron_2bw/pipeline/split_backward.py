@@ -68,6 +68,9 @@ class _Group:
     params: list[Node]
     nodes: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+    # the nodes between the first-use nodes and the parameters (casts, transposes, views): with ``nodes``
+    # what W runs, so the saved tensors W reads (``saved_release``)
+    side: set[Node] = field(default_factory=set)
 
 
 @dataclass
@@ -134,15 +137,18 @@ def _groups(root: Node, input_node: Node, params: dict[Node, int]) -> list[_Grou
                 else:
                     queue.append(user)
         merged = {id(by_node[n]): by_node[n] for n in joins if n in by_node}
+        side = seen.difference(joins)
         if not merged:
-            group = _Group([acc], list(joins))
+            group = _Group([acc], list(joins), side=side)
             groups.append(group)
         else:  # joins another parameter's group: one group (a node's weight and bias, a shared weight)
             group, *others = merged.values()
             group.params.append(acc)
+            group.side |= side
             for other in others:
                 group.params += other.params
                 group.nodes += [n for n in other.nodes if n not in group.nodes]
+                group.side |= other.side
                 groups.remove(other)
             group.nodes += [n for n in joins if n not in group.nodes]
         for n in group.nodes:

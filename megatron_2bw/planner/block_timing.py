@@ -6,7 +6,7 @@ its own (the blocks are cut apart with ``detach``, so a block's backward is exac
 the forward again under ``torch.no_grad`` (what a stage's first forward costs with recomputation),
 then once more with the backward split as zero-bubble schedules run it (``pipeline.split_backward``:
 I, the input gradient, then W, the weight gradients, each timed), which also gives the bytes I keeps
-for W.
+for W: the gradients it caught, and what W reads of the stash once I has freed the rest.
 Running distinct blocks in sequence keeps a block from finding its weights and buffers still in
 cache from its own previous repetition, which a block timed alone in a loop would.
 """
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..pipeline.accounting import SavedBytes
+from ..pipeline.saved_release import BoxedSaves, release_unread
 from ..pipeline.split_backward import accumulator, backward_input, backward_weight
 from .layer_costs import BlockCost
 
@@ -83,6 +84,7 @@ class BlockMeasurement:
     backward_input_s: float = 0.0
     backward_weight_s: float = 0.0
     weight_grad_stash_bytes: int = 0
+    weight_grad_input_bytes: int = 0  # what W reads of the stash (the rest is freed at I)
 
     def block_cost(self) -> BlockCost:
         """The planner's view of the block (``layer_costs.BlockCost``); a profiler at ``t > 1`` times
@@ -94,7 +96,8 @@ class BlockMeasurement:
         return BlockCost(forward_s=self.forward_s, backward_s=self.backward_s, params=self.params,
                          stash_bytes=self.stash_bytes, input_bytes=self.input_bytes, output_bytes=self.output_bytes,
                          workspace_bytes=self.workspace_bytes, backward_weight_s=weight,
-                         weight_grad_stash_bytes=self.weight_grad_stash_bytes)
+                         weight_grad_stash_bytes=self.weight_grad_stash_bytes,
+                         weight_grad_input_bytes=self.weight_grad_input_bytes)
 
     @property
     def recompute_stash_bytes(self) -> int:
@@ -120,6 +123,7 @@ class _Samples:
         self.stash = self.input = self.output = 0
         self.workspace = 0
         self.kept = 0
+        self.read = 0
 
     def result(self, params: int, workspace_measured: bool) -> BlockMeasurement:
         return BlockMeasurement(
@@ -128,6 +132,7 @@ class _Samples:
             workspace_bytes=int(self.workspace) if workspace_measured else self.stash,
             workspace_measured=workspace_measured, forward_samples=tuple(self.fwd), backward_samples=tuple(self.bwd),
             backward_input_s=median(self.bwd_i), backward_weight_s=median(self.bwd_w), weight_grad_stash_bytes=self.kept,
+            weight_grad_input_bytes=self.read,
         )
 
 
@@ -191,13 +196,15 @@ class _Chain:
         self._bwd(self.emb_s, (h,), (grad,), rec)
 
     def _split(self, samples: _Samples, block: nn.Module, out: torch.Tensor, grad: torch.Tensor | None,
-               x: torch.Tensor, rec: bool) -> torch.Tensor:
-        """``block``'s backward as a zero-bubble stage runs it: I, then W, each timed; returns I's gradient."""
+               x: torch.Tensor, boxes: list, rec: bool) -> torch.Tensor:
+        """``block``'s backward as a zero-bubble stage runs it: I (which frees what W will not read), then
+        W, each timed; returns I's gradient."""
         params = list(block.parameters())
         index = {accumulator(p): i for i, p in enumerate(params)}
         synchronize(self.device)
         t0 = time.perf_counter()
         dx, deferred = backward_input(out, grad, x, index)
+        samples.read = release_unread(boxes, deferred, self.saver.exclude)
         synchronize(self.device)
         t1 = time.perf_counter()
         samples.kept = deferred.nbytes
@@ -213,15 +220,20 @@ class _Chain:
         gradient: its W is its whole backward, and what waits for it is the gradient of its output)."""
         batch = self.batch
         h = self.emb(None, batch)
-        inputs, outputs = [], []
+        inputs, outputs, boxes = [], [], []
         x = h.detach().requires_grad_(True)
+        saves = BoxedSaves(self.saver.exclude)
         for layer in self.layers:
             inputs.append(x)
-            outputs.append(layer(x, batch))
+            with saves.measure():
+                outputs.append(layer(x, batch))
+            boxes.append(saves.boxes)
             x = outputs[-1].detach().requires_grad_(True)
-        grad = self._split(self.head_s, self.head, self.loss_fn(self.head(x, batch), batch), None, x, rec)
+        with saves.measure():
+            loss = self.loss_fn(self.head(x, batch), batch)
+        grad = self._split(self.head_s, self.head, loss, None, x, saves.boxes, rec)
         for j in reversed(range(len(self.layers))):
-            grad = self._split(self.lay_s, self.layers[j], outputs[j], grad, inputs[j], rec)
+            grad = self._split(self.lay_s, self.layers[j], outputs[j], grad, inputs[j], boxes[j], rec)
         synchronize(self.device)
         t0 = time.perf_counter()
         torch.autograd.backward((h,), (grad,))
@@ -229,6 +241,7 @@ class _Chain:
         if rec:
             self.emb_s.bwd_w.append(time.perf_counter() - t0)
         self.emb_s.kept = _nbytes(grad)
+        self.emb_s.read = self.emb_s.input  # the token ids its gradient scatters by (the first stage frees nothing)
 
     @torch.no_grad()
     def nograd_pass(self, rec: bool) -> None:

@@ -67,9 +67,9 @@ Per block: ``forward_s``/``backward_s`` are seconds for one microbatch on one GP
 ``t > 1`` measures them including the tensor-parallel all-reduces and writes
 ``tp_allreduce_*_bytes = 0``); optional ``backward_weight_s`` (the weight-gradient GEMMs inside
 ``backward_s``, what a split backward's W runs; absent: half the backward) and
-``weight_grad_stash_bytes`` (what a deferred weight gradient keeps beyond the stash, which stays alive
-until W: the gradients the input-gradient pass caught at the weight GEMMs and norms; absent: the whole
-stash again); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
+``weight_grad_stash_bytes`` (the gradients a split backward's input-gradient pass catches at the weight
+GEMMs and norms for W; absent: the whole stash again) and ``weight_grad_input_bytes`` (what W reads of
+the stash, kept after I frees the rest: the weight GEMMs' and norms' inputs; absent: the whole stash); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
 forward keeps for the backward, including the block's input; ``input_bytes``/``output_bytes`` the
 tensors crossing its boundaries; ``workspace_bytes`` the extra peak while it runs. The search only
 considers the (t, b) pairs a profile has.
@@ -130,12 +130,14 @@ class BlockCost:
     core_forward_s: float = 0.0
     core_stash_bytes: int = 0
     # the weight-gradient GEMMs inside ``backward_s`` (what a split backward's W runs; the rest of the
-    # backward, input-gradient GEMMs and every elementwise and attention kernel, is its I), and what a
-    # microbatch whose W is deferred keeps until it runs on top of its stash (W reads the graph, so the
-    # stash stays): the output gradients caught at the weight GEMMs and norms (0: unknown, see
+    # backward, input-gradient GEMMs and every elementwise and attention kernel, is its I), and the
+    # output gradients I catches at the weight GEMMs and norms for a deferred W (0: unknown, see
     # ``weight_grad_s`` / ``deferred_bytes``)
     backward_weight_s: float = 0.0
     weight_grad_stash_bytes: int = 0
+    # what W reads of the stash, all a deferred microbatch keeps of it once I has freed the rest
+    # (``pipeline/saved_release.py``; 0: unknown, the whole stash)
+    weight_grad_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key, value in asdict(self).items():
@@ -155,10 +157,14 @@ class BlockCost:
 
     @property
     def deferred_bytes(self) -> int:
-        """Bytes a microbatch keeps between its input gradient and its deferred weight gradient beyond its
-        stash (the caught output gradients); a profile that does not state it gets the whole stash again
-        (an upper bound: no block catches more gradient than it stashes activations)."""
+        """The gradients a microbatch's I catches for its deferred W (kept until W, on top of whatever it
+        keeps of its stash); a profile that does not state them gets the whole stash."""
         return self.weight_grad_stash_bytes or self.stash_bytes
+
+    @property
+    def weight_read_bytes(self) -> int:
+        """What a deferred W reads of the stash (the rest is freed at I); unstated: the whole stash."""
+        return self.weight_grad_input_bytes or self.stash_bytes
 
 
 @dataclass(frozen=True)
@@ -377,6 +383,20 @@ def weight_grad_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
     return (2 * h + norms + (qkv + mlp_in) // t) * b * s * e
 
 
+def weight_grad_input_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
+    """What one layer's W reads of its stash (all it keeps once I has freed the rest,
+    ``pipeline/saved_release.py``): the two norms' inputs (``bsh``) and, with LayerNorm, their fp32 mean
+    and reciprocal deviation (``bs`` each); the inputs of QKV and the first MLP GEMM (the norms' outputs,
+    ``bsh``), of the projection (``bsh/t``) and of the last MLP GEMM (``bsf/t``; SwiGLU's two first GEMMs
+    share their input). Sequence parallelism shards the norms' and the column GEMMs' inputs.
+    ``tests/test_saved_release.py`` checks this against what the engine keeps."""
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
+    sp = model.sequence_parallel and t > 1
+    replicated = 4 * h // t if sp else 4 * h
+    stats = 2 * 2 * b * s * 4 if model.normalization == "LayerNorm" else 0
+    return (replicated + (h + f) // t) * b * s * e + stats
+
+
 def layer_memory_bound_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = False) -> tuple[float, float]:
     """``(layer, attention core)`` bytes the memory-bound kernels of one layer's forward move on one
     GPU (Megatron's fused kernels): ``HIDDEN_PASSES`` over ``bsh`` (LayerNorms, bias-dropout-adds),
@@ -411,6 +431,7 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         # and the attention core's backward belong to the input gradient)
         backward_weight_s=linear_forward_flops(model, b, t) / speed,
         weight_grad_stash_bytes=weight_grad_stash_bytes(model, b, t, e),
+        weight_grad_input_bytes=weight_grad_input_bytes(model, b, t, e),
         core_forward_s=core_forward_flops(model, b, t) / speed + mem_core / cluster.memory_bandwidth,
         core_stash_bytes=core_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask),
         forward_s=layer_fwd, backward_s=2 * layer_fwd, params=layer_params(model, t),
@@ -428,6 +449,7 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         # the first stage's input-gradient pass does nothing (nothing upstream): its deferred W keeps the
         # gradient it received for its output, the size of what it sent (``memory_model._deferred_bytes``)
         weight_grad_stash_bytes=shard,
+        weight_grad_input_bytes=b * s * TOKEN_ID_BYTES,  # the token ids the table's gradient scatters by
         stash_bytes=(b * s * h * mask * shard // hidden if model.hidden_dropout > 0 else 0),
         input_bytes=b * s * TOKEN_ID_BYTES, output_bytes=shard,
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
@@ -443,6 +465,11 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         # the final norm's and the logits' gradients; BERT's LM-head transform adds its GEMM's and norm's
         # output gradients and the pooler's and binary head's ([b, h] and [b, 2])
         weight_grad_stash_bytes=shard + e * logits + (2 * hidden + e * b * (h + 2) if model.kind == "bert" else 0),
+        # W reads the final norm's input and statistics and the output layer's input (the norm's output);
+        # BERT's LM-head transform adds its GEMM's input and its norm's, and the binary head's input (the
+        # pooler's is a view of hidden states already counted)
+        weight_grad_input_bytes=(2 * shard + (2 * b * s * 4 if model.normalization == "LayerNorm" else 0)
+                                 + (2 * hidden + 2 * b * s * 4 + e * b * h if model.kind == "bert" else 0)),
         params=head_params(model, t),
         stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
         input_bytes=shard, output_bytes=0,

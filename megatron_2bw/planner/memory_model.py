@@ -25,11 +25,11 @@ Schedules beyond the paper's read the same ``ScheduleSpec`` (no schedule names h
   per rank (interleaved 1F1B, V layouts) a rank's layers are split over its chunks, so a unit holds
   ``1/chunks`` of the rank's per-microbatch stash; the planner converts to whole-rank microbatches
   (``rank_units``). With one chunk a unit is a whole-rank microbatch, as before.
-- ``deferred_weight_grads`` (split-backward schedules: ZB-H1, ZB-H2, ZB-V) counts microbatches whose input
-  gradient ran and whose weight gradient waits, in the same units. ``inflight`` counts them too (a
-  zero-bubble microbatch is in flight from its F to its W: W reads the graph, so the stash stays); on top
-  they keep the gradients I caught for W (``BlockCost.deferred_bytes``, ``layer_costs.weight_grad_stash_bytes``),
-  and with recomputation the graph I recomputed, a whole stash.
+- Split-backward schedules (ZB-H1, ZB-H2, ZB-V): a microbatch keeps its stash until its input gradient
+  (I), then only what its weight gradient (W) reads of it plus the gradients I caught for W (the engine
+  frees the rest at I, ``pipeline/saved_release.py``; ``BlockCost.weight_read_bytes`` and
+  ``deferred_bytes``). The peak is the largest sum over the schedule's (F..I, I..W) counts
+  (``ScheduleSpec.held_pairs``); ``inflight`` (F..W) and ``deferred_weight_grads`` (I..W) bound them.
 - ``weight_versions`` and ``grad_buffers`` as for the paper's schedules.
 
 What real runs also pay, and the paper's formula leaves out:
@@ -306,16 +306,56 @@ def layer_stash_with(costs: MicrobatchCosts, num_layers: int, policy: RecomputeP
     return kept, max((n * lay.stash_bytes for _, n, rec in segs if rec), default=0)
 
 
-def _deferred_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
-    """What one whole-rank microbatch keeps beyond its stash while its weight gradients wait
-    (``BlockCost.deferred_bytes``). The first stage has no input gradient to compute, so its I catches
-    nothing: the gradient it received for its output waits for W, which runs the whole backward."""
-    if part.embedding:
-        return costs.layer.output_bytes if part.num_layers else costs.embedding.deferred_bytes
+def _caught_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
+    """The gradients one whole-rank microbatch's I catches for its W (``BlockCost.deferred_bytes``)."""
     n = part.num_layers * costs.layer.deferred_bytes
     if part.head:
         n += costs.head.deferred_bytes
     return n
+
+
+def _read_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
+    """What one whole-rank microbatch's W reads of its stash (``BlockCost.weight_read_bytes``)."""
+    n = part.num_layers * costs.layer.weight_read_bytes
+    if part.head:
+        n += costs.head.weight_read_bytes
+    return n
+
+
+def deferred_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stash: int) -> int:
+    """What one whole-rank microbatch holds from its I to its W on a stage holding ``part`` whose forwarded
+    microbatch keeps ``stash`` (see :func:`_split_activation_bytes`)."""
+    if part.embedding:
+        return stash + (costs.layer.output_bytes if part.num_layers else costs.embedding.output_bytes)
+    if cand.recompute_policy is not None and cand.recompute_policy.active:
+        return stash + _caught_bytes(costs, part)
+    return _read_bytes(costs, part) + _caught_bytes(costs, part)
+
+
+def _split_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
+    """A split-backward stage's peak: the largest ``a * stash + b * deferred`` over the schedule's
+    (F..I, I..W) counts (``ScheduleSpec.held_pairs``), in chunk units (``rank_units``).
+
+    ``stash``: what a forwarded microbatch keeps until its I (its input alone with recomputation; the one
+    being recomputed rebuilds one chunk's stash). ``deferred``: what it keeps from I to W. The engine frees
+    at I what W does not read (``pipeline/saved_release.py``), so that is what W reads plus the gradients I
+    caught; with layer-level recomputation nothing is freed (torch checkpoint regions hold those tensors):
+    the stash plus the caught gradients. The first stage's I has nothing to compute: its W runs the whole
+    backward from the stash and the gradient it received for its output."""
+    spec = get_schedule(cand.schedule)
+    d, m, chunks = cand.pipeline_parallel, cand.num_micro_batches, spec.chunks
+    layers, transient = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
+    edge = _edge_bytes(costs, part)
+    if cand.recompute:
+        received = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
+        stash = received * chunks  # per whole-rank microbatch: each chunk keeps its own input
+        transient = round((layers + edge) / chunks)
+    else:
+        stash = layers + edge
+    deferred = deferred_bytes(costs, cand, part, stash)
+    peak = max(rank_units(a, chunks) * stash + rank_units(b, chunks) * deferred
+               for a, b in spec.held_pairs(d, stage, m))
+    return round(peak) + transient
 
 
 def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
@@ -323,28 +363,26 @@ def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageS
 
     A chunked schedule's in-flight count is in chunk-microbatches (the module docstring): each keeps
     ``1/chunks`` of the rank's stash, and with recomputation its chunk's input; the one being recomputed
-    rebuilds one chunk. Deferred weight gradients add their GEMM inputs and output gradients."""
+    rebuilds one chunk. A split backward's stages: :func:`_split_activation_bytes`."""
     d, m = cand.pipeline_parallel, cand.num_micro_batches
     if cand.schedule == SEQUENTIAL:
-        n, chunks, waiting = 1, 1, 0
+        n, chunks = 1, 1
     else:
         spec = get_schedule(cand.schedule)
-        n, chunks, waiting = spec.inflight(d, stage, m), spec.chunks, spec.deferred_weight_grads(d, stage, m)
+        if spec.split_backward:
+            return _split_activation_bytes(costs, cand, part, stage)
+        n, chunks = spec.inflight(d, stage, m), spec.chunks
     layers, transient = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
     edge = _edge_bytes(costs, part)
-    held = round(rank_units(waiting, chunks) * _deferred_bytes(costs, part)) if waiting else 0
     if cand.recompute:
-        # A_input: what the stage received (the first stage: the token ids). A deferred W keeps the graph
-        # its I recomputed: that microbatch's whole stash until W runs.
+        # A_input: what the stage received (the first stage: the token ids)
         received = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
-        if waiting:
-            held += round(rank_units(waiting, chunks) * (layers + edge))
         if chunks == 1:
-            return n * received + layers + edge + held
-        return n * costs.layer.input_bytes + round((layers + edge) / chunks) + held
+            return n * received + layers + edge
+        return n * costs.layer.input_bytes + round((layers + edge) / chunks)
     if chunks == 1:
-        return n * (layers + edge) + transient + held
-    return round(rank_units(n, chunks) * (layers + edge)) + transient + held
+        return n * (layers + edge) + transient
+    return round(rank_units(n, chunks) * (layers + edge)) + transient
 
 
 def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int) -> int:

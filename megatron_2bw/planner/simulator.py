@@ -6,8 +6,8 @@ per stage, through the checker's replay core (``pipeline/replay.py``, FIFO chann
 - ``FORWARD`` / ``BACKWARD`` take the stage's per-microbatch time (from a profile or from the
   cost model's per-block times); with recomputation the backward includes the re-run forward.
   A split backward's ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT`` take ``input_s`` / ``weight_s``
-  (half of ``backward_s`` each unless given); a microbatch's stash is held until its W, and with
-  recomputation its recomputed activations from its I to its W.
+  (half of ``backward_s`` each unless given); a microbatch's stash is held until its I, then
+  ``deferred_bytes`` (what its W reads and the gradients its I caught) until its W.
 - ``SEND_ACT`` / ``SEND_GRAD`` never block (the engine's ``isend``). The message occupies its
   link (one per boundary and direction) for ``bytes / bandwidth`` after the later of the send and
   the link's previous message, and arrives ``latency`` after that.
@@ -53,7 +53,7 @@ from ..pipeline.schedules import get_schedule, stage_actions, validate_pipeline
 from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
 from .layer_costs import BlockCost, MicrobatchCosts
-from .memory_model import Candidate, ParamBytes, stage_memory, stage_params
+from .memory_model import Candidate, ParamBytes, deferred_bytes, stage_memory, stage_params
 
 RECOMPUTE_SCOPES = ("stage", "layers")
 
@@ -76,6 +76,9 @@ class StageCosts:
     workspace_bytes: int = 0        # held while any FORWARD / BACKWARD runs
     input_s: float | None = None    # BACKWARD_INPUT of a split backward; None: half of backward_s
     weight_s: float | None = None   # BACKWARD_WEIGHT; None: half of backward_s
+    # held from a split backward's I to its W in place of the stash (the engine frees at I what W does not
+    # read); None: the stash and the recomputed activations stay until W
+    deferred_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for k in ("forward_s", "backward_s", "update_s", "reduce_s", "reduce_busy_s", "input_s", "weight_s"):
@@ -246,11 +249,12 @@ def _memory(events: list[Event], st: StageCosts, chunks: int = 1) -> tuple[list[
             record(e.start, held + extra_bytes, st.workspace_bytes)
             held -= stash.pop((e.mb, e.chunk), 0)
             record(e.end, held)
-        elif e.op is Op.BACKWARD_INPUT:  # its recomputed activations stay until W
+        elif e.op is Op.BACKWARD_INPUT:  # what W reads (or all its activations) stays until W
             key = (e.mb, e.chunk)
-            stash[key] = stash.get(key, 0) + extra_bytes
-            held += extra_bytes
-            record(e.start, held, st.workspace_bytes)
+            record(e.start, held + extra_bytes, st.workspace_bytes)
+            kept = stash.get(key, 0) + extra_bytes if st.deferred_bytes is None else st.deferred_bytes // chunks
+            held += kept - stash.get(key, 0)
+            stash[key] = kept
             record(e.end, held)
         elif e.op is Op.BACKWARD_WEIGHT:
             total.append((e.start, st.static_bytes + held + st.workspace_bytes))
@@ -398,8 +402,18 @@ def stage_costs(
             workspace_bytes=max(b.workspace_bytes for _, b, n in blocks if n),
             # a split backward: the engine's first stage sends no gradient, so its W runs the whole backward
             input_s=0.0 if r == 0 else None, weight_s=bwd if r == 0 else None,
+            deferred_bytes=_deferred(costs, cand, num_layers, r, w.stash_bytes),
         ))
     return out
+
+
+def _deferred(costs: MicrobatchCosts, cand: Candidate, num_layers: int, r: int, stash: int) -> int | None:
+    """What a split-backward stage's microbatch keeps from I to W (``memory_model.deferred_bytes``); None
+    for whole backwards."""
+    if not get_schedule(cand.schedule).split_backward:
+        return None
+    part = stage_slice(num_layers, cand.pipeline_parallel, r, cand.layer_split)
+    return deferred_bytes(costs, cand, part, stash)
 
 
 def cluster_links(cand: Candidate, cluster: Cluster) -> list[Link]:
