@@ -273,7 +273,8 @@ def test_13b_t2_fits_on_8_h100_by_hand():
 def test_split_memory_is_the_simulated_timeline_peak(schedule):
     """The memory model's peak over ``held_pairs`` equals the simulator's event-by-event peak (stash until I,
     what W reads and the caught gradients until W); with recomputation the model adds the recomputing
-    microbatch's stash on top of every pair, an upper bound of the timeline."""
+    microbatch's stash on top of every pair, an upper bound of the timeline, as it is on a V's rank 0,
+    which holds the first virtual stage (whose I computes nothing) and the last."""
     from megatron_2bw.planner.layer_costs import analytic_layer_costs
     from megatron_2bw.planner.simulator import simulate, stage_costs
 
@@ -283,8 +284,8 @@ def test_split_memory_is_the_simulated_timeline_peak(schedule):
         cand = Candidate(1, 4, 1, 2, 8, recompute, schedule)
         sim = simulate(schedule, 4, 8, stage_costs(costs, cand, 16), num_steps=2).peak_activation_bytes
         model_peak = [stage_memory(costs, cand, 16, r).activations for r in range(4)]
-        for s, mm in zip(sim, model_peak):
-            if recompute:
-                assert 0.6 * mm < s <= mm
+        for r, (s, mm) in enumerate(zip(sim, model_peak)):
+            if recompute or (schedule == "zb-v" and r == 0):  # a V's rank 0: either chunk's rule, the larger
+                assert 0.5 * mm < s <= mm
             else:
                 assert s == pytest.approx(mm, rel=1e-6)

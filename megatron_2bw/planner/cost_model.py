@@ -62,12 +62,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.stages import StageSlice, stage_slice
+from ..models.stages import StageSlice
 from ..pipeline.recompute_policy import RecomputePolicy
 from ..pipeline.schedules import get_schedule
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, shard_numel, slice_params
+from .memory_model import SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
 GRAD_PASSES = 3  # unscale + inf/NaN check, gradient norm for clipping, the update's read
@@ -238,7 +238,7 @@ class Prediction:
 def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int, cluster: Cluster,
                in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
     """The terms of one stage (see the module docstring), under ``cand``'s split."""
-    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
+    part = rank_slice(num_layers, cand, stage)
     return slice_time(costs, cand, part, stage, cluster, in_bandwidth, out_bandwidth, param_bytes)
 
 

@@ -325,11 +325,15 @@ def _read_bytes(costs: MicrobatchCosts, part: StageSlice) -> int:
 def deferred_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stash: int) -> int:
     """What one whole-rank microbatch holds from its I to its W on a stage holding ``part`` whose forwarded
     microbatch keeps ``stash`` (see :func:`_split_activation_bytes`)."""
-    if part.embedding:
-        return stash + (costs.layer.output_bytes if part.num_layers else costs.embedding.output_bytes)
     if cand.recompute_policy is not None and cand.recompute_policy.active:
-        return stash + _caught_bytes(costs, part)
-    return _read_bytes(costs, part) + _caught_bytes(costs, part)
+        kept = stash + _caught_bytes(costs, part)
+    else:
+        kept = _read_bytes(costs, part) + _caught_bytes(costs, part)
+    if not part.embedding:
+        return kept
+    first = stash + (costs.layer.output_bytes if part.num_layers else costs.embedding.output_bytes)
+    # a rank whose other chunk is a later virtual stage (a V's rank 0 also holds the head) may hold either
+    return max(first, kept) if get_schedule(cand.schedule).chunks > 1 else first
 
 
 def _split_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
@@ -394,8 +398,7 @@ def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, s
     plus the full activations of the one microbatch being recomputed. A ``recompute_policy``
     shrinks each microbatch's layer stash instead (:func:`layer_stash_with`).
     """
-    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
-    return slice_activation_bytes(costs, cand, part, stage)
+    return slice_activation_bytes(costs, cand, rank_slice(num_layers, cand, stage), stage)
 
 
 def _workspace(costs: MicrobatchCosts, part: StageSlice) -> int:
@@ -439,10 +442,21 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
     )
 
 
+def rank_slice(num_layers: int, cand: Candidate, stage: int) -> StageSlice:
+    """What rank ``stage`` holds under ``cand``: its share of the split's layers, and the embedding and the
+    head where the schedule's placement puts them (a V layout keeps both on rank 0, none on rank d-1)."""
+    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
+    if cand.schedule == SEQUENTIAL or cand.pipeline_parallel == 1:
+        return part
+    place = get_schedule(cand.schedule).placement(cand.pipeline_parallel)
+    emb, head = place.rank(0) == stage, place.rank(place.num_stages - 1) == stage
+    return part if (emb, head) == (part.embedding, part.head) else replace(part, embedding=emb, head=head)
+
+
 def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int,
                  param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
     """Bytes per GPU of one stage, term by term."""
-    part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
+    part = rank_slice(num_layers, cand, stage)
     return slice_memory(costs, cand, part, stage, param_bytes)
 
 

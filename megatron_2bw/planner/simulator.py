@@ -53,7 +53,7 @@ from ..pipeline.schedules import get_schedule, stage_actions, validate_pipeline
 from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
 from .layer_costs import BlockCost, MicrobatchCosts
-from .memory_model import Candidate, ParamBytes, deferred_bytes, stage_memory, stage_params
+from .memory_model import Candidate, ParamBytes, deferred_bytes, rank_slice, stage_memory, stage_params
 
 RECOMPUTE_SCOPES = ("stage", "layers")
 
@@ -318,8 +318,9 @@ def simulate(
 Blocks = list[tuple[str, BlockCost, int]]  # (name, per-block costs, how many on the stage)
 
 
-def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int, split: Split = None) -> Blocks:
-    part = stage_slice(num_layers, d, r, split)
+def _stage_blocks(costs: MicrobatchCosts, num_layers: int, d: int, r: int, split: Split = None,
+                  cand: Candidate | None = None) -> Blocks:
+    part = stage_slice(num_layers, d, r, split) if cand is None else rank_slice(num_layers, cand, r)
     blocks: Blocks = [("layer", costs.layer, part.num_layers)]
     if part.embedding:
         blocks.insert(0, ("embedding", costs.embedding, 1))
@@ -387,7 +388,7 @@ def stage_costs(
     pb = param_bytes or ParamBytes()
     out = []
     for r in range(d):
-        blocks = _stage_blocks(costs, num_layers, d, r, cand.layer_split)
+        blocks = _stage_blocks(costs, num_layers, d, r, cand.layer_split, cand)
         w = _stage_work(costs, blocks, r == 0, recompute_scope if cand.recompute else None, forward_nograd_s or {})
         fwd, bwd = w.forward_s, w.backward_s
         if tensor_bandwidth_Bps and t > 1:
@@ -412,8 +413,7 @@ def _deferred(costs: MicrobatchCosts, cand: Candidate, num_layers: int, r: int, 
     for whole backwards."""
     if not get_schedule(cand.schedule).split_backward:
         return None
-    part = stage_slice(num_layers, cand.pipeline_parallel, r, cand.layer_split)
-    return deferred_bytes(costs, cand, part, stash)
+    return deferred_bytes(costs, cand, rank_slice(num_layers, cand, r), stash)
 
 
 def cluster_links(cand: Candidate, cluster: Cluster) -> list[Link]:
