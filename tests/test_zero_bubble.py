@@ -210,7 +210,7 @@ def test_d2_m4_t2_tied_equals_the_single_process(single):
     """Tensor parallelism (the all-reduces on I's path) and gpt-tiny's tied embedding across stages: the
     head's copy gets its gradient in W, then the embedding all-reduce after every W; and Llama under
     sequence parallelism, whose column GEMMs compute only the half of their backward that I or W asks for
-    (gpt-tiny's sequence-parallel runs differ from the single process by 4e-3, under Flush as well)."""
+    (gpt-tiny under sequence parallelism: ``test_sequence_parallel_gpt.py``, with SGD)."""
     variants = [(s, (("global_batch", 4), *KW.items())) for s in ZB] + [("zb-h1", LLAMA_SP)]
     dr = (("global_batch", 4), *DROPOUT_RECOMPUTE)  # the tensor-parallel RNG tracker's dropout, replayed at I
     outs = run_workers(_layout_runs, 4, (2, 2, 1), variants + [("flush", dr), ("zb-h2", dr)], timeout=300)

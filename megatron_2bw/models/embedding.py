@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import Init, parameter
 from ..tensor_parallel.layers import VocabParallelEmbedding, column_parallel
-from ..tensor_parallel.mappings import seq_shard
+from ..tensor_parallel.mappings import copy_to_tp, seq_shard
 from ..tensor_parallel.random import RNGTracker
 
 WORD_EMBEDDING = "embedding.word"
@@ -60,8 +60,10 @@ class Embedding(nn.Module):
             if ids is None:
                 pos = self.position[: tokens.shape[1]]
                 h = h + (seq_shard(pos, self.tp) if self.sharded else pos)
-            else:  # sequence parallelism: this rank's slice of the sequence (dim 1 of [b, s])
-                h = h + F.embedding(ids.chunk(self.tp.size, dim=1)[self.tp.rank] if self.sharded else ids, self.position)
+            elif self.sharded:  # this rank's slice of the sequence (dim 1 of [b, s]); the table's gradient summed
+                h = h + F.embedding(ids.chunk(self.tp.size, dim=1)[self.tp.rank], copy_to_tp(self.position, self.tp))
+            else:
+                h = h + F.embedding(ids, self.position)
         if self.tokentype is not None:
             h = h + F.embedding(batch["token_types"], self.tokentype)
         if self.sharded and self.rng is not None and self.training and self.dropout > 0:

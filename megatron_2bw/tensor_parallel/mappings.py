@@ -151,5 +151,8 @@ def reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 def seq_shard(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This rank's contiguous slice of dim 0 of a replicated, constant tensor (e.g. position rows)."""
-    return x if tp.size == 1 else x.chunk(tp.size, dim=0)[tp.rank]
+    """This rank's contiguous slice of dim 0 of a replicated tensor (e.g. the position rows of a sequence
+    shard). Each rank's gradient covers its own rows only, so it is summed over the tensor group in
+    backward (:func:`copy_to_tp`): a replicated parameter gets its whole gradient on every rank and stays
+    equal, as Megatron's scatter of the summed embedding does (its backward gathers the sequence)."""
+    return x if tp.size == 1 else copy_to_tp(x, tp).chunk(tp.size, dim=0)[tp.rank]
