@@ -20,10 +20,11 @@ from ...pipeline.zero import ShardLayout
 MODEL, OLDER, MASTER = "model", "older", "master"
 EF_PREV = "optimizer.extrapolate_prev_grad"  # --2bw-compensation extrapolate's previous gradient (pipeline/compensation.py)
 # The most bytes a save writes as one DCP item. DCP's reader loads every item a request overlaps
-# whole into a fresh host tensor before copying it into place, so this bounds what a resume
-# allocates beyond the live buffers (without it: the largest tensor, e.g. a 1B GPT's 412 MB fp32
-# embedding moment). Items are cut along the first dimension; any chunking reads back at any layout.
-MAX_CHUNK_BYTES = 64 << 20
+# whole before copying it into place (the item's bytes, then a tensor of them: 2x the item,
+# measured), so this bounds what a resume allocates beyond the live buffers to about 32 MiB
+# (without it: twice the largest tensor, e.g. a 1B GPT's 412 MB fp32 embedding moment). Items are
+# cut along the first dimension; any chunking reads back at any layout.
+MAX_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
