@@ -255,6 +255,24 @@ def memory_plan(model: dict, conf: dict) -> dict:
                           f"{grads_pp} B grads) + {RUNTIME_BYTES >> 20} MiB runtime) = {2 * per_rank / 2**30:.1f} GiB"}
 
 
+DEFINITIONS = {  # the JSON's row keys (all *_over_state are fractions of the rank's state bytes)
+    "state_GiB": "the stage's state: weight versions + fp32 master + optimizer state (ranks[].state: the arithmetic)",
+    "steps_lost": "save pause / step time; async: (pause + the overlapped step's extra time) / step time",
+    "save_peak_added_over_state": "peak RSS (VmHWM) during the save minus RSS before it",
+    "save_anon_peak_added_over_state": "the same for anonymous RSS (RssAnon, sampled every 2 ms): heap only",
+    "save_anon_peak_beyond_staging_and_step_over_state":
+        "async: the save's anonymous peak beyond its host copy and beyond a plain step's own peak",
+    "resume_peak_over_state": "the whole process's peak RSS during the resume (state, gradients, runtime, "
+                              "file pages) over the state: not the target's measure",
+    "resume_peak_added_over_state": "peak RSS during read + restore minus RSS before (file pages included)",
+    "resume_file_peak_added_over_state": "of which file-backed (a torch-format file's mmap pages: droppable cache)",
+    "resume_anon_peak_added_over_state": "anonymous peak added by read + restore (target: <= 0.1)",
+    "resume_anon_peak_over_rank_before": "anonymous peak over what the built rank held before (target: <= 1.1)",
+    "rank_anon_before_resume_over_state": "the built rank's anonymous RSS (state + gradients + runtime) over the state",
+    "resume_matches_save": "float64 sums of every state buffer and the step equal the saved ones",
+}
+
+
 def _row(fmt: str, s: dict, res: dict, r: dict) -> dict:
     st = r["state"]
     state = st["state_bytes"]
@@ -333,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
            "precision": "bf16 weights, fp32 master" if half else "fp32", "optimizer": args.optimizer,
            "sgd_momentum": args.sgd_momentum, "grads": "bf16" if args.bf16_grads and half else "fp32",
            "micro_batch_size": 1, "num_microbatches": 2,
-           "memory_plan": plan, "machine": common.machine_info(),
+           "memory_plan": plan, "definitions": DEFINITIONS, "machine": common.machine_info(),
            "ranks": [{k: r[k] for k in ("rank", "build_s", "runtime_anon_bytes", "state", "step_s", "step")}
                      for r in saves],
            "rows": rows}
