@@ -135,7 +135,8 @@ def _state(stage) -> dict:
 
 
 def _checksums(stage) -> list[float]:
-    """A float64 sum of every state buffer (the newest weights, master, optimizer state): what a resume must give back."""
+    """A float64 sum of every state buffer (the newest weights, master, optimizer state): what a resume
+    must give back."""
     import torch
 
     from megatron_2bw.training.dist_checkpoint import shard_map

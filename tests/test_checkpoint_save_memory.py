@@ -277,7 +277,8 @@ def test_a_torch_dist_save_writes_items_of_bounded_size_and_resumes_bitwise(tmp_
 
 
 def _bounded_d2_save(root: str) -> dict:
-    """Rank r of d = 2 trains two steps and saves torch_dist in items of at most 2 KiB; returns its state by global name."""
+    """Rank r of d = 2 trains two steps and saves torch_dist in items of at most 2 KiB; returns its state
+    by global name."""
     from megatron_2bw.training import dist_checkpoint as dc
     from megatron_2bw.training.dist_checkpoint import shard_map
 
@@ -287,8 +288,8 @@ def _bounded_d2_save(root: str) -> dict:
     tracker = RNGTracker(7, 0)
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
     opt = OptimizerConfig("adam", lr=1e-2, dtype="bf16")
-    stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state, PipelineConfig("2bw", 1, 2),
-                          opt, (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
+    stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+                          PipelineConfig("2bw", 1, 2), opt, (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
                           names=GlobalNames(spec.stage_range(2, state.pp_rank)[0], tied=WORD))
     data = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     stage.train(2, lambda mb: spec.make_batch(data[mb % 8:mb % 8 + 1]), lambda t: 1e-2)

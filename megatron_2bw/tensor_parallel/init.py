@@ -36,8 +36,10 @@ def param_generator(seed: int, name: str, device: torch.device | str = "cpu") ->
     return g
 
 
-def normal_full(shape: tuple[int, ...], std: float, seed: int, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The full (unsharded) fp32 tensor N(0, std^2) for parameter ``name`` (drawn into ``out``, contiguous, if given)."""
+def normal_full(shape: tuple[int, ...], std: float, seed: int, name: str,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full (unsharded) fp32 tensor N(0, std^2) for parameter ``name`` (drawn into ``out``, a
+    contiguous tensor of that shape, if given)."""
     out = torch.empty(shape) if out is None else out
     return out.normal_(0.0, std, generator=param_generator(seed, name))
 
@@ -82,7 +84,7 @@ class Init:
         if self.rows is None:
             return normal_full(self.full_shape, self.std, self.seed, self.name)
         out = torch.zeros(self.full_shape)
-        normal_full((self.rows, *self.full_shape[1:]), self.std, self.seed, self.name, out=out[:self.rows])  # no 2nd copy
+        normal_full((self.rows, *self.full_shape[1:]), self.std, self.seed, self.name, out=out[:self.rows])
         return out
 
     def cpu_shard(self) -> torch.Tensor:
