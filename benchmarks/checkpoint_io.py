@@ -41,6 +41,9 @@ import common
 FORMATS = ("torch", "torch_dist", "torch_dist_async")
 RUNTIME_BYTES = 700 << 20  # a rank's Python, torch and gloo and the step's activations (measured: ~0.2 GiB before the build)
 MARGIN_BYTES = 1 << 30  # left to the machine's other processes
+# a step's transient beyond the buffers (measured at 1B: 2.07 GiB per rank = 4 B/param, the update's fp32
+# temporaries: SGD's weight decay ``src * (1 - wd)``; Adam's first update went past the machine's memory)
+STEP_BYTES_PER_PARAM = 4
 
 
 def _status() -> dict[str, int]:
@@ -247,14 +250,16 @@ def memory_plan(model: dict, conf: dict) -> dict:
     state_pp = versions * (2 if half else 4) + (4 if half else 0) + opt  # versions, fp32 master, optimizer
     grads_pp = versions * (2 if conf["bf16_grads"] and half else 4)
     copy = "torch_dist_async" in conf["formats"]
-    per_rank = stage0 * (state_pp * (2 if copy else 1) + grads_pp) + RUNTIME_BYTES
+    per_rank = stage0 * (state_pp * (2 if copy else 1) + grads_pp + STEP_BYTES_PER_PARAM) + RUNTIME_BYTES
     with open("/proc/meminfo", encoding="ascii") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     return {"params_per_stage_about": stage0, "state_bytes_per_param": state_pp, "grad_bytes_per_param": grads_pp,
-            "async_host_copy": copy, "runtime_bytes_per_rank": RUNTIME_BYTES, "bytes_per_rank": per_rank,
+            "async_host_copy": copy, "step_transient_bytes_per_param": STEP_BYTES_PER_PARAM,
+            "runtime_bytes_per_rank": RUNTIME_BYTES, "bytes_per_rank": per_rank,
             "bytes_both_ranks": 2 * per_rank, "mem_available_bytes": avail,
             "arithmetic": f"2 ranks x ({stage0} params x ({state_pp} B state{' x 2 (async copy)' if copy else ''} + "
-                          f"{grads_pp} B grads) + {RUNTIME_BYTES >> 20} MiB runtime) = {2 * per_rank / 2**30:.1f} GiB"}
+                          f"{grads_pp} B grads + {STEP_BYTES_PER_PARAM} B step transient) + {RUNTIME_BYTES >> 20} MiB "
+                          f"runtime) = {2 * per_rank / 2**30:.1f} GiB"}
 
 
 DEFINITIONS = {  # the JSON's row keys (all *_over_state are fractions of the rank's state bytes)

@@ -17,11 +17,13 @@ parameters, seconds, the peak RSS the build added, and that peak over the buffer
 group, so t = 2 and d = 2 ranks are built one at a time in one machine.
 
 The full build's peak can hide a transient: the CPU path's full matrix is drawn and freed before
-the second version and the gradient buffers exist. So each case is also built a second time with
-one weight version and no gradient buffer (``weights_only``): its peak beyond the weight buffer is
-what drawing the values needs, reported against the largest full (unsharded) matrix of the stage
-in fp32. The CPU path draws each full matrix (1.0x the largest); the per-partition path draws only
-its shard, in fp32 before rounding to the weights' dtype (0.5x at t = 2 for a matrix split in two).
+the second version and the gradient buffers exist (and while the weight buffer's later pages are
+not yet touched). So each case is also built a second time (``weights_only``: one version, no
+gradient buffer) with the peak RSS reset before each parameter is drawn: the largest peak beyond
+the RSS before it and its own view of the buffer is what drawing the values needs, reported
+against the largest full (unsharded) matrix of the stage in fp32. The CPU path draws each full
+matrix (1.0x the largest); the per-partition path draws only its shard, in fp32 before rounding
+to the weights' dtype (0.5x at t = 2 for a matrix split in two).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ T2_CASES = (  # the issue's 1B stage at t = 2: both tensor ranks, both paths
 )
 
 
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")  # peak RSS := current RSS
+
+
 def _status(key: str) -> int:
     with open("/proc/self/status", encoding="ascii") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
@@ -67,8 +74,18 @@ def build_case(model: dict, t: int, tp: int, d: int, pp: int, cpu_init: bool, de
     torch.set_num_threads(1)
     dev = torch.device(device)
     spec = ModelSpec(ModelConfig(**model), TPGroup(None, tp, t), seed=1234)
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")  # peak RSS := current RSS
+    drawn: list[tuple[str, int]] = []  # weights_only: (parameter, peak RSS of its drawing beyond its own view)
+    if weights_only:
+        plain = init.materialize
+
+        def measured(p, out, *, cpu: bool) -> None:
+            _reset_peak()
+            rss = _status("VmRSS")
+            plain(p, out, cpu=cpu)
+            drawn.append((p.init.name, _status("VmHWM") - rss - out.numel() * out.element_size()))
+
+        init.materialize = measured
+    _reset_peak()
     before = _status("VmRSS")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -84,6 +101,9 @@ def build_case(model: dict, t: int, tp: int, d: int, pp: int, cpu_init: bool, de
            "buffer_bytes": buffers, "weight_bytes": w.weight_bytes, "grad_bytes": w.grad_bytes}
     with init.deferred():  # the largest full (unsharded) tensor of the stage, from its Inits (meta: no memory)
         mods = nn.ModuleList(spec.build_stage(d, pp))
+    if drawn:
+        name, out["drawing_transient_bytes"] = max(drawn, key=lambda x: x[1])
+        out["drawing_transient_parameter"] = name
     out["largest_full_matrix_fp32_bytes"] = 4 * max(
         int(torch.Size(p.init.full_shape).numel()) for p in mods.parameters() if hasattr(p, "init"))
     if dev.type == "cuda":
@@ -135,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         row = {"case": label, "t": t, "tp_rank": tp, "d": d, "stage": pp, "use_cpu_initialization": cpu_init, **full}
         row["peak_added_over_buffers"] = row["host_peak_added_bytes"] / row["buffer_bytes"]
-        transient = alone["host_peak_added_bytes"] - alone["weight_bytes"]
-        row["weights_only"] = {"seconds": alone["seconds"], "host_peak_added_bytes": alone["host_peak_added_bytes"],
-                               "weight_bytes": alone["weight_bytes"], "transient_bytes": transient,
+        transient = alone["drawing_transient_bytes"]
+        row["weights_only"] = {"seconds": alone["seconds"], "weight_bytes": alone["weight_bytes"],
+                               "transient_bytes": transient, "transient_parameter": alone["drawing_transient_parameter"],
                                "transient_over_largest_full_matrix": transient / full["largest_full_matrix_fp32_bytes"]}
         rows.append(row)
         print(f"{label:26s} params={row['params'] / 1e6:7.1f}M  {row['seconds']:6.2f} s  peak added "
