@@ -41,8 +41,8 @@ import common
 FORMATS = ("torch", "torch_dist", "torch_dist_async")
 RUNTIME_BYTES = 700 << 20  # a rank's Python, torch and gloo and the step's activations (measured: ~0.2 GiB before the build)
 MARGIN_BYTES = 1 << 30  # left to the machine's other processes
-# a step's transient beyond the buffers (measured at 1B: 2.07 GiB per rank = 4 B/param, the update's fp32
-# temporaries: SGD's weight decay ``src * (1 - wd)``; Adam's first update went past the machine's memory)
+# a step's transient beyond the buffers (measured at 1B with SGD: 2.07 GiB per rank = 4 B/param, its weight
+# decay's ``src * (1 - wd)``), and room for a save's not yet written page cache
 STEP_BYTES_PER_PARAM = 4
 
 
