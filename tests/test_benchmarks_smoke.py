@@ -235,3 +235,21 @@ def test_benchmarks_doc_answers_from_every_saved_run():
         assert f"### {question}" in text
     for name in ("log_interval.json", "memory_states.json", "convergence_regimes.json", "memory.json"):
         assert f"(data/{name})" in text
+
+
+def test_checkpoint_io_quick(tmp_path):
+    """Every format saves and resumes the same state (the benchmark's own check), and the state's
+    arithmetic matches the buffers: Flush, bf16 weights with an fp32 master, plain SGD = 6 B/param."""
+    import checkpoint_io
+
+    out = tmp_path / "ckpt.json"
+    assert checkpoint_io.main(["--quick", "--schedule", "flush", "--optimizer", "sgd", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["rank"], r["format"]) for r in data["rows"]] == [(r, f) for r in (0, 1) for f in checkpoint_io.FORMATS]
+    assert all(r["resume_matches_save"] for r in data["rows"])
+    for rank in data["ranks"]:
+        st = rank["state"]
+        assert st["state_bytes_per_param"] == 6 and st["state_bytes"] == 6 * st["params"]
+    # the first stage writes all it holds: its async host copy is its state, byte for byte
+    first = next(r for r in data["rows"] if r["rank"] == 0 and r["format"] == "torch_dist_async")
+    assert first["staging_over_state"] == 1.0

@@ -239,3 +239,93 @@ def test_checkpoint_format_flags_are_validated():
                      ({"ckpt_format": "torch_dist", "async_save": True}, "--async-save needs --save DIR")):
         with pytest.raises(ConfigError, match=text):
             TrainingConfig(1, 1, **kw)
+
+
+def test_a_torch_dist_save_writes_items_of_bounded_size_and_resumes_bitwise(tmp_path, monkeypatch):
+    """A save cuts every tensor into DCP items of at most ``MAX_CHUNK_BYTES`` (the reader loads each item
+    it overlaps whole before copying it into place: this bounds a resume's read buffer), and a resume
+    from those items gives back every state family bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_2bw.training.dist_checkpoint import shard_map
+    from megatron_2bw.training import dist_checkpoint as dc
+
+    limit = 4096
+    monkeypatch.setattr(shard_map, "MAX_CHUNK_BYTES", limit)
+    saved = _stage(ParallelState.single())
+    cfg = {"model": saved.spec.cfg.__dict__, "optimizer": saved.opt.__dict__, "pipeline": {"layer_split": None}}
+    common = dc.common_state(saved, iteration=2, config=cfg, args={}, consumed_samples=8, global_batch=4)
+    path = dc.save(str(tmp_path), 2, saved, saved.rng, common)
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    items = [(c, m.properties.dtype) for m in md.values() if isinstance(m, TensorStorageMetadata) for c in m.chunks]
+    sizes = [torch.Size(c.sizes).numel() * torch.empty((), dtype=dt).element_size() for c, dt in items]
+    tensors = sum(isinstance(m, TensorStorageMetadata) for m in md.values())
+    assert max(sizes) <= limit and len(items) > 2 * tensors, (max(sizes), len(items), tensors)
+    assert sum(sizes) == _state_bytes(saved)  # every byte of the state, once
+
+    fresh = _stage(ParallelState.single())
+    for f in fresh.weights.flat:
+        f.add_(1.0)
+    fresh.updater.optimizer.exp_avg.add_(1.0)
+    sd = dc.read_checkpoint(str(tmp_path), 2, 0, 1, (1, 1, 1, None))
+    ck.restore(sd, fresh, fresh.rng, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.weights.flat, saved.weights.flat))
+    assert torch.equal(fresh.updater.master, saved.updater.master)
+    assert torch.equal(fresh.updater.optimizer.exp_avg, saved.updater.optimizer.exp_avg)
+    assert torch.equal(fresh.updater.optimizer.exp_avg_sq, saved.updater.optimizer.exp_avg_sq)
+
+
+def _bounded_d2_save(root: str) -> dict:
+    """Rank r of d = 2 trains two steps and saves torch_dist in items of at most 2 KiB; returns its state
+    by global name."""
+    from megatron_2bw.training import dist_checkpoint as dc
+    from megatron_2bw.training.dist_checkpoint import shard_map
+
+    shard_map.MAX_CHUNK_BYTES = 2048
+    state = build_state(1, 2, 1, CPU)
+    cfg = get_preset("gpt-tiny")
+    tracker = RNGTracker(7, 0)
+    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    opt = OptimizerConfig("adam", lr=1e-2, dtype="bf16")
+    stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+                          PipelineConfig("2bw", 1, 2), opt, (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
+                          names=GlobalNames(spec.stage_range(2, state.pp_rank)[0], tied=WORD))
+    data = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    stage.train(2, lambda mb: spec.make_batch(data[mb % 8:mb % 8 + 1]), lambda t: 1e-2)
+    conf = {"model": cfg.__dict__, "optimizer": opt.__dict__, "pipeline": {"layer_split": None}}
+    dc.save(root, 2, stage, tracker, dc.common_state(stage, iteration=2, config=conf, args={}, consumed_samples=8,
+                                                     global_batch=4))
+    w, u = stage.weights, stage.updater
+    return {"model": dict(w.state_views(w.flat[w.slot(stage.step)])), "master": dict(w.state_views(u.master)),
+            "exp_avg_sq": dict(w.state_views(u.optimizer.exp_avg_sq))}
+
+
+def test_bounded_items_reshard_on_load(tmp_path):
+    """A d = 2 save cut into 2 KiB items resumes at d = 1 (load-time resharding): every parameter of the
+    single stage equals the saved stages' values, so each piece sits at its global offset."""
+    from megatron_2bw.training import dist_checkpoint as dc
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stages = run_workers(_bounded_d2_save, 2, str(tmp_path), timeout=300)
+    fresh = _stage(ParallelState.single())
+    sd = dc.read_checkpoint(str(tmp_path), 2, 0, 1, (1, 1, 1, None))
+    assert not sd["same_layout"]
+    md = dcp.FileSystemReader(sd["path"]).read_metadata().state_dict_metadata
+    for key in ("model", "master", "optimizer.exp_avg_sq"):  # bf16, fp32, fp32
+        word = next(m for k, m in md.items() if k.startswith(key + "/") and "word" in k)
+        size = word.properties.dtype.itemsize
+        assert len(word.chunks) > 10 and max(torch.Size(c.sizes).numel() * size for c in word.chunks) <= 2048, key
+    ck.restore(sd, fresh, fresh.rng, CPU)
+    w, u = fresh.weights, fresh.updater
+    got = {"model": w.state_views(w.flat[w.slot(fresh.step)]), "master": w.state_views(u.master),
+           "exp_avg_sq": w.state_views(u.optimizer.exp_avg_sq)}
+    names = set()
+    for family, views in got.items():
+        for saved in stages:
+            for name, want in saved[family].items():
+                assert torch.equal(views[name], want), (family, name)
+                names.add(name)
+    assert names == set(w.global_names)  # the two stages cover the whole model

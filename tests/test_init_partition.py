@@ -117,6 +117,30 @@ def test_per_partition_draws_no_full_matrix(monkeypatch):
     assert (3 * 64, 64) in drawn
 
 
+@pytest.mark.parametrize("norm, seq_par", [("LayerNorm", False), ("RMSNorm", False), ("LayerNorm", True)])
+def test_every_parameter_is_deferred_norms_included(norm, seq_par):
+    """Inside ``init.deferred()`` no parameter is made on the host (the norms' ones and zeros were), and
+    once the stage is built they are ones and zeros on both paths, as the modules make them."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    cfg = replace(_cfg(), normalization=norm, sequence_parallel=seq_par)
+    spec = ModelSpec(cfg, TPGroup(None, 0, 2), seed=1234)
+    with init.deferred():
+        mods = nn.ModuleList(spec.build_stage(1, 0))
+    assert [n for n, p in mods.named_parameters() if not p.is_meta] == []
+    eager = nn.ModuleList(spec.build_stage(1, 0))  # outside deferred(): the modules' own values
+    norms = {n: p for n, p in eager.named_parameters() if "ln" in n}
+    assert norms and all(torch.equal(p, torch.ones_like(p) if n.endswith("weight") else torch.zeros_like(p))
+                         for n, p in norms.items())
+    for cpu_init in (True, False):
+        w = _stage(cfg, t=2, cpu_init=cpu_init)
+        built = dict(zip(w.names, w.state_views(w.flat[1]).values()))  # by module name; the second version too
+        for n, p in norms.items():
+            assert torch.equal(built[n], p), (n, cpu_init)
+
+
 def test_per_partition_is_deterministic_and_distributed_as_initialized():
     cfg = _cfg(layers=4, h=128)
     shards = [_stage(cfg, t=2, tp=tp, cpu_init=False) for tp in range(2)]

@@ -175,3 +175,36 @@ def test_memory_margin_in_the_table_and_refused_out_of_range(capsys):
     assert "tokens/s" in header and "MFU" in header
     assert plan.main(H200_8B + ["--memory-margin", "100%"]) == 2
     assert "--memory-margin must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_async_save_host_copy_in_the_table_and_json(capsys):
+    """``--async-save``: the table's save-host column and the JSON's ``async_save_host_bytes_per_gpu`` are the
+    host copy of what the rank writes: every weight version (fp16: 2 B), the fp32 master (4 B) and Adam's
+    moments (8 B) of its 1/w share of the largest stage; host memory, so the device's GiB/GPU are unchanged."""
+    small = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+             "--vocab-size", "8000", "--num-gpus", "8", "--global-batch-size", "32", "--schedules", "2bw,flush"]
+    runs = {}
+    for flag in ([], ["--async-save"]):
+        assert plan.main(small + flag + ["--json"]) == 0
+        runs[bool(flag)] = json.loads(capsys.readouterr().out)
+    plain, saving = runs[False], runs[True]
+    assert [r["memory_bytes_per_gpu"] for r in plain["ranked"]] == [r["memory_bytes_per_gpu"] for r in saving["ranked"]]
+    assert all(r["async_save_host_bytes_per_gpu"] == 0 for r in plain["ranked"])
+    args = plan.build_parser().parse_args(small + ["--async-save"])
+    result = search(plan.plan_request(args, plan.model_from_args(args), load_cluster(args.cluster)))
+    assert len(result.ranked) == len(saving["ranked"]) > 0
+    for ev, row in zip(result.ranked, saving["ranked"]):
+        c = ev.candidate
+        versions = 2 if c.schedule == "2bw" and c.pipeline_parallel > 1 else 1
+        want = max(-(-s.params // c.data_parallel) * (versions * 2 + 4 + 8) for s in ev.memory)
+        assert row["async_save_host_bytes_per_gpu"] == want > 0, (c, row)
+    assert plan.main(small + ["--async-save", "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if line.startswith("rank"))
+    col = header.index("save-host") + len("save-host")
+    first = out[out.index(header) + 1]
+    assert float(first[col - 9:col]) == pytest.approx(saving["ranked"][0]["async_save_host_bytes_per_gpu"] / 2**30,
+                                                     abs=0.006)
+    assert any(line.startswith("save-host: GiB of host (CPU) memory") for line in out)
+    assert plan.main(small + ["--top", "1"]) == 0
+    assert "save-host" not in capsys.readouterr().out

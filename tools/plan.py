@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", dest="fp32_grads", action="store_const", const=True)
     g.add_argument("--grad-reduce-in-bf16", dest="fp32_grads", action="store_const", const=False,
                    help="accumulate gradients in the model's half precision (fp16 does by default)")
+    r.add_argument("--async-save", action="store_true",
+                   help="the trainer's --async-save (--ckpt-format torch_dist): show the host memory its copy of "
+                        "what each rank writes holds (the save-host column; host memory, not the GPU's)")
     z = r.add_mutually_exclusive_group()
     z.add_argument("--use-distributed-optimizer", dest="zero", action="store_const", const=(True,),
                    default=(False, True), help="shard the optimizer in every layout with replicas")
@@ -176,16 +179,21 @@ def run(argv: list[str]) -> str:
     _require(args.global_batch_size, "--global-batch-size")
     if args.top < 1:
         raise ConfigError(f"--top must be positive, got {args.top}")
-    request = PlanRequest(model, cluster, args.num_gpus, args.global_batch_size, args.precision,
-                          max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
-                          distributed_optimizer_options=args.zero, schedules=args.schedules,
-                          recompute_policies=FINER_RECOMPUTE if args.finer_recompute else (),
-                          memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin,
-                          sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
-                          compensation=args.compensation, optimizer=args.optimizer)
+    request = plan_request(args, model, cluster)
     costs = load_checked_profile(args.profile, model, args.precision, cluster.device) if args.profile else None
     result = search(request, costs)
     return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)
+
+
+def plan_request(args: argparse.Namespace, model: ModelConfig, cluster) -> PlanRequest:
+    """The search's request from the flags (a ranked table's)."""
+    return PlanRequest(model, cluster, args.num_gpus, args.global_batch_size, args.precision,
+                       max_micro_batch_size=args.max_micro_batch_size, fp32_grads=args.fp32_grads,
+                       distributed_optimizer_options=args.zero, schedules=args.schedules,
+                       recompute_policies=FINER_RECOMPUTE if args.finer_recompute else (),
+                       memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin,
+                       sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
+                       compensation=args.compensation, optimizer=args.optimizer, async_save=args.async_save)
 
 
 def sequence_parallel_options(model: ModelConfig, search: bool) -> tuple[bool, ...]:

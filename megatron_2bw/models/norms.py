@@ -9,6 +9,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..fused import Kernels, layer_norm
 from ..tensor_parallel.group import TPGroup
+from ..tensor_parallel.init import constant_parameters
 from ..tensor_parallel.mappings import copy_to_tp
 
 
@@ -17,8 +18,15 @@ def norm(cfg: ModelConfig, kernels: Kernels | None = None, tp: TPGroup | None = 
 
     RMSNorm always runs torch's implementation (``--fused-kernels`` selects LayerNorm only). Under
     sequence parallelism (``tp`` given with t > 1) each rank normalizes its sequence shard, so
-    the weight's gradient is a partial sum: :class:`SequenceParallelNorm` all-reduces it.
+    the weight's gradient is a partial sum: :class:`SequenceParallelNorm` all-reduces it. Built inside
+    ``init.deferred()`` (a stage), its ones and zeros are deferred like the other parameters: made on
+    the stage's device, not on the host.
     """
+    values = {"weight": 1.0} if cfg.normalization == "RMSNorm" else {"weight": 1.0, "bias": 0.0}
+    return constant_parameters(lambda: _norm(cfg, kernels, tp), values)
+
+
+def _norm(cfg: ModelConfig, kernels: Kernels | None, tp: TPGroup | None) -> nn.Module:
     if cfg.sequence_parallel and tp is not None and tp.size > 1:
         return SequenceParallelNorm(cfg, tp)
     if cfg.normalization == "RMSNorm":

@@ -99,6 +99,8 @@ def describe(ev: Evaluated, req: PlanRequest | None = None) -> dict[str, Any]:
         "samples_per_sec": round(ev.samples_per_sec, 3),
         "memory_bytes_per_gpu": ev.memory_bytes_per_gpu,
         "memory_bytes_by_stage": {str(s.stage): s.total for s in ev.memory},  # the stages that can peak
+        # --async-save's host copy of what a rank writes (host memory, not in memory_bytes_per_gpu; 0 without it)
+        "async_save_host_bytes_per_gpu": ev.host_save_bytes_per_gpu,
         "batch_seconds": round(p.batch_s, 6) if p else None,
         "bubble_seconds": round(p.bubble_s, 6) if p else None,
         "exposed_allreduce_seconds": round(p.exposed_allreduce_s, 6) if p else None,
@@ -132,6 +134,10 @@ def split_text(c: Candidate) -> str:
     return "-" if c.pipeline_parallel == 1 else format_split(c.layer_split) if c.layer_split else "even"
 
 
+ASYNC_SAVE_NOTE = ("save-host: GiB of host (CPU) memory per GPU that --async-save's copy of what the rank writes "
+                   "holds while the write runs (the largest stage; pinned on CUDA); not device memory, not in GiB/GPU")
+
+
 def format_table(result: SearchResult, top: int = 10) -> str:
     """The ranked table, with where the costs came from and the best configuration's flags."""
     req = result.request
@@ -150,6 +156,9 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"{'seq-par':>7} "
         f"{'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
+    host, base = req.async_save, len(lines[-1])  # --async-save: a column of its host copy, after the device memory
+    if host:
+        lines[-1] += f"  {'save-host':>9}"
     width = len(lines[-1])  # rows are padded to the header, then the staleness column follows
     lines[-1] += "  staleness"
     for i, ev in enumerate(result.ranked[:top], 1):
@@ -163,7 +172,11 @@ def format_table(result: SearchResult, top: int = 10) -> str:
             f"{tokens_per_sec(ev, req):>10.0f} {100 * mfu(ev, req):>5.1f}% "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
+        if host:
+            lines[-1] = f"{lines[-1]:<{base}}  {ev.host_save_bytes_per_gpu / GiB:>9.2f}"
         lines[-1] = f"{lines[-1]:<{width}}  {staleness(c, req.compensation, req.optimizer, req.precision).text}"
+    if host:
+        lines.append(ASYNC_SAVE_NOTE)
     if any(staleness(ev.candidate).stale_steps for ev in result.ranked[:top]):
         lines.append(STALENESS_NOTE)
     if result.pruned:

@@ -87,6 +87,9 @@ class PlanRequest:
     memory_margin: float = 0.0
     # --sequence-parallel off/on, tried where t > 1 (GPT only); None: the model's own setting
     sequence_parallel_options: tuple[bool, ...] | None = None
+    # --async-save (torch_dist): every candidate counts the host copy of what a rank writes
+    # (StageMemory.host_save: host memory, not the device's; tools/plan.py's save-host column)
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_margin < 1.0:
@@ -146,6 +149,11 @@ class Evaluated:
     @property
     def samples_per_sec(self) -> float:
         return self.prediction.samples_per_sec if self.prediction else 0.0
+
+    @property
+    def host_save_bytes_per_gpu(self) -> int:
+        """Host bytes of ``--async-save``'s copy for the GPU that writes the most (0 without the flag)."""
+        return max(s.host_save for s in self.memory)
 
 
 @dataclass(frozen=True)
@@ -239,13 +247,14 @@ def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
                         # cheapest recomputation first (none, inside stages, whole stages): see search()
                         if False in request.recompute_options:
                             yield Candidate(t, d, w, b, m, False, schedule, distributed_optimizer=zero,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, async_save=request.async_save)
                         for policy in policies:
                             yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy,
-                                            distributed_optimizer=zero, sequence_parallel=sp)
+                                            distributed_optimizer=zero, sequence_parallel=sp,
+                                            async_save=request.async_save)
                         if True in request.recompute_options:
                             yield Candidate(t, d, w, b, m, True, schedule, distributed_optimizer=zero,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, async_save=request.async_save)
 
 
 # Selective recomputation is skipped where it frees less than this share of a layer's stash: with a

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,12 @@ def param_generator(seed: int, name: str, device: torch.device | str = "cpu") ->
     return g
 
 
-def normal_full(shape: tuple[int, ...], std: float, seed: int, name: str) -> torch.Tensor:
-    """The full (unsharded) fp32 tensor N(0, std^2) for parameter ``name``."""
-    return torch.empty(shape).normal_(0.0, std, generator=param_generator(seed, name))
+def normal_full(shape: tuple[int, ...], std: float, seed: int, name: str,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full (unsharded) fp32 tensor N(0, std^2) for parameter ``name`` (drawn into ``out``, a
+    contiguous tensor of that shape, if given)."""
+    out = torch.empty(shape) if out is None else out
+    return out.normal_(0.0, std, generator=param_generator(seed, name))
 
 
 def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -48,8 +52,8 @@ def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Init:
     """How one parameter is made: the full tensor (``full_shape``; N(0, std^2) in its first ``rows``
-    rows, zero elsewhere, or all zero when ``std`` is None) and this rank's slice of it along ``dim``
-    (``rank`` of ``size``; ``dim`` None: the whole tensor, replicated)."""
+    rows, zero elsewhere, or all ``value`` when ``std`` is None: zeros, a norm's ones) and this rank's
+    slice of it along ``dim`` (``rank`` of ``size``; ``dim`` None: the whole tensor, replicated)."""
 
     name: str
     seed: int
@@ -59,6 +63,7 @@ class Init:
     rank: int = 0
     size: int = 1
     rows: int | None = None  # drawn rows (the real vocabulary of a padded embedding); None: all
+    value: float = 0.0  # every element when ``std`` is None
 
     @property
     def split(self) -> bool:
@@ -75,11 +80,11 @@ class Init:
     def full(self) -> torch.Tensor:
         """The full fp32 tensor on the CPU (the layout-independent path)."""
         if self.std is None:
-            return torch.zeros(self.full_shape)
+            return torch.full(self.full_shape, self.value)
         if self.rows is None:
             return normal_full(self.full_shape, self.std, self.seed, self.name)
         out = torch.zeros(self.full_shape)
-        out[:self.rows] = normal_full((self.rows, *self.full_shape[1:]), self.std, self.seed, self.name)
+        normal_full((self.rows, *self.full_shape[1:]), self.std, self.seed, self.name, out=out[:self.rows])
         return out
 
     def cpu_shard(self) -> torch.Tensor:
@@ -88,9 +93,10 @@ class Init:
 
     def fill_shard(self, out: torch.Tensor) -> None:
         """Write this rank's values into ``out`` (on any device, any dtype) drawing only them (per partition)."""
-        out.zero_()
         if self.std is None:
+            out.fill_(self.value)
             return
+        out.zero_()
         drawn = out
         if self.rows is not None:  # the real rows among this rank's (the rest is vocabulary padding)
             first = self.rank * self.shape[0] if self.split and self.dim == 0 else 0
@@ -114,6 +120,25 @@ def deferred():
         yield
     finally:
         _DEFERRED[0] -= 1
+
+
+def constant_parameters(build: Callable[[], nn.Module], values: dict[str, float]) -> nn.Module:
+    """``build()`` (a norm) with its parameters named in ``values`` set to those constants: inside
+    :func:`deferred` built on the meta device and made later on the stage's device like every other
+    deferred parameter (no host tensor); outside it, as built (the module's own ones and zeros)."""
+    if not _DEFERRED[0]:
+        return build()
+    with torch.device("meta"):
+        module = build()
+    for name, p in list(module.named_parameters()):
+        if name not in values:
+            raise ValueError(f"no constant for parameter {name} of {type(module).__name__}")
+        mod = module.get_submodule(name.rpartition(".")[0])
+        q = parameter(Init(name, 0, tuple(p.shape), value=values[name]))
+        q.requires_grad_(p.requires_grad)
+        q.__dict__.update({k: v for k, v in p.__dict__.items() if k != "init"})
+        mod._parameters[name.rpartition(".")[2]] = q
+    return module
 
 
 def parameter(init: Init) -> nn.Parameter:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
 
 from ...errors import ConfigError
-from .shard_map import Chunk
+from .shard_map import Chunk, bounded
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -43,11 +43,12 @@ def _write_item(c: Chunk) -> WriteItem:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """Writes given chunks under their global names and offsets, and given objects."""
+    """Writes given chunks under their global names and offsets (cut into items of at most
+    ``shard_map.MAX_CHUNK_BYTES``, which bounds a resume's read buffer), and given objects."""
 
     def __init__(self, chunks: list[Chunk], objects: dict) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._chunks = {(c.fqn, tuple(c.offsets)): c for c in chunks}
+        self._chunks = {(c.fqn, tuple(c.offsets)): c for c in bounded(chunks)}
         self._objects = objects
 
     def create_local_plan(self) -> SavePlan:

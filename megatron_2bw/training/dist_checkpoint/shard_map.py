@@ -19,6 +19,12 @@ from ...pipeline.zero import ShardLayout
 
 MODEL, OLDER, MASTER = "model", "older", "master"
 EF_PREV = "optimizer.extrapolate_prev_grad"  # --2bw-compensation extrapolate's previous gradient (pipeline/compensation.py)
+# The most bytes a save writes as one DCP item. DCP's reader loads every item a request overlaps
+# whole before copying it into place (the item's bytes, then a tensor of them: 2x the item,
+# measured), so this bounds what a resume allocates beyond the live buffers to about 32 MiB
+# (without it: twice the largest tensor, e.g. a 1B GPT's 412 MB fp32 embedding moment). Items are
+# cut along the first dimension; any chunking reads back at any layout.
+MAX_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,23 @@ def chunks_of(family: str, buf: torch.Tensor, base: int, lo: int, hi: int, param
                 n *= s
             first = p.offset + start - base
             out.append(Chunk(f"{family}/{p.name}", goff, p.global_shape, buf[first:first + n].view(sizes)))
+    return out
+
+
+def bounded(chunks: list[Chunk], max_bytes: int | None = None) -> list[Chunk]:
+    """``chunks`` cut along their first dimension into views of at most ``max_bytes``
+    (``MAX_CHUNK_BYTES``; at least one row each), placed at their global offsets."""
+    limit = MAX_CHUNK_BYTES if max_bytes is None else max_bytes
+    out = []
+    for c in chunks:
+        t = c.tensor
+        if t.dim() == 0 or t.numel() * t.element_size() <= limit:
+            out.append(c)
+            continue
+        row = t[0].numel() * t.element_size()
+        step = max(1, limit // row)
+        for r in range(0, t.shape[0], step):
+            out.append(Chunk(c.fqn, (c.offsets[0] + r, *c.offsets[1:]), c.global_shape, t[r:r + step]))
     return out
 
 
