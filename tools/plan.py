@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "unfused/local keep Korthikanti's 5as^2b)")
     r.add_argument("--max-micro-batch-size", type=int, default=64)
     r.add_argument("--memory-margin", type=parse_margin, default=None, metavar="FRACTION|N%",
-                   help=f"memory a plan leaves free, of the usable memory (default {DEFAULT_MEMORY_MARGIN:.0%}; "
+                   help=f"memory a plan leaves free, of the usable memory (default {DEFAULT_MEMORY_MARGIN:.0%}%; "
                         "--max-model and --paper-comparison reproduce the paper's planner without one unless given)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--accumulate-allreduce-grads-in-fp32", dest="fp32_grads", action="store_const", const=True)
