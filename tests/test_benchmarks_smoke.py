@@ -235,3 +235,17 @@ def test_benchmarks_doc_answers_from_every_saved_run():
         assert f"### {question}" in text
     for name in ("log_interval.json", "memory_states.json", "convergence_regimes.json", "memory.json"):
         assert f"(data/{name})" in text
+
+
+def test_pipeline_throughput_pairs_each_schedule_with_torchs_counterpart():
+    order = pipeline_throughput.paired_order(pipeline_throughput.SYSTEMS)
+    assert sorted(order) == sorted(pipeline_throughput.SYSTEMS)
+    for ours, twin in pipeline_throughput.COUNTERPART.items():
+        if ours in order and twin in order:
+            assert order.index(twin) == order.index(ours) + 1, (ours, twin)
+    entries = [(s, "uniform") for s in order]
+    even, odd = (pipeline_throughput.round_order(entries, r) for r in (0, 1))
+    assert even == entries
+    i = order.index("zb-v")
+    assert [s for s, _ in odd[i:i + 2]] == ["torch_zbv", "zb-v"]  # torch's first in odd rounds
+    assert sorted(odd) == sorted(entries)
