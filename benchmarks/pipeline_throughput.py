@@ -28,18 +28,23 @@ hidden 256, vocabulary 32k, where the head outweighs several layers), its ``spli
 split's ceiling over one process, measured per round).
 
 Measurement: the machine's speed drifts (other jobs, turbo), so systems run in alternating
-rounds (round k: single, engine_d1, 2bw, flush, gpipe, torch_1f1b, torch_gpipe, each a segment
-of K steps); every ratio is taken inside one round and the medians over rounds are reported.
+rounds (round k: single, engine_d1, 2bw, flush, torch_1f1b, gpipe, torch_gpipe, ..., each a segment
+of K steps, each of our schedules next to torch's counterpart, before it in even rounds and after it in
+odd ones: ``paired_order``, ``round_order``); every ratio
+is taken inside one round and the medians over rounds are reported.
 Throughput is steady state: on stage 0 the time from the first forward of step 1 to the first
 forward of step K-1 of a segment, so it covers K-2 whole steps (bubbles, reductions and updates
 included) and excludes only the fill before and the drain after the segment, which a long 2BW
-run pays once. The wall-clock throughput of the whole segment is reported next to it.
+run pays once. The wall-clock throughput of the whole segment is reported next to it. Python's garbage
+collector runs before each segment and is off inside it (as Megatron-LM's ``--manual-gc``), for every
+system alike: one full collection of these processes takes about a tenth of a steady window.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import math
 import os
 import sys
@@ -113,6 +118,35 @@ def ideal_vs_single(system: str, d: int, m: int) -> float:
 def _splits_of(system: str, splits) -> list[str]:
     """The stage splits a system runs: ours with one chunk per rank every split, the rest the uniform one."""
     return list(splits) if system in OURS and getattr(SCHEDULES[system], "chunks", 1) == 1 else ["uniform"]
+
+
+def paired_order(systems) -> list[str]:
+    """The order a round runs ``systems`` in: each of our schedules straight before torch's counterpart, so a
+    pair's ratio is taken over the same few seconds of the machine's drifting speed; the rest keep theirs."""
+    out: list[str] = []
+    for s in systems:
+        twin = COUNTERPART.get(s)
+        if s in out:
+            continue
+        out.append(s)
+        if twin in systems and twin not in out:
+            out.append(twin)
+    return out
+
+
+def round_order(entries, rnd: int) -> list:
+    """Round ``rnd``'s (system, split) order: in odd rounds each pair of :func:`paired_order` swapped (torch's
+    first), so a drift within a round favours neither side."""
+    out = list(entries)
+    if rnd % 2:
+        i = 0
+        while i + 1 < len(out):
+            if COUNTERPART.get(out[i][0]) == out[i + 1][0]:
+                out[i], out[i + 1] = out[i + 1], out[i]
+                i += 2
+            else:
+                i += 1
+    return out
 
 
 # ============================================================================ runners (inside a worker)
@@ -490,7 +524,7 @@ def worker(conf: dict) -> dict:
             splits["balanced"] = bal
     specs = {name: ModelSpec(ctx.cfg, TPGroup(), 1234, split=split) for name, split in splits.items()}
     # (system, split): our schedules under every split; the others use the uniform split
-    entries = [(s, sp) for s in systems for sp in _splits_of(s, splits)]
+    entries = [(s, sp) for s in paired_order(systems) for sp in _splits_of(s, splits)]
     runners: dict[tuple[str, str, int], Runner] = {}
     skipped: dict[str, str] = {}  # "system m=M": why it cannot run here (every rank agrees)
 
@@ -535,6 +569,12 @@ def worker(conf: dict) -> dict:
         if conf["wait_quiet_s"] > 0 and rnd >= 0:
             if rank == 0:
                 quiet_wait.append(common.wait_for_quiet(conf["quiet_cpus"], conf["wait_quiet_s"]))
+        # Python's collector off inside a segment, run before it instead (Megatron's --manual-gc): a full
+        # collection of these processes (~290k objects after importing torch) takes ~130 ms, a tenth of a
+        # steady window, and lands on whichever system happens to allocate past the threshold; the same
+        # rule for every system
+        gc.collect()
+        gc.disable()
         dist.barrier()
         busy0 = common.cpu_busy_seconds() if rank == 0 else 0.0
         w0, c0 = _t.perf_counter(), _t.process_time()
@@ -547,6 +587,7 @@ def worker(conf: dict) -> dict:
             if use_prof:
                 prof.disable()
         dist.barrier()
+        gc.enable()
         wall = _t.perf_counter() - w0
         cpu = _t.process_time() - c0
         busy = common.cpu_busy_seconds() - busy0 if rank == 0 else 0.0
@@ -601,11 +642,12 @@ def worker(conf: dict) -> dict:
     for m in conf["ms"]:
         for s, sp in entries_at[m]:
             one(s, sp, m, max(2, conf["warmup_steps"]), -1)
+    gc.freeze()  # what setup and warm-up made is never collected: the collection before each segment stays short
     for rnd in range(conf["rounds"]):
         balance.append({sp: _stage_compute_ms(ctx, conf["balance_reps"], specs[sp]) for sp in splits})
         for m in conf["ms"]:
             k = max(3, conf["steps"] or 2 + math.ceil(conf["window_microbatches"] / m))
-            for s, sp in entries_at[m]:
+            for s, sp in round_order(entries_at[m], rnd):
                 one(s, sp, m, k, rnd)
         if rank == 0:
             print(f"[d={d}] round {rnd + 1}/{conf['rounds']} done", flush=True)
@@ -860,7 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                        warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
                        track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode, sync_sends=args.sync_sends,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
-                       throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1"),
+                       throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1",
+                       gc="collected before each segment, disabled inside it (every system alike)"),
         "per_d": per_d, "executor_overhead_d1_pct": overhead, "skipped": skipped,
     })
     return 0

@@ -1,8 +1,10 @@
 """The measured-throughput table of docs/planner.md's "Which schedule" section, from docs/data.
 
 Every pipeline schedule of the registry (``pipeline/schedules.py``) gets its measured samples/s per
-(d, m), taken from the newest ``docs/data/throughput*.json`` that measured it, beside Flush and torch's
-``Schedule1F1B`` of the same file (the benchmark runs them in one process, so the ratios are fair).
+(d, m), taken from the newest ``docs/data/throughput*.json`` that measured that (d, m), beside Flush,
+torch's ``Schedule1F1B`` and torch's counterpart of the schedule in the same file (the benchmark runs
+them in one process, in alternating rounds, so the ratios are fair), and each stage's measured idle
+share beside the schedule's ideal bubble.
 A schedule no run measured says so. The table sits between ``BEGIN`` and ``END`` in the document and is
 rewritten in place (atomically), like benchmarks/report.py regenerates docs/benchmarks.md::
 
@@ -55,30 +57,49 @@ def _comparable(res: list[dict]) -> list[dict]:
     return [r for r in res if r.get("model", DEFAULT_MODEL) == DEFAULT_MODEL and r.get("split", "uniform") == "uniform"]
 
 
+def _counterpart(r: dict) -> str:
+    """torch's counterpart of the same run and our ratio to it (``x.xxx vs torch_zbv``), or ``-``."""
+    ratio = r.get("ratio_vs_torch_counterpart")
+    name = r.get("torch_counterpart")
+    return "-" if ratio is None else f"{ratio:.3f} ({name})" if name else f"{ratio:.3f}"
+
+
+def _bubble(r: dict) -> str:
+    """The measured idle share of each stage, then the schedule's ideal (``0.02 / 0.12 (0.020)``)."""
+    per = r.get("bubble_per_stage")
+    if not per or any(x is None for x in per):
+        return "-"
+    ideal = r.get("ideal_bubble")
+    return " / ".join(f"{x:.2f}" for x in per) + ("" if ideal is None else f" ({ideal:.3f})")
+
+
 def schedule_rows(json_dir: str, schedules: tuple[str, ...]) -> list[list[str]]:
-    """One row per schedule and (d, m) of the newest file that measured it; one "not measured" row otherwise."""
+    """One row per schedule and (d, m), from the newest file that measured that (d, m); one "not measured"
+    row for a schedule no file measured."""
     files = [(f, date, _comparable(data.get("results") or [])) for f, date, data in _files(json_dir)]
     rows = []
     for name in schedules:
-        newest = next(((f, date, res) for f, date, res in reversed(files)
-                       if any(r.get("system") == name for r in res)), None)
-        if newest is None:
-            rows.append([f"`{name}`", "-", "-", "not measured yet", "-", "-", "-"])
+        newest: dict[tuple, tuple[str, str, dict, dict]] = {}  # (d, m) -> file, date, result, its flush
+        for f, date, res in files:  # oldest first: a newer file's (d, m) replaces an older one's
+            by = {(r.get("system"), r.get("d"), r.get("m")): r for r in res}
+            for r in res:
+                if r.get("system") == name:
+                    newest[(r.get("d"), r.get("m"))] = (f, date, r, by.get(("flush", r.get("d"), r.get("m"))))
+        if not newest:
+            rows.append([f"`{name}`", "-", "-", "not measured yet", "-", "-", "-", "-", "-"])
             continue
-        f, date, res = newest
-        by = {(r.get("system"), r.get("d"), r.get("m")): r for r in res}
-        for r in sorted((r for r in res if r.get("system") == name), key=lambda r: (r.get("d"), r.get("m"))):
-            flush = by.get(("flush", r.get("d"), r.get("m")))
+        for (d, m), (f, date, r, flush) in sorted(newest.items()):
             vs_flush = r["samples_per_sec"] / flush["samples_per_sec"] if flush else None
-            rows.append([f"`{name}`", str(r.get("d")), str(r.get("m")), _fmt(r["samples_per_sec"], ".2f"),
-                         _fmt(vs_flush), _fmt(r.get("ratio_vs_torch_1f1b")), f"{f} ({date})"])
+            rows.append([f"`{name}`", str(d), str(m), _fmt(r["samples_per_sec"], ".2f"), _fmt(vs_flush),
+                         _fmt(r.get("ratio_vs_torch_1f1b")), _counterpart(r), _bubble(r), f"{f} ({date})"])
     return rows
 
 
 def table(json_dir: str = JSON_DIR, schedules: tuple[str, ...] | None = None) -> str:
     """The block between BEGIN and END (both included)."""
     names = schedules or tuple(dict.fromkeys((*DESCRIBED, *SCHEDULE_NAMES)))
-    head = ["schedule", "d", "m", "samples/s", "vs flush", "vs torch 1F1B", "from"]
+    head = ["schedule", "d", "m", "samples/s", "vs flush", "vs torch 1F1B", "vs torch's counterpart",
+            "idle per stage (ideal)", "from"]
     lines = [BEGIN, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in schedule_rows(json_dir, names)]
     lines += ["", END]

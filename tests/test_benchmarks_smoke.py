@@ -253,3 +253,17 @@ def test_checkpoint_io_quick(tmp_path):
     # the first stage writes all it holds: its async host copy is its state, byte for byte
     first = next(r for r in data["rows"] if r["rank"] == 0 and r["format"] == "torch_dist_async")
     assert first["staging_over_state"] == 1.0
+
+
+def test_pipeline_throughput_pairs_each_schedule_with_torchs_counterpart():
+    order = pipeline_throughput.paired_order(pipeline_throughput.SYSTEMS)
+    assert sorted(order) == sorted(pipeline_throughput.SYSTEMS)
+    for ours, twin in pipeline_throughput.COUNTERPART.items():
+        if ours in order and twin in order:
+            assert order.index(twin) == order.index(ours) + 1, (ours, twin)
+    entries = [(s, "uniform") for s in order]
+    even, odd = (pipeline_throughput.round_order(entries, r) for r in (0, 1))
+    assert even == entries
+    i = order.index("zb-v")
+    assert [s for s, _ in odd[i:i + 2]] == ["torch_zbv", "zb-v"]  # torch's first in odd rounds
+    assert sorted(odd) == sorted(entries)

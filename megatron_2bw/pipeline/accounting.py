@@ -29,7 +29,9 @@ class StageStats:
     cuda_peak_bytes: int | None = None
     update_wait_s: float = 0.0  # time APPLY_UPDATE waited for its reductions (hidden when ~0)
     # host clocks of the training loop, cumulative (a log window's bubble is their difference over it)
-    recv_wait_s: float = 0.0  # time spent in receive units (posting and waiting for activations / gradients)
+    # time spent receiving activations / gradients: in receive units (posting) and, on gloo, where a compute
+    # waits for its input (the transport hands a receive on; PipelineStage._received books the wait here)
+    recv_wait_s: float = 0.0
     compute_s: float = 0.0  # time in compute actions (forward, backward and its halves)
     train_s: float = 0.0  # time inside PipelineStage.train, so boundaries (evaluation, saves) do not count
 

@@ -39,7 +39,7 @@ from .placement import group_key
 from .schedules import cut_segment, get_schedule, stage_actions
 from .saved_release import BoxedSaves, release_unread
 from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight
-from .transport import SEND_OPS, Transport
+from .transport import SEND_OPS, Incoming, Transport
 from .updater import Updater, host
 from .weights import GlobalNames, StageWeights
 from .zero import ShardLayout
@@ -184,7 +184,7 @@ class PipelineStage:
         self._stash: dict[tuple[int, int], StashEntry] = {}  # by (chunk, microbatch), from its forward to its backward
         # tensors between compute and transfer, by (transfer op, chunk, microbatch): received and not yet
         # consumed (RECV_ACT, RECV_GRAD), or produced and not yet sent (SEND_ACT, SEND_GRAD)
-        self._mail: dict[tuple[Op, int, int], torch.Tensor] = {}
+        self._mail: dict[tuple[Op, int, int], torch.Tensor | Incoming] = {}
         # by step: the sum of its microbatch losses, then of each loss component (last stage); on CUDA
         # copied to the host once the step's last forward added its row, read at the update
         self._losses: dict[int, torch.Tensor | _HostCopy] = {}
@@ -222,7 +222,7 @@ class PipelineStage:
             a = unit[0]
             op = a.op
             done += len(unit)
-            t0 = self._tick()
+            t0, waited = self._tick(), self.stats.recv_wait_s
             if op is Op.FORWARD:
                 self._forward(a, get_batch)
             elif op is Op.BACKWARD:
@@ -243,7 +243,8 @@ class PipelineStage:
                     units = self.transport.units(rest)
             else:
                 self._transfer(unit)
-            clock_units(self.stats, unit, time.perf_counter() - t0)
+            # a compute's wait for its received input (:meth:`_received`) is booked as a receive's wait already
+            clock_units(self.stats, unit, time.perf_counter() - t0 - (self.stats.recv_wait_s - waited))
         self.transport.drain()
         self._tick()
         self.reducer.wait_all()  # drained: no all-gather left running beside the caller's collectives
@@ -264,6 +265,17 @@ class PipelineStage:
         for a, tensor in self.transport.run(unit, outgoing):
             self._mail[(a.op, a.chunk, a.mb)] = tensor
 
+    def _received(self, key: tuple[Op, int, int], default=...) -> torch.Tensor | None:
+        """Take a received tensor from the mail, waiting for it here, at its consumer (the transport hands on
+        an :class:`~.transport.Incoming`); the wait is booked as a receive's wait, not as compute."""
+        x = self._mail.pop(key) if default is ... else self._mail.pop(key, default)
+        if not isinstance(x, Incoming):
+            return x
+        t0 = time.perf_counter()
+        x.wait()
+        self.stats.recv_wait_s += time.perf_counter() - t0
+        return x.buf
+
     def _forward(self, a: Action, get_batch: Callable[[int], dict]) -> None:
         if self.faults is not None:
             self.faults.before_forward(self.state.rank, a.step)
@@ -271,7 +283,7 @@ class PipelineStage:
         layers = self._chunk_layers[self.weights.slot(a.version)][a.chunk]
         batch = get_batch(a.mb)
         src = self._local_in[a.chunk]
-        x = self._mail.pop((Op.RECV_ACT, a.chunk, a.mb), None) if src is None else \
+        x = self._received((Op.RECV_ACT, a.chunk, a.mb), None) if src is None else \
             self._mail.pop((Op.SEND_ACT, src, a.mb)).detach()
         recompute, last = self.pipe.recompute, self._last[a.chunk]
         if x is not None and not recompute:
@@ -343,7 +355,7 @@ class PipelineStage:
     def _output_grad(self, a: Action) -> torch.Tensor:
         """The gradient of chunk ``a.chunk``'s output: received, or handed over by the next chunk on this rank."""
         dst = self._local_out[a.chunk]
-        return self._mail.pop((Op.RECV_GRAD, a.chunk, a.mb) if dst is None else (Op.SEND_GRAD, dst, a.mb))
+        return self._received((Op.RECV_GRAD, a.chunk, a.mb)) if dst is None else self._mail.pop((Op.SEND_GRAD, dst, a.mb))
 
     def _loss_factor(self, step: int) -> float:
         """What the last stage's loss is scaled by for backward: the step's loss scale (one for the whole

@@ -26,6 +26,11 @@ Two modes:
   its own fresh buffer, which the consumer keeps); on top of that every receive is posted at
   least one action before its slot. Receives of one kind are posted in plan order, which is
   the order the peer sends them, so matching by (peer, tag) is exact.
+  A receive action only hands its posted receive on (an :class:`Incoming`); the compute that consumes
+  it waits (:meth:`Incoming.wait`), as ``torch.distributed.pipelining``'s runtime waits for a receive
+  at its forward or backward. Where a schedule's lowering places a receive early (a multi-chunk
+  schedule receives what a neighbour computed in a slot right after that slot), the stage then goes on
+  with work it already has instead of idling until the neighbour's slot ends.
   Sends go out from a thread of their own (:class:`_SendThread`, on CPU): a gloo send whose
   receive is already posted, which prefetching makes the rule, writes its bytes from the calling
   thread and returns only once the peer's I/O thread has taken most of them (0.1-10 ms per
@@ -63,6 +68,22 @@ _TAG: dict[Op, int] = {Op.RECV_ACT: 1, Op.RECV_GRAD: 2}
 def _outgoing(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+class Incoming:
+    """A posted receive that its consumer waits for (prefetch mode): the wait sits at the compute that
+    needs the tensor, not at the receive action, which may come a whole round earlier."""
+
+    __slots__ = ("buf", "work")
+
+    def __init__(self, buf: torch.Tensor, work) -> None:
+        self.buf, self.work = buf, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.buf
 
 
 class _SendThread:
@@ -183,8 +204,10 @@ class Transport:
                 ahead += 1
             yield (a,)
 
-    def run(self, unit: Sequence[Action], outgoing: Mapping[Action, torch.Tensor]) -> list[tuple[Action, torch.Tensor]]:
-        """Perform a unit of transfers; ``outgoing`` holds the tensor of each send. Returns ``(receive, tensor)``."""
+    def run(self, unit: Sequence[Action], outgoing: Mapping[Action, torch.Tensor]
+            ) -> list[tuple[Action, torch.Tensor | Incoming]]:
+        """Perform a unit of transfers; ``outgoing`` holds the tensor of each send. Returns ``(receive, tensor)``,
+        in prefetch mode ``(receive, Incoming)``: the consumer waits (see the module docstring)."""
         if self.grouped:
             return self.exchange(unit, outgoing)
         got = []
@@ -192,7 +215,7 @@ class Transport:
             if a.op in SEND_OPS:
                 self.send(a, outgoing[a])
             else:
-                got.append((a, self.recv(a)))
+                got.append((a, self.recv_later(a)))
         return got
 
     # ------------------------------------------------------------------ receives
@@ -242,12 +265,15 @@ class Transport:
 
     def recv(self, a: Action) -> torch.Tensor:
         """Wait for receive ``a`` (``RECV_ACT`` or ``RECV_GRAD``), posting it first if needed."""
+        return self.recv_later(a).wait()
+
+    def recv_later(self, a: Action) -> Incoming:
+        """Receive ``a``, posted (first if needed) but not waited for: the consumer calls ``wait()``."""
         self.post_recv(a)
         buf, work = self._recvs.pop((a.op, a.chunk, a.mb))
         self._posted[a.op] -= 1
-        self._fill()  # the next planned receive goes up before we block on this one
-        work.wait()
-        return buf
+        self._fill()  # the next planned receive goes up before anyone blocks on this one
+        return Incoming(buf, work)
 
     # ------------------------------------------------------------------ sends
     def send(self, a: Action, tensor: torch.Tensor) -> None:
