@@ -296,7 +296,7 @@ class PipelineStage:
             out = _run(layers, batch, x)
             loss, comps = loss_parts(self.loss_fn, out, batch) if last else (None, {})
         nbytes = saver.bytes if saver is not None and not recompute else 0
-        boxes = saver.boxes if saver is self._boxed and saver is not None and not recompute else None
+        boxes = saver.boxes if isinstance(saver, BoxedSaves) and not recompute else None
         if recompute and x is not None:
             nbytes = x.numel() * x.element_size()
         if last:
@@ -333,7 +333,7 @@ class PipelineStage:
         if saver is not None:
             st = self.stats
             st.peak_stashed_bytes = max(st.peak_stashed_bytes, st.stashed_bytes + saver.bytes)
-            if saver is self._boxed:
+            if isinstance(saver, BoxedSaves):
                 entry.boxes = saver.boxes
         now.restore(self.state.device, self.rng)
         return x, out
