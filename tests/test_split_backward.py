@@ -132,3 +132,53 @@ def test_torch_checkpointed_layers_split_too():
     assert torch.allclose(dx_a, dx_b, rtol=0, atol=1e-6)
     for a, b in zip(ga, gb):
         assert torch.allclose(a, b, rtol=0, atol=1e-6)
+
+
+def _deferred(kind: str, d: int, r: int, dtype=torch.float32):
+    cfg, spec, layers, batch, _ = _stage(kind, d, r)
+    layers.to(dtype)
+    params = list(layers.parameters())
+    index = {accumulator(p): i for i, p in enumerate(params)}
+    torch.manual_seed(3)
+    x = torch.randn(2, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    out = _run(cfg, spec, layers, batch, x, r == d - 1)
+    g = None if r == d - 1 else torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)
+    return params, index, backward_input(out, g, x, index)[1]
+
+
+@pytest.mark.parametrize(("kind", "d", "r"), [("gpt-tiny", 2, 1), ("bert-tiny", 4, 2), ("llama-tiny", 4, 1)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("main_grads", [False, True], ids=["grad", "main_grad"])
+def test_fused_w_equals_the_engines_w(kind, d, r, main_grads, monkeypatch):
+    """W's in-place kernels (wgrad_fusion) against autograd's own W on the same graph, into gradients that
+    already hold a value (a step's earlier microbatch); under bf16 with fp32 main grads too. Every GPT and
+    BERT group is one the fusion handles (Llama's RMSNorm scale goes the engine's way)."""
+    from megatron_2bw.pipeline import split_backward, wgrad_fusion
+
+    dtype = torch.bfloat16 if main_grads else torch.float32
+    results, fused = [], []
+    real = wgrad_fusion.fused_weight_grad
+
+    def counted(*a):
+        ok = real(*a)
+        fused.append(ok)
+        return ok
+
+    for on in (True, False):
+        monkeypatch.setattr(split_backward, "fused_weight_grad", counted if on else (lambda *a: False))
+        params, index, deferred = _deferred(kind, d, r, dtype)
+        torch.manual_seed(11)
+        for p in params:
+            start = torch.randn(p.shape)
+            if main_grads:
+                p.main_grad = start
+            else:
+                p.grad = start
+        backward_weight(deferred, params, index, main_grads=main_grads)
+        results.append([(p.main_grad if main_grads else p.grad).clone() for p in params])
+    assert fused and (all(fused) if kind != "llama-tiny" else sum(fused) > len(fused) // 2)
+    # the same products, accumulated in the GEMM or added after it: fp32 rounding, or bf16's for a bf16 GEMM
+    tol = 2e-2 if main_grads else 1e-5
+    for p, a, b in zip(params, *results):
+        assert a.dtype == torch.float32
+        assert torch.allclose(a, b, rtol=tol, atol=tol * b.abs().max().item()), p.shape

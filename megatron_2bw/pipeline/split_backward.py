@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from .wgrad_fusion import fused_weight_grad
+
 
 _PHASE: list[str | None] = [None]
 
@@ -180,8 +182,13 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
 def backward_weight(deferred: DeferredWeightGrad, params: list[torch.Tensor], index: dict[Node, int],
                     main_grads: bool) -> None:
     """Add the weight gradients I deferred into each parameter's ``.grad`` (or ``.main_grad``, fp32
-    accumulation): what AccumulateGrad (or the main-grad hook) does in a whole backward."""
+    accumulation): what AccumulateGrad (or the main-grad hook) does in a whole backward. A group of one
+    common node (a linear's GEMM, a layer norm, a bias) is done by :mod:`.wgrad_fusion` in place."""
     for g in deferred.groups:
+        if len(g.nodes) == 1:
+            targets = {acc: params[index[acc]].main_grad if main_grads else params[index[acc]].grad for acc in g.params}
+            if None not in targets.values() and fused_weight_grad(g.nodes[0], g.grads[0], set(g.params), targets):
+                continue
         edges, grads = [], []
         for node, caught in zip(g.nodes, g.grads):
             for k, grad in enumerate(caught or ()):
