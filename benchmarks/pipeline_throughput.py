@@ -692,10 +692,11 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                     continue
                 one, t1 = by.get((rnd, "single", "uniform", m)), by.get((rnd, "torch_1f1b", "uniform", m))
                 twin = by.get((rnd, COUNTERPART.get(s), "uniform", m))  # torch's counterpart, same round
+                two = by.get((rnd, "2bw", sp, m)) if s != "2bw" else None  # PipeDream-2BW, same round and split
                 wall = r["steps"] * m * b / r["wall_s"]
                 wall_single = one and one["steps"] * m * b / one["wall_s"]
                 per_round.append(dict(sps=sps(r), vs_single=ratio(sps(r), sps(one)), vs_t1=ratio(sps(r), sps(t1)),
-                                      vs_twin=ratio(sps(r), sps(twin)),
+                                      vs_twin=ratio(sps(r), sps(twin)), vs_2bw=ratio(sps(r), sps(two)),
                                       wall=wall, wall_vs_single=ratio(wall, wall_single),
                                       foreign=r.get("foreign_cpus"), quiet=quiet_groups[rnd, m],
                                       bubble=r.get("bubble"), idle=r.get("idle_wait"),
@@ -733,6 +734,9 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                 "torch_counterpart": COUNTERPART.get(s) if COUNTERPART.get(s) in conf["systems"] else None,
                 "ratio_vs_torch_counterpart": common.median(p["vs_twin"] for p in per_round),
                 "ratio_vs_torch_counterpart_per_round": [p["vs_twin"] for p in per_round],
+                # against our 2BW of the same round and split: what a synchronous schedule gives up to it
+                "ratio_vs_2bw": common.median(p["vs_2bw"] for p in per_round),
+                "ratio_vs_2bw_per_round": [p["vs_2bw"] for p in per_round],
                 # the schedule's ideal idle fraction (balanced stages, free transfers) and each stage's measured
                 # one over its steady window: 1 - compute / wall (the same clock for ours and torch's)
                 "ideal_bubble": None if alone else ib,
@@ -862,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
             ("ratio_vs_torch_1f1b", "x torch1F1B", ".3f"), ("ideal_vs_torch_1f1b", "ideal", ".3f"),
             ("wall_speedup_vs_single", "wall x single", ".3f"),
             ("speedup_vs_single_min", "min", ".3f"), ("speedup_vs_single_max", "max", ".3f"),
-            ("ratio_vs_torch_counterpart", "x torch twin", ".3f"),
+            ("ratio_vs_torch_counterpart", "x torch twin", ".3f"), ("ratio_vs_2bw", "x 2bw", ".3f"),
             ("ideal_bubble", "ideal bubble", ".3f"), ("bubble_text", "bubble per stage", ""),
             ("idle_text", "waits per stage", ""), ("compute_text", "compute ms/mb", ""),
             ("foreign_load_cpus", "other load", ".2f"), ("quiet_rounds", "quiet", ""),

@@ -64,6 +64,16 @@ def _counterpart(r: dict) -> str:
     return "-" if ratio is None else f"{ratio:.3f} ({name})" if name else f"{ratio:.3f}"
 
 
+def _vs_2bw(r: dict, two: dict | None) -> str:
+    """The median over rounds of the ratio to 2BW in the same round (files before that ratio was recorded:
+    the ratio of the medians)."""
+    if r.get("system") == "2bw":
+        return "1.000"
+    if r.get("ratio_vs_2bw") is not None:
+        return _fmt(r["ratio_vs_2bw"])
+    return _fmt(r["samples_per_sec"] / two["samples_per_sec"] if two else None)
+
+
 def _bubble(r: dict) -> str:
     """The measured idle share of each stage, then the schedule's ideal (``0.02 / 0.12 (0.020)``)."""
     per = r.get("bubble_per_stage")
@@ -79,26 +89,28 @@ def schedule_rows(json_dir: str, schedules: tuple[str, ...]) -> list[list[str]]:
     files = [(f, date, _comparable(data.get("results") or [])) for f, date, data in _files(json_dir)]
     rows = []
     for name in schedules:
-        newest: dict[tuple, tuple[str, str, dict, dict]] = {}  # (d, m) -> file, date, result, its flush
+        newest: dict[tuple, tuple[str, str, dict, dict, dict]] = {}  # (d, m) -> file, date, result, flush, 2bw
         for f, date, res in files:  # oldest first: a newer file's (d, m) replaces an older one's
             by = {(r.get("system"), r.get("d"), r.get("m")): r for r in res}
             for r in res:
                 if r.get("system") == name:
-                    newest[(r.get("d"), r.get("m"))] = (f, date, r, by.get(("flush", r.get("d"), r.get("m"))))
+                    newest[(r.get("d"), r.get("m"))] = (f, date, r, by.get(("flush", r.get("d"), r.get("m"))),
+                                                        by.get(("2bw", r.get("d"), r.get("m"))))
         if not newest:
-            rows.append([f"`{name}`", "-", "-", "not measured yet", "-", "-", "-", "-", "-"])
+            rows.append([f"`{name}`", "-", "-", "not measured yet", "-", "-", "-", "-", "-", "-"])
             continue
-        for (d, m), (f, date, r, flush) in sorted(newest.items()):
+        for (d, m), (f, date, r, flush, two) in sorted(newest.items()):
             vs_flush = r["samples_per_sec"] / flush["samples_per_sec"] if flush else None
             rows.append([f"`{name}`", str(d), str(m), _fmt(r["samples_per_sec"], ".2f"), _fmt(vs_flush),
-                         _fmt(r.get("ratio_vs_torch_1f1b")), _counterpart(r), _bubble(r), f"{f} ({date})"])
+                         _fmt(r.get("ratio_vs_torch_1f1b")), _counterpart(r), _vs_2bw(r, two), _bubble(r),
+                         f"{f} ({date})"])
     return rows
 
 
 def table(json_dir: str = JSON_DIR, schedules: tuple[str, ...] | None = None) -> str:
     """The block between BEGIN and END (both included)."""
     names = schedules or tuple(dict.fromkeys((*DESCRIBED, *SCHEDULE_NAMES)))
-    head = ["schedule", "d", "m", "samples/s", "vs flush", "vs torch 1F1B", "vs torch's counterpart",
+    head = ["schedule", "d", "m", "samples/s", "vs flush", "vs torch 1F1B", "vs torch's counterpart", "vs 2bw",
             "idle per stage (ideal)", "from"]
     lines = [BEGIN, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in schedule_rows(json_dir, names)]
