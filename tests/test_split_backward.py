@@ -152,7 +152,7 @@ def _deferred(kind: str, d: int, r: int, dtype=torch.float32):
 def test_fused_w_equals_the_engines_w(kind, d, r, main_grads, monkeypatch):
     """W's in-place kernels (wgrad_fusion) against autograd's own W on the same graph, into gradients that
     already hold a value (a step's earlier microbatch); under bf16 with fp32 main grads too. Every GPT and
-    BERT group is one the fusion handles (Llama's RMSNorm scale goes the engine's way)."""
+    BERT and Llama group is one the fusion handles (in 16 bits Llama's RMSNorm scale, computed in fp32, goes the engine's way)."""
     from megatron_2bw.pipeline import split_backward, wgrad_fusion
 
     dtype = torch.bfloat16 if main_grads else torch.float32
@@ -176,7 +176,7 @@ def test_fused_w_equals_the_engines_w(kind, d, r, main_grads, monkeypatch):
                 p.grad = start
         backward_weight(deferred, params, index, main_grads=main_grads)
         results.append([(p.main_grad if main_grads else p.grad).clone() for p in params])
-    assert fused and (all(fused) if kind != "llama-tiny" else sum(fused) > len(fused) // 2)
+    assert fused and (all(fused) if kind != "llama-tiny" or not main_grads else sum(fused) > len(fused) // 2)
     # the same products, accumulated in the GEMM or added after it: fp32 rounding, or bf16's for a bf16 GEMM
     tol = 2e-2 if main_grads else 1e-5
     for p, a, b in zip(params, *results):

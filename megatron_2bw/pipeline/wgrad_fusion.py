@@ -4,13 +4,13 @@ BACKWARD_WEIGHT (:func:`.split_backward.backward_weight`) runs ``autograd.grad``
 each call walks the graph below its first-use node, makes a fresh ``dW`` (and, for a GEMM, its
 transpose), and the result is then added into the gradient buffer. For the nodes a transformer's
 weights enter (a linear's ``addmm`` or ``mm``, a layer norm, a bias added after a row-parallel
-reduction) the weight side is one known kernel over the tensors the node saved, so it is run here
+reduction, RMSNorm's elementwise scale) the weight side is one known kernel over the tensors the node saved, so it is run here
 directly and accumulated in place: for fp32 gradients ``grad.addmm_(dY^T, X)`` writes the GEMM's result
 into the buffer (Megatron's gradient-accumulation fusion), a bias gradient is ``dY`` summed to its shape, a
 layer norm's comes from ``native_layer_norm_backward`` with only its weight outputs asked for. This is
 what autograd's own formulas for these nodes compute; on CPU it saves about a tenth of W's time.
 
-Any other node (a custom Function, RMSNorm, a parameter used at several nodes, a saved-tensor
+Any other node (a custom Function, a parameter used at several nodes, a saved-tensor
 layout not recognised here) returns False and goes the engine's way; so does every group where
 what is handled here is not exactly the group's parameters.
 """
@@ -61,6 +61,10 @@ def fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | None
     if not caught or caught[0] is None or len(caught) != 1:
         return False
     dy, name, nf = caught[0], type(node).__name__, node.next_functions
+    # autograd rounds a weight's gradient to the weight's dtype before accumulating it: where the node
+    # computed in another (an fp32 norm over fp16 weights), leave it to autograd
+    if any(getattr(acc, "variable", None) is None or acc.variable.dtype != dy.dtype for acc in params):
+        return False
     if name in ("AddmmBackward0", "MmBackward0"):
         weight, transposed = _param_below(nf[-1][0])
         bias = _param_below(nf[0][0])[0] if name == "AddmmBackward0" else None
@@ -90,6 +94,21 @@ def fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | None
         for acc, grad in ((weight[0], dw), (bias[0], db)):
             if acc is not None:
                 _add(target[acc], grad)
+        return True
+    if name == "MulBackward0":  # an elementwise scale (RMSNorm's weight): dW = dY * the other operand, summed
+        a, b = _param_below(nf[0][0]), _param_below(nf[1][0])
+        if a[1] or b[1] or (a[0] is None) == (b[0] is None):
+            return False
+        acc = a[0] if a[0] is not None else b[0]
+        try:
+            other = node._saved_other if a[0] is not None else node._saved_self
+        except RuntimeError:  # not saved (the operand needs no gradient) or freed
+            return False
+        shape = target[acc].shape if {acc} == params else None
+        if shape is None or not isinstance(other, torch.Tensor) or other.dtype != dy.dtype \
+                or tuple(shape) != tuple(dy.shape[dy.dim() - len(shape):]):
+            return False
+        _add(target[acc], (dy * other).sum_to_size(shape))
         return True
     if name == "AddBackward0":
         bias, transposed = _param_below(nf[1][0])
