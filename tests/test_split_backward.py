@@ -151,8 +151,9 @@ def _deferred(kind: str, d: int, r: int, dtype=torch.float32):
 @pytest.mark.parametrize("main_grads", [False, True], ids=["grad", "main_grad"])
 def test_fused_w_equals_the_engines_w(kind, d, r, main_grads, monkeypatch):
     """W's in-place kernels (wgrad_fusion) against autograd's own W on the same graph, into gradients that
-    already hold a value (a step's earlier microbatch); under bf16 with fp32 main grads too. Every GPT and
-    BERT and Llama group is one the fusion handles (in 16 bits Llama's RMSNorm scale, computed in fp32, goes the engine's way)."""
+    already hold a value (a step's earlier microbatch); under bf16 with fp32 main grads too. Every GPT,
+    BERT and Llama group is one the fusion handles (in 16 bits Llama's RMSNorm scale, computed in fp32,
+    goes the engine's way)."""
     from megatron_2bw.pipeline import split_backward, wgrad_fusion
 
     dtype = torch.bfloat16 if main_grads else torch.float32

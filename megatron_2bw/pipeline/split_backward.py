@@ -183,7 +183,7 @@ def backward_weight(deferred: DeferredWeightGrad, params: list[torch.Tensor], in
                     main_grads: bool) -> None:
     """Add the weight gradients I deferred into each parameter's ``.grad`` (or ``.main_grad``, fp32
     accumulation): what AccumulateGrad (or the main-grad hook) does in a whole backward. A group of one
-    common node (a linear's GEMM, a layer norm, a bias) is done by :mod:`.wgrad_fusion` in place."""
+    common node (a linear's GEMM, a norm's scale, a bias) is done by :mod:`.wgrad_fusion` in place."""
     for g in deferred.groups:
         if len(g.nodes) == 1:
             targets = {acc: params[index[acc]].main_grad if main_grads else params[index[acc]].grad for acc in g.params}

