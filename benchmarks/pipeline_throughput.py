@@ -659,6 +659,16 @@ def worker(conf: dict) -> dict:
 
 
 # ============================================================================ driver
+def ceiling_vs_2bw(mine: list | None, theirs: list | None, ib: float | None) -> float | None:
+    """The ratio to 2BW a schedule would reach if it idled only for its ideal bubble ``ib``: 2BW's
+    (bubble-free) busiest rank's compute per microbatch (``theirs``, per rank) over this schedule's busiest
+    rank's (``mine``), both measured in one round, times ``1 - ib``. None where a compute or the ideal is
+    missing."""
+    if not mine or not theirs or ib is None or None in mine or None in theirs or max(mine) <= 0:
+        return None
+    return max(theirs) / max(mine) * (1.0 - ib)
+
+
 def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
     """Per (system, m): medians over rounds of throughput and of the ratios taken inside each round.
 
@@ -700,11 +710,13 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                                       wall=wall, wall_vs_single=ratio(wall, wall_single),
                                       foreign=r.get("foreign_cpus"), quiet=quiet_groups[rnd, m],
                                       bubble=r.get("bubble"), idle=r.get("idle_wait"),
-                                      compute=r.get("compute_ms_per_microbatch")))
+                                      compute=r.get("compute_ms_per_microbatch"),
+                                      two=two.get("compute_ms_per_microbatch") if two else None))
             if not per_round:
                 continue
             ideal = ideal_vs_single(s, d, m)
             ib = ideal_bubble(s, d, m)
+            ceilings = [ceiling_vs_2bw(p["compute"], p.pop("two"), ib) for p in per_round]
             chunks = TORCH[s][2] if s in TORCH else getattr(SCHEDULES.get(s), "chunks", 1)
 
             def per_stage(key):
@@ -737,6 +749,11 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
                 # against our 2BW of the same round and split: what a synchronous schedule gives up to it
                 "ratio_vs_2bw": common.median(p["vs_2bw"] for p in per_round),
                 "ratio_vs_2bw_per_round": [p["vs_2bw"] for p in per_round],
+                # what the ratio to 2BW would be with no idle beyond the schedule's ideal bubble, from the
+                # compute the busiest rank of each measured in the same round: the gap between the two is
+                # the executor's; the gap from this to 1 is the ideal bubble's and the compute path's
+                "ceiling_vs_2bw": common.median(ceilings),
+                "ceiling_vs_2bw_per_round": ceilings,
                 # the schedule's ideal idle fraction (balanced stages, free transfers) and each stage's measured
                 # one over its steady window: 1 - compute / wall (the same clock for ours and torch's)
                 "ideal_bubble": None if alone else ib,
@@ -867,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
             ("wall_speedup_vs_single", "wall x single", ".3f"),
             ("speedup_vs_single_min", "min", ".3f"), ("speedup_vs_single_max", "max", ".3f"),
             ("ratio_vs_torch_counterpart", "x torch twin", ".3f"), ("ratio_vs_2bw", "x 2bw", ".3f"),
+            ("ceiling_vs_2bw", "ceiling x 2bw", ".3f"),
             ("ideal_bubble", "ideal bubble", ".3f"), ("bubble_text", "bubble per stage", ""),
             ("idle_text", "waits per stage", ""), ("compute_text", "compute ms/mb", ""),
             ("foreign_load_cpus", "other load", ".2f"), ("quiet_rounds", "quiet", ""),

@@ -46,6 +46,11 @@ def test_pipeline_throughput_quick(tmp_path):
     flush = next(r for r in rows if r["system"] == "flush")
     assert flush["ideal_bubble"] == pytest.approx(1 / 5) and flush["torch_counterpart"] == "torch_1f1b"
     assert len(flush["idle_wait_per_stage"]) == 2  # ours: the executor's receive and update waits too
+    # the ceiling against 2BW: 2BW's busiest rank's compute over flush's, same round, times 1 - flush's ideal
+    two = next(r for r in rows if r["system"] == "2bw")
+    assert two["ceiling_vs_2bw"] is None and flush["ceiling_vs_2bw_per_round"] == [flush["ceiling_vs_2bw"]]
+    assert flush["ceiling_vs_2bw"] == pytest.approx(
+        max(two["compute_ms_per_microbatch_per_stage"]) / max(flush["compute_ms_per_microbatch_per_stage"]) * 0.8)
     single = next(r for r in rows if r["system"] == "single")
     assert single["speedup_vs_single"] == pytest.approx(1.0)
     t1 = next(r for r in rows if r["system"] == "torch_1f1b")
@@ -253,6 +258,14 @@ def test_checkpoint_io_quick(tmp_path):
     # the first stage writes all it holds: its async host copy is its state, byte for byte
     first = next(r for r in data["rows"] if r["rank"] == 0 and r["format"] == "torch_dist_async")
     assert first["staging_over_state"] == 1.0
+
+
+def test_ceiling_vs_2bw_is_the_compute_ratio_less_the_ideal_bubble():
+    """zb-v's rank 0 computing 80 ms per microbatch where 2BW's busiest stage computes 77, with its ideal 0.04
+    bubble at d = 2, m = 4: at best 77/80 * 0.96 of 2BW, whatever the executor does."""
+    assert pipeline_throughput.ceiling_vs_2bw([80.0, 72.0], [68.0, 77.0], 0.04) == pytest.approx(77 / 80 * 0.96)
+    assert pipeline_throughput.ceiling_vs_2bw([80.0, 72.0], None, 0.04) is None
+    assert pipeline_throughput.ceiling_vs_2bw([80.0, None], [68.0, 77.0], 0.04) is None
 
 
 def test_pipeline_throughput_pairs_each_schedule_with_torchs_counterpart():

@@ -30,7 +30,7 @@ def test_newest_run_per_schedule_against_its_own_flush(tmp_path):
         {"system": "2bw", "d": 2, "m": 4, "samples_per_sec": 26.0},
         {"system": "zb-h1", "d": 2, "m": 4, "samples_per_sec": 25.0, "torch_counterpart": "torch_interleaved_zb",
          "ratio_vs_torch_counterpart": 0.98, "bubble_per_stage": [0.234, 0.0891], "ideal_bubble": 0.0625,
-         "ratio_vs_2bw": 0.951},
+         "ratio_vs_2bw": 0.951, "ceiling_vs_2bw": 0.962},
         {"system": "zb-h1", "d": 2, "m": 4, "samples_per_sec": 99.0, "split": "balanced"},  # not comparable
         {"system": "zb-h1", "d": 2, "m": 8, "samples_per_sec": 30.0, "model": "head-heavy"}])
     rows = schedule_table.schedule_rows(str(tmp_path), ("flush", "gpipe", "zb-h1", "zb-v"))
@@ -40,7 +40,7 @@ def test_newest_run_per_schedule_against_its_own_flush(tmp_path):
         ["`gpipe`", "2", "4", "9.00", "0.900", "1.010", "-", "-", "-", "throughput.json (2026-11-01)"],
         # m = 4 from the newer run, m = 16 from the only run that measured it, each against its own flush and
         # 2BW (the median of the same-round ratios where the run recorded it, else the ratio of the medians)
-        ["`zb-h1`", "2", "4", "25.00", "1.250", "-", "0.980 (torch_interleaved_zb)", "0.951", "0.23 / 0.09 (0.062)",
+        ["`zb-h1`", "2", "4", "25.00", "1.250", "-", "0.980 (torch_interleaved_zb)", "0.951 (0.962)", "0.23 / 0.09 (0.062)",
          "throughput_new.json (2026-12-01)"],
         ["`zb-h1`", "2", "16", "20.00", "1.250", "-", "1.050 (torch_interleaved_zb)", "0.800", "0.10 / 0.05 (0.020)",
          "throughput.json (2026-11-01)"],
