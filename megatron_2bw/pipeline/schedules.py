@@ -564,7 +564,9 @@ class _ZBH2(_ZeroBubble):
     forwards before its first I, and the Ws every stage deferred fill the drain, so that (with equal
     F, I and W times) no stage idles but for the fill of the step's first forward, ``(d - 1) * f``: a flush
     per step (the synchronous optimizer step) cannot hide that fill; the paper's zero bubble needs its
-    post-validation, which overlaps the optimizer step with the next step's warm-up."""
+    post-validation, which overlaps the optimizer step with the next step's warm-up, and, with a tied word
+    embedding on the first and last stages, the head's weight gradient taken at its I so that the embedding's
+    reduction is not behind the last stage's last W (docs/planner.md section 9)."""
 
     def split_order(self, d: int, r: int, m: int) -> SplitOrder:
         return _greedy_orders(d, m, 2 * d - 1)[r]
