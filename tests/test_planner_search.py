@@ -115,12 +115,17 @@ def test_3p8b_choice_is_first():
     assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.recompute) == (1, 16, 4, True)
 
 
-@pytest.mark.parametrize("gpus, limit", [(64, 3.0), (1024, 30.0)])
-def test_search_is_fast(gpus, limit):
+@pytest.mark.parametrize("gpus, most", [(64, 4000), (1024, 4000)])
+def test_search_stays_small(gpus, most):
+    """The search prices a bounded number of candidates (2,810 and 2,328 for GPT-3 175B on 64 and 1,024 A100s):
+    a space that grows by a factor fails here on any machine. How fast it prices them is for a benchmark to
+    measure, not a timed test (a 3 s limit failed on a host half as fast as the one it was set on); the limit
+    below only catches a search that runs away (4-7 s on that host)."""
     model = ModelConfig("gpt", 96, 12288, 96, 2048, 2048, 50257)
     request = PlanRequest(model, load_cluster("dgx-a100-80gb"), gpus, 1536, "bf16")
     start = time.process_time()
     result = search(request, require_fit=False)
     elapsed = time.process_time() - start
     print(f"\nsearch over {gpus} GPUs: {result.considered} candidates in {elapsed * 1e3:.0f} ms")
-    assert elapsed < limit
+    assert 0 < result.considered <= most
+    assert elapsed < 120.0
