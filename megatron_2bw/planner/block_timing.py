@@ -92,7 +92,8 @@ class BlockMeasurement:
         weight-gradient share is W's share of the measured I + W, applied to the whole backward: the
         split's own overhead (I + W exceeds a whole backward on the CPU) is in ``extras``, not priced."""
         split = self.backward_input_s + self.backward_weight_s
-        weight = self.backward_s * self.backward_weight_s / split if split > 0 else 0.0
+        # the share first: with no I (the embedding) it is exactly 1, so W is exactly the whole backward
+        weight = self.backward_s * (self.backward_weight_s / split) if split > 0 else 0.0
         return BlockCost(forward_s=self.forward_s, backward_s=self.backward_s, params=self.params,
                          stash_bytes=self.stash_bytes, input_bytes=self.input_bytes, output_bytes=self.output_bytes,
                          workspace_bytes=self.workspace_bytes, backward_weight_s=weight,
