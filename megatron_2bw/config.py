@@ -14,7 +14,7 @@ from typing import Any
 from .errors import ConfigError
 from .models.stages import canonical_split, check_virtual_split, layers_per_stage
 from .pipeline.recompute_policy import RecomputePolicy, check_recompute
-from .pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from .pipeline.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule
 
 
 # fp16's largest finite value: a constant loss scale above it overflows every scaled loss >= 1.
@@ -314,11 +314,18 @@ class PipelineConfig:
     # model chunks per rank (Megatron's --virtual-pipeline-model-parallel-size; interleaved-1f1b); None: the
     # schedule's own count (1 for the one-chunk schedules, 2 for interleaved-1f1b)
     virtual_stages: int | None = None
+    # --enable-optimizer-post-validation: speculative updates checked in the next step's warm-up (zb-h1, zb-h2)
+    post_validation: bool = False
 
     @property
     def chunks(self) -> int:
         """Model chunks per rank the schedule runs."""
         return get_schedule(self.schedule, self.virtual_stages).chunks
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule as this configuration runs it (its chunks, its post-validation)."""
+        return get_schedule(self.schedule, self.virtual_stages, self.post_validation)
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -340,7 +347,7 @@ class PipelineConfig:
             self.compensation in ("none", AUTO_COMPENSATION) or get_schedule(self.schedule).stale_steps > 0,
             f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
         )
-        get_schedule(self.schedule, self.virtual_stages)  # refuses chunks the schedule does not take (one line)
+        _ = self.spec  # refuses chunks or post-validation the schedule does not take (one line)
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
                  f"--2bw-dc-lambda must be finite and >= 0, got {self.dc_lambda}")
         _require(math.isfinite(self.ef_scale) and self.ef_scale >= 0,

@@ -115,6 +115,10 @@ FLAGS: tuple[Flag, ...] = (
               "chunk c of rank r is virtual stage c*d + r; needs --pipeline-schedule interleaved-1f1b"),
     Flag("--virtual-pipeline-model-parallel-size", "pipeline.virtual_stages", PAR, int,
          help="model chunks per rank (Megatron; interleaved-1f1b, default 2 there)"),
+    Flag("--enable-optimizer-post-validation", "pipeline.post_validation", PAR, const=True,
+         help="zb-h1 / zb-h2: apply each update speculatively (as if it neither clips nor overflows) so the next "
+              "step's warm-up overlaps this step's tail, check it against the global norm a few forwards later, and "
+              "roll back and redo the warm-up where it was wrong (Qi et al. 2024; the Zero Bubble fork's flag)"),
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),

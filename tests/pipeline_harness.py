@@ -58,7 +58,7 @@ def train_tiny(
     dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
     dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
     sequence_parallel: bool = False, opt_extra: dict | None = None, ef_scale: float = 1.0,
-    virtual_stages: int | None = None, num_layers: int | None = None,
+    virtual_stages: int | None = None, num_layers: int | None = None, post_validation: bool = False,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
     ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``);
@@ -79,7 +79,8 @@ def train_tiny(
     spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker)
     m = global_batch // (micro * w)
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
-                          dc_lambda=dc_lambda, ef_scale=ef_scale, virtual_stages=virtual_stages if d > 1 else None)
+                          dc_lambda=dc_lambda, ef_scale=ef_scale, virtual_stages=virtual_stages if d > 1 else None,
+                          post_validation=post_validation)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12, sgd_momentum=sgd_momentum,
                           **({} if distributed_optimizer is None else {"use_distributed_optimizer": distributed_optimizer}),
@@ -132,4 +133,5 @@ def train_tiny(
         "components": [dict(zip(keys, row)) for row in comps] if comps is not None and keys else None,
         "norms": [r.grad_norm for r in results], "skipped": [r.skipped for r in results],
         "scales": [r.loss_scale for r in results], "stats": stage.stats.as_dict(), "m": m,
+        "speculated": stage.speculated, "rolled_back": stage.rolled_back,  # optimizer post-validation's counts
     }

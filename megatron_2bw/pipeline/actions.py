@@ -25,6 +25,11 @@ class Op(enum.Enum):
     SEND_GRAD = "SG"
     REDUCE_GRADS = "R"
     APPLY_UPDATE = "U"
+    # optimizer post-validation (--enable-optimizer-post-validation): the tied word embedding's gradient
+    # all-reduced as soon as the last stage has it, and the check of a speculative update against the
+    # global norm, in the next step's warm-up
+    REDUCE_EMBEDDING = "E"
+    VALIDATE = "V"
 
     # Members are singletons: hash by identity (in C) rather than by Enum's Python-level name hash,
     # since replays dispatch every action on its op.
@@ -40,6 +45,9 @@ MICROBATCH_OPS: frozenset[Op] = frozenset(
 COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
 """Ops that run the model on a weight version (``version`` is meaningful)."""
 
+STEP_OPS: frozenset[Op] = frozenset({Op.REDUCE_GRADS, Op.APPLY_UPDATE, Op.REDUCE_EMBEDDING, Op.VALIDATE})
+"""Ops that act on a whole step (``step`` is meaningful, ``mb`` is not)."""
+
 TRANSFERS: dict[Op, tuple[int, Op]] = {
     Op.SEND_ACT: (1, Op.RECV_ACT),
     Op.RECV_GRAD: (1, Op.SEND_GRAD),
@@ -54,8 +62,8 @@ class Action:
     """One step of one stage's program.
 
     ``mb`` is the global 0-based microbatch index counted from the start of training,
-    ``step`` the optimizer step it belongs to (``mb // m``; for REDUCE_GRADS / APPLY_UPDATE
-    the step whose gradients they handle) and ``version`` the weight version W(v) a
+    ``step`` the optimizer step it belongs to (``mb // m``; for the step ops, REDUCE_GRADS,
+    APPLY_UPDATE, REDUCE_EMBEDDING and VALIDATE, the step whose gradients they handle) and ``version`` the weight version W(v) a
     compute action runs on. Unused fields stay -1. ``chunk`` is the model chunk (virtual stage) of the
     rank a microbatch action belongs to: 0 unless the schedule places several chunks on a rank
     (interleaved, V); printed as ``c<chunk>`` only when it is not 0 (``F3c1v0``, ``SA3c1``).
@@ -70,7 +78,7 @@ class Action:
 
     def __str__(self) -> str:
         label = self.op.value
-        if self.op is Op.REDUCE_GRADS or self.op is Op.APPLY_UPDATE:
+        if self.op in STEP_OPS:
             return f"{label}{self.step}"
         c = f"c{self.chunk}" if self.chunk else ""
         if self.op in COMPUTE_OPS:
@@ -83,7 +91,7 @@ def format_actions(actions: Iterable[Action]) -> str:
     return " ".join(str(a) for a in actions)
 
 
-_TOKEN = re.compile(r"(RA|SA|RG|SG|F|B|I|W|R|U)(\d+)(?:c(\d+))?(?:v(\d+))?")
+_TOKEN = re.compile(r"(RA|SA|RG|SG|F|B|I|W|R|U|E|V)(\d+)(?:c(\d+))?(?:v(\d+))?")
 _BY_LABEL: dict[str, Op] = {op.value: op for op in Op}
 
 
@@ -100,7 +108,7 @@ def parse_action(token: str, m: int) -> Action:
     if op in MICROBATCH_OPS:
         return Action(op, number, number // m, -1 if version is None else int(version), int(chunk or 0))
     if chunk is not None:
-        raise ConfigError(f"action {token!r}: R and U act on a whole step and carry no chunk")
+        raise ConfigError(f"action {token!r}: R, U, E and V act on a whole step and carry no chunk")
     return Action(op, step=number)
 
 

@@ -95,7 +95,12 @@ class _StageRules:
             Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.RECV_GRAD: self._recv_grad, Op.SEND_ACT: self._send_act, Op.SEND_GRAD: self._send_grad,
             Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update,
+            Op.REDUCE_EMBEDDING: self._reduce_embedding, Op.VALIDATE: self._validate,
         }
+        self.inputs_per_step = [0] * num_steps  # input gradients (B or I) done per step
+        self.emb_reduced = bytearray(num_steps)
+        self.validated = bytearray(num_steps)
+        self.post_validation = spec.post_validation
 
     def _fail(self, i: int, a: Action, msg: str) -> ScheduleError:
         return ScheduleError(f"stage {self.r} action #{i} {a}: {msg}")
@@ -191,8 +196,13 @@ class _StageRules:
             if self.got_grad[j] != _RECEIVED:
                 raise self._fail(i, a, "backward without its gradient received (RECV_GRAD missing)")
             self.got_grad[j] = _CONSUMED
+        s = a.step - self.first_step
+        if 0 <= s < self.num_steps and s and self.post_validation and not self.validated[s - 1]:
+            raise self._fail(i, a, f"backward of step {a.step} before VALIDATE({a.step - 1}): its loss scale is not known")
         self.done_inp[j] = 1
         self.next_bwd[c] += 1
+        if 0 <= s < self.num_steps:
+            self.inputs_per_step[s] += 1
 
     def _weight_grad(self, i: int, a: Action) -> None:
         """B or W: the step's gradient gets this microbatch's part; its stash is freed."""
@@ -244,8 +254,40 @@ class _StageRules:
             raise self._fail(i, a, f"updates out of order: the next update is APPLY_UPDATE({self.newest})")
         if not self.reduced[s]:
             raise self._fail(i, a, "update before REDUCE_GRADS on this stage")
+        if s and self.post_validation and not self.validated[s - 1]:
+            raise self._fail(i, a, f"update before VALIDATE({a.step - 1})")
         self.newest += 1
         self._count_live(i, a)
+
+    def _reduce_embedding(self, i: int, a: Action) -> None:
+        """REDUCE_EMBEDDING(t): the last stage's tied embedding gradient, after every input gradient of t (the
+        head's weight gradient is taken there), once, before REDUCE_GRADS(t)."""
+        s = a.step - self.first_step
+        if not 0 <= s < self.num_steps:
+            raise self._fail(i, a, "step outside this segment")
+        if not self.post_validation:
+            raise self._fail(i, a, f"{self.spec.name} without post-validation reduces the embedding in REDUCE_GRADS")
+        if not any(self.last):
+            raise self._fail(i, a, "only the stage holding the head reduces the tied embedding early")
+        if self.inputs_per_step[s] != self.m * self.v:
+            raise self._fail(i, a, f"only {self.inputs_per_step[s]} of the {self.m * self.v} input gradients of step "
+                                   f"{a.step} done")
+        if self.emb_reduced[s] or self.reduced[s]:
+            raise self._fail(i, a, "embedding reduced twice, or after REDUCE_GRADS")
+        self.emb_reduced[s] = 1
+
+    def _validate(self, i: int, a: Action) -> None:
+        """VALIDATE(t): once, after APPLY_UPDATE(t), never for a segment's last step (its update is exact)."""
+        s = a.step - self.first_step
+        if not 0 <= s < self.num_steps - 1:
+            raise self._fail(i, a, "validates a step outside this segment or its last step (whose update is exact)")
+        if not self.post_validation:
+            raise self._fail(i, a, f"{self.spec.name} runs without post-validation")
+        if self.newest <= a.step:
+            raise self._fail(i, a, f"VALIDATE before APPLY_UPDATE({a.step})")
+        if self.validated[s]:
+            raise self._fail(i, a, "validated twice")
+        self.validated[s] = 1
 
     def finish(self) -> None:
         """The segment must end drained: everything forwarded, backwarded, sent, used and applied."""
@@ -266,6 +308,8 @@ class _StageRules:
                 raise ScheduleError(f"{where}: input gradients not sent back")
         if not all(self.reduced) or self.newest != self.first_step + self.num_steps:
             raise ScheduleError(f"{where}: not drained: applied up to W({self.newest}), reduced {list(self.reduced)}")
+        if self.post_validation and not all(self.validated[:-1]):
+            raise ScheduleError(f"{where}: speculative updates never validated: {list(self.validated)}")
 
 
 def _check_fields(r: int, program: Sequence[Action], m: int, first_step: int, num_steps: int) -> None:
@@ -279,27 +323,65 @@ def _check_fields(r: int, program: Sequence[Action], m: int, first_step: int, nu
                 raise ScheduleError(f"stage {r} action #{i} {a}: step field {a.step} but microbatch belongs to step {a.mb // m}")
 
 
+def check_validation_cuts(stages: Sequence[Sequence[Action]]) -> None:
+    """Every VALIDATE(t) cuts the programs consistently, so that a failed validation can re-run the warm-up
+    of step t+1 with no message in flight: before its VALIDATE(t) a stage has run only forwards of step t+1
+    (with their transfers), and each transfer of step t+1 it ran there meets its counterpart before the peer's
+    VALIDATE(t) (one-chunk programs: activations go from stage r to r+1)."""
+    d = len(stages)
+    steps = {a.step for p in stages for a in p if a.op is Op.VALIDATE}
+    for t in sorted(steps):
+        sent: list[list[int]] = []
+        got: list[list[int]] = []
+        for r, prog in enumerate(stages):
+            at = [i for i, a in enumerate(prog) if a.op is Op.VALIDATE and a.step == t]
+            if len(at) != 1:
+                raise ScheduleError(f"stage {r}: {len(at)} VALIDATE({t}) actions, every stage needs one")
+            start = max(i for i, a in enumerate(prog[:at[0]]) if a.op is Op.APPLY_UPDATE and a.step == t) + 1
+            sends, recvs = [], []
+            for i in range(start, at[0]):
+                a = prog[i]
+                if a.step != t + 1 or a.op not in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT):
+                    raise ScheduleError(f"stage {r} action #{i} {a}: only step {t + 1}'s forwards may run on the "
+                                        f"speculative W({t + 1}) before VALIDATE({t})")
+                if a.op is Op.SEND_ACT:
+                    sends.append(a.mb)
+                elif a.op is Op.RECV_ACT:
+                    recvs.append(a.mb)
+            sent.append(sends)
+            got.append(recvs)
+        for r in range(d - 1):
+            if sent[r] != got[r + 1]:
+                raise ScheduleError(f"VALIDATE({t}) is not a consistent cut: stage {r} sends microbatches {sent[r]} "
+                                    f"before it, stage {r + 1} receives {got[r + 1]}")
+
+
 def check_actions(
     schedule: str, d: int, m: int, first_step: int, num_steps: int, stages: Sequence[Sequence[Action]],
-    chunks: int | None = None,
+    chunks: int | None = None, post_validation: bool = False,
 ) -> CheckReport:
     """Check hand-made or generated stage programs (one list per stage) for a drained segment."""
-    validate_pipeline(schedule, d, m, chunks)
+    validate_pipeline(schedule, d, m, chunks, post_validation)
     if first_step < 0 or num_steps < 1:
         raise ConfigError(f"a segment needs first_step >= 0 and num_steps >= 1, got {first_step}, {num_steps}")
     if len(stages) != d:
         raise ScheduleError(f"expected programs for {d} stages, got {len(stages)}")
     for r, program in enumerate(stages):
         _check_fields(r, program, m, first_step, num_steps)
-    spec = get_schedule(schedule, chunks)
+    spec = get_schedule(schedule, chunks, post_validation)
+    if post_validation:
+        check_validation_cuts(stages)
     rules = [_StageRules(spec, d, r, m, first_step, num_steps) for r in range(d)]
     trace = Replay(stages, timing=Timing.unit(d), rules=rules, placement=spec.placement(d)).run()
+    if post_validation:  # the fallback too: a stage that cannot speculate waits at its update for every stage
+        exact = [[a for a in p if a.op is not Op.VALIDATE] for p in stages]
+        Replay(exact, timing=Timing.unit(d), placement=spec.placement(d)).run()
     return CheckReport(schedule, d, m, first_step, num_steps, tuple(x.max_inflight for x in rules),
                        trace.makespan, tuple(x.max_live for x in rules), spec.chunks)
 
 
 def check_schedule(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3,
-                   chunks: int | None = None) -> CheckReport:
+                   chunks: int | None = None, post_validation: bool = False) -> CheckReport:
     """Generate every stage's program with :func:`stage_actions` and check them together."""
-    stages = [stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)]
-    return check_actions(schedule, d, m, first_step, num_steps, stages, chunks)
+    stages = [stage_actions(schedule, d, r, m, first_step, num_steps, chunks, post_validation) for r in range(d)]
+    return check_actions(schedule, d, m, first_step, num_steps, stages, chunks, post_validation)

@@ -15,6 +15,14 @@ Semantics per schedule:
   P(W(v)) during training (``predict``) or the gradient is corrected (``dc``).
 Every schedule unscales, checks for inf/NaN and clips by the global norm; an overflow skips the
 update on every rank (all ranks see the same global norm).
+
+Optimizer post-validation (``--enable-optimizer-post-validation``; a program with VALIDATE actions):
+APPLY_UPDATE(t) of a step that the program validates later applies the update speculatively once the
+stage's own gradient is final (:meth:`Updater.speculate`) and the stage goes on with step t+1's warm-up
+forwards; VALIDATE(t) waits for the global norm and keeps the update, or rolls it back, applies the exact
+one and re-runs the warm-up (:meth:`PipelineStage._validate`). Whether a step speculates depends only on
+the global norms of earlier steps, so every rank decides alike: not after a step whose norm clipped or
+overflowed (where clipping is the rule, as early in training, nothing is speculated and re-run).
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ from ..tensor_parallel.random import RNGTracker
 from .accounting import SavedBytes, StageStats, clock_units
 from .actions import Action, Op
 from .grad_reducer import GradReducer
+from .grouping import comm_groups
 from .recompute import RNGSnapshot
 from .placement import group_key
 from .schedules import cut_segment, get_schedule, stage_actions
 from .saved_release import BoxedSaves, release_unread
-from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight
-from .transport import SEND_OPS, Incoming, Transport
+from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight, take_groups
+from .transport import RECV_OPS, SEND_OPS, Incoming, Transport
 from .updater import Updater, host
 from .weights import GlobalNames, StageWeights
 from .zero import ShardLayout
@@ -102,6 +111,18 @@ class _HostCopy:
         return self.host.tolist()
 
 
+@dataclass
+class _Speculation:
+    """A speculative APPLY_UPDATE(t) not yet validated: where the warm-up it feeds starts in the segment's
+    actions, the learning rate, and the RNG state its forwards start from (so a re-run draws the same
+    dropout masks)."""
+
+    step: int
+    lr: float
+    start: int
+    rng: RNGSnapshot
+
+
 def _run(layers: nn.ModuleList, batch: dict, x):
     for layer in layers:
         x = layer(x, batch)
@@ -118,7 +139,7 @@ class PipelineStage:
         pipe.check_depth(state.d)
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
         dtype = opt.torch_dtype
-        spec = get_schedule(pipe.schedule, pipe.virtual_stages)
+        spec = pipe.spec
         # Several model chunks per rank (interleaved): ``build`` returns one layer list per chunk; the weights
         # are one flat buffer over all of them (optimizer, reducer and checkpoints unchanged) and each chunk's
         # layers run on their own. Chunk c's virtual stage says whether it holds the embedding or the loss.
@@ -191,6 +212,17 @@ class PipelineStage:
         self._loss_keys: tuple[str, ...] = ()  # the loss components' names, in ``_losses`` order
         self._acc_nodes: dict[int, dict] = {}  # by weight slot: AccumulateGrad node -> parameter index
         self._clock = (time.perf_counter(), 0.0)  # (perf_counter at the segment's start, train_s then)
+        # optimizer post-validation: the steps the running segment validates, its early embedding reductions,
+        # the speculative update in flight, whether the newest settled step's norm left its update alone (the
+        # next one speculates only then), and counts of speculated and rolled-back steps
+        self._validated: frozenset[int] = frozenset()
+        self._emb_early: frozenset[int] = frozenset()
+        self._spec: _Speculation | None = None
+        self._clean = True
+        self.speculated = self.rolled_back = 0
+        # the tied word embedding's parameter indices (the last stage's head weight: its gradient is taken at I
+        # where the program reduces the embedding early)
+        self._tied = [i for i, p in enumerate(self.weights.params[0]) if getattr(p, "shared_embedding", False)]
 
     @property
     def newest_layers(self) -> nn.ModuleList:
@@ -209,7 +241,9 @@ class PipelineStage:
         s, first, m = self.state, self.step, self.pipe.num_microbatches
         end = first + num_steps
         v = self.pipe.virtual_stages
-        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, first, num_steps, v)
+        pv = self.pipe.post_validation
+        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, first, num_steps, v, pv)
+        self._steps_of(actions)
         results: list[StepResult] = []
         for layer_list in self.weights.slots:
             layer_list.train()
@@ -233,14 +267,22 @@ class PipelineStage:
                 self._backward_weight(a)
             elif op is Op.REDUCE_GRADS:
                 self._reduce(a.step)
-            elif op is Op.APPLY_UPDATE:
-                results.append(self._apply(a.step, lr_fn(a.step), lr_fn(a.step + 1) if predicting else None))
-                stop = on_update(results[-1]) if on_update is not None else None
-                if stop is not None and stop < end:
-                    rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, m, first, actions[:done], stop, v)
-                    actions, end = actions[:done] + rest, stop
-                    self.transport.forget_plan()  # the rest plans its own receives
-                    units = self.transport.units(rest)
+            elif op is Op.APPLY_UPDATE or op is Op.VALIDATE:
+                if op is Op.APPLY_UPDATE:
+                    result = self._apply(a.step, lr_fn(a.step), lr_fn(a.step + 1) if predicting else None, done)
+                else:
+                    result = self._validate(a.step, actions, done, get_batch)
+                if result is not None:  # a speculative update reports at its VALIDATE
+                    results.append(result)
+                    stop = on_update(result) if on_update is not None else None
+                    if stop is not None and stop < end:
+                        rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, m, first, actions[:done], stop, v, pv)
+                        actions, end = actions[:done] + rest, stop
+                        self._steps_of(actions)
+                        self.transport.forget_plan()  # the rest plans its own receives
+                        units = self.transport.units(rest)
+            elif op is Op.REDUCE_EMBEDDING:
+                self.reducer.start_embedding(a.step, self.weights.padded_grad[self.weights.grad_buffer(a.step)])
             else:
                 self._transfer(unit)
             # a compute's wait for its received input (:meth:`_received`) is booked as a receive's wait already
@@ -253,6 +295,12 @@ class PipelineStage:
         if self.state.device.type == "cuda":
             self.stats.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.state.device)
         return results
+
+    def _steps_of(self, actions: Sequence[Action]) -> None:
+        """What the segment's program says about post-validation: the steps it validates, and those whose tied
+        embedding the last stage reduces early."""
+        self._validated = frozenset(a.step for a in actions if a.op is Op.VALIDATE)
+        self._emb_early = frozenset(a.step for a in actions if a.op is Op.REDUCE_EMBEDDING)
 
     def _tick(self) -> float:
         """Bring ``stats.train_s`` (time inside ``train``) up to now; returns now."""
@@ -375,7 +423,10 @@ class PipelineStage:
             out, grad = out * factor, None
         else:
             grad = self._output_grad(a)
-        dx, entry.deferred = backward_input(out, grad, x, self._accumulators(entry.version))
+        accs = self._accumulators(entry.version)
+        dx, entry.deferred = backward_input(out, grad, x, accs)
+        if a.step in self._emb_early and self._tied:  # the head's weight gradient now: REDUCE_EMBEDDING follows
+            self._weight_grads(take_groups(entry.deferred, self._tied, accs), entry.version, a.step)
         self._mail[(Op.SEND_GRAD, a.chunk, a.mb)] = dx
         # W holds what its nodes read and the caught gradients: with boxes the rest is freed here, otherwise
         # the whole graph stays (every saved activation, recomputed ones included)
@@ -397,11 +448,15 @@ class PipelineStage:
         if entry.deferred is None:  # the first stage: the whole backward
             self._backward(a, entry)
             return
-        w = self.weights
-        slot = w.slot(entry.version)
-        w.point_grads(slot, w.grad_buffer(a.step))
-        backward_weight(entry.deferred, w.params[slot], self._accumulators(entry.version), w.main_grads)
+        self._weight_grads(entry.deferred, entry.version, a.step)
         self._account()
+
+    def _weight_grads(self, deferred: DeferredWeightGrad, version: int, step: int) -> None:
+        """Run ``deferred`` weight gradients into step ``step``'s gradient buffer."""
+        w = self.weights
+        slot = w.slot(version)
+        w.point_grads(slot, w.grad_buffer(step))
+        backward_weight(deferred, w.params[slot], self._accumulators(version), w.main_grads)
 
     def _accumulators(self, version: int) -> dict:
         """The AccumulateGrad node of each parameter of W(version) -> its index (kept alive here, so every
@@ -416,20 +471,85 @@ class PipelineStage:
         buf = self.weights.grad_buffer(t)
         if self.faults is not None:
             self.faults.poison(self.state.rank, t, self.weights.grad_flat[buf])
-        self.reducer.start(t, self.weights.padded_grad[buf], self.weights.norm_views[buf])
+        # a step validated later issues its norm's link at its update (after a speculative update's all-gather)
+        self.reducer.start(t, self.weights.padded_grad[buf], self.weights.norm_views[buf], norm=t not in self._validated)
 
-    def _apply(self, t: int, lr: float, next_lr: float | None = None) -> StepResult:
+    def _apply(self, t: int, lr: float, next_lr: float | None = None, at: int = 0) -> StepResult | None:
+        """APPLY_UPDATE(t): exact, or speculative where the program validates t later and the step before
+        neither clipped nor overflowed (None then: :meth:`_validate` reports the step). ``at``: the index of
+        the action after it in the segment's actions (where a speculative update's warm-up starts)."""
         t0 = time.perf_counter()
+        if t in self._validated:
+            if self._clean:
+                self.reducer.wait_grad(t)
+                self.stats.update_wait_s += time.perf_counter() - t0
+                self._spec = _Speculation(t, lr, at, RNGSnapshot.capture(self.state.device, self.rng))
+                self.updater.speculate(t, lr)
+                self.reducer.start_norm(t)
+                self.speculated += 1
+                self._tick()
+                self.step = t + 1
+                return None
+            self.reducer.start_norm(t)
         sumsq = self.reducer.finish(t)  # a float the reducer's worker read: no sync of this stream
         self.stats.update_wait_s += time.perf_counter() - t0  # the host's wait for the reductions alone
         update = self.updater.apply(t, sumsq, lr, next_lr)
         self._tick()  # the statistics taken after the update see its wait and its time alike
         self.step = t + 1
+        return self._settled(t, update, lr)
+
+    def _settled(self, t: int, update, lr: float) -> StepResult:
+        """Step ``t``'s result, once its update is final; whether the next step may speculate."""
+        self._clean = not update.skipped and not (self.opt.clip_grad > 0 and update.norm > self.opt.clip_grad)
         acc = self._losses.pop(t, None)
         means = self._means(acc, self.pipe.num_microbatches)
         comps = {k: v for k, v in means.items() if k != "loss"} if means is not None else None
         return StepResult(t, means["loss"] if means is not None else None, update.norm, update.skipped,
                           update.loss_scale, lr, comps or None)
+
+    def _validate(self, t: int, actions: Sequence[Action], at: int, get_batch: Callable[[int], dict]) -> StepResult | None:
+        """VALIDATE(t): settle the speculative update of step t with the global norm (None where step t's
+        update was exact). Where the norm says it was wrong (it clips or overflows) the update is rolled back
+        and applied exactly, and the warm-up that ran on it, ``actions[start:at - 1]``, runs again: every rank
+        sees the same norm, so every rank re-runs its part, and the cut is consistent (the checker proves
+        it), so the re-sent activations meet receives that nothing else claims."""
+        spec, self._spec = self._spec, None
+        if spec is None:
+            return None
+        if spec.step != t:
+            raise RuntimeError(f"VALIDATE({t}) reached with the speculative update of step {spec.step} pending")
+        t0 = time.perf_counter()
+        sumsq = self.reducer.finish(t)
+        self.stats.update_wait_s += time.perf_counter() - t0
+        update, rolled = self.updater.validate(t, sumsq, spec.lr)
+        if rolled:
+            self.rolled_back += 1
+            self._rerun(actions[spec.start:at - 1], t + 1, spec.rng, get_batch)
+        self._tick()
+        return self._settled(t, update, spec.lr)
+
+    def _rerun(self, warmup: Sequence[Action], step: int, rng: RNGSnapshot, get_batch: Callable[[int], dict]) -> None:
+        """Forget what ``warmup`` (forwards of ``step`` and their transfers) did and run it again on the
+        corrected weights, from the same RNG state."""
+        for key in [k for k in self._stash if k[1] // self.pipe.num_microbatches == step]:
+            del self._stash[key]
+        for key in [k for k in self._mail if k[2] // self.pipe.num_microbatches == step]:
+            x = self._mail.pop(key)
+            if isinstance(x, Incoming):  # a receive of the warm-up, matched already: let it land, then drop it
+                x.wait()
+        self._losses.pop(step, None)
+        self.transport.rewind([a for a in warmup if a.op in RECV_OPS])
+        rng.restore(self.state.device, self.rng)
+        groups = comm_groups(warmup, self.transport.group_key) if self.transport.grouped else {}
+        i = 0
+        while i < len(warmup):
+            end = groups.get(i, i + 1)
+            unit = warmup[i:end]
+            if unit[0].op is Op.FORWARD:
+                self._forward(unit[0], get_batch)
+            else:
+                self._transfer(unit)
+            i = end
 
     def _means(self, acc: torch.Tensor | _HostCopy | None, n: int) -> dict[str, float] | None:
         """``{"loss": total / n, <component>: value / n, ...}`` from a summed loss row (one host sync)."""

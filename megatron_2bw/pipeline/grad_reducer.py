@@ -18,7 +18,12 @@ them drift apart. An all-reduce leaves every member of its group the same bits, 
 broadcast every rank of the world holds the one total.
 
 The executor starts the chain at REDUCE_GRADS(t) and waits for it only at APPLY_UPDATE(t) (in
-2BW a microbatch slot or more later, which hides the reductions). The whole chain is handed at
+2BW a microbatch slot or more later, which hides the reductions). With optimizer post-validation the
+chain is issued in two jobs: the gradient's links (1) and (2) at REDUCE_GRADS(t), the norm's (3) at
+APPLY_UPDATE(t), which may apply a speculative update as soon as the first job is done
+(:meth:`GradReducer.wait_grad`: the distributed optimizer's all-gather of that update then goes ahead
+of the norm on the ordered worker); VALIDATE(t) waits for the norm. The last stage may issue the tied
+embedding's link on its own earlier (:meth:`GradReducer.start_embedding`, REDUCE_EMBEDDING(t)). The whole chain is handed at
 once to a daemon worker thread, never advanced by polling from the training loop: another
 stage's update may be waiting for this rank's part of the chain while this rank's loop is
 blocked in a transfer that the other stage only serves after its update. Polling from the loop
@@ -97,6 +102,11 @@ class _Job:
         self.error: BaseException | None = None
         self.event = threading.Event()
         self.cuda_event: torch.cuda.Event | None = None
+        # a gradient job's: its part of the squared norm, its norm job once issued (post-validation issues it
+        # later), and the tied embedding's link where it was issued on its own ahead of the job
+        self.sumsq: list[torch.Tensor] = []
+        self.norm: _Job | None = None
+        self.early: _Job | None = None
 
 
 class GradReducer:
@@ -114,7 +124,8 @@ class GradReducer:
         self.poll = self.cuda  # NCCL: settle a collective by polling its completion (see :func:`settle`)
         # replica 0's rank in the data-parallel group: the source of the norm's broadcast
         self._dp_root = dist.get_global_rank(dp_group, 0) if w > 1 and model_group is not None else None
-        self._pending: deque[_Job] = deque()
+        self._pending: deque[_Job] = deque()  # gradient jobs (with their norm jobs), in step order
+        self._emb_early: dict[int, _Job] = {}  # by step: the tied embedding's link, issued ahead of its chain
         self._gathers: dict[int, _Job] = {}  # by weight buffer: its pending all-gather
         self._scratch: torch.Tensor | None = None  # the reduce-scatter's output (chains run one at a time)
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -122,21 +133,29 @@ class GradReducer:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the chain
-    def _chain(self, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> float:
-        """Run the links one after another (each settled before the next); the global squared norm."""
-        if self.use_emb:
-            lo, hi = self.shared_range
-            self._settle(dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True))
+    def _embedding(self, grad: torch.Tensor) -> None:
+        """Link (1): the tied word embedding's gradient summed between the first and the last stage."""
+        lo, hi = self.shared_range
+        self._settle(dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True))
+
+    def _gradient(self, grad: torch.Tensor, norm_views: list[torch.Tensor], embedding: bool) -> torch.Tensor:
+        """Links (1) and (2), each settled before the next; this rank's part of the squared norm (the stage's
+        with the distributed optimizer: its shard's, summed over the data-parallel group)."""
+        if embedding and self.use_emb:
+            self._embedding(grad)
         if self.shard is not None:
             if self._scratch is None:
                 self._scratch = grad.new_empty(self.shard.size)
             reduce_scatter(grad, self.shard, self.dp_group, self._scratch, self._settle)
-            sumsq = grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
+            return grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
+        for i in range(0, grad.numel(), self.bucket_numel) if self.w > 1 else ():
+            self._settle(dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True))
+        return grad_sumsq(norm_views, grad.device)
+
+    def _norm(self, sumsq: torch.Tensor) -> float:
+        """Link (3): the global squared norm from this rank's part."""
+        if self.shard is not None:
             self._settle(dist.all_reduce(sumsq, group=self.dp_group, async_op=True))
-        else:
-            for i in range(0, grad.numel(), self.bucket_numel) if self.w > 1 else ():
-                self._settle(dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True))
-            sumsq = grad_sumsq(norm_views, grad.device)
         if self.model_group is not None:
             self._settle(dist.all_reduce(sumsq, group=self.model_group, async_op=True))
             if self.w > 1:  # every replica takes replica 0's bits (see the module docstring)
@@ -193,19 +212,57 @@ class GradReducer:
         return job.result
 
     # ------------------------------------------------------------------ API
-    def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor]) -> None:
-        """Issue step ``step``'s whole chain now; it runs while the training loop goes on. ``grad``: the
-        step's whole (padded) gradient storage, ``StageWeights.padded_grad``."""
-        job = _Job(step, lambda: self._chain(grad, norm_views), self._ready())
+    def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor], norm: bool = True) -> None:
+        """Issue step ``step``'s chain now; it runs while the training loop goes on. ``grad``: the step's whole
+        (padded) gradient storage, ``StageWeights.padded_grad``. ``norm`` False: only the gradient's links;
+        :meth:`start_norm` issues the norm's later (post-validation)."""
+        early = self._emb_early.pop(step, None)
+        sumsq: list[torch.Tensor] = []
+        job = _Job(step, lambda: sumsq.append(self._gradient(grad, norm_views, early is None)), self._ready())
+        job.sumsq, job.early = sumsq, early
         self._pending.append(job)
         self._issue(job)
+        if norm:
+            self.start_norm(step)
 
-    def finish(self, step: int) -> float:
-        """Wait for step ``step``'s chain (the oldest); return the global squared gradient norm."""
+    def start_embedding(self, step: int, grad: torch.Tensor) -> None:
+        """Issue the tied embedding's link of step ``step`` now, ahead of the rest of its chain (a no-op where
+        this rank has no embedding partner): the last stage once its head's weight gradient is complete."""
+        if self.use_emb:
+            job = _Job(step, lambda: self._embedding(grad), self._ready())
+            self._emb_early[step] = job
+            self._issue(job)
+
+    def _job(self, step: int) -> _Job:
         if not self._pending or self._pending[0].step != step:
             oldest = self._pending[0].step if self._pending else None
             raise RuntimeError(f"update of step {step} reached before its reductions (oldest pending: {oldest})")
-        return self._wait(self._pending.popleft())
+        return self._pending[0]
+
+    def start_norm(self, step: int) -> None:
+        """Issue the global norm's link of step ``step``, whose gradient links :meth:`start` issued."""
+        job = self._job(step)
+        if job.norm is None:
+            job.norm = _Job(step, lambda: self._norm(job.sumsq[0]), None)  # after ``job`` on the worker
+            self._issue(job.norm)
+
+    def wait_grad(self, step: int) -> None:
+        """Wait until step ``step``'s gradient is final on this rank (its embedding and data-parallel links)."""
+        job = self._job(step)
+        if job.early is not None:
+            self._wait(job.early)
+        self._wait(job)
+
+    def finish(self, step: int) -> float:
+        """Wait for step ``step``'s chain (the oldest); return the global squared gradient norm."""
+        job = self._job(step)
+        if job.norm is None:
+            raise RuntimeError(f"the norm of step {step} was never issued (GradReducer.start_norm)")
+        self._pending.popleft()
+        if job.early is not None:
+            self._wait(job.early)
+        self._wait(job)
+        return self._wait(job.norm)
 
     def gather(self, slot: int, padded: torch.Tensor) -> None:
         """Start filling every other rank's range of weight buffer ``slot`` (``padded``, the whole padded

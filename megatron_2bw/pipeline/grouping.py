@@ -77,9 +77,12 @@ def check_grouped_actions(
 
 
 def check_grouped(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3,
-                  chunks: int | None = None) -> None:
-    """:func:`check_grouped_actions` on the generated programs of every stage."""
-    validate_pipeline(schedule, d, m, chunks)
-    place = get_schedule(schedule, chunks).placement(d)
-    check_grouped_actions([stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)],
-                          placement=place)
+                  chunks: int | None = None, post_validation: bool = False) -> None:
+    """:func:`check_grouped_actions` on the generated programs of every stage (with post-validation: the
+    speculative programs, and the same without VALIDATE, where every update waits for the global norm)."""
+    validate_pipeline(schedule, d, m, chunks, post_validation)
+    place = get_schedule(schedule, chunks, post_validation).placement(d)
+    stages = [stage_actions(schedule, d, r, m, first_step, num_steps, chunks, post_validation) for r in range(d)]
+    check_grouped_actions(stages, placement=place)
+    if post_validation:
+        check_grouped_actions([[a for a in p if a.op is not Op.VALIDATE] for p in stages], placement=place)

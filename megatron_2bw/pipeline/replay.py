@@ -8,7 +8,11 @@ it waits for happens, so sweeping every small pipeline stays fast. Blocking poin
   block and queue per boundary and direction; a receive waits for the head message of its queue, which
   must be its microbatch) or :class:`Rendezvous` (NCCL in issue order: each run of transfers with one peer
   is one group, done only when every op in it meets its counterpart in the group the peer is blocked on);
-- ``APPLY_UPDATE(t)``, until every stage ran ``REDUCE_GRADS(t)`` (the reductions are collectives).
+- ``APPLY_UPDATE(t)``, until every stage ran ``REDUCE_GRADS(t)`` (the reductions are collectives); where the
+  stage's program validates step t later (``VALIDATE(t)``: optimizer post-validation) the update is speculative
+  and waits only for the stage's own gradient, the tied word embedding's all-reduce included (with the last
+  stage's ``REDUCE_EMBEDDING(t)``, or its ``REDUCE_GRADS(t)`` where it has none), and ``VALIDATE(t)`` waits
+  for every stage's ``REDUCE_GRADS(t)`` instead.
 
 The clock (:class:`Timing`; by default compute takes one unit, a split backward's halves half a unit
 each, and everything else is free) ends every action at a time: compute takes its stage's time; a
@@ -137,6 +141,12 @@ class Replay:
         self.reduced_at: dict[int, float] = {}  # step -> every stage's chain done
         self.last_reduced = 0.0
         self.update_waiters: dict[int, list[int]] = {}
+        # optimizer post-validation: the steps each stage validates (its updates of them are speculative), when
+        # each stage launched its part of the tied embedding's all-reduce, and the stages waiting for a partner's
+        self.validated = [frozenset(a.step for a in p if a.op is Op.VALIDATE) for p in self.programs]
+        self.emb_early = [frozenset(a.step for a in p if a.op is Op.REDUCE_EMBEDDING) for p in self.programs]
+        self.emb_launched: dict[tuple[int, int], float] = {}  # (step, rank) -> its embedding link's launch
+        self.emb_waiters: dict[tuple[int, int], list[int]] = {}
         self.channel = channel or Fifo()
         self.channel.attach(self)
         self.handlers = [self._stage_handlers(r) for r in range(d)]
@@ -145,7 +155,8 @@ class Replay:
         return {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
             Op.BACKWARD_INPUT: self._backward_input, Op.BACKWARD_WEIGHT: self._backward_weight,
-            Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, **self.channel.handlers(r),
+            Op.REDUCE_GRADS: self._reduce, Op.APPLY_UPDATE: self._update, Op.REDUCE_EMBEDDING: self._reduce_embedding,
+            Op.VALIDATE: self._validate, **self.channel.handlers(r),
         }
 
     def fail(self, r: int, i: int, a: Action, msg: str) -> Exception:
@@ -226,6 +237,8 @@ class Replay:
         now, t = self.clock[r], self.timing
         chains = self.launched.setdefault(a.step, {})
         chains[r] = now + t.reduce_s[r]
+        if a.step not in self.emb_early[r]:
+            self._launch_embedding(r, a.step, now)
         if len(chains) == self.d:
             self.last_reduced = max(self.last_reduced, max(chains.values()) + t.collective_s)
             self.reduced_at[a.step] = self.last_reduced
@@ -233,15 +246,55 @@ class Replay:
         self.end[r][i] = self.clock[r] = now + t.reduce_busy_s[r]
         return i + 1
 
+    def _reduce_embedding(self, r: int, i: int, a: Action) -> int:
+        """Launch the tied embedding's all-reduce ahead of the stage's chain (free on the stage's clock)."""
+        self._launch_embedding(r, a.step, self.clock[r])
+        self.end[r][i] = self.clock[r]
+        return i + 1
+
+    def _launch_embedding(self, r: int, step: int, now: float) -> None:
+        self.emb_launched[(step, r)] = now
+        self.ready.extend(self.emb_waiters.pop((step, r), ()))
+
+    def _partner(self, r: int) -> int | None:
+        """The rank ``r`` all-reduces the tied word embedding with: the model's first and last stage, where apart."""
+        place = self.placement
+        first, last = place.rank(0), place.rank(place.num_stages - 1)
+        if first == last:
+            return None
+        return last if r == first else first if r == last else None
+
     def _update(self, r: int, i: int, a: Action) -> int:
-        done = self.reduced_at.get(a.step)
-        if done is None:
-            self.update_waiters.setdefault(a.step, []).append(r)
-            return BLOCKED
+        if a.step in self.validated[r]:  # speculative: the stage's own gradient, the embedding's link included
+            p = self._partner(r)
+            done = 0.0
+            if p is not None:
+                theirs = self.emb_launched.get((a.step, p))
+                if theirs is None:
+                    self.emb_waiters.setdefault((a.step, p), []).append(r)
+                    return BLOCKED
+                done = max(theirs, self.emb_launched.get((a.step, r), 0.0)) + self.timing.collective_s
+        else:
+            done = self.reduced_at.get(a.step)
+            if done is None:
+                self.update_waiters.setdefault(a.step, []).append(r)
+                return BLOCKED
         start = self.clock[r] if self.clock[r] > done else done
         if start > self.clock[r]:
             self.update_start[(r, i)] = start
         self.end[r][i] = self.clock[r] = start + self.timing.update_s[r]
+        return i + 1
+
+    def _validate(self, r: int, i: int, a: Action) -> int:
+        """Wait for the global norm of step ``a.step``: every stage's REDUCE_GRADS (free once it is known)."""
+        done = self.reduced_at.get(a.step)
+        if done is None:
+            self.update_waiters.setdefault(a.step, []).append(r)
+            return BLOCKED
+        if done > self.clock[r]:
+            self.update_start[(r, i)] = done
+            self.clock[r] = done
+        self.end[r][i] = self.clock[r]
         return i + 1
 
 

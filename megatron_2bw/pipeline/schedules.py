@@ -17,6 +17,7 @@ in BACKWARD(j)'s place, between the same transfers, and BACKWARD_WEIGHT(j) on it
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
@@ -72,6 +73,9 @@ class ScheduleSpec:
     stale_steps: int = 0
     chunks: int = 1  # model chunks (virtual stages) per rank: 2 for interleaved and V layouts
     split_backward: bool = False  # backwards run as BACKWARD_INPUT then BACKWARD_WEIGHT (zero-bubble)
+    # optimizer post-validation (--enable-optimizer-post-validation, :meth:`with_post_validation`): each update
+    # but a segment's last is speculative, checked against the global norm in the next step's warm-up
+    post_validation: bool = False
 
     def min_microbatches(self, d: int) -> int:
         """Fewest microbatches per step the schedule runs at depth ``d``."""
@@ -123,6 +127,16 @@ class ScheduleSpec:
             return self
         raise ConfigError(f"pipeline schedule {self.name} runs {self.chunks} model chunk(s) per rank, not {chunks} "
                           "(--virtual-pipeline-model-parallel-size needs --pipeline-schedule interleaved-1f1b)")
+
+    def with_post_validation(self, on: bool) -> ScheduleSpec:
+        """This schedule with optimizer post-validation ``on``: only the one-chunk split-backward schedules take it
+        (their warm-up forwards are what a speculative update overlaps; see :func:`_post_validated`)."""
+        if on == self.post_validation:
+            return self
+        if on and not (self.split_backward and self.chunks == 1):
+            raise ConfigError(f"--enable-optimizer-post-validation applies to the one-chunk zero-bubble schedules "
+                              f"(zb-h1, zb-h2), not {self.name}")
+        return replace(self, post_validation=on)
 
     def check_layout(self, d: int, m: int) -> None:
         """Refuse (one line) a depth / microbatch count the schedule's own rules exclude (beyond
@@ -385,14 +399,78 @@ class _ZeroBubble(ScheduleSpec):
         return f * _replayed_bubble(self.name, d, m, 1.0, round(b / f, 3), round(w / f, 3))
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
+        order = self.split_order(d, r, m)
+        if self.post_validation:
+            return _post_validated(order, d, r, m, first_step, num_steps, self.version)
         out: list[Action] = []
         for t in range(first_step, first_step + num_steps):
             v, lo = self.version(t), t * m
-            for op, i in self.split_order(d, r, m):
+            for op, i in order:
                 out.extend(_split_fragment(op, lo + i, t, v, r > 0, r < d - 1))
             out.append(Action(Op.REDUCE_GRADS, step=t))
             out.append(Action(Op.APPLY_UPDATE, step=t))
         return out
+
+
+def validation_cut(d: int, r: int) -> int:
+    """Forwards of step t+1 that stage ``r`` runs on its speculative W(t+1) before VALIDATE(t): ``d - 1 - r``.
+
+    In the zero-bubble parallelogram stage r starts step t+1 r forward slots after stage 0, and the last stage
+    finishes step t (its last W, then REDUCE_GRADS(t)) d - 1 slots after stage 0, so the global norm is known
+    on every stage after stage r's first ``d - 1 - r`` forwards. The cuts form a consistent cut: stage r sends
+    the activations of microbatches ``0 .. d-2-r`` before its VALIDATE, and stage r+1 receives exactly those
+    before its own (the receive of its forward ``d - 2 - r``'s input goes before the VALIDATE, the forward
+    after), so a failed validation re-runs every stage's part of the warm-up without a message in flight."""
+    return d - 1 - r
+
+
+def _post_validated(order: SplitOrder, d: int, r: int, m: int, first_step: int, num_steps: int,
+                    version: Callable[[int], int]) -> list[Action]:
+    """A one-chunk split schedule's segment with optimizer post-validation (Qi et al. 2024, section 5).
+
+    Each step's order is the flushed schedule's; what changes is at the step boundary. APPLY_UPDATE(t) is
+    speculative: it waits only for the stage's own gradient (its data-parallel reduction and the tied word
+    embedding's) and applies the update as if the global norm neither clips nor overflows, so stage 0 starts
+    step t+1 while the later stages still run step t's deferred Ws (the parallelogram tiles: no fill). The
+    check, VALIDATE(t), sits at :func:`validation_cut` in step t+1's warm-up; where the global norm says the
+    update was wrong, every stage rolls it back, applies the exact one and re-runs its warm-up forwards.
+    The segment's last update is exact (no VALIDATE), so a segment ends drained and validated.
+
+    The tied word embedding: the last stage takes its head's weight gradient at its I (the executor does so
+    where the program has REDUCE_EMBEDDING) and all-reduces it right after its last I of the step
+    (REDUCE_EMBEDDING(t)), so stage 0's speculative update does not wait for the last stage's Ws."""
+    out: list[Action] = []
+    has_prev, has_next = r > 0, r < d - 1
+    last_input = max(k for k, (op, _) in enumerate(order) if op is Op.BACKWARD_INPUT)
+    cut = validation_cut(d, r)
+    for t in range(first_step, first_step + num_steps):
+        v, lo = version(t), t * m
+        pending = t > first_step  # VALIDATE(t - 1) goes into this step's warm-up
+        forwards = 0
+        if pending and not has_prev and cut == 0:
+            out.append(Action(Op.VALIDATE, step=t - 1))
+            pending = False
+        for k, (op, i) in enumerate(order):
+            frag = _split_fragment(op, lo + i, t, v, has_prev, has_next)
+            if pending:
+                if op is not Op.FORWARD:
+                    raise RuntimeError(f"stage {r} of d={d} runs {op.value}{i} before its {cut} warm-up forwards: "
+                                       "no place for post-validation")
+                if forwards == cut:  # this forward's receive before the check, the forward after it
+                    out.append(frag[0])
+                    frag = frag[1:]
+                    out.append(Action(Op.VALIDATE, step=t - 1))
+                    pending = False
+                forwards += 1
+            out.extend(frag)
+            if pending and not has_prev and forwards == cut:  # stage 0: after its cut-th forward and its send
+                out.append(Action(Op.VALIDATE, step=t - 1))
+                pending = False
+            if k == last_input and not has_next and d > 1:
+                out.append(Action(Op.REDUCE_EMBEDDING, step=t))
+        out.append(Action(Op.REDUCE_GRADS, step=t))
+        out.append(Action(Op.APPLY_UPDATE, step=t))
+    return out
 
 
 _COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
@@ -713,23 +791,26 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
 
 
-def get_schedule(name: str, chunks: int | None = None) -> ScheduleSpec:
-    """The spec of ``name`` (with ``chunks`` model chunks per rank where it takes a count: None, its own);
-    a one-line ``ConfigError`` naming the choices otherwise."""
+def get_schedule(name: str, chunks: int | None = None, post_validation: bool = False) -> ScheduleSpec:
+    """The spec of ``name`` (with ``chunks`` model chunks per rank where it takes a count: None, its own; with
+    optimizer post-validation where it takes it); a one-line ``ConfigError`` naming the choices otherwise."""
     spec = SCHEDULES.get(name)
     if spec is None:
         raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return spec.with_chunks(chunks)
+    return spec.with_chunks(chunks).with_post_validation(post_validation)
 
 
-def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None) -> None:
+def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None, post_validation: bool = False) -> None:
     """Refuse a schedule / depth / microbatch count that no stage could run, with one line."""
-    spec = get_schedule(schedule, chunks)
+    spec = get_schedule(schedule, chunks, post_validation)
     if d < 1:
         raise ConfigError(f"pipeline depth must be >= 1, got d={d}")
     if m < 1:
         raise ConfigError(f"microbatches per step must be >= 1, got m={m}")
     need = spec.min_microbatches(d)
+    if spec.post_validation and m < d:
+        raise ConfigError(f"--enable-optimizer-post-validation needs at least d microbatches per step (every stage's "
+                          f"warm-up holds the check): m={m} < d={d}")
     if m < need:
         if need == d:
             raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
@@ -737,11 +818,12 @@ def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None) 
     spec.check_layout(d, m)
 
 
-def _validate_stage(schedule: str, d: int, r: int, m: int, chunks: int | None = None) -> ScheduleSpec:
-    validate_pipeline(schedule, d, m, chunks)
+def _validate_stage(schedule: str, d: int, r: int, m: int, chunks: int | None = None,
+                    post_validation: bool = False) -> ScheduleSpec:
+    validate_pipeline(schedule, d, m, chunks, post_validation)
     if not 0 <= r < d:
         raise ConfigError(f"pipeline stage must be in 0..{d - 1}, got r={r}")
-    return get_schedule(schedule, chunks)
+    return get_schedule(schedule, chunks, post_validation)
 
 
 def inflight_limit(schedule: str, d: int, r: int, m: int, chunks: int | None = None) -> int:
@@ -763,12 +845,12 @@ STOP_LAG = 3
 
 
 def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: list[Action], end: int,
-                chunks: int | None = None) -> list[Action]:
+                chunks: int | None = None, post_validation: bool = False) -> list[Action]:
     """The actions still to run when a segment from ``first_step`` that has run ``done`` ends at step count ``end``.
 
     A RuntimeError if ``done`` is not how the segment ending at ``end`` starts (a caller's bug: cut too late).
     """
-    new = stage_actions(schedule, d, r, m, first_step, end - first_step, chunks)
+    new = stage_actions(schedule, d, r, m, first_step, end - first_step, chunks, post_validation)
     if new[:len(done)] != done:
         raise RuntimeError(f"cannot end the segment from step {first_step} at step {end} on stage {r}: "
                            f"{len(done)} actions already ran that it does not start with")
@@ -776,7 +858,7 @@ def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: li
 
 
 def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int,
-                  chunks: int | None = None) -> list[Action]:
+                  chunks: int | None = None, post_validation: bool = False) -> list[Action]:
     """Ordered actions of stage ``r`` of a depth-``d`` pipeline for a drained segment.
 
     The segment covers steps ``first_step .. first_step+num_steps-1`` and ends with every
@@ -784,8 +866,9 @@ def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_st
     at the next step continues microbatch indices and (for 2BW) weight versions exactly as
     an uninterrupted run would, so checkpoints and evaluations can sit at any step boundary.
     ``chunks``: model chunks per rank for a schedule that takes a count (interleaved-1f1b); None: its own.
+    ``post_validation``: speculative updates checked in the next step's warm-up (:func:`_post_validated`).
     """
-    spec = _validate_stage(schedule, d, r, m, chunks)
+    spec = _validate_stage(schedule, d, r, m, chunks, post_validation)
     if first_step < 0:
         raise ConfigError(f"first step must be >= 0, got first_step={first_step}")
     if num_steps < 1:

@@ -179,6 +179,16 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
     return dx, DeferredWeightGrad(groups)
 
 
+def take_groups(deferred: DeferredWeightGrad, indices: list[int], params: dict[Node, int]) -> DeferredWeightGrad:
+    """Split off the groups holding any of the parameters ``indices`` (``params``: accumulator node -> index),
+    to run their weight gradients now (the last stage's tied head weight, which the tied embedding's early
+    reduction needs); ``deferred`` keeps the rest."""
+    wanted = {acc for acc, i in params.items() if i in set(indices)}
+    taken = [g for g in deferred.groups if wanted.intersection(g.params)]
+    deferred.groups = [g for g in deferred.groups if not wanted.intersection(g.params)]
+    return DeferredWeightGrad(taken)
+
+
 def backward_weight(deferred: DeferredWeightGrad, params: list[torch.Tensor], index: dict[Node, int],
                     main_grads: bool) -> None:
     """Add the weight gradients I deferred into each parameter's ``.grad`` (or ``.main_grad``, fp32

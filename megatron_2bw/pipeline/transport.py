@@ -232,6 +232,26 @@ class Transport:
                 self._plan[a.op].append((a.chunk, a.mb))
         self._fill()
 
+    def rewind(self, again: Sequence[Action]) -> None:
+        """The receives ``again`` (already consumed) come again before every receive now posted or planned:
+        the peer re-sends them (a failed post-validation re-runs a warm-up). Receives of one kind are matched in
+        posting order, so each posted buffer now belongs to the receive that many places earlier in the new
+        order, and those pushed past the posted ones go back to the front of the plan. Nothing is posted ahead
+        in grouped mode: nothing to do there."""
+        if self.grouped:
+            return
+        for kind in (Op.RECV_ACT, Op.RECV_GRAD):
+            redo = [(a.chunk, a.mb) for a in again if a.op is kind]
+            if not redo:
+                continue
+            posted = [key for key in self._recvs if key[0] is kind]
+            order = redo + [key[1:] for key in posted]
+            works = [self._recvs.pop(key) for key in posted]
+            for key, work in zip(order, works):
+                self._recvs[(kind, *key)] = work
+            self._plan[kind].extendleft(reversed(order[len(works):]))
+            self._fill()
+
     def forget_plan(self) -> None:
         """Drop the planned receives not yet posted (a segment cut short plans its own); posted ones stay."""
         for queue in self._plan.values():

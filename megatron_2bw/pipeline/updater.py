@@ -90,6 +90,7 @@ class Updater:
         self.ef_next = torch.empty(numel, dtype=torch.float32, device=weights.device) \
             if compensation == "ef" and weights.dtype != torch.float32 else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
+        self._backup: tuple[int, torch.Tensor, dict] | None = None  # a speculative update's (step, weights, state)
 
     def _muon_layout(self, tp: tuple[object, int, int]) -> dict:
         """What :class:`~..optimizer.muon.FlatMuon` needs to know about the stage: its matrices (in
@@ -132,6 +133,60 @@ class Updater:
         self.scaler.update(overflow)
         w.grad_flat[buf].zero_()
         return Update(norm, overflow, scale)
+
+    # ------------------------------------------------------------------ post-validation
+    def speculate(self, step: int, lr: float) -> None:
+        """Apply step ``step``'s update as :meth:`apply` would if the global norm neither overflows nor clips,
+        before that norm is known (optimizer post-validation), keeping a copy of what it overwrites: the
+        newest weights (the fp32 master where there is one) and the optimizer state, this rank's shard of
+        each with the distributed optimizer. The gradient stays in its buffer and the loss scaler unchanged
+        until :meth:`validate` settles the step. One weight version: the update is in place."""
+        w = self.weights
+        src, dst = w.slot(step), w.slot(step + 1)
+        if src != dst:
+            raise RuntimeError("a speculative update needs a one-version schedule")
+        kept = self.master if self.master is not None else self._weights(src)
+        self._backup = (step, kept.clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                            for k, v in self.optimizer.state_dict().items()})
+        scale = self._scales.get(step, self.scaler.scale)
+        grad = self._grad(w.grad_buffer(step))
+        if scale != 1.0 and grad.dtype == torch.float32:  # _step unscales in place: keep the gradient as it was
+            grad = grad.clone()
+        self._step(grad, self._weights(src), self._weights(dst), False, 1.0 / scale, lr)
+        if self.shard is not None:
+            self.reducer.gather(dst, w.padded_flat[dst])
+
+    @property
+    def speculating(self) -> int | None:
+        """The step whose update :meth:`speculate` applied and :meth:`validate` has not settled, or None."""
+        return self._backup[0] if self._backup is not None else None
+
+    def validate(self, step: int, sumsq: float, lr: float) -> tuple[Update, bool]:
+        """Settle the speculative update of ``step`` with the global squared norm ``sumsq``: kept where the norm
+        neither overflowed nor clipped (what :meth:`apply` would have written, bitwise: the same multiplier),
+        else rolled back and applied exactly. Returns what the update did and whether it was rolled back."""
+        if self.speculating != step:
+            raise RuntimeError(f"validating step {step} but the speculative update is of step {self.speculating}")
+        _, kept, state = self._backup
+        self._backup = None
+        scale = self._scales.get(step, self.scaler.scale)
+        overflow = not math.isfinite(sumsq)
+        norm = math.sqrt(sumsq) / scale if not overflow else float("inf")
+        if not overflow and self._multiplier(scale, norm) == 1.0 / scale:
+            self._scales.pop(step, None)
+            self.scaler.update(False)
+            self.weights.grad_flat[self.weights.grad_buffer(step)].zero_()
+            return Update(norm, False, scale), False
+        src = self.weights.slot(step)
+        if self.master is not None:  # the model-dtype weights are the master's rounding (the invariant apply keeps)
+            self.master.copy_(kept)
+            self._weights(src).copy_(self.master)
+        else:
+            self._weights(src).copy_(kept)
+        self.optimizer.load_state_dict(state)
+        if self.shard is not None and overflow:  # apply re-gathers after a step it takes; a skipped one restores
+            self.reducer.gather(src, self.weights.padded_flat[src])
+        return self.apply(step, sumsq, lr), True
 
     def _multiplier(self, scale: float, norm: float) -> float:
         """Unscale, and clip by the global norm."""
