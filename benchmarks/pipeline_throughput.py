@@ -55,8 +55,10 @@ import common
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package beside benchmarks/
 from megatron_2bw.pipeline.schedules import SCHEDULES  # noqa: E402  (pure data: no torch.distributed)
 
-# every schedule of our registry: a new entry is measured with no change here
-OURS = tuple(SCHEDULES)
+# every schedule of our registry: a new entry is measured with no change here; and the variants a flag makes of
+# one (name -> (schedule, --enable-optimizer-post-validation))
+VARIANTS: dict[str, tuple[str, bool]] = {"zb-h2-pv": ("zb-h2", True)}
+OURS = (*SCHEDULES, *VARIANTS)
 # torch's systems: (torch.distributed.pipelining class, our registry's counterpart, model chunks per rank,
 # stage-to-rank style); adding one is one line here
 TORCH: dict[str, tuple[str, str, int, str]] = {
@@ -76,8 +78,16 @@ MODELS = {
     "head-heavy": dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=32000),
 }
 LR = 1e-4
-CLIP = 1.0
+CLIP = 1.0  # the default of --clip, Megatron's
 WD = 0.01
+
+
+def spec_of(system: str):
+    """Our system's schedule spec (a variant's: its schedule with its flag)."""
+    from megatron_2bw.pipeline.schedules import get_schedule
+
+    name, pv = VARIANTS.get(system, (system, False))
+    return get_schedule(name, post_validation=pv)
 
 
 def _fallback_bubble(system: str, d: int, m: int) -> float:
@@ -103,7 +113,7 @@ def ideal_bubble(system: str, d: int, m: int) -> float:
     if system in ("single", "engine_d1"):
         return 0.0
     if system in SCHEDULES:
-        return SCHEDULES[system].bubble(d, m)
+        return spec_of(system).bubble(d, m)
     twin = SCHEDULES.get(TORCH[system][1])
     if twin is not None and getattr(twin, "chunks", 1) == TORCH[system][2]:  # the same layout as ours
         return twin.bubble(d, m)
@@ -117,7 +127,7 @@ def ideal_vs_single(system: str, d: int, m: int) -> float:
 
 def _splits_of(system: str, splits) -> list[str]:
     """The stage splits a system runs: ours with one chunk per rank every split, the rest the uniform one."""
-    return list(splits) if system in OURS and getattr(SCHEDULES[system], "chunks", 1) == 1 else ["uniform"]
+    return list(splits) if system in OURS and spec_of(system).chunks == 1 else ["uniform"]
 
 
 def paired_order(systems) -> list[str]:
@@ -218,7 +228,7 @@ class SingleRunner(Runner):
                 self.next_mb += 1
                 loss = ctx.loss_fn(run_layers(self.layers, batch), batch) / m
                 loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, CLIP, foreach=True)
+            torch.nn.utils.clip_grad_norm_(self.params, ctx.conf["clip"], foreach=True)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         marks.append(_t.perf_counter())
@@ -240,11 +250,12 @@ class EngineRunner(Runner):
         self.ctx, self.m = ctx, m
         state = ParallelState.single() if single else ctx.state
         d, r = state.d, state.pp_rank
+        schedule, pv = VARIANTS.get(schedule, (schedule, False))
         chunks = getattr(SCHEDULES[schedule], "chunks", 1) if not single else 1
         extra = {"virtual_stages": chunks} if chunks > 1 else {}
         pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"],
-                              p2p_mode=ctx.conf["p2p_mode"], **extra)
-        opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=CLIP, dtype="fp32")
+                              p2p_mode=ctx.conf["p2p_mode"], post_validation=pv and not single, **extra)
+        opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=ctx.conf["clip"], dtype="fp32")
         spec = spec or ctx.spec
         if chunks > 1:
             from megatron_2bw.models.stages import chunk_ranges
@@ -408,7 +419,7 @@ class TorchRunner(Runner):
             grads = [p.grad for p in self.norm_params if p.grad is not None]
             sumsq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
             dist.all_reduce(sumsq, group=st.model_group)
-            coef = CLIP / (math.sqrt(float(sumsq)) + 1e-6)
+            coef = self.ctx.conf["clip"] / (math.sqrt(float(sumsq)) + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
             self.opt.step()
@@ -536,8 +547,9 @@ def worker(conf: dict) -> dict:
         if s in OURS:
             from megatron_2bw.pipeline.schedules import validate_pipeline
 
-            validate_pipeline(s, d, m)  # one line naming what the schedule needs (e.g. m >= d)
-            chunks = getattr(SCHEDULES[s], "chunks", 1)
+            name, pv = VARIANTS.get(s, (s, False))
+            validate_pipeline(name, d, m, post_validation=pv)  # one line naming what the schedule needs (e.g. m >= d)
+            chunks = spec_of(s).chunks
             if L % (d * chunks):
                 raise ValueError(f"{L} layers do not cut into d * chunks = {d * chunks} virtual stages")
             return EngineRunner(ctx, s, m, spec=specs[sp])
@@ -828,6 +840,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine transfers: receives posted ahead (gloo's default) or batch_isend_irecv groups (NCCL's)")
     p.add_argument("--sync-sends", action="store_true",
                    help="engine: issue sends from the training thread (as before the transport's send thread), for A/B runs")
+    p.add_argument("--clip", type=float, default=CLIP,
+                   help="global-norm clipping of every system (Megatron's 1.0; clips every step on these random "
+                        "tokens, whose norms run 1.3-2.6; a larger value is the stable-training regime where it never "
+                        "does, which post-validation (zb-h2-pv) assumes)")
     p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
     p.add_argument("--models", nargs="+", choices=(*MODELS, "custom"), default=list(MODELS),
                    help="named models (custom: the --layers/--hidden/... flags)")
@@ -850,7 +866,8 @@ def main(argv: list[str] | None = None) -> int:
                 systems=list(args.systems), track_memory=args.track_memory, pool=64, sync_sends=args.sync_sends,
                 cpus=common.machine_info()["cpus_usable"], p2p_mode=args.p2p_mode, quiet_cpus=args.quiet_cpus,
                 retry_noisy=max(args.retry_noisy, 0), wait_quiet_s=min(args.wait_quiet, 240.0),
-                balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir)
+                balance_reps=1 if args.quick else 3, profile_system=args.profile_system, profile_dir=args.profile_dir,
+                clip=args.clip)
     for d in args.d:
         for name, fields in models.items():
             if fields["num_layers"] % d:
@@ -921,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": all_results, "machine": machine, "per_model": per_model,
         "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
-                       warmup_steps=args.warmup_steps, optimizer="adamw lr 1e-4 wd 0.01, clip 1.0, fp32",
+                       warmup_steps=args.warmup_steps, optimizer=f"adamw lr 1e-4 wd 0.01, clip {args.clip:g}, fp32",
                        track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode, sync_sends=args.sync_sends,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
                        throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1",

@@ -45,25 +45,26 @@ def _maybe_posted(actions, i: int) -> list:
 def _cut_failures(lag: int, first: int = 1, steps: int = 8) -> list[tuple]:
     """Every (schedule, d, m, stage, update step) where cutting at ``update + lag`` would break a run."""
     bad = []
-    for schedule in SCHEDULE_NAMES:
+    # with optimizer post-validation a speculative update reports its step at its VALIDATE, an exact one at itself
+    for schedule, pv in [(s, False) for s in SCHEDULE_NAMES] + [("zb-h1", True), ("zb-h2", True)]:
         for d in (1, 2, 3, 4):
             for m in sorted({d, 2 * d}):
                 try:
-                    validate_pipeline(schedule, d, m)  # its own rules: m >= d, interleaved's m % d, zb-v's 2d - 1
+                    validate_pipeline(schedule, d, m, post_validation=pv)  # its own rules: m >= d, interleaved's m % d, zb-v's 2d - 1
                 except ConfigError:
                     continue
                 for r in range(d):
-                    full = stage_actions(schedule, d, r, m, first, steps)
+                    full = stage_actions(schedule, d, r, m, first, steps, post_validation=pv)
                     for i, a in enumerate(full):
                         end = a.step + lag
-                        if a.op is not Op.APPLY_UPDATE or end >= first + steps:
+                        if a.op not in (Op.APPLY_UPDATE, Op.VALIDATE) or end >= first + steps:
                             continue
                         try:
-                            rest = cut_segment(schedule, d, r, m, first, full[:i + 1], end)
+                            rest = cut_segment(schedule, d, r, m, first, full[:i + 1], end, post_validation=pv)
                         except RuntimeError:
                             bad.append((schedule, d, m, r, a.step, "prefix"))
                             continue
-                        if full[:i + 1] + rest != stage_actions(schedule, d, r, m, first, end - first):
+                        if full[:i + 1] + rest != stage_actions(schedule, d, r, m, first, end - first, post_validation=pv):
                             bad.append((schedule, d, m, r, a.step, "rest"))
                         if any(p.step >= end for p in _maybe_posted(full, i)):
                             bad.append((schedule, d, m, r, a.step, "posted"))

@@ -394,9 +394,10 @@ class _ZeroBubble(ScheduleSpec):
         2d - 1 the steady state only repeats, and the bubble, the fill and the drain, stays the same
         (``tests/test_zero_bubble.py`` checks both against the full replay)."""
         m = min(m, REPLAY_MICROBATCHES * d)
+        pv = self.post_validation
         if f <= 0:
-            return _replayed_bubble(self.name, d, m, 0.0, float(b), float(w))
-        return f * _replayed_bubble(self.name, d, m, 1.0, round(b / f, 3), round(w / f, 3))
+            return _replayed_bubble(self.name, d, m, 0.0, float(b), float(w), pv)
+        return f * _replayed_bubble(self.name, d, m, 1.0, round(b / f, 3), round(w / f, 3), pv)
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
         order = self.split_order(d, r, m)
@@ -568,7 +569,7 @@ class _ZBH1(_ZeroBubble):
     def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
         """The paper's ``(d - 1) * (f + b - w)`` where it holds (m >= d, w <= min(f, b): the Ws a stage
         deferred fit in its drain); replayed otherwise."""
-        if m >= d and w <= min(f, b):
+        if m >= d and w <= min(f, b) and not self.post_validation:
             return (d - 1) * (f + b - w)
         return super().bubble_time(d, m, f, b, w)
 
@@ -611,13 +612,20 @@ REPLAY_MICROBATCHES = 4  # per stage, the most :meth:`_ZeroBubble.bubble_time` r
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _replayed_bubble(name: str, d: int, m: int, f: float, b: float, w: float) -> float:
-    programs = [stage_actions(name, d, r, m, 0, 1) for r in range(d)]
+def _replayed_bubble(name: str, d: int, m: int, f: float, b: float, w: float, pv: bool = False) -> float:
+    """One step's idle time of the generated programs: a flushed step's makespan less its work; with
+    post-validation, where steps overlap, the steady state's (three steps' makespan less two steps')."""
     zeros = (0.0,) * d
     timing = Timing((f,) * d, (b + w,) * d, zeros, zeros, zeros, zeros, zeros, input_s=(b,) * d, weight_s=(w,) * d)
-    spec = get_schedule(name)
+    spec = get_schedule(name, post_validation=pv)
     work = m * spec.chunks * (f + b + w)  # every chunk's share
-    return max(Replay(programs, timing=timing, placement=spec.placement(d)).run().makespan - work, 0.0)
+
+    def makespan(steps: int) -> float:
+        programs = [stage_actions(name, d, r, m, 0, steps, post_validation=pv) for r in range(d)]
+        return Replay(programs, timing=timing, placement=spec.placement(d)).run().makespan
+
+    idle = makespan(3) - makespan(2) - work if pv else makespan(1) - work
+    return max(idle, 0.0)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -654,7 +662,7 @@ class _ZBH2(_ZeroBubble):
 
     def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
         """``(d - 1) * f`` where that holds (m >= 2d - 1, b and w at most f, b at most 2w); replayed otherwise."""
-        if m >= 2 * d - 1 and max(b, w) <= f and b <= 2 * w:
+        if m >= 2 * d - 1 and max(b, w) <= f and b <= 2 * w and not self.post_validation:
             return (d - 1) * f
         return super().bubble_time(d, m, f, b, w)
 
