@@ -300,6 +300,8 @@ def build_config(
     # the recompute flags apply unless the layout (the planner's) chose a policy and they are not given
     pipe = replace(pipe, **{k: v for k, v in given.items() if k in ("compensation", "dc_lambda", "ef_scale")
                             or ("recompute_" in k and (v is not None or layout.recompute_policy is None))})
+    if _switched(args, "pipeline.post_validation"):
+        pipe = replace(pipe, post_validation=True)
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
     if layout.distributed_optimizer:  # the planner's choice (--auto-plan)
         opt = replace(opt, use_distributed_optimizer=True)

@@ -44,10 +44,11 @@ def documented_keys() -> tuple[dict[str, set[str]], set[str], set[str]]:
 
 
 CASES = {
-    # name: (script, preset, t, d, schedule) or a shared session run
+    # name: (script, preset, t, d, schedule, *more flags) or a shared session run
     "gpt-2bw-d2w2": "gpt_2bw_run",
     "gpt-flush-t2d2": ("pretrain_gpt.py", "gpt-tiny", 2, 2, "flush"),
-    "gpt-zbh2-t2d2": ("pretrain_gpt.py", "gpt-tiny", 2, 2, "zb-h2"),  # a split backward from the command line
+    # a split backward from the command line, with speculative updates checked in the next step's warm-up
+    "gpt-zbh2-t2d2": ("pretrain_gpt.py", "gpt-tiny", 2, 2, "zb-h2", "--enable-optimizer-post-validation"),
     "bert-2bw-t2d2": ("pretrain_bert.py", "bert-tiny", 2, 2, "2bw"),
     "bert-flush-d2w2": "bert_flush_run",
 }
@@ -62,10 +63,10 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
         t, d = int(run.args[run.args.index("--tensor-model-parallel-size") + 1]), 2
         save = run.save
     else:
-        script, preset, t, d, schedule = spec
+        script, preset, t, d, schedule, *extra = spec
         metrics = str(tmp_path / "metrics.jsonl")
         res = torchrun(script, [*train_args(corpus, preset=preset, t=t, d=d, schedule=schedule),
-                                "--metrics-file", metrics])
+                                "--metrics-file", metrics, *extra])
         assert res.returncode == 0, res.describe()
         records, save = read_metrics(metrics), None
     w = 4 // (t * d)
@@ -96,6 +97,11 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
     start = by_type["start"][0]
     assert start["layout"] == {"t": t, "d": d, "w": w} and start["num_microbatches"] == 8 // (2 * w)
 
+    end = by_type["end"][0]
+    if "--enable-optimizer-post-validation" in spec:  # speculated where the previous step did not clip; some did
+        assert 0 <= end["rolled_back_updates"] <= end["speculative_updates"] and end["speculative_updates"] > 0, end
+    else:
+        assert end["speculative_updates"] is None and end["rolled_back_updates"] is None
     train = by_type["train"]
     assert [r["iteration"] for r in train] == list(range(30))
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["samples_per_sec"] > 0 for r in train)

@@ -331,9 +331,15 @@ class Trainer:
         if self.async_writer is not None:
             self.async_writer.wait()
             self._async_saved()
+        pv = {"speculative_updates": None, "rolled_back_updates": None}
+        if self.cfg.pipeline.post_validation:  # the same counts on every rank: the decisions follow the global norm
+            pv = {"speculative_updates": self.stage.speculated, "rolled_back_updates": self.stage.rolled_back}
+            log.info(f"post-validation: {pv['speculative_updates']} updates applied speculatively, "
+                     f"{pv['rolled_back_updates']} of them rolled back and redone (the clipping or overflow that "
+                     "rolls one back also makes the next step wait for the norm)")
         if self.metrics is not None:
             self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
-                                "pipeline_drains": self.drains,
+                                "pipeline_drains": self.drains, **pv,
                                 "seconds": time.time() - self.t_start, "time": time.time()})
             self.metrics.close()
 
