@@ -939,6 +939,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
                        warmup_steps=args.warmup_steps, optimizer=f"adamw lr 1e-4 wd 0.01, clip {args.clip:g}, fp32",
+                       clip=args.clip,
                        track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode, sync_sends=args.sync_sends,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
                        throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1",
