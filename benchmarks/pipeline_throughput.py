@@ -57,7 +57,7 @@ from megatron_2bw.pipeline.schedules import SCHEDULES  # noqa: E402  (pure data:
 
 # every schedule of our registry: a new entry is measured with no change here; and the variants a flag makes of
 # one (name -> (schedule, --enable-optimizer-post-validation))
-VARIANTS: dict[str, tuple[str, bool]] = {"zb-h2-pv": ("zb-h2", True)}
+VARIANTS: dict[str, tuple[str, bool]] = {"zb-h2-pv": ("zb-h2", True), "zb-v-pv": ("zb-v", True)}
 OURS = (*SCHEDULES, *VARIANTS)
 # torch's systems: (torch.distributed.pipelining class, our registry's counterpart, model chunks per rank,
 # stage-to-rank style); adding one is one line here
@@ -112,7 +112,7 @@ def ideal_bubble(system: str, d: int, m: int) -> float:
     chunks per rank; torch's interleaved zero bubble has two, our zb-h1 one)."""
     if system in ("single", "engine_d1"):
         return 0.0
-    if system in SCHEDULES:
+    if system in OURS:
         return spec_of(system).bubble(d, m)
     twin = SCHEDULES.get(TORCH[system][1])
     if twin is not None and getattr(twin, "chunks", 1) == TORCH[system][2]:  # the same layout as ours
@@ -729,7 +729,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
             ideal = ideal_vs_single(s, d, m)
             ib = ideal_bubble(s, d, m)
             ceilings = [ceiling_vs_2bw(p["compute"], p.pop("two"), ib) for p in per_round]
-            chunks = TORCH[s][2] if s in TORCH else getattr(SCHEDULES.get(s), "chunks", 1)
+            chunks = TORCH[s][2] if s in TORCH else spec_of(s).chunks if s in OURS else 1
 
             def per_stage(key):
                 rows = [p[key] for p in per_round if p[key] is not None]

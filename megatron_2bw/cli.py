@@ -28,6 +28,7 @@ from .errors import ConfigError, run_cli
 from .flags import FLAGS, MEGATRON_DROPOUT, MODEL, TOOL_MODEL_FLAGS, Flag
 from .models.presets import GPT2_VOCAB, get_preset
 from .models.stages import split_from_args, virtual_stages
+from .pipeline.schedules import parse_schedule_id
 from .yaml_cfg import expand_yaml_cfg, explain_unrecognized
 
 __all__ = [
@@ -363,7 +364,8 @@ def pretrain_argv(model: ModelConfig, layout: Layout, global_batch_size: int, pr
     ``fp32_grads`` None leaves the precision's default gradient accumulation unstated."""
     values = {
         **model_values(model), "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline,
-        "pipeline.schedule": layout.schedule, "pipeline.micro_batch_size": layout.micro_batch_size,
+        "pipeline.schedule": parse_schedule_id(layout.schedule)[0],
+        "pipeline.post_validation": parse_schedule_id(layout.schedule)[1], "pipeline.micro_batch_size": layout.micro_batch_size,
         "pipeline.layer_split": layout.layer_split, "pipeline.virtual_stages": layout.virtual_stages,
         "training.global_batch_size": global_batch_size, "pipeline.recompute": layout.recompute,
         "optimizer.dtype": precision, "optimizer.accumulate_allreduce_grads_in_fp32": fp32_grads,

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import ConfigError
 from .models.stages import canonical_split, check_virtual_split, layers_per_stage
 from .pipeline.recompute_policy import RecomputePolicy, check_recompute
-from .pipeline.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule
+from .pipeline.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule, parse_schedule_id
 
 
 # fp16's largest finite value: a constant loss scale above it overflows every scaled loss >= 1.
@@ -314,7 +314,7 @@ class PipelineConfig:
     # model chunks per rank (Megatron's --virtual-pipeline-model-parallel-size; interleaved-1f1b); None: the
     # schedule's own count (1 for the one-chunk schedules, 2 for interleaved-1f1b)
     virtual_stages: int | None = None
-    # --enable-optimizer-post-validation: speculative updates checked in the next step's warm-up (zb-h1, zb-h2)
+    # --enable-optimizer-post-validation: speculative updates checked in the next step's warm-up (zb-h1, zb-h2, zb-v)
     post_validation: bool = False
 
     @property
@@ -705,8 +705,9 @@ def layout_configs(
     policy = layout.recompute_policy
     inner = ({"recompute_granularity": policy.granularity, "recompute_method": policy.method,
               "recompute_num_layers": policy.num_layers} if policy is not None and policy.active else {})
-    pipe = PipelineConfig(layout.schedule, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode,
-                          layer_split=split, virtual_stages=layout.virtual_stages, **inner)
+    name, pv = parse_schedule_id(layout.schedule)  # the planner's id: zb-h2+pv is zb-h2 with post-validation
+    pipe = PipelineConfig(name, b, B // (b * w), recompute=layout.recompute, p2p_mode=p2p_mode,
+                          layer_split=split, virtual_stages=layout.virtual_stages, post_validation=pv, **inner)
     pipe.check_depth(par.pipeline)
     if pipe.chunks > 1:
         _require(split is None, f"{layout.schedule} runs {pipe.chunks} model chunks per rank: it needs the even stage "

@@ -116,7 +116,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--virtual-pipeline-model-parallel-size", "pipeline.virtual_stages", PAR, int,
          help="model chunks per rank (Megatron; interleaved-1f1b, default 2 there)"),
     Flag("--enable-optimizer-post-validation", "pipeline.post_validation", PAR, const=True,
-         help="zb-h1 / zb-h2: apply each update speculatively (as if it neither clips nor overflows) so the next "
+         help="zb-h1 / zb-h2 / zb-v: apply each update speculatively (as if it neither clips nor overflows) so the next "
               "step's warm-up overlaps this step's tail, check it against the global norm a few forwards later, and "
               "roll back and redo the warm-up where it was wrong (Qi et al. 2024; the Zero Bubble fork's flag)"),
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",

@@ -28,7 +28,7 @@ from multiproc import run_workers
 from pipeline_harness import train_tiny
 from test_pipeline_layouts import compare
 
-ZB = ("zb-h1", "zb-h2")
+ZB = ("zb-h1", "zb-h2")  # one chunk; zb-v (two in a V) takes post-validation too
 
 
 # ---------------------------------------------------------------- programs
@@ -45,9 +45,9 @@ def test_d2_m4_program() -> None:
                        "W5v1 W6v1 W7v1 R1 U1")
 
 
-@pytest.mark.parametrize("schedule", ZB)
+@pytest.mark.parametrize("schedule", (*ZB, "zb-v"))
 def test_every_small_pipeline_is_correct(schedule: str) -> None:
-    for d in range(1, 9):
+    for d in range(1 if schedule in ZB else 2, 9 if schedule in ZB else 7):
         for m in range(d, 4 * d + 2):
             if m < get_schedule(schedule).min_microbatches(d):
                 continue
@@ -59,22 +59,27 @@ def test_every_small_pipeline_is_correct(schedule: str) -> None:
             check_grouped(schedule, d, m, 0, 3, post_validation=True)
 
 
-def _period(d: int, m: int, pv: bool) -> float:
-    """One step of zb-h2's steady state with F = I = W = 1: three steps' makespan less two steps'."""
+def _period(name: str, d: int, m: int, pv: bool) -> float:
+    """One step's steady state with F = I = W = 1 (a chunk's, for zb-v): three steps' makespan less two steps'."""
     zeros = (0.0,) * d
     timing = Timing((1.0,) * d, (2.0,) * d, zeros, zeros, zeros, zeros, zeros, input_s=(1.0,) * d, weight_s=(1.0,) * d)
-    spans = [Replay([stage_actions("zb-h2", d, r, m, 0, n, post_validation=pv) for r in range(d)], timing=timing)
-             .run().makespan for n in (2, 3)]
+    place = get_schedule(name).placement(d)
+    spans = [Replay([stage_actions(name, d, r, m, 0, n, post_validation=pv) for r in range(d)], timing=timing,
+                    placement=place).run().makespan for n in (2, 3)]
     return spans[1] - spans[0]
 
 
 @pytest.mark.parametrize("d", [2, 3, 4, 6])
-def test_zb_h2_has_no_bubble_with_post_validation(d: int) -> None:
-    """The paper's zero bubble: the parallelograms of consecutive steps tile; flushed, each step pays its fill."""
+def test_zb_h2_and_zb_v_have_no_bubble_with_post_validation(d: int) -> None:
+    """The paper's zero bubble: the parallelograms of consecutive steps tile; flushed, each step pays its fill
+    (zb-v: of d - 1 chunk forwards, each half a microbatch's)."""
     for m in (2 * d - 1, 2 * d, 4 * d):
-        assert _period(d, m, True) == 3 * m, (d, m)
-        assert _period(d, m, False) == 3 * m + (d - 1), (d, m)
-        assert get_schedule("zb-h2", post_validation=True).bubble(d, m) == 0.0
+        assert _period("zb-h2", d, m, True) == 3 * m, (d, m)
+        assert _period("zb-h2", d, m, False) == 3 * m + (d - 1), (d, m)
+        assert _period("zb-v", d, m, True) == 6 * m, (d, m)
+        assert _period("zb-v", d, m, False) == 6 * m + (d - 1), (d, m)
+        for name in ("zb-h2", "zb-v"):
+            assert get_schedule(name, post_validation=True).bubble(d, m) == 0.0
 
 
 def test_checker_refuses_an_inconsistent_cut() -> None:
@@ -97,7 +102,8 @@ def test_checker_refuses_an_inconsistent_cut() -> None:
 
 
 def test_config_refuses_what_it_cannot_run() -> None:
-    for bad, match in [(dict(schedule="flush"), "zero-bubble schedules"), (dict(schedule="zb-v"), "zero-bubble")]:
+    for bad, match in [(dict(schedule="flush"), "zero-bubble schedules"),
+                       (dict(schedule="interleaved-1f1b"), "zero-bubble schedules")]:
         with pytest.raises(ConfigError, match=match):
             PipelineConfig(post_validation=True, **bad)
     with pytest.raises(ConfigError, match="at least d microbatches"):
@@ -143,13 +149,14 @@ PV = (("post_validation", True),)
 
 
 def test_d2_m4_tied_equals_the_exact_run_and_the_single_process():
-    """Including a rollback whose re-sent activations meet receives the transport had posted ahead."""
+    """Including a rollback whose re-sent activations meet receives the transport had posted ahead; zb-v (its
+    V holds the tied embedding on rank 0) re-runs its first chunk's warm-up, in both transports."""
     plain = (("global_batch", 4), *CLIPPED)
     grouped = (*plain, ("p2p_mode", "grouped"))
-    variants = [("zb-h2", plain), ("zb-h2", plain + PV), ("zb-h1", plain), ("zb-h1", plain + PV), ("zb-h2", grouped),
-                ("zb-h2", grouped + PV)]
+    pairs = [("zb-h2", plain), ("zb-h1", plain), ("zb-h2", grouped), ("zb-v", plain), ("zb-v", grouped)]
+    variants = [(name, o) for name, opts in pairs for o in (opts, opts + PV)]
     outs = run_workers(_runs, 2, (1, 2, 1), variants, timeout=300)
-    for name, opts in (("zb-h2", plain), ("zb-h1", plain), ("zb-h2", grouped)):
+    for name, opts in pairs:
         _identical(outs, (name, opts + PV), (name, opts))
         assert _counts(outs, (name, opts + PV)) == _expected(outs[0][(name, opts)], 2.1) == (4, 1)
     dloss, dparam = compare([o[("zb-h2", plain + PV)] for o in outs], train_tiny("flush", **dict(plain)))

@@ -48,7 +48,7 @@ from megatron_2bw.planner.report import (
     plan_json, describe,
 )
 from megatron_2bw.planner.search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, search
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
+from megatron_2bw.pipeline.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDULE_NAMES, spec_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--no-distributed-optimizer", dest="zero", action="store_const", const=(False,),
                    help="replicate the optimizer, as the paper")
     s = p.add_argument_group("search")
-    s.add_argument("--schedules", type=_schedule_list, default=SCHEDULE_NAMES,
-                   help=f"comma-separated schedules to search (default {','.join(SCHEDULE_NAMES)}; "
-                        "flush,gpipe: only synchronous ones, no stale gradients)")
+    s.add_argument("--schedules", type=_schedule_list, default=PLANNED_SCHEDULES,
+                   help=f"comma-separated schedules to search (default {','.join(PLANNED_SCHEDULES)}; a name with "
+                        f"{PV_SUFFIX} runs it with --enable-optimizer-post-validation; flush,gpipe: only synchronous "
+                        "ones, no stale gradients)")
     s.add_argument("--no-finer-recompute", dest="finer_recompute", action="store_false",
                    help="search only the engine's whole-stage recomputation, not Megatron's selective "
                         "and per-layer (--recompute-granularity) ones")
@@ -114,9 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _schedule_list(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    bad = [n for n in names if n not in SCHEDULE_NAMES]
+    bad = []
+    for n in names:
+        try:
+            spec_of(n)
+        except ConfigError:
+            bad.append(n)
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"choose among {', '.join(SCHEDULE_NAMES)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose among {', '.join(PLANNED_SCHEDULES)} (a zero-bubble one with "
+                                         f"{PV_SUFFIX}: post-validation), got {text!r}")
     return names
 
 

@@ -327,7 +327,7 @@ def check_validation_cuts(stages: Sequence[Sequence[Action]]) -> None:
     """Every VALIDATE(t) cuts the programs consistently, so that a failed validation can re-run the warm-up
     of step t+1 with no message in flight: before its VALIDATE(t) a stage has run only forwards of step t+1
     (with their transfers), and each transfer of step t+1 it ran there meets its counterpart before the peer's
-    VALIDATE(t) (one-chunk programs: activations go from stage r to r+1)."""
+    VALIDATE(t) (the first chunk's activations, which go from rank r to rank r+1: one chunk, or a V)."""
     d = len(stages)
     steps = {a.step for p in stages for a in p if a.op is Op.VALIDATE}
     for t in sorted(steps):
@@ -341,9 +341,9 @@ def check_validation_cuts(stages: Sequence[Sequence[Action]]) -> None:
             sends, recvs = [], []
             for i in range(start, at[0]):
                 a = prog[i]
-                if a.step != t + 1 or a.op not in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT):
-                    raise ScheduleError(f"stage {r} action #{i} {a}: only step {t + 1}'s forwards may run on the "
-                                        f"speculative W({t + 1}) before VALIDATE({t})")
+                if a.step != t + 1 or a.op not in (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT) or a.chunk:
+                    raise ScheduleError(f"stage {r} action #{i} {a}: only step {t + 1}'s forwards (of the first "
+                                        f"chunk) may run on the speculative W({t + 1}) before VALIDATE({t})")
                 if a.op is Op.SEND_ACT:
                     sends.append(a.mb)
                 elif a.op is Op.RECV_ACT:

@@ -129,13 +129,14 @@ class ScheduleSpec:
                           "(--virtual-pipeline-model-parallel-size needs --pipeline-schedule interleaved-1f1b)")
 
     def with_post_validation(self, on: bool) -> ScheduleSpec:
-        """This schedule with optimizer post-validation ``on``: only the one-chunk split-backward schedules take it
-        (their warm-up forwards are what a speculative update overlaps; see :func:`_post_validated`)."""
+        """This schedule with optimizer post-validation ``on``: only the zero-bubble schedules take it, whose step
+        starts with forwards of the first chunk on every stage (what a speculative update overlaps; see
+        :func:`_post_validated`), with one chunk or in a V (its first chunk's stages are the ranks in order)."""
         if on == self.post_validation:
             return self
-        if on and not (self.split_backward and self.chunks == 1):
-            raise ConfigError(f"--enable-optimizer-post-validation applies to the one-chunk zero-bubble schedules "
-                              f"(zb-h1, zb-h2), not {self.name}")
+        if on and not (self.split_backward and (self.chunks == 1 or self.placement(2).shape == "v")):
+            raise ConfigError(f"--enable-optimizer-post-validation applies to the zero-bubble schedules "
+                              f"(zb-h1, zb-h2, zb-v), not {self.name}")
         return replace(self, post_validation=on)
 
     def check_layout(self, d: int, m: int) -> None:
@@ -574,16 +575,39 @@ class _ZBH1(_ZeroBubble):
         return super().bubble_time(d, m, f, b, w)
 
 
-def _flushed_steps(spec: ScheduleSpec, rounds, m: int, first_step: int, num_steps: int) -> list[Action]:
+def _flushed_steps(spec: ScheduleSpec, rounds, m: int, first_step: int, num_steps: int,
+                   cut: int | None = None) -> list[Action]:
     """A chunked schedule's segment: each step runs one step's lowered ``rounds`` ((op, chunk, microbatch of
-    the step) in order), then reduces and applies on its own, like Flush."""
+    the step) in order), then reduces and applies on its own, like Flush. ``cut`` (post-validation): the
+    warm-up forwards after which each step checks the step before it (:func:`_insert_validation`)."""
     out: list[Action] = []
     for t in range(first_step, first_step + num_steps):
         v, lo = spec.version(t), t * m
-        out.extend(Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds)
+        step = [Action(op, lo + j, t, v if op in _COMPUTE else -1, c) for op, c, j in rounds]
+        if cut is not None and t > first_step:
+            step = _insert_validation(step, cut, lo, t - 1)
+        out.extend(step)
         out.append(Action(Op.REDUCE_GRADS, step=t))
         out.append(Action(Op.APPLY_UPDATE, step=t))
     return out
+
+
+def _insert_validation(step: list[Action], cut: int, lo: int, validated: int) -> list[Action]:
+    """``step``'s actions with VALIDATE(``validated``) after its first ``cut`` forwards of chunk 0 (their sends
+    included) and, on a stage with a previous one, after the receive of the next forward's input: the same cut
+    as :func:`_post_validated` makes, for a program whose transfers a lowering pass placed."""
+    has_prev = any(a.op is Op.RECV_ACT and a.chunk == 0 for a in step)
+    forwards = 0
+    for i, a in enumerate(step):
+        if has_prev and a.op is Op.RECV_ACT and a.chunk == 0 and a.mb == lo + cut and forwards == cut:
+            return [*step[:i + 1], Action(Op.VALIDATE, step=validated), *step[i + 1:]]
+        if not has_prev and forwards == cut and a.op is not Op.SEND_ACT:
+            return [*step[:i], Action(Op.VALIDATE, step=validated), *step[i:]]
+        if a.op is Op.FORWARD and a.chunk == 0:
+            forwards += 1
+        elif a.op not in (Op.SEND_ACT, Op.RECV_ACT) or a.chunk:
+            break
+    raise RuntimeError(f"no place for post-validation after {cut} warm-up forwards in {step[:8]}")
 
 
 def _peak(ops, opens: Op, closes: Op) -> int:
@@ -750,7 +774,8 @@ class _ZBV(_ZeroBubble):
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
         rounds = lower_rounds(self.placement(d), tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))[r]
-        return _flushed_steps(self, rounds, m, first_step, num_steps)
+        cut = validation_cut(d, r) if self.post_validation else None
+        return _flushed_steps(self, rounds, m, first_step, num_steps, cut)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -797,6 +822,29 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-v": _ZBV("zb-v"),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULES)
+
+PV_SUFFIX = "+pv"  # a schedule id's mark of optimizer post-validation (``zb-h2+pv``): what the planner prices
+
+
+def schedule_id(name: str, post_validation: bool = False) -> str:
+    """One string for a schedule as a run configures it (the planner's candidates, plans, reports)."""
+    return name + PV_SUFFIX if post_validation else name
+
+
+def parse_schedule_id(sid: str) -> tuple[str, bool]:
+    """``(registry name, post-validation)`` of a schedule id."""
+    return (sid[:-len(PV_SUFFIX)], True) if sid.endswith(PV_SUFFIX) else (sid, False)
+
+
+def spec_of(sid: str, chunks: int | None = None) -> ScheduleSpec:
+    """The spec of a schedule id (a registry name, or one with :data:`PV_SUFFIX`)."""
+    name, pv = parse_schedule_id(sid)
+    return get_schedule(name, chunks, pv)
+
+
+# what the planner searches: the registry, and zb-h2 and zb-v with post-validation, whose steps overlap with it
+# (zb-h1's do not: its last stage has nothing of the step left to run while the next one fills)
+PLANNED_SCHEDULES: tuple[str, ...] = (*SCHEDULE_NAMES, schedule_id("zb-h2", True), schedule_id("zb-v", True))
 
 
 def get_schedule(name: str, chunks: int | None = None, post_validation: bool = False) -> ScheduleSpec:

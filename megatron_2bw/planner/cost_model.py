@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from ..models.stages import StageSlice
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import get_schedule
+from ..pipeline.schedules import spec_of
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params
@@ -103,17 +103,17 @@ def p2p_time(in_bytes: float, out_bytes: float, in_bandwidth: float, out_bandwid
 
 def bubble_slots(schedule: str, d: int) -> int:
     """Extra microbatch slots per batch (the sequential baseline has none: it is never filled)."""
-    return 0 if schedule == SEQUENTIAL else get_schedule(schedule).bubble_slots(d)
+    return 0 if schedule == SEQUENTIAL else spec_of(schedule).bubble_slots(d)
 
 
 def bubble_time(schedule: str, d: int, m: int, f: float, b: float, w: float) -> float:
     """The schedule's ideal idle time per batch (``ScheduleSpec.bubble_time``); the sequential baseline: 0."""
-    return 0.0 if schedule == SEQUENTIAL else get_schedule(schedule).bubble_time(d, m, f, b, w)
+    return 0.0 if schedule == SEQUENTIAL else spec_of(schedule).bubble_time(d, m, f, b, w)
 
 
 def chunks_of(schedule: str) -> int:
     """Model chunks per rank (``ScheduleSpec.chunks``); the sequential baseline: 1."""
-    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).chunks
+    return 1 if schedule == SEQUENTIAL else spec_of(schedule).chunks
 
 
 # ---- placement: rank = stage * (t*w) + replica * t + tensor_rank; server = rank // G ------------
@@ -353,7 +353,7 @@ def predict(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: C
     if cand.schedule == SEQUENTIAL:
         pipeline = m * _sequential_microbatch_s(costs, cand, num_layers, cluster, stages, param_bytes)
         exposed = allreduce
-    elif get_schedule(cand.schedule).grad_buffers > 1:  # the reduction overlaps the next step
+    elif spec_of(cand.schedule).grad_buffers > 1:  # the reduction overlaps the next step
         pipeline = m * per_mb + bubble
         exposed = max(0.0, allreduce - pipeline)
     else:

@@ -79,7 +79,7 @@ from ..config import resolve_compensation
 from ..errors import ConfigError
 from ..models.stages import Split, StageSlice, stage_slice
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import SCHEDULES, get_schedule, validate_pipeline
+from ..pipeline.schedules import SCHEDULES, parse_schedule_id, spec_of, validate_pipeline
 from .layer_costs import MicrobatchCosts
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
@@ -118,10 +118,11 @@ class Candidate:
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.schedule not in (*SCHEDULES, SEQUENTIAL):  # the registry as it is now (tests add schedules)
+        name, pv = parse_schedule_id(self.schedule)
+        if name not in (*SCHEDULES, SEQUENTIAL):  # the registry as it is now (tests add schedules)
             raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.schedule != SEQUENTIAL:
-            validate_pipeline(self.schedule, self.pipeline_parallel, self.num_micro_batches)
+            validate_pipeline(name, self.pipeline_parallel, self.num_micro_batches, post_validation=pv)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
 
@@ -186,6 +187,9 @@ class StageMemory:
     workspace: int
     save: int = 0  # device bytes a checkpoint save allocates (at a drained boundary: no activations then)
     host_save: int = 0  # host bytes of --async-save's copy of what this rank writes (not device memory)
+    # optimizer post-validation: from a speculative update to its VALIDATE, the copy of the weights (the master
+    # where there is one) and optimizer state it overwrote, beside the next step's warm-up stashes
+    speculation: int = 0
 
     @property
     def optimizer(self) -> int:
@@ -195,7 +199,7 @@ class StageMemory:
     @property
     def total(self) -> int:
         static = self.weights + self.second_weights + self.grads + self.optimizer
-        return static + max(self.activations + self.workspace, self.save)
+        return static + max(self.activations + self.workspace, self.save, self.speculation)
 
 
 def save_bytes(shard: int, cand: "Candidate") -> int:
@@ -215,12 +219,12 @@ def async_save_host_bytes(params: int, cand: "Candidate", param_bytes: "ParamByt
 
 def weight_versions(schedule: str) -> int:
     """Weight versions the executor keeps (the sequential baseline: one)."""
-    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).weight_versions
+    return 1 if schedule == SEQUENTIAL else spec_of(schedule).weight_versions
 
 
 def grad_buffers(schedule: str) -> int:
     """Gradient buffers the executor keeps (the sequential baseline: one)."""
-    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).grad_buffers
+    return 1 if schedule == SEQUENTIAL else spec_of(schedule).grad_buffers
 
 
 def shard_numel(numel: int, cand: Candidate) -> int:
@@ -232,7 +236,7 @@ def shard_numel(numel: int, cand: Candidate) -> int:
 
 def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     """Microbatches whose activations stage ``stage`` holds at its peak."""
-    return 1 if schedule == SEQUENTIAL else get_schedule(schedule).inflight(d, stage, m)
+    return 1 if schedule == SEQUENTIAL else spec_of(schedule).inflight(d, stage, m)
 
 
 # auto resolves per schedule; these bytes are what a stale-gradient schedule pays (the others pay none:
@@ -333,7 +337,7 @@ def deferred_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, st
         return kept
     first = stash + (costs.layer.output_bytes if part.num_layers else costs.embedding.output_bytes)
     # a rank whose other chunk is a later virtual stage (a V's rank 0 also holds the head) may hold either
-    return max(first, kept) if get_schedule(cand.schedule).chunks > 1 else first
+    return max(first, kept) if spec_of(cand.schedule).chunks > 1 else first
 
 
 def _split_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int) -> int:
@@ -346,7 +350,7 @@ def _split_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: Stage
     caught; with layer-level recomputation nothing is freed (torch checkpoint regions hold those tensors):
     the stash plus the caught gradients. The first stage's I has nothing to compute: its W runs the whole
     backward from the stash and the gradient it received for its output."""
-    spec = get_schedule(cand.schedule)
+    spec = spec_of(cand.schedule)
     d, m, chunks = cand.pipeline_parallel, cand.num_micro_batches, spec.chunks
     layers, transient = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
     edge = _edge_bytes(costs, part)
@@ -372,7 +376,7 @@ def slice_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageS
     if cand.schedule == SEQUENTIAL:
         n, chunks = 1, 1
     else:
-        spec = get_schedule(cand.schedule)
+        spec = spec_of(cand.schedule)
         if spec.split_backward:
             return _split_activation_bytes(costs, cand, part, stage)
         n, chunks = spec.inflight(d, stage, m), spec.chunks
@@ -417,7 +421,7 @@ def workspace_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int,
 
 def _stale_correction(cand: Candidate, param_bytes: ParamBytes) -> int:
     """Bytes per (sharded) parameter of the 2BW compensation: only schedules with a stale gradient pay it."""
-    stale = cand.schedule != SEQUENTIAL and get_schedule(cand.schedule).stale_steps > 0
+    stale = cand.schedule != SEQUENTIAL and spec_of(cand.schedule).stale_steps > 0
     return param_bytes.stale_correction if stale else 0
 
 
@@ -439,7 +443,25 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         workspace=_workspace(costs, part),
         save=save_bytes(shard, cand),
         host_save=async_save_host_bytes(p, cand, param_bytes),
+        speculation=speculation_bytes(costs, cand, part, stage, shard, param_bytes),
     )
+
+
+def speculation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int, shard: int,
+                      param_bytes: ParamBytes) -> int:
+    """Optimizer post-validation's transient (``Updater.speculate``): this GPU's copy of the weights (the fp32
+    master where there is one) and of the optimizer state, held from the update until VALIDATE, with the
+    ``d - 1 - stage`` forwards of the next step's warm-up that run meanwhile (their stashes, and a block's
+    workspace); 0 for a schedule without it."""
+    if cand.schedule == SEQUENTIAL or not spec_of(cand.schedule).post_validation:
+        return 0
+    kept = shard * ((param_bytes.master or param_bytes.weight) + param_bytes.optimizer_state)
+    layers, _ = layer_stash_with(costs, part.num_layers, cand.recompute_policy)
+    stash = layers + _edge_bytes(costs, part)
+    if cand.recompute:
+        stash = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
+    warm = min(cand.pipeline_parallel - 1 - stage, cand.num_micro_batches) * stash
+    return kept + warm + _workspace(costs, part)
 
 
 def rank_slice(num_layers: int, cand: Candidate, stage: int) -> StageSlice:
@@ -448,7 +470,7 @@ def rank_slice(num_layers: int, cand: Candidate, stage: int) -> StageSlice:
     part = stage_slice(num_layers, cand.pipeline_parallel, stage, cand.layer_split)
     if cand.schedule == SEQUENTIAL or cand.pipeline_parallel == 1:
         return part
-    place = get_schedule(cand.schedule).placement(cand.pipeline_parallel)
+    place = spec_of(cand.schedule).placement(cand.pipeline_parallel)
     emb, head = place.rank(0) == stage, place.rank(place.num_stages - 1) == stage
     return part if (emb, head) == (part.embedding, part.head) else replace(part, embedding=emb, head=head)
 

@@ -37,7 +37,8 @@ from typing import Iterator
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, get_schedule, validate_pipeline
+from ..pipeline.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
+                                  parse_schedule_id, spec_of, validate_pipeline)
 from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
@@ -68,7 +69,8 @@ class PlanRequest:
     global_batch_size: int
     precision: str = "fp16"
     max_micro_batch_size: int = 64
-    schedules: tuple[str, ...] = SCHEDULE_NAMES  # SEQUENTIAL may be added: the paper's no-pipelining baseline
+    # schedule ids (``zb-h2+pv``: with post-validation); SEQUENTIAL may be added: the paper's no-pipelining baseline
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES
     recompute_options: tuple[bool, ...] = (False, True)
     # policies inside stages searched besides ``recompute_options`` (FINER_RECOMPUTE: the usual ones)
     recompute_policies: tuple[RecomputePolicy, ...] = ()
@@ -105,7 +107,7 @@ class PlanRequest:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
         self.cluster.peak(self.precision)
         allowed = (*SCHEDULES, SEQUENTIAL)  # the registry as it is now (tests register schedules)
-        bad = [s for s in self.schedules if s not in allowed]
+        bad = [s for s in self.schedules if parse_schedule_id(s)[0] not in allowed]
         if bad or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
 
@@ -290,7 +292,7 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
     base, slope = stage_lines(candidate_costs(costs, cand), cand, request.cluster,
                               request.param_bytes)
     mean = (sum(base) + request.model.num_layers * min(slope)) / d
-    spec = get_schedule(cand.schedule)
+    spec = spec_of(cand.schedule)
     default_bubble = type(spec).bubble_time is ScheduleSpec.bubble_time
     return (m if spec.grad_buffers > 1 or not default_bubble else m + spec.bubble_slots(d)) * mean
 
@@ -312,10 +314,11 @@ def runs(schedule: str, num_layers: int, d: int, m: int) -> bool:
     chunks per rank, layers that divide evenly into the d * chunks virtual stages (uneven splits are refused
     there, so the search keeps chunked schedules on even splits)."""
     try:
-        validate_pipeline(schedule, d, m)
+        name, pv = parse_schedule_id(schedule)
+        validate_pipeline(name, d, m, post_validation=pv)
     except ConfigError:
         return False
-    chunks = get_schedule(schedule).chunks
+    chunks = spec_of(schedule).chunks
     return chunks == 1 or num_layers % (d * chunks) == 0
 
 
@@ -325,7 +328,7 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evalua
     if c is None:
         raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}"
                           + (" with --sequence-parallel" if cand.sequence_parallel else ""))
-    chunked = cand.schedule != SEQUENTIAL and get_schedule(cand.schedule).chunks > 1
+    chunked = cand.schedule != SEQUENTIAL and spec_of(cand.schedule).chunks > 1
     if request.balance_stages and cand.pipeline_parallel > 1 and cand.layer_split is None and not chunked:
         split = balanced_split(c, cand, request.model.num_layers, request.cluster, request.param_bytes,
                                request.cluster.usable_memory_bytes)

@@ -49,7 +49,7 @@ from ..errors import ConfigError
 from ..models.stages import Split, stage_slice
 from ..pipeline.actions import Action, Op
 from ..pipeline.replay import Replay, Timing
-from ..pipeline.schedules import get_schedule, stage_actions, validate_pipeline
+from ..pipeline.schedules import get_schedule, parse_schedule_id, spec_of, stage_actions, validate_pipeline
 from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
 from .layer_costs import BlockCost, MicrobatchCosts
@@ -287,8 +287,9 @@ def simulate(
     ``Link`` applies to every boundary; ``None`` makes transfers free. ``actions`` overrides the
     generated programs (for hand-made schedules; they must pass the checker).
     """
-    validate_pipeline(schedule, d, m, chunks)
-    spec = get_schedule(schedule, chunks)
+    name, pv = parse_schedule_id(schedule)  # a schedule id: ``zb-h2+pv`` runs zb-h2 with post-validation
+    validate_pipeline(name, d, m, chunks, pv)
+    spec = get_schedule(name, chunks, pv)
     v = spec.chunks
     if len(stages) != d:
         raise ConfigError(f"need costs for {d} stages, got {len(stages)}")
@@ -299,7 +300,7 @@ def simulate(
         timing = replace(timing, forward_s=[x / v for x in timing.forward_s], backward_s=[x / v for x in timing.backward_s],
                          input_s=[x / v for x in timing.input_s], weight_s=[x / v for x in timing.weight_s])
     progs = [list(a) for a in actions] if actions is not None else [
-        stage_actions(schedule, d, r, m, first_step, num_steps, chunks) for r in range(d)]
+        stage_actions(name, d, r, m, first_step, num_steps, chunks, pv) for r in range(d)]
     trace = Replay(progs, timing=timing, error=SimulationError, placement=spec.placement(d)).run()
     events = [[Event(r, a.op, a.mb, a.step, a.version, trace.start(r, i), trace.end[r][i], a.chunk)
                for i, a in enumerate(prog)] for r, prog in enumerate(progs)]
@@ -411,7 +412,7 @@ def stage_costs(
 def _deferred(costs: MicrobatchCosts, cand: Candidate, num_layers: int, r: int, stash: int) -> int | None:
     """What a split-backward stage's microbatch keeps from I to W (``memory_model.deferred_bytes``); None
     for whole backwards."""
-    if not get_schedule(cand.schedule).split_backward:
+    if not spec_of(cand.schedule).split_backward:
         return None
     return deferred_bytes(costs, cand, rank_slice(num_layers, cand, r), stash)
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..pipeline.schedules import get_schedule
+from ..pipeline.schedules import spec_of
 from ..config import resolve_compensation
 from .memory_model import SEQUENTIAL, Candidate
 
@@ -66,7 +66,7 @@ def stale_steps(c: Candidate) -> int:
     """Updates the gradients lag behind (0: synchronous); one stage has no pipeline to lag."""
     if c.schedule == SEQUENTIAL or c.pipeline_parallel == 1:
         return 0
-    return get_schedule(c.schedule).stale_steps
+    return spec_of(c.schedule).stale_steps
 
 
 def measured_key(compensation: str, optimizer: str = "adam") -> str:
