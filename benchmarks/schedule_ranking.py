@@ -17,10 +17,11 @@ from megatron_2bw.cli import OneLineParser, add_model_flags, model_config
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.search import (DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, candidates,
                                          default_costs, evaluate, sequence_parallel_choices)
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
+from megatron_2bw.pipeline.schedules import PLANNED_SCHEDULES
 
 GiB = 2**30
-ORDER = ("flush", "2bw", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")  # the docs' columns; gpipe left out
+# the docs' columns; gpipe left out; a schedule id with +pv: with optimizer post-validation
+ORDER = ("flush", "2bw", "zb-h1", "zb-h2", "zb-h2+pv", "interleaved-1f1b", "zb-v", "zb-v+pv")
 SHAPE = "--num-layers {} --hidden-size {} --num-attention-heads {} --seq-length 2048 --vocab-size 50257"
 # (label, shape, cluster, GPUs, global batch, (t, d, w, b)): ../shared/reviews/scale-review.md's jobs
 JOBS = (
@@ -57,8 +58,9 @@ def cell(job: tuple, schedule: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULE_NAMES,
-                   default=[s for s in ORDER if s in SCHEDULE_NAMES] + [s for s in SCHEDULE_NAMES if s not in (*ORDER, "gpipe")])
+    p.add_argument("--schedules", nargs="+", choices=PLANNED_SCHEDULES,
+                   default=[s for s in ORDER if s in PLANNED_SCHEDULES]
+                   + [s for s in PLANNED_SCHEDULES if s not in (*ORDER, "gpipe")])
     args = p.parse_args(argv)
     print("| job, layout | " + " | ".join(args.schedules) + " |")
     print("| --- |" + " --- |" * len(args.schedules))

@@ -114,8 +114,10 @@ ZB_ROWS = {r.run.name: r for r in schedule_ratio_calibration(ZB_RUNS)}
 
 @pytest.mark.parametrize("name", [r.name for r in ZB_RUNS])
 def test_zero_bubble_ratios_within_tolerance(name):
-    """Qi et al. 2024, Table 4: ZB-1p and ZB-2p over 1F1B, predicted by zb-h1 / zb-h2 over Flush."""
+    """Qi et al. 2024, Table 4: ZB-1p and ZB-2p over 1F1B, predicted by zb-h1 / zb-h2 with post-validation over
+    Flush: within the issue's 15%, and ZB-2p within 3.5% (flushed, zb-h2 paid each step's fill: 2-8.5% low)."""
     row = ZB_ROWS[name]
+    assert abs(row.error("zb-2p")) <= 0.035, (name, row.predicted["zb-2p"], row.run.published_ratio("zb-2p"))
     assert row.run.source in ZB_SOURCES
     assert set(row.predicted) == set(ZB_SCHEDULES)
     for schedule in ZB_SCHEDULES:
