@@ -676,7 +676,8 @@ class _ZBH2(_ZeroBubble):
     per step (the synchronous optimizer step) cannot hide that fill; the paper's zero bubble needs its
     post-validation, which overlaps the optimizer step with the next step's warm-up, and, with a tied word
     embedding on the first and last stages, the head's weight gradient taken at its I so that the embedding's
-    reduction is not behind the last stage's last W (docs/planner.md section 9)."""
+    reduction is not behind the last stage's last W: :func:`_post_validated`
+    (``--enable-optimizer-post-validation``)."""
 
     def split_order(self, d: int, r: int, m: int) -> SplitOrder:
         return _greedy_orders(d, m, 2 * d - 1)[r]
