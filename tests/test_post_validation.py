@@ -82,6 +82,27 @@ def test_zb_h2_and_zb_v_have_no_bubble_with_post_validation(d: int) -> None:
             assert get_schedule(name, post_validation=True).bubble(d, m) == 0.0
 
 
+def test_priced_bubble_is_the_replayed_steady_state() -> None:
+    """What the planner prices (``bubble_time`` of a +pv spec: the longest span of one rank's computes in one
+    flushed step, less the work) is the steady state of the overlapping steps, three steps' makespan less two
+    steps', at random F, I and W and m from 2d - 1 to 4d."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(24):
+        name, d = rng.choice(("zb-h1", "zb-h2", "zb-v")), rng.choice((2, 3, 4, 6))
+        m, b, w = rng.randint(2 * d - 1, 4 * d), round(rng.uniform(0.5, 2.0), 3), round(rng.uniform(0.3, 1.5), 3)
+        spec = get_schedule(name, post_validation=True)
+        scale = 1 / spec.chunks  # a chunk's share of each time
+        zeros = (0.0,) * d
+        timing = Timing((scale,) * d, ((b + w) * scale,) * d, zeros, zeros, zeros, zeros, zeros,
+                        input_s=(b * scale,) * d, weight_s=(w * scale,) * d)
+        spans = [Replay([stage_actions(name, d, r, m, 0, n, post_validation=True) for r in range(d)], timing=timing,
+                        placement=spec.placement(d)).run().makespan for n in (2, 3)]
+        steady = spans[1] - spans[0] - m * (1 + b + w)
+        assert spec.bubble_time(d, m, 1.0, b, w) == pytest.approx(max(steady, 0.0), abs=1e-9), (name, d, m, b, w)
+
+
 def test_checker_refuses_an_inconsistent_cut() -> None:
     """Stage 0's VALIDATE moved before its first forward of step 1: stage 1 would take, before its own check,
     activations that stage 0 sends after its check, which a rollback could not re-send. Stage 1's moved after

@@ -635,21 +635,30 @@ def _held_pairs(ops: tuple[Op, ...]) -> tuple[tuple[int, int], ...]:
 REPLAY_MICROBATCHES = 4  # per stage, the most :meth:`_ZeroBubble.bubble_time` replays
 
 
-@functools.lru_cache(maxsize=1 << 12)
 def _replayed_bubble(name: str, d: int, m: int, f: float, b: float, w: float, pv: bool = False) -> float:
     """One step's idle time of the generated programs: a flushed step's makespan less its work; with
-    post-validation, where steps overlap, the steady state's (three steps' makespan less two steps')."""
+    post-validation, where consecutive steps overlap, the steady state's: the longest span of one rank's
+    computes within that same flushed step, less the work (each rank goes on with the next step as soon as
+    its own part of this one is done, and the parallelograms tile; ``tests/test_post_validation.py`` checks
+    it against three steps' makespan less two steps')."""
+    flushed, overlapped = _replayed_idle(name, d, m, f, b, w)
+    return overlapped if pv else flushed
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _replayed_idle(name: str, d: int, m: int, f: float, b: float, w: float) -> tuple[float, float]:
+    """(flushed, overlapped) idle time of one step: see :func:`_replayed_bubble`."""
+    programs = [stage_actions(name, d, r, m, 0, 1) for r in range(d)]
     zeros = (0.0,) * d
     timing = Timing((f,) * d, (b + w,) * d, zeros, zeros, zeros, zeros, zeros, input_s=(b,) * d, weight_s=(w,) * d)
-    spec = get_schedule(name, post_validation=pv)
+    spec = get_schedule(name)
     work = m * spec.chunks * (f + b + w)  # every chunk's share
-
-    def makespan(steps: int) -> float:
-        programs = [stage_actions(name, d, r, m, 0, steps, post_validation=pv) for r in range(d)]
-        return Replay(programs, timing=timing, placement=spec.placement(d)).run().makespan
-
-    idle = makespan(3) - makespan(2) - work if pv else makespan(1) - work
-    return max(idle, 0.0)
+    trace = Replay(programs, timing=timing, placement=spec.placement(d)).run()
+    span = 0.0
+    for r, prog in enumerate(programs):
+        computes = [i for i, a in enumerate(prog) if a.op in _COMPUTE]
+        span = max(span, trace.end[r][computes[-1]] - trace.start(r, computes[0]))
+    return max(trace.makespan - work, 0.0), max(span - work, 0.0)
 
 
 @functools.lru_cache(maxsize=1 << 12)
