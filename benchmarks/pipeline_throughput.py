@@ -53,12 +53,12 @@ import time
 import common
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package beside benchmarks/
-from megatron_2bw.pipeline.schedules import SCHEDULES  # noqa: E402  (pure data: no torch.distributed)
+from megatron_2bw.pipeline.schedules import (  # noqa: E402  (pure data: no torch.distributed)
+    PLANNED_SCHEDULES, SCHEDULES, parse_schedule_id, spec_of)
 
-# every schedule of our registry: a new entry is measured with no change here; and the variants a flag makes of
-# one (name -> (schedule, --enable-optimizer-post-validation))
-VARIANTS: dict[str, tuple[str, bool]] = {"zb-h2-pv": ("zb-h2", True), "zb-v-pv": ("zb-v", True)}
-OURS = (*SCHEDULES, *VARIANTS)
+# every schedule of our registry, and the ids the planner prices (``zb-h2+pv``: with post-validation): a new
+# entry is measured with no change here
+OURS = PLANNED_SCHEDULES
 # torch's systems: (torch.distributed.pipelining class, our registry's counterpart, model chunks per rank,
 # stage-to-rank style); adding one is one line here
 TORCH: dict[str, tuple[str, str, int, str]] = {
@@ -80,14 +80,6 @@ MODELS = {
 LR = 1e-4
 CLIP = 1.0  # the default of --clip, Megatron's
 WD = 0.01
-
-
-def spec_of(system: str):
-    """Our system's schedule spec (a variant's: its schedule with its flag)."""
-    from megatron_2bw.pipeline.schedules import get_schedule
-
-    name, pv = VARIANTS.get(system, (system, False))
-    return get_schedule(name, post_validation=pv)
 
 
 def _fallback_bubble(system: str, d: int, m: int) -> float:
@@ -250,7 +242,7 @@ class EngineRunner(Runner):
         self.ctx, self.m = ctx, m
         state = ParallelState.single() if single else ctx.state
         d, r = state.d, state.pp_rank
-        schedule, pv = VARIANTS.get(schedule, (schedule, False))
+        schedule, pv = parse_schedule_id(schedule)
         chunks = getattr(SCHEDULES[schedule], "chunks", 1) if not single else 1
         extra = {"virtual_stages": chunks} if chunks > 1 else {}
         pipe = PipelineConfig(schedule, ctx.b, m, recompute=False, track_memory=ctx.conf["track_memory"],
@@ -547,7 +539,7 @@ def worker(conf: dict) -> dict:
         if s in OURS:
             from megatron_2bw.pipeline.schedules import validate_pipeline
 
-            name, pv = VARIANTS.get(s, (s, False))
+            name, pv = parse_schedule_id(s)
             validate_pipeline(name, d, m, post_validation=pv)  # one line naming what the schedule needs (e.g. m >= d)
             chunks = spec_of(s).chunks
             if L % (d * chunks):
@@ -843,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip", type=float, default=CLIP,
                    help="global-norm clipping of every system (Megatron's 1.0; clips every step on these random "
                         "tokens, whose norms run 1.3-2.6; a larger value is the stable-training regime where it never "
-                        "does, which post-validation (zb-h2-pv) assumes)")
+                        "does, which post-validation (zb-h2+pv) assumes)")
     p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
     p.add_argument("--models", nargs="+", choices=(*MODELS, "custom"), default=list(MODELS),
                    help="named models (custom: the --layers/--hidden/... flags)")

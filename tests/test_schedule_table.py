@@ -53,12 +53,12 @@ def test_another_clipping_is_a_row_of_its_own(tmp_path):
     2BW of its own run."""
     _write(tmp_path / "throughput.json", "2026-11-01T00:00:00Z", [
         {"system": "2bw", "d": 2, "m": 4, "samples_per_sec": 20.0},
-        {"system": "zb-h2-pv", "d": 2, "m": 4, "samples_per_sec": 17.0, "ratio_vs_2bw": 0.85}])
+        {"system": "zb-h2+pv", "d": 2, "m": 4, "samples_per_sec": 17.0, "ratio_vs_2bw": 0.85}])
     (tmp_path / "throughput_stable.json").write_text(json.dumps({
         "machine": {"date_utc": "2026-12-01T00:00:00Z"}, "config": {"clip": 5.0},
         "results": [{"system": "2bw", "d": 2, "m": 4, "samples_per_sec": 21.0},
-                    {"system": "zb-h2-pv", "d": 2, "m": 4, "samples_per_sec": 20.5, "ratio_vs_2bw": 0.97}]}))
-    rows = schedule_table.schedule_rows(str(tmp_path), ("zb-h2-pv",))
+                    {"system": "zb-h2+pv", "d": 2, "m": 4, "samples_per_sec": 20.5, "ratio_vs_2bw": 0.97}]}))
+    rows = schedule_table.schedule_rows(str(tmp_path), ("zb-h2+pv",))
     assert [(r[3], r[4], r[8]) for r in rows] == [("1", "17.00", "0.850"), ("5", "20.50", "0.970")]
 
 

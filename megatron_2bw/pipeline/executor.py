@@ -500,7 +500,7 @@ class PipelineStage:
 
     def _settled(self, t: int, update, lr: float) -> StepResult:
         """Step ``t``'s result, once its update is final; whether the next step may speculate."""
-        self._clean = not update.skipped and not (self.opt.clip_grad > 0 and update.norm > self.opt.clip_grad)
+        self._clean = not update.skipped and not self.updater.clips(update.norm)
         acc = self._losses.pop(t, None)
         means = self._means(acc, self.pipe.num_microbatches)
         comps = {k: v for k, v in means.items() if k != "loss"} if means is not None else None

@@ -172,7 +172,7 @@ class Updater:
         scale = self._scales.get(step, self.scaler.scale)
         overflow = not math.isfinite(sumsq)
         norm = math.sqrt(sumsq) / scale if not overflow else float("inf")
-        if not overflow and self._multiplier(scale, norm) == 1.0 / scale:
+        if not overflow and not self.clips(norm):
             self._scales.pop(step, None)
             self.scaler.update(False)
             self.weights.grad_flat[self.weights.grad_buffer(step)].zero_()
@@ -188,10 +188,14 @@ class Updater:
             self.reducer.gather(src, self.weights.padded_flat[src])
         return self.apply(step, sumsq, lr), True
 
+    def clips(self, norm: float) -> bool:
+        """Whether an unscaled global norm ``norm`` is clipped (``--clip-grad``)."""
+        return self.opt.clip_grad > 0 and norm > self.opt.clip_grad
+
     def _multiplier(self, scale: float, norm: float) -> float:
         """Unscale, and clip by the global norm."""
         mult = 1.0 / scale
-        if self.opt.clip_grad > 0 and norm > self.opt.clip_grad:
+        if self.clips(norm):
             mult *= self.opt.clip_grad / (norm + 1e-6)
         return mult
 
