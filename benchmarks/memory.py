@@ -65,8 +65,8 @@ def worker(conf: dict) -> list[dict]:
     tokens = common.token_pool(cfg, 32, b)
     batches = [spec.make_batch(t) for t in tokens]
     out = []
-    from megatron_2bw.models.stages import chunk_ranges
-    from megatron_2bw.pipeline.schedules import get_schedule
+    from megatron_2bw.schedule.stages import chunk_ranges
+    from megatron_2bw.schedule.schedules import get_schedule
 
     for m in conf["ms"]:
         for schedule in conf.get("schedules", SCHEDULES):
@@ -130,7 +130,7 @@ def summarize(raw: list[dict], conf: dict) -> tuple[list[dict], str | None]:
         a_in_k = 0 if k == 0 else a_in  # stage 0's input is token ids (not counted by the engine)
         versions = 2 if s == "2bw" else 1
         if s not in SCHEDULES:  # the paper has no formula for the split-backward schedules: the planner's
-            from megatron_2bw.pipeline.schedules import get_schedule
+            from megatron_2bw.schedule.schedules import get_schedule
             n = get_schedule(s).inflight(d, k, m)
             paper_act = exact_act = None
         elif s == "2bw":
@@ -322,7 +322,7 @@ def stage_numel(cfg, d: int, stage: int) -> int:
 def state_formula(cfg, r: dict) -> dict:
     """Weights x versions, gradients x buffers (fp32 with bf16), and the master (half precision only) and
     Adam's two moments on ceil(N/w) elements with the distributed optimizer, N without."""
-    from megatron_2bw.pipeline.schedules import get_schedule
+    from megatron_2bw.schedule.schedules import get_schedule
 
     spec = get_schedule(r["schedule"])
     n = stage_numel(cfg, r["d"], r["stage"])

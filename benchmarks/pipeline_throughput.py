@@ -53,7 +53,7 @@ import time
 import common
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package beside benchmarks/
-from megatron_2bw.pipeline.schedules import (  # noqa: E402  (pure data: no torch.distributed)
+from megatron_2bw.schedule.schedules import (  # noqa: E402  (pure data: no torch.distributed)
     PLANNED_SCHEDULES, SCHEDULES, parse_schedule_id, spec_of)
 
 # every schedule of our registry, and the ids the planner prices (``zb-h2+pv``: with post-validation): a new
@@ -250,7 +250,7 @@ class EngineRunner(Runner):
         opt = OptimizerConfig("adam", lr=LR, weight_decay=WD, clip_grad=ctx.conf["clip"], dtype="fp32")
         spec = spec or ctx.spec
         if chunks > 1:
-            from megatron_2bw.models.stages import chunk_ranges
+            from megatron_2bw.schedule.stages import chunk_ranges
 
             place = SCHEDULES[schedule].placement(d)
             ranges = chunk_ranges(ctx.cfg.num_layers, place.stages_of(r), place.num_stages)
@@ -537,7 +537,7 @@ def worker(conf: dict) -> dict:
                 return None
             return SingleRunner(ctx, m) if s == "single" else EngineRunner(ctx, "flush", m, single=True)
         if s in OURS:
-            from megatron_2bw.pipeline.schedules import validate_pipeline
+            from megatron_2bw.schedule.schedules import validate_pipeline
 
             name, pv = parse_schedule_id(s)
             validate_pipeline(name, d, m, post_validation=pv)  # one line naming what the schedule needs (e.g. m >= d)

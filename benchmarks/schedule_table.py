@@ -1,6 +1,6 @@
 """The measured-throughput table of docs/planner.md's "Which schedule" section, from docs/data.
 
-Every pipeline schedule of the registry (``pipeline/schedules.py``) gets its measured samples/s per
+Every pipeline schedule of the registry (``schedule/schedules.py``) gets its measured samples/s per
 (d, m), taken from the newest ``docs/data/throughput*.json`` that measured that (d, m), beside Flush,
 torch's ``Schedule1F1B`` and torch's counterpart of the schedule in the same file (the benchmark runs
 them in one process, in alternating rounds, so the ratios are fair), and each stage's measured idle
@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES  # noqa: E402
 
 DOC = os.path.join(REPO, "docs", "planner.md")
 JSON_DIR = os.path.join(REPO, "docs", "data")

@@ -27,8 +27,8 @@ from .config import (
 from .errors import ConfigError, run_cli
 from .flags import FLAGS, MEGATRON_DROPOUT, MODEL, TOOL_MODEL_FLAGS, Flag
 from .models.presets import GPT2_VOCAB, get_preset
-from .models.stages import split_from_args, virtual_stages
-from .pipeline.schedules import parse_schedule_id
+from .schedule.stages import split_from_args, virtual_stages
+from .schedule.schedules import parse_schedule_id
 from .yaml_cfg import expand_yaml_cfg, explain_unrecognized
 
 __all__ = [

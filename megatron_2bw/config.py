@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from .errors import ConfigError
-from .models.stages import canonical_split, check_virtual_split, layers_per_stage
-from .pipeline.recompute_policy import RecomputePolicy, check_recompute
-from .pipeline.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule, parse_schedule_id
+from .schedule.stages import canonical_split, check_virtual_split, layers_per_stage
+from .schedule.recompute_policy import RecomputePolicy, check_recompute
+from .schedule.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule, parse_schedule_id
 
 
 # fp16's largest finite value: a constant loss scale above it overflows every scaled loss >= 1.
@@ -305,9 +305,9 @@ class PipelineConfig:
     compensation: str = "none"  # 2BW only: none, predict, dc, ef or extrapolate (pipeline/compensation.py)
     dc_lambda: float = 0.04  # lambda of compensation "dc"
     ef_scale: float = 1.0  # gamma of "ef" (applied D_t + gamma (D_t - D_{t-1})) and of "extrapolate" (g_t + gamma (g_t - g_{t-1}))
-    # transformer layers of each stage (models/stages.py); None: the even split
+    # transformer layers of each stage (schedule/stages.py); None: the even split
     layer_split: tuple[int, ...] | None = None
-    # recomputation inside a stage (pipeline/recompute_policy.py); ``recompute`` re-runs whole stages
+    # recomputation inside a stage (schedule/recompute_policy.py); ``recompute`` re-runs whole stages
     recompute_granularity: str | None = None  # full or selective
     recompute_method: str | None = None  # uniform or block (full only)
     recompute_num_layers: int | None = None

@@ -15,8 +15,8 @@ from .config import ATTENTION_BACKENDS
 from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
                      P2P_MODES, POSITION_EMBEDDING_TYPES)
 from .models.presets import GPT2_VOCAB, PRESETS
-from .models.stages import format_split, parse_split
-from .pipeline.schedules import SCHEDULE_NAMES
+from .schedule.stages import format_split, parse_split
+from .schedule.schedules import SCHEDULE_NAMES
 from .yaml_cfg import YAML_FLAG
 
 DEVICES = ("auto", "cpu", "cuda")

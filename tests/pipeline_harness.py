@@ -15,10 +15,10 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.models.stages import chunk_ranges, stage_range
+from megatron_2bw.schedule.stages import chunk_ranges, stage_range
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.executor import PipelineStage
-from megatron_2bw.pipeline.schedules import get_schedule
+from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker

@@ -18,7 +18,7 @@ from megatron_2bw.planner.auto_plan import PlanChoice, auto_plan_details
 from megatron_2bw.planner.efficiency import EfficiencyCurve
 from megatron_2bw.planner.hardware import Cluster
 from megatron_2bw.planner.layer_costs import BlockCost, LayerCosts, MicrobatchCosts
-from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 
 TRAIN = ["--train-iters", "1", "--lr", "1e-3", "--device", "cpu", "--data-path", "d", "--tokenizer-type",
          "SentencePieceTokenizer", "--tokenizer-model", "t.model"]  # checked, never opened: no files needed

@@ -14,7 +14,7 @@ from megatron_2bw.export.checkpoints import trainer_model_config
 from megatron_2bw.export.megatron_format import read_rank_files
 from megatron_2bw.export.trainer_format import newest_weights
 from megatron_2bw.models.spec import ModelSpec, run_layers
-from megatron_2bw.models.stages import stage_range
+from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
 
 @pytest.fixture(scope="module")

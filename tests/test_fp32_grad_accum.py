@@ -12,8 +12,8 @@ from torch import nn
 import pipeline_harness
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.export.names import WORD
-from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from megatron_2bw.schedule.recompute_policy import RecomputePolicy
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 
 # one model chunk per rank: these compare against a one-stage run, which a chunked schedule (interleaved,
 # V) cannot be; tests/test_interleaved_numerics.py covers those against the single process

@@ -24,12 +24,13 @@ import threading
 import pytest
 import torch
 
-from megatron_2bw.pipeline import grad_reducer, schedules, zero
-from megatron_2bw.pipeline.actions import Action, Op
+from megatron_2bw.pipeline import grad_reducer, zero
+from megatron_2bw.schedule import schedules
+from megatron_2bw.schedule.actions import Action, Op
 from megatron_2bw.pipeline.grad_reducer import GradReducer
-from megatron_2bw.pipeline.grouping import comm_groups
-from megatron_2bw.pipeline.replay import BLOCKED, Rendezvous, Replay, ScheduleError, Timing
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, stage_actions
+from megatron_2bw.schedule.grouping import comm_groups
+from megatron_2bw.schedule.replay import BLOCKED, Rendezvous, Replay, ScheduleError, Timing
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, stage_actions
 from megatron_2bw.pipeline.zero import ShardLayout
 
 

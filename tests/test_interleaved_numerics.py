@@ -21,7 +21,7 @@ from multiproc import run_workers
 from pipeline_harness import train_tiny
 from test_pipeline_layouts import compare
 
-from megatron_2bw.pipeline.schedules import get_schedule
+from megatron_2bw.schedule.schedules import get_schedule
 
 NAME = "interleaved-1f1b"
 KW = dict(steps=3, lr=1e-3, global_batch=8)

@@ -19,7 +19,7 @@ from megatron_2bw.export.model_io import build_full_model, global_state_dict
 from megatron_2bw.flags import FLAGS
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
-from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
 

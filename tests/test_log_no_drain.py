@@ -20,9 +20,9 @@ import os
 import pytest
 
 from e2e import corpus, train_args  # noqa: F401
-from megatron_2bw.pipeline.actions import Op
+from megatron_2bw.schedule.actions import Op
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.schedules import (SCHEDULE_NAMES, STOP_LAG, cut_segment, stage_actions,
+from megatron_2bw.schedule.schedules import (SCHEDULE_NAMES, STOP_LAG, cut_segment, stage_actions,
                                               validate_pipeline)
 from megatron_2bw.pipeline.transport import Transport
 from megatron_2bw.training.health import EXIT_UNHEALTHY

@@ -148,7 +148,7 @@ def test_zero_bubble_ratios_are_priced_by_the_registry(monkeypatch):
     by exactly the bubble difference, computed here by hand from Flush's prediction."""
     from dataclasses import dataclass, replace as dc_replace
 
-    from megatron_2bw.pipeline.schedules import SCHEDULES, get_schedule
+    from megatron_2bw.schedule.schedules import SCHEDULES, get_schedule
     from megatron_2bw.planner.cost_model import predict
     from megatron_2bw.planner.hardware import load_cluster
     from megatron_2bw.planner.layer_costs import analytic_layer_costs

@@ -113,7 +113,7 @@ def test_recompute_policies_add_the_forward_they_rerun():
     attention core of 0.25 s inside the forward."""
     from dataclasses import replace
 
-    from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+    from megatron_2bw.schedule.recompute_policy import RecomputePolicy
     costs = replace(COSTS, layer=replace(COSTS.layer, core_forward_s=0.25, tp_allreduce_forward_bytes=7))
 
     def compute(policy):

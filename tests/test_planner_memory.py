@@ -125,7 +125,7 @@ def test_recompute_policies_inside_stages():
     layer keeps 10 bytes, 4 of them its attention core, and its input is 1 byte."""
     from dataclasses import replace
 
-    from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+    from megatron_2bw.schedule.recompute_policy import RecomputePolicy
     costs = replace(COSTS, layer=replace(COSTS.layer, core_stash_bytes=4, core_forward_s=0.25))
     n = in_flight("2bw", 4, 8, 1)
     assert n == 3

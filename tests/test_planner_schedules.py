@@ -22,7 +22,7 @@ from megatron_2bw.planner.layer_costs import (
 )
 from megatron_2bw.planner.memory_model import Candidate, stage_memory
 from megatron_2bw.planner.search import PlanRequest, batch_time_lower_bound, search
-from megatron_2bw.pipeline.schedules import SCHEDULES, ScheduleSpec
+from megatron_2bw.schedule.schedules import SCHEDULES, ScheduleSpec
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.schedules import PLANNED_SCHEDULES, SCHEDULE_NAMES
+from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, SCHEDULE_NAMES
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.report import paper_model
 from megatron_2bw.planner.search import PlanRequest, candidates, default_costs, pipeline_depths, search, tensor_sizes

@@ -19,11 +19,11 @@ import pytest
 
 from megatron_2bw.config import PipelineConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.actions import Op, format_actions
-from megatron_2bw.pipeline.checker import ScheduleError, check_actions, check_schedule
-from megatron_2bw.pipeline.grouping import check_grouped
-from megatron_2bw.pipeline.replay import Replay, Timing
-from megatron_2bw.pipeline.schedules import get_schedule, stage_actions
+from megatron_2bw.schedule.actions import Op, format_actions
+from megatron_2bw.schedule.checker import ScheduleError, check_actions, check_schedule
+from megatron_2bw.schedule.grouping import check_grouped
+from megatron_2bw.schedule.replay import Replay, Timing
+from megatron_2bw.schedule.schedules import get_schedule, stage_actions
 from multiproc import run_workers
 from pipeline_harness import train_tiny
 from test_pipeline_layouts import compare

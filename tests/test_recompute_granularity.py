@@ -12,9 +12,9 @@ from megatron_2bw.config import PipelineConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.models.stages import stage_slice
-from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from megatron_2bw.schedule.stages import stage_slice
+from megatron_2bw.schedule.recompute_policy import RecomputePolicy
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 
 # one model chunk per rank: these compare against a one-stage run, which a chunked schedule (interleaved,
 # V) cannot be; tests/test_interleaved_numerics.py covers those against the single process

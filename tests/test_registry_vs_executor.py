@@ -11,7 +11,7 @@ from multiproc import run_workers
 from pipeline_harness import train_tiny
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 from megatron_2bw.planner.memory_model import in_flight, weight_versions
 
 MICROBATCHES = (4, 8)

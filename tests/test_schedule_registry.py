@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.actions import Op
-from megatron_2bw.pipeline.checker import check_actions
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, get_schedule, stage_actions, validate_pipeline
+from megatron_2bw.schedule.actions import Op
+from megatron_2bw.schedule.checker import check_actions
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, SCHEDULES, get_schedule, stage_actions, validate_pipeline
 from megatron_2bw.planner.cost_model import bubble_slots
 from megatron_2bw.planner.memory_model import Candidate, in_flight, weight_versions
 from megatron_2bw.planner.simulator import StageCosts, simulate
@@ -114,7 +114,7 @@ def test_staleness_and_minimum_microbatches(name):
 # Library files that must read schedule facts from the registry instead of restating them.
 ROOT = Path(__file__).resolve().parents[1] / "megatron_2bw"
 REGISTRY_USERS = [
-    "pipeline/checker.py", "pipeline/grouping.py", "pipeline/replay.py", "pipeline/actions.py", "models/stages.py",
+    "schedule/checker.py", "schedule/grouping.py", "schedule/replay.py", "schedule/actions.py", "schedule/stages.py",
     "planner/memory_model.py", "planner/cost_model.py", "planner/search.py", "planner/simulator.py",
     "planner/timeline.py", "planner/layer_costs.py", "planner/efficiency.py", "planner/hardware.py",
     "pipeline/executor.py", "pipeline/weights.py", "pipeline/updater.py", "pipeline/transport.py",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.actions import Action, Op, format_actions, parse_actions
-from megatron_2bw.pipeline.checker import ScheduleError, check_actions, check_schedule
-from megatron_2bw.pipeline.schedules import bubble_fraction, get_schedule, inflight_limit, stage_actions
+from megatron_2bw.schedule.actions import Action, Op, format_actions, parse_actions
+from megatron_2bw.schedule.checker import ScheduleError, check_actions, check_schedule
+from megatron_2bw.schedule.schedules import bubble_fraction, get_schedule, inflight_limit, stage_actions
 
 NUM_STEPS = 3
 

@@ -11,8 +11,8 @@ import pytest
 
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
-from megatron_2bw.pipeline.actions import Op
-from megatron_2bw.pipeline.schedules import bubble_fraction, inflight_limit
+from megatron_2bw.schedule.actions import Op
+from megatron_2bw.schedule.schedules import bubble_fraction, inflight_limit
 from megatron_2bw.planner.cost_model import predict
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts, analytic_microbatch_costs
@@ -105,7 +105,7 @@ def test_refuses_what_the_engine_refuses():
         simulate("flush", 2, 2, uniform(3))
     with pytest.raises(ConfigError):
         StageCosts(-1.0, 1.0)
-    from megatron_2bw.pipeline.actions import parse_actions
+    from megatron_2bw.schedule.actions import parse_actions
 
     bad = [parse_actions("F0v0 SA0 F1v0 SA1 RG1 B1v0 RG0 B0v0 R0 U0", 2), parse_actions("RA0 F0v0 B0v0 SG0 RA1 F1v0 B1v0 SG1 R0 U0", 2)]
     with pytest.raises(SimulationError, match="microbatch"):

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
-from megatron_2bw.pipeline.recompute_policy import RecomputePolicy
+from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 from pipeline_harness import _dataset

@@ -23,7 +23,7 @@ import torch
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
-from megatron_2bw.pipeline.actions import Op
+from megatron_2bw.schedule.actions import Op
 from megatron_2bw.pipeline.executor import PipelineStage
 from megatron_2bw.planner.simulator import StageCosts, simulate
 from megatron_2bw.tensor_parallel.group import TPGroup

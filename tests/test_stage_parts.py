@@ -18,10 +18,10 @@ from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.export.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.models.stages import stage_range
-from megatron_2bw.pipeline.grouping import COMM_OPS, comm_groups
+from megatron_2bw.schedule.stages import stage_range
+from megatron_2bw.schedule.grouping import COMM_OPS, comm_groups
 from megatron_2bw.pipeline.recompute import RNGSnapshot
-from megatron_2bw.pipeline.schedules import stage_actions
+from megatron_2bw.schedule.schedules import stage_actions
 from megatron_2bw.pipeline.transport import Transport
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import GlobalNames, StageWeights, sized_weights

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from megatron_2bw.pipeline.actions import Action, Op
+from megatron_2bw.schedule.actions import Action, Op
 from megatron_2bw.pipeline.transport import Incoming, Transport
 from multiproc import run_workers
 

@@ -18,7 +18,7 @@ from megatron_2bw.cli import build_config, parse_args, to_argv
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import GPT2_VOCAB
-from megatron_2bw.models.stages import (
+from megatron_2bw.schedule.stages import (
     canonical_split, format_split, layers_per_stage, megatron_split, min_layers, stage_range, stage_slice,
 )
 from megatron_2bw.planner.cost_model import predict, stage_time

@@ -15,9 +15,9 @@ import random
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.actions import format_actions, parse_actions
-from megatron_2bw.pipeline.checker import ScheduleError, check_actions
-from megatron_2bw.pipeline.schedules import get_schedule, stage_actions
+from megatron_2bw.schedule.actions import format_actions, parse_actions
+from megatron_2bw.schedule.checker import ScheduleError, check_actions
+from megatron_2bw.schedule.schedules import get_schedule, stage_actions
 from megatron_2bw.planner.simulator import StageCosts, simulate
 from multiproc import run_workers
 from pipeline_harness import train_tiny
@@ -258,7 +258,7 @@ def test_fp16_overflow_skips_and_backs_off_like_flush():
 def test_bubble_time_shortcuts_match_the_full_replay():
     """The planner's zero-bubble price replays at most 4d microbatches on times relative to f rounded to
     1e-3: against the full replay at random costs and m past 4d, within 0.2% (the rounding's reach)."""
-    from megatron_2bw.pipeline.schedules import _replayed_bubble
+    from megatron_2bw.schedule.schedules import _replayed_bubble
 
     rng = random.Random(0)
     for _ in range(40):

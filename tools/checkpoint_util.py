@@ -43,8 +43,8 @@ from megatron_2bw.export.trainer_reshard import (
     read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
 )
 from megatron_2bw.training.dist_checkpoint import CKPT_FORMATS, is_dist_checkpoint
-from megatron_2bw.models.stages import check_virtual_split
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES, get_schedule
+from megatron_2bw.schedule.stages import check_virtual_split
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

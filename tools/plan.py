@@ -48,7 +48,7 @@ from megatron_2bw.planner.report import (
     plan_json, describe,
 )
 from megatron_2bw.planner.search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, search
-from megatron_2bw.pipeline.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDULE_NAMES, spec_of
+from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDULE_NAMES, spec_of
 
 
 def build_parser() -> argparse.ArgumentParser:

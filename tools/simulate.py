@@ -5,7 +5,7 @@
     python tools/simulate.py --schedule flush --d 4 --m 8 --model-preset gpt-2.2b --cluster dgx-h200 \\
         --precision bf16 --b 4 --recompute --png flush.png
 
-It runs the engine's own per-stage action lists (``pipeline/schedules.py``) with per-action times:
+It runs the engine's own per-stage action lists (``schedule/schedules.py``) with per-action times:
 forward/backward from the profile (or the analytic estimate of ``layer_costs.py`` without one),
 transfers over the cluster's links, the optimizer step and the gradient all-reduces (which 2BW
 overlaps with the next step). The cost model's closed-form prediction is printed beside it.
@@ -22,11 +22,11 @@ import sys
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.pipeline.schedules import SCHEDULE_NAMES
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES
 from megatron_2bw.planner.cost_model import predict
 from megatron_2bw.planner.hardware import GiB, load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
-from megatron_2bw.models.stages import canonical_split, format_split, parse_split
+from megatron_2bw.schedule.stages import canonical_split, format_split, parse_split
 from megatron_2bw.planner.memory_model import Candidate, ParamBytes
 from megatron_2bw.planner.split import balanced_split
 from megatron_2bw.planner.profiler import load_full_profile

@@ -18,7 +18,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..models.stages import stage_range
+from ..schedule.stages import stage_range
 from .hf_format import load_hf_dir, save_hf_dir
 from .megatron_format import (
     Exported, find_iteration_dir, rank_weights, read_megatron_dir, read_rank_files, write_megatron_dir,

@@ -23,7 +23,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..models.stages import stage_range
+from ..schedule.stages import stage_range
 from .megatron_format import (
     CHECKPOINT_VERSION, Exported, config_from_args, find_iteration_dir, megatron_args, read_rank_files,
     write_rank_files,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..models.stages import stage_range
+from ..schedule.stages import stage_range
 
 WORD = "0.word.weight"
 POSITION = "0.position"

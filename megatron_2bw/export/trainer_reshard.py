@@ -22,8 +22,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..models.stages import check_virtual_split
-from ..pipeline.schedules import get_schedule
+from ..schedule.stages import check_virtual_split
+from ..schedule.schedules import get_schedule
 from ..training import manifest
 from . import trainer_format
 from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir, read_rank_files

@@ -17,10 +17,10 @@ from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
 from . import bert, gpt
 from .embedding import Embedding
-from ..pipeline.placement import Placement
-from ..pipeline.recompute_policy import RecomputePolicy
+from ..schedule.placement import Placement
+from ..schedule.recompute_policy import RecomputePolicy
 from .transformer import TransformerLayer, apply_recompute
-from .stages import chunk_ranges, stage_range
+from ..schedule.stages import chunk_ranges, stage_range
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ModelSpec:
     seed: int
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
-    split: tuple[int, ...] | None = None  # layers per stage (models/stages.py); None: even
+    split: tuple[int, ...] | None = None  # layers per stage (schedule/stages.py); None: even
     recompute: RecomputePolicy | None = None  # recomputation inside the stage (pipeline/recompute.py)
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
 
@@ -90,7 +90,7 @@ class ModelSpec:
         return (lambda: self.build_chunks(ranges)), ranges
 
     def stage_range(self, d: int, r: int) -> tuple[int, int]:
-        """Half-open range of layer-list indices of stage ``r`` of ``d`` (``models/stages.py``)."""
+        """Half-open range of layer-list indices of stage ``r`` of ``d`` (``schedule/stages.py``)."""
         return stage_range(self.cfg.num_layers, d, r, self.split)
 
     def loss_fn(self) -> Callable[[object, dict], torch.Tensor]:

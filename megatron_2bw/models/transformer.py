@@ -13,7 +13,7 @@ from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 from ..pipeline.recompute import checkpointed
-from ..pipeline.recompute_policy import RecomputePolicy
+from ..schedule.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
 from .attention_core import attention
 from .norms import norm

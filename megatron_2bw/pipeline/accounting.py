@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .actions import COMPUTE_OPS
+from ..schedule.actions import COMPUTE_OPS
 from .transport import RECV_OPS
 
 

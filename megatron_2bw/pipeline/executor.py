@@ -40,12 +40,12 @@ from ..config import OptimizerConfig, PipelineConfig
 from ..parallel_state import ParallelState
 from ..tensor_parallel.random import RNGTracker
 from .accounting import SavedBytes, StageStats, clock_units
-from .actions import Action, Op
+from ..schedule.actions import Action, Op
 from .grad_reducer import GradReducer
-from .grouping import comm_groups
+from ..schedule.grouping import comm_groups
 from .recompute import RNGSnapshot
-from .placement import group_key
-from .schedules import cut_segment, get_schedule, stage_actions
+from ..schedule.placement import group_key
+from ..schedule.schedules import cut_segment, get_schedule, stage_actions
 from .saved_release import BoxedSaves, release_unread
 from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight, take_groups
 from .transport import RECV_OPS, SEND_OPS, Incoming, Transport

@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .actions import Action, Op
-from .grouping import comm_groups
+from ..schedule.actions import Action, Op
+from ..schedule.grouping import comm_groups
 
 RECV_OPS: frozenset[Op] = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 SEND_OPS: frozenset[Op] = frozenset({Op.SEND_ACT, Op.SEND_GRAD})

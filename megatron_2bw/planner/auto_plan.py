@@ -39,10 +39,10 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..config import Layout, ModelConfig
-from ..pipeline.recompute_policy import RecomputePolicy
+from ..schedule.recompute_policy import RecomputePolicy
 from ..errors import ConfigError
-from ..models.stages import format_split
-from ..pipeline.schedules import SCHEDULE_NAMES
+from ..schedule.stages import format_split
+from ..schedule.schedules import SCHEDULE_NAMES
 from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported

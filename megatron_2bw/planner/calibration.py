@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..pipeline.recompute_policy import RecomputePolicy
+from ..schedule.recompute_policy import RecomputePolicy
 from .hardware import GiB, load_cluster
 from .layer_costs import analytic_layer_costs
 from .memory_model import Candidate, ParamBytes, plan_memory

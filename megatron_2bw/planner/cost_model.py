@@ -62,9 +62,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.stages import StageSlice
-from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import spec_of
+from ..schedule.stages import StageSlice
+from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.schedules import spec_of
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params

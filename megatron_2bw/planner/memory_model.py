@@ -13,15 +13,15 @@ recomputation formula's separate ``d * A_input`` (the received tensor) is not co
 Recomputation is our engine's: each in-flight microbatch keeps only what the stage received (token
 ids on the first stage), and the backward re-runs the whole stage, embedding and head included. The
 count of microbatches in flight per stage and the weight versions come from the schedule's
-``ScheduleSpec`` (``pipeline/schedules.py``); a non-pipelined sequential run holds one. The layers of
-each stage come from ``models/stages.py``'s split: the even one, or ``Candidate.layer_split``. The
+``ScheduleSpec`` (``schedule/schedules.py``); a non-pipelined sequential run holds one. The layers of
+each stage come from ``schedule/stages.py``'s split: the even one, or ``Candidate.layer_split``. The
 ``slice_*`` functions take a stage's contents directly, so ``planner/split.py`` can price a stage with
 any number of layers before a whole split exists.
 
 Schedules beyond the paper's read the same ``ScheduleSpec`` (no schedule names here):
 
 - ``inflight`` counts FORWARD actions not yet backwarded, as the checker counts them
-  (``pipeline/checker.py``): one unit is one microbatch through one *chunk*. With ``chunks`` model chunks
+  (``schedule/checker.py``): one unit is one microbatch through one *chunk*. With ``chunks`` model chunks
   per rank (interleaved 1F1B, V layouts) a rank's layers are split over its chunks, so a unit holds
   ``1/chunks`` of the rank's per-microbatch stash; the planner converts to whole-rank microbatches
   (``rank_units``). With one chunk a unit is a whole-rank microbatch, as before.
@@ -77,9 +77,9 @@ from ..config import CKPT_GATHER_CHUNK
 from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
 from ..config import resolve_compensation
 from ..errors import ConfigError
-from ..models.stages import Split, StageSlice, stage_slice
-from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import SCHEDULES, parse_schedule_id, spec_of, validate_pipeline
+from ..schedule.stages import Split, StageSlice, stage_slice
+from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.schedules import SCHEDULES, parse_schedule_id, spec_of, validate_pipeline
 from .layer_costs import MicrobatchCosts
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.

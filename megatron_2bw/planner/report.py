@@ -15,8 +15,8 @@ from ..cli import pretrain_argv, render
 from ..config import Layout, ModelConfig
 from ..errors import ConfigError
 from ..models.presets import get_preset
-from ..models.stages import format_split
-from ..pipeline.schedules import SCHEDULE_NAMES
+from ..schedule.stages import format_split
+from ..schedule.schedules import SCHEDULE_NAMES
 from ..training.flops import flops_per_step
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs

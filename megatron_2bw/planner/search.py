@@ -7,7 +7,7 @@ number of layers (``balance_stages``, the default: each candidate gets the split
 planner); ``d = 1`` is data/tensor parallelism without pipelining. For each: every
 power-of-two microbatch ``b`` up to a limit, recomputation on and off (plus, when asked,
 ``recompute_policies`` inside stages: ``FINER_RECOMPUTE``), each schedule of the registry
-(``pipeline/schedules.py``, priced through its ``ScheduleSpec``: ``bubble_time``, ``chunks``,
+(``schedule/schedules.py``, priced through its ``ScheduleSpec``: ``bubble_time``, ``chunks``,
 ``inflight``, ``deferred_weight_grads``, never by name; see ``cost_model``), and with ``w > 1`` the
 optimizer replicated or distributed (ZeRO-1: less memory, a shorter optimizer step). Gradients accumulate in the precision's default
 (``memory_model.fp32_grads_for``: fp32 for bf16, fp16 for fp16) unless ``fp32_grads`` says
@@ -36,8 +36,8 @@ from typing import Iterator
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
+from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
                                   parse_schedule_id, spec_of, validate_pipeline)
 from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster

@@ -1,7 +1,7 @@
 """Event-driven simulation of the engine's pipeline schedules, with times and memory.
 
 The simulator replays the very action lists the engine executes (``schedules.stage_actions``), one
-per stage, through the checker's replay core (``pipeline/replay.py``, FIFO channels) with a clock:
+per stage, through the checker's replay core (``schedule/replay.py``, FIFO channels) with a clock:
 
 - ``FORWARD`` / ``BACKWARD`` take the stage's per-microbatch time (from a profile or from the
   cost model's per-block times); with recomputation the backward includes the re-run forward.
@@ -46,10 +46,10 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
-from ..models.stages import Split, stage_slice
-from ..pipeline.actions import Action, Op
-from ..pipeline.replay import Replay, Timing
-from ..pipeline.schedules import get_schedule, parse_schedule_id, spec_of, stage_actions, validate_pipeline
+from ..schedule.stages import Split, stage_slice
+from ..schedule.actions import Action, Op
+from ..schedule.replay import Replay, Timing
+from ..schedule.schedules import get_schedule, parse_schedule_id, spec_of, stage_actions, validate_pipeline
 from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
 from .layer_costs import BlockCost, MicrobatchCosts

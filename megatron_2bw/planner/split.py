@@ -6,7 +6,7 @@ compute, tensor-parallel all-reduces and p2p; ``base`` carries the embedding on 
 head and loss on the last and the boundary transfers). A pipeline runs at the pace of its slowest
 stage, so the split minimises ``max_r(base_r + n_r * slope_r)`` subject to ``sum n_r = L``, each
 stage's memory within the device's (``memory_model.slice_memory`` grows with ``n``) and at least
-one layer on every middle stage (``models/stages.py``).
+one layer on every middle stage (``schedule/stages.py``).
 
 For a bottleneck time ``T`` stage ``r`` can hold at most ``floor((T - base_r) / slope_r)`` layers
 (and at most its memory cap); ``T`` is feasible when those add up to ``L``. The optimum is one of
@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ..models.stages import Split, StageSlice, canonical_split, min_layers
+from ..schedule.stages import Split, StageSlice, canonical_split, min_layers
 from .cost_model import boundary_bandwidth, slice_time
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..pipeline.schedules import spec_of
+from ..schedule.schedules import spec_of
 from ..config import resolve_compensation
 from .memory_model import SEQUENTIAL, Candidate
 

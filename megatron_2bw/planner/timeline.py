@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..pipeline.actions import Op
+from ..schedule.actions import Op
 from .simulator import SimResult
 
 _US = 1e6

@@ -18,7 +18,7 @@ from dataclasses import replace
 from ..cli import data_config, lr_config, model_config, optimizer_config, precision_of, training_config
 from ..config import Layout
 from ..errors import ConfigError
-from ..models.stages import format_split, split_flags_given
+from ..schedule.stages import format_split, split_flags_given
 
 log = logging.getLogger("megatron_2bw")
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..export import megatron_format, trainer_format
-from ..models.stages import layers_per_stage
+from ..schedule.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
 from . import manifest, save_guard
 from .supervision import describe_save_failure, os_error_line

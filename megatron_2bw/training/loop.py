@@ -19,7 +19,7 @@ the segment). On every rank, before anything is saved, ``health.py`` judges each
 run stops with one line, exit 3, keeping the last good checkpoint) and an exit signal or
 ``--exit-duration-in-mins`` seen on any rank (``signals.py``) stops every rank at the same step,
 which saves and exits 0. Such a stop decided at the update of step ``u`` ends the segment at step
-count ``u + STOP_LAG`` (``pipeline/schedules.py``). At a drained boundary one more all-reduce
+count ``u + STOP_LAG`` (``schedule/schedules.py``). At a drained boundary one more all-reduce
 brings the evaluation loss to all ranks, and ``signals.exit_reason`` catches a signal that came
 after the segment's last update. The watchdog (``watchdog.py``) hears of progress at every
 microbatch and is paused while a checkpoint is written.
@@ -47,8 +47,8 @@ from ..export.names import WORD
 from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
-from ..pipeline.recompute_policy import RecomputePolicy
-from ..pipeline.schedules import STOP_LAG, get_schedule
+from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.schedules import STOP_LAG, get_schedule
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything

@@ -7,7 +7,7 @@ Generating the whole program up front lets the checker prove deadlock freedom, t
 the exact 2BW weight-version semantics for every (d, m) before a process runs it, and lets the executor
 be a dumb loop.
 
-Conventions (see :class:`~megatron_2bw.pipeline.actions.Action`): microbatches of step ``t`` are
+Conventions (see :class:`~megatron_2bw.schedule.actions.Action`): microbatches of step ``t`` are
 ``t*m .. t*m+m-1``; RECV_ACT(i) sits just before FORWARD(i), SEND_ACT(i) just after it; RECV_GRAD(j)
 just before BACKWARD(j), SEND_GRAD(j) just after it; stage 0 has no RECV_ACT / SEND_GRAD, stage d-1
 no SEND_ACT / RECV_GRAD. A schedule that splits its backward (``split_backward``) runs BACKWARD_INPUT(j)
