@@ -38,6 +38,7 @@ from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
 from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
+from megatron_2bw.export.outputs import OVERWRITE_HELP, check_dir, staged_dir
 from megatron_2bw.export.megatron_format import Exported, find_iteration_dir
 from megatron_2bw.export.trainer_reshard import (
     read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
@@ -63,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model chunks per pipeline rank of the target (interleaved-1f1b: model0, model1, ... per "
                         "file); default: the source's when the schedule stays, else the target schedule's")
     p.add_argument("--no-optimizer", action="store_true", help="convert the weights only")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch",
                    help="what a trainer checkpoint is written as (the trainer's --ckpt-format; the source's is read "
                         "from its files): torch_dist holds no layout, so the target sizes do not apply")
@@ -85,6 +87,19 @@ def run(argv: list[str]) -> str:
     if t < 1 or d < 1:
         raise ConfigError(f"target sizes must be >= 1, got tensor {t} and pipeline {d}")
     refuse_writing_into_source(args.load_dir, args.save_dir)
+    request = {"tool": "checkpoint_util", "load_dir": os.path.realpath(args.load_dir), "saver": args.saver,
+               "ckpt_format": args.ckpt_format}
+    check_dir(args.save_dir, request, overwrite=args.overwrite, flag="--save-dir")
+    final = os.path.abspath(args.save_dir)
+    with staged_dir(args.save_dir, request) as tmp:
+        line, where = convert(args, tmp)
+    return line.replace("{where}", where.replace(tmp, final))
+
+
+def convert(args: argparse.Namespace, out: str) -> tuple[str, str]:
+    """Read ``--load-dir`` and write it under ``out`` (the staging directory): (the summary line with a
+    ``{where}`` placeholder, the path it names)."""
+    t, d = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     dist_source = _is_dist(args.load_dir) and args.loader in (None, "megatron")
     if dist_source:
         ckpt = read_dist_checkpoint(args.load_dir)
@@ -102,26 +117,26 @@ def run(argv: list[str]) -> str:
                    "only: the source keeps it)")
     elif has_optimizer and not args.no_optimizer:
         ckpt = ckpt if dist_source else read_trainer_checkpoint(args.load_dir)
-        if args.ckpt_format == "torch_dist":
-            where = write_dist_checkpoint(args.save_dir, ckpt, schedule=args.target_schedule)
-            moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
-            return (f"wrote torch_dist trainer checkpoint at iteration {ex.iteration} to {where} (any layout) schedule "
-                    f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
-        where = write_trainer_checkpoint(args.save_dir, ckpt, t=t, d=d, schedule=args.target_schedule,
-                                         chunks=args.target_virtual_pipeline_parallel_size)
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
-        return (f"wrote trainer checkpoint at iteration {ex.iteration} to {where} t={t} d={d} schedule "
-                f"{args.target_schedule or ckpt.first['layout']['schedule']} with its engine state ({moved})")
+        schedule = args.target_schedule or ckpt.first["layout"]["schedule"]
+        if args.ckpt_format == "torch_dist":
+            where = write_dist_checkpoint(out, ckpt, schedule=args.target_schedule)
+            return (f"wrote torch_dist trainer checkpoint at iteration {ex.iteration} to {{where}} (any layout) "
+                    f"schedule {schedule} with its engine state ({moved})"), where
+        where = write_trainer_checkpoint(out, ckpt, t=t, d=d, schedule=args.target_schedule,
+                                         chunks=args.target_virtual_pipeline_parallel_size)
+        return (f"wrote trainer checkpoint at iteration {ex.iteration} to {{where}} t={t} d={d} schedule "
+                f"{schedule} with its engine state ({moved})"), where
     chunks = get_schedule(args.target_schedule or "flush", args.target_virtual_pipeline_parallel_size).chunks \
         if args.target_schedule or args.target_virtual_pipeline_parallel_size else 1
     if chunks > 1:
         check_virtual_split(ex.cfg.num_layers, d, chunks)
-    where = save_checkpoint(ex, args.save_dir, args.saver, t=t, d=d, schedule=args.target_schedule, chunks=chunks,
+    where = save_checkpoint(ex, out, args.saver, t=t, d=d, schedule=args.target_schedule, chunks=chunks,
                             transformer_impl=args.saver_transformer_impl)
     cfg = ex.cfg
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
-            f"at iteration {ex.iteration} to {where} as {args.saver}"
-            + (f" t={t} d={d}" if args.saver != "hf" else "") + dropped)
+            f"at iteration {ex.iteration} to {{where}} as {args.saver}"
+            + (f" t={t} d={d}" if args.saver != "hf" else "") + dropped), where
 
 
 def _is_dist(path: str) -> bool:

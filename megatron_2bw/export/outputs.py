@@ -1,0 +1,133 @@
+"""Where the offline tools write: never into another run's or another tool's files, always whole.
+
+Every tool that writes a directory (``checkpoint_util.py`` with each saver) builds it under a
+temporary sibling name and renames it into place at the end, so a failed run leaves the target as it
+was and a reader never sees half a model. Before any work it checks the target (:func:`check_dir`):
+
+- missing or empty: written;
+- its own earlier output (the marker file :data:`MARKER` this module writes, naming the same tool and
+  the same request, and nothing added since): replaced whole;
+- a directory holding another run's checkpoints (``latest_checkpointed_iteration.txt`` not written
+  here): refused, ``--overwrite`` or not: moving that run's pointer would make it resume elsewhere;
+- anything else non-empty: refused unless ``--overwrite``, which replaces the directory whole (no file
+  of the old contents is left beside the new ones).
+
+Tools that write files beside others (``preprocess_data.py``, ``train_tokenizer.py``, a benchmark's JSON)
+use :func:`check_files`: the files they would replace must be their own earlier output, or ``--overwrite``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from ..errors import ConfigError
+
+MARKER = ".megatron_2bw_output.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+OVERWRITE_HELP = "replace a non-empty target that is not this tool's earlier output (never another run's checkpoints)"
+
+
+def _read_marker(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _untouched_marker(path: str) -> dict | None:
+    """The marker of ``path`` when nothing was added or removed since it was written."""
+    doc = _read_marker(path)
+    if doc is None or sorted(set(os.listdir(path)) - {MARKER}) != sorted(doc.get("entries", [])):
+        return None
+    return doc
+
+
+def is_own_output(path: str, request: dict) -> bool:
+    """Whether ``path`` holds exactly what an earlier run of the same ``request`` wrote there."""
+    doc = _untouched_marker(path)
+    return doc is not None and doc.get("request") == request
+
+
+def _tracker_line(path: str) -> str:
+    try:
+        with open(os.path.join(path, TRACKER), encoding="utf-8") as f:
+            return f"{TRACKER} names iteration {f.read().strip() or '?'}"
+    except OSError:
+        return f"it has {TRACKER}"
+
+
+def _sample(entries: Sequence[str]) -> str:
+    shown = ", ".join(sorted(entries)[:3])
+    return shown + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+
+
+def check_dir(path: str, request: dict, *, overwrite: bool, flag: str) -> None:
+    """Refuse a target directory this request may not write (see the module's rules), before any work."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a directory: give a directory path")
+    entries = os.listdir(path)
+    if not entries or is_own_output(path, request):
+        return
+    own_pointer = (_untouched_marker(path) or {}).get("tool") == request.get("tool")
+    if TRACKER in entries and not own_pointer:
+        raise ConfigError(f"{flag} {path} holds another run's checkpoints ({_tracker_line(path)}): "
+                          f"{request['tool']} never moves another run's pointer; give a new or empty directory")
+    if not overwrite:
+        raise ConfigError(f"{flag} {path} is not empty ({_sample(entries)}) and is not an earlier output of this "
+                          f"{request['tool']} command: give a new or empty directory, or --overwrite to replace it whole")
+
+
+@contextmanager
+def staged_dir(path: str, request: dict) -> Iterator[str]:
+    """A temporary sibling of ``path`` to write into; on success it becomes ``path`` (an old one is replaced
+    whole, after the new one is complete), marked as ``request``'s output. On failure nothing changes."""
+    final = os.path.abspath(path)
+    parent = os.path.dirname(final)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp.", dir=parent)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot create ({e.strerror or e})") from None
+    try:
+        yield tmp
+        entries = sorted(os.listdir(tmp))
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            json.dump({"tool": request.get("tool"), "request": request, "entries": entries}, f, indent=1)
+            f.write("\n")
+        old = None
+        if os.path.lexists(final):
+            old = f"{final}.old.tmp.{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_files(paths: Sequence[str], *, overwrite: bool, flag: str, is_own: Callable[[], bool], tool: str) -> None:
+    """Refuse to replace existing ``paths`` unless they are this tool's earlier output (``is_own``) or ``--overwrite``."""
+    existing = [p for p in paths if os.path.lexists(p)]
+    if not existing or overwrite or is_own():
+        return
+    raise ConfigError(f"{flag}: {_sample(existing)} already exist and are not an earlier output of {tool}: give "
+                      "another name, or --overwrite to replace them")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """``text`` to ``path`` under a temporary name, then renamed."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
