@@ -273,3 +273,65 @@ __all__ = [
     "memory_from_stages", "memory_report_line", "parse_bubble", "peak_tflops_of", "saved_checkpoint_line", "timestamp",
     "train_log_line", "validation_line", "window_line", "window_losses",
 ]
+
+
+def _model_features(model) -> str:
+    """The model family's choices that change its numbers (GPT-2 style when none is on)."""
+    feats = []
+    if model.position_embedding_type == "rope":
+        pct = f" {model.rotary_percent:g} of each head" if model.rotary_percent != 1.0 else ""
+        feats.append(f"RoPE (base {model.rotary_base}{pct})")
+    else:
+        feats.append("learned positions")
+    feats.append("SwiGLU" if model.swiglu else "GELU")
+    feats.append(model.normalization)
+    if model.group_query_attention:
+        feats.append(f"GQA {model.query_groups} groups")
+    if model.untie_embeddings_and_output_weights:
+        feats.append("untied output")
+    if not model.add_bias_linear:
+        feats.append("no linear biases")
+    return ", ".join(feats)
+
+
+def _optimizer_choice(opt) -> str:
+    if opt.optimizer == "muon":
+        lr = f", matrices' lr {opt.muon_lr:g}" if opt.muon_lr is not None else ""
+        out = f"Muon (momentum {opt.muon_momentum:g}, {opt.muon_ns_steps} NS steps{lr}; AdamW elsewhere)"
+    elif opt.optimizer == "sgd":
+        out = f"SGD (momentum {opt.sgd_momentum:g})"
+    else:
+        out = f"Adam (betas {opt.adam_beta1:g}/{opt.adam_beta2:g})"
+    out += f", clip {opt.clip_grad:g}" if opt.clip_grad else ", no clipping"
+    return out + (", distributed" if opt.use_distributed_optimizer else "")
+
+
+def _schedule_choice(pipe) -> str:
+    out = pipe.schedule
+    if pipe.virtual_stages and pipe.virtual_stages > 1:
+        out += f" ({pipe.virtual_stages} chunks per rank)"
+    if pipe.post_validation:
+        out += " +post-validation"
+    if pipe.schedule == "2bw":
+        comp = {"dc": f"dc (lambda {pipe.dc_lambda:g})", "ef": f"ef (gamma {pipe.ef_scale:g})",
+                "extrapolate": f"extrapolate (gamma {pipe.ef_scale:g})"}.get(pipe.compensation, pipe.compensation)
+        out += f", 2BW compensation {comp}"
+    return out
+
+
+def _precision_choice(opt) -> str:
+    fp32 = opt.accumulate_allreduce_grads_in_fp32
+    fp32 = opt.dtype == "bf16" if fp32 is None else fp32
+    out = opt.dtype + (" (fp32 gradient accumulation)" if fp32 and opt.dtype != "fp32" else "")
+    if opt.dtype == "fp16":
+        out += f", loss scale {opt.loss_scale:g}" if opt.loss_scale is not None else ", dynamic loss scale"
+    return out
+
+
+def math_choices(cfg) -> str:
+    """Every choice that changes the numbers a run computes, for its start-up line: the model family's
+    features, sequence parallelism, the optimizer, the schedule with 2BW's compensation, the precision.
+    (Layout and kernels are named beside it; there is no context parallelism in this trainer.)"""
+    sp = "on" if cfg.model.sequence_parallel else "off"
+    return (f"model {_model_features(cfg.model)} | sequence parallel {sp} | optimizer {_optimizer_choice(cfg.optimizer)}"
+            f" | schedule {_schedule_choice(cfg.pipeline)} | precision {_precision_choice(cfg.optimizer)}")
