@@ -25,10 +25,11 @@ from megatron_2bw.errors import ConfigError
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES
 from megatron_2bw.planner.cost_model import predict
 from megatron_2bw.planner.hardware import GiB, load_cluster
-from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
+from megatron_2bw.planner.layer_costs import analytic_microbatch_costs, read_profile_json
 from megatron_2bw.schedule.stages import canonical_split, format_split, parse_split
 from megatron_2bw.planner.memory_model import Candidate, ParamBytes
 from megatron_2bw.planner.split import balanced_split
+from megatron_2bw.planner.profile_check import check_profile_fits
 from megatron_2bw.planner.profiler import load_full_profile
 from megatron_2bw.planner.simulator import RECOMPUTE_SCOPES, simulate_plan
 
@@ -99,7 +100,8 @@ def run(argv: list[str]) -> str:
     optimizer = None
     nograd = None
     precision = args.precision or (loaded.meta.get("dtype") if loaded else None) or "fp16"
-    if loaded is not None:
+    if loaded is not None:  # the planner's own check: a profile of another model, precision or device is refused
+        check_profile_fits(args.profile, read_profile_json(args.profile), model, precision, cluster.device)
         sizes = loaded.costs.micro_batch_sizes(args.t)
         if not sizes:
             raise ConfigError(f"profile {args.profile} has no entries for t={args.t} (has t in {loaded.costs.tensor_sizes()})")
