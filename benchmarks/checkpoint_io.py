@@ -102,7 +102,7 @@ def _build(conf: dict):
     import torch
 
     from megatron_2bw.config import ModelConfig, PipelineConfig
-    from megatron_2bw.export.names import WORD
+    from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
     from megatron_2bw.pipeline.executor import PipelineStage
@@ -144,7 +144,7 @@ def _checksums(stage) -> list[float]:
     must give back."""
     import torch
 
-    from megatron_2bw.training.dist_checkpoint import shard_map
+    from megatron_2bw.checkpoint.dist_checkpoint import shard_map
 
     return [float(buf.sum(dtype=torch.float64)) for _, buf, _ in shard_map.families(stage)]
 
@@ -158,8 +158,8 @@ def _config(cfg, opt) -> dict:
 def save_worker(conf: dict) -> dict:
     import torch.distributed as dist
 
-    from megatron_2bw.training import checkpointing as ck
-    from megatron_2bw.training import dist_checkpoint as dc
+    from megatron_2bw.checkpoint import checkpointing as ck
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     t0 = time.perf_counter()
     stage, tracker, cfg, opt, state, batch, runtime = _build(conf)
@@ -210,8 +210,8 @@ def save_worker(conf: dict) -> dict:
 def resume_worker(conf: dict, fmt: str) -> dict:
     import torch.distributed as dist
 
-    from megatron_2bw.training import checkpointing as ck
-    from megatron_2bw.training import dist_checkpoint as dc
+    from megatron_2bw.checkpoint import checkpointing as ck
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     stage, tracker, cfg, opt, state, batch, runtime = _build(conf)
     root = os.path.join(conf["dir"], fmt)

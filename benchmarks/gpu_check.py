@@ -192,7 +192,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.export.names import WORD
+    from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
@@ -200,7 +200,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
-    from megatron_2bw.training import checkpointing as ck
+    from megatron_2bw.checkpoint import checkpointing as ck
 
     model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
     cfg = get_preset(model)
@@ -271,7 +271,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.export.names import WORD
+    from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import build_state

@@ -284,7 +284,7 @@ def resolve_compensation(mode: str, schedule: str, optimizer: str, dtype: str, d
     return "none"
 
 
-CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; training/dist_checkpoint/)
+CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; checkpoint/dist_checkpoint/)
 # elements per message when the distributed optimizer's state is gathered for a torch-format save: the
 # only device buffer a save allocates (pipeline/zero.gather_full; counted by planner/memory_model)
 CKPT_GATHER_CHUNK = 1 << 24

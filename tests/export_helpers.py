@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron_2bw.export.megatron_format import Exported
+from megatron_2bw.checkpoint.megatron_format import Exported
 from megatron_2bw.export.model_io import build_full_model, global_state_dict, load_full
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import run_layers

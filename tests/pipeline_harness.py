@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.export.names import WORD
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range

@@ -20,7 +20,7 @@ from ckpt_runs import DATA, _ckpt_data, gpt_args, one_rank_run, train  # noqa: F
 from e2e import PY, REPO, once, read_metrics, run, train_losses
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.export.names import WORD
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state, coords_of
 from megatron_2bw.pipeline.executor import PipelineStage
@@ -28,8 +28,8 @@ from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 from megatron_2bw.testing.faults import SAVE_FAULT_ENV
-from megatron_2bw.training import checkpointing as ck
-from megatron_2bw.training import dist_checkpoint as dc
+from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.checkpoint import dist_checkpoint as dc
 from multiproc import run_workers
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_util.py")
@@ -234,7 +234,7 @@ def test_corrupted_shard_is_refused_in_one_line(async_runs, tmp_path, victim):
 
 def test_checkpoint_util_converts_torch_to_torch_dist_and_back(one_rank_run, tmp_path):  # noqa: F811
     """torch -> torch_dist -> torch (t=2): every per-parameter tensor and scalar survives both ways."""
-    from megatron_2bw.export.trainer_reshard import read_dist_checkpoint, read_trainer_checkpoint
+    from megatron_2bw.checkpoint.trainer_reshard import read_dist_checkpoint, read_trainer_checkpoint
 
     dist_dir = str(tmp_path / "dist")
     res = run([PY, TOOL, "--load-dir", one_rank_run.save, "--save-dir", dist_dir, "--ckpt-format", "torch_dist"],

@@ -15,8 +15,8 @@ from export_helpers import hf_converter, max_err
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.export import trainer_format
-from megatron_2bw.export.names import WORD
+from megatron_2bw.checkpoint import trainer_format
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.parallel_state import ParallelState
@@ -24,7 +24,7 @@ from megatron_2bw.pipeline.executor import PipelineStage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.training import checkpointing as ck
+from megatron_2bw.checkpoint import checkpointing as ck
 
 CPU = torch.device("cpu")
 

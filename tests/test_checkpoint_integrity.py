@@ -19,8 +19,8 @@ from ckpt_runs import _ckpt_data, gpt_args, one_rank_run, tp2_pp2_run, train  # 
 from e2e import read_metrics, train_losses
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.training import checkpointing as ck
-from megatron_2bw.training import manifest
+from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.checkpoint import manifest
 
 
 def _error_lines(res) -> list[str]:

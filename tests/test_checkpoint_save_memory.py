@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.export.names import WORD
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
@@ -25,7 +25,7 @@ from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.pipeline.zero import ShardLayout, gather_full
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.training import checkpointing as ck
+from megatron_2bw.checkpoint import checkpointing as ck
 from multiproc import run_workers
 
 CPU = torch.device("cpu")
@@ -205,7 +205,7 @@ def test_memory_model_counts_the_async_save_host_copy():
 
     from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
     from megatron_2bw.planner.memory_model import Candidate, ParamBytes, async_save_host_bytes, stage_memory
-    from megatron_2bw.training import dist_checkpoint as dc
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     stage = _stage(ParallelState.single())
     writer = dc.AsyncWriter()
@@ -248,8 +248,8 @@ def test_a_torch_dist_save_writes_items_of_bounded_size_and_resumes_bitwise(tmp_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron_2bw.training.dist_checkpoint import shard_map
-    from megatron_2bw.training import dist_checkpoint as dc
+    from megatron_2bw.checkpoint.dist_checkpoint import shard_map
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     limit = 4096
     monkeypatch.setattr(shard_map, "MAX_CHUNK_BYTES", limit)
@@ -279,8 +279,8 @@ def test_a_torch_dist_save_writes_items_of_bounded_size_and_resumes_bitwise(tmp_
 def _bounded_d2_save(root: str) -> dict:
     """Rank r of d = 2 trains two steps and saves torch_dist in items of at most 2 KiB; returns its state
     by global name."""
-    from megatron_2bw.training import dist_checkpoint as dc
-    from megatron_2bw.training.dist_checkpoint import shard_map
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
+    from megatron_2bw.checkpoint.dist_checkpoint import shard_map
 
     shard_map.MAX_CHUNK_BYTES = 2048
     state = build_state(1, 2, 1, CPU)
@@ -304,7 +304,7 @@ def _bounded_d2_save(root: str) -> dict:
 def test_bounded_items_reshard_on_load(tmp_path):
     """A d = 2 save cut into 2 KiB items resumes at d = 1 (load-time resharding): every parameter of the
     single stage equals the saved stages' values, so each piece sits at its global offset."""
-    from megatron_2bw.training import dist_checkpoint as dc
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

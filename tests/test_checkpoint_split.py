@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.training.checkpointing import check_compatible
+from megatron_2bw.checkpoint.checkpointing import check_compatible
 
 MODEL = {"num_layers": 4}
 

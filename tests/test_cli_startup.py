@@ -21,7 +21,7 @@ from megatron_2bw import cli
 from megatron_2bw.cli import build_config, parse_args, schedule_note
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.schedule.schedules import get_schedule
-from megatron_2bw.training import checkpointing as ck
+from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.training.launch import dataset_sizes
 from megatron_2bw.training.startup_checks import check_save_dir, index_bytes
 

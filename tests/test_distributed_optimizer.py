@@ -41,7 +41,7 @@ from megatron_2bw.pipeline.grad_reducer import GradReducer
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import sized_weights
 from megatron_2bw.pipeline.zero import ShardLayout
-from megatron_2bw.training import checkpointing as ckpt
+from megatron_2bw.checkpoint import checkpointing as ckpt
 from multiproc import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from export_helpers import bert_batch, bert_outputs, gpt_logits, max_err, tiny
 
-from megatron_2bw.export.megatron_format import read_megatron_dir, read_rank_files, write_megatron_dir
+from megatron_2bw.checkpoint.megatron_format import read_megatron_dir, read_rank_files, write_megatron_dir
 from megatron_2bw.export.model_io import build_full_model, load_full
 from megatron_2bw.models.spec import run_layers
 

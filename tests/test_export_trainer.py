@@ -11,8 +11,8 @@ from e2e import PY, REPO, run, shared_corpus, torchrun
 from export_helpers import max_err
 
 from megatron_2bw.export.checkpoints import trainer_model_config
-from megatron_2bw.export.megatron_format import read_rank_files
-from megatron_2bw.export.trainer_format import newest_weights
+from megatron_2bw.checkpoint.megatron_format import read_rank_files
+from megatron_2bw.checkpoint.trainer_format import newest_weights
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -86,7 +86,7 @@ def test_trainer_files_with_megatron_contents_load(tmp_path):
     from export_helpers import tiny
 
     from megatron_2bw.export.checkpoints import load_checkpoint
-    from megatron_2bw.export.megatron_format import FILENAME, megatron_files, rank_dir
+    from megatron_2bw.checkpoint.megatron_format import FILENAME, megatron_files, rank_dir
 
     ex, _ = tiny("gpt")
     idir = tmp_path / "ckpt" / "iter_0000011"

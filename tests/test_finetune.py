@@ -10,7 +10,7 @@ import pytest
 from ckpt_runs import _ckpt_data, gpt_args, one_rank_run, train  # noqa: F401
 from e2e import once, read_metrics, train_losses
 
-from megatron_2bw.training import checkpointing as ck
+from megatron_2bw.checkpoint import checkpointing as ck
 
 
 def _run(args: list[str], tmp_path, name: str) -> tuple[list[dict], str]:

@@ -11,7 +11,7 @@ from torch import nn
 
 import pipeline_harness
 from megatron_2bw.config import OptimizerConfig
-from megatron_2bw.export.names import WORD
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 

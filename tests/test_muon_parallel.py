@@ -32,7 +32,7 @@ from e2e import read_metrics, train_losses
 from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.zero import ShardLayout
-from megatron_2bw.training import checkpointing as ckpt
+from megatron_2bw.checkpoint import checkpointing as ckpt
 from multiproc import run_workers
 from pipeline_harness import matching_shard
 from test_2bw_semantics import MUON, fp32_newton_schulz

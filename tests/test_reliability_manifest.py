@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.training import checkpointing, manifest
-from megatron_2bw.training.manifest import (
+from megatron_2bw.checkpoint import checkpointing, manifest
+from megatron_2bw.checkpoint.manifest import (
     ChecksumWriter, clean_stale_temporaries, file_checksum, layout_identity_fn, manifest_entry, recover_missing_tracker,
     shard_identity, verify, write_manifest,
 )
@@ -178,7 +178,7 @@ def test_manifest_write_is_atomic(tmp_path, monkeypatch):
 _KILLED_SAVE = """
 import os, sys, torch
 sys.path.insert(0, {repo!r})
-from megatron_2bw.training import checkpointing
+from megatron_2bw.checkpoint import checkpointing
 class Slow:
     def __init__(self, f): self.f = f
     def write(self, b):

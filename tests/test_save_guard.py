@@ -27,8 +27,8 @@ import torch.distributed as dist
 from ckpt_runs import _ckpt_data, gpt_args, one_rank_run  # noqa: F401
 from e2e import PY, REPO, clean_env, read_metrics, run, start
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.training import checkpointing as ck
-from megatron_2bw.training import manifest, save_guard
+from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.checkpoint import manifest, save_guard
 from megatron_2bw.training.loop import resume_disagreement
 from multiproc import run_workers
 

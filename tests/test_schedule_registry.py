@@ -118,7 +118,7 @@ REGISTRY_USERS = [
     "planner/memory_model.py", "planner/cost_model.py", "planner/search.py", "planner/simulator.py",
     "planner/timeline.py", "planner/layer_costs.py", "planner/efficiency.py", "planner/hardware.py",
     "pipeline/executor.py", "pipeline/weights.py", "pipeline/updater.py", "pipeline/transport.py",
-    "pipeline/compensation.py", "export/trainer_reshard.py", "training/loop.py", "training/checkpointing.py",
+    "pipeline/compensation.py", "checkpoint/trainer_reshard.py", "training/loop.py", "checkpoint/checkpointing.py",
 ]
 SCHEDULE_FACTS = {  # what each fact looks like when restated, and the pattern that finds it
     "the schedule name tuple": ('SCHEDULES = ("2bw", "flush", "gpipe")',

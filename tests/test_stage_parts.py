@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megatron_2bw.config import OptimizerConfig
-from megatron_2bw.export.names import WORD
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import stage_range

@@ -39,11 +39,11 @@ from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
 from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
 from megatron_2bw.export.outputs import OVERWRITE_HELP, check_dir, staged_dir
-from megatron_2bw.export.megatron_format import Exported, find_iteration_dir
-from megatron_2bw.export.trainer_reshard import (
+from megatron_2bw.checkpoint.megatron_format import Exported, find_iteration_dir
+from megatron_2bw.checkpoint.trainer_reshard import (
     read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
 )
-from megatron_2bw.training.dist_checkpoint import CKPT_FORMATS, is_dist_checkpoint
+from megatron_2bw.checkpoint.dist_checkpoint import CKPT_FORMATS, is_dist_checkpoint
 from megatron_2bw.schedule.stages import check_virtual_split
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 

@@ -20,13 +20,14 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 from .hf_format import load_hf_dir, save_hf_dir
-from .megatron_format import (
+from ..checkpoint.megatron_format import (
     Exported, find_iteration_dir, rank_weights, read_megatron_dir, read_rank_files, write_megatron_dir,
 )
-from . import trainer_format
+from ..checkpoint import trainer_format
+from ..checkpoint.trainer_format import verified_rank_files
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
-from .names import WORD, Split
-from .reshard import unshard
+from ..checkpoint.names import WORD, Split
+from ..checkpoint.reshard import unshard
 
 LOADERS = ("auto", "megatron", "hf", "mcore", "core")
 SAVERS = ("megatron", "hf", "mcore", "core")
@@ -63,21 +64,6 @@ def _global_names(sd: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         idx, rest = name.split(".", 1)
         out[WORD if rest == "word_weight" else f"{offset + int(idx)}.{rest}"] = value.detach().float().clone()
     return out
-
-
-def verified_rank_files(iter_dir: str) -> dict[tuple[int, int], dict]:
-    """``read_rank_files`` after checking every file against the iteration's manifest (as the trainer does):
-    an exported or resharded model is never made of flipped bytes; a format-3 checkpoint without a manifest
-    is refused (that format always writes one). A Megatron-LM checkpoint has none and is read as it is."""
-    from ..training import manifest
-
-    doc = manifest.verify(iter_dir, require=False)
-    files = read_rank_files(iter_dir)
-    if doc is None and any(isinstance(sd, dict) and sd.get("format") == trainer_format.FORMAT for sd in files.values()):
-        raise ConfigError(f"checkpoint {iter_dir} has no {manifest.MANIFEST} but its files are format "
-                          f"{trainer_format.FORMAT}, which always writes one: the save did not finish or the manifest "
-                          "was removed, so its files cannot be verified")
-    return files
 
 
 def read_trainer_iteration(iter_dir: str, files: dict | None = None) -> tuple[Exported, bool]:

@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.norms import norm_functional
 from ..models.rope import apply_rotary, rotary_tables
-from .names import OUTPUT, POSITION, WORD, head_index
+from ..checkpoint.names import OUTPUT, POSITION, WORD, head_index
 
 
 @dataclass

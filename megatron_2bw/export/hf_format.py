@@ -15,9 +15,9 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .megatron_format import Exported
-from .names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index
-from .reshard import pad_vocab
+from ..checkpoint.megatron_format import Exported
+from ..checkpoint.names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index
+from ..checkpoint.reshard import pad_vocab
 
 TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 _GPT_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}

@@ -24,14 +24,14 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
-from .megatron_format import (
+from ..checkpoint.megatron_format import (
     CHECKPOINT_VERSION, Exported, config_from_args, find_iteration_dir, megatron_args, read_rank_files,
     write_rank_files,
 )
-from .names import (
+from ..checkpoint.names import (
     BERT_HEAD, OUTPUT, POSITION, SWIGLU_MODULES, TOKENTYPE, WORD, Split, head_index, stage_names, swiglu_part,
 )
-from .reshard import reshard, unshard
+from ..checkpoint.reshard import reshard, unshard
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 

@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
 from ..errors import ConfigError
-from . import save_guard, signals, supervision
+from ..checkpoint import save_guard
+from . import signals, supervision
 from .auto_layout import plan_layout
-from .checkpoint_args import apply_checkpoint_args
+from ..checkpoint.checkpoint_args import apply_checkpoint_args
 from .launcher_errors import report_under_torchrun, torchrun_parent
-from .manifest import clean_stale_temporaries
+from ..checkpoint.manifest import clean_stale_temporaries
 from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
 from .tb_writer import require_tensorboard
 from .wandb_writer import require_wandb, wandb_settings
@@ -107,7 +108,7 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
                 prep.save_lock = save_guard.acquire(tc.save)
             for path in clean_stale_temporaries(tc.save):
                 log.info(" removed stale temporary %s (left by a save that was killed)", path)
-            from .dist_checkpoint import clean_stale_temporaries as clean_stale_folders
+            from ..checkpoint.dist_checkpoint import clean_stale_temporaries as clean_stale_folders
 
             for path in clean_stale_folders(tc.save):
                 log.info(" removed stale temporary folder %s (left by a torch_dist save that was killed)", path)
@@ -189,7 +190,7 @@ def _check_eod(cfg: RunConfig, tokenizer) -> None:
 def _find_resume(prep: Prepared) -> None:
     """Read this rank's file of the checkpoint ``--load`` names (if any) and check it fits this run."""
     from ..parallel_state import coords_of
-    from . import checkpointing, dist_checkpoint
+    from ..checkpoint import checkpointing, dist_checkpoint
 
     cfg, tc = prep.cfg, prep.cfg.training
     it = checkpointing.find_checkpoint(tc.load, tc.save)

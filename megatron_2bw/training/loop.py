@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..errors import ConfigError
-from ..export.names import WORD
+from ..checkpoint.names import WORD
 from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
@@ -53,7 +53,8 @@ from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
-from . import checkpointing, dist_checkpoint, health, signals, supervision, watchdog
+from ..checkpoint import checkpointing, dist_checkpoint
+from . import health, signals, supervision, watchdog
 from .data_iter import MicrobatchProvider
 from .flops import counts_recompute, tflops_per_device
 from .log_format import (

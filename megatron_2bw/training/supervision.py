@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 
-from ..errors import ConfigError
+from ..errors import ConfigError, describe_save_failure, find_os_error, os_error_line  # noqa: F401 - re-exported
 
 PR_SET_PDEATHSIG = 1
 PR_GET_PDEATHSIG = 2
@@ -126,44 +126,6 @@ def check_load_path(path: str, flag: str = "--load") -> None:
     if blocker is not None:
         raise ConfigError(f"{flag} {path} is under {blocker}, which is a file, not a directory")
     raise ConfigError(f"{flag} {path} does not exist")
-
-
-def os_error_line(e: OSError, path: str | None = None, action: str = "writing") -> str:
-    """``e`` as one line naming the file and the errno text (``No space left on device``), no traceback."""
-    where = path or e.filename or "?"
-    code = errno.errorcode.get(e.errno, "") if e.errno else ""
-    text = e.strerror or os.strerror(e.errno) if e.errno else str(e)
-    return f"{action} {where} failed: {text}" + (f" ({code})" if code else "")
-
-
-def find_os_error(e: BaseException) -> OSError | None:
-    """The OSError behind ``e`` (torch.save wraps a full disk as RuntimeError ``unexpected pos ...``)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def describe_save_failure(e: BaseException, path: str, writer_error: OSError | None = None) -> str:
-    """One line for a failed checkpoint or metrics write: the file and the errno text when there is one.
-
-    ``writer_error``: the OSError a wrapping writer saw (see ``manifest.ChecksumWriter.error``);
-    without it a full file system is still recognised from its free space.
-    """
-    oe = writer_error or find_os_error(e)
-    if oe is not None:
-        return os_error_line(oe, path)
-    try:
-        st = os.statvfs(os.path.dirname(os.path.abspath(path)) or ".")
-        if st.f_bavail * st.f_frsize < (1 << 20):
-            return f"writing {path} failed: No space left on device (ENOSPC; {st.f_bavail * st.f_frsize} bytes free)"
-    except OSError:
-        pass
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"writing {path} failed: {type(e).__name__}: {first}"
 
 
 def attempt_store(timeout_s: float):

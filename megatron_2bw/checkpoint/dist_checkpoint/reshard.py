@@ -16,7 +16,7 @@ from ...errors import ConfigError
 from ...pipeline.recompute import RNGSnapshot
 from .collective import checkpoint_group, config_error
 from .planners import LoadPlanner
-from .shard_map import EF_PREV, MASTER, MODEL, OLDER, Param, chunks_of, families, stage_params
+from .shard_map import EF_PREV, MASTER, MODEL, OLDER, Param, families, span_chunks, stage_params
 
 log = logging.getLogger("megatron_2bw")
 
@@ -49,13 +49,14 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     params = stage_params(w, model_config(sd["config"]), st.t, st.tp_rank, st.pp_rank)
     with_optim = load_optim and not finetune
     chunks, read = [], set()
-    for family, buf, sharded in families(stage):
+    for family, spans, sharded in families(stage):
         if family != MODEL and (family == OLDER and (finetune or f"{OLDER}/{params[0].name}" not in keys)
                                 or family != OLDER and (not with_optim or f"{family}/{params[0].name}" not in keys)):
             continue
         base, lo, hi = (u.shard.lo, u.shard.lo, u.shard.hi) if sharded else (0, 0, w.numel)
-        _zero_cut_rows(buf, base, lo, hi, params)
-        chunks += chunks_of(family, buf, base, lo, hi, params, writing=False)
+        for start, buf in spans:  # straight into the live tensors the updater states (gpu-review-2 N10)
+            _zero_cut_rows(buf, base + start, max(lo, base + start), min(hi, base + start + buf.numel()), params)
+        chunks += span_chunks(family, spans, base, lo, hi, params, writing=False)
         read.add(family)
     try:
         dcp.load({}, storage_reader=dcp.FileSystemReader(sd["path"]), planner=LoadPlanner(chunks, [], sd["path"]),
@@ -67,12 +68,11 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     newest = w.slot(stage.step)
     if w.num_versions > 1 and OLDER not in read:  # a flush checkpoint (or --finetune): both versions equal
         w.flat[w.slot(stage.step + 1)].copy_(w.flat[newest])
-    if with_optim:
-        live = u.optimizer.state_dict()
-        u.optimizer.load_state_dict({**live, **common["optimizer"]})
+    if with_optim:  # checkpoints before the updater's scalars held it kept extrapolate's flag beside them
+        u.load_scalars({"extrapolate_has_prev": common.get("extrapolate_has_prev", False), **common["optimizer"]})
         u.scaler.load_state_dict(common["scaler"])
-    if u.ef_prev is not None:  # a checkpoint without extrapolate's gradient (another compensation's) starts afresh
-        u.ef_has_prev = with_optim and EF_PREV in read and bool(common.get("extrapolate_has_prev", False))
+    if u.ef_prev is not None and not (with_optim and EF_PREV in read):  # another compensation's: starts afresh
+        u.ef_has_prev = False
     if u.master is not None and MASTER not in read:
         u.master_from(newest)
     if load_rng and not finetune:

@@ -19,7 +19,7 @@ from ...errors import ConfigError
 from ...pipeline.recompute import RNGSnapshot
 from ...testing import faults
 from .. import manifest
-from ..supervision import os_error_line
+from ...errors import os_error_line
 from .collective import checkpoint_group, config_error, global_rank
 from .files import COMMON, DATA_RE, FORMAT, METADATA, rng_key
 from .planners import SavePlanner
@@ -117,15 +117,15 @@ def common_state(stage, *, iteration: int, config: dict, args, consumed_samples:
         "config": config, "args": args,
         "data": {"consumed_train_samples": int(consumed_samples), "global_batch_size": int(global_batch)},
         "scaler": u.scaler.state_dict(),
-        "optimizer": {k: v for k, v in u.optimizer.state_dict().items() if not isinstance(v, torch.Tensor)},
-        "extrapolate_has_prev": bool(u.ef_prev is not None and u.ef_has_prev),
+        "optimizer": u.state_scalars(),  # the tensors are families (Updater.state_spans)
+        "extrapolate_has_prev": bool(u.ef_prev is not None and u.ef_has_prev),  # read by earlier versions
         "time": time.time(),
     }
 
 
 def megatron_namespace(stage, cfg, cli_args: dict, iteration: int):
     """Megatron's ``args`` as the torch format records them (what ``--override-resumed-settings`` compares)."""
-    from ...export import trainer_format  # noqa: PLC0415
+    from ...checkpoint import trainer_format  # noqa: PLC0415
 
     st, split = stage.state, cfg.pipeline.layer_split
     return trainer_format.train_args(cfg.model, cli_args, iteration=iteration, t=st.t, d=st.d,

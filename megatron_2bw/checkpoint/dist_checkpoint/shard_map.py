@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ...config import ModelConfig
-from ...export.names import WORD
-from ...export.reshard import is_vocab, split_dim
+from ...checkpoint.names import WORD
+from ...checkpoint.reshard import is_vocab, split_dim
+from ...optimizer.state import holes
 from ...pipeline.zero import ShardLayout
 
 MODEL, OLDER, MASTER = "model", "older", "master"
@@ -141,21 +142,16 @@ def bounded(chunks: list[Chunk], max_bytes: int | None = None) -> list[Chunk]:
     return out
 
 
-def families(stage) -> list[tuple[str, torch.Tensor, bool]]:
-    """(family, buffer, sharded) of every per-parameter buffer: the two versions, master, optimizer."""
+def families(stage) -> list[tuple[str, list[tuple[int, torch.Tensor]], bool]]:
+    """(family, spans, sharded) of every per-parameter buffer: the two versions, then the updater's
+    checkpointed state as it states it (``Updater.state_spans``: master, optimizer, compensation), each a
+    list of (first element, live tensor) in the buffer's coordinates (this rank's shard when sharded)."""
     w, u = stage.weights, stage.updater
-    out = [(MODEL, w.flat[w.slot(stage.step)], False)]
+    out = [(MODEL, [(0, w.flat[w.slot(stage.step)])], False)]
     if w.num_versions > 1:
-        out.append((OLDER, w.flat[w.slot(stage.step + 1)], False))
+        out.append((OLDER, [(0, w.flat[w.slot(stage.step + 1)])], False))
     sharded = u.shard is not None
-    size = u.shard.size if sharded else w.numel
-    if u.master is not None:
-        out.append((MASTER, u.master, sharded))
-    for k, v in u.optimizer.state_dict().items():
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == size:
-            out.append((f"optimizer.{k}", v, sharded))
-    if u.ef_prev is not None:  # --2bw-compensation extrapolate: the previous gradient, sharded as the optimizer state
-        out.append((EF_PREV, u.ef_prev, sharded))
+    out += [(name, spans, sharded) for name, spans in u.state_spans().items()]
     return out
 
 
@@ -168,12 +164,30 @@ def write_range(stage, sharded: bool) -> tuple[int, int, int]:
     return 0, lo, hi
 
 
+def span_chunks(family: str, spans: list[tuple[int, torch.Tensor]], base: int, lo: int, hi: int,
+                params: list[Param], writing: bool) -> list[Chunk]:
+    """The chunks of flat range ``[lo, hi)`` held by ``spans`` (element 0 of the buffer is flat index
+    ``base``); when writing, the elements no span holds (zeros in the whole tensor) come from one zero
+    tensor, so the checkpoint's global tensors are whole at any layout."""
+    out = []
+    for start, t in spans:
+        out += chunks_of(family, t, base + start, max(lo, base + start), min(hi, base + start + t.numel()),
+                         params, writing)
+    gaps = [(max(lo, base + a), min(hi, base + b)) for a, b in holes(spans, hi - base)] if writing else []
+    gaps = [(a, b) for a, b in gaps if a < b]
+    if gaps:
+        zeros = torch.zeros(max(b - a for a, b in gaps), dtype=spans[0][1].dtype if spans else torch.float32)
+        for a, b in gaps:
+            out += chunks_of(family, zeros, a, a, b, params, writing)
+    return out
+
+
 def save_chunks(stage, cfg: ModelConfig) -> list[Chunk]:
-    """What this rank writes: views of its live buffers (no copy)."""
+    """What this rank writes: views of its live buffers (no copy; zeros where a state holds none)."""
     st = stage.state
     params = stage_params(stage.weights, cfg, st.t, st.tp_rank, st.pp_rank)
     out = []
-    for family, buf, sharded in families(stage):
+    for family, spans, sharded in families(stage):
         base, lo, hi = write_range(stage, sharded)
-        out += chunks_of(family, buf, base, lo, hi, params, writing=True)
+        out += span_chunks(family, spans, base, lo, hi, params, writing=True)
     return out

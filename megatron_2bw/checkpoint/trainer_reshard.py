@@ -2,7 +2,7 @@
 
 Every per-parameter tensor of a file (the newest weights in ``model``, 2BW's older version, the fp32
 master copy, each optimizer buffer such as Adam's moments) is merged across ranks into the full
-t = 1 model and split again for the target layout exactly like the weights (``export.reshard``):
+t = 1 model and split again for the target layout exactly like the weights (``checkpoint.reshard``):
 the optimizer state moves with the parameter it belongs to. Scalars (the step, the optimizer's
 step count, the loss scaler) are the same on every rank and are copied.
 
@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.stages import check_virtual_split
 from ..schedule.schedules import get_schedule
-from ..training import manifest
+from ..checkpoint import manifest
 from . import trainer_format
 from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir, read_rank_files
 from .reshard import reshard, unshard
@@ -42,7 +42,7 @@ class TrainerCheckpoint:
 
 
 def model_config(config: dict) -> ModelConfig:
-    from ..training.checkpointing import model_config as of  # noqa: PLC0415 - avoids an import cycle
+    from ..checkpoint.checkpointing import model_config as of  # noqa: PLC0415 - avoids an import cycle
 
     return of(config)
 
@@ -59,7 +59,7 @@ def _families(sd: dict, cfg: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:
 
 def read_trainer_checkpoint(path: str) -> TrainerCheckpoint:
     """The checkpoint ``path`` names (root or iteration dir), verified against its manifest when it has one."""
-    from .checkpoints import verified_rank_files
+    from .trainer_format import verified_rank_files
 
     idir = find_iteration_dir(path)
     files = verified_rank_files(idir)
@@ -145,7 +145,7 @@ def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: i
 def read_dist_checkpoint(path: str) -> TrainerCheckpoint:
     """A torch_dist checkpoint (root or iteration dir) as a :class:`TrainerCheckpoint`: its global
     tensors are already the full t = 1 families, its common state gives the (0, 0) file's keys."""
-    from ..training import dist_checkpoint as dc  # noqa: PLC0415
+    from ..checkpoint import dist_checkpoint as dc  # noqa: PLC0415
 
     idir = path if dc.is_dist_checkpoint(path) else find_iteration_dir(path)
     common, families = dc.read_whole(idir)
@@ -159,7 +159,7 @@ def read_dist_checkpoint(path: str) -> TrainerCheckpoint:
 
 def write_dist_checkpoint(root: str, ckpt: TrainerCheckpoint, *, schedule: str | None) -> str:
     """Write ``ckpt`` as a torch_dist checkpoint (layout-free: any t, d, w resumes from it)."""
-    from ..training import dist_checkpoint as dc  # noqa: PLC0415
+    from ..checkpoint import dist_checkpoint as dc  # noqa: PLC0415
 
     first, st = ckpt.first, ckpt.first["stage"]
     schedule = schedule or first["layout"]["schedule"]

@@ -12,7 +12,7 @@ hold identical state). With the distributed optimizer (``--use-distributed-optim
 parallel ranks hold shards of the fp32 master and the optimizer state: they are gathered for the
 save, so the file is the same as without it, and each rank takes its own shard at load; a
 checkpoint therefore loads at any data-parallel width, with or without the distributed optimizer.
-Its contents (format 3, ``export.trainer_format``) are Megatron-LM v2.x's
+Its contents (format 3, ``checkpoint.trainer_format``) are Megatron-LM v2.x's
 (``model`` nested as ``language_model.{embedding,encoder}`` holding the newest weights W(step),
 ``args`` as a Namespace, ``checkpoint_version`` 3.0, ``iteration``), so Megatron's tools and
 transformers' converters read them, plus keys of our own: the engine state by parameter name
@@ -41,11 +41,11 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..export import megatron_format, trainer_format
+from ..checkpoint import megatron_format, trainer_format
 from ..schedule.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
 from . import manifest, save_guard
-from .supervision import describe_save_failure, os_error_line
+from ..errors import describe_save_failure, os_error_line
 
 log = logging.getLogger("megatron_2bw")
 

@@ -10,7 +10,7 @@ import re
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from ..supervision import os_error_line
+from ...errors import os_error_line
 
 _GROUP: list = []  # the gloo group of checkpoint collectives (made on first use, by every rank at once)
 

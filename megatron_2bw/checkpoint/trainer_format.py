@@ -8,7 +8,7 @@ master copy, optimizer state, loss scaler), ``rng``, ``data``, ``layout``, ``con
 
 Every per-parameter tensor of ``stage`` is a dict keyed by global parameter name (the name in the
 full single-stage model), not the engine's flat buffer: a checkpoint is then resharded to another
-tensor x pipeline layout exactly like the weights (``export.reshard``), and a stage whose
+tensor x pipeline layout exactly like the weights (``checkpoint.reshard``), and a stage whose
 parameter order differs still loads it.
 """
 
@@ -21,7 +21,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .megatron_format import Exported, megatron_args, rank_contents, rank_weights
+from . import manifest
+from .megatron_format import Exported, megatron_args, rank_contents, rank_weights, read_rank_files
 from .names import Split
 
 FORMAT = 3
@@ -124,3 +125,16 @@ def engine_state(sd: dict, model: ModelConfig, order: list[str], sizes: list[int
         raise ConfigError(f"checkpoint file {path} has a master copy of another size")
     return {"step": step, "schedule": st["schedule"], "names": local_names, "versions": versions,
             "master": master, "optimizer": opt, "scaler": st["scaler"]}
+
+
+def verified_rank_files(iter_dir: str) -> dict[tuple[int, int], dict]:
+    """``read_rank_files`` after checking every file against the iteration's manifest (as the trainer does):
+    an exported or resharded model is never made of flipped bytes; a format-3 checkpoint without a manifest
+    is refused (that format always writes one). A Megatron-LM checkpoint has none and is read as it is."""
+    doc = manifest.verify(iter_dir, require=False)
+    files = read_rank_files(iter_dir)
+    if doc is None and any(isinstance(sd, dict) and sd.get("format") == FORMAT for sd in files.values()):
+        raise ConfigError(f"checkpoint {iter_dir} has no {manifest.MANIFEST} but its files are format "
+                          f"{FORMAT}, which always writes one: the save did not finish or the manifest "
+                          "was removed, so its files cannot be verified")
+    return files

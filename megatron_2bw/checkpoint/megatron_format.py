@@ -21,7 +21,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..training.manifest import atomic_file
+from .manifest import atomic_file
 from .names import Split, megatron_path, rank_stages, stage_names, swiglu_part
 from .reshard import reshard, unshard
 
