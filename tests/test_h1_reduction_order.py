@@ -145,6 +145,98 @@ def test_a_chain_of_stream_waits_deadlocks_2bw_under_the_same_semantics(d: int) 
         ChainInProgram(_programs(schedule, d, d, 3), channel=Rendezvous(comm_groups)).run()
 
 
+class SingleQueue(Replay):
+    """N1: one hardware queue per GPU (``CUDA_DEVICE_MAX_CONNECTIONS=1``, or two streams on one connection),
+    where a stream wait blocks every stream queued behind it.
+
+    ``settles`` False, the engine before the fix (the review's section 3.1 replay): each grouped transfer's
+    ``work.wait()`` is a stream wait and the training thread blocks its host only at APPLY_UPDATE(t) or
+    VALIDATE(t). In the worst case the worker queues chain(t)'s cross-stage links behind everything the
+    training thread queued until then, so chain(t) is done only once every stage is at that host wait with
+    its earlier transfers matched. ``settles`` True, the engine as built (``GradReducer.busy``): before a
+    job is queued the training thread settles its unmatched transfers on the host, and while one runs it
+    settles each transfer before its stream wait, so no remote wait is ahead of a link: a job's links run
+    once every stage has issued the job (REDUCE_GRADS(t); the norm's job at the speculative APPLY_UPDATE(t)
+    under post-validation), while each stage blocks at its transfers (the ``Rendezvous`` channel)."""
+
+    def __init__(self, programs, *, settles: bool, **kw) -> None:
+        super().__init__(programs, **kw)
+        self.settles = settles
+        self.arrived: dict[tuple[str, int], dict[int, float]] = {}
+
+    def _arrive(self, key: tuple[str, int], r: int) -> None:
+        arrived = self.arrived.setdefault(key, {})
+        if r not in arrived:
+            arrived[r] = self.clock[r]
+            if len(arrived) == self.d:
+                self.ready.extend(self.update_waiters.pop(key, ()))
+
+    def _barrier(self, key: tuple[str, int], r: int, i: int) -> int:
+        """Block stage ``r`` until every stage arrived at ``key`` (arriving itself first)."""
+        self._arrive(key, r)
+        arrived = self.arrived[key]
+        if len(arrived) < self.d:
+            self.update_waiters.setdefault(key, []).append(r)
+            return BLOCKED
+        self.end[r][i] = self.clock[r] = max(self.clock[r], *arrived.values())
+        return i + 1
+
+    def _reduce(self, r: int, i: int, a: Action) -> int:
+        if not self.settles:
+            self.end[r][i] = self.clock[r]
+            return i + 1
+        if a.step not in self.validated[r]:  # the norm's job goes with the gradient's
+            self._arrive(("norm", a.step), r)
+        return super()._reduce(r, i, a)
+
+    def _reduce_embedding(self, r: int, i: int, a: Action) -> int:
+        if not self.settles:
+            self.end[r][i] = self.clock[r]
+            return i + 1
+        return super()._reduce_embedding(r, i, a)
+
+    def _update(self, r: int, i: int, a: Action) -> int:
+        if not self.settles:
+            if a.step in self.validated[r]:  # speculative (lenient: the norm is VALIDATE's)
+                self.end[r][i] = self.clock[r]
+                return i + 1
+            return self._barrier(("host", a.step), r, i)
+        nxt = super()._update(r, i, a)
+        if nxt != BLOCKED and a.step in self.validated[r]:
+            self._arrive(("norm", a.step), r)  # start_norm after the speculative update
+        return nxt
+
+    def _validate(self, r: int, i: int, a: Action) -> int:
+        return self._barrier(("host" if not self.settles else "norm", a.step), r, i)
+
+
+def _single_queue(schedule: str, d: int, m: int, settles: bool, pv: bool = False) -> None:
+    progs = [stage_actions(schedule, d, r, m, 0, 4, None, pv) for r in range(d)]
+    SingleQueue(progs, settles=settles, channel=Rendezvous(comm_groups),
+                placement=schedules.get_schedule(schedule).placement(d)).run()
+
+
+@pytest.mark.parametrize("d", (2, 3, 4))
+def test_single_hardware_queue_2bw_deadlocks_with_stream_waits_and_not_as_built(d: int) -> None:
+    """N1 (review section 3.1): stream waits on transfers ahead of the reducer's links deadlock 2BW at every
+    d and m; settling transfers on the host while the reducer is busy (the engine as built) does not."""
+    for m in (d, 2 * d):
+        with pytest.raises(ScheduleError, match="deadlock"):
+            _single_queue("2bw", d, m, settles=False)
+        _single_queue("2bw", d, m, settles=True)
+
+
+@pytest.mark.parametrize("d", (2, 3, 4))
+def test_single_hardware_queue_every_schedule_as_built(d: int) -> None:
+    for schedule in SCHEDULE_NAMES:
+        spec = schedules.get_schedule(schedule)
+        m = max(d, 2, spec.min_microbatches(d))
+        for pv in (False, True) if schedule in ("zb-h1", "zb-h2", "zb-v") else (False,):
+            _single_queue(schedule, d, m, settles=True, pv=pv)
+            if schedule != "2bw":  # the review found only 2BW exposed; so does this model
+                _single_queue(schedule, d, m, settles=False, pv=pv)
+
+
 # --------------------------------------------------------------------------- P1: order and time
 @pytest.mark.parametrize("d", (1, 2, 3, 4, 8))
 def test_every_stage_applies_update_t_before_it_reduces_step_t_plus_1(d: int) -> None:
@@ -189,20 +281,31 @@ def test_the_all_gather_hides_in_the_timed_model(monkeypatch, d: int) -> None:
 
 # --------------------------------------------------------------------------- the reducer itself
 class _Work:
-    """A collective whose completion the test's ``settle`` counter controls (done after 3 polls)."""
+    """A collective whose completion the test's ``settle`` counter controls (done after 3 polls, and not
+    while ``_Work.hold`` is set and the work is one of the reducer's)."""
 
-    def __init__(self, log: list, name: str, group, **kw) -> None:
+    hold = threading.Event()
+
+    def __init__(self, log: list, name: str, group, *, stream_wait_ok: bool = False, **kw) -> None:
         self.log, self.name, self.group, self.kw, self.polls = log, name, group, kw, 0
         self.thread = threading.current_thread()
-        self.earlier = [w for w in log if w is not self]
+        self.unfinished_before = [j for j, w in enumerate(log) if not w.done]  # at issue time
+        self.stream_wait_ok, self.waited_unfinished = stream_wait_ok, False
         log.append(self)
 
-    def is_completed(self) -> bool:
-        self.polls += 1
+    @property
+    def done(self) -> bool:
         return self.polls > 3
 
+    def is_completed(self) -> bool:
+        if not (self.hold.is_set() and self.thread is not threading.main_thread()):
+            self.polls += 1
+        return self.done
+
     def wait(self) -> bool:
-        assert self.polls > 3, f"wait() on the unfinished {self.name}: a stream wait on other ranks on NCCL"
+        if not self.done:
+            assert self.stream_wait_ok, f"wait() on the unfinished {self.name}: a stream wait on other ranks on NCCL"
+            self.waited_unfinished = True
         return True
 
 
@@ -231,11 +334,13 @@ def _reducer(shard: ShardLayout | None = None) -> GradReducer:
     return red
 
 
-def _check_links(log: list[_Work]) -> None:
-    """Every link from the worker thread, each issued after every earlier one had completed."""
-    for w in log:
+def _check_links(log: list[_Work], runs: tuple[range, ...] = ()) -> None:
+    """Every link from the worker thread, each issued after every earlier one had completed, except the
+    works of one run (a link's buckets: one group, issued back to back)."""
+    for k, w in enumerate(log):
         assert w.thread is not threading.main_thread(), w.name
-        assert all(e.polls > 3 for e in w.earlier), f"{w.name} issued before an earlier link completed"
+        same = next((run for run in runs if k in run), ())
+        assert all(j in same for j in w.unfinished_before), f"{w.name} issued before an earlier link completed"
 
 
 def test_reducer_orders_the_chain_on_its_worker_and_broadcasts_the_norm(fake_dist) -> None:
@@ -248,7 +353,10 @@ def test_reducer_orders_the_chain_on_its_worker_and_broadcasts_the_norm(fake_dis
         ("all_reduce", "emb"), *[("all_reduce", "dp")] * 3, ("all_reduce", "model"), ("broadcast", "dp")]
     assert [w.kw["n"] for w in fake_dist[1:4]] == [8, 8, 4]  # the buckets
     assert fake_dist[-1].kw["src"] == 6  # S2: data-parallel rank 0's total reaches every replica
-    _check_links(fake_dist)
+    # N7: the three buckets are issued back to back, before the first one settles; the model group's link
+    # only once all three completed
+    assert fake_dist[3].unfinished_before == [1, 2] and fake_dist[4].unfinished_before == []
+    _check_links(fake_dist, runs=(range(1, 4),))
 
 
 def test_reducer_distributed_optimizer_chain_and_gather(fake_dist) -> None:
@@ -263,3 +371,41 @@ def test_reducer_distributed_optimizer_chain_and_gather(fake_dist) -> None:
         ("all_reduce", "emb"), ("reduce_scatter", "dp"), ("all_reduce", "dp"), ("all_reduce", "model"),
         ("broadcast", "dp"), ("all_gather", "dp")]
     _check_links(fake_dist)
+
+
+def test_transfers_settle_on_the_host_while_the_reducer_is_busy(fake_dist, monkeypatch) -> None:
+    """N1, the engine's side: a grouped transfer's stream wait is allowed while the reducer is idle; before a
+    job is queued those transfers are settled on the host (none unfinished when the first link is issued),
+    and while the job runs every transfer completes before its ``wait()``."""
+    from megatron_2bw.pipeline import transport as tp
+
+    monkeypatch.setattr(tp.dist, "P2POp", lambda fn, tensor, peer, tag=0: (fn, peer, tag))
+    p2p: list[_Work] = []
+
+    def batch(ops: list) -> list[_Work]:
+        p2p.append(_Work(fake_dist, "p2p", "world", stream_wait_ok=True))
+        return p2p[-1:]
+
+    monkeypatch.setattr(tp.dist, "batch_isend_irecv", batch)
+    red = _reducer()
+    link = tp.Transport(0, None, (2,), torch.float32, torch.device("cpu"), mode="grouped")
+    link.poll = True  # NCCL on CUDA
+    link.settle_while, red.before_issue = red.busy, link.quiesce  # as the executor wires them
+    send = [Action(Op.SEND_GRAD, 0)]
+
+    link.exchange(send, {send[0]: torch.ones(2)})
+    assert p2p[0].waited_unfinished and not red.busy()  # idle: the stream waits, the host goes on
+    _Work.hold.set()  # the worker's links do not complete until released
+    try:
+        grad = torch.arange(20, dtype=torch.float32)
+        red.start(0, grad, [grad])
+        assert p2p[0].done and red.busy()
+        link.exchange(send, {send[0]: torch.ones(2)})  # while the chain runs
+        assert p2p[1].done and not p2p[1].waited_unfinished
+    finally:
+        _Work.hold.clear()
+    assert red.finish(0) == pytest.approx(float((grad.double() ** 2).sum()), rel=1e-6) and not red.busy()
+    links = [w for w in fake_dist if w.name != "p2p"]
+    assert links and all(fake_dist.index(p2p[0]) not in w.unfinished_before for w in links)
+    link.exchange(send, {send[0]: torch.ones(2)})
+    assert p2p[2].waited_unfinished  # idle again: back to stream waits

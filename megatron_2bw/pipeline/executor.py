@@ -189,6 +189,8 @@ class PipelineStage:
             has_embedding_group=state.d > 1 and state.embedding_group is not None and tied_apart, device=state.device,
             shard=ShardLayout(self.weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
         )
+        # while the reducer has links to run, no stream wait on an unmatched transfer sits ahead of them (its busy())
+        self.transport.settle_while, self.reducer.before_issue = self.reducer.busy, self.transport.quiesce
         self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer,
                                tp=(state.tp_group, state.tp_rank, state.t), ef_scale=pipe.ef_scale)
         self.saved = SavedBytes(self.weights.storages)

@@ -36,7 +36,10 @@ makes the calling stream wait for it, and a stream wait in a hardware queue shar
 training loop's work (``CUDA_DEVICE_MAX_CONNECTIONS=1``, a pool stream sharing a connection) or
 a host-blocking wait (``TORCH_NCCL_BLOCKING_WAIT=1``) would stall this rank's next transfers
 behind a collective that other stages join only after those transfers: 2BW deadlocks at its
-first step boundary (``tests/test_h1_reduction_order.py`` replays it). On CUDA the worker runs
+first step boundary (``tests/test_h1_reduction_order.py`` replays it). The training thread keeps the
+same rule while a job runs (:meth:`GradReducer.busy`): it settles its transfers on the host first, so
+none of the worker's links is queued behind a wait on a transfer that another stage serves only after
+its update. On CUDA the worker runs
 on a side stream that first waits for an event the training thread recorded at the request
 (local work only: the backward that produced the gradient), and it reads the total to the host
 itself, so the training thread gets a float without synchronizing its own queue.
@@ -131,6 +134,10 @@ class GradReducer:
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
+        self._last: _Job | None = None  # the job issued last: the worker is busy until it is done
+        # called on the training thread before a job is queued: the executor settles the transport's
+        # unfinished transfers there (see :meth:`busy`)
+        self.before_issue: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ the chain
     def _embedding(self, grad: torch.Tensor) -> None:
@@ -148,8 +155,12 @@ class GradReducer:
                 self._scratch = grad.new_empty(self.shard.size)
             reduce_scatter(grad, self.shard, self.dp_group, self._scratch, self._settle)
             return grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
-        for i in range(0, grad.numel(), self.bucket_numel) if self.w > 1 else ():
-            self._settle(dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True))
+        # every bucket issued back to back (one group, the same order on every rank, so NCCL pipelines them),
+        # then each settled in order: no link of another group starts before all have completed
+        works = [dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True)
+                 for i in (range(0, grad.numel(), self.bucket_numel) if self.w > 1 else ())]
+        for work in works:
+            self._settle(work)
         return grad_sumsq(norm_views, grad.device)
 
     def _norm(self, sumsq: torch.Tensor) -> float:
@@ -184,8 +195,22 @@ class GradReducer:
                     job.error = exc
                 job.event.set()
 
+    def busy(self) -> bool:
+        """Whether a job issued is still running: the training thread must then settle each transfer on the host.
+
+        With one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, or two streams sharing a connection) a
+        stream wait on an unmatched transfer blocks every stream behind it, the worker's links included, and
+        in 2BW the transfer's counterpart may come only after the peer's update, which needs those links.
+        So before a job is queued the training thread settles its unfinished transfers (``before_issue``),
+        and while one runs it enqueues no stream wait on a transfer that has not completed.
+        """
+        return self._last is not None and not self._last.event.is_set()
+
     def _issue(self, job: _Job) -> None:
         """Queue ``job`` for the worker, after every job queued before it."""
+        if self.before_issue is not None:
+            self.before_issue()
+        self._last = job
         if self._thread is None:
             self._jobs = queue.SimpleQueue()
             # a daemon, so that a rank failing elsewhere never hangs at exit joining it

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ..schedule.actions import Action, Op
 from ..schedule.grouping import comm_groups
+from .grad_reducer import settle
 
 RECV_OPS: frozenset[Op] = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
 SEND_OPS: frozenset[Op] = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
@@ -84,6 +85,23 @@ class Incoming:
             self.work.wait()
             self.work = None
         return self.buf
+
+
+class _Batch:
+    """The works of one ``batch_isend_irecv`` as one work."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
 
 
 class _SendThread:
@@ -173,6 +191,14 @@ class Transport:
         # sends from their own thread (prefetch on CPU; see the module docstring); started at the first send
         self.send_thread = not self.grouped and torch.device(device).type == "cpu"
         self._sender: _SendThread | None = None
+        # NCCL: single transfers go out as one-op batches, on the communicator the grouped ones use (a bare
+        # isend/irecv makes a two-rank communicator per pair, hundreds of MB each, at its first use)
+        self.batch_single = dist.is_initialized() and dist.get_backend() != "gloo"
+        # NCCL (CUDA): while ``settle_while()`` (the reducer is busy) a grouped transfer is settled on the host
+        # before the stream waits for it, and :meth:`quiesce` settles those waited for on the stream only
+        self.poll = torch.device(device).type == "cuda"
+        self.settle_while: Callable[[], bool] | None = None
+        self._unsettled: list = []
 
     def _peer(self, a: Action) -> int | None:
         """The rank a transfer goes to or comes from: activations flow forward, gradients backward."""
@@ -265,7 +291,7 @@ class Transport:
     def _post(self, kind: Op, key: tuple[int, int]) -> None:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         src = self._peer(Action(kind, key[1], chunk=key[0]))
-        self._recvs[(kind, *key)] = (buf, dist.irecv(buf, src=src, tag=_TAG[kind]))
+        self._recvs[(kind, *key)] = (buf, self._single(dist.irecv, buf, src, _TAG[kind]))
         self._posted[kind] += 1
 
     def post_recv(self, a: Action) -> None:
@@ -309,7 +335,13 @@ class Transport:
                 self._sender = _SendThread()
             self._sender.send(tensor, dst, tag)
         else:
-            self._sends.append((tensor, dist.isend(tensor, dst=dst, tag=tag)))
+            self._sends.append((tensor, self._single(dist.isend, tensor, dst, tag)))
+
+    def _single(self, fn: Callable, tensor: torch.Tensor, peer: int, tag: int):
+        """One transfer, started; on NCCL as a one-op ``batch_isend_irecv`` (see ``batch_single``)."""
+        if not self.batch_single:
+            return fn(tensor, peer, tag=tag)
+        return _Batch(dist.batch_isend_irecv([dist.P2POp(fn, tensor, peer, tag=tag)]))
 
     def reap(self) -> None:
         """Release sends that have completed (keeps their buffers alive until then)."""
@@ -334,9 +366,23 @@ class Transport:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 got.append((a, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(a), tag=_TAG[a.op]))
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        if self.poll:
+            if self.settle_while is not None and self.settle_while():
+                for work in works:
+                    settle(work, poll=True)
+            else:
+                self._unsettled = [w for w in self._unsettled if not w.is_completed()] + list(works)
+        for work in works:
             work.wait()
         return got
+
+    def quiesce(self) -> None:
+        """Settle on the host every grouped transfer the stream waits for that has not completed yet: called
+        before the reducer queues a job, whose links must not sit behind such a wait (``GradReducer.busy``)."""
+        works, self._unsettled = self._unsettled, []
+        for work in works:
+            settle(work, poll=True)
 
     # ------------------------------------------------------------------ end of a segment
     def drain(self) -> None:

@@ -18,24 +18,54 @@ from .shard_map import Chunk
 from .writer import write_and_publish
 
 
+def _pin(buf: torch.Tensor) -> None:
+    """Page-lock ``buf``'s exact bytes (``cudaHostRegister``). ``pin_memory=True`` would go through torch's
+    caching host allocator, which rounds every block up to a power of two: up to twice the bytes the
+    memory model counts, pinned for the whole run, on every rank of a node."""
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel() * buf.element_size()} bytes failed (error {int(err)})")
+
+
+def _unpin(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
 @dataclass
 class _Staging:
-    """Host buffers (pinned on CUDA) the chunks are copied into for an asynchronous save, kept between saves."""
+    """Host buffers the chunks are copied into for an asynchronous save, one per dtype of exactly the bytes
+    needed (page-locked on CUDA), kept between saves."""
 
     buffers: dict = field(default_factory=dict)  # dtype -> flat host tensor
+    pinned: set = field(default_factory=set)  # dtypes whose buffer is page-locked
+
+    def _buffer(self, dtype: torch.dtype, n: int, cuda: bool) -> torch.Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is not None and buf.numel() == n and (dtype in self.pinned) == cuda:
+            return buf
+        if dtype in self.pinned:
+            _unpin(self.buffers[dtype])
+            self.pinned.discard(dtype)
+        buf = self.buffers[dtype] = torch.empty(n, dtype=dtype)
+        if cuda:
+            _pin(buf)
+            self.pinned.add(dtype)
+        return buf
+
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked for staging (what ``async_save_host_bytes`` models)."""
+        return sum(self.buffers[t].numel() * self.buffers[t].element_size() for t in self.pinned)
 
     def stage(self, chunks: list[Chunk]) -> list[Chunk]:
         need: dict = {}
         for c in chunks:
             need[c.tensor.dtype] = need.get(c.tensor.dtype, 0) + c.tensor.numel()
         cuda = any(c.tensor.is_cuda for c in chunks)
-        for dtype, n in need.items():
-            if dtype not in self.buffers or self.buffers[dtype].numel() != n:
-                self.buffers[dtype] = torch.empty(n, dtype=dtype, pin_memory=cuda)
+        bufs = {dtype: self._buffer(dtype, n, cuda) for dtype, n in need.items()}
         used = dict.fromkeys(need, 0)
         out = []
         for c in chunks:
-            n, buf = c.tensor.numel(), self.buffers[c.tensor.dtype]
+            n, buf = c.tensor.numel(), bufs[c.tensor.dtype]
             o = used[c.tensor.dtype]
             host = buf[o:o + n].view(c.tensor.shape)
             host.copy_(c.tensor, non_blocking=cuda)
@@ -61,9 +91,14 @@ class AsyncWriter:
         staged = self.staging.stage(chunks)
         t0 = time.perf_counter()
         self.pending = (iteration, t0)
+        # threads start on device 0: DCP's writer touches the current CUDA stream, which would make a context
+        # on GPU 0 from every local rank; the thread takes this rank's device first
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def work() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 path = write_and_publish(root, iteration, staged, objects, group)
                 self.done.append((iteration, path, time.perf_counter() - t0))
             except BaseException as e:  # noqa: BLE001 - reported by check() in the training thread
