@@ -36,14 +36,15 @@ import sys
 
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.export.checkpoints import LOADERS, SAVERS, load_checkpoint, save_checkpoint
+from megatron_2bw.export.checkpoints import (
+    LOADERS, SAVERS, dist_exported, is_dist_path, load_checkpoint, save_checkpoint,
+)
 from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
 from megatron_2bw.export.outputs import OVERWRITE_HELP, check_dir, staged_dir
-from megatron_2bw.checkpoint.megatron_format import Exported, find_iteration_dir
 from megatron_2bw.checkpoint.trainer_reshard import (
     read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
 )
-from megatron_2bw.checkpoint.dist_checkpoint import CKPT_FORMATS, is_dist_checkpoint
+from megatron_2bw.checkpoint.dist_checkpoint import CKPT_FORMATS
 from megatron_2bw.schedule.stages import check_virtual_split
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 
@@ -100,10 +101,10 @@ def convert(args: argparse.Namespace, out: str) -> tuple[str, str]:
     """Read ``--load-dir`` and write it under ``out`` (the staging directory): (the summary line with a
     ``{where}`` placeholder, the path it names)."""
     t, d = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    dist_source = _is_dist(args.load_dir) and args.loader in (None, "megatron")
+    dist_source = is_dist_path(args.load_dir) and args.loader in (None, "megatron")
     if dist_source:
         ckpt = read_dist_checkpoint(args.load_dir)
-        ex, has_optimizer = Exported(ckpt.cfg, ckpt.families["model"], int(ckpt.first["iteration"])), True
+        ex, has_optimizer = dist_exported(ckpt), True
     else:
         ex, has_optimizer = load_checkpoint(args.load_dir, args.loader or "auto")
     if args.ckpt_format == "torch_dist" and (args.saver != "megatron" or args.no_optimizer or not has_optimizer):
@@ -137,14 +138,6 @@ def convert(args: argparse.Namespace, out: str) -> tuple[str, str]:
     return (f"wrote {cfg.kind} model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
             f"at iteration {ex.iteration} to {{where}} as {args.saver}"
             + (f" t={t} d={d}" if args.saver != "hf" else "") + dropped), where
-
-
-def _is_dist(path: str) -> bool:
-    """Whether ``path`` (a root or an iteration dir) holds a torch_dist checkpoint."""
-    try:
-        return is_dist_checkpoint(path) or is_dist_checkpoint(find_iteration_dir(path))
-    except (ConfigError, OSError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

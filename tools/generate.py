@@ -1,4 +1,5 @@
-"""Generate text from a GPT checkpoint of any layout (Megatron-LM v2.x, this trainer's, or Hugging Face).
+"""Generate text from a GPT checkpoint of any format (this trainer's torch or torch_dist, Megatron-LM v2.x,
+Megatron-Core, or Hugging Face).
 
     python tools/generate.py --load ckpt --tokenizer-type GPT2BPETokenizer \\
         --vocab-file vocab.json --merge-file merges.txt --prompt "Once upon a time" --max-new-tokens 50
@@ -6,7 +7,9 @@
 Greedy when --temperature is 0; otherwise samples with optional --top-k / --top-p filters,
 reproducibly for a --seed. A key/value cache makes each new token cost one position. Tokens are
 printed as they come; each prompt's continuation ends with a newline. Without tokenizer flags
-the ones saved in the checkpoint are used.
+the ones saved in the checkpoint are used (a Hugging Face export: its own tokenizer files); a tokenizer
+other than the one the model was trained with (its name and fingerprint, as the checkpoint recorded
+them) is refused in one line.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.data.fingerprint import tokenizer_fingerprint
 from megatron_2bw.export.checkpoints import load_checkpoint
+from megatron_2bw.export.hf_tokenizer import changed_since
 from megatron_2bw.export.generation import CachedGPT, Sampling, generate
 
 
@@ -55,13 +60,36 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def tokenizer_for(args: argparse.Namespace, saved: dict):
-    """The tokenizer the flags name, else the one the checkpoint recorded."""
+    """The tokenizer the flags name, else the one the checkpoint recorded; either must be the one the model was
+    trained with (name and fingerprint, when the checkpoint recorded them)."""
     flags = {k: getattr(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
-    chosen = flags if flags["tokenizer_type"] else {**flags, **saved}
+    if not flags["tokenizer_type"] and saved.get("exported_dir"):  # a Hugging Face export: its own tokenizer files
+        return build_tokenizer("HuggingFaceTokenizer", saved["exported_dir"])
+    chosen = flags if flags["tokenizer_type"] else saved
     if not chosen.get("tokenizer_type"):
         raise ConfigError("the checkpoint records no tokenizer: give --tokenizer-type and its files")
-    return build_tokenizer(chosen["tokenizer_type"], chosen.get("tokenizer_model"), chosen.get("vocab_file"),
-                           chosen.get("merge_file"))
+    tok = build_tokenizer(chosen["tokenizer_type"], chosen.get("tokenizer_model"), chosen.get("vocab_file"),
+                          chosen.get("merge_file"), chosen.get("vocab_size"))
+    why = changed_since(_with_fingerprint(saved), tok)
+    if why:
+        given = ("the tokenizer given" if flags["tokenizer_type"] else
+                 "the tokenizer files at the paths the checkpoint recorded")
+        raise ConfigError(f"{given} is not the one {args.load} was trained with: {why}; give the training run's "
+                          "tokenizer (or no tokenizer flags to use the one the checkpoint records)")
+    return tok
+
+
+def _with_fingerprint(saved: dict) -> dict:
+    """``saved`` with a fingerprint: the recorded one, else (an older checkpoint) that of the recorded files if
+    they are still there."""
+    if saved.get("fingerprint") or not saved.get("tokenizer_type"):
+        return saved
+    try:
+        tok = build_tokenizer(saved["tokenizer_type"], saved.get("tokenizer_model"), saved.get("vocab_file"),
+                              saved.get("merge_file"), saved.get("vocab_size"))
+        return {**saved, "fingerprint": tokenizer_fingerprint(tok)}
+    except (ConfigError, NotImplementedError):
+        return saved
 
 
 def run(argv: list[str]) -> int:

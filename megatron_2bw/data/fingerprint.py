@@ -123,3 +123,21 @@ def changed_fingerprints(saved: dict[str, Any] | None, now: dict[str, Any]) -> l
                                f"{b['bin_bytes']} bytes, .idx sha256 {str(a.get('idx_sha256'))[:12]} -> "
                                f"{b['idx_sha256'][:12]})")
     return out
+
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def recorded_tokenizer(args, fingerprints: dict | None = None) -> dict[str, Any]:
+    """The tokenizer a checkpoint recorded: its flags from the stored arguments (a dict or Megatron's
+    Namespace), and as ``fingerprint`` the tokenizer fingerprint of ``fingerprints`` (the trainer's torch
+    files) or of the arguments' ``tokenizer_fingerprint`` (every format since it was added)."""
+    a = args if isinstance(args, dict) else vars(args) if args is not None else {}
+    tok: dict[str, Any] = {k: a[k] for k in TOKENIZER_FLAGS if a.get(k)}
+    if tok.get("tokenizer_type") == "NullTokenizer" and a.get("vocab_size"):
+        tok["vocab_size"] = a["vocab_size"]
+    fp = fingerprints.get("tokenizer") if isinstance(fingerprints, dict) else None
+    fp = fp if isinstance(fp, dict) else a.get("tokenizer_fingerprint")
+    if isinstance(fp, dict):
+        tok["fingerprint"] = dict(fp)
+    return tok

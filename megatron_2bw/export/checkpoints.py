@@ -2,21 +2,22 @@
 
 Formats read: a Megatron-LM v2.x directory (``latest_checkpointed_iteration.txt`` or an
 iteration dir of ``mp_rank_*`` files, any t x d), a trainer checkpoint of this project
-(``format`` 1 files: per-stage parameter names and engine state), and a Hugging Face model
-directory. Formats written: Megatron-LM v2.x (any t x d) and Hugging Face. Megatron-Core's torch
-format (flat ``decoder.layers.N`` names, ``mcore_format.py``) is read and written too: ``mcore`` or
+(``format`` 1 files: per-stage parameter names and engine state; or ``--ckpt-format torch_dist``), and a
+Hugging Face model directory. Every reader returns the tokenizer the checkpoint recorded (flags and
+fingerprint, ``data.fingerprint.recorded_tokenizer``). Formats written: Megatron-LM v2.x (any t x d) and
+Hugging Face. Megatron-Core's torch format (flat ``decoder.layers.N`` names, ``mcore_format.py``) is read and written too: ``mcore`` or
 Megatron's newer name ``core``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import fields
 
 import torch
 
 from ..config import ModelConfig
+from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 from .hf_format import load_hf_dir, save_hf_dir
@@ -28,6 +29,8 @@ from ..checkpoint.trainer_format import verified_rank_files
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
 from ..checkpoint.names import WORD, Split
 from ..checkpoint.reshard import unshard
+from ..checkpoint.dist_checkpoint import is_dist_checkpoint
+from ..checkpoint.trainer_reshard import TrainerCheckpoint, read_dist_checkpoint
 
 LOADERS = ("auto", "megatron", "hf", "mcore", "core")
 SAVERS = ("megatron", "hf", "mcore", "core")
@@ -73,11 +76,24 @@ def read_trainer_iteration(iter_dir: str, files: dict | None = None) -> tuple[Ex
     first = files[min(files)]
     cfg = trainer_model_config(first["config"])
     parts = {k: _global_names(sd, cfg) for k, sd in files.items()}
-    args = first.get("args") or {}
-    args = vars(args) if isinstance(args, argparse.Namespace) else args
-    tok = {k: args.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if args.get(k)}
+    tok = recorded_tokenizer(first.get("args"), first.get("fingerprints"))
     dtype = first["config"].get("optimizer", {}).get("dtype", "fp32")
     return Exported(cfg, unshard(cfg, parts), int(first["iteration"]), tok, dtype), True
+
+
+def is_dist_path(path: str) -> bool:
+    """Whether ``path`` (a root or an iteration dir) holds a torch_dist checkpoint."""
+    try:
+        return is_dist_checkpoint(path) or is_dist_checkpoint(find_iteration_dir(path))
+    except (ConfigError, OSError):
+        return False
+
+
+def dist_exported(ckpt: TrainerCheckpoint) -> Exported:
+    """A torch_dist checkpoint's newest weights as a whole model, with the tokenizer it recorded."""
+    tok = recorded_tokenizer(ckpt.first.get("args"), ckpt.first.get("fingerprints"))
+    dtype = ckpt.first["config"].get("optimizer", {}).get("dtype", "fp32")
+    return Exported(ckpt.cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype)
 
 
 def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
@@ -89,6 +105,8 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
     is_hf = os.path.isfile(os.path.join(path, "config.json"))
     if loader == "hf" or (loader == "auto" and is_hf):
         return load_hf_dir(path), False
+    if loader in ("auto", "megatron") and is_dist_path(path):
+        return dist_exported(read_dist_checkpoint(path)), True
     idir = find_iteration_dir(path)
     first = verified_rank_files(idir)
     if is_trainer_file(first[min(first)]):

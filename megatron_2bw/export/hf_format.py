@@ -337,15 +337,26 @@ def load_hf_dir(path: str) -> Exported:
     if conf.model_type == "gpt2":
         cfg = config_from_gpt2(conf)
         sd = GPT2LMHeadModel.from_pretrained(path, local_files_only=True).state_dict()
-        return Exported(cfg, from_hf_gpt2(cfg, sd))
+        return Exported(cfg, from_hf_gpt2(cfg, sd), tokenizer=exported_tokenizer(path))
     if conf.model_type == "megatron-bert":
         cfg = config_from_megatron_bert(conf)
         sd = MegatronBertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
-        return Exported(cfg, from_hf_megatron_bert(cfg, sd))
+        return Exported(cfg, from_hf_megatron_bert(cfg, sd), tokenizer=exported_tokenizer(path))
     if conf.model_type == "llama":
         from transformers import LlamaForCausalLM  # noqa: PLC0415
 
         cfg = config_from_llama(conf)
         sd = LlamaForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
-        return Exported(cfg, from_hf_llama(cfg, sd))
+        return Exported(cfg, from_hf_llama(cfg, sd), tokenizer=exported_tokenizer(path))
     raise ConfigError(f"{path}: model type {conf.model_type!r} is not supported (gpt2, megatron-bert or llama)")
+
+
+def exported_tokenizer(path: str) -> dict:
+    """The tokenizer of a Hugging Face directory: the one its export recorded (hf_tokenizer.RECORD: the training
+    run's flags and fingerprint), plus ``exported_dir`` when the directory holds transformers' tokenizer files."""
+    from .hf_tokenizer import read_record  # noqa: PLC0415
+
+    tok = read_record(path)
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        tok["exported_dir"] = path
+    return tok

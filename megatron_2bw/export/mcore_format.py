@@ -22,6 +22,7 @@ import argparse
 import torch
 
 from ..config import ModelConfig
+from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 from ..checkpoint.megatron_format import (
@@ -172,7 +173,7 @@ def read_mcore_files(files: dict[tuple[int, int], dict], root: str) -> Exported:
     d = 1 + max(pp for _, pp in files)
     split = a.get("pipeline_split")
     parts = {k: from_mcore_model(cfg, f["model"], d, k[1], split) for k, f in files.items()}
-    tok = {k: a.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if a.get(k)}
+    tok = recorded_tokenizer(a)
     dtype = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"
     weights = {n: v.float() for n, v in unshard(cfg, parts).items()}
     return Exported(cfg, weights, int(first.get("iteration", 0)), tok, dtype)
