@@ -7,7 +7,8 @@ end-of-document id), ``[PAD]`` its pad, and ``[CLS] [SEP] [MASK]`` are user-defi
 symbols. Byte fallback makes every string encodable and every round trip exact, and the
 identity normalizer keeps text as written. Each paragraph (line of a document) is one
 training sentence; at most ``--input-sentence-size`` of them are sampled, which keeps
-training on a few MB to seconds.
+training on a few MB to seconds. The files are written under temporary names and renamed; an existing
+PREFIX.model is replaced only when this tool wrote it (its reserved pieces), or with --overwrite.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.data.preprocess import read_jsonl
 from megatron_2bw.data.tokenizers import SP_CLS, SP_EOD, SP_MASK, SP_PAD, SP_SEP
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.outputs import check_files
 
 MIN_VOCAB = 300  # 256 byte pieces + reserved symbols + some characters
 
@@ -47,10 +49,11 @@ def train(
     if not corpus:
         raise ConfigError(f"--input {input_path} has no text under --json-keys {' '.join(json_keys)}")
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    tmp = f"{model_prefix}.tmp.{os.getpid()}"  # trained under a temporary name, renamed when both files exist
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(corpus),
-            model_prefix=model_prefix,
+            model_prefix=tmp,
             model_type="bpe",
             vocab_size=vocab_size,
             hard_vocab_limit=False,
@@ -74,8 +77,25 @@ def train(
         )
     except (RuntimeError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        for ext in (".model", ".vocab"):
+            if os.path.exists(tmp + ext):
+                os.remove(tmp + ext)
         raise ConfigError(f"SentencePiece training failed: {first}") from None
+    os.replace(tmp + ".vocab", model_prefix + ".vocab")
+    os.replace(tmp + ".model", model_prefix + ".model")
     return model_prefix + ".model"
+
+
+def is_own_model(model_prefix: str) -> bool:
+    """Whether ``PREFIX.model`` is an earlier output of this tool (its reserved pieces at their ids)."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=model_prefix + ".model")
+    except (OSError, RuntimeError):
+        return False
+    reserved = [SP_EOD, SP_PAD, SP_CLS, SP_SEP, SP_MASK]
+    return sp.get_piece_size() > 5 and [sp.id_to_piece(i) for i in range(1, 6)] == reserved
 
 
 def run(argv: list[str]) -> str:
@@ -87,7 +107,10 @@ def run(argv: list[str]) -> str:
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--input-sentence-size", type=int, default=300_000, help="sample at most this many paragraphs")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--overwrite", action="store_true", help="replace PREFIX.model/.vocab not written by this tool")
     args = p.parse_args(argv)
+    check_files([args.model_prefix + ".model", args.model_prefix + ".vocab"], overwrite=args.overwrite,
+                flag="--model-prefix", is_own=lambda: is_own_model(args.model_prefix), tool="train_tokenizer.py")
     model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys, args.input_sentence_size, args.num_threads)
     return f"wrote {model} and {args.model_prefix}.vocab"
 

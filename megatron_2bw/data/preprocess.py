@@ -195,8 +195,8 @@ def preprocess_jsonl(
             if os.path.exists(sidecar_path(prefixes[key])):
                 os.remove(sidecar_path(prefixes[key]))  # never an old tokenizer's record beside the new data
             builder.finalize(index_file_path(prefixes[key]))
-            if made_with is not None:
-                write_sidecar(prefixes[key], made_with)
+            if made_with is not None:  # with the input it was made from (preprocess_data.py's own earlier output)
+                write_sidecar(prefixes[key], {**made_with, "input": os.path.realpath(input_path)})
     finally:
         for builder in builders.values():
             builder.close()  # removes the temporary files of a failed run; existing datasets stay

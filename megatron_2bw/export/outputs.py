@@ -120,8 +120,10 @@ def check_files(paths: Sequence[str], *, overwrite: bool, flag: str, is_own: Cal
     existing = [p for p in paths if os.path.lexists(p)]
     if not existing or overwrite or is_own():
         return
-    raise ConfigError(f"{flag}: {_sample(existing)} already exist and are not an earlier output of {tool}: give "
-                      "another name, or --overwrite to replace them")
+    one = len(existing) == 1
+    raise ConfigError(f"{flag}: {_sample(existing)} {'exists' if one else 'exist'} and {'is' if one else 'are'} not "
+                      f"an earlier output of {tool}: give another name, or --overwrite to replace "
+                      f"{'it' if one else 'them'}")
 
 
 def write_text_atomic(path: str, text: str) -> None:
