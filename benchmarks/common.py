@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -149,12 +150,30 @@ def table(rows: Sequence[dict], cols: Sequence[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _one_line(call, *args, **kwargs):
+    """``call``'s result; its ConfigError as one ``error:`` line and exit status 2 (as the tools)."""
+    from megatron_2bw.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        return call(*args, **kwargs)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def write_json(path: str | None, obj: dict) -> None:
+    """The results file, written under a temporary name and renamed; a directory or a file that is not a
+    JSON object at ``path`` is refused (export/outputs.py)."""
+    from megatron_2bw.export.outputs import write_json_atomic  # noqa: PLC0415
+
     if not path:
         return
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
+    _one_line(write_json_atomic, path, obj, flag="--json")
     print(f"wrote {path}")
+
+
+def out_dir(path: str, benchmark: str) -> str:
+    """A benchmark's ``--out-dir``: refused unless new, empty or this benchmark's earlier output (export/outputs.py)."""
+    from megatron_2bw.export.outputs import claim_dir  # noqa: PLC0415
+
+    return _one_line(claim_dir, path, f"benchmarks/{benchmark}", flag="--out-dir")

@@ -741,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.regimes:
         args.seeds = [args.seed] if args.seed is not None else list(dict.fromkeys(args.seeds))
         args.model_flags = []
-        args.out_dir = args.out_dir or os.path.join(ROOT, "runs", "convergence_regimes")
+        args.out_dir = common.out_dir(args.out_dir, "convergence") if args.out_dir else \
+            os.path.join(ROOT, "runs", "convergence_regimes")
         return main_regimes(args)
     if args.seed is not None:
         args.seeds = [args.seed]
@@ -757,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = args.data_dir or os.path.join(ROOT, "demo_data", "quick" if args.quick else "")
     vocab = args.vocab or (500 if args.quick else 8000)
     corpus_mb = args.corpus_mb or (0.3 if args.quick else 4)
-    args.out_dir = args.out_dir or os.path.join(ROOT, "runs", "convergence_quick" if args.quick else "convergence")
+    args.out_dir = common.out_dir(args.out_dir, "convergence") if args.out_dir else \
+        os.path.join(ROOT, "runs", "convergence_quick" if args.quick else "convergence")
     if args.m < 2:
         p.error("2BW needs m >= d = 2")
     if "flush" not in args.schedules:

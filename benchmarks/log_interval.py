@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         args.iters, args.skip, args.rounds, args.preset, args.seq, args.micro_batch = 16, 4, 1, "gpt-tiny", 16, 1
     data_dir = args.data_dir or os.path.join(ROOT, "demo_data", "quick" if args.quick else "")
     data_prefix, tok_model = ensure_data(data_dir, 500 if args.quick else 8000, 0.3 if args.quick else 4)
+    if args.out_dir:  # a directory given: new, empty or this benchmark's earlier output (the default is its own)
+        common.out_dir(args.out_dir, "log_interval")
     args.out_dir = args.out_dir or os.path.join(ROOT, "runs", "log_interval_quick" if args.quick else "log_interval")
     os.makedirs(args.out_dir, exist_ok=True)
     machine, t0 = common.machine_info(), time.time()

@@ -991,6 +991,8 @@ def main(argv: list[str] | None = None) -> int:
             splice_convergence(json_dir, doc, img_dir)
             return 0
     else:
+        if args.out_dir:  # a directory given: new, empty or this report's earlier output (the default is its own)
+            common.out_dir(json_dir, "report")
         os.makedirs(json_dir, exist_ok=True)
         status = run_benchmarks(args, json_dir, img_dir)
     conv = load_json(os.path.join(json_dir, "convergence.json")) or {}

@@ -164,3 +164,38 @@ def test_train_tokenizer_replaces_only_its_own_model(tmp_path, tmp_path_factory,
     one_error(capsys, train.main([*argv[:-1], foreign]),
               f"error: --model-prefix: {foreign}.model exists and is not an earlier output of train_tokenizer.py")
     assert open(foreign + ".model", "rb").read() == b"someone else's model"
+
+
+# ---- the benchmarks' outputs -----------------------------------------------------------------------------
+def test_benchmark_outputs_replace_only_their_own(tmp_path, capsys):
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    res = tmp_path / "results.json"
+    common.write_json(str(res), {"a": 1})
+    common.write_json(str(res), {"a": 2})  # its own earlier output (a JSON object) is replaced
+    assert json.loads(res.read_text()) == {"a": 2} and sorted(os.listdir(tmp_path)) == ["results.json"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a person's notes\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        common.write_json(str(notes), {"a": 3})
+    assert e.value.code == 2
+    one_error(capsys, 2, f"error: --json {notes} exists and is not a JSON results file")
+    assert notes.read_text() == "a person's notes\n"
+    out = str(tmp_path / "runs")
+    assert common.out_dir(out, "convergence") == out and common.out_dir(out, "convergence") == out
+    run_dir = _tiny_ckpt(tmp_path / "ckpt", 10)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        common.out_dir(run_dir, "convergence")
+    one_error(capsys, 2, f"error: --out-dir {run_dir} is not empty (latest_checkpointed_iteration.txt names iteration 10)")
+    with pytest.raises(SystemExit):
+        common.out_dir(out, "log_interval")  # another benchmark's directory
+    one_error(capsys, 2, f"error: --out-dir {out} is not empty (")

@@ -133,3 +133,37 @@ def write_text_atomic(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def claim_dir(path: str, tool: str, *, flag: str) -> str:
+    """A directory a long-running tool fills as it goes (a benchmark's ``--out-dir``): created and marked as
+    ``tool``'s when missing or empty, accepted when ``tool`` marked it before, refused otherwise."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file, not a directory: give a directory path")
+    entries = os.listdir(path) if os.path.isdir(path) else []
+    doc = _read_marker(path) if entries else None
+    if entries and (doc is None or doc.get("tool") != tool):
+        what = _tracker_line(path) if TRACKER in entries else _sample(entries)
+        raise ConfigError(f"{flag} {path} is not empty ({what}) and is not an earlier output of {tool}: give a new "
+                          "or empty directory")
+    if not entries:
+        os.makedirs(path, exist_ok=True)
+        write_text_atomic(os.path.join(path, MARKER), json.dumps({"tool": tool, "request": {"tool": tool},
+                                                                  "entries": []}) + "\n")
+    return path
+
+
+def write_json_atomic(path: str, obj: dict, *, flag: str) -> None:
+    """``obj`` as JSON to ``path`` (temporary name, renamed), refusing to replace a directory or a file that is
+    not a JSON object (every output of the benchmarks is one: such a file is someone else's)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: give a file path")
+    if os.path.lexists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                ours = isinstance(json.load(f), dict)
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise ConfigError(f"{flag} {path} exists and is not a JSON results file: give another path")
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
