@@ -66,8 +66,7 @@ class ParallelState:
     pp_rank: int
     pipeline_ranks: list[int]
     tp_group: object | None = None
-    dp_group: object | None = None
-    pp_group: object | None = None
+    dp_group: object | None = None  # no pipeline group: p2p goes over the default group's communicator
     embedding_group: object | None = None
     model_group: object | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -217,13 +216,25 @@ def initialize(
     return build_state(t, d, w, dev, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+_TIMEOUT: list[datetime.timedelta | None] = [None]  # the last build_state's group timeout
+
+
+def group_timeout() -> datetime.timedelta | None:
+    """``--distributed-timeout-minutes`` as the layout's groups got it (None: torch's default)."""
+    return _TIMEOUT[0]
+
+
 def build_state(t: int, d: int, w: int, device: torch.device, *,
                 timeout: datetime.timedelta | None = None) -> ParallelState:
     """Create every group of the layout (all ranks call ``new_group`` in the same order).
 
     ``timeout`` (``--distributed-timeout-minutes``) applies to every group: ``new_group`` does not
-    inherit the default group's, it takes torch's default (10 min NCCL, 30 min gloo).
+    inherit the default group's, it takes torch's default (10 min NCCL, 30 min gloo). Groups made later
+    (the checkpoint's gloo group) take it from :func:`group_timeout`. No group is made for the pipeline
+    ranks: nothing reduces over them (transfers use the default group), and on NCCL every group is a
+    communicator with its own device memory.
     """
+    _TIMEOUT[0] = timeout
     rank, world = dist.get_rank(), dist.get_world_size()
     if t * d * w != world:
         raise ConfigError(f"layout t={t} x d={d} x w={w} does not match world size {world}")
@@ -232,6 +243,8 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
     mine: dict[str, object | None] = {}
     for name, lists in groups.items():
         mine[name] = None
+        if name == "pipeline":
+            continue
         for ranks in lists:
             g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
@@ -239,6 +252,6 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
     pipeline_ranks = next(p for p in groups["pipeline"] if rank in p)
     return ParallelState(
         rank, world, t, d, w, tp_rank, dp_rank, pp_rank, pipeline_ranks,
-        tp_group=mine["tensor"], dp_group=mine["data"], pp_group=mine["pipeline"],
+        tp_group=mine["tensor"], dp_group=mine["data"],
         embedding_group=mine["embedding"], model_group=mine["model"], device=device, timeout=timeout,
     )

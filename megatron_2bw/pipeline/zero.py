@@ -145,9 +145,20 @@ def gather_full(shard: torch.Tensor, layout: ShardLayout, group, everywhere: boo
         return out[:layout.numel].cpu()
     s, first = layout.size, dist.get_global_rank(group, 0)
     pieces = [(a, min(a + GATHER_CHUNK, s)) for a in range(0, s, GATHER_CHUNK)]
+    gloo = _gloo(group)
+
+    def p2p(op, tensor: torch.Tensor, peer: int) -> None:
+        """NCCL: a one-op batch, on the group's communicator (a bare send/recv would make a two-rank
+        communicator per pair at the first save, hundreds of MB of device memory each)."""
+        if gloo:
+            (dist.send if op is dist.isend else dist.recv)(tensor, peer, group=group)
+            return
+        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group=group)]):
+            work.wait()
+
     if layout.rank != 0:
         for a, b in pieces:
-            dist.send(shard[a:b].contiguous(), dst=first, group=group)
+            p2p(dist.isend, shard[a:b].contiguous(), first)
         return None
     out = torch.empty(layout.w * s, dtype=shard.dtype, device="cpu")
     out[:s].copy_(shard)
@@ -158,8 +169,8 @@ def gather_full(shard: torch.Tensor, layout: ShardLayout, group, everywhere: boo
         for a, b in pieces:
             dst = out[r * s + a:r * s + b]
             if on_cpu:
-                dist.recv(dst, src=src, group=group)
+                p2p(dist.irecv, dst, src)
             else:
-                dist.recv(buf[:b - a], src=src, group=group)
+                p2p(dist.irecv, buf[:b - a], src)
                 dst.copy_(buf[:b - a])
     return out[:layout.numel]

@@ -26,7 +26,8 @@ from .placement import Placement
 from .replay import Rendezvous, Replay, ScheduleError
 from .schedules import get_schedule, stage_actions, validate_pipeline
 
-__all__ = ["COMM_OPS", "ScheduleError", "check_grouped", "check_grouped_actions", "comm_groups", "peer_offset"]
+__all__ = ["COMM_OPS", "ScheduleError", "check_grouped", "check_grouped_actions", "check_in_order", "comm_groups",
+           "peer_offset", "with_rerun"]
 
 COMM_OPS: frozenset[Op] = frozenset(TRANSFERS)
 
@@ -76,6 +77,46 @@ def check_grouped_actions(
     Replay(stages, channel=Rendezvous(groups_of), placement=placement).run()
 
 
+def check_in_order(stages: Sequence[Sequence[Action]], placement: Placement | None = None) -> None:
+    """NCCL matches the transfers between two ranks in issue order, ignoring tags: per ordered pair of ranks,
+    the messages one sends the other (in program order) must be exactly the messages the other receives
+    from it (in its program order), or buffers of one shape are silently swapped (a V's or an interleaved
+    ring's link carries activations and gradients alike). A grouped unit issues its sends before its
+    receives, which keeps each direction's order, so program order is issue order."""
+    place = placement or Placement(len(stages))
+    sent: dict[tuple[int, int], list] = {}
+    got: dict[tuple[int, int], list] = {}
+    for r, prog in enumerate(stages):
+        for a in prog:
+            if a.op not in COMM_OPS:
+                continue
+            p = place.peer(r, a)
+            pair, book = ((r, p), sent) if a.op in (Op.SEND_ACT, Op.SEND_GRAD) else ((p, r), got)
+            book.setdefault(pair, []).append(place.message(r, a))
+    for pair in sorted(set(sent) | set(got)):
+        out, into = sent.get(pair, []), got.get(pair, [])
+        if out != into:
+            k = next((k for k, (x, y) in enumerate(zip(out, into)) if x != y), min(len(out), len(into)))
+            raise ScheduleError(f"stage {pair[0]} sends stage {pair[1]} its messages in another order than that "
+                                f"stage receives them (NCCL matches in issue order): message #{k} sent "
+                                f"{out[k] if k < len(out) else None}, received {into[k] if k < len(into) else None}")
+
+
+def with_rerun(stages: Sequence[Sequence[Action]]) -> list[list[Action]]:
+    """The programs as run when every VALIDATE(t) fails: the warm-up between APPLY_UPDATE(t) and VALIDATE(t)
+    runs again right after it (a rollback is global: every stage re-runs its part)."""
+    out = []
+    for prog in stages:
+        new: list[Action] = []
+        for i, a in enumerate(prog):
+            new.append(a)
+            if a.op is Op.VALIDATE:
+                start = max(j for j in range(i) if prog[j].op is Op.APPLY_UPDATE and prog[j].step == a.step) + 1
+                new.extend(prog[start:i])
+        out.append(new)
+    return out
+
+
 def check_grouped(schedule: str, d: int, m: int, first_step: int = 0, num_steps: int = 3,
                   chunks: int | None = None, post_validation: bool = False) -> None:
     """:func:`check_grouped_actions` on the generated programs of every stage (with post-validation: the
@@ -84,5 +125,7 @@ def check_grouped(schedule: str, d: int, m: int, first_step: int = 0, num_steps:
     place = get_schedule(schedule, chunks, post_validation).placement(d)
     stages = [stage_actions(schedule, d, r, m, first_step, num_steps, chunks, post_validation) for r in range(d)]
     check_grouped_actions(stages, placement=place)
+    check_in_order(stages, place)
     if post_validation:
         check_grouped_actions([[a for a in p if a.op is not Op.VALIDATE] for p in stages], placement=place)
+        check_in_order(with_rerun(stages), place)

@@ -26,6 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_kwargs(backend: str, rank: int) -> dict:
+    """NCCL: ``device_id``, so the communicators are made at start-up as the trainer makes them."""
+    if backend != "nccl":
+        return {}
+    import torch
+
+    return {"device_id": torch.device("cuda", rank)}
+
+
 def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, pg_timeout: float,
             backend: str) -> None:
     os.environ.update(
@@ -41,7 +50,7 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, 
             torch.cuda.set_device(rank)
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout),
+            timeout=datetime.timedelta(seconds=pg_timeout), **init_kwargs(backend, rank),
         )
         try:
             result = fn(*args)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError
 from ...errors import os_error_line
+from ...parallel_state import group_timeout
 
 _GROUP: list = []  # the gloo group of checkpoint collectives (made on first use, by every rank at once)
 
@@ -20,8 +21,8 @@ def checkpoint_group():
     objects on any backend, and an asynchronous write's own communicator beside training's."""
     if not dist.is_initialized():
         return None
-    if not _GROUP:
-        _GROUP.append(dist.new_group(backend="gloo"))
+    if not _GROUP:  # with the run's timeout: new_group would take torch's (30 min on gloo)
+        _GROUP.append(dist.new_group(backend="gloo", timeout=group_timeout()))
     return _GROUP[0]
 
 

@@ -1,0 +1,113 @@
+"""gpu-review-2 fixes checked on the CPU: N6 (single NCCL transfers as one-op batches), N13 (eager
+communicators in the test workers), N14 (no pipeline group), and section 1's L1 residual (the
+checkpoint's gloo group takes the run's timeout)."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from megatron_2bw.checkpoint.dist_checkpoint import collective
+from megatron_2bw import parallel_state as ps
+from megatron_2bw.parallel_state import build_state, group_timeout, layout_groups
+from megatron_2bw.pipeline import transport as tp
+from megatron_2bw.pipeline import zero
+from megatron_2bw.pipeline.zero import ShardLayout, gather_full
+from megatron_2bw.schedule.actions import Action, Op
+from megatron_2bw.testing.local_workers import init_kwargs
+from multiproc import run_workers
+
+
+class _Done:
+    def __init__(self) -> None:
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_single_transfers_go_out_as_one_op_batches_on_nccl(monkeypatch) -> None:
+    """N6: evaluation's receives and sends through ``batch_isend_irecv`` (the world communicator), never
+    a bare ``isend``/``irecv`` (a new two-rank communicator per pair)."""
+    batches: list[list] = []
+    monkeypatch.setattr(tp.dist, "P2POp", lambda fn, tensor, peer, tag=0: (fn, tensor, peer, tag))
+    monkeypatch.setattr(tp.dist, "batch_isend_irecv", lambda ops: batches.append(ops) or [_Done()])
+    def bare(*a, **k):
+        raise AssertionError("a bare p2p op")
+
+    def bare_recv(*a, **k):
+        raise AssertionError("a bare p2p op")
+
+    monkeypatch.setattr(tp.dist, "isend", bare)
+    monkeypatch.setattr(tp.dist, "irecv", bare_recv)
+    link = tp.Transport(0, 2, (3,), torch.float32, torch.device("cpu"), mode="grouped")
+    assert not link.batch_single  # no process group: plain ops
+    link.batch_single = True  # what an NCCL world sets
+    got = link.recv(Action(Op.RECV_ACT, 0))
+    link.send(Action(Op.SEND_ACT, 0), torch.ones(3))
+    link.drain()
+    assert got.shape == (3,)
+    assert [(len(b), b[0][0], b[0][2], b[0][3]) for b in batches] == [(1, bare_recv, 0, 1), (1, bare, 2, 1)]
+
+
+def _gather_nccl_path() -> dict:
+    """The distributed optimizer's gather for a torch-format save, its NCCL branch run on gloo."""
+    calls = []
+    zero_gloo, send, recv = zero._gloo, dist.send, dist.recv
+    zero._gloo = lambda group: False
+    dist.send = lambda *a, **k: calls.append("send")
+    dist.recv = lambda *a, **k: calls.append("recv")
+    batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: calls.append(len(ops)) or batch(ops)
+    zero.GATHER_CHUNK, chunk = 3, zero.GATHER_CHUNK
+    try:
+        rank = dist.get_rank()
+        layout = ShardLayout(10, 2, rank)
+        shard = torch.arange(layout.size, dtype=torch.float32) + 100 * rank
+        out = gather_full(shard, layout, dist.group.WORLD, everywhere=False)
+    finally:
+        zero._gloo, dist.send, dist.recv, dist.batch_isend_irecv, zero.GATHER_CHUNK = zero_gloo, send, recv, batch, chunk
+    return {"out": out, "calls": calls, "size": layout.size}
+
+
+def test_distributed_optimizer_save_gather_uses_one_op_batches() -> None:
+    first, other = run_workers(_gather_nccl_path, 2, timeout=120)
+    s = first["size"]
+    expect = torch.cat([torch.arange(s, dtype=torch.float32), torch.arange(s, dtype=torch.float32) + 100])[:10]
+    assert torch.equal(first["out"], expect) and other["out"] is None
+    pieces = -(-s // 3)
+    assert first["calls"] == [1] * pieces and other["calls"] == [1] * pieces  # no bare send / recv
+
+
+def test_test_workers_make_nccl_communicators_eagerly() -> None:
+    """N13: ``run_workers`` passes ``device_id`` on NCCL, as the trainer does."""
+    assert init_kwargs("gloo", 1) == {}
+    assert init_kwargs("nccl", 1) == {"device_id": torch.device("cuda", 1)}
+
+
+def test_no_pipeline_group_and_every_group_takes_the_timeout(monkeypatch) -> None:
+    """N14: nothing reduces over the pipeline ranks, so no communicator is made for them; L1: the groups
+    made later (the checkpoint's gloo group) take --distributed-timeout-minutes too."""
+    made: list[tuple[tuple[int, ...] | None, dict]] = []
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: made.append((ranks and tuple(ranks), kw)) or "g")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(collective, "_GROUP", [])
+    monkeypatch.setattr(ps, "_TIMEOUT", [None])
+    timeout = datetime.timedelta(minutes=3)
+    st = build_state(2, 2, 2, torch.device("cpu"), timeout=timeout)
+    groups = layout_groups(2, 2, 2)
+    expect = [tuple(r) for name in ("tensor", "data", "embedding", "model") for r in groups[name]]
+    assert [m[0] for m in made] == expect and not hasattr(st, "pp_group")
+    assert st.pipeline_ranks == [0, 4] and st.model_group == "g"
+    assert group_timeout() == timeout and all(kw["timeout"] == timeout for _, kw in made)
+    made.clear()
+    collective.checkpoint_group()
+    assert made == [(None, {"backend": "gloo", "timeout": timeout})]
