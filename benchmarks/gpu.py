@@ -11,7 +11,7 @@ Three loops per model, on the same layers (``ModelSpec`` with ``select_kernels('
   ``torch.optim.AdamW(fused=True)``, no fp32 master): the compute roofline of these layers.
 
 Model FLOPs per step: Megatron-LM's closed form ``72 B s L h^2 (1 + s/6h + V/12Lh)`` with the padded
-vocabulary, the function the trainer logs with (``megatron_2bw.training.flops``); MFU = achieved
+vocabulary, the function the trainer logs with (``megatron_2bw.config.flops``); MFU = achieved
 FLOP/s over the device's dense peak in the run's precision (``peak_tflops_of``: H100/H200 SXM 989,
 H100 PCIe 756, H100 NVL 835, A100 312 bf16 TFLOP/s).
 
@@ -36,7 +36,7 @@ SYSTEMS = ("engine_flush_d1", "engine_2bw_d1", "plain")
 
 def flops_per_step(cfg, b: int, m: int) -> float:
     """Model FLOPs of one step of m microbatches of b sequences: the trainer's formula (no recomputation, t = 1)."""
-    from megatron_2bw.training.flops import flops_per_step as megatron_flops
+    from megatron_2bw.config.flops import flops_per_step as megatron_flops
 
     return megatron_flops(cfg, b * m, recompute=False, tensor_parallel=1)
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.json, {
         "skipped": False, "results": results, "machine": dict(machine, device=name, peak_tflops=peak),
         "config": dict(models=models, m=args.m, steps=args.steps, warmup=args.warmup, kernels=kernels.describe(),
-                       flops_per_step="72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.training.flops)",
+                       flops_per_step="72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.flops)",
                        fp32_grads=args.fp32_grads, pipeline_on_one_gpu="not run (two processes on one GPU over gloo measures only the transport)"),
     })
     return 0

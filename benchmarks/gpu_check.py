@@ -7,7 +7,7 @@ Checks, each a row of one printed table and an entry of ``docs/data/gpu_check.js
 - ``train <model> <dtype> <system>``: GPT-355M and GPT-1.3B in bf16 and fp16, our engine at
   d = 1 with PipeDream-Flush and PipeDream-2BW (``benchmarks/gpu.py``'s loops) against a plain
   PyTorch loop over the same layers: tokens/s, TFLOP/s and MFU with the trainer's formula
-  (``megatron_2bw.training.flops``), ``max_memory_allocated`` / ``max_memory_reserved``. Fails
+  (``megatron_2bw.config.flops``), ``max_memory_allocated`` / ``max_memory_reserved``. Fails
   on an error (out of memory included), a non-finite loss, every timed step skipped, or a first
   loss off the plain loop's (same weights, same batches) by more than the precision allows.
 - ``recompute replay``: a stage's layers with dropout 0.1 under activation recomputation; the
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name, "gpus": n_gpus, "cuda": cuda, "torch": torch.__version__, "kernels": kernels.describe(),
         "elapsed_s": elapsed, "machine": common.machine_info(), "ok": not failed,
         "config": {"steps": steps, "warmup": warmup, "m": m, "models": list(models), "dtypes": list(dtypes),
-                   "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.training.flops)",
+                   "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.flops)",
                    "first_loss_rtol": FIRST_LOSS_RTOL, "save_extra_fraction": SAVE_EXTRA_FRACTION,
                    "d2_timeout_s": D2_TIMEOUT_S},
         "checks": rows,

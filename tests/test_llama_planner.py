@@ -17,7 +17,7 @@ from megatron_2bw.planner.layer_costs import (
     layer_stash_bytes, tied_params,
 )
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.training.flops import flops_per_step, llama_flops_per_step
+from megatron_2bw.config.flops import flops_per_step, llama_flops_per_step
 
 CONFIGS = {
     "llama-tiny": get_preset("llama-tiny"),  # GQA (2 groups), SwiGLU, RMSNorm, no biases, untied

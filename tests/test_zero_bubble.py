@@ -258,7 +258,7 @@ def test_fp16_overflow_skips_and_backs_off_like_flush():
 def test_bubble_time_shortcuts_match_the_full_replay():
     """The planner's zero-bubble price replays at most 4d microbatches on times relative to f rounded to
     1e-3: against the full replay at random costs and m past 4d, within 0.2% (the rounding's reach)."""
-    from megatron_2bw.schedule.schedules import _replayed_bubble
+    from megatron_2bw.schedule.rounds import _replayed_bubble
 
     rng = random.Random(0)
     for _ in range(40):
@@ -266,7 +266,7 @@ def test_bubble_time_shortcuts_match_the_full_replay():
         f, b, w = (rng.uniform(0.2, 2.0) for _ in range(3))
         for name in ("zb-h1", "zb-h2"):
             for m in (4 * d + 1, 8 * d):
-                full = _replayed_bubble(name, d, m, f, b, w)
+                full = _replayed_bubble(get_schedule(name), d, m, f, b, w)
                 assert get_schedule(name).bubble_time(d, m, f, b, w) == pytest.approx(full, rel=2e-3, abs=1e-9)
 
 

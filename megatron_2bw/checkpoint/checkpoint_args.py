@@ -64,3 +64,11 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
             setattr(args, name, saved[name])
             taken.append(f"--{name.replace('_', '-')} {saved[name]}")
     return f"--use-checkpoint-args: from {path}: {' '.join(taken) or 'nothing missing'}"
+
+
+def with_tokenizer_fingerprint(args: dict, fingerprints: dict | None) -> dict:
+    """A run's flat arguments plus ``tokenizer_fingerprint`` (data/fingerprint.py: type, vocabulary size, SHA-256 of
+    the pieces), so every format that stores the arguments (torch, torch_dist, what checkpoint_util converts or
+    exports them to) records which tokenizer the model was trained with; tools/generate.py compares it."""
+    tok = (fingerprints or {}).get("tokenizer")
+    return {**args, "tokenizer_fingerprint": dict(tok)} if isinstance(tok, dict) else args

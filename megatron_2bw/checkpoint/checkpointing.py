@@ -39,73 +39,25 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
 from ..errors import ConfigError
 from ..checkpoint import megatron_format, trainer_format
 from ..schedule.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
 from . import manifest, save_guard
+from .compat import SHAPE_FIELDS as _SHAPE_FIELDS, model_config  # noqa: F401 - re-exported
+from .manifest import write_tracker  # noqa: F401 - re-exported
+from .layout import FILENAME, TRACKER, checkpoint_path, iteration_dir, rank_dir_name, read_tracker  # noqa: F401 - re-exported
 from ..errors import describe_save_failure, os_error_line
 
 log = logging.getLogger("megatron_2bw")
 
-TRACKER = "latest_checkpointed_iteration.txt"
-FILENAME = "model_optim_rng.pt"
 FORMAT = trainer_format.FORMAT
 TRAINER_FORMATS = (1, 2, 3)
 MEGATRON_WEIGHTS = "megatron-weights"  # a Megatron-LM file with no engine state (read with --finetune)
 READABLE_FORMATS = (*TRAINER_FORMATS, MEGATRON_WEIGHTS)
-# Model fields that must agree to load weights (dropout and sequence length may change).
-_SHAPE_FIELDS = (
-    "kind", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-    "vocab_size", "num_tokentypes",
-    "position_embedding_type", "rotary_base", "rotary_percent", "swiglu", "normalization", "group_query_attention",
-    "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
-)
-_SHAPE_FIELDS += ("make_vocab_size_divisible_by",)  # the embedding's padded rows (issue 19)
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def rank_dir_name(tp: int, pp: int, d: int) -> str:
-    """Megatron's name: ``mp_rank_TT`` without pipelining, ``mp_rank_TT_PPP`` with it."""
-    return f"mp_rank_{tp:02d}" if d == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
-
-
-def checkpoint_path(root: str, iteration: int, tp: int, pp: int, d: int) -> str:
-    return os.path.join(iteration_dir(root, iteration), rank_dir_name(tp, pp, d), FILENAME)
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def model_config(config: dict) -> ModelConfig:
-    """The ModelConfig a file's ``config`` (``cli.describe``) records."""
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
-
-
-# --------------------------------------------------------------------------- reading (before init)
-def read_tracker(root: str) -> int | None:
-    """The iteration the pointer file names, or None when ``root`` holds no checkpoint."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} does not hold an iteration number (not UTF-8 text: a corrupt or foreign file); "
-                          "write the iteration to resume into it") from None
-    if not re.fullmatch(r"\d+", text):
-        raise ConfigError(f"{path} does not hold an iteration number (got {text[:40]!r})")
-    return int(text)
 
 
 def saved_layout(iter_dir: str) -> tuple[int, int] | None:
@@ -349,15 +301,6 @@ def atomic_torch_save(obj, path: str) -> tuple[str, int]:
     return cw.checksum, cw.size
 
 
-def write_tracker(root: str, iteration: int) -> None:
-    path = os.path.join(root, TRACKER)
-    try:
-        with manifest.atomic_file(path, "w") as f:
-            f.write(f"{iteration}\n")
-    except OSError as e:
-        raise ConfigError(os_error_line(e, path)) from None
-
-
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
             config: dict, args: dict, fingerprints: dict | None = None) -> dict | None:
     """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
@@ -464,11 +407,6 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     scaler, the fp32 master copied from the newest weights. ``finetune``: the newest weights only,
     in every version, at step 0 (``--finetune``; implies no optimizer and no RNG state).
     """
-    if sd.get("format") == "torch_dist":  # --ckpt-format torch_dist (read by dist_checkpoint.read_checkpoint)
-        from . import dist_checkpoint  # noqa: PLC0415
-
-        return dist_checkpoint.restore(sd, stage, tracker, device, load_optim=load_optim, load_rng=load_rng,
-                                       finetune=finetune)
     if sd.get("format") == MEGATRON_WEIGHTS and not finetune:
         raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
     esd = _engine_dict(sd, stage)

@@ -23,13 +23,13 @@ import re
 import zlib
 from typing import BinaryIO, Callable, Iterator
 
-from ..errors import ConfigError
+from ..errors import ConfigError, os_error_line
+from .layout import RANK_DIR_RE, TRACKER
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 CHUNK = 1 << 20
 TEMP_RE = re.compile(r".+\.tmp\.(\d+)$")  # checkpointing.py's temporaries: f"{path}.tmp.{pid}"
-_RANK_DIR_RE = re.compile(r"mp_rank_(\d+)(?:_(\d+))?")
 _IDENTITY_WORDS = {"tp_rank": "tensor rank", "pp_rank": "pipeline stage", "t": "t", "d": "d", "w": "w",
                    "schedule": "schedule", "iteration": "iteration"}
 
@@ -94,7 +94,7 @@ def shard_identity(*, iteration: int, t: int, d: int, w: int, tp_rank: int, pp_r
 def identity_from_path(relpath: str) -> dict:
     """The (tensor rank, stage) a file's folder stands for: ``mp_rank_TT[_PPP]/...`` (no suffix: stage 0)."""
     folder = relpath.replace(os.sep, "/").split("/")[0]
-    m = _RANK_DIR_RE.fullmatch(folder)
+    m = RANK_DIR_RE.fullmatch(folder)
     if not m:
         return {}
     return {"tp_rank": int(m.group(1)), "pp_rank": int(m.group(2) or 0)}
@@ -201,7 +201,7 @@ def read_manifest(iter_dir: str) -> dict | None:
 def _unlisted_shards(iter_dir: str, files: dict) -> list[str]:
     out = []
     for name in sorted(os.listdir(iter_dir)):
-        if _RANK_DIR_RE.fullmatch(name) and os.path.isdir(os.path.join(iter_dir, name)):
+        if RANK_DIR_RE.fullmatch(name) and os.path.isdir(os.path.join(iter_dir, name)):
             for leaf in sorted(os.listdir(os.path.join(iter_dir, name))):
                 rel = f"{name}/{leaf}"
                 if rel not in files and not TEMP_RE.fullmatch(leaf):
@@ -266,7 +266,7 @@ def verify(iter_dir: str, expected_identity_fn: IdentityFn | None = None, *, onl
 
 
 # --------------------------------------------------------------------------- start-up: temporaries and resume
-TRACKER = "latest_checkpointed_iteration.txt"  # as checkpointing.TRACKER (no import: that module needs torch)
+
 _ITER_RE = re.compile(r"iter_(\d+)")
 
 
@@ -313,7 +313,7 @@ def holds_checkpoint(iter_dir: str) -> bool:
     if os.path.isfile(os.path.join(iter_dir, MANIFEST)):
         return True
     for name in os.listdir(iter_dir) if os.path.isdir(iter_dir) else ():
-        if _RANK_DIR_RE.fullmatch(name) and os.path.isfile(os.path.join(iter_dir, name, "model_optim_rng.pt")):
+        if RANK_DIR_RE.fullmatch(name) and os.path.isfile(os.path.join(iter_dir, name, "model_optim_rng.pt")):
             return True
     return False
 
@@ -369,3 +369,12 @@ def recover_missing_tracker(load: str, save: str | None) -> tuple[int | None, st
             f"{os.path.join(load, TRACKER)} or use another --save")
     return it, (f"{os.path.join(load, TRACKER)} is missing: resuming from iteration {it}, the newest checkpoint "
                 f"whose {MANIFEST} shows it complete")
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    path = os.path.join(root, TRACKER)
+    try:
+        with atomic_file(path, "w") as f:
+            f.write(f"{iteration}\n")
+    except OSError as e:
+        raise ConfigError(os_error_line(e, path)) from None

@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
+from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
+from .layout import FILENAME, RANK_DIR_RE, TRACKER, iteration_name
+from .layout import rank_dir_name as rank_dir
 from .manifest import atomic_file
 from .names import Split, megatron_path, rank_stages, stage_names, swiglu_part
 from .reshard import reshard, unshard
 
 CHECKPOINT_VERSION = 3.0
-TRACKER = "latest_checkpointed_iteration.txt"
-FILENAME = "model_optim_rng.pt"
 
 
 @dataclass
@@ -61,6 +62,7 @@ def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, spl
         bert_binary_head=cfg.kind == "bert", num_tokentypes=cfg.num_tokentypes,
         tokenizer_type=tok.get("tokenizer_type"), tokenizer_model=tok.get("tokenizer_model"),
         vocab_file=tok.get("vocab_file"), merge_file=tok.get("merge_file"),
+        tokenizer_fingerprint=tok.get("fingerprint"),  # data/fingerprint.py: which tokenizer the model was trained with
         iteration=ex.iteration,
         # Llama-family layers (Megatron-LM's argument names)
         position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
@@ -177,11 +179,6 @@ def megatron_files(ex: Exported, t: int, d: int, schedule: str | None = None,
             for key, part in reshard(ex.cfg, ex.weights, t, d, split, chunks).items()}
 
 
-def rank_dir(tp: int, pp: int, d: int) -> str:
-    """Megatron's name: ``mp_rank_TT`` without pipelining, ``mp_rank_TT_PPP`` with it."""
-    return f"mp_rank_{tp:02d}" if d == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
-
-
 def write_megatron_dir(root: str, ex: Exported, t: int = 1, d: int = 1, schedule: str | None = None,
                        split: Split = None, chunks: int = 1) -> str:
     """Write ``ex`` under ``root`` in Megatron's layout (pointer file last); returns the iteration dir."""
@@ -191,7 +188,7 @@ def write_megatron_dir(root: str, ex: Exported, t: int = 1, d: int = 1, schedule
 def write_rank_files(root: str, iteration: int, d: int, files) -> str:
     """Each (tp, pp) rank's contents to its ``mp_rank_*`` file of ``iter_NNNNNNN``, atomically, then the
     pointer file (so a reader never sees the pointer before the files); returns the iteration dir."""
-    idir = os.path.join(root, f"iter_{iteration:07d}")
+    idir = os.path.join(root, iteration_name(iteration))
     for (tp, pp), contents in files:
         path = os.path.join(idir, rank_dir(tp, pp, d), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -204,7 +201,7 @@ def write_rank_files(root: str, iteration: int, d: int, files) -> str:
 
 def find_iteration_dir(root: str) -> str:
     """The directory the pointer file names (``iter_NNNNNNN`` or ``release``), or ``root`` itself if it is one."""
-    if any(re.fullmatch(r"mp_rank_\d+(_\d+)?", n) for n in os.listdir(root)):
+    if any(RANK_DIR_RE.fullmatch(n) for n in os.listdir(root)):
         return root
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
@@ -215,14 +212,14 @@ def find_iteration_dir(root: str) -> str:
         return os.path.join(root, "release")
     if not re.fullmatch(r"\d+", text):
         raise ConfigError(f"{path} does not hold an iteration number (got {text[:40]!r})")
-    return os.path.join(root, f"iter_{int(text):07d}")
+    return os.path.join(root, iteration_name(int(text)))
 
 
 def read_rank_files(idir: str) -> dict[tuple[int, int], dict]:
     """Every ``mp_rank_*`` file of an iteration directory, keyed by (tensor rank, pipeline rank)."""
     files = {}
     for name in sorted(os.listdir(idir)) if os.path.isdir(idir) else ():
-        m = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", name)
+        m = RANK_DIR_RE.fullmatch(name)
         path = os.path.join(idir, name, FILENAME)
         if m and os.path.isfile(path):
             try:
@@ -300,7 +297,7 @@ def read_megatron_dir(root: str) -> Exported:
     a = vars(first["args"])
     split = a.get("pipeline_split")
     parts = {k: rank_weights(f, cfg, t=t, d=d, pp=k[1], split=split) for k, f in files.items()}
-    tok = {k: a.get(k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file") if a.get(k)}
+    tok = recorded_tokenizer(a)
     dtype = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"
     weights = {n: v.float() for n, v in unshard(cfg, parts).items()}
     return Exported(cfg, weights, int(first.get("iteration", 0)), tok, dtype)

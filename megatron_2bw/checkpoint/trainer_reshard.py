@@ -22,11 +22,12 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from .compat import model_config
 from ..schedule.stages import check_virtual_split
 from ..schedule.schedules import get_schedule
 from ..checkpoint import manifest
 from . import trainer_format
-from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir, read_rank_files
+from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir
 from .reshard import reshard, unshard
 
 MODEL = "model"
@@ -39,12 +40,6 @@ class TrainerCheckpoint:
     cfg: ModelConfig
     families: dict[str, dict[str, torch.Tensor]]  # "model", "older", "master", "optimizer.<key>"
     first: dict  # the (0, 0) file: args, config, data, scalars of the engine state
-
-
-def model_config(config: dict) -> ModelConfig:
-    from ..checkpoint.checkpointing import model_config as of  # noqa: PLC0415 - avoids an import cycle
-
-    return of(config)
 
 
 def _families(sd: dict, cfg: ModelConfig) -> dict[str, dict[str, torch.Tensor]]:

@@ -27,33 +27,14 @@ saved tensors W's nodes read.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from ..tensor_parallel.backward_phase import in_phase as _in_phase, phase  # noqa: F401 - phase re-exported
 from .wgrad_fusion import fused_weight_grad
-
-
-_PHASE: list[str | None] = [None]
-
-
-def phase() -> str | None:
-    """``"input"`` while a BACKWARD_INPUT runs autograd, ``"weight"`` while a BACKWARD_WEIGHT does, None
-    otherwise (a whole backward)."""
-    return _PHASE[0]
-
-
-@contextlib.contextmanager
-def _in_phase(name: str) -> Iterator[None]:
-    _PHASE[0] = name
-    try:
-        yield
-    finally:
-        _PHASE[0] = None
 
 
 def accumulator(t: torch.Tensor) -> Node:

@@ -45,6 +45,7 @@ from ..schedule.stages import format_split
 from ..schedule.schedules import SCHEDULE_NAMES
 from .efficiency import EfficiencyCurve
 from .hardware import GiB, Cluster, load_cluster
+from .peaks import DEVICE_PRESETS, PEAK_VARIANTS  # noqa: F401 - DEVICE_PRESETS re-exported
 from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported
 from .profile_check import load_checked_profile
 from .search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchResult, micro_batch_sizes, search
@@ -52,7 +53,6 @@ from .search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchR
 log = logging.getLogger(__name__)
 
 # Substrings of torch.cuda.get_device_name -> shipped cluster preset.
-DEVICE_PRESETS = (("H200", "dgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80gb"), ("V100", "aws-p3.16xlarge"))
 
 
 class PlanChoice(NamedTuple):
@@ -110,8 +110,6 @@ def host_cluster(device: torch.device | None = None, num_gpus: int = 1) -> Clust
             raise ConfigError(f"no cluster preset matches {name!r}; pass cluster= (a preset name or a JSON file)")
         base = load_cluster(preset)
         total = torch.cuda.get_device_properties(dev).total_memory
-        from ..training.flops import PEAK_VARIANTS  # noqa: PLC0415 - PCIe/NVL parts of an SXM preset
-
         variant = next((peaks for key, peaks in PEAK_VARIANTS if key.upper() in name.upper()), None)
         return replace(base, device=name, device_memory_bytes=total,
                        reserved_memory_bytes=min(base.reserved_memory_bytes, total // 4),

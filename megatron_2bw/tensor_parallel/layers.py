@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..pipeline.split_backward import phase
+from .backward_phase import phase
 from .group import TPGroup
 from .init import Init, parameter
 from .mappings import _gather_seq, _reduce_scatter_seq, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_seq

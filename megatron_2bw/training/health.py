@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..config.rules import check_max_skipped_steps  # noqa: F401 - one implementation, below the config floor
 
 EXIT_UNHEALTHY = 3  # distinct from 1 (crash) and 2 (bad input), so scripts do not requeue it
 _DYNAMIC_MARGIN = 4
@@ -38,12 +38,6 @@ def default_max_skipped_steps(dtype: str, loss_scale: float | None, initial_loss
         return _CONSTANT_DEFAULT
     halvings = math.ceil(math.log2(max(initial_loss_scale / max(min_loss_scale, 1e-30), 1.0)))
     return halvings + _DYNAMIC_MARGIN
-
-
-def check_max_skipped_steps(value: int | None) -> None:
-    """Start-up check of the flag (None = the precision's default)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"--max-skipped-steps must be a positive integer (got {value})")
 
 
 @dataclass

@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
@@ -189,8 +189,7 @@ def _check_eod(cfg: RunConfig, tokenizer) -> None:
 
 def _find_resume(prep: Prepared) -> None:
     """Read this rank's file of the checkpoint ``--load`` names (if any) and check it fits this run."""
-    from ..parallel_state import coords_of
-    from ..checkpoint import checkpointing, dist_checkpoint
+    from ..checkpoint import checkpointing, formats
 
     cfg, tc = prep.cfg, prep.cfg.training
     it = checkpointing.find_checkpoint(tc.load, tc.save)
@@ -198,18 +197,10 @@ def _find_resume(prep: Prepared) -> None:
         log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
         return
     prep.loaded_iteration = it
-    t, d, w = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data
-    tp, _, pp = coords_of(prep.rank, t, w)
-    if dist_checkpoint.is_dist_checkpoint(checkpointing.iteration_dir(tc.load, it)):  # torch_dist: any layout
-        sd = dist_checkpoint.read_checkpoint(tc.load, it, prep.rank, cfg.parallel.world_size,
-                                             (t, d, w, cfg.pipeline.layer_split))
-        dist_checkpoint.check_compatible(sd, asdict(cfg.model), asdict(cfg.optimizer),
-                                         weights_only=tc.finetune or tc.no_load_optim)
-    else:
-        sd = checkpointing.load_rank_file(tc.load, it, t, d, tp, pp)
-        checkpointing.check_compatible(sd, asdict(cfg.model), cfg.pipeline.schedule, asdict(cfg.optimizer),
-                                       weights_only=tc.finetune or tc.no_load_optim, split=cfg.pipeline.layer_split,
-                                       chunks=cfg.pipeline.chunks)
+    w = cfg.parallel.data
+    fmt = formats.detect(tc.load, it)  # torch_dist: any layout; torch: this one
+    sd = fmt.read_before_init(tc.load, it, prep.rank, cfg)
+    fmt.check_compatible(sd, cfg, weights_only=tc.finetune or tc.no_load_optim)
     if tc.finetune:  # the weights only: a new run from iteration 0 on this run's data and settings
         log.info(" --finetune: starting from the weights of %s at iteration %d", tc.load, it)
         prep.checkpoint = sd

@@ -262,8 +262,8 @@ def memory_report_line(rank: int, iteration: int, cuda: CudaMemory | None = None
 
 
 def peak_tflops_of(device_name: str, precision: str) -> float | None:
-    """Dense peak TFLOP/s of a known GPU in ``precision``, else None (``flops.peak_tflops``)."""
-    from .flops import peak_tflops
+    """Dense peak TFLOP/s of a known GPU in ``precision``, else None (``planner.peaks.peak_tflops``)."""
+    from ..planner.peaks import peak_tflops
 
     return peak_tflops(device_name, precision)
 

@@ -48,17 +48,19 @@ from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.executor import PipelineStage
 from ..schedule.recompute_policy import RecomputePolicy
-from ..schedule.schedules import STOP_LAG, get_schedule
+from ..schedule.schedules import STOP_LAG
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
-from ..checkpoint import checkpointing, dist_checkpoint
+from ..checkpoint import checkpointing, dist_checkpoint, formats
+from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
 from . import health, signals, supervision, watchdog
 from .data_iter import MicrobatchProvider
-from .flops import counts_recompute, tflops_per_device
+from ..config.flops import counts_recompute, tflops_per_device
 from .log_format import (
-    cuda_memory, eta_line, iteration_of_step, memory_report_line, peak_tflops_of, saved_checkpoint_line, window_line,
+    cuda_memory, eta_line, iteration_of_step, math_choices, memory_report_line, peak_tflops_of, saved_checkpoint_line,
+    window_line,
 )
 from .lr_schedule import lr_at
 from .params_norm import params_sumsq, with_params_norm
@@ -112,7 +114,7 @@ class Trainer:
                          masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)))
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
-        place = get_schedule(cfg.pipeline.schedule, cfg.pipeline.virtual_stages).placement(state.d)
+        place = cfg.pipeline.spec.placement(state.d)
         build, ranges = spec.rank_build(state.d, state.pp_rank, place)  # several chunks: interleaved, V
         self.stage = PipelineStage(
             build, spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
@@ -121,8 +123,8 @@ class Trainer:
             cpu_init=cfg.system.use_cpu_initialization,  # off: each rank draws its own shards on its device
         )
         if prep.checkpoint is not None:
-            checkpointing.restore(prep.checkpoint, self.stage, self.tracker, state.device,
-                                  **checkpointing.load_options(tc))
+            formats.of_file(prep.checkpoint).restore(prep.checkpoint, self.stage, self.tracker, state.device,
+                                                     **checkpointing.load_options(tc))
             prep.checkpoint = None  # free the CPU copy
         self.loss_keys: tuple[str, ...] = tuple(getattr(self.stage.loss_fn, "components", ()))
         self.m = cfg.pipeline.num_microbatches
@@ -217,6 +219,10 @@ class Trainer:
                               components=comps)
 
     # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_args(self) -> dict:
+        """The flat arguments a checkpoint stores, with the tokenizer's fingerprint (checkpoint_args.py)."""
+        return with_tokenizer_fingerprint(megatron_args(self.cfg), getattr(self.prep, "fingerprints", None))
+
     def save(self, completed: int) -> None:
         tc, s = self.cfg.training, self.state
         t0 = time.perf_counter()
@@ -225,18 +231,18 @@ class Trainer:
             return checkpointing.payload(
                 self.stage, iteration=completed, tracker=self.tracker,
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
-                config=describe(self.cfg), args=megatron_args(self.cfg), fingerprints=getattr(self.prep, "fingerprints", None),
+                config=describe(self.cfg), args=self._checkpoint_args(), fingerprints=getattr(self.prep, "fingerprints", None),
             )
 
+        def common() -> dict:
+            return dist_checkpoint.common_state(
+                self.stage, iteration=completed, config=describe(self.cfg),
+                args=dist_checkpoint.megatron_namespace(self.stage, self.cfg, self._checkpoint_args(), completed),
+                consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B)
+
         with self._paused():
-            if tc.ckpt_format == dist_checkpoint.FORMAT:
-                common = dist_checkpoint.common_state(
-                    self.stage, iteration=completed, config=describe(self.cfg),
-                    args=dist_checkpoint.megatron_namespace(self.stage, self.cfg, megatron_args(self.cfg), completed),
-                    consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B)
-                path = dist_checkpoint.save(tc.save, completed, self.stage, self.tracker, common, self.async_writer)
-            else:
-                path = checkpointing.save(tc.save, completed, s, make_payload)
+            path = formats.get_format(tc.ckpt_format).save(formats.SaveRequest(
+                tc.save, completed, self.stage, s, self.tracker, make_payload, common, self.async_writer))
         dt = time.perf_counter() - t0
         if self.async_writer is not None:
             self.last_saved = completed
@@ -262,11 +268,11 @@ class Trainer:
         params = cfg.model.num_parameters()
         resumed = f" | resumed from iteration {self.stage.step}" if self.prep.resumed_from is not None else ""
         log.info(
-            "%s %.2fM parameters | layout t=%d d=%d w=%d (%d processes, %s on %s) | schedule %s, b=%d m=%d B=%d%s | "
-            "precision %s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
+            "%s %.2fM parameters | layout t=%d d=%d w=%d (%d processes, %s on %s) | b=%d m=%d B=%d%s | "
+            "%s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
             cfg.kind.upper(), params / 1e6, s.t, s.d, s.w, s.world_size, cfg.system.backend, cfg.system.device,
-            cfg.pipeline.schedule, cfg.pipeline.micro_batch_size, self.m, self.B,
-            " +recompute" if cfg.pipeline.recompute else "", cfg.optimizer.dtype, self.prep.kernels.describe(),
+            cfg.pipeline.micro_batch_size, self.m, self.B,
+            " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), self.prep.kernels.describe(),
             mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
         )
         self.metrics.write({

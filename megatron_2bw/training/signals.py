@@ -23,19 +23,9 @@ from types import FrameType
 from typing import Callable
 
 from ..errors import ConfigError
+from ..config.rules import parse_signal  # noqa: F401 - one implementation, below the config floor
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for a second Ctrl-C
-
-
-def parse_signal(name: str | int) -> signal.Signals:
-    """``SIGUSR1``, ``USR1``, ``usr1`` or ``10`` -> ``signal.SIGUSR1``; a one-line error otherwise."""
-    text = str(name).strip().upper()
-    try:
-        if text.isdigit():
-            return signal.Signals(int(text))
-        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
-    except (KeyError, ValueError):
-        raise ConfigError(f"--exit-signal {name!r} is not a signal name (e.g. SIGTERM, SIGUSR1)") from None
 
 
 class ExitSignalHandler:

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from ..config.rules import check_stall_timeout  # noqa: F401 - one implementation, below the config floor
+
 EXIT_STALLED = 4
 DEFAULT_STALL_TIMEOUT_S = 45.0
 DEFAULT_FANOUT = 16
@@ -294,11 +296,3 @@ def start_watchdog(stall_timeout_s: float, rank: int | None = None, world: int |
     store = _watchdog_store(max(2.0, 2 * interval))
     host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return Watchdog(store, rank, world, stall_timeout_s, interval_s=interval, store_host=host, **kwargs).start()
-
-
-def check_stall_timeout(value: float) -> None:
-    """Start-up check of ``--stall-timeout-s`` (0 disables; otherwise at least a few seconds)."""
-    from ..errors import ConfigError
-
-    if value != value or value < 0 or (0 < value < 2):
-        raise ConfigError(f"--stall-timeout-s must be 0 (off) or at least 2 seconds (got {value})")

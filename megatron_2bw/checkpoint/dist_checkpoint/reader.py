@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...errors import ConfigError
 from .. import manifest
+from ..compat import SHAPE_FIELDS
+from ..layout import TRACKER, iteration_dir
 from .collective import first_line
 from .files import COMMON, FORMAT, METADATA, rng_key
 from .planners import LoadPlanner
@@ -27,7 +29,6 @@ def read_checkpoint(load: str, iteration: int, rank: int, world: int, layout: tu
     (file i by rank i mod world), so the whole checkpoint is verified once per resume.
     ``layout``: this run's (t, d, w, split); the RNG states load only at the saved layout.
     """
-    from ..checkpointing import TRACKER, iteration_dir  # noqa: PLC0415
 
     idir = iteration_dir(load, iteration)
     if not os.path.isdir(idir):
@@ -66,10 +67,9 @@ def read_checkpoint(load: str, iteration: int, rank: int, world: int, layout: tu
 
 def check_compatible(sd: dict, model: dict, optimizer: dict, *, weights_only: bool = False) -> None:
     """Refuse a checkpoint of another model shape, optimizer or precision (layout and schedule may differ)."""
-    from ..checkpointing import _SHAPE_FIELDS  # noqa: PLC0415
 
     path, saved = sd["path"], sd["config"]
-    for f in (f for f in _SHAPE_FIELDS if f in saved["model"]):
+    for f in (f for f in SHAPE_FIELDS if f in saved["model"]):
         if saved["model"][f] != model.get(f):
             raise ConfigError(f"checkpoint {path} has {f}={saved['model'][f]} but this run has {f}={model.get(f)}")
     if weights_only:

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from ...errors import ConfigError
 from ...pipeline.recompute import RNGSnapshot
+from ..compat import model_config
 from .collective import checkpoint_group, config_error
 from .planners import LoadPlanner
 from .shard_map import EF_PREV, MASTER, MODEL, OLDER, Param, families, span_chunks, stage_params
@@ -40,7 +41,6 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     with the distributed optimizer, its shard of the fp32 master and optimizer state. Options as
     :func:`checkpointing.restore`.
     """
-    from ..checkpointing import model_config  # noqa: PLC0415
 
     common, keys = sd["common"], sd["keys"]
     w, u, st = stage.weights, stage.updater, stage.state

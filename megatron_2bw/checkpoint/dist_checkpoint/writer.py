@@ -18,7 +18,10 @@ import torch.distributed.checkpoint as dcp
 from ...errors import ConfigError
 from ...pipeline.recompute import RNGSnapshot
 from ...testing import faults
-from .. import manifest
+from .. import manifest, trainer_format
+from ..compat import model_config
+from ..layout import iteration_dir
+from ..manifest import write_tracker
 from ...errors import os_error_line
 from .collective import checkpoint_group, config_error, global_rank
 from .files import COMMON, DATA_RE, FORMAT, METADATA, rng_key
@@ -34,7 +37,6 @@ class BackgroundWriter(Protocol):
 
 def _publish(root: str, iteration: int, tmp: str, entries: dict) -> str:
     """Rank 0: the manifest into ``tmp``, ``tmp`` renamed to ``iter_N``, then the pointer file."""
-    from ..checkpointing import iteration_dir, write_tracker  # noqa: PLC0415 - checkpointing imports this module lazily
 
     final = iteration_dir(root, iteration)
     manifest.write_manifest(tmp, iteration, entries)
@@ -100,7 +102,6 @@ def write_and_publish(root: str, iteration: int, chunks: list[Chunk], objects: d
         raise error
     if status[0] is not None:
         raise ConfigError(f"checkpoint save of iteration {iteration} failed: {status[0]}")
-    from ..checkpointing import iteration_dir  # noqa: PLC0415
 
     return iteration_dir(root, iteration)
 
@@ -125,7 +126,6 @@ def common_state(stage, *, iteration: int, config: dict, args, consumed_samples:
 
 def megatron_namespace(stage, cfg, cli_args: dict, iteration: int):
     """Megatron's ``args`` as the torch format records them (what ``--override-resumed-settings`` compares)."""
-    from ...checkpoint import trainer_format  # noqa: PLC0415
 
     st, split = stage.state, cfg.pipeline.layer_split
     return trainer_format.train_args(cfg.model, cli_args, iteration=iteration, t=st.t, d=st.d,
@@ -146,7 +146,6 @@ def save(root: str, iteration: int, stage, tracker, common: dict, writer: Backgr
     With ``writer`` (``--async-save``) the chunks are copied to host memory here and written in the
     background; the return value is the folder the checkpoint will be published as.
     """
-    from ..checkpointing import iteration_dir, model_config  # noqa: PLC0415
 
     stage.reducer.wait_all()  # no all-gather may still write the weight buffers
     chunks = save_chunks(stage, model_config(common["config"]))

@@ -1,5 +1,5 @@
-"""Model FLOPs per step, TFLOP/s per device and the devices' dense peaks: one formula for the
-trainer's log, ``benchmarks/gpu.py`` and ``benchmarks/gpu_check.py``.
+"""Model FLOPs per step and TFLOP/s per device: one formula for the
+trainer's log, the planner's report, ``benchmarks/gpu.py`` and ``benchmarks/gpu_check.py``.
 
 Megatron-LM's closed form for ``L`` layers, hidden ``h``, sequence ``s``, the *padded* vocabulary
 ``V`` (Megatron pads to a multiple of 128 x t and so computes the padded logits) and global batch ``B``::
@@ -20,7 +20,7 @@ counts the matrix multiplies only, the same for GPT and BERT (BERT's small heads
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from .model import ModelConfig
 
 
 def flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False, tensor_parallel: int = 1) -> float:
@@ -45,31 +45,6 @@ def tflops_per_device(cfg: ModelConfig, global_batch: int, step_seconds: float, 
     if step_seconds <= 0:
         return 0.0
     return flops_per_step(cfg, global_batch, recompute, tensor_parallel) / (step_seconds * world_size * 1e12)
-
-
-# Dense peaks (TFLOP/s; no sparsity, no TF32: this trainer never enables it) of the parts whose name
-# holds a cluster preset's key (planner.auto_plan.DEVICE_PRESETS) but whose peak is not the preset's:
-# the presets are SXM boards (H100 SXM 989 bf16), these are the PCIe and NVL cards.
-PEAK_VARIANTS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
-    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
-)
-
-
-def peak_tflops(device_name: str, precision: str) -> float | None:
-    """Dense peak TFLOP/s of a known GPU in ``precision`` (a variant above, else the planner's
-    cluster preset whose key the name holds), else None."""
-    from ..planner.auto_plan import DEVICE_PRESETS
-    from ..planner.hardware import load_cluster
-
-    variant = next((peaks for key, peaks in PEAK_VARIANTS if key.upper() in device_name.upper()), None)
-    if variant is not None:
-        return variant.get(precision)
-    preset = next((p for key, p in DEVICE_PRESETS if key in device_name.upper()), None)
-    if preset is None:
-        return None
-    peaks = load_cluster(preset).peak_flops
-    return peaks[precision] / 1e12 if precision in peaks else None
 
 
 def llama_flops_per_step(cfg: ModelConfig, global_batch: int, recompute: bool = False,

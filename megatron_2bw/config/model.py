@@ -1,0 +1,192 @@
+"""The model section: sizes, family features (Llama's RoPE, RMSNorm, SwiGLU, grouped queries) and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .rules import _require, _require_finite
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a GPT or BERT model. ``vocab_size`` is the tokenizer's (unpadded) size."""
+
+    kind: str = "gpt"  # "gpt" or "bert"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seq_length: int = 32
+    max_position_embeddings: int | None = None
+    vocab_size: int = 512
+    ffn_hidden_size: int | None = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    num_tokentypes: int = 0  # BERT: 2
+    # Llama-family layers (Megatron-Core's flags; the defaults are the GPT-2-style model)
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0  # fraction of each head's channels rotated
+    swiglu: bool = False  # SiLU-gated MLP: fc2(silu(gate(x)) * up(x))
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    group_query_attention: bool = False
+    num_query_groups: int | None = None  # key/value heads; None: one per attention head
+    untie_embeddings_and_output_weights: bool = False  # a separate output layer on the last stage
+    add_bias_linear: bool = True  # False: --disable-bias-linear
+    # Megatron's sequence parallelism (t > 1): norms, dropout and the residual stream sharded along
+    # the sequence over the tensor group; the pipeline carries [b, s/t, h]
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128  # Megatron's: the embedding has a multiple of this * t rows
+
+    def __post_init__(self) -> None:
+        _require(self.make_vocab_size_divisible_by >= 1,
+                 f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        _require(self.kind in ("gpt", "bert"), f"model kind must be 'gpt' or 'bert', got {self.kind!r}")
+        self._check_llama_fields()
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}",
+        )
+        if self.max_position_embeddings is None:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        _require(
+            self.max_position_embeddings >= self.seq_length,
+            f"--max-position-embeddings {self.max_position_embeddings} is smaller than --seq-length {self.seq_length}",
+        )
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden_size(self.hidden_size, self.swiglu))
+        _require(self.ffn_hidden_size > 0, f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            v = getattr(self, name)
+            _require(0.0 <= v < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
+        _require_finite(self)
+        _require(self.layernorm_epsilon > 0, f"--layernorm-epsilon must be positive, got {self.layernorm_epsilon}")
+        _require(self.init_method_std >= 0, f"--init-method-std must be >= 0, got {self.init_method_std}")
+
+    def _check_llama_fields(self) -> None:
+        """Refuse contradictory or unsupported Llama-family options (one line each)."""
+        _require(self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+                 f"--position-embedding-type must be one of {', '.join(POSITION_EMBEDDING_TYPES)}, "
+                 f"got {self.position_embedding_type!r}")
+        _require(self.normalization in NORMALIZATIONS,
+                 f"--normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
+        _require(self.rotary_base > 0, f"--rotary-base must be positive, got {self.rotary_base}")
+        _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.num_query_groups is not None and not self.group_query_attention:
+            raise ConfigError("--num-query-groups needs --group-query-attention")
+        if self.group_query_attention:
+            g = self.num_query_groups
+            _require(g is not None, "--group-query-attention needs --num-query-groups N")
+            _require(g > 0, f"--num-query-groups must be positive, got {g}")
+            _require(self.num_attention_heads % g == 0,
+                     f"--num-query-groups {g} does not divide --num-attention-heads {self.num_attention_heads}")
+        if self.kind == "bert":
+            llama = [f for f, v in (("--sequence-parallel", self.sequence_parallel),
+                                    ("--position-embedding-type rope", self.position_embedding_type == "rope"),
+                                    ("--swiglu", self.swiglu), ("--group-query-attention", self.group_query_attention),
+                                    ("--untie-embeddings-and-output-weights", self.untie_embeddings_and_output_weights),
+                                    ("--disable-bias-linear", not self.add_bias_linear)) if v]
+            _require(not llama, f"{llama[0] if llama else ''} is implemented for GPT models only")
+
+    def check_sequence_parallel(self, t: int) -> None:
+        """--sequence-parallel needs a tensor group and a sequence it divides (checked at the layout)."""
+        if self.sequence_parallel:
+            _require(t > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+            _require(self.seq_length % t == 0,
+                     f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size {t} "
+                     "(--sequence-parallel shards the sequence)")
+
+    def stage_activation_shape(self, micro_batch: int, t: int) -> tuple[int, int, int]:
+        """What one pipeline stage sends the next: ``[b, s, h]``, the sequence sharded over t with
+        --sequence-parallel."""
+        s = self.seq_length // t if self.sequence_parallel else self.seq_length
+        return (micro_batch, s, self.hidden_size)
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (= attention heads without grouped-query attention)."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (even), 0 without RoPE."""
+        if self.position_embedding_type != "rope":
+            return 0
+        return int(self.head_dim * self.rotary_percent) // 2 * 2
+
+    @property
+    def tied_output(self) -> bool:
+        """The output layer is the word embedding (GPT-2, BERT); False with a separate output weight."""
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Megatron's padded vocabulary: a multiple of ``--make-vocab-size-divisible-by`` (128) * t
+        (padded rows are masked out of the softmax)."""
+        mult = self.make_vocab_size_divisible_by * tensor_parallel
+        return ((self.vocab_size + mult - 1) // mult) * mult
+
+    def check_tensor_parallel(self, t: int) -> None:
+        _require(
+            self.num_attention_heads % t == 0,
+            f"--num-attention-heads {self.num_attention_heads} is not divisible by --tensor-model-parallel-size {t}",
+        )
+        _require(
+            self.query_groups % t == 0,
+            f"--num-query-groups {self.query_groups} is not divisible by --tensor-model-parallel-size {t}",
+        )
+        _require(
+            self.ffn_hidden_size % t == 0,
+            f"ffn hidden size {self.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {t}",
+        )
+
+    def num_parameters(self) -> int:
+        """Parameter count of the full model (unpadded vocabulary, tied embeddings counted once)."""
+        if self.llama_style:
+            return self.llama_num_parameters()
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv+proj, mlp, 2 LayerNorms
+        emb = self.vocab_size * h + self.max_position_embeddings * h + self.num_tokentypes * h
+        head = 2 * h  # final LayerNorm
+        if self.kind == "bert":
+            head += h * h + h + 2 * h + self.vocab_size + h * 2 + 2 + h * h + h  # lm transform, bias, SOP pooler
+        return L * per_layer + emb + head
+
+    @property
+    def llama_style(self) -> bool:
+        """Any Llama-family option on (the GPT-2-style formulas above do not hold)."""
+        return (self.position_embedding_type != "learned_absolute" or self.swiglu or self.normalization != "LayerNorm"
+                or self.group_query_attention or self.untie_embeddings_and_output_weights or not self.add_bias_linear)
+
+    def llama_num_parameters(self) -> int:
+        """Parameter count for any combination of the Llama-family options (GQA, SwiGLU, RMSNorm, untied)."""
+        h, f, L, hd = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.head_dim
+        qkv_out = (self.num_attention_heads + 2 * self.query_groups) * hd
+        mlp_in = 2 * f if self.swiglu else f
+        bias = self.add_bias_linear
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        per_layer = (h * qkv_out + qkv_out * bias + h * h + h * bias
+                     + h * mlp_in + mlp_in * bias + f * h + h * bias + 2 * norm)
+        emb = self.vocab_size * h + self.num_tokentypes * h
+        if self.position_embedding_type == "learned_absolute":
+            emb += self.max_position_embeddings * h
+        head = norm + (self.vocab_size * h if self.untie_embeddings_and_output_weights else 0)
+        return L * per_layer + emb + head
+
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool = False) -> int:
+    """Megatron-LM's default: 4h, or with SwiGLU 2/3 of it rounded down to a multiple of 64 (same FLOPs)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
