@@ -111,8 +111,9 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
     ``extrapolate``: the optimizer gets g_t + lam * (g_t - g_prev), g_prev the gradient of the previous
     step (none at step 0). ``ef`` (Zmushko et al.'s error feedback on the updates, gamma = lam): the
     optimizer runs unchanged on its own iterate y (``newest``); its update D_t = y(t+1) - y(t) is read off
-    the parameters, and the weights the model runs on follow x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1}),
-    D_{-1} = 0, kept as their own tensors. Both written here from their definitions in compensation.py."""
+    the parameters, and the weights the model runs on follow x(1) = x(0) + D_0 (the first update
+    uncorrected), then x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1}), kept as their own tensors; the
+    iterate is y = x - lam * D_{t-1} (set back by lam * D_0 after the first update). Both written here from their definitions in compensation.py."""
     lr, stale_rule = LR[optimizer], stale
     cfg = get_preset("gpt-tiny")
     spec = ModelSpec(cfg, TPGroup(), 1234)
@@ -154,11 +155,16 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
             newest[n].grad = gr
         before = {n: p.detach().clone() for n, p in newest.items()} if compensation == "ef" else None
         opt.step()  # the newest weights W(t) become W(t+1), using the gradient taken at W(t-1)
-        if compensation == "ef":  # x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1})
+        if compensation == "ef":  # x(1) = x(0) + D_0; x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1}) from t = 1
             x = {}
             for n, p in newest.items():
                 upd = p.detach() - before[n]
-                x[n] = versions[-1][n] + upd + lam * (upd - prev.get(n, torch.zeros_like(upd)))
+                if n in prev:
+                    x[n] = versions[-1][n] + upd + lam * (upd - prev[n])
+                else:  # the first update, uncorrected; the optimizer's iterate y = x - lam * D_prev from here on
+                    x[n] = versions[-1][n] + upd
+                    with torch.no_grad():
+                        p.sub_(upd, alpha=lam)
                 prev[n] = upd
             versions.append(x)
             run_on.append(x)

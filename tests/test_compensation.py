@@ -170,3 +170,39 @@ def test_ef_memory_is_one_fp32_buffer_per_parameter():
     assert ParamBytes.for_precision("bf16", compensation="predict").stale_correction == 0
     assert ParamBytes.for_precision("fp32", compensation="predict").stale_correction == 4
     assert ParamBytes.for_precision("fp32", compensation="dc").stale_correction == 0
+
+
+def test_ef_first_update_uncorrected_then_error_feedback():
+    """``ef`` as published (Zmushko et al. 2026, Algorithm 1): x1 = x0 + D0, then x_{t+1} = x_t + D_t +
+    gamma * (D_t - D_{t-1}), D_t the AdamW step of the optimizer's iterate y_t = x_t - gamma * D_{t-1};
+    the Updater's version buffers and master against those lines in plain tensors, step for step."""
+    n, gamma, lr, wd = 1024, 0.5, 1e-2, 0.1
+    w = sized_weights(n, dtype=torch.float32, device=torch.device("cpu"), params_per_view=n // 4)
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(n, generator=g)
+    for buf in w.flat:
+        buf.copy_(x0)
+    upd = Updater(w, OptimizerConfig("adam", lr=lr, weight_decay=wd, adam_beta2=0.99, clip_grad=0.0), compensation="ef",
+                  ef_scale=gamma)
+    half = w.n_decay
+    y = [x0[:half].clone().requires_grad_(True), x0[half:].clone().requires_grad_(True)]
+    ref = torch.optim.AdamW([{"params": y[:1], "weight_decay": wd}, {"params": y[1:], "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.99), eps=1e-8)
+    x, d_prev = x0.clone(), None
+    for step in range(4):
+        grad = torch.randn(n, generator=g)
+        w.grad_flat[w.grad_buffer(step)].copy_(grad)
+        upd.apply(step, float(grad.square().sum()), lr)
+        before = torch.cat([p.detach() for p in y])
+        y[0].grad, y[1].grad = grad[:half].clone(), grad[half:].clone()
+        ref.step()
+        d = torch.cat([p.detach() for p in y]) - before
+        x = x + d if d_prev is None else x + d + gamma * (d - d_prev)
+        if d_prev is None:  # the master offset the first update implies: y1 = x1 - gamma * D0
+            with torch.no_grad():
+                y[0].sub_(gamma * d[:half])
+                y[1].sub_(gamma * d[half:])
+        d_prev = d
+        torch.testing.assert_close(w.flat[w.slot(step + 1)], x, rtol=0, atol=1e-6, msg=f"weights after update {step}")
+        torch.testing.assert_close(upd.master, torch.cat([p.detach() for p in y]), rtol=0, atol=1e-6)
+    assert upd.optimizer.steps == 4

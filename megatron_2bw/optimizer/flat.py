@@ -13,13 +13,10 @@ import math
 
 import torch
 
-
-def fused_adamw_available() -> bool:
-    """torch's fused AdamW kernel (CPU and CUDA) exists in this build."""
-    return hasattr(torch, "_fused_adamw_")
+from .state import FlatState, Span, fused_adamw_available  # noqa: F401 - re-exported
 
 
-class FlatAdam:
+class FlatAdam(FlatState):
     """AdamW over flat buffers: torch's fused kernel when available, else vectorized torch ops.
 
     Out of place with the fused kernel is ``dst.copy_(src)`` then one fused in-place pass: on a
@@ -28,7 +25,7 @@ class FlatAdam:
 
     def __init__(self, numel: int, n_decay: int, *, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, device="cpu",
                  fused: bool | None = None):
-        self.n_decay, self.betas, self.eps, self.weight_decay = n_decay, betas, eps, weight_decay
+        self.numel, self.n_decay, self.betas, self.eps, self.weight_decay = numel, n_decay, betas, eps, weight_decay
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         self.steps = 0
@@ -59,16 +56,11 @@ class FlatAdam:
         step = denom.reciprocal_().mul_(self.exp_avg)  # reuses denom's memory
         _decayed_step(src, dst, step, lr / bc1, lr * self.weight_decay, self.n_decay)
 
-    def state_dict(self) -> dict:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.exp_avg.copy_(sd["exp_avg"])
-        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-        self.steps = int(sd["steps"])
+    def state_spans(self) -> dict[str, list[Span]]:
+        return {"exp_avg": [(0, self.exp_avg)], "exp_avg_sq": [(0, self.exp_avg_sq)]}
 
 
-class FlatSGD:
+class FlatSGD(FlatState):
     """SGD with momentum under torch.optim.SGD's rule (dampening 0, no Nesterov).
 
     Weight decay is added to the gradient before it enters the momentum buffer, as torch and
@@ -76,7 +68,7 @@ class FlatSGD:
     """
 
     def __init__(self, numel: int, n_decay: int, *, momentum=0.0, weight_decay=0.0, device="cpu"):
-        self.n_decay, self.momentum, self.weight_decay = n_decay, momentum, weight_decay
+        self.numel, self.n_decay, self.momentum, self.weight_decay = numel, n_decay, momentum, weight_decay
         self.buf = torch.zeros(numel, dtype=torch.float32, device=device) if momentum else None
         self.steps = 0
 
@@ -94,13 +86,9 @@ class FlatSGD:
         step = self.buf if self.buf.dtype == dst.dtype else self.buf.to(dst.dtype)
         torch.add(src, step, alpha=-lr, out=dst)
 
-    def state_dict(self) -> dict:
-        return {"buf": self.buf, "steps": self.steps}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if self.buf is not None:
-            self.buf.copy_(sd["buf"])
-        self.steps = int(sd["steps"])
+    def state_spans(self) -> dict[str, list[Span]]:
+        """The momentum buffer; plain SGD (no momentum) keeps only its step count."""
+        return {"buf": [(0, self.buf)]} if self.buf is not None else {}
 
 
 def _decayed_step(src, dst, step, step_lr: float, decay: float, n_decay: int) -> None:
@@ -119,24 +107,3 @@ def _decayed_step(src, dst, step, step_lr: float, decay: float, n_decay: int) ->
         torch.add(src[n_decay:], step[n_decay:], alpha=-step_lr, out=dst[n_decay:])
     else:
         torch.add(src, step, alpha=-step_lr, out=dst)
-
-
-def build_optimizer(cfg, numel: int, n_decay: int, device, fused: bool | None = None, *, muon=None):
-    """The flat optimizer named by an ``OptimizerConfig`` (fused AdamW kernel when available).
-
-    ``muon``: for ``--optimizer muon``, the keyword arguments of :class:`~.muon.FlatMuon` that
-    describe the stage (its matrices, tensor-parallel group, shard); see ``Updater``.
-    """
-    if cfg.optimizer == "adam":
-        return FlatAdam(numel, n_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                        weight_decay=cfg.weight_decay, device=device, fused=fused)
-    if cfg.optimizer == "muon":
-        from .muon import FlatMuon
-
-        ratio = (cfg.muon_lr / cfg.lr if cfg.lr > 0 else 1.0) if cfg.muon_lr is not None else 1.0
-        kw = {"matrices": [], **(muon or {})}
-        return FlatMuon(numel, kw.pop("n_decay", n_decay), **kw, momentum=cfg.muon_momentum,
-                        nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr_fn,
-                        lr_ratio=ratio, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                        weight_decay=cfg.weight_decay, device=device, fused=fused)
-    return FlatSGD(numel, n_decay, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, device=device)

@@ -37,8 +37,9 @@ the in-place all-gather and reduce-scatter the distributed optimizer is built on
 
 State: ``exp_avg`` over the whole flat buffer (Adam's first moment; Muon's momentum B on the
 matrices) and Adam's second moment on the AdamW elements only (kept compact: 4 bytes per Muon
-element fewer than AdamW; ``state_dict`` expands it to the flat layout, zeros on the matrices, so
-checkpoints split it by parameter name like every other state tensor). Transients per step: one
+element fewer than AdamW; ``state_spans`` places its views in the flat layout, zeros on the matrices
+in a whole tensor, so checkpoints split it by parameter name like every other state tensor, and the
+torch_dist format reads straight into those views). Transients per step: one
 fp32 buffer of the (shard's) size for U, plus the gathered copies when matrices are split.
 """
 
@@ -51,7 +52,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .flat import fused_adamw_available
+from .state import FlatState, Span, fused_adamw_available
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -116,7 +117,7 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-class FlatMuon:
+class FlatMuon(FlatState):
     """Muon + AdamW over a flat buffer (or this rank's ``[lo, hi)`` shard of it); see the module docstring.
 
     ``numel``: elements this optimizer updates (the shard's padded size when sharded); ``total``:
@@ -241,18 +242,7 @@ class FlatMuon:
             d.add_(step, alpha=-lr / bc1)
 
     # ------------------------------------------------------------------ state
-    @property
-    def state_bytes(self) -> int:
-        return (self.exp_avg.numel() + self._sq.numel()) * 4
-
-    def state_dict(self) -> dict:
-        sq = torch.zeros_like(self.exp_avg)
-        for (a, b), v in self._sq_views.items():
-            sq[a:b] = v
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": sq, "steps": self.steps}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.exp_avg.copy_(sd["exp_avg"])
-        for (a, b), v in self._sq_views.items():
-            v.copy_(sd["exp_avg_sq"][a:b])
-        self.steps = int(sd["steps"])
+    def state_spans(self) -> dict[str, list[Span]]:
+        """The momentum over the whole range; Adam's second moment on the AdamW elements only (its views of
+        the compact buffer, placed where those elements sit: the matrices' part is zero in a whole tensor)."""
+        return {"exp_avg": [(0, self.exp_avg)], "exp_avg_sq": [(a, v) for (a, _), v in sorted(self._sq_views.items())]}

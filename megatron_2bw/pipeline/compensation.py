@@ -45,35 +45,34 @@ about lr, it is around 1e-8 of g at the default, so ``dc`` then trains like plai
 only with a far larger lambda, which nothing here tunes.
 
 ``ef`` (the update-level error-feedback correction of Zmushko et al. 2026, "One-Step Gradient
-Delay is Not a Barrier for Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", section 3):
-optimizer-agnostic, it acts on the optimizer's *updates*, not on the gradients, so AdamW, Muon and
-SGD keep their own rules untouched. Let ``D_t = U(y_t; g_t) - y_t`` be the update the optimizer
-makes at step t from its own iterate ``y_t`` with 2BW's stale gradient ``g_t = grad f_t(x_{t-1})``
-(decoupled weight decay included). Plain 2BW applies ``D_t`` one step late: ``g_t`` was taken on
-weights one update behind the ones it is applied to. Read as error feedback, the delay is a lossy
+Delay is Not a Barrier for Large-Scale Asynchronous Pipeline Parallel LLM Pretraining", Algorithm 1,
+as its public implementation reads it): optimizer-agnostic, it acts on the optimizer's *updates*,
+not on the gradients, so AdamW, Muon and SGD keep their own rules untouched. Let ``D_t`` be the update
+the optimizer makes at step t with 2BW's stale gradient ``g_t = grad f_t(x_{t-1})`` (decoupled weight
+decay included). Plain 2BW applies ``D_t`` one step late. Read as error feedback, the delay is a lossy
 "compression" of the update, and the error the last step made is estimated by the difference of two
-consecutive updates and fed back into the applied update:
+consecutive updates and fed back into the applied update. The first update is applied uncorrected
+(there is no earlier update to difference with), the correction starts at the second:
 
-    x_{t+1} = x_t + D_t + gamma * (D_t - D_{t-1}),      y_{t+1} = y_t + D_t,      D_{-1} = 0,
+    x_1 = x_0 + D_0,      x_{t+1} = x_t + D_t + gamma * (D_t - D_{t-1})   (t >= 1),
 
-with ``gamma`` = ``--2bw-ef-scale`` (default 1). ``x`` are the weights the model runs on (2BW's
-version buffers, what evaluation and checkpoints' model weights hold); ``y`` is the optimizer's
-iterate, kept in the fp32 master. The two identities ``x_t = y_t + gamma * D_{t-1}`` and (summing)
-``x_{t+1} - gamma * D_t = x_t - gamma * D_{t-1} + D_t`` show the error-feedback invariant: the
-corrected weights are the uncorrected trajectory moved ``gamma`` updates ahead, so step t+1's
-gradient, taken at ``x_t``, is taken at (about) the point its update is applied to, and what
-remains of the delay error is ``D_t - D_{t-1}``, second order. The state is therefore stored as
-``y`` (not as ``D_{t-1}``): APPLY_UPDATE(t) runs the optimizer out of place from the master ``y_t``
-into a scratch buffer (``y_{t+1}``), then writes ``x_{t+1} = y_{t+1} + gamma * (y_{t+1} - y_t)``
-into the version buffer ``slot(t+1)`` and ``y_{t+1}`` into the master, in chunks of ``CHUNK``
-elements (:func:`ef_apply`). (Written with ``D_t`` taken at ``x_t`` instead of ``y_t``, the rule
-differs only through decoupled weight decay, by ``lr * wd * gamma * D_{t-1}``: 1e-5 of an update.)
-Source: the stored copies of the paper reachable here give its abstract and digests, not section
-3's equations; they state the rule's defining traits (update-level error feedback, optimizer-
-agnostic, the difference of two consecutive updates compensates the delay, one extra model-sized
-buffer), which this rule has; where the paper's exact coefficients differ, ``gamma`` covers them.
-An overflow skips the step: ``y`` stays, ``x_{t+1} = x_t``. The first update has ``D_{-1} = 0``
-(``y_0 = x_0``). Drains change nothing (the version buffers hold ``x``, the weights to evaluate).
+with ``gamma`` = ``--2bw-ef-scale`` (default 1). ``x`` are the weights the model runs on (2BW's version
+buffers, what evaluation and checkpoints' model weights hold). The optimizer steps its own iterate
+``y_t = x_t - gamma * D_{t-1}`` (``y_0 = x_0``; ``D_t = U(y_t; g_t) - y_t``), kept in the fp32 master:
+then ``y_{t+1} = y_t + D_t`` and ``x_{t+1} = y_{t+1} + gamma * D_t`` from the second update on, the
+error-feedback invariant (the weights are the optimizer's trajectory moved ``gamma`` updates ahead, so
+step t+1's gradient, taken at ``x_t``, is taken at about the point its update is applied to; what
+remains of the delay error is ``D_t - D_{t-1}``, second order). The first update implies the master's
+offset: ``y_1 = x_1 - gamma * D_0``, one update behind the weights from the start (an earlier version
+of this rule corrected the first update too, ``x_1 = x_0 + (1 + gamma) D_0``, which left the weights
+``gamma * D_0`` ahead of this rule's for the whole run). APPLY_UPDATE(t) runs the optimizer out of
+place from the master ``y_t`` into a scratch buffer (``y_{t+1}``), then :func:`ef_apply` writes the
+corrected weights into the version buffer ``slot(t+1)`` and the new iterate into the master, in
+chunks of ``CHUNK`` elements; whether an update is the first is the optimizer's step count (0 before
+it), so a resume, a skipped (overflowed) first step and a rolled-back speculation need no state of
+their own. An overflow skips the step: ``y`` stays, ``x_{t+1} = x_t``. Drains change nothing (the
+version buffers hold ``x``). Evaluating ``D_t`` at ``y_t`` rather than at ``x_t`` differs only through
+decoupled weight decay, by ``lr * wd * gamma * D_{t-1}`` (1e-5 of an update).
 
 Memory (the paper's appendix F: one extra model-sized buffer per stage): one fp32 buffer per
 parameter, 4 bytes (this rank's shard with the distributed optimizer). In bf16/fp16 the master
@@ -177,16 +176,22 @@ def extrapolate_correct(grad: torch.Tensor, prev: torch.Tensor, has_prev: bool, 
         g.add_(err, alpha=gamma)
 
 
-def ef_apply(master: torch.Tensor, new: torch.Tensor, dst: torch.Tensor, gamma: float) -> None:
-    """``ef``: ``dst = new + gamma * (new - master)`` (the corrected weights x(t+1)), then ``master = new``
-    (the optimizer's iterate y(t+1)); ``new`` holds y(t+1) and may be ``dst`` (fp32), all in place."""
+def ef_apply(master: torch.Tensor, new: torch.Tensor, dst: torch.Tensor, gamma: float, first: bool = False) -> None:
+    """``ef``, in place: the corrected weights ``dst = new + gamma * (new - master)`` and the iterate
+    ``master = new``; for the ``first`` update the weights ``dst = new`` (uncorrected) and the master
+    ``new - gamma * (new - master)`` (one update behind them). ``new`` holds the optimizer's step from
+    ``master`` and may be ``dst`` (fp32)."""
     n = master.numel()
     for lo in range(0, n, CHUNK):
         hi = min(lo + CHUNK, n)
         y0, y1, x = master[lo:hi], new[lo:hi], dst[lo:hi]
         step = torch.sub(y1, y0)  # D_t
         y0.copy_(y1)
-        if x.data_ptr() == y1.data_ptr():
+        if first:
+            y0.sub_(step, alpha=gamma)
+            if x.data_ptr() != y1.data_ptr():
+                x.copy_(y1)
+        elif x.data_ptr() == y1.data_ptr():
             x.add_(step, alpha=gamma)
         else:
             x.copy_(step.mul_(gamma).add_(y1))

@@ -35,13 +35,18 @@ import torch
 
 from ..config import OptimizerConfig
 from ..errors import ConfigError
-from ..optimizer.flat import build_optimizer
+from ..optimizer.build import build_optimizer
 from ..optimizer.loss_scaler import build_scaler
 from ..optimizer.muon import MuonMatrix
+from ..optimizer.state import Span, load_whole, whole
 from .compensation import check_compensation, dc_correct, ef_apply, extrapolate_correct, predict
 from .grad_reducer import GradReducer, grad_sumsq
 from .weights import StageWeights
 from .zero import gather_full
+
+
+OPT = "optimizer."  # checkpoint names of the optimizer's state: optimizer.exp_avg, ...
+EXTRAPOLATE, EXTRAPOLATE_HAS = "extrapolate_prev_grad", "extrapolate_has_prev"  # --2bw-compensation extrapolate's
 
 
 def host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
@@ -146,8 +151,7 @@ class Updater:
         if src != dst:
             raise RuntimeError("a speculative update needs a one-version schedule")
         kept = self.master if self.master is not None else self._weights(src)
-        self._backup = (step, kept.clone(), {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                            for k, v in self.optimizer.state_dict().items()})
+        self._backup = (step, kept.clone(), self.optimizer.snapshot())
         scale = self._scales.get(step, self.scaler.scale)
         grad = self._grad(w.grad_buffer(step))
         if scale != 1.0 and grad.dtype == torch.float32:  # _step unscales in place: keep the gradient as it was
@@ -183,7 +187,7 @@ class Updater:
             self._weights(src).copy_(self.master)
         else:
             self._weights(src).copy_(kept)
-        self.optimizer.load_state_dict(state)
+        self.optimizer.restore_snapshot(state)
         if self.shard is not None and overflow:  # apply re-gathers after a step it takes; a skipped one restores
             self.reducer.gather(src, self.weights.padded_flat[src])
         return self.apply(step, sumsq, lr), True
@@ -212,8 +216,9 @@ class Updater:
             self.ef_has_prev = True
         if self.compensation == "ef":  # y(t+1) into the scratch, then x(t+1) and the master from it
             new = self.ef_next if self.ef_next is not None else w_dst
+            first = self.optimizer.steps == 0  # the first update is applied uncorrected
             self.optimizer.update(self.master, new, g32, lr)
-            ef_apply(self.master, new, w_dst, self.ef_scale)
+            ef_apply(self.master, new, w_dst, self.ef_scale, first)
         elif self.master is not None:
             self.optimizer.update(self.master, self.master, g32, lr)
             if self.compensation != "predict":
@@ -247,15 +252,36 @@ class Updater:
         return self.apply(step, float(grad_sumsq(views, w.device).item()), lr)
 
     # ------------------------------------------------------------------ state
+    def state_spans(self) -> dict[str, list[Span]]:
+        """Every per-parameter state this rank checkpoints, by its checkpoint name, as live spans in the
+        optimizer's coordinates (this rank's shard with the distributed optimizer): ``master`` (the fp32
+        master: the newest weights, or ``ef``'s iterate y), ``optimizer.KEY`` (the optimizer's own
+        :meth:`~..optimizer.state.FlatState.state_spans`) and ``optimizer.extrapolate_prev_grad``. The one
+        description both checkpoint formats (and :attr:`state_bytes`) read."""
+        out = {"master": [(0, self.master)]} if self.master is not None else {}
+        out.update({f"{OPT}{k}": s for k, s in self.optimizer.state_spans().items()})
+        if self.ef_prev is not None:  # extrapolate's previous gradient: per parameter, kept by name too
+            out[f"{OPT}{EXTRAPOLATE}"] = [(0, self.ef_prev)]
+        return out
+
+    def state_scalars(self) -> dict:
+        """The optimizer's scalars (``steps``) and whether ``extrapolate`` holds a previous gradient."""
+        out = dict(self.optimizer.state_scalars())
+        if self.ef_prev is not None:
+            out[EXTRAPOLATE_HAS] = bool(self.ef_has_prev)
+        return out
+
+    def load_scalars(self, sd: dict) -> None:
+        self.optimizer.load_scalars(sd)
+        if self.ef_prev is not None:  # a state without it (another compensation's) starts afresh
+            self.ef_has_prev = bool(sd.get(EXTRAPOLATE_HAS, False))
+
     @property
     def state_bytes(self) -> int:
         """Bytes of optimizer state (the master copy not included), with ``extrapolate``'s previous gradient
         and ``ef``'s scratch buffer (in fp32 ``ef``'s extra buffer is the master: :attr:`master_bytes`)."""
-        ef = sum(t.numel() * 4 for t in (self.ef_prev, self.ef_next) if t is not None)  # a compensation's buffer
-        if hasattr(self.optimizer, "state_bytes"):
-            return self.optimizer.state_bytes + ef
-        sd = self.optimizer.state_dict()
-        return ef + sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+        ef = self.ef_next.numel() * 4 if self.ef_next is not None else 0
+        return ef + sum(t.numel() * t.element_size() for k, s in self.state_spans().items() if k != "master" for _, t in s)
 
     @property
     def master_bytes(self) -> int:
@@ -276,13 +302,11 @@ class Updater:
         tensors where they are on the CPU already. Never a copy on the device (gpu-review C4)."""
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
-        state = dict(self.optimizer.state_dict())
-        if self.ef_prev is not None:  # extrapolate's previous gradient: per parameter, so it is kept by name too
-            state.update(extrapolate_prev_grad=self.ef_prev, extrapolate_has_prev=self.ef_has_prev)
+        n, spans = self.optimizer.numel, self.state_spans()
+        full = {k: self._full(whole(s, n), everywhere, copy) for k, s in spans.items()}
         return {
-            "master": self._full(self.master, everywhere, copy) if self.master is not None else None,
-            "optimizer": {k: (self._full(v, everywhere, copy) if isinstance(v, torch.Tensor) else v)
-                          for k, v in state.items()},
+            "master": full.get("master"),
+            "optimizer": {**{k[len(OPT):]: v for k, v in full.items() if k.startswith(OPT)}, **self.state_scalars()},
             "scaler": self.scaler.state_dict(),
         }
 
@@ -290,18 +314,18 @@ class Updater:
         """Load an unsharded state (this rank's shard of it when sharded); a None ``optimizer`` or ``scaler``
         keeps the current (fresh) one."""
         take = (lambda t: t) if self.shard is None else (lambda t: self.shard.take(t, torch.float32))
+        spans = self.state_spans()
         if self.master is not None and sd.get("master") is not None:
-            self.master.copy_(take(sd["master"]))
+            load_whole(spans["master"], take(sd["master"]))
         if sd.get("optimizer") is not None:
-            state = dict(sd["optimizer"])
-            prev = state.pop("extrapolate_prev_grad", None)
-            has_prev = bool(state.pop("extrapolate_has_prev", False))
-            if self.ef_prev is not None:  # a state without it (another compensation's) starts afresh
-                self.ef_has_prev = prev is not None and has_prev
-                if self.ef_has_prev:
-                    self.ef_prev.copy_(take(prev))
-            self.optimizer.load_state_dict({k: (take(v) if isinstance(v, torch.Tensor) else v)
-                                            for k, v in state.items()})
+            state = sd["optimizer"]
+            for name, s in spans.items():
+                key = name[len(OPT):]
+                if name.startswith(OPT) and not (key == EXTRAPOLATE and state.get(key) is None):
+                    load_whole(s, take(state[key]))
+            self.load_scalars(state)
+            if self.ef_prev is not None and state.get(EXTRAPOLATE) is None:
+                self.ef_has_prev = False
         if sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
 
