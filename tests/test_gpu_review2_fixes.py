@@ -111,3 +111,35 @@ def test_no_pipeline_group_and_every_group_takes_the_timeout(monkeypatch) -> Non
     made.clear()
     collective.checkpoint_group()
     assert made == [(None, {"backend": "gloo", "timeout": timeout})]
+
+
+def test_fused_or_flash_attention_with_gqa_and_a_mask_or_fp32_is_refused_on_cuda(capsys) -> None:
+    """N8: on CUDA only SDPA's flash kernel takes grouped key/value heads, and flash takes no mask and no
+    fp32: ``fused``/``flash`` would fail at the first forward. Refused in one line at start-up."""
+    from dataclasses import replace
+
+    import pytest
+
+    from megatron_2bw.cli import build_config, parse_args
+    from megatron_2bw.errors import ConfigError
+
+    base = ["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
+            "--device", "cpu", "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+            "t.model", "--group-query-attention", "--num-query-groups", "1"]
+
+    def on_cuda(extra: list[str], dtype: str = "bf16"):
+        cfg = build_config(parse_args([*base, *extra], "gpt"), "gpt", 1)  # the CPU accepts every one of these
+        system = replace(cfg.system, device="cuda", backend="nccl")
+        return replace(cfg, system=system, optimizer=replace(cfg.optimizer, dtype=dtype))
+
+    for backend in ("fused", "flash"):
+        with pytest.raises(ConfigError, match=f"--attention-backend {backend} with grouped-query attention and fp32"):
+            on_cuda(["--attention-backend", backend], "fp32")
+    with pytest.raises(ConfigError, match="fused with grouped-query attention and --reset-attention-mask's mask"):
+        on_cuda(["--attention-backend", "fused", "--reset-attention-mask"])
+    on_cuda(["--attention-backend", "fused"])  # bf16, no mask: flash takes it
+    on_cuda(["--attention-backend", "unfused", "--reset-attention-mask"], "fp32")
+    on_cuda(["--attention-backend", "auto"], "fp32")
+    mha = base[:-3]
+    cfg = build_config(parse_args([*mha, "--attention-backend", "fused", "--reset-attention-mask"], "gpt"), "gpt", 1)
+    replace(cfg, system=replace(cfg.system, device="cuda", backend="nccl"))  # no GQA: the other kernels take it

@@ -226,6 +226,18 @@ def layout_configs(
     return par, pipe, B
 
 
+def gqa_kernel_problem(backend: str, device: str, gqa: bool, masked: str | None, dtype: str) -> str | None:
+    """Why SDPA has no CUDA kernel for this attention, or None. With grouped-query attention only the flash
+    kernel takes ``enable_gqa`` there, and flash takes no mask and no fp32, so ``fused``/``flash`` would
+    fail at the first forward ("No available kernel")."""
+    if device != "cuda" or backend not in ("flash", "fused") or not gqa or not (masked or dtype == "fp32"):
+        return None
+    why = masked if masked else "fp32"
+    return (f"--attention-backend {backend} with grouped-query attention and {why}: on CUDA only the flash kernel "
+            f"takes grouped key/value heads, and it takes no mask or fp32; use --attention-backend unfused (or bf16 "
+            f"without the mask)")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs, validated; ``parallel.data`` is resolved against the world size."""
@@ -274,6 +286,10 @@ class RunConfig:
             "--reset-attention-mask's mask" if self.data.reset_attention_mask else None
         _require(not (self.system.attention_backend == "flash" and masked),
                  f"--attention-backend flash takes no attention mask ({masked}): use fused, auto or unfused")
+        problem = gqa_kernel_problem(self.system.attention_backend, self.system.device,
+                                     self.model.query_groups != self.model.num_attention_heads, masked,
+                                     self.optimizer.dtype)
+        _require(problem is None, problem or "")
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""
