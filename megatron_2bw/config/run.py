@@ -229,7 +229,10 @@ def layout_configs(
 def gqa_kernel_problem(backend: str, device: str, gqa: bool, masked: str | None, dtype: str) -> str | None:
     """Why SDPA has no CUDA kernel for this attention, or None. With grouped-query attention only the flash
     kernel takes ``enable_gqa`` there, and flash takes no mask and no fp32, so ``fused``/``flash`` would
-    fail at the first forward ("No available kernel")."""
+    fail at the first forward ("No available kernel"); so would ``flash`` in fp32 without it."""
+    if device == "cuda" and backend == "flash" and dtype == "fp32":
+        return ("--attention-backend flash in fp32 on CUDA: SDPA's flash kernel takes fp16 and bf16 only; use fused, "
+                "auto or unfused")
     if device != "cuda" or backend not in ("flash", "fused") or not gqa or not (masked or dtype == "fp32"):
         return None
     why = masked if masked else "fp32"
