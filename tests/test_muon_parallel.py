@@ -78,19 +78,23 @@ def _sharded(w_: int, rank: int, group, steps: int = 20) -> tuple[torch.Tensor, 
     def flat(ms):
         return torch.cat([*(x.reshape(-1) for x in ms), torch.linspace(-1, 1, 30)])
 
-    def gather(x):
-        out = x.new_empty(w_ * x.numel())
-        dist.all_gather_into_tensor(out, x, group=group)
+    received = []
+
+    def gather(pieces, send, recv):
+        out = pieces.new_empty(sum(recv))
+        dist.all_to_all_single(out, pieces, recv, send, group=group)
+        received.append(out.numel() * out.element_size())
         return out
 
     full, part = flat(mats), shard.take(flat(mats))
     ref = FlatMuon(n, o, layout, weight_decay=0.1)
-    mine = FlatMuon(shard.size, o, layout, total=n, lo=shard.lo, weight_decay=0.1, gather=gather)
+    mine = FlatMuon(shard.size, o, layout, total=n, lo=shard.lo, weight_decay=0.1, gather=gather,
+                    bounds=[shard.bounds(r) for r in range(w_)])
     for gs in grads:
         g = flat(gs)
         ref.update(full, full, g, 2e-2)
         mine.update(part, part, shard.take(g), 2e-2)
-    return part[:shard.hi - shard.lo], full[shard.lo:shard.hi]
+    return part[:shard.hi - shard.lo], full[shard.lo:shard.hi], received, (shard.lo, shard.hi, n)
 
 
 def _with(**extra):
@@ -134,7 +138,7 @@ def test_split_matrix_update_equals_the_unsplit_one(cases):
 
 def test_distributed_optimizer_update_equals_the_unsharded_one(cases):
     for o in cases:
-        got, want = o["dp"]
+        got, want, _, _ = o["dp"]
         assert got.numel() > 0 and _close(got, want)
     for o in cases:
         plain, zero = o["engine_zero"]
@@ -190,3 +194,20 @@ def test_trainer_resume_is_bitwise_with_muon_ef_and_the_distributed_optimizer(tm
     sd = torch.load(os.path.join(ckpt.iteration_dir(saved.save, 2), "mp_rank_00", "model_optim_rng.pt"),
                     weights_only=False)
     assert sd["stage"]["master"] is not None  # ef's state: the optimizer's iterate y, kept in the fp32 master
+
+
+def test_distributed_muon_receives_only_the_matrices_of_its_shard(cases):
+    """gpu-review-2 N9: with the distributed optimizer (w = 2) each rank receives, per update, the fp32
+    direction of the whole matrices overlapping its range (bytes counted at the exchange), not the stage's
+    (w * shard elements, what the former all-gather received)."""
+    offsets, o = [], 0
+    for s, _ in FULL:
+        offsets.append((o, o + s[0] * s[1]))
+        o += s[0] * s[1]
+    for case in cases:
+        _, _, received, (lo, hi, n) = case["dp"]
+        mine = [(a, b) for a, b in offsets if a < hi and b > lo]
+        want = 4 * (max(b for _, b in mine) - min(a for a, _ in mine))
+        assert received and set(received) == {want}, (received, want)
+        assert want < 4 * 2 * -(-n // 2)  # less than the all-gather of the stage
+    assert sorted(c["dp"][2][0] for c in cases) == [4 * 1120, 4 * 2048]  # of 4 * 2174 each before

@@ -29,11 +29,14 @@ of U and split the flops; benchmarks/muon_throughput.py measures both (docs/trai
 
 With the distributed optimizer (a ``shard``: this rank owns ``[lo, hi)`` of the stage's flat
 buffer, equal ranges that ignore matrix boundaries) the momentum is sharded like the rest of the
-state, and U, computed elementwise on the shard, is all-gathered over the data-parallel group
-(``gather``) so that every matrix overlapping the shard can be orthogonalized whole; each rank
-runs NS only for the matrices overlapping its range. That costs one all-gather of the stage's
-fp32 U per step; sharding on matrix boundaries instead would make the shards unequal and break
-the in-place all-gather and reduce-scatter the distributed optimizer is built on (:mod:`..pipeline.zero`).
+state, and U, computed elementwise on the shard, is exchanged over the data-parallel group
+(``gather``, one all-to-all) so that every matrix overlapping the shard can be orthogonalized
+whole: each rank receives the direction of exactly those matrices (its shard plus at most the
+parts of one matrix on either side that neighbouring ranks hold) and runs NS only for them. The
+transient is that range in fp32, not the stage's (gpu-review-2 N9: an all-gather of the whole
+stage's U on every rank defeated the sharding); sharding on matrix boundaries instead would make
+the shards unequal and break the in-place all-gather and reduce-scatter the distributed optimizer
+is built on (:mod:`..pipeline.zero`).
 
 State: ``exp_avg`` over the whole flat buffer (Adam's first moment; Muon's momentum B on the
 matrices) and Adam's second moment on the AdamW elements only (kept compact: 4 bytes per Muon
@@ -123,8 +126,11 @@ class FlatMuon(FlatState):
     ``numel``: elements this optimizer updates (the shard's padded size when sharded); ``total``:
     the stage's flat buffer; ``n_decay``: the stage's decayed prefix (2-D tensors), in stage
     coordinates like ``matrices``. ``tp``: (group, rank, size) of the tensor-parallel group;
-    ``gather``: all-gathers a shard-sized fp32 tensor over the data-parallel group into a
-    ``w * numel`` tensor (the distributed optimizer).
+    ``gather`` and ``bounds`` (the distributed optimizer): every data-parallel rank's ``[lo, hi)``, and
+    ``gather(pieces, send, recv)``, an all-to-all over the data-parallel group (``pieces``: this rank's
+    ``send[r]`` elements for rank r, concatenated; returns the ``sum(recv)`` elements the others sent,
+    in rank order). Each rank receives only the direction of the matrices overlapping its range
+    (:meth:`_exchange_plan`), not the whole stage's (gpu-review-2 N9).
     """
 
     def __init__(self, numel: int, n_decay: int, matrices: list[MuonMatrix], *, total: int | None = None,
@@ -132,7 +138,8 @@ class FlatMuon(FlatState):
                  adjust_lr_fn: str = "original", lr_ratio: float = 1.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, device="cpu", fused: bool | None = None,
                  tp: tuple[object, int, int] = (None, 0, 1),
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 gather: Callable[[torch.Tensor, list[int], list[int]], torch.Tensor] | None = None,
+                 bounds: list[tuple[int, int]] | None = None) -> None:
         self.numel, self.total, self.lo = numel, numel if total is None else total, lo
         self.hi = min(lo + numel, self.total)
         self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
@@ -166,6 +173,21 @@ class FlatMuon(FlatState):
             o += b - a
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)
         self.steps = 0
+        self._plan = self._exchange_plan(bounds) if gather is not None else None
+
+    def _needed(self, lo: int, hi: int) -> tuple[int, int]:
+        """The flat range of the whole matrices overlapping ``[lo, hi)`` (empty: ``(lo, lo)``)."""
+        ms = [m for m in self.matrices if m.offset < hi and m.offset + m.numel > lo]
+        return (ms[0].offset, max(m.offset + m.numel for m in ms)) if ms else (lo, lo)
+
+    def _exchange_plan(self, bounds: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int], int]:
+        """(the local slices of this rank's direction each rank needs, the elements each rank sends here,
+        the flat index of the first received element): what :meth:`_muon` exchanges with ``gather``."""
+        need = [self._needed(lo, hi) for lo, hi in bounds]
+        send = [(max(self.lo, a) - self.lo, max(min(self.hi, b), max(self.lo, a)) - self.lo) for a, b in need]
+        a, b = self._needed(self.lo, self.hi)
+        recv = [max(0, min(hi, b) - max(lo, a)) for lo, hi in bounds]
+        return send, recv, a
 
     # ------------------------------------------------------------------ update
     def update(self, src: torch.Tensor, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
@@ -177,7 +199,7 @@ class FlatMuon(FlatState):
                 self._adamw(src, dst, grad, spans, lr, wd)
 
     def _muon(self, src, dst, grad, lr: float) -> None:
-        if not self.mine:
+        if not self.mine and self._plan is None:  # with a gather every rank joins the exchange
             return
         mu = self.momentum
         if self._direction is None:  # one buffer for every step: only the Muon runs are written, the rest stays 0
@@ -187,8 +209,7 @@ class FlatMuon(FlatState):
             buf = self.exp_avg[a:b]
             buf.lerp_(grad[a:b], 1 - mu)
             u[a:b] = grad[a:b].lerp(buf, mu) if self.nesterov else buf
-        stage_u = self.gather(u)[:self.total] if self.gather is not None else u  # whole-stage coordinates
-        base = 0 if self.gather is not None else self.lo
+        stage_u, base = (u, self.lo) if self._plan is None else self._exchange(u)
         split = [m for m in self.mine if m.split_dim is not None and self.tp_size > 1]
         pieces = self._tp_gather(stage_u, base, split) if split else {}
         for m in self.mine:
@@ -203,6 +224,13 @@ class FlatMuon(FlatState):
             s = slice(a - self.lo, b - self.lo)
             step_lr = adjusted_lr(lr, self.adjust_lr_fn, m.full_shape(self.tp_size))
             torch.add(src[s] * (1 - lr * self.weight_decay), o[a - m.offset:b - m.offset], alpha=-step_lr, out=dst[s])
+
+    def _exchange(self, u: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The direction of every matrix overlapping this rank's range (from the ranks that hold it), and
+        the flat index of its first element: one all-to-all of about a shard plus a matrix per rank."""
+        send, recv, base = self._plan
+        pieces = torch.cat([u[a:b] for a, b in send]) if any(b > a for a, b in send) else u[:0]
+        return self.gather(pieces, [b - a for a, b in send], recv), base
 
     def _tp_gather(self, stage_u: torch.Tensor, base: int, split: list[MuonMatrix]) -> dict[int, torch.Tensor]:
         """Each split matrix's whole direction: one all-gather of every split matrix's local direction."""

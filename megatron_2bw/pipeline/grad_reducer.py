@@ -64,7 +64,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .zero import ShardLayout, _all_gather as _all_gather_into, all_gather, reduce_scatter
+from .zero import ShardLayout, all_gather, reduce_scatter
 
 _POLL_MIN_S, _POLL_MAX_S = 1e-5, 2e-4  # the worker's polling interval while a collective runs
 
@@ -297,12 +297,13 @@ class GradReducer:
         self._gathers[slot] = job
         self._issue(job)
 
-    def gather_shards(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``shard`` (its range of a padded buffer), concatenated: an all-gather over the
-        data-parallel group issued on the ordered channel and waited for (``--optimizer muon``)."""
-        out = shard.new_empty(self.shard.w * shard.numel())
-        job = _Job(-1, lambda: self._settle(_all_gather_into(out, shard, group=self.dp_group, async_op=True)),
-                   self._ready())
+    def gather_shards(self, pieces: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """``--optimizer muon``: the ``sum(recv)`` elements the data-parallel ranks send this one (``recv[r]``
+        from rank r, in rank order) for its ``pieces`` (``send[r]`` elements for rank r, concatenated): one
+        all-to-all over the data-parallel group issued on the ordered channel and waited for."""
+        out = pieces.new_empty(sum(recv))
+        job = _Job(-1, lambda: self._settle(dist.all_to_all_single(out, pieces, recv, send, group=self.dp_group,
+                                                                   async_op=True)), self._ready())
         self._issue(job)
         self._wait(job)
         return out

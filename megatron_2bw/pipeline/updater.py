@@ -106,7 +106,8 @@ class Updater:
                     if dim is not None]
         kw = {"matrices": matrices, "total": w.numel, "tp": tp, "n_decay": w.n_decay}
         if self.shard is not None:
-            kw.update(lo=self.shard.lo, gather=self.reducer.gather_shards)
+            kw.update(lo=self.shard.lo, gather=self.reducer.gather_shards,
+                      bounds=[self.shard.bounds(r) for r in range(self.shard.w)])
         return kw
 
     def loss_scale(self, step: int) -> float:
