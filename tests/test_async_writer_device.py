@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from megatron_2bw.checkpoint.dist_checkpoint import async_writer as aw
 from megatron_2bw.checkpoint.dist_checkpoint.shard_map import Chunk
+
+pytestmark = pytest.mark.torch_floor
 
 
 def test_writer_thread_takes_the_ranks_device_before_dcp_runs(monkeypatch, tmp_path) -> None:

@@ -6,11 +6,14 @@ blocks in a transfer right after REDUCE_GRADS while its peer reaches APPLY_UPDAT
 advanced by polling from the loop deadlocks here; the issued-at-once chain completes.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_2bw.pipeline.grad_reducer import GradReducer
 from multiproc import run_workers
+
+pytestmark = pytest.mark.torch_floor
 
 N = 1 << 21
 

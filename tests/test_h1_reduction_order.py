@@ -33,6 +33,8 @@ from megatron_2bw.schedule.replay import BLOCKED, Rendezvous, Replay, ScheduleEr
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, stage_actions
 from megatron_2bw.pipeline.zero import ShardLayout
 
+pytestmark = pytest.mark.torch_floor
+
 
 # --------------------------------------------------------------------------- replay models
 class ChainInProgram(Replay):
