@@ -146,7 +146,8 @@ H200_8B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads
 def test_memory_margin_tokens_and_mfu(capsys):
     runs = {}
     for margin in (None, "0", "25%"):
-        assert plan.main(H200_8B + ([] if margin is None else ["--memory-margin", margin])) == 0
+        # --exhaustive: every plan that fits in "ranked" and "feasible" (by default only the --top ones are priced)
+        assert plan.main(H200_8B + ["--exhaustive"] + ([] if margin is None else ["--memory-margin", margin])) == 0
         runs[margin] = json.loads(capsys.readouterr().out)
     usable = load_cluster("dgx-h200").usable_memory_bytes
     for margin, frac in ((None, 0.10), ("0", 0.0), ("25%", 0.25)):
@@ -191,7 +192,7 @@ def test_async_save_host_copy_in_the_table_and_json(capsys):
     assert [r["memory_bytes_per_gpu"] for r in plain["ranked"]] == [r["memory_bytes_per_gpu"] for r in saving["ranked"]]
     assert all(r["async_save_host_bytes_per_gpu"] == 0 for r in plain["ranked"])
     args = plan.build_parser().parse_args(small + ["--async-save"])
-    result = search(plan.plan_request(args, plan.model_from_args(args), load_cluster(args.cluster)))
+    result = search(plan.plan_request(args, plan.model_from_args(args), load_cluster(args.cluster)), top=args.top)
     assert len(result.ranked) == len(saving["ranked"]) > 0
     for ev, row in zip(result.ranked, saving["ranked"]):
         c = ev.candidate

@@ -7,6 +7,7 @@
     python tools/plan.py --max-model --model-preset gpt-3.8b --num-gpus 64 [--json]
     python tools/plan.py --calibration [--json]
     python tools/plan.py --schedule-calibration [--json]
+    python tools/plan.py --tensor-calibration [--json]
 
 The search tries every schedule (``--schedules``) with no recomputation, the engine's whole-stage
 recomputation and Megatron's selective and per-layer ones (``--recompute-granularity selective``,
@@ -40,12 +41,15 @@ from megatron_2bw.planner.calibration import (
     calibration, calibration_json, format_calibration, format_schedule_ratios, schedule_ratio_calibration,
     schedule_ratios_json,
 )
+from megatron_2bw.planner.calibration_tp import (
+    format_tensor_calibration, korthikanti, paper_systems, tensor_calibration_json, tensor_mp_64,
+)
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
 from megatron_2bw.planner.report import (
-    PAPER_CLUSTER, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
-    plan_json, describe,
+    PAPER_CLUSTER, describe, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
+    plan_json, recompute_text, split_text,
 )
 from megatron_2bw.planner.search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, search
 from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDULE_NAMES, spec_of
@@ -99,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
+    o.add_argument("--exhaustive", action="store_true",
+                   help="price every candidate and rank all that fit (--json lists them all); by default the search "
+                        "prunes what provably cannot enter the --top plans or be the best plan with t = 1 (the same "
+                        "answer, in a fraction of the time)")
     o.add_argument("--paper-comparison", action="store_true",
                    help="the paper's 2BW-vs-baselines table, predicted, then what --new-options changes")
     o.add_argument("--new-options", action="store_true",
@@ -107,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--calibration", action="store_true",
                    help="the cost model on published layouts (megatron_2bw/planner/published.json), "
                         "predicted vs published")
+    o.add_argument("--tensor-calibration", action="store_true",
+                   help="tensor and sequence parallelism against published runs: Korthikanti et al. 2022, the "
+                        "PipeDream-2BW paper's Figure 6a and its 64-GPU tensor-MP result (docs/planner.md 7.2)")
     o.add_argument("--schedule-calibration", action="store_true",
                    help="the Zero Bubble paper's ZB-1p/ZB-2p vs 1F1B throughput ratios (published.json "
                         "schedule_ratios), predicted vs published")
@@ -150,6 +161,11 @@ def run(argv: list[str]) -> str:
     if args.calibration:
         rows = calibration()
         return json.dumps(calibration_json(rows), indent=2) if args.json else format_calibration(rows)
+    if args.tensor_calibration:
+        kor, systems, tmp = korthikanti(), paper_systems(), tensor_mp_64()
+        if args.json:
+            return json.dumps(tensor_calibration_json(kor, systems, tmp), indent=2)
+        return format_tensor_calibration(kor, systems, tmp)
     if args.schedule_calibration:
         ratios = schedule_ratio_calibration()
         return json.dumps(schedule_ratios_json(ratios), indent=2) if args.json else format_schedule_ratios(ratios)
@@ -188,8 +204,48 @@ def run(argv: list[str]) -> str:
         raise ConfigError(f"--top must be positive, got {args.top}")
     request = plan_request(args, model, cluster)
     costs = load_checked_profile(args.profile, model, args.precision, cluster.device) if args.profile else None
-    result = search(request, costs)
-    return json.dumps(plan_json(result), indent=2) if args.json else format_table(result, args.top)
+    result = search(request, costs, top=None if args.exhaustive else args.top, keep={PAPER_SPACE: paper_space})
+    if args.json:
+        return json.dumps({**plan_json(result), **paper_space_json(result)}, indent=2)
+    return format_table(result, args.top) + "\n\n" + paper_space_text(result)
+
+
+# The paper's planner searched t = 1 only (d, w, b and recomputation); the best plan there, beside the best overall,
+# shows what the extra axes (tensor and sequence parallelism, the later schedules, the distributed optimizer, finer
+# recomputation, uneven splits) are predicted to add.
+PAPER_SPACE = "t=1"
+
+
+def paper_space(c) -> bool:
+    return c.tensor_parallel == 1
+
+
+def paper_space_gain(result) -> float | None:
+    """The best plan's predicted samples/s over the best with t = 1, less 1 (None: nothing with t = 1 fits)."""
+    t1 = result.best_of.get(PAPER_SPACE)
+    return None if t1 is None else result.best.samples_per_sec / t1.samples_per_sec - 1
+
+
+def paper_space_text(result) -> str:
+    """The best plan with t = 1 (the paper's search space) and what the best plan is predicted to gain over it."""
+    t1, gain = result.best_of.get(PAPER_SPACE), paper_space_gain(result)
+    if t1 is None:
+        return "best with t = 1 (the paper's search space): none fits"
+    c = t1.candidate
+    head = (f"best with t = 1 (the paper's search space): d = {c.pipeline_parallel}, w = {c.data_parallel}, "
+            f"b = {c.micro_batch_size}, recompute {recompute_text(c)}, {c.schedule if c.pipeline_parallel > 1 else 'no pipeline'}"
+            f"{', distributed optimizer' if c.distributed_optimizer else ''}, {split_text(c)} split: "
+            f"{t1.samples_per_sec:.1f} samples/s")
+    if gain is not None and gain > 1e-9:
+        return head + f"; the extra axes of the best plan are predicted to add {100 * gain:.1f}%"
+    return head + "; it is the best plan: the extra axes are predicted to add nothing here"
+
+
+def paper_space_json(result) -> dict:
+    t1 = result.best_of.get(PAPER_SPACE)
+    gain = paper_space_gain(result)
+    return {"best_t1": describe(t1, result.request) if t1 else None,
+            "extra_axes_gain": None if gain is None else round(gain, 4)}
 
 
 def plan_request(args: argparse.Namespace, model: ModelConfig, cluster) -> PlanRequest:

@@ -81,6 +81,7 @@ class PublishedRun:
     distributed_optimizer: bool
     tflops_per_gpu: float
     flash_attention: bool = False  # the source's attention kernel (2021 Megatron: unfused, s^2 kept)
+    sequence_parallel: bool = False  # Korthikanti et al. 2022 (``model.sequence_parallel`` says the same)
 
     @property
     def data_parallel(self) -> int:
@@ -92,24 +93,34 @@ class PublishedRun:
         return self.tflops_per_gpu * 1e12 * self.num_gpus / megatron_flops_per_sample(self.model)
 
 
-def load_published(path: str | Path = PUBLISHED) -> tuple[dict[str, str], list[PublishedRun]]:
-    """``(sources, runs)`` of a published-results file (the schema of ``published.json``)."""
+def load_published(path: str | Path = PUBLISHED, section: str = "runs") -> tuple[dict[str, str], list[PublishedRun]]:
+    """``(sources, runs)`` of a published-results file (the schema of ``published.json``); ``section``: which
+    list of runs (``tensor_parallel_runs``: Korthikanti et al. 2022, ``calibration_tp.py``)."""
     data = json.loads(Path(path).read_text())
     d = data["defaults"]
     runs = []
-    for r in data["runs"]:
+    for r in data[section]:
         get = lambda k: r.get(k, d.get(k))  # noqa: E731 - per-run value, else the file's default
+        sp = bool(get("sequence_parallel"))
         model = ModelConfig("gpt", r["num_layers"], r["hidden_size"], r["num_attention_heads"], get("seq_length"),
                             vocab_size=get("vocab_size"), hidden_dropout=get("hidden_dropout"),
-                            attention_dropout=get("attention_dropout"))
+                            attention_dropout=get("attention_dropout"), sequence_parallel=sp)
         run = PublishedRun(r["name"], r["source"], model, get("cluster"), get("precision"), r["tensor_parallel"],
                            r["pipeline_parallel"], r["num_gpus"], r["global_batch_size"], r.get("micro_batch_size"),
                            get("schedule"), get("recompute"), bool(get("distributed_optimizer")),
-                           float(r["tflops_per_gpu"]), bool(get("flash_attention")))
+                           _tflops(r, model), bool(get("flash_attention")), sp)
         if run.num_gpus % (run.tensor_parallel * run.pipeline_parallel):
             raise ConfigError(f"published.json: {run.name}: t*p does not divide the GPUs")
         runs.append(run)
     return data["sources"], runs
+
+
+def _tflops(r: dict[str, Any], model: ModelConfig) -> float:
+    """The run's TFLOP/s per GPU by Eq. 3: as published, or from a published iteration time (Korthikanti et al.
+    2022 state seconds per iteration)."""
+    if "tflops_per_gpu" in r:
+        return float(r["tflops_per_gpu"])
+    return megatron_flops_per_sample(model) * r["global_batch_size"] / r["iteration_seconds"] / r["num_gpus"] / 1e12
 
 
 @dataclass(frozen=True)
@@ -153,9 +164,11 @@ def predict_run(run: PublishedRun) -> CalibrationRow:
         if B % (b * w) or (p > 1 and B // (b * w) < p):
             continue
         cand = Candidate(t, p, w, b, B // (b * w), stage, run.schedule if p > 1 else "flush",
-                         recompute_policy=policy, distributed_optimizer=run.distributed_optimizer)
+                         recompute_policy=policy, distributed_optimizer=run.distributed_optimizer,
+                         sequence_parallel=run.sequence_parallel)
         ev = evaluate(cand, costs, req)
-        pred = ev.prediction or predict(costs.at(t, b), cand, run.model.num_layers, cluster, req.param_bytes)
+        pred = ev.prediction or predict(costs.at(t, b, run.sequence_parallel), cand, run.model.num_layers, cluster,
+                                        req.param_bytes)
         sps = pred.samples_per_sec
         row = CalibrationRow(run, ev, sps)
         if best is None or (row.fits, row.samples_per_sec) > (best.fits, best.samples_per_sec):

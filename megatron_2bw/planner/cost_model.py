@@ -60,14 +60,15 @@ and all-reduce on the NIC, network latency (messages here are megabytes), the fi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..schedule.stages import StageSlice
 from ..schedule.recompute_policy import RecomputePolicy
-from ..schedule.schedules import spec_of
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params
+from .spec_cache import spec_of
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
 GRAD_PASSES = 3  # unscale + inf/NaN check, gradient norm for clipping, the update's read
@@ -341,14 +342,21 @@ def _sequential_microbatch_s(costs: MicrobatchCosts, cand: Candidate, num_layers
 
 
 def predict(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
-            param_bytes: ParamBytes = ParamBytes()) -> Prediction:
-    """Time per batch and samples per second of ``cand``."""
+            param_bytes: ParamBytes = ParamBytes(), max_batch_s: float = math.inf) -> Prediction | None:
+    """Time per batch and samples per second of ``cand``; ``None`` when even without its bubble (which
+    only adds, and is a replay of the programs for the zero-bubble schedules) the batch would take longer
+    than ``max_batch_s`` (the search's threshold, ``planner/pruning.py``)."""
     d, m = cand.pipeline_parallel, cand.num_micro_batches
     stages = stage_times(costs, cand, num_layers, cluster, param_bytes)
     slowest = max(stages, key=lambda s: s.microbatch_s)
     per_mb = slowest.microbatch_s
     allreduce = max(s.allreduce_s for s in stages)
     optimizer = max(s.optimizer_s for s in stages)
+    if max_batch_s < math.inf and cand.schedule != SEQUENTIAL:
+        overlapped = spec_of(cand.schedule).grad_buffers > 1
+        unbubbled = (max(m * per_mb, allreduce) if overlapped else m * per_mb + allreduce) + optimizer
+        if unbubbled > max_batch_s * (1 + 1e-9):
+            return None
     bubble = bubble_time(cand.schedule, d, m, *slowest.fbw)
     if cand.schedule == SEQUENTIAL:
         pipeline = m * _sequential_microbatch_s(costs, cand, num_layers, cluster, stages, param_bytes)

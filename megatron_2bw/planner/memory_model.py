@@ -79,8 +79,9 @@ from ..config import resolve_compensation
 from ..errors import ConfigError
 from ..schedule.stages import Split, StageSlice, stage_slice
 from ..schedule.recompute_policy import RecomputePolicy
-from ..schedule.schedules import SCHEDULES, parse_schedule_id, spec_of, validate_pipeline
+from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
 from .layer_costs import MicrobatchCosts
+from .spec_cache import held_pairs, spec_of
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
 # A baseline of the paper's comparison, not a schedule of the trainer.
@@ -295,10 +296,9 @@ def edge_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage
 def layer_stash_with(costs: MicrobatchCosts, num_layers: int, policy: RecomputePolicy | None) -> tuple[int, int]:
     """``(per microbatch, transient)`` bytes of ``num_layers`` transformer layers under ``policy``.
 
-    Selective: each layer keeps all but its attention core; the core of the layer in backward is
-    rebuilt (transient). Full: a recomputed chunk keeps only its input; the largest chunk's
-    activations are rebuilt for one microbatch at a time (transient). Layers outside every
-    recomputed chunk (``block``) keep everything.
+    Selective: each layer keeps all but its attention core; the core of the layer in backward is rebuilt
+    (transient). Full: a recomputed chunk keeps only its input; the largest chunk's activations are rebuilt
+    for one microbatch at a time (transient). Layers outside every recomputed chunk (``block``) keep all.
     """
     lay = costs.layer
     if policy is None or not policy.active:
@@ -362,7 +362,7 @@ def _split_activation_bytes(costs: MicrobatchCosts, cand: Candidate, part: Stage
         stash = layers + edge
     deferred = deferred_bytes(costs, cand, part, stash)
     peak = max(rank_units(a, chunks) * stash + rank_units(b, chunks) * deferred
-               for a, b in spec.held_pairs(d, stage, m))
+               for a, b in held_pairs(spec, d, stage, m))
     return round(peak) + transient
 
 

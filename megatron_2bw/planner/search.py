@@ -25,24 +25,29 @@ recomputation where it frees under ``SELECTIVE_MIN_SAVING`` of a layer's stash (
 kernel keeps no ``s^2`` tensors; not generated), and a candidate that cannot be faster than a
 cheaper recomputation of the same layout that fits (counted in ``SearchResult.pruned``): without a
 pipeline every costlier one (the same layers and communication with more compute), with one those
-whose ``batch_time_lower_bound`` exceeds the layout's fastest batch time so far.
+whose ``batch_time_lower_bound`` exceeds the layout's fastest batch time so far. Asked for its ``top`` plans
+(``tools/plan.py``), the search also skips what provably cannot enter them (``pruning.py``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.stages import StageSlice
 from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
                                   parse_schedule_id, spec_of, validate_pipeline)
 from .cost_model import Prediction, inner_recompute_cost, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory
+from .memory_model import (SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory,
+                           representative_stages, slice_memory)
+from .pruning import Selector, StageLines, Thresholds, above
 from .split import balanced_split, stage_lines
 
 
@@ -143,6 +148,7 @@ class Evaluated:
     candidate: Candidate
     memory: tuple[StageMemory, ...]
     prediction: Prediction | None
+    over_limit: bool = False  # fits, but priced only far enough to show it is slower than a threshold
 
     @property
     def memory_bytes_per_gpu(self) -> int:
@@ -160,7 +166,11 @@ class Evaluated:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Feasible candidates, best first, and how many were looked at."""
+    """Feasible candidates, best first, and how many were looked at.
+
+    ``ranked``: every candidate that fits (the exhaustive search) or, when the search was asked for its
+    ``top`` plans, exactly the first ``top`` of that ranking. ``best_of``: the best plan of each ``keep``
+    selector (None: none fits). ``considered`` = priced (``fit`` + ``too_big``) + ``pruned``."""
 
     request: PlanRequest
     costs_source: str
@@ -169,11 +179,22 @@ class SearchResult:
     too_big: int
     smallest_infeasible: Evaluated | None = field(default=None, compare=False)
     seconds: float = 0.0
-    pruned: int = 0  # considered but not evaluated: slower than a fitting candidate of their group
+    pruned: int = 0  # considered but not priced: provably slower than a plan the answer already holds
+    fit: int = -1  # priced candidates that fit (-1: len(ranked))
+    best_of: Mapping[str, Evaluated | None] = field(default_factory=dict, compare=False)
 
     @property
     def best(self) -> Evaluated:
         return self.ranked[0]
+
+    @property
+    def priced(self) -> int:
+        """Candidates whose memory (and, where they fit, time) was computed."""
+        return self.considered - self.pruned
+
+    @property
+    def num_fit(self) -> int:
+        return len(self.ranked) if self.fit < 0 else self.fit
 
 
 def tensor_sizes(model: ModelConfig, cluster: Cluster, num_gpus: int) -> tuple[int, ...]:
@@ -271,13 +292,14 @@ def _saves_nothing(policy: RecomputePolicy, costs: MicrobatchCosts | None) -> bo
             and costs.layer.core_stash_bytes < SELECTIVE_MIN_SAVING * costs.layer.stash_bytes)
 
 
-def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> float:
+def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest,
+                           lines: StageLines | None = None) -> float:
     """Seconds per batch ``cand`` needs under any stage split (0 where no bound is known).
 
-    A stage's time per microbatch is ``base_r + n_r * slope`` (``split.stage_lines``), so the stages
-    add up to the same total under every split, and the slowest is at least the mean. The pipeline
-    runs ``m`` microbatch slots at the slowest stage's pace (2BW), plus the fill and drain
-    (``bubble_slots``) for the flushing schedules whose ``bubble_time`` is the default
+    A stage's time per microbatch is ``base_r + n_r * slope_r`` (``split.stage_lines``; ``lines``: a
+    search's cache of them), so the stages add up to the same total under every split, and the slowest
+    is at least the mean. The pipeline runs ``m`` microbatch slots at the slowest stage's pace (2BW), plus
+    the fill and drain (``bubble_slots``) for the flushing schedules whose ``bubble_time`` is the default
     ``bubble_slots * (f + b + w)``; a schedule with its own ``bubble_time`` (zero-bubble, interleaved) gets
     no bubble in the bound, as its formula need not grow with the slowest stage's time. Reductions and
     the optimizer only add to that.
@@ -289,8 +311,8 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
                                        and (p.method != "uniform" or p.num_layers != 1)):
         return 0.0
     d, m = cand.pipeline_parallel, cand.num_micro_batches
-    base, slope = stage_lines(candidate_costs(costs, cand), cand, request.cluster,
-                              request.param_bytes)
+    base, slope = lines(cand) if lines else stage_lines(candidate_costs(costs, cand), cand, request.cluster,
+                                                        request.param_bytes)
     mean = (sum(base) + request.model.num_layers * min(slope)) / d
     spec = spec_of(cand.schedule)
     default_bubble = type(spec).bubble_time is ScheduleSpec.bubble_time
@@ -322,21 +344,58 @@ def runs(schedule: str, num_layers: int, d: int, m: int) -> bool:
     return chunks == 1 or num_layers % (d * chunks) == 0
 
 
-def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest) -> Evaluated:
-    """Memory first; the time only for what fits."""
+def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest, max_batch_s: float = math.inf,
+             lines: StageLines | None = None, probe: bool = False) -> Evaluated:
+    """Memory first; the time only for what fits (``prediction`` None), and, below ``max_batch_s``, only
+    for what could take less (``Evaluated.over_limit``: it fits, its batch is longer; ``pruning.py``).
+    ``probe``: a candidate a few stages prove too big is not split (``_stage_over``)."""
     c = candidate_costs(costs, cand)
     if c is None:
         raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}"
                           + (" with --sequence-parallel" if cand.sequence_parallel else ""))
     chunked = cand.schedule != SEQUENTIAL and spec_of(cand.schedule).chunks > 1
+    if probe and (over := _stage_over(c, cand, request, chunked)) is not None:
+        return Evaluated(cand, (over,), None)
     if request.balance_stages and cand.pipeline_parallel > 1 and cand.layer_split is None and not chunked:
         split = balanced_split(c, cand, request.model.num_layers, request.cluster, request.param_bytes,
-                               request.cluster.usable_memory_bytes)
+                               request.cluster.usable_memory_bytes, lines(cand) if lines else None)
         cand = replace(cand, layer_split=split)
     memory = plan_memory(c, cand, request.model.num_layers, request.param_bytes)
     if max(s.total for s in memory) > request.memory_limit_bytes:
         return Evaluated(cand, memory, None)
-    return Evaluated(cand, memory, predict(c, cand, request.model.num_layers, request.cluster, request.param_bytes))
+    pred = predict(c, cand, request.model.num_layers, request.cluster, request.param_bytes, max_batch_s)
+    return Evaluated(cand, memory, pred, over_limit=pred is None)
+
+
+def _stage_over(c: MicrobatchCosts, cand: Candidate, request: PlanRequest, chunked: bool) -> StageMemory | None:
+    """A stage's memory that proves every split over the limit, else None. A stage's bytes grow with its
+    layers, so: an edge stage with no layers or stage 1 with one (the fewest any split gives them) over the
+    limit; or every stage over it with ``ceil(L/d)`` layers (some stage holds that many under any split).
+    A search for its ``top`` plans takes it for the whole candidate's memory (only the message of a search
+    where nothing fits reads it, and that search runs again in full)."""
+    d, L, limit = cand.pipeline_parallel, request.model.num_layers, request.memory_limit_bytes
+    if d < 2 or chunked or cand.layer_split is not None or cand.schedule == SEQUENTIAL:
+        return None
+
+    def memory(r: int, n: int) -> StageMemory:
+        return slice_memory(c, cand, StageSlice(0, n, r == 0, r == d - 1), r, request.param_bytes)
+
+    if not request.balance_stages:
+        return next((m for r in representative_stages(d) if (m := memory(r, L // d)).total > limit), None)
+    # the weights, gradients and optimizer state of ceil(L/d) layers alone (an edge stage holds more of them)
+    bare = slice_memory(c, cand, StageSlice(0, -(-L // d), False, False), min(1, d - 1), request.param_bytes)
+    if bare.weights + bare.second_weights + bare.grads + bare.optimizer > limit:
+        return bare
+    for r, n in ((0, 0), (d - 1, 0), (1, 1)) if d > 2 else ((0, 0), (1, 0)):
+        if (probe := memory(r, n)).total > limit:
+            return probe
+    smallest = None
+    for r in reversed(range(d)):  # the later stages hold fewer microbatches: the first to fit is likely there
+        probe = memory(r, -(-L // d))
+        if probe.total <= limit:
+            return None
+        smallest = probe if smallest is None or probe.total < smallest.total else smallest
+    return smallest
 
 
 def _rank_key(e: Evaluated) -> tuple:
@@ -346,44 +405,88 @@ def _rank_key(e: Evaluated) -> tuple:
             c.distributed_optimizer, c.sequence_parallel)
 
 
-def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit: bool = True) -> SearchResult:
-    """Rank every feasible candidate; ``ConfigError`` if none fits (unless ``require_fit`` is off)."""
+def _layouts(cands: Iterator[Candidate]) -> list[list[Candidate]]:
+    """Runs of candidates that differ only in their recomputation (cheapest first, as generated)."""
+    out: list[list[Candidate]] = []
+    for c in cands:
+        if out and _group(out[-1][0]) == _group(c):
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def _bounds(group: list[Candidate], costs: LayerCosts, request: PlanRequest, lines: StageLines) -> list[float]:
+    """Each candidate's lower bound; without a pipeline a costlier recomputation is never faster than a
+    cheaper one (same layers and communication, more compute), so there the bounds only grow."""
+    out = [batch_time_lower_bound(c, costs, request, lines) for c in group]
+    if group[0].pipeline_parallel == 1:
+        out = [max(out[:i + 1]) for i in range(len(out))]
+    return out
+
+
+def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit: bool = True,
+           top: int | None = None, keep: Mapping[str, Selector] | None = None) -> SearchResult:
+    """Rank every feasible candidate; ``ConfigError`` if none fits (unless ``require_fit`` is off).
+
+    ``top``: only the first ``top`` plans of that ranking are needed (and, with ``keep``, each selector's
+    best; selectors read the layout, not the recomputation): candidates that provably cannot enter them
+    are skipped (``pruning.py``), layouts visited by their lower bound; the answer is the exhaustive one's.
+    Within a layout a recomputation whose bound exceeds a cheaper one's batch time that fits is skipped in
+    either mode (without a pipeline: every costlier one once one fits)."""
     start = time.perf_counter()
     costs = costs or default_costs(request)
+    keep = dict(keep or {})
+    limits = None if top is None else Thresholds(top, keep)
+    lines = StageLines(costs, request.cluster, request.param_bytes)
+    layouts = [(g, _bounds(g, costs, request, lines)) for g in _layouts(candidates(request, costs))]
+    if limits:
+        layouts.sort(key=lambda gb: min(gb[1]))
     feasible: list[Evaluated] = []
-    considered = too_big = 0
+    considered = too_big = pruned = 0
     smallest: Evaluated | None = None
-    fastest: dict[tuple, float] = {}  # per layout (_group): the shortest batch time that fits so far
-    pruned = 0
-    for cand in candidates(request, costs):
-        considered += 1
-        key = _group(cand)
-        # Without a pipeline every recomputation option runs the same communication on the same
-        # layers, and candidates() yields them cheapest first: once one fits, the rest are slower.
-        # With one, a candidate whose batch time cannot beat what its layout already has is skipped.
-        if key in fastest and (cand.pipeline_parallel == 1
-                               or batch_time_lower_bound(cand, costs, request) > fastest[key] * (1 + 1e-9)):
-            pruned += 1
+    for group, bounds in layouts:
+        considered += len(group)
+        if limits and above(min(bounds), limits.limit(group[0])):  # selectors read the layout only
+            pruned += len(group)
             continue
-        ev = evaluate(cand, costs, request)
-        if ev.prediction is not None:
-            fastest[key] = min(fastest.get(key, float("inf")), ev.prediction.batch_s)
-        if ev.prediction is None:
-            too_big += 1
-            if smallest is None or ev.memory_bytes_per_gpu < smallest.memory_bytes_per_gpu:
-                smallest = ev
-        else:
-            feasible.append(ev)
+        fastest: float | None = None  # the layout's shortest batch time that fits so far
+        for cand, bound in zip(group, bounds):
+            limit = limits.limit(cand) if limits else math.inf
+            if fastest is not None and (cand.pipeline_parallel == 1 or above(bound, fastest)) or above(bound, limit):
+                pruned += 1
+                continue
+            ev = evaluate(cand, costs, request, limit, lines, probe=limits is not None)
+            if ev.over_limit:
+                pruned += 1
+                fastest = math.inf if fastest is None else fastest  # it fits: a one-stage layout is done
+            elif ev.prediction is None:
+                too_big += 1
+                if smallest is None or ev.memory_bytes_per_gpu < smallest.memory_bytes_per_gpu:
+                    smallest = ev
+            else:
+                feasible.append(ev)
+                fastest = min(ev.prediction.batch_s, math.inf if fastest is None else fastest)
+                if limits:
+                    limits.add(ev.candidate, ev.prediction.batch_s)
+    if limits and not feasible:  # nothing fits: the message names the smallest of them all
+        return replace(search(request, costs, require_fit=require_fit, keep=keep), seconds=time.perf_counter() - start)
     feasible.sort(key=_rank_key)
-    result = SearchResult(request, costs.source, tuple(feasible), considered, too_big, smallest,
-                          time.perf_counter() - start, pruned)
+    best_of = {name: next((e for e in feasible if pick(e.candidate)), None) for name, pick in keep.items()}
+    ranked = tuple(feasible if top is None else feasible[:top])
+    result = SearchResult(request, costs.source, ranked, considered, too_big, smallest,
+                          time.perf_counter() - start, pruned, len(feasible), best_of)
     if require_fit and not feasible:
-        m = request.model
-        what = (f"{m.kind} with {m.num_layers} layers, hidden {m.hidden_size} on {request.num_gpus} GPUs "
-                f"of {request.cluster.usable_memory_bytes / GiB:.1f} GiB usable{_margin_text(request)}, global batch "
-                f"{request.global_batch_size}")
-        if considered == 0:
-            raise ConfigError(f"no layout of {what}: no (t, d, w, b) divides the GPUs, layers and global batch")
-        raise ConfigError(f"nothing fits: {what}; the smallest of {considered} candidates needs "
-                          f"{smallest.memory_bytes_per_gpu / GiB:.1f} GiB per GPU")
+        _nothing_fits(request, considered, smallest)
     return result
+
+
+def _nothing_fits(request: PlanRequest, considered: int, smallest: Evaluated | None) -> None:
+    m = request.model
+    what = (f"{m.kind} with {m.num_layers} layers, hidden {m.hidden_size} on {request.num_gpus} GPUs "
+            f"of {request.cluster.usable_memory_bytes / GiB:.1f} GiB usable{_margin_text(request)}, global batch "
+            f"{request.global_batch_size}")
+    if considered == 0:
+        raise ConfigError(f"no layout of {what}: no (t, d, w, b) divides the GPUs, layers and global batch")
+    raise ConfigError(f"nothing fits: {what}; the smallest of {considered} candidates needs "
+                      f"{smallest.memory_bytes_per_gpu / GiB:.1f} GiB per GPU")

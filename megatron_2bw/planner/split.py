@@ -134,15 +134,17 @@ def memory_caps(costs: MicrobatchCosts, cand: Candidate, num_layers: int, limit:
 
 
 def balanced_split(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
-                   param_bytes: ParamBytes = ParamBytes(), memory_limit: float | None = None) -> Split:
+                   param_bytes: ParamBytes = ParamBytes(), memory_limit: float | None = None,
+                   lines: tuple[Sequence[float], Sequence[float]] | None = None) -> Split:
     """The fastest split of ``cand`` that fits ``memory_limit`` (``None``: the even split is as good).
 
-    When no split fits, the fastest split is returned (the caller finds it too big).
+    When no split fits, the fastest split is returned (the caller finds it too big). ``lines``: the
+    candidate's :func:`stage_lines`, when the caller has them already.
     """
     d = cand.pipeline_parallel
     if d == 1:
         return None
-    base, slope = stage_lines(costs, cand, cluster, param_bytes)
+    base, slope = lines or stage_lines(costs, cand, cluster, param_bytes)
     best = min_bottleneck_split(num_layers, base, slope)
     if memory_limit is not None and not _fits(costs, cand, num_layers, best, memory_limit, param_bytes):
         capped = min_bottleneck_split(num_layers, base, slope,
