@@ -4,7 +4,8 @@ A checkpoint names its tokenizer (``--tokenizer-type`` and its files, as given t
 those files are still there, the export carries them in the layout transformers reads:
 
 - ``HuggingFaceTokenizer``: the directory, through ``save_pretrained``;
-- ``GPT2BPETokenizer``: ``vocab.json`` and ``merges.txt`` (``AutoTokenizer`` loads GPT-2's files by these names);
+- ``GPT2BPETokenizer``: ``vocab.json`` and ``merges.txt`` and transformers' files naming GPT-2's tokenizer class
+  (so a Llama-style model trained with it loads it too);
 - ``BertWordPieceLowerCase``/``Case``: ``vocab.txt`` and a ``tokenizer_config.json`` with ``do_lower_case``;
 - ``SentencePieceTokenizer``: the ``.model`` file as ``tokenizer.model`` (for ``sentencepiece``) and transformers'
   ``LlamaTokenizer`` converted from it (``tokenizer.json``, ``tokenizer_config.json``), whatever the model: the
@@ -56,7 +57,8 @@ def write_tokenizer(path: str, tok: dict) -> tuple[str, int | None]:
         return f"tokenizer not written ({changed})", None
     if kind == "HuggingFaceTokenizer":
         tokenizer.hf.save_pretrained(path)
-    elif kind == "GPT2BPETokenizer":
+    elif kind == "GPT2BPETokenizer":  # tokenizer_config.json names GPT-2's class whatever the model type
+        tokenizer.hf.save_pretrained(path)
         _copy(tok["vocab_file"], path, "vocab.json")
         _copy(tok["merge_file"], path, "merges.txt")
     elif kind.startswith("BertWordPiece"):
