@@ -8,7 +8,8 @@ from megatron_2bw.training.log_format import math_choices
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3", "--device", "cpu",
-        "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]
+        "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def line(*extra: str, world: int = 1) -> str:
@@ -33,6 +34,8 @@ def test_llama_sp_muon_ef_bf16_are_named():
 
 
 def test_flush_and_fp16_dynamic_scale():
-    s = line("--pipeline-schedule", "flush", "--fp16", "--optimizer", "sgd", "--clip-grad", "0")
+    s = line("--pipeline-schedule", "flush", "--fp16", "--optimizer", "sgd", "--clip-grad", "0", "--hidden-dropout",
+             "0.1")
+    assert "model learned positions, GELU, LayerNorm, dropout 0.1 hidden, 0 attention |" in s
     assert "schedule flush |" in s and "compensation" not in s
     assert "optimizer SGD (momentum 0.9), no clipping" in s and "precision fp16, dynamic loss scale" in s

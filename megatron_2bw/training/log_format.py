@@ -291,6 +291,8 @@ def _model_features(model) -> str:
         feats.append("untied output")
     if not model.add_bias_linear:
         feats.append("no linear biases")
+    if model.hidden_dropout or model.attention_dropout:
+        feats.append(f"dropout {model.hidden_dropout:g} hidden, {model.attention_dropout:g} attention")
     return ", ".join(feats)
 
 
