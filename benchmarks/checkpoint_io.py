@@ -105,7 +105,7 @@ def _build(conf: dict):
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -117,7 +117,7 @@ def _build(conf: dict):
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
     opt = _opt(conf)
     runtime = _status()["RssAnon"]
-    stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
+    stage = build_stage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
                           PipelineConfig(conf["schedule"], 1, d), opt, (1, cfg.seq_length, cfg.hidden_size),
                           rng_tracker=tracker, names=GlobalNames(spec.stage_range(d, state.pp_rank)[0], tied=WORD),
                           cpu_init=False)

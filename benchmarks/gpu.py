@@ -2,7 +2,7 @@
 
 Three loops per model, on the same layers (``ModelSpec`` with ``select_kernels('auto', 'cuda')``):
 
-- ``engine_flush_d1``: our ``PipelineStage`` with d = 1 and PipeDream-Flush (what the trainer picks
+- ``engine_flush_d1``: our ``PipelineRank`` with d = 1 and PipeDream-Flush (what the trainer picks
   at d = 1), bf16 weights and gradients (``accumulate_allreduce_grads_in_fp32=False``; ``--fp32-grads``
   gives the trainer's bf16 default, fp32 gradient accumulation), fp32 master weights and Adam
   moments, global-norm clipping.
@@ -11,7 +11,7 @@ Three loops per model, on the same layers (``ModelSpec`` with ``select_kernels('
   ``torch.optim.AdamW(fused=True)``, no fp32 master): the compute roofline of these layers.
 
 Model FLOPs per step: Megatron-LM's closed form ``72 B s L h^2 (1 + s/6h + V/12Lh)`` with the padded
-vocabulary, the function the trainer logs with (``megatron_2bw.config.flops``); MFU = achieved
+vocabulary, the function the trainer logs with (``megatron_2bw.config.arith``); MFU = achieved
 FLOP/s over the device's dense peak in the run's precision (``peak_tflops_of``: H100/H200 SXM 989,
 H100 PCIe 756, H100 NVL 835, A100 312 bf16 TFLOP/s).
 
@@ -36,7 +36,7 @@ SYSTEMS = ("engine_flush_d1", "engine_2bw_d1", "plain")
 
 def flops_per_step(cfg, b: int, m: int) -> float:
     """Model FLOPs of one step of m microbatches of b sequences: the trainer's formula (no recomputation, t = 1)."""
-    from megatron_2bw.config.flops import flops_per_step as megatron_flops
+    from megatron_2bw.config.arith import flops_per_step as megatron_flops
 
     return megatron_flops(cfg, b * m, recompute=False, tensor_parallel=1)
 
@@ -72,7 +72,7 @@ def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, d
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.parallel_state import ParallelState
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
 
     state = ParallelState.single(device)
     pipe = PipelineConfig(schedule, b, m, recompute=False, track_memory=False)
@@ -81,7 +81,7 @@ def run_engine(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype: str, d
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    stage = PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state, pipe, opt,
+    stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state, pipe, opt,
                           (b, cfg.seq_length, cfg.hidden_size))
     build_s = time.perf_counter() - t0
     batches = _batches(spec, cfg, b, 2 * m, device)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.json, {
         "skipped": False, "results": results, "machine": dict(machine, device=name, peak_tflops=peak),
         "config": dict(models=models, m=args.m, steps=args.steps, warmup=args.warmup, kernels=kernels.describe(),
-                       flops_per_step="72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.flops)",
+                       flops_per_step="72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.arith)",
                        fp32_grads=args.fp32_grads, pipeline_on_one_gpu="not run (two processes on one GPU over gloo measures only the transport)"),
     })
     return 0

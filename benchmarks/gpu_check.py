@@ -7,7 +7,7 @@ Checks, each a row of one printed table and an entry of ``docs/data/gpu_check.js
 - ``train <model> <dtype> <system>``: GPT-355M and GPT-1.3B in bf16 and fp16, our engine at
   d = 1 with PipeDream-Flush and PipeDream-2BW (``benchmarks/gpu.py``'s loops) against a plain
   PyTorch loop over the same layers: tokens/s, TFLOP/s and MFU with the trainer's formula
-  (``megatron_2bw.config.flops``), ``max_memory_allocated`` / ``max_memory_reserved``. Fails
+  (``megatron_2bw.config.arith``), ``max_memory_allocated`` / ``max_memory_reserved``. Fails
   on an error (out of memory included), a non-finite loss, every timed step skipped, or a first
   loss off the plain loop's (same weights, same batches) by more than the precision allows.
 - ``recompute replay``: a stage's layers with dropout 0.1 under activation recomputation; the
@@ -196,7 +196,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -210,7 +210,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     def build():
         tracker = RNGTracker(1234, 0, device)
         spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker, kernels=kernels)
-        return PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
+        return build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
                              PipelineConfig("2bw", b, m, track_memory=False), OptimizerConfig("adam", lr=1e-4, dtype=dtype),
                              (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD)), spec
 
@@ -275,7 +275,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -286,7 +286,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     b, m = 2, 4
     tracker = RNGTracker(1234, state.tp_rank, device)
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
-    stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+    stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                           PipelineConfig("2bw", b, m, track_memory=False),
                           OptimizerConfig("adam", lr=1e-4, dtype="bf16", use_distributed_optimizer=True),
                           (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": name, "gpus": n_gpus, "cuda": cuda, "torch": torch.__version__, "kernels": kernels.describe(),
         "elapsed_s": elapsed, "machine": common.machine_info(), "ok": not failed,
         "config": {"steps": steps, "warmup": warmup, "m": m, "models": list(models), "dtypes": list(dtypes),
-                   "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.flops)",
+                   "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.arith)",
                    "first_loss_rtol": FIRST_LOSS_RTOL, "save_extra_fraction": SAVE_EXTRA_FRACTION,
                    "d2_timeout_s": D2_TIMEOUT_S},
         "checks": rows,

@@ -7,7 +7,7 @@
     python benchmarks/init_memory.py --quick                                         # smoke run, seconds
 
 A GPT of about ``--size`` million parameters (hidden ``--hidden``, ``--vocab`` tokens) is built
-the way a rank of the trainer builds it (``StageWeights``: 2BW's two bf16 weight versions and fp32
+the way a rank of the trainer builds it (``RankWeights``: 2BW's two bf16 weight versions and fp32
 gradient buffers, on ``--device``), each case in a fresh process whose peak RSS is reset just before
 (``/proc/self/clear_refs``): the whole model at d = 1, each stage of d = 2, and tensor rank 0 of
 t = 2, with ``--use-cpu-initialization`` (the full tensors drawn on the CPU and split) and without
@@ -67,7 +67,7 @@ def build_case(model: dict, t: int, tp: int, d: int, pp: int, cpu_init: bool, de
 
     from megatron_2bw.config import ModelConfig
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.pipeline.weights import StageWeights
+    from megatron_2bw.pipeline.weights import RankWeights
     from megatron_2bw.tensor_parallel import init
     from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -90,7 +90,7 @@ def build_case(model: dict, t: int, tp: int, d: int, pp: int, cpu_init: bool, de
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    w = StageWeights(lambda: spec.build_stage(d, pp), num_versions=1 if weights_only else 2, dtype=torch.bfloat16,
+    w = RankWeights(lambda: spec.build_stage(d, pp), num_versions=1 if weights_only else 2, dtype=torch.bfloat16,
                      device=dev, tp_rank=tp, grad_dtype=torch.float32, cpu_init=cpu_init,
                      num_grad_buffers=0 if weights_only else None)
     if dev.type == "cuda":

@@ -6,12 +6,12 @@ kernel the CPU runs, and the saving against the planner's.
 
 ``--states`` measures instead, per GPU, the bytes of weights (every version), gradients (every
 buffer), the fp32 master and the Adam state, at data-parallel widths w in {1, 2, 4}, fp32 and bf16,
-with and without the distributed optimizer (``PipelineStage.weights.weight_bytes``/``grad_bytes``,
+with and without the distributed optimizer (``PipelineRank.weights.weight_bytes``/``grad_bytes``,
 ``updater.master_bytes``/``state_bytes``), beside the closed-form formulas (``state_formula``) and the
 planner's memory model, with their relative differences.
 
 For each depth d, each m, each schedule (2bw, flush, gpipe) and recomputation off/on, the engine
-trains a few steps with ``track_memory`` on and every stage reports (``PipelineStage.stats``):
+trains a few steps with ``track_memory`` on and every stage reports (``PipelineRank.stats``):
 
 - ``weight_bytes``: all weight versions held (2BW: 2, others: 1), fp32 here;
 - ``peak_stashed_bytes``: the most activation bytes autograd kept for backward at once, counted
@@ -53,7 +53,7 @@ def worker(conf: dict) -> list[dict]:
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
 
     d = dist.get_world_size()
@@ -80,7 +80,7 @@ def worker(conf: dict) -> list[dict]:
                     place = get_schedule(schedule).placement(d)
                     ranges = chunk_ranges(cfg.num_layers, place.stages_of(state.pp_rank), place.num_stages)
                     build = lambda: spec.build_chunks(ranges)  # noqa: E731
-                stage = PipelineStage(build, spec.loss_fn(), state, pipe, opt, (b, cfg.seq_length, cfg.hidden_size))
+                stage = build_stage(build, spec.loss_fn(), state, pipe, opt, (b, cfg.seq_length, cfg.hidden_size))
                 stage.train(conf["steps"], lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
                 st = stage.stats.as_dict()
                 w = stage.weights
@@ -180,7 +180,7 @@ def sp_worker(conf: dict) -> list[dict]:
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
@@ -197,7 +197,7 @@ def sp_worker(conf: dict) -> list[dict]:
         batches = [spec.make_batch(x) for x in common.token_pool(cfg, 8, b)]
         pipe = PipelineConfig(SP_SCHEDULE, b, m, track_memory=True)
         opt = OptimizerConfig("adam", lr=1e-4, dtype="fp32")
-        stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
+        stage = build_stage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state, pipe, opt,
                               cfg.stage_activation_shape(b, t), rng_tracker=tracker)
         stage.train(conf["steps"], lambda mb: batches[mb % len(batches)], lambda step: 1e-4)
         st = stage.stats.as_dict()
@@ -273,14 +273,14 @@ STATE_KEYS = ("weights", "grads", "master", "optimizer_state")
 
 
 def state_worker(conf: dict) -> list[dict]:
-    """Build one PipelineStage per (precision, optimizer, schedule), train one step, report its bytes."""
+    """Build one PipelineRank per (precision, optimizer, schedule), train one step, report its bytes."""
     import torch
     import torch.distributed as dist
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
 
     d = conf["d"]
@@ -295,7 +295,7 @@ def state_worker(conf: dict) -> list[dict]:
         for zero in (False, True):
             for schedule in conf["schedules"]:
                 opt = OptimizerConfig("adam", lr=1e-4, dtype=precision, use_distributed_optimizer=zero)
-                stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
+                stage = build_stage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
                                       PipelineConfig(schedule, b, m), opt, (b, cfg.seq_length, cfg.hidden_size))
                 stage.train(1, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
                 out.append(dict(d=d, w=w, stage=state.pp_rank, dp_rank=state.dp_rank, precision=precision,

@@ -34,9 +34,9 @@ from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer.muon import NS_COEFFICIENTS, NS_EPS, zeropower_via_newtonschulz
 from megatron_2bw.parallel_state import ParallelState, build_state
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.updater import Updater
-from megatron_2bw.pipeline.weights import StageWeights
+from megatron_2bw.pipeline.weights import RankWeights
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.testing.local_workers import run_workers
 
@@ -53,7 +53,7 @@ def update_times(preset: str, seq: int, reps: int) -> list[dict]:
     rows = []
     for stage in range(2):
         for name in OPTIMIZERS:
-            w = StageWeights(lambda: spec.build_stage(2, stage), num_versions=2, dtype=torch.float32,
+            w = RankWeights(lambda: spec.build_stage(2, stage), num_versions=2, dtype=torch.float32,
                              device=torch.device("cpu"))
             upd = Updater(w, _opt(name))
             g = torch.Generator().manual_seed(0)
@@ -77,7 +77,7 @@ def _step_worker(preset: str, seq: int, b: int, m: int, steps: int) -> dict:
     data = torch.randint(0, cfg.vocab_size, (m, b, seq + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for name in OPTIMIZERS:
-        stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+        stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                               PipelineConfig("2bw", b, m, track_memory=False), _opt(name), (b, seq, cfg.hidden_size))
         get_batch = lambda mb: spec.make_batch(data[mb % m])  # noqa: E731
         stage.train(1, get_batch, lambda t: 1e-3)  # warm-up

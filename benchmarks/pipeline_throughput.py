@@ -11,7 +11,7 @@ and last stage), one torch thread per process and no core pinning:
 - ``engine_d1``: our engine with d = 1 (PipeDream-Flush) on the same model: executor overhead.
 - ``2bw``, ``flush``, ``gpipe``: our engine at depth d.
 - ``torch_1f1b``, ``torch_gpipe``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
-  ``ScheduleGPipe`` over ``PipelineStage``s wrapping the very same stage layer lists, plus an
+  ``ScheduleGPipe`` over ``PipelineRank``s wrapping the very same stage layer lists, plus an
   AdamW(fused) step after the same tied-embedding and clipping all-reduces.
 
 Fairness: the d processes are spawned once and every round of every system runs inside that
@@ -228,7 +228,7 @@ class SingleRunner(Runner):
 
 
 class EngineRunner(Runner):
-    """Our ``PipelineStage`` (depth d of the world, or d = 1 on rank 0 alone).
+    """Our ``PipelineRank`` (depth d of the world, or d = 1 on rank 0 alone).
 
     A schedule with several model chunks per rank (``ScheduleSpec.chunks``) gets the chunks its
     placement gives this rank, the model cut evenly into its virtual stages, as ``pretrain_gpt.py``
@@ -237,7 +237,7 @@ class EngineRunner(Runner):
     def __init__(self, ctx: _Ctx, schedule: str, m: int, single: bool = False, spec=None):
         from megatron_2bw.config import OptimizerConfig, PipelineConfig
         from megatron_2bw.parallel_state import ParallelState
-        from megatron_2bw.pipeline.executor import PipelineStage
+        from megatron_2bw.pipeline.build import build_stage
 
         self.ctx, self.m = ctx, m
         state = ParallelState.single() if single else ctx.state
@@ -257,7 +257,7 @@ class EngineRunner(Runner):
             build = lambda: ctx.spec.build_chunks(ranges)  # noqa: E731
         else:
             build = lambda: spec.build_stage(d, r)  # noqa: E731
-        self.stage = PipelineStage(build, ctx.loss_fn, state, pipe, opt, ctx.act_shape)
+        self.stage = build_stage(build, ctx.loss_fn, state, pipe, opt, ctx.act_shape)
         if ctx.conf.get("sync_sends"):  # the engine before its send thread: sends issued by the training thread
             self.stage.transport.send_thread = False
 

@@ -73,7 +73,7 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.executor import PipelineStage
+    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.planner.profiler import profile_model
     from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -116,7 +116,7 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
                 dist.all_reduce(torch.zeros(1))
                 one_way.append((t1 - t0) / 2)
                 reduce.append((time.perf_counter() - t1, time.process_time() - c1))
-            stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+            stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                                   PipelineConfig(s, b, m), OptimizerConfig(), (b, cfg.seq_length, cfg.hidden_size))
             stamps: dict[int, float] = {}
 

@@ -28,7 +28,8 @@ import torch
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.executor import PipelineRank
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.testing.local_workers import run_workers
 
@@ -43,7 +44,7 @@ def _worker(model: dict, b: int, m: int, steps: int) -> dict:
     data = torch.randint(0, cfg.vocab_size, (m, b, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for schedule in SCHEDULES:
-        stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+        stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                               PipelineConfig(schedule, b, m, track_memory=False), OptimizerConfig(lr=1e-4),
                               (b, cfg.seq_length, cfg.hidden_size))
         get_batch = lambda mb: spec.make_batch(data[mb % m])  # noqa: E731
@@ -69,7 +70,7 @@ def _zero_worker(model: dict, b: int, m: int, steps: int, rounds: int) -> list[d
     get_batch = lambda mb: spec.make_batch(data[state.dp_rank * m + mb % m])  # noqa: E731
     stages = {}
     for on in (False, True):
-        stages[on] = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+        stages[on] = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                                    PipelineConfig("2bw", b, m, track_memory=False),
                                    OptimizerConfig(lr=1e-4, use_distributed_optimizer=on),
                                    (b, cfg.seq_length, cfg.hidden_size))
@@ -91,7 +92,7 @@ def _zero_worker(model: dict, b: int, m: int, steps: int, rounds: int) -> list[d
     return out
 
 
-def _time_gather_waits(stage: PipelineStage) -> None:
+def _time_gather_waits(stage: PipelineRank) -> None:
     """Count the seconds the stage's forwards wait for the all-gather of their weights (``gather_wait_s``)."""
     wait_slot = stage.reducer.wait_slot
 

@@ -17,7 +17,8 @@ from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
 from megatron_2bw.parallel_state import ParallelState, build_state
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.executor import PipelineRank
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -94,8 +95,8 @@ def train_tiny(
         names = GlobalNames.of_chunks(ranges, tied=WORD)
         build_layers = lambda: spec.build_chunks(ranges)  # noqa: E731
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
-    def build() -> PipelineStage:
-        return PipelineStage(build_layers, spec.loss_fn(), state, pipe, opt,
+    def build() -> PipelineRank:
+        return build_stage(build_layers, spec.loss_fn(), state, pipe, opt,
                              cfg.stage_activation_shape(micro, t), rng_tracker=tracker, names=names, faults=faults)
 
     stage = build()

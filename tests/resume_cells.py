@@ -24,7 +24,8 @@ from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer import muon
 from megatron_2bw.parallel_state import build_state
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.executor import PipelineRank
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
@@ -61,7 +62,7 @@ class Cell:
 
 @dataclasses.dataclass
 class Run:
-    stage: PipelineStage
+    stage: PipelineRank
     state: object
     tracker: RNGTracker
     config: dict
@@ -88,7 +89,7 @@ def build(cell: Cell, layout: tuple[int, int, int]) -> Run:
         ranges = chunk_ranges(cfg.num_layers, place.stages_of(state.pp_rank), place.num_stages)
         names = GlobalNames.of_chunks(ranges, tied=WORD)
         layers = lambda: spec.build_chunks(ranges)  # noqa: E731
-    stage = PipelineStage(layers, spec.loss_fn(), state, pipe, opt, cfg.stage_activation_shape(1, t),
+    stage = build_stage(layers, spec.loss_fn(), state, pipe, opt, cfg.stage_activation_shape(1, t),
                           rng_tracker=tracker, names=names)
     data = _dataset(cfg, GLOBAL * STEPS)
 

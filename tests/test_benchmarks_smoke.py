@@ -87,7 +87,7 @@ def test_gpu_skips_or_runs_tiny(tmp_path):
     assert {r["system"] for r in rows} == {"engine_flush_d1", "engine_2bw_d1", "plain"}
     assert all(r["tokens_per_sec"] > 0 for r in rows)
     from megatron_2bw.models.presets import get_preset
-    from megatron_2bw.config.flops import flops_per_step
+    from megatron_2bw.config.arith import flops_per_step
 
     for r in rows:  # the trainer's FLOP formula (review S3/B1)
         fps = flops_per_step(get_preset(r["model"]), r["micro_batch"] * r["m"])
@@ -162,7 +162,7 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
 
     from megatron_2bw.models.presets import get_preset
 
-    from megatron_2bw.config.flops import flops_per_step
+    from megatron_2bw.config.arith import flops_per_step
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: gpu_check.py runs its GPU form there (by hand, not in CI)")

@@ -26,7 +26,7 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.tensor_parallel.group import TPGroup
 
 KW = dict(kind="bert-tiny", steps=4, global_batch=8, micro=1)
@@ -61,7 +61,7 @@ def test_evaluation_mlm_loss_is_the_masked_cross_entropy():
     cfg = get_preset("bert-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(5)
     spec = ModelSpec(cfg, TPGroup.from_state(ParallelState.single()), 5)
-    stage = PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
+    stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
                           PipelineConfig("flush", 2, 2), OptimizerConfig("adam", lr=1e-3),
                           (2, cfg.seq_length, cfg.hidden_size))
     data = _dataset(cfg, 8)

@@ -23,7 +23,8 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state, coords_of
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.executor import PipelineRank
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -117,13 +118,13 @@ def test_resharded_resume_trains_like_offline_reshard(saved, tmp_path):
 TARGETS = [(1, 4, 2, True), (2, 1, 4, True), (2, 2, 2, False), (1, 1, 8, False)]  # t, d, w, distributed optimizer
 
 
-def _stage(common: dict, t: int, d: int, w: int, zero: bool) -> tuple[PipelineStage, RNGTracker]:
+def _stage(common: dict, t: int, d: int, w: int, zero: bool) -> tuple[PipelineRank, RNGTracker]:
     state = build_state(t, d, w, torch.device("cpu"))
     cfg = ck.model_config(common["config"])
     tracker = RNGTracker(1234 + 100 * state.pp_rank, state.tp_rank)
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
     opt = OptimizerConfig(**{**common["config"]["optimizer"], "use_distributed_optimizer": zero})
-    stage = PipelineStage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
+    stage = build_stage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
                           PipelineConfig("2bw", 1, 8 // w), opt, (1, cfg.seq_length, cfg.hidden_size),
                           rng_tracker=tracker, names=GlobalNames(spec.stage_range(d, state.pp_rank)[0], tied=WORD))
     return stage, tracker

@@ -20,7 +20,8 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.parallel_state import ParallelState
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.executor import PipelineRank
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -29,17 +30,17 @@ from megatron_2bw.checkpoint import checkpointing as ck
 CPU = torch.device("cpu")
 
 
-def _stage(schedule: str = "2bw", cfg=None, optimizer: str = "adam") -> tuple[PipelineStage, ModelSpec]:
+def _stage(schedule: str = "2bw", cfg=None, optimizer: str = "adam") -> tuple[PipelineRank, ModelSpec]:
     cfg = cfg or get_preset("gpt-tiny")
     tracker = RNGTracker(7, 0)
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
-    stage = PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
+    stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
                           PipelineConfig(schedule, 1, 2), OptimizerConfig(optimizer, lr=1e-2),
                           (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD))
     return stage, spec
 
 
-def _trained(steps: int = 3, schedule: str = "2bw") -> tuple[PipelineStage, ModelSpec, callable]:
+def _trained(steps: int = 3, schedule: str = "2bw") -> tuple[PipelineRank, ModelSpec, callable]:
     stage, spec = _stage(schedule)
     cfg = spec.cfg
     data = torch.randint(0, cfg.vocab_size, (64, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
@@ -48,7 +49,7 @@ def _trained(steps: int = 3, schedule: str = "2bw") -> tuple[PipelineStage, Mode
     return stage, spec, batch
 
 
-def _config(stage: PipelineStage, spec: ModelSpec) -> dict:
+def _config(stage: PipelineRank, spec: ModelSpec) -> dict:
     return {"model": asdict(spec.cfg), "optimizer": asdict(stage.opt), "pipeline": {"layer_split": None}}
 
 

@@ -20,7 +20,8 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.executor import PipelineRank
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.pipeline.zero import ShardLayout, gather_full
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -52,11 +53,11 @@ class Allocations(TorchDispatchMode):
         return sum(self.by_op.values())
 
 
-def _stage(state: ParallelState, dtype: str = "bf16", zero: bool = False) -> PipelineStage:
+def _stage(state: ParallelState, dtype: str = "bf16", zero: bool = False) -> PipelineRank:
     cfg = get_preset("gpt-tiny")
     tracker = RNGTracker(7, 0)
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
-    stage = PipelineStage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
+    stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
                           PipelineConfig("2bw", 1, 2), OptimizerConfig("adam", lr=1e-2, dtype=dtype, use_distributed_optimizer=zero),
                           (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD))
     data = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
@@ -65,13 +66,13 @@ def _stage(state: ParallelState, dtype: str = "bf16", zero: bool = False) -> Pip
     return stage
 
 
-def _payload(stage: PipelineStage) -> dict | None:
+def _payload(stage: PipelineRank) -> dict | None:
     cfg = {"model": stage.spec.cfg.__dict__, "optimizer": stage.opt.__dict__, "pipeline": {"layer_split": None}}
     return ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=8, global_batch=4, config=cfg,
                       args={"micro_batch_size": 1})
 
 
-def _state_bytes(stage: PipelineStage) -> int:
+def _state_bytes(stage: PipelineRank) -> int:
     u = stage.updater
     return stage.weights.weight_bytes + u.master_bytes + u.state_bytes
 
@@ -288,7 +289,7 @@ def _bounded_d2_save(root: str) -> dict:
     tracker = RNGTracker(7, 0)
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
     opt = OptimizerConfig("adam", lr=1e-2, dtype="bf16")
-    stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+    stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                           PipelineConfig("2bw", 1, 2), opt, (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
                           names=GlobalNames(spec.stage_range(2, state.pp_rank)[0], tied=WORD))
     data = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))

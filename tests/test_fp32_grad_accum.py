@@ -18,7 +18,7 @@ from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 # one model chunk per rank: these compare against a one-stage run, which a chunked schedule (interleaved,
 # V) cannot be; tests/test_interleaved_numerics.py covers those against the single process
 ONE_CHUNK = tuple(s for s in SCHEDULE_NAMES if get_schedule(s).chunks == 1)
-from megatron_2bw.pipeline.weights import StageWeights
+from megatron_2bw.pipeline.weights import RankWeights
 from megatron_2bw.testing.faults import FaultInjector
 from multiproc import run_workers
 
@@ -36,7 +36,7 @@ class _GradSpy(FaultInjector):
         _SEEN[step] = grad.detach().clone()
 
 
-class _Stage(pipeline_harness.PipelineStage):
+class _Stage(pipeline_harness.PipelineRank):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _STAGES.append(self)
@@ -50,7 +50,7 @@ def train(schedule: str, dtype: str = "fp32", fp32_grads: bool | None = None, la
         def __init__(self, *args, **kwargs):
             super().__init__(*args, recompute=policy, **kwargs)
 
-    patched = ("OptimizerConfig", "FaultInjector", "ModelSpec", "PipelineStage")
+    patched = ("OptimizerConfig", "FaultInjector", "ModelSpec", "PipelineRank")
     saved = {k: getattr(pipeline_harness, k) for k in patched}
     opt = functools.partial(OptimizerConfig, accumulate_allreduce_grads_in_fp32=fp32_grads)
     for k, v in zip(patched, (opt, _GradSpy, Spec, _Stage)):
@@ -68,7 +68,7 @@ def train(schedule: str, dtype: str = "fp32", fp32_grads: bool | None = None, la
     return out
 
 
-# ---------------------------------------------------------------------------- unit: StageWeights
+# ---------------------------------------------------------------------------- unit: RankWeights
 class _Block(nn.Module):
     """A linear layer used twice (its gradient is a sum inside one backward) and a layer norm."""
 
@@ -80,13 +80,13 @@ class _Block(nn.Module):
         return self.norm(self.lin(torch.tanh(self.lin(x))))
 
 
-def _weights(grad_dtype: torch.dtype | None) -> StageWeights:
+def _weights(grad_dtype: torch.dtype | None) -> RankWeights:
     torch.manual_seed(0)
-    return StageWeights(lambda: [_Block()], num_versions=2, num_grad_buffers=2, dtype=BF16,
+    return RankWeights(lambda: [_Block()], num_versions=2, num_grad_buffers=2, dtype=BF16,
                         device=torch.device("cpu"), grad_dtype=grad_dtype)
 
 
-def _backward(w: StageWeights, slot: int, buf: int, x: torch.Tensor) -> None:
+def _backward(w: RankWeights, slot: int, buf: int, x: torch.Tensor) -> None:
     w.point_grads(slot, buf)
     (w.slots[slot][0](x).float().square().mean() * 100).backward()
 
@@ -131,7 +131,7 @@ def test_same_dtype_gradients_keep_the_buffer_views():
     """fp32 weights (and bf16 with --grad-reduce-in-bf16): ``p.grad`` is the buffer view, no hooks."""
     for dtype, grad_dtype in ((FP32, None), (FP32, FP32), (BF16, BF16)):
         torch.manual_seed(0)
-        w = StageWeights(lambda: [_Block()], num_versions=2, num_grad_buffers=2, dtype=dtype,
+        w = RankWeights(lambda: [_Block()], num_versions=2, num_grad_buffers=2, dtype=dtype,
                          device=torch.device("cpu"), grad_dtype=grad_dtype)
         assert not w.main_grads and all(g.dtype == dtype for g in w.grad_flat)
         w.point_grads(1, 1)

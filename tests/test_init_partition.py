@@ -23,7 +23,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.pipeline.weights import StageWeights
+from megatron_2bw.pipeline.weights import RankWeights
 from megatron_2bw.tensor_parallel import init
 from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -39,13 +39,13 @@ def _cfg(kind: str = "gpt", layers: int = 2, h: int = 64) -> ModelConfig:
 
 
 def _stage(cfg: ModelConfig, *, t: int = 1, tp: int = 0, d: int = 1, r: int = 0, cpu_init: bool,
-           versions: int = 2) -> StageWeights:
+           versions: int = 2) -> RankWeights:
     spec = ModelSpec(cfg, TPGroup(None, tp, t), seed=1234)
-    return StageWeights(lambda: spec.build_stage(d, r), num_versions=versions, dtype=torch.float32, device=CPU,
+    return RankWeights(lambda: spec.build_stage(d, r), num_versions=versions, dtype=torch.float32, device=CPU,
                         tp_rank=tp, cpu_init=cpu_init)
 
 
-def _named(w: StageWeights) -> dict[str, torch.Tensor]:
+def _named(w: RankWeights) -> dict[str, torch.Tensor]:
     return w.state_views(w.flat[0])
 
 
@@ -62,7 +62,7 @@ def _child(d: int, r: int) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
     before = status("VmRSS")
-    w = StageWeights(lambda: spec.build_stage(d, r), num_versions=2, dtype=torch.float32, device=CPU, cpu_init=False)
+    w = RankWeights(lambda: spec.build_stage(d, r), num_versions=2, dtype=torch.float32, device=CPU, cpu_init=False)
     print(json.dumps({"numel": w.numel, "peak_added": status("VmHWM") - before,
                       "buffers": w.weight_bytes + w.grad_bytes}))
 

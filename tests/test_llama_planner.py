@@ -2,7 +2,6 @@
 built modules, GEMM FLOPs against torch's FLOP counter, Megatron's closed form against the per-layer
 sums, and the SwiGLU/GQA stash terms against the tensors autograd saves."""
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from megatron_2bw.planner.layer_costs import (
     layer_stash_bytes, tied_params,
 )
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.config.flops import flops_per_step, llama_flops_per_step
+from megatron_2bw.config.arith import flops_per_step
 
 CONFIGS = {
     "llama-tiny": get_preset("llama-tiny"),  # GQA (2 groups), SwiGLU, RMSNorm, no biases, untied
@@ -58,12 +57,12 @@ def test_megatron_closed_form_is_the_sum_of_the_blocks(name):
     cfg = CONFIGS[name]
     B = 8
     blocks = 3 * (cfg.num_layers * layer_forward_flops(cfg, B, 1) + head_forward_flops(cfg, B, 1))
-    assert llama_flops_per_step(cfg, B) == pytest.approx(blocks, rel=1e-12)
+    assert flops_per_step(cfg, B) == pytest.approx(blocks, rel=1e-12)
     # full recomputation replays the layers' forwards, not the logits (Megatron's 96 form)
     layers = 3 * cfg.num_layers * layer_forward_flops(cfg, B, 1)
     assert flops_per_step(cfg, B, recompute=True) == pytest.approx(blocks + layers / 3, rel=1e-12)
     l8 = get_preset("llama-8b")  # about 6 * N FLOPs per token plus attention
-    per_token = llama_flops_per_step(l8, 1) / l8.seq_length
+    per_token = flops_per_step(l8, 1) / l8.seq_length
     assert 6 * l8.num_parameters() < per_token < 6 * l8.num_parameters() * 1.4
 
 

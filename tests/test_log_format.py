@@ -255,7 +255,7 @@ def _matmul_flops(L: int, h: int, s: int, V: int, B: int, recompute: bool) -> fl
 @pytest.mark.parametrize("preset", ["gpt-demo", "gpt-1.3b"])
 def test_flops_are_megatrons_closed_form_with_the_padded_vocabulary(preset, recompute, t):
     from megatron_2bw.models.presets import get_preset
-    from megatron_2bw.config.flops import flops_per_step, tflops_per_device
+    from megatron_2bw.config.arith import flops_per_step, tflops_per_device
 
     cfg = get_preset(preset)
     L, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, 512
@@ -272,7 +272,7 @@ def test_flops_are_megatrons_closed_form_with_the_padded_vocabulary(preset, reco
 def test_full_recomputation_counts_and_selective_does_not():
     from types import SimpleNamespace as NS
 
-    from megatron_2bw.config.flops import counts_recompute
+    from megatron_2bw.config.arith import counts_recompute
 
     assert counts_recompute(NS(recompute=True, recompute_granularity=None))
     assert counts_recompute(NS(recompute=False, recompute_granularity="full"))

@@ -241,13 +241,13 @@ def test_start_up_grace_counts_from_the_end_of_model_construction():
 
 
 def test_the_trainer_is_built_inside_the_watchdogs_start_up(monkeypatch):
-    """``loop.run`` builds the Trainer (model, checkpoint restore) inside ``starting_up``."""
+    """``session.run`` builds the Trainer (model, checkpoint restore) inside ``starting_up``."""
     import types
 
     import torch
 
     from megatron_2bw.parallel_state import ParallelState
-    from megatron_2bw.training import loop
+    from megatron_2bw.training import session as loop
 
     dog = Watchdog(dist.HashStore(), 0, 2, 5.0, interval_s=1.0, exit_fn=lambda c: None, hosts_store=False)
     seen = {}

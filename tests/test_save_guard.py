@@ -29,7 +29,7 @@ from e2e import PY, REPO, clean_env, read_metrics, run, start
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint import manifest, save_guard
-from megatron_2bw.training.loop import resume_disagreement
+from megatron_2bw.training.session import resume_disagreement
 from multiproc import run_workers
 
 SCRIPT = os.path.join(REPO, "pretrain_gpt.py")

@@ -24,7 +24,7 @@ from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.schedule.actions import Op
-from megatron_2bw.pipeline.executor import PipelineStage
+from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.planner.simulator import StageCosts, simulate
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.training.log_format import parse_bubble, train_log_line
@@ -46,7 +46,7 @@ def _worker() -> list[dict]:
     data = torch.randint(0, cfg.vocab_size, (16, B, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     out = []
     for schedule, m, steps in CASES:
-        stage = PipelineStage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+        stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                               PipelineConfig(schedule, B, m, track_memory=False), OptimizerConfig(lr=1e-4),
                               (B, cfg.seq_length, cfg.hidden_size))
         get_batch = lambda mb: spec.make_batch(data[mb % len(data)])  # noqa: E731

@@ -24,7 +24,7 @@ from megatron_2bw.pipeline.recompute import RNGSnapshot
 from megatron_2bw.schedule.schedules import stage_actions
 from megatron_2bw.pipeline.transport import Transport
 from megatron_2bw.pipeline.updater import Updater
-from megatron_2bw.pipeline.weights import GlobalNames, StageWeights, sized_weights
+from megatron_2bw.pipeline.weights import GlobalNames, RankWeights, sized_weights
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
@@ -89,7 +89,7 @@ def test_global_names_are_the_full_models_names(kind):
     seen: dict[str, torch.Size] = {}
     for r in range(d):
         start, _ = stage_range(cfg.num_layers, d, r)
-        w = StageWeights(lambda: spec.build_stage(d, r), num_versions=1, dtype=torch.float32,
+        w = RankWeights(lambda: spec.build_stage(d, r), num_versions=1, dtype=torch.float32,
                          device=torch.device("cpu"), names=GlobalNames(start, tied=WORD))
         views = w.state_views(w.flat[0])
         assert len(views) == len(w.names)

@@ -1,6 +1,7 @@
 """Tensor-parallel split/merge of full state dicts and their pipeline-stage slices.
 
-How each parameter is split across t ranks (as ``tensor_parallel/layers.py`` holds it):
+How each parameter is split across t ranks (as ``tensor_parallel/layers.py`` holds it, read from each
+parameter's ``Init`` by :func:`split_dim`):
 
 * column-parallel (``attn.qkv``, ``mlp.fc1``, SwiGLU's ``mlp.gate`` and ``mlp.up``, weight and
   bias): contiguous row blocks. The QKV rows are grouped per head ([heads, 3, head_dim],
@@ -14,32 +15,41 @@ How each parameter is split across t ranks (as ``tensor_parallel/layers.py`` hol
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import nn
 
 from ..config import ModelConfig
+from ..models.spec import ModelSpec
+from ..tensor_parallel import init
+from ..tensor_parallel.group import TPGroup
 from ..errors import ConfigError
 from .names import OUTPUT, WORD, Split, head_index, rank_names, stage_names
-
-_COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",
-           "mlp.gate.weight", "mlp.gate.bias", "mlp.up.weight", "mlp.up.bias")
-_ROW = ("attn.proj.weight", "mlp.fc2.weight")
-
 
 def is_vocab(cfg: ModelConfig, name: str) -> bool:
     return (name == WORD or (cfg.kind == "bert" and name == f"{head_index(cfg)}.lm_bias")
             or name == f"{head_index(cfg)}.{OUTPUT}")
 
 
+@functools.lru_cache(maxsize=16)
+def _split_dims(cfg: ModelConfig) -> dict[str, int | None]:
+    """Every global name's tensor-parallel split dimension, read off the parameters themselves: each carries
+    the :class:`~megatron_2bw.tensor_parallel.init.Init` its layer made it with (``dim``: None replicated; a
+    parameter without one, as a plain norm, is replicated).
+    Built once per model on the meta device, so resharding, checkpoint shards and export share the layers'
+    own statement of it."""
+    with init.deferred():
+        model = nn.ModuleList(ModelSpec(cfg, TPGroup(), 0).build(0, cfg.num_layers + 2))
+    return {name: getattr(getattr(p, "init", None), "dim", None) for name, p in model.named_parameters()}
+
+
 def split_dim(cfg: ModelConfig, name: str) -> int | None:
     """The dimension ``name`` is split along across tensor ranks; None when replicated."""
-    if is_vocab(cfg, name):
-        return 0
-    rest = name.split(".", 1)[1]
-    if rest in _COLUMN:
-        return 0
-    if rest in _ROW:
-        return 1
-    return None
+    dims = _split_dims(cfg)
+    if name not in dims:
+        raise ConfigError(f"{name} is not a parameter of this {cfg.kind} model")
+    return dims[name]
 
 
 def pad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -108,7 +108,7 @@ def _flat_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 def engine_state(sd: dict, model: ModelConfig, order: list[str], sizes: list[int], local_names: list[str],
                  num_versions: int) -> dict:
-    """The engine's flat state dict (``PipelineStage.load_state_dict``) from a format-3 file.
+    """The engine's flat state dict (``PipelineRank.load_state_dict``) from a format-3 file.
 
     A file without 2BW's older version (a flush schedule's, or converted) starts both versions equal.
     """

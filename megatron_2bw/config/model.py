@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .arith import num_parameters
 from .rules import _require, _require_finite
 
 
@@ -149,36 +150,13 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count of the full model (unpadded vocabulary, tied embeddings counted once)."""
-        if self.llama_style:
-            return self.llama_num_parameters()
-        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # qkv+proj, mlp, 2 LayerNorms
-        emb = self.vocab_size * h + self.max_position_embeddings * h + self.num_tokentypes * h
-        head = 2 * h  # final LayerNorm
-        if self.kind == "bert":
-            head += h * h + h + 2 * h + self.vocab_size + h * 2 + 2 + h * h + h  # lm transform, bias, SOP pooler
-        return L * per_layer + emb + head
+        return num_parameters(self)
 
     @property
     def llama_style(self) -> bool:
         """Any Llama-family option on (the GPT-2-style formulas above do not hold)."""
         return (self.position_embedding_type != "learned_absolute" or self.swiglu or self.normalization != "LayerNorm"
                 or self.group_query_attention or self.untie_embeddings_and_output_weights or not self.add_bias_linear)
-
-    def llama_num_parameters(self) -> int:
-        """Parameter count for any combination of the Llama-family options (GQA, SwiGLU, RMSNorm, untied)."""
-        h, f, L, hd = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.head_dim
-        qkv_out = (self.num_attention_heads + 2 * self.query_groups) * hd
-        mlp_in = 2 * f if self.swiglu else f
-        bias = self.add_bias_linear
-        norm = h if self.normalization == "RMSNorm" else 2 * h
-        per_layer = (h * qkv_out + qkv_out * bias + h * h + h * bias
-                     + h * mlp_in + mlp_in * bias + f * h + h * bias + 2 * norm)
-        emb = self.vocab_size * h + self.num_tokentypes * h
-        if self.position_embedding_type == "learned_absolute":
-            emb += self.max_position_embeddings * h
-        head = norm + (self.vocab_size * h if self.untie_embeddings_and_output_weights else 0)
-        return L * per_layer + emb + head
 
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")

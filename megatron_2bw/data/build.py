@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -120,6 +120,37 @@ def _build_one(
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _check_request(kind: str, tokenizer, num_samples: tuple[int, int, int]) -> None:
+    if kind not in ("gpt", "bert"):
+        raise ConfigError(f"dataset kind must be 'gpt' or 'bert', got {kind!r}")
+    if kind == "bert" and tokenizer is None:
+        raise ConfigError("BERT datasets need a tokenizer for the [CLS]/[SEP]/[MASK]/[PAD] ids")
+    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
+        raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
+
+
+def _split(build: Callable, indexed: list, weights: list[float], ranges: list, s: int, name: str, n: int):
+    """Split ``s`` (``name``) of ``n`` samples: one dataset's documents, or a blend of every dataset's; None
+    when it is asked for nothing or has no documents."""
+    if len(indexed) == 1:
+        lo, hi = ranges[0][s]
+        return None if n == 0 or hi == lo else build(indexed[0], name, (lo, hi), n)
+    if n == 0 or all(r[s][1] == r[s][0] for r in ranges):
+        return None
+    ds_index, _ = blending_indices(weights, n)
+    counts = np.bincount(ds_index, minlength=len(indexed))
+    parts = []
+    for d, ds in enumerate(indexed):
+        lo, hi = ranges[d][s]
+        if counts[d] and hi == lo:
+            raise ConfigError(
+                f"the {name} split of {ds.prefix} has no documents but its --data-path weight asks for {counts[d]} samples"
+            )
+        parts.append(build(ds, name, (lo, hi), int(counts[d])) if counts[d] else None)
+    dropped = any(p is None for d, p in enumerate(parts) if counts[d])
+    return None if dropped else BlendedDataset(parts, weights, n)
+
+
 def build_datasets(
     kind: str,
     data_path: Sequence[str],
@@ -140,12 +171,7 @@ def build_datasets(
     Megatron's synthetic documents (data/mock.py; ``data_path`` empty) from the tokenizer's vocabulary
     and eod. ``cache_dir`` (``--data-cache-path``): where GPT sample indices are cached.
     """
-    if kind not in ("gpt", "bert"):
-        raise ConfigError(f"dataset kind must be 'gpt' or 'bert', got {kind!r}")
-    if kind == "bert" and tokenizer is None:
-        raise ConfigError("BERT datasets need a tokenizer for the [CLS]/[SEP]/[MASK]/[PAD] ids")
-    if len(num_samples) != 3 or any(n < 0 for n in num_samples):
-        raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
+    _check_request(kind, tokenizer, num_samples)
     parse_split(split)
     if mock_data:
         if kind != "gpt" or tokenizer is None:
@@ -163,27 +189,6 @@ def build_datasets(
         masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, cache_dir=cache_dir,
     )
 
-    out = []
-    for s, name in enumerate(SPLIT_NAMES):
-        n = int(num_samples[s])
-        if len(indexed) == 1:
-            lo, hi = ranges[0][s]
-            out.append(None if n == 0 or hi == lo else build(indexed[0], name, (lo, hi), n))
-            continue
-        if n == 0 or all(r[s][1] == r[s][0] for r in ranges):
-            out.append(None)
-            continue
-        ds_index, _ = blending_indices(weights, n)
-        counts = np.bincount(ds_index, minlength=len(indexed))
-        parts = []
-        for d, ds in enumerate(indexed):
-            lo, hi = ranges[d][s]
-            if counts[d] and hi == lo:
-                raise ConfigError(
-                    f"the {name} split of {ds.prefix} has no documents but its --data-path weight asks for {counts[d]} samples"
-                )
-            parts.append(build(ds, name, (lo, hi), int(counts[d])) if counts[d] else None)
-        dropped = any(p is None for d, p in enumerate(parts) if counts[d])
-        out.append(None if dropped else BlendedDataset(parts, weights, n))
-    return tuple(out)
+    return tuple(_split(build, indexed, weights, ranges, s, name, int(num_samples[s]))
+                 for s, name in enumerate(SPLIT_NAMES))
 

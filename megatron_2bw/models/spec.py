@@ -15,8 +15,9 @@ from ..config import ModelConfig
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
-from . import bert, gpt
+from . import gpt
 from .embedding import Embedding
+from .families import FAMILIES
 from ..schedule.placement import Placement
 from ..schedule.recompute_policy import RecomputePolicy
 from .transformer import TransformerLayer, apply_recompute
@@ -46,8 +47,7 @@ class ModelSpec:
         embedding's built in another chunk of the rank); on another stage it builds an identical copy (kept
         tied by the pipeline).
         """
-        cfg, gpt_model = self.cfg, self.cfg.kind == "gpt"
-        head_cls = gpt.GPTHead if gpt_model else bert.BertHead
+        cfg, family = self.cfg, FAMILIES[self.cfg.kind]
         layers: list[nn.Module] = []
         emb = None
         for i in range(start, end):
@@ -55,10 +55,10 @@ class ModelSpec:
                 emb = Embedding(cfg, self.tp, self.seed, rng=self.rng)
                 layers.append(emb)
             elif i <= cfg.num_layers:
-                layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=gpt_model, rng=self.rng,
+                layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=family.causal, rng=self.rng,
                                                kernels=self.kernels))
             else:
-                layers.append(head_cls(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else word))
+                layers.append(family.head(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else word))
         apply_recompute(layers, self.recompute)
         return layers
 
@@ -83,7 +83,7 @@ class ModelSpec:
         """(builder, layer-list ranges by chunk) of pipeline rank ``r``: one chunk, its stage under this spec's
         split; several (``place``), its virtual stages of the ``place.num_stages`` even ones (interleaved:
         ``c * d + r``; V: ``r`` and ``2d - 1 - r``), the builder returning one layer list per chunk (what
-        ``PipelineStage`` takes)."""
+        ``PipelineRank`` takes)."""
         if place is None or place.chunks == 1:
             return (lambda: self.build_stage(d, r)), [self.stage_range(d, r)]
         ranges = chunk_ranges(self.cfg.num_layers, place.stages_of(r), place.num_stages)
@@ -94,11 +94,11 @@ class ModelSpec:
         return stage_range(self.cfg.num_layers, d, r, self.split)
 
     def loss_fn(self) -> Callable[[object, dict], torch.Tensor]:
-        return gpt.GPTLoss(self.cfg, self.tp) if self.cfg.kind == "gpt" else bert.BertLoss(self.cfg, self.tp)
+        return FAMILIES[self.cfg.kind].loss(self.cfg, self.tp)
 
     def make_batch(self, sample) -> dict:
         """Tensors of one microbatch from stacked samples (GPT: ``[b, s+1]`` tokens; BERT: dict)."""
-        return gpt.make_batch(sample, self.masks) if self.cfg.kind == "gpt" else bert.make_batch(sample)
+        return FAMILIES[self.cfg.kind].make_batch(sample, self.masks)
 
 
 def run_layers(layers: list[nn.Module], batch: dict, x=None):

@@ -30,10 +30,10 @@ class StageStats:
     update_wait_s: float = 0.0  # time APPLY_UPDATE waited for its reductions (hidden when ~0)
     # host clocks of the training loop, cumulative (a log window's bubble is their difference over it)
     # time spent receiving activations / gradients: in receive units (posting) and, on gloo, where a compute
-    # waits for its input (the transport hands a receive on; PipelineStage._received books the wait here)
+    # waits for its input (the transport hands a receive on; PipelineRank._received books the wait here)
     recv_wait_s: float = 0.0
     compute_s: float = 0.0  # time in compute actions (forward, backward and its halves)
-    train_s: float = 0.0  # time inside PipelineStage.train, so boundaries (evaluation, saves) do not count
+    train_s: float = 0.0  # time inside PipelineRank.train, so boundaries (evaluation, saves) do not count
 
     @property
     def idle_s(self) -> float:

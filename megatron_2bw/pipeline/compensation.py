@@ -27,7 +27,7 @@ Memory: the model-dtype buffer of version v holds P(W(v)) instead of W(v); the n
 in the fp32 master. In bf16/fp16 the master exists anyway, so ``predict`` costs no memory. In
 fp32 there is no master: ``predict`` adds one, an fp32 copy of the stage's weights (4 bytes per
 parameter, a third weight copy next to the two versions). Temporaries are computed in chunks
-of ``CHUNK`` elements. After every drain (end of :meth:`PipelineStage.train`) the newest
+of ``CHUNK`` elements. After every drain (end of :meth:`PipelineRank.train`) the newest
 version's buffer is set to W(step) so evaluation and checkpoints see the newest weights; the
 next segment writes P(W(step)) back before it runs, so draining changes no result.
 

@@ -16,13 +16,8 @@ Semantics per schedule:
 Every schedule unscales, checks for inf/NaN and clips by the global norm; an overflow skips the
 update on every rank (all ranks see the same global norm).
 
-Optimizer post-validation (``--enable-optimizer-post-validation``; a program with VALIDATE actions):
-APPLY_UPDATE(t) of a step that the program validates later applies the update speculatively once the
-stage's own gradient is final (:meth:`Updater.speculate`) and the stage goes on with step t+1's warm-up
-forwards; VALIDATE(t) waits for the global norm and keeps the update, or rolls it back, applies the exact
-one and re-runs the warm-up (:meth:`PipelineStage._validate`). Whether a step speculates depends only on
-the global norms of earlier steps, so every rank decides alike: not after a step whose norm clipped or
-overflowed (where clipping is the rule, as early in training, nothing is speculated and re-run).
+Optimizer post-validation (``--enable-optimizer-post-validation``; a program with VALIDATE actions) is
+:mod:`.speculation`. The rank's collaborators are built by :func:`.build.build_stage` and handed in.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -39,19 +34,18 @@ from torch import nn
 from ..config import OptimizerConfig, PipelineConfig
 from ..parallel_state import ParallelState
 from ..tensor_parallel.random import RNGTracker
-from .accounting import SavedBytes, StageStats, clock_units
+from .accounting import SavedBytes, clock_units
 from ..schedule.actions import Action, Op
-from .grad_reducer import GradReducer
-from ..schedule.grouping import comm_groups
 from .recompute import RNGSnapshot
-from ..schedule.placement import group_key
-from ..schedule.schedules import cut_segment, get_schedule, stage_actions
+from ..schedule.evaluation import evaluation_program
+from ..schedule.schedules import cut_segment, stage_actions
 from .saved_release import BoxedSaves, release_unread
 from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight, take_groups
-from .transport import RECV_OPS, SEND_OPS, Incoming, Transport
-from .updater import Updater, host
-from .weights import GlobalNames, StageWeights
-from .zero import ShardLayout
+from .losses import _HostCopy, _loss_row, loss_parts  # noqa: F401 - loss_parts re-exported
+from .parts import RankParts
+from .speculation import PostValidation
+from .transport import SEND_OPS, Incoming
+from .updater import host
 
 if TYPE_CHECKING:
     from ..testing.faults import FaultInjector
@@ -84,43 +78,20 @@ class StashEntry:
     boxes: list | None = None  # the saved tensors of its graph, droppable at I (saved_release)
 
 
-def loss_parts(loss_fn: Callable, out, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(total loss, named detached components): a loss function with ``parts`` reports its terms
-    (e.g. BERT's MLM and sentence-order losses); any other returns its total alone."""
-    parts = getattr(loss_fn, "parts", None)
-    return parts(out, batch) if parts is not None else (loss_fn(out, batch), {})
-
-
-def _loss_row(total: torch.Tensor, comps: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The total and its components as one float32 vector, so a step needs one host sync."""
-    return torch.stack([total.detach().float(), *(c.detach().float() for c in comps.values())])
-
-
-class _HostCopy:
-    """A device tensor on its way to pinned host memory; :meth:`result` waits for that copy alone (an
-    event), not for everything queued on the stream since, as ``tolist()`` would."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.host.copy_(t, non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record()
-
-    def result(self) -> list[float]:
-        self.done.synchronize()
-        return self.host.tolist()
-
-
 @dataclass
-class _Speculation:
-    """A speculative APPLY_UPDATE(t) not yet validated: where the warm-up it feeds starts in the segment's
-    actions, the learning rate, and the RNG state its forwards start from (so a re-run draws the same
-    dropout masks)."""
+class _Segment:
+    """One call of :meth:`PipelineRank.train`: its program, how far it ran, and what it reports."""
 
-    step: int
-    lr: float
-    start: int
-    rng: RNGSnapshot
+    first: int
+    end: int
+    get_batch: Callable[[int], dict]
+    lr_fn: Callable[[int], float]
+    on_update: Callable[[StepResult], int | None] | None
+    predicting: bool
+    actions: list = field(default_factory=list)
+    units: object = None
+    done: int = 0
+    results: list = field(default_factory=list)
 
 
 def _run(layers: nn.ModuleList, batch: dict, x):
@@ -129,80 +100,35 @@ def _run(layers: nn.ModuleList, batch: dict, x):
     return x
 
 
-class PipelineStage:
-    def __init__(
-        self, build: Callable[[], list[nn.Module]], loss_fn: Callable, state: ParallelState,
-        pipe: PipelineConfig, opt: OptimizerConfig, act_shape: tuple[int, ...], *,
-        rng_tracker: RNGTracker | None = None, names: GlobalNames = GlobalNames(), faults: FaultInjector | None = None,
-        cpu_init: bool = True,
-    ) -> None:
-        pipe.check_depth(state.d)
+class PipelineRank(PostValidation):
+    """One rank of the pipeline: runs the programs of its model chunks (virtual stages) on the collaborators
+    it is handed (:class:`~.build.RankParts`)."""
+
+    def __init__(self, parts: RankParts, loss_fn: Callable, state: ParallelState, pipe: PipelineConfig,
+                 opt: OptimizerConfig, *, rng_tracker: RNGTracker | None = None,
+                 faults: FaultInjector | None = None) -> None:
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
-        dtype = opt.torch_dtype
-        spec = pipe.spec
-        # Several model chunks per rank (interleaved): ``build`` returns one layer list per chunk; the weights
-        # are one flat buffer over all of them (optimizer, reducer and checkpoints unchanged) and each chunk's
-        # layers run on their own. Chunk c's virtual stage says whether it holds the embedding or the loss.
-        place = self.placement = spec.placement(state.d)
-        self.chunks = place.chunks
-        r = state.pp_rank
+        self.weights, self.transport, self.reducer = parts.weights, parts.transport, parts.reducer
+        self.updater, self.stats = parts.updater, parts.stats
+        # Several model chunks per rank (interleaved, V): the weights are one flat buffer over all of them and
+        # each chunk's layers run on their own. Chunk c's virtual stage says whether it holds the embedding or
+        # the loss; where a neighbouring virtual stage is on this rank (a V's turn), the chunk hands over by
+        # itself: the producer's output (SEND_ACT / SEND_GRAD mail) is the consumer's input, with no transfer.
+        place = self.placement = parts.placement
+        self.chunks, r = place.chunks, state.pp_rank
         self._first = [place.is_first(r, c) for c in range(self.chunks)]
         self._last = [place.is_last(r, c) for c in range(self.chunks)]
-        # where a neighbouring virtual stage is on this rank (a V's turn), the chunk hands over by itself: the
-        # producer's output (SEND_ACT / SEND_GRAD mail) is the consumer's input, with no transfer
         mine = {place.stage(r, c): c for c in range(self.chunks)}
         self._local_in = [None if self._first[c] else mine.get(place.stage(r, c) - 1) for c in range(self.chunks)]
         self._local_out = [None if self._last[c] else mine.get(place.stage(r, c) + 1) for c in range(self.chunks)]
-        state.loss_stage = place.rank(place.num_stages - 1)  # the loss's rank (rank 0 in a V)
-        # the tied word embedding is all-reduced between ranks only where the embedding and the head are apart
-        tied_apart = place.rank(0) != place.rank(place.num_stages - 1)
-        bounds = [0]
-        if self.chunks > 1:
-            parts = build()
-            if len(parts) != self.chunks:
-                raise ValueError(f"the stage builder gave {len(parts)} model chunks, the schedule runs {self.chunks}")
-            for part in parts:
-                bounds.append(bounds[-1] + len(part))
-            layers = [layer for part in parts for layer in part]
-            build = lambda: layers  # noqa: E731  (StageWeights builds from a callable)
-        self.weights = StageWeights(
-            build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=dtype,
-            device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
-            grad_dtype=opt.torch_grad_dtype, shards=state.w if opt.use_distributed_optimizer else 1,
-            cpu_init=cpu_init,  # the layout-independent CPU path unless the trainer asks for per-partition
-        )
-        if self.chunks > 1:  # a transfer's peer follows its chunk's virtual stage (rank d-1 feeds rank 0)
-            ranks = state.pipeline_ranks
-            self.transport = Transport(None, None, act_shape, dtype, state.device, mode=pipe.p2p_mode,
-                                       peer_of=lambda a: ranks[place.peer(r, a)], group_key=group_key(place))
-        else:
-            self.transport = Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device,
-                                       mode=pipe.p2p_mode)
-        # per weight buffer, per chunk: the chunk's layers (views into the one module list)
-        self._chunk_layers = [[slot] if self.chunks == 1 else
-                              [nn.ModuleList(list(slot)[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
-                              for slot in self.weights.slots]
-        bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(self.weights.grad_dtype).bits * 8
-        self.reducer = GradReducer(
-            dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
-            w=state.w, shared_range=self.weights.shared_range, bucket_numel=bucket,
-            has_embedding_group=state.d > 1 and state.embedding_group is not None and tied_apart, device=state.device,
-            shard=ShardLayout(self.weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
-        )
-        # while the reducer has links to run, no stream wait on an unmatched transfer sits ahead of them (its busy())
-        self.transport.settle_while, self.reducer.before_issue = self.reducer.busy, self.transport.quiesce
-        self.updater = Updater(self.weights, opt, pipe.compensation, pipe.dc_lambda, reducer=self.reducer,
-                               tp=(state.tp_group, state.tp_rank, state.t), ef_scale=pipe.ef_scale)
+        b = parts.bounds
+        self._chunk_layers = [[slot] if self.chunks == 1 else  # per weight buffer, per chunk: views of one list
+                              [nn.ModuleList(list(slot)[lo:hi]) for lo, hi in zip(b, b[1:])] for slot in self.weights.slots]
         self.saved = SavedBytes(self.weights.storages)
         # a split backward frees at I what W does not read (saved_release), unless torch checkpoint regions
         # (layer-level recomputation) hold those tensors; the boxes also count the stash's bytes
-        self._boxed = BoxedSaves(self.weights.storages) if spec.split_backward and pipe.recompute_granularity is None \
-            else None
-        self.stats = StageStats(
-            stage=state.pp_rank, weight_versions=self.weights.num_versions,
-            weight_bytes=self.weights.weight_bytes + self.updater.master_bytes,
-            grad_bytes=self.weights.grad_bytes, optimizer_bytes=self.updater.state_bytes,
-        )
+        self._boxed = BoxedSaves(self.weights.storages) if pipe.spec.split_backward and \
+            pipe.recompute_granularity is None else None
         self.step = 0  # updates applied so far: the newest version is W(step)
         self._stash: dict[tuple[int, int], StashEntry] = {}  # by (chunk, microbatch), from its forward to its backward
         # tensors between compute and transfer, by (transfer op, chunk, microbatch): received and not yet
@@ -214,14 +140,7 @@ class PipelineStage:
         self._loss_keys: tuple[str, ...] = ()  # the loss components' names, in ``_losses`` order
         self._acc_nodes: dict[int, dict] = {}  # by weight slot: AccumulateGrad node -> parameter index
         self._clock = (time.perf_counter(), 0.0)  # (perf_counter at the segment's start, train_s then)
-        # optimizer post-validation: the steps the running segment validates, its early embedding reductions,
-        # the speculative update in flight, whether the newest settled step's norm left its update alone (the
-        # next one speculates only then), and counts of speculated and rolled-back steps
-        self._validated: frozenset[int] = frozenset()
-        self._emb_early: frozenset[int] = frozenset()
-        self._spec: _Speculation | None = None
-        self._clean = True
-        self.speculated = self.rolled_back = 0
+        self._init_post_validation()
         # the tied word embedding's parameter indices (the last stage's head weight: its gradient is taken at I
         # where the program reduces the embedding early)
         self._tied = [i for i, p in enumerate(self.weights.params[0]) if getattr(p, "shared_embedding", False)]
@@ -240,69 +159,64 @@ class PipelineStage:
         segment's end, at least ``STOP_LAG`` past the update's step (the same ``S`` on every rank): the
         stage then runs the rest of the segment that ends at ``S`` (:func:`cut_segment`) and drains there.
         """
-        s, first, m = self.state, self.step, self.pipe.num_microbatches
-        end = first + num_steps
-        v = self.pipe.virtual_stages
-        pv = self.pipe.post_validation
-        actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, first, num_steps, v, pv)
-        self._steps_of(actions)
-        results: list[StepResult] = []
+        s, m = self.state, self.pipe.num_microbatches
+        seg = _Segment(self.step, self.step + num_steps, get_batch, lr_fn, on_update,
+                       predicting=self.pipe.compensation == "predict")
+        seg.actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, seg.first, num_steps,
+                                    self.pipe.virtual_stages, self.pipe.post_validation)
+        self._steps_of(seg.actions)
         for layer_list in self.weights.slots:
             layer_list.train()
-        predicting = self.pipe.compensation == "predict"
-        if predicting:  # the drain left W(step) in its buffer; step+1's microbatches run on P(W(step))
+        if seg.predicting:  # the drain left W(step) in its buffer; step+1's microbatches run on P(W(step))
             self.updater.write_prediction(self.weights.slot(self.step), lr_fn(self.step))
-        done, units = 0, self.transport.units(actions)
+        seg.units = self.transport.units(seg.actions)
+        handlers = self._handlers(seg)
         self._clock = (time.perf_counter(), self.stats.train_s)  # the stage's clocks (StageStats)
-        while (unit := next(units, None)) is not None:
-            a = unit[0]
-            op = a.op
-            done += len(unit)
+        while (unit := next(seg.units, None)) is not None:
+            seg.done += len(unit)
             t0, waited = self._tick(), self.stats.recv_wait_s
-            if op is Op.FORWARD:
-                self._forward(a, get_batch)
-            elif op is Op.BACKWARD:
-                self._backward(a)
-            elif op is Op.BACKWARD_INPUT:
-                self._backward_input(a)
-            elif op is Op.BACKWARD_WEIGHT:
-                self._backward_weight(a)
-            elif op is Op.REDUCE_GRADS:
-                self._reduce(a.step)
-            elif op is Op.APPLY_UPDATE or op is Op.VALIDATE:
-                if op is Op.APPLY_UPDATE:
-                    result = self._apply(a.step, lr_fn(a.step), lr_fn(a.step + 1) if predicting else None, done)
-                else:
-                    result = self._validate(a.step, actions, done, get_batch)
-                if result is not None:  # a speculative update reports at its VALIDATE
-                    results.append(result)
-                    stop = on_update(result) if on_update is not None else None
-                    if stop is not None and stop < end:
-                        rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, m, first, actions[:done], stop, v, pv)
-                        actions, end = actions[:done] + rest, stop
-                        self._steps_of(actions)
-                        self.transport.forget_plan()  # the rest plans its own receives
-                        units = self.transport.units(rest)
-            elif op is Op.REDUCE_EMBEDDING:
-                self.reducer.start_embedding(a.step, self.weights.padded_grad[self.weights.grad_buffer(a.step)])
-            else:
-                self._transfer(unit)
+            handlers.get(unit[0].op, self._transfer)(unit)
             # a compute's wait for its received input (:meth:`_received`) is booked as a receive's wait already
             clock_units(self.stats, unit, time.perf_counter() - t0 - (self.stats.recv_wait_s - waited))
         self.transport.drain()
         self._tick()
         self.reducer.wait_all()  # drained: no all-gather left running beside the caller's collectives
-        if predicting:  # evaluation and checkpoints see the newest weights
+        if seg.predicting:  # evaluation and checkpoints see the newest weights
             self.updater.write_newest(self.weights.slot(self.step))
         if self.state.device.type == "cuda":
             self.stats.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.state.device)
-        return results
+        return seg.results
 
-    def _steps_of(self, actions: Sequence[Action]) -> None:
-        """What the segment's program says about post-validation: the steps it validates, and those whose tied
-        embedding the last stage reduces early."""
-        self._validated = frozenset(a.step for a in actions if a.op is Op.VALIDATE)
-        self._emb_early = frozenset(a.step for a in actions if a.op is Op.REDUCE_EMBEDDING)
+    def _handlers(self, seg: "_Segment") -> dict[Op, Callable[[Sequence[Action]], None]]:
+        """What each op of a training program does (transfers: :meth:`_transfer`, the default)."""
+        return {
+            Op.FORWARD: lambda u: self._forward(u[0], seg.get_batch),
+            Op.BACKWARD: lambda u: self._backward(u[0]),
+            Op.BACKWARD_INPUT: lambda u: self._backward_input(u[0]),
+            Op.BACKWARD_WEIGHT: lambda u: self._backward_weight(u[0]),
+            Op.REDUCE_GRADS: lambda u: self._reduce(u[0].step),
+            Op.APPLY_UPDATE: lambda u: self._report(seg, self._apply(
+                u[0].step, seg.lr_fn(u[0].step), seg.lr_fn(u[0].step + 1) if seg.predicting else None, seg.done)),
+            Op.VALIDATE: lambda u: self._report(seg, self._validate(u[0].step, seg.actions, seg.done, seg.get_batch)),
+            Op.REDUCE_EMBEDDING: lambda u: self.reducer.start_embedding(
+                u[0].step, self.weights.padded_grad[self.weights.grad_buffer(u[0].step)]),
+        }
+
+    def _report(self, seg: "_Segment", result: StepResult | None) -> None:
+        """A settled update's result (a speculative one reports at its VALIDATE): to the caller, who may end
+        the segment early (:func:`cut_segment`)."""
+        if result is None:
+            return
+        seg.results.append(result)
+        stop = seg.on_update(result) if seg.on_update is not None else None
+        if stop is not None and stop < seg.end:
+            s, done = self.state, seg.actions[:seg.done]
+            rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, self.pipe.num_microbatches, seg.first, done, stop,
+                               self.pipe.virtual_stages, self.pipe.post_validation)
+            seg.actions, seg.end = done + rest, stop
+            self._steps_of(seg.actions)
+            self.transport.forget_plan()  # the rest plans its own receives
+            seg.units = self.transport.units(rest)
 
     def _tick(self) -> float:
         """Bring ``stats.train_s`` (time inside ``train``) up to now; returns now."""
@@ -481,18 +395,10 @@ class PipelineStage:
         neither clipped nor overflowed (None then: :meth:`_validate` reports the step). ``at``: the index of
         the action after it in the segment's actions (where a speculative update's warm-up starts)."""
         t0 = time.perf_counter()
-        if t in self._validated:
-            if self._clean:
-                self.reducer.wait_grad(t)
-                self.stats.update_wait_s += time.perf_counter() - t0
-                self._spec = _Speculation(t, lr, at, RNGSnapshot.capture(self.state.device, self.rng))
-                self.updater.speculate(t, lr)
-                self.reducer.start_norm(t)
-                self.speculated += 1
-                self._tick()
-                self.step = t + 1
-                return None
-            self.reducer.start_norm(t)
+        if self._speculate(t, lr, at, t0):
+            self._tick()
+            self.step = t + 1
+            return None
         sumsq = self.reducer.finish(t)  # a float the reducer's worker read: no sync of this stream
         self.stats.update_wait_s += time.perf_counter() - t0  # the host's wait for the reductions alone
         update = self.updater.apply(t, sumsq, lr, next_lr)
@@ -508,50 +414,6 @@ class PipelineStage:
         comps = {k: v for k, v in means.items() if k != "loss"} if means is not None else None
         return StepResult(t, means["loss"] if means is not None else None, update.norm, update.skipped,
                           update.loss_scale, lr, comps or None)
-
-    def _validate(self, t: int, actions: Sequence[Action], at: int, get_batch: Callable[[int], dict]) -> StepResult | None:
-        """VALIDATE(t): settle the speculative update of step t with the global norm (None where step t's
-        update was exact). Where the norm says it was wrong (it clips or overflows) the update is rolled back
-        and applied exactly, and the warm-up that ran on it, ``actions[start:at - 1]``, runs again: every rank
-        sees the same norm, so every rank re-runs its part, and the cut is consistent (the checker proves
-        it), so the re-sent activations meet receives that nothing else claims."""
-        spec, self._spec = self._spec, None
-        if spec is None:
-            return None
-        if spec.step != t:
-            raise RuntimeError(f"VALIDATE({t}) reached with the speculative update of step {spec.step} pending")
-        t0 = time.perf_counter()
-        sumsq = self.reducer.finish(t)
-        self.stats.update_wait_s += time.perf_counter() - t0
-        update, rolled = self.updater.validate(t, sumsq, spec.lr)
-        if rolled:
-            self.rolled_back += 1
-            self._rerun(actions[spec.start:at - 1], t + 1, spec.rng, get_batch)
-        self._tick()
-        return self._settled(t, update, spec.lr)
-
-    def _rerun(self, warmup: Sequence[Action], step: int, rng: RNGSnapshot, get_batch: Callable[[int], dict]) -> None:
-        """Forget what ``warmup`` (forwards of ``step`` and their transfers) did and run it again on the
-        corrected weights, from the same RNG state."""
-        for key in [k for k in self._stash if k[1] // self.pipe.num_microbatches == step]:
-            del self._stash[key]
-        for key in [k for k in self._mail if k[2] // self.pipe.num_microbatches == step]:
-            x = self._mail.pop(key)
-            if isinstance(x, Incoming):  # a receive of the warm-up, matched already: let it land, then drop it
-                x.wait()
-        self._losses.pop(step, None)
-        self.transport.rewind([a for a in warmup if a.op in RECV_OPS])
-        rng.restore(self.state.device, self.rng)
-        groups = comm_groups(warmup, self.transport.group_key) if self.transport.grouped else {}
-        i = 0
-        while i < len(warmup):
-            end = groups.get(i, i + 1)
-            unit = warmup[i:end]
-            if unit[0].op is Op.FORWARD:
-                self._forward(unit[0], get_batch)
-            else:
-                self._transfer(unit)
-            i = end
 
     def _means(self, acc: torch.Tensor | _HostCopy | None, n: int) -> dict[str, float] | None:
         """``{"loss": total / n, <component>: value / n, ...}`` from a summed loss row (one host sync)."""
@@ -569,33 +431,35 @@ class PipelineStage:
     @torch.no_grad()
     def evaluate_components(self, num_microbatches: int, get_batch: Callable[[int], dict]) -> dict[str, float] | None:
         """Forward-only pass on the newest weights; on the last stage ``{"loss": mean total, <component>:
-        mean, ...}`` (BERT: ``lm_loss``, ``sop_loss``), None elsewhere."""
+        mean, ...}`` (BERT: ``lm_loss``, ``sop_loss``), None elsewhere. It runs the generated forward-only
+        program (:func:`~megatron_2bw.schedule.evaluation.evaluation_program`) through the training loop's
+        transfers, so its sends and receives are grouped and ordered as a training step's are."""
         self.reducer.wait_all()
         layers = self.newest_layers
         layers.eval()
-        total = None
+        total: list[torch.Tensor | None] = [None]
         chunks = self._chunk_layers[self.weights.slot(self.step)]
-        # microbatch by microbatch through every chunk in turn: each rank's transfers then come in the order its
-        # peers issue theirs, which NCCL's in-order matching needs on the ring of chunks (rank d-1 feeds rank 0)
-        handed: dict[int, torch.Tensor] = {}  # a chunk's output that the next chunk on this rank takes (a V)
-        for i, c in ((i, c) for i in range(num_microbatches) for c in range(self.chunks)):
-            batch = get_batch(i)
-            src = self._local_in[c]
-            x = None if self._first[c] else handed.pop(src) if src is not None else \
-                self.transport.recv(Action(Op.RECV_ACT, i, chunk=c))
-            out = _run(chunks[c], batch, x)
-            if self._last[c]:
+
+        def forward(unit: Sequence[Action]) -> None:
+            a = unit[0]
+            batch, src = get_batch(a.mb), self._local_in[a.chunk]
+            x = None if self._first[a.chunk] else self._received((Op.RECV_ACT, a.chunk, a.mb)) if src is None else \
+                self._mail.pop((Op.SEND_ACT, src, a.mb))
+            out = _run(chunks[a.chunk], batch, x)
+            if self._last[a.chunk]:
                 loss, comps = loss_parts(self.loss_fn, out, batch)
                 row = _loss_row(loss, comps)
-                total = row if total is None else total + row
+                total[0] = row if total[0] is None else total[0] + row
                 self._loss_keys = tuple(comps)
-            elif self._local_out[c] is not None:
-                handed[c] = out
             else:
-                self.transport.send(Action(Op.SEND_ACT, i, chunk=c), out)
+                self._mail[(Op.SEND_ACT, a.chunk, a.mb)] = out
+
+        program = evaluation_program(self.placement, self.state.pp_rank, num_microbatches)
+        for unit in self.transport.units(program):
+            (forward if unit[0].op is Op.FORWARD else self._transfer)(unit)
         self.transport.drain()
         layers.train()
-        return self._means(total, num_microbatches)
+        return self._means(total[0], num_microbatches)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, everywhere: bool = True, copy: bool = True) -> dict:

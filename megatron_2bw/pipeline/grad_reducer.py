@@ -239,7 +239,7 @@ class GradReducer:
     # ------------------------------------------------------------------ API
     def start(self, step: int, grad: torch.Tensor, norm_views: list[torch.Tensor], norm: bool = True) -> None:
         """Issue step ``step``'s chain now; it runs while the training loop goes on. ``grad``: the step's whole
-        (padded) gradient storage, ``StageWeights.padded_grad``. ``norm`` False: only the gradient's links;
+        (padded) gradient storage, ``RankWeights.padded_grad``. ``norm`` False: only the gradient's links;
         :meth:`start_norm` issues the norm's later (post-validation)."""
         early = self._emb_early.pop(step, None)
         sumsq: list[torch.Tensor] = []

@@ -41,7 +41,7 @@ from ..optimizer.muon import MuonMatrix
 from ..optimizer.state import Span, load_whole, whole
 from .compensation import check_compensation, dc_correct, ef_apply, extrapolate_correct, predict
 from .grad_reducer import GradReducer, grad_sumsq
-from .weights import StageWeights
+from .weights import RankWeights
 from .zero import gather_full
 
 
@@ -65,9 +65,9 @@ class Update:
 
 
 class Updater:
-    """Owns the optimizer, the loss scaler and the fp32 master copy of a :class:`StageWeights`."""
+    """Owns the optimizer, the loss scaler and the fp32 master copy of a :class:`RankWeights`."""
 
-    def __init__(self, weights: StageWeights, opt: OptimizerConfig, compensation: str = "none",
+    def __init__(self, weights: RankWeights, opt: OptimizerConfig, compensation: str = "none",
                  dc_lambda: float = 0.0, reducer: GradReducer | None = None,
                  tp: tuple[object, int, int] = (None, 0, 1), ef_scale: float = 1.0) -> None:
         self.weights, self.opt = weights, opt

@@ -86,7 +86,7 @@ class GlobalNames:
         return [self.tied if self.tied and getattr(p, "shared_embedding", False) else by_id[id(p)] for p in params]
 
 
-class StageWeights:
+class RankWeights:
     def __init__(
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
         device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
@@ -126,15 +126,20 @@ class StageWeights:
         for v in range(num_versions):
             self._add_version(first if v == 0 else _placeholder_copy(first), order)
 
-        num_grad = num_versions if num_grad_buffers is None else num_grad_buffers
-        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
-        self.padded_grad = [torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
+        self._add_grads(num_versions if num_grad_buffers is None else num_grad_buffers, grad_dtype, tp_rank,
+                        count_shared_in_norm)
+        self.storages = {f.untyped_storage().data_ptr() for f in self.flat + self.grad_flat}
+
+    def _add_grads(self, num_grad: int, grad_dtype: torch.dtype | None, tp_rank: int, count_shared_in_norm: bool) -> None:
+        """The gradient buffers (``num_grad`` of them, in ``grad_dtype``) and what a model-wide norm counts."""
+        self.grad_dtype = self.dtype if grad_dtype is None else grad_dtype
+        self.padded_grad = [torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
                             for _ in range(num_grad)]
         self.grad_flat = [g[:self.numel] for g in self.padded_grad]
         self.grad_views = [self._views(g) for g in self.grad_flat]
-        self._slot_grad: list[int | None] = [None] * num_versions
+        self._slot_grad: list[int | None] = [None] * self.num_versions
         # gradients wider than the weights accumulate through ``main_grad`` (module docstring)
-        self.main_grads = self.grad_dtype != dtype
+        self.main_grads = self.grad_dtype != self.dtype
         if self.main_grads:
             for p in (p for ps in self.params for p in ps):
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
@@ -151,7 +156,6 @@ class StageWeights:
             ((self.offsets[i], self.offsets[i + 1]) for i, p in enumerate(ref) if getattr(p, "shared_embedding", False)),
             None,
         )
-        self.storages = {f.untyped_storage().data_ptr() for f in self.flat + self.grad_flat}
 
     def _add_version(self, mods: nn.ModuleList, order: list[int]) -> None:
         """Move ``mods``' parameters into one new flat buffer (they become views of it): the first
@@ -269,7 +273,7 @@ class _Parameters(nn.Module):
 
 def sized_weights(numel: int, *, dtype: torch.dtype, device: torch.device, num_versions: int = 2,
                   params_per_view: int = 1 << 16, grad_dtype: torch.dtype | None = None,
-                  shards: int = 1) -> StageWeights:
-    """A StageWeights of ``numel`` zero parameters in pieces of ``params_per_view`` (for timing updates)."""
-    return StageWeights(lambda: [_Parameters(numel, params_per_view)], num_versions=num_versions, dtype=dtype,
+                  shards: int = 1) -> RankWeights:
+    """A RankWeights of ``numel`` zero parameters in pieces of ``params_per_view`` (for timing updates)."""
+    return RankWeights(lambda: [_Parameters(numel, params_per_view)], num_versions=num_versions, dtype=dtype,
                         device=device, grad_dtype=grad_dtype, shards=shards)

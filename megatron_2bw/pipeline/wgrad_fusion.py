@@ -54,6 +54,82 @@ def _gemm_into(target: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         target.add_(dy.t().mm(x))
 
 
+def _linear(node: Node, dy: torch.Tensor, params: set[Node], target: dict[Node, torch.Tensor]) -> bool:
+    """A linear layer's GEMM (``addmm`` with its bias, or ``mm``): dW = dY^T X into the target, db = sum dY."""
+    name, nf = type(node).__name__, node.next_functions
+    weight, transposed = _param_below(nf[-1][0])
+    bias = _param_below(nf[0][0])[0] if name == "AddmmBackward0" else None
+    if weight is None or not transposed or {weight, bias} - {None} != params or dy.dim() != 2:
+        return False
+    if name == "AddmmBackward0":
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return False
+        x = node._saved_mat1
+    else:
+        x = node._saved_self
+    if x is None or x.dim() != 2 or target[weight].shape != (dy.shape[1], x.shape[1]):
+        return False
+    if bias is not None and target[bias].numel() != dy.shape[1]:
+        return False
+    _gemm_into(target[weight], dy, x)
+    if bias is not None:
+        _add(target[bias], dy.sum(0))
+    return True
+
+
+def _layer_norm(node: Node, dy: torch.Tensor, params: set[Node], target: dict[Node, torch.Tensor]) -> bool:
+    """LayerNorm's weight and bias gradients from aten's own backward, the input gradient skipped."""
+    nf = node.next_functions
+    weight, bias = _param_below(nf[1][0]), _param_below(nf[2][0])
+    if weight[1] or bias[1] or {weight[0], bias[0]} - {None} != params:
+        return False
+    _, dw, db = _aten.native_layer_norm_backward(
+        dy, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+        node._saved_weight, node._saved_bias, [False, weight[0] is not None, bias[0] is not None])
+    for acc, grad in ((weight[0], dw), (bias[0], db)):
+        if acc is not None:
+            _add(target[acc], grad)
+    return True
+
+
+def _scale(node: Node, dy: torch.Tensor, params: set[Node], target: dict[Node, torch.Tensor]) -> bool:
+    """An elementwise scale (RMSNorm's weight): dW = dY * the other operand, summed."""
+    nf = node.next_functions
+    a, b = _param_below(nf[0][0]), _param_below(nf[1][0])
+    if a[1] or b[1] or (a[0] is None) == (b[0] is None):
+        return False
+    acc = a[0] if a[0] is not None else b[0]
+    try:
+        other = node._saved_other if a[0] is not None else node._saved_self
+    except RuntimeError:  # not saved (the operand needs no gradient) or freed
+        return False
+    shape = target[acc].shape if {acc} == params else None
+    if shape is None or not isinstance(other, torch.Tensor) or other.dtype != dy.dtype \
+            or tuple(shape) != tuple(dy.shape[dy.dim() - len(shape):]):
+        return False
+    _add(target[acc], (dy * other).sum_to_size(shape))
+    return True
+
+
+def _bias(node: Node, dy: torch.Tensor, params: set[Node], target: dict[Node, torch.Tensor]) -> bool:
+    """A bias added on its own: db = dY summed to the bias's shape."""
+    nf = node.next_functions
+    bias, transposed = _param_below(nf[1][0])
+    if bias is None or transposed or {bias} != params or node._saved_alpha != 1 \
+            or _param_below(nf[0][0])[0] is not None:
+        return False
+    shape = target[bias].shape
+    if len(shape) > dy.dim() or tuple(shape) != tuple(dy.shape[dy.dim() - len(shape):]):
+        return False
+    _add(target[bias], dy.sum_to_size(shape))
+    return True
+
+
+# what each first-use node type's weight gradient is computed by (other nodes: autograd)
+_FUSED = {"AddmmBackward0": _linear, "MmBackward0": _linear, "NativeLayerNormBackward0": _layer_norm,
+          "MulBackward0": _scale, "AddBackward0": _bias}
+
+
 @torch.no_grad()
 def fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | None, params: set[Node],
                       target: dict[Node, torch.Tensor]) -> bool:
@@ -62,64 +138,9 @@ def fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | None
     nothing written, where this node or group is not one handled here."""
     if not caught or caught[0] is None or len(caught) != 1:
         return False
-    dy, name, nf = caught[0], type(node).__name__, node.next_functions
+    dy, handler = caught[0], _FUSED.get(type(node).__name__)
     # autograd rounds a weight's gradient to the weight's dtype before accumulating it: where the node
     # computed in another (an fp32 norm over fp16 weights), leave it to autograd
-    if any(getattr(acc, "variable", None) is None or acc.variable.dtype != dy.dtype for acc in params):
+    if handler is None or any(getattr(acc, "variable", None) is None or acc.variable.dtype != dy.dtype for acc in params):
         return False
-    if name in ("AddmmBackward0", "MmBackward0"):
-        weight, transposed = _param_below(nf[-1][0])
-        bias = _param_below(nf[0][0])[0] if name == "AddmmBackward0" else None
-        if weight is None or not transposed or {weight, bias} - {None} != params or dy.dim() != 2:
-            return False
-        if name == "AddmmBackward0":
-            if node._saved_alpha != 1 or node._saved_beta != 1:
-                return False
-            x = node._saved_mat1
-        else:
-            x = node._saved_self
-        if x is None or x.dim() != 2 or target[weight].shape != (dy.shape[1], x.shape[1]):
-            return False
-        if bias is not None and target[bias].numel() != dy.shape[1]:
-            return False
-        _gemm_into(target[weight], dy, x)
-        if bias is not None:
-            _add(target[bias], dy.sum(0))
-        return True
-    if name == "NativeLayerNormBackward0":
-        weight, bias = _param_below(nf[1][0]), _param_below(nf[2][0])
-        if weight[1] or bias[1] or {weight[0], bias[0]} - {None} != params:
-            return False
-        _, dw, db = _aten.native_layer_norm_backward(
-            dy, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
-            node._saved_weight, node._saved_bias, [False, weight[0] is not None, bias[0] is not None])
-        for acc, grad in ((weight[0], dw), (bias[0], db)):
-            if acc is not None:
-                _add(target[acc], grad)
-        return True
-    if name == "MulBackward0":  # an elementwise scale (RMSNorm's weight): dW = dY * the other operand, summed
-        a, b = _param_below(nf[0][0]), _param_below(nf[1][0])
-        if a[1] or b[1] or (a[0] is None) == (b[0] is None):
-            return False
-        acc = a[0] if a[0] is not None else b[0]
-        try:
-            other = node._saved_other if a[0] is not None else node._saved_self
-        except RuntimeError:  # not saved (the operand needs no gradient) or freed
-            return False
-        shape = target[acc].shape if {acc} == params else None
-        if shape is None or not isinstance(other, torch.Tensor) or other.dtype != dy.dtype \
-                or tuple(shape) != tuple(dy.shape[dy.dim() - len(shape):]):
-            return False
-        _add(target[acc], (dy * other).sum_to_size(shape))
-        return True
-    if name == "AddBackward0":
-        bias, transposed = _param_below(nf[1][0])
-        if bias is None or transposed or {bias} != params or node._saved_alpha != 1 \
-                or _param_below(nf[0][0])[0] is not None:
-            return False
-        shape = target[bias].shape
-        if len(shape) > dy.dim() or tuple(shape) != tuple(dy.shape[dy.dim() - len(shape):]):
-            return False
-        _add(target[bias], dy.sum_to_size(shape))
-        return True
-    return False
+    return handler(node, dy, params, target)

@@ -5,7 +5,7 @@ stage's flat parameter buffer of N elements, ``s = ceil(N / w)``. Its fp32 maste
 optimizer state hold ``s`` elements on every rank (the last rank's tail is padding: zero weights
 with zero gradients, which every optimizer here leaves at zero), so each rank keeps the same
 bytes: the optimizer state of ``s`` parameters plus, when weights are not fp32, a 4-byte master
-of ``s``. Parameters are ordered decayed-first (:class:`~.weights.StageWeights`), so the shard's
+of ``s``. Parameters are ordered decayed-first (:class:`~.weights.RankWeights`), so the shard's
 weight-decay prefix is ``clamp(n_decay - lo, 0, hi - lo)``.
 
 Each shard runs the unsharded update's elementwise arithmetic, so the result is bitwise the
@@ -14,7 +14,7 @@ width) elements of each call with scalar code that can differ in the last bit, s
 bitwise when the shard and weight-decay boundaries are multiples of the vector width (true for
 usual layer sizes) and otherwise to an ulp in those few elements.
 
-The weight and gradient buffers are padded to ``w * s`` elements (``StageWeights(shards=w)``), so
+The weight and gradient buffers are padded to ``w * s`` elements (``RankWeights(shards=w)``), so
 rank r's range is the r-th of w equal pieces of the padded storage and the collectives run on the
 buffers themselves: the all-gather in place, the reduce-scatter into an ``s``-element scratch that
 is copied into the rank's own range (gloo's in-place reduce-scatter is wrong for w > 2). On gloo

@@ -83,6 +83,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ..config import ModelConfig
+from ..config.arith import (  # noqa: F401 - re-exported: the planner's counts are the one arithmetic
+    _llama_terms, core_forward_flops, embedding_params, head_forward_flops, head_params, layer_forward_flops, layer_params,
+    linear_forward_flops, tied_params, word_params,
+)
 from ..errors import ConfigError
 from .hardware import Cluster
 
@@ -224,75 +228,7 @@ class LayerCosts:
         return {"format": PROFILE_FORMAT, "source": self.source, "entries": entries}
 
 
-# ---- counting: parameters, FLOPs, bytes ---------------------------------------------------------
-
-def layer_params(model: ModelConfig, t: int) -> int:
-    """Parameters of one transformer layer on one GPU (Megatron split; row-parallel biases replicated).
-
-    GPT-2 style: ``(4h^2 + 3h + 2hf + f) / t + 2h + 4h``. The Llama options change the terms: QKV
-    has ``(a + 2g) * head_dim`` outputs with ``g`` query groups, SwiGLU doubles the first MLP GEMM
-    (gate and up), --disable-bias-linear drops the biases and RMSNorm has no bias.
-    """
-    h, f = model.hidden_size, model.ffn_hidden_size
-    qkv, mlp_in, bias, norm = _llama_terms(model)
-    return (h * qkv + qkv * bias + h * h + h * mlp_in + mlp_in * bias + f * h) // t + 2 * h * bias + 2 * norm
-
-
-def _llama_terms(model: ModelConfig) -> tuple[int, int, int, int]:
-    """(QKV outputs, first-MLP-GEMM outputs, 1 with linear biases else 0, parameters of one norm)."""
-    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
-    mlp_in = 2 * model.ffn_hidden_size if model.swiglu else model.ffn_hidden_size
-    norm = model.hidden_size if model.normalization == "RMSNorm" else 2 * model.hidden_size
-    return qkv, mlp_in, int(model.add_bias_linear), norm
-
-
-def tied_params(model: ModelConfig, t: int) -> int:
-    """The vocab-parallel word embedding on one GPU (padded vocabulary) when the head shares it; 0 untied."""
-    return word_params(model, t) if model.tied_output else 0
-
-
-def word_params(model: ModelConfig, t: int) -> int:
-    """One vocab-parallel ``[padded vocab / t, h]`` matrix: the word embedding or the untied output layer."""
-    return model.padded_vocab_size(t) * model.hidden_size // t
-
-
-def embedding_params(model: ModelConfig, t: int) -> int:
-    h = model.hidden_size
-    positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
-    return word_params(model, t) + positions + model.num_tokentypes * h
-
-
-def head_params(model: ModelConfig, t: int) -> int:
-    """Final norm, the output layer (the tied embedding's copy or its own), and BERT's LM transform, bias,
-    pooler, NSP head."""
-    h = model.hidden_size
-    n = _llama_terms(model)[3] + word_params(model, t)
-    if model.kind == "bert":
-        n += (h * h + h + 2 * h) + model.padded_vocab_size(t) // t + (h * h + h) + (2 * h + 2)
-    return n
-
-
-def layer_forward_flops(model: ModelConfig, b: int, t: int) -> float:
-    """``2bs(h * qkv + h^2 + h * mlp_in + f h) + 4bs^2h`` over ``t``: QKV (``(a + 2g) head_dim`` outputs with
-    grouped-query attention), projection, the MLP GEMMs (three with SwiGLU) and the attention core (its
-    query heads are all ``a``, so GQA leaves it unchanged). GPT-2 style: ``2bs(4h^2 + 2hf) + 4bs^2h``."""
-    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
-    qkv, mlp_in, _, _ = _llama_terms(model)
-    return (2 * b * s * (h * qkv + h * h + h * mlp_in + f * h) + 4 * b * s * s * h) / t
-
-
-def head_forward_flops(model: ModelConfig, b: int, t: int) -> float:
-    s, h = model.seq_length, model.hidden_size
-    flops = 2 * b * s * h * model.padded_vocab_size(t) / t
-    if model.kind == "bert":
-        flops += 2 * b * s * h * h  # LM transform (replicated)
-    return flops
-
-
-def core_forward_flops(model: ModelConfig, b: int, t: int) -> float:
-    """The attention core's two batched GEMMs (QK^T and times V) on one GPU."""
-    return 4 * b * model.seq_length ** 2 * model.hidden_size / t
-
+# ---- counting: parameters and FLOPs are config/arith.py's; bytes ---------------------------------
 
 # What the attention core keeps, by kernel (``attention_kernel``): ``fused`` (flash / memory-efficient:
 # a log-sum-exp per row), ``unfused`` (Megatron's softmax and dropout: the s^2 probabilities, mask and
@@ -362,12 +298,6 @@ def layer_stash_bytes(model: ModelConfig, b: int, t: int, e: int, flash: bool = 
     return replicated + split // t + core
 
 
-def linear_forward_flops(model: ModelConfig, b: int, t: int) -> float:
-    """The weight GEMMs of one layer forward (QKV, projection, the MLP's): the layer's FLOPs without the
-    attention core. A weight gradient is one GEMM of the same size per weight GEMM."""
-    return layer_forward_flops(model, b, t) - core_forward_flops(model, b, t)
-
-
 def weight_grad_stash_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
     """What one layer keeps for a deferred weight gradient beyond its stash (``split_backward``: I keeps the
     graph, whose saved tensors hold the weight GEMMs' inputs, and the gradient arriving at each parameter's
@@ -409,11 +339,38 @@ def layer_memory_bound_bytes(model: ModelConfig, b: int, t: int, e: int, flash: 
 
 # ---- the analytic estimate ----------------------------------------------------------------------
 
+def _head_cost(model: ModelConfig, cluster: Cluster, b: int, t: int, e: int, speed: float, shard: int) -> BlockCost:
+    """The last stage's head: final norm, logits and the vocab-parallel cross-entropy (BERT: its LM head)."""
+    s, h = model.seq_length, model.hidden_size
+    hidden, vocab = b * s * h * e, model.padded_vocab_size(t) // t
+    logits = b * s * vocab
+    head_fwd = head_forward_flops(model, b, t) / speed
+    bert_extra = 3 * hidden if model.kind == "bert" else 0
+    return BlockCost(
+        forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
+        backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
+        backward_weight_s=head_fwd,  # the output layer's weight gradient: one logit-sized GEMM
+        # the final norm's and the logits' gradients; BERT's LM-head transform adds its GEMM's and norm's
+        # output gradients and the pooler's and binary head's ([b, h] and [b, 2])
+        weight_grad_stash_bytes=shard + e * logits + (2 * hidden + e * b * (h + 2) if model.kind == "bert" else 0),
+        # W reads the final norm's input and statistics and the output layer's input (the norm's output);
+        # BERT's LM-head transform adds its GEMM's input and its norm's, and the binary head's input (the
+        # pooler's is a view of hidden states already counted)
+        weight_grad_input_bytes=(2 * shard + (2 * b * s * 4 if model.normalization == "LayerNorm" else 0)
+                                 + (2 * hidden + 2 * b * s * 4 + e * b * h if model.kind == "bert" else 0)),
+        params=head_params(model, t),
+        stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
+        input_bytes=shard, output_bytes=0,
+        workspace_bytes=(e + 4) * logits,
+        tp_allreduce_forward_bytes=3 * b * s * 4 if t > 1 else 0,  # max, sum, target logit (fp32)
+        tp_allreduce_backward_bytes=hidden if t > 1 else 0,
+    )
+
+
 def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int) -> MicrobatchCosts:
     """Costs of one microbatch of ``b`` on one GPU of a ``t``-way tensor group, from FLOPs and bytes."""
     e = activation_bytes(precision)
     s, h = model.seq_length, model.hidden_size
-    vocab = model.padded_vocab_size(t) // t
     speed = cluster.peak(precision) * cluster.efficiency.layer_fraction(b, s, h, t)
     hidden = b * s * h * e  # one hidden-state tensor
     kernel, mask = attention_kernel(cluster, model), dropout_mask_bytes(cluster, e)
@@ -455,28 +412,7 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
         tp_allreduce_forward_bytes=hidden if t > 1 else 0,
     )
 
-    logits = b * s * vocab
-    head_fwd = head_forward_flops(model, b, t) / speed
-    bert_extra = 3 * hidden if model.kind == "bert" else 0
-    head = BlockCost(
-        forward_s=head_fwd + CE_FORWARD_BYTES * logits / cluster.memory_bandwidth,
-        backward_s=2 * head_fwd + CE_BACKWARD_BYTES * logits / cluster.memory_bandwidth,
-        backward_weight_s=head_fwd,  # the output layer's weight gradient: one logit-sized GEMM
-        # the final norm's and the logits' gradients; BERT's LM-head transform adds its GEMM's and norm's
-        # output gradients and the pooler's and binary head's ([b, h] and [b, 2])
-        weight_grad_stash_bytes=shard + e * logits + (2 * hidden + e * b * (h + 2) if model.kind == "bert" else 0),
-        # W reads the final norm's input and statistics and the output layer's input (the norm's output);
-        # BERT's LM-head transform adds its GEMM's input and its norm's, and the binary head's input (the
-        # pooler's is a view of hidden states already counted)
-        weight_grad_input_bytes=(2 * shard + (2 * b * s * 4 if model.normalization == "LayerNorm" else 0)
-                                 + (2 * hidden + 2 * b * s * 4 + e * b * h if model.kind == "bert" else 0)),
-        params=head_params(model, t),
-        stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
-        input_bytes=shard, output_bytes=0,
-        workspace_bytes=(e + 4) * logits,
-        tp_allreduce_forward_bytes=3 * b * s * 4 if t > 1 else 0,  # max, sum, target logit (fp32)
-        tp_allreduce_backward_bytes=hidden if t > 1 else 0,
-    )
+    head = _head_cost(model, cluster, b, t, e, speed, shard)
     return MicrobatchCosts(layer, embedding, head, tied_params=tied_params(model, t))
 
 

@@ -106,14 +106,14 @@ def _update_stage(n: int, params_per_view: int, dtype: torch.dtype, device: torc
     """An :class:`~..pipeline.updater.Updater` over ``n`` parameters in views of ``params_per_view``
     (the first half matrices, which weight decay applies to), two weight versions as in 2BW, with
     gradient buffers in ``grad_dtype`` (the training run's: fp32 by default with bf16)."""
-    from ..pipeline.weights import StageWeights  # noqa: PLC0415
+    from ..pipeline.weights import RankWeights  # noqa: PLC0415
 
     sizes = [min(params_per_view, n - o) for o in range(0, n, params_per_view)]
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen) * 0.02 for s in sizes]
     params = [p.view(1, -1) if i < len(sizes) // 2 else p for i, p in enumerate(params)]
     module = nn.ParameterList([nn.Parameter(p) for p in params])
-    return StageWeights(lambda: [module], num_versions=2, dtype=dtype, device=device, grad_dtype=grad_dtype)
+    return RankWeights(lambda: [module], num_versions=2, dtype=dtype, device=device, grad_dtype=grad_dtype)
 
 
 def profile_optimizer(

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..models.presets import get_preset
 from ..schedule.stages import format_split
 from ..schedule.schedules import SCHEDULE_NAMES
-from ..config.flops import flops_per_step
+from ..config.arith import flops_per_step
 from .hardware import GiB, Cluster, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate, fp32_grads_for
@@ -80,7 +80,7 @@ def tokens_per_sec(ev: Evaluated, req: PlanRequest) -> float:
 
 def mfu(ev: Evaluated, req: PlanRequest) -> float:
     """Predicted model FLOPs utilization: model FLOPs per second per GPU (Megatron's formula, no recomputation
-    counted: config/flops.py) over the device's dense peak in the plan's precision."""
+    counted: config/arith.py) over the device's dense peak in the plan's precision."""
     per_sample = flops_per_step(req.model, 1)
     return ev.samples_per_sec * per_sample / (req.num_gpus * req.cluster.peak(req.precision))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from ..errors import ConfigError
 from .actions import Action, Op
@@ -14,8 +15,7 @@ from .rounds import Round, _flushed_steps, lower_rounds
 class _GPipe(ScheduleSpec):
     """GPipe: every forward of a step, then every backward; all ``m`` stashes held at once."""
 
-    def inflight(self, d: int, r: int, m: int) -> int:
-        return m
+    steady_state: ClassVar[bool] = False
 
     def order(self, d: int, r: int, lo: int, count: int) -> Order:
         return [(True, lo + i) for i in range(count)] + [(False, lo + i) for i in range(count)]
@@ -126,10 +126,6 @@ class _Interleaved(ScheduleSpec):
         """Forwards rank ``r`` runs before its first backward (Megatron's ``num_warmup_microbatches``)."""
         return min((self.chunks - 1) * d + 2 * (d - 1 - r), self.chunks * m)
 
-    def inflight(self, d: int, r: int, m: int) -> int:
-        """Most chunk-activation stashes rank ``r`` holds at once (see the class docstring for the unit)."""
-        return min(self.warmup(d, r, m) + 1, self.chunks * m)
-
     def bubble(self, d: int, m: int) -> float:
         """Idle fraction of the step: (d - 1) chunk slots of fill and drain beside v*m; relative to the
         work alone that is the paper's ``(d - 1) / (v * m)``."""
@@ -142,6 +138,9 @@ class _Interleaved(ScheduleSpec):
     def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
         """(d - 1) slots of one chunk's forward and backward: ``(d - 1) * (f + b + w) / v``."""
         return (d - 1) * (f + b + w) / self.chunks
+
+    def compute_order(self, d: int, r: int, m: int) -> tuple[tuple[Op, int, int], ...]:
+        return tuple(x for rnd in self.rounds(d, r, 0, m) for x in rnd)
 
     def order_chunks(self, d: int, r: int, lo: int, m: int) -> list[tuple[bool, int, int]]:
         """(is_forward, chunk, microbatch) of rank ``r`` over the step's microbatches ``lo .. lo+m-1``."""

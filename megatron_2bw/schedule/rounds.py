@@ -16,6 +16,42 @@ Round = tuple[tuple[Op, int, int], ...]  # (compute op, chunk, microbatch) compu
 _GRAD = frozenset({Op.BACKWARD, Op.BACKWARD_INPUT})  # the computes that make the input gradient
 
 
+def _kind(op: Op) -> int:
+    """0: forward, 1: input gradient (B or I), 2: weight gradient (W)."""
+    return 0 if op is Op.FORWARD else 1 if op in _GRAD else 2
+
+
+def _dep(op: Op, s: int, last: int) -> int | None:
+    """The virtual stage whose compute this one needs (W needs only its own I, earlier on the rank)."""
+    if op is Op.FORWARD:
+        return s - 1 if s > 0 else None
+    return s + 1 if op in _GRAD and s < last else None
+
+
+def _slots(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> dict[tuple[int, int, int], int]:
+    """(virtual stage, kind, microbatch) -> its slot: each round the earliest after the rank's previous round
+    and after every compute it needs on a neighbouring virtual stage (see :func:`lower_rounds`)."""
+    d, last = place.d, place.num_stages - 1
+    slot: dict[tuple[int, int, int], int] = {}
+    pc, free = [0] * d, [0] * d
+    progress = True
+    while progress:
+        progress = False
+        for r in range(d):
+            while pc[r] < len(rounds[r]):
+                deps = [(x, _kind(op), j) for op, c, j in rounds[r][pc[r]]
+                        if (x := _dep(op, place.stage(r, c), last)) is not None]
+                if any(x not in slot for x in deps):
+                    break
+                k = max([free[r]] + [slot[x] + 1 for x in deps])
+                for op, c, j in rounds[r][pc[r]]:
+                    slot[(place.stage(r, c), _kind(op), j)] = k
+                free[r], pc[r], progress = k + 1, pc[r] + 1, True
+    if any(pc[r] < len(rounds[r]) for r in range(d)):
+        raise RuntimeError(f"compute orders wait on each other: ranks stopped at rounds {pc}")
+    return slot
+
+
 @functools.lru_cache(maxsize=1024)
 def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tuple[tuple[tuple[Op, int, int], ...], ...]:
     """Every rank's (op, chunk, microbatch) program for one step of compute ``rounds`` (per rank, in order),
@@ -34,33 +70,7 @@ def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tup
     and a backward each in the steady state) keep the slots of all ranks equally long.
     """
     d, last = place.d, place.num_stages - 1
-
-    def kind(op: Op) -> int:  # 0: forward, 1: input gradient (B or I), 2: weight gradient (W)
-        return 0 if op is Op.FORWARD else 1 if op in _GRAD else 2
-
-    def dep(op: Op, s: int) -> int | None:
-        """The virtual stage whose compute this one needs (W needs only its own I, earlier on the rank)."""
-        if op is Op.FORWARD:
-            return s - 1 if s > 0 else None
-        return s + 1 if op in _GRAD and s < last else None
-
-    slot: dict[tuple[int, int, int], int] = {}  # (virtual stage, kind, microbatch) -> its slot
-    pc, free = [0] * d, [0] * d
-    progress = True
-    while progress:
-        progress = False
-        for r in range(d):
-            while pc[r] < len(rounds[r]):
-                deps = [(x, kind(op), j) for op, c, j in rounds[r][pc[r]]
-                        if (x := dep(op, place.stage(r, c))) is not None]
-                if any(x not in slot for x in deps):
-                    break
-                k = max([free[r]] + [slot[x] + 1 for x in deps])
-                for op, c, j in rounds[r][pc[r]]:
-                    slot[(place.stage(r, c), kind(op), j)] = k
-                free[r], pc[r], progress = k + 1, pc[r] + 1, True
-    if any(pc[r] < len(rounds[r]) for r in range(d)):
-        raise RuntimeError(f"compute orders wait on each other: ranks stopped at rounds {pc}")
+    slot = _slots(place, rounds)
     span = max(slot.values()) + 1
     programs: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
     sends: list[list[list[tuple[Op, int, int]]]] = [[[] for _ in range(span)] for _ in range(d)]
@@ -68,7 +78,7 @@ def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tup
     for r in range(d):
         for rnd in rounds[r]:
             op0, c0, j0 = rnd[0]
-            k = slot[(place.stage(r, c0), kind(op0), j0)]
+            k = slot[(place.stage(r, c0), _kind(op0), j0)]
             programs[r][k].extend(rnd)
             for op, c, j in rnd:
                 s = place.stage(r, c)
@@ -106,31 +116,6 @@ def _flushed_steps(spec: ScheduleSpec, rounds, m: int, first_step: int, num_step
         out.append(Action(Op.APPLY_UPDATE, step=t))
     return out
 
-
-
-def _peak(ops, opens: Op, closes: Op) -> int:
-    """Most microbatches open at once in a stage's order of ops: opened by ``opens``, closed by ``closes``
-    (F..W: in flight; I..W: deferred weight gradients)."""
-    held = most = 0
-    for op in ops:
-        held += (op is opens) - (op is closes)
-        most = max(most, held)
-    return most
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _held_pairs(ops: tuple[Op, ...]) -> tuple[tuple[int, int], ...]:
-    """The Pareto front of (F..I, I..W) counts over a stage's ops (see :meth:`ScheduleSpec.held_pairs`)."""
-    a = b = 0
-    seen: set[tuple[int, int]] = set()
-    for op in ops:
-        a += (op is Op.FORWARD) - (op is Op.BACKWARD_INPUT)
-        b += (op is Op.BACKWARD_INPUT) - (op is Op.BACKWARD_WEIGHT)
-        seen.add((a, b))
-    return tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
-
-
-REPLAY_MICROBATCHES = 4  # per stage, the most :meth:`_ZeroBubble.bubble_time` replays
 
 
 def _replayed_bubble(spec, d: int, m: int, f: float, b: float, w: float, pv: bool = False) -> float:

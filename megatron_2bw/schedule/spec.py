@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from ..errors import ConfigError
 from .actions import Action, Op
@@ -13,6 +14,31 @@ from .placement import Placement
 
 
 Order = list[tuple[bool, int]]  # (is_forward, microbatch) in the order a stage runs them
+# per stage: past this many microbatches per rank of depth the order's steady state only repeats, so its
+# footprint (and the planner's replayed bubble) is taken there (``tests/test_schedule_footprint.py``)
+REPLAY_MICROBATCHES = 4
+
+
+def _footprint(ops) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """(most microbatches forwarded and not yet through their weight gradient (W, or a whole B), most between
+    their input gradient (I) and their W, the Pareto front of the (F..I, I..W) counts) over a stage's ops."""
+    a = b = most_a = most_b = 0
+    seen = {(0, 0)}
+    for op in ops:
+        if op is Op.FORWARD:
+            a += 1
+        elif op is Op.BACKWARD:
+            a -= 1
+        elif op is Op.BACKWARD_INPUT:
+            a, b = a - 1, b + 1
+        elif op is Op.BACKWARD_WEIGHT:
+            b -= 1
+        else:
+            continue
+        most_a, most_b = max(most_a, a + b), max(most_b, b)
+        seen.add((a, b))
+    front = tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
+    return most_a, most_b, front
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -68,13 +94,28 @@ class ScheduleSpec:
         """Fewest microbatches per step the schedule runs at depth ``d``."""
         return 1
 
-    def inflight(self, d: int, r: int, m: int) -> int:
-        """Most microbatches stage ``r`` holds forwarded but not backwarded (activation stashes).
+    # whether the order's footprint stops growing past ``REPLAY_MICROBATCHES * d`` microbatches (GPipe's
+    # does not: it forwards every microbatch of the step before any backward)
+    steady_state: ClassVar[bool] = True
 
-        Counted as the checker counts them, per FORWARD action: with ``chunks`` > 1 in chunk-microbatches
-        (each ``1/chunks`` of the rank's stash; the planner converts), and with a split backward until the
-        input gradient (what waits for W is ``deferred_weight_grads``)."""
-        return min(d - r, m)
+    @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - specs are frozen module-level singletons
+    def footprint(self, d: int, r: int, m: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """:func:`_footprint` of stage ``r``'s compute order, on at most ``REPLAY_MICROBATCHES * d``
+        microbatches where the steady state repeats (2BW's stream across steps holds what one step's
+        1F1B holds)."""
+        n = min(m, REPLAY_MICROBATCHES * d) if self.steady_state else m
+        return _footprint(op for op, _, _ in self.compute_order(d, r, n))
+
+    def compute_order(self, d: int, r: int, m: int) -> tuple[tuple[Op, int, int], ...]:
+        """Stage ``r``'s computes of one step of ``m`` microbatches, in order: the one shape every schedule
+        gives, ``(op, chunk, microbatch)`` (FORWARD, BACKWARD or its halves I and W)."""
+        return tuple((Op.FORWARD if fwd else Op.BACKWARD, 0, mb) for fwd, mb in self.order(d, r, 0, m))
+
+    def inflight(self, d: int, r: int, m: int) -> int:
+        """Most microbatches stage ``r`` holds forwarded and not yet through their weight gradient (a whole
+        backward, or W of a split one): counted on the generated order, per FORWARD action, so with
+        ``chunks`` > 1 in chunk-microbatches (each ``1/chunks`` of the rank's stash; the planner converts)."""
+        return self.footprint(d, r, m)[0]
 
     def bubble(self, d: int, m: int) -> float:
         """Ideal idle fraction per step with equal-cost microbatches: a fill and a drain every step."""
@@ -93,15 +134,16 @@ class ScheduleSpec:
 
     def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
         """Most microbatches stage ``r`` holds input-gradient-done but weight-gradient-pending (their
-        layer inputs and output gradients stay alive until W): 0 unless the backward is split."""
-        return 0
+        layer inputs and output gradients stay alive until W), counted on the order: 0 unless the backward
+        is split."""
+        return self.footprint(d, r, m)[1]
 
     def held_pairs(self, d: int, r: int, m: int) -> tuple[tuple[int, int], ...]:
         """The (forwarded, not input-gradiented; input-gradiented, not weight-gradiented) counts stage ``r``
         holds at the moments that can be its memory peak (the Pareto front over its order): a microbatch
         keeps its whole stash until its I and only what its W reads after it, so the peak is the largest
         ``a * stash + b * deferred`` over these pairs. Without a split backward: one pair, ``(inflight, 0)``."""
-        return ((self.inflight(d, r, m), 0),)
+        return self.footprint(d, r, m)[2]
 
     def placement(self, d: int) -> Placement:
         """Which rank holds which virtual stage at depth ``d`` (one chunk: stage ``r`` on rank ``r``)."""

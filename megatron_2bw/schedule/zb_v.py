@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from .actions import Action, Op
 from .placement import Placement
 from .zero_bubble import SplitOrder, _ZeroBubble, validation_cut
-from .rounds import REPLAY_MICROBATCHES, _flushed_steps, _held_pairs, _peak, lower_rounds
+from .rounds import _flushed_steps, lower_rounds
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class _ZBV(_ZeroBubble):
         if d < 2:
             raise ConfigError("zb-v needs --pipeline-model-parallel-size >= 2 (its V turns on the last rank)")
 
+    def compute_order(self, d: int, r: int, m: int) -> tuple[tuple[Op, int, int], ...]:
+        return tuple(self.chunk_order(d, r, m))
+
     def chunk_order(self, d: int, r: int, m: int) -> list[tuple[Op, int, int]]:
         """(F, I or W; chunk; microbatch) of rank ``r`` over one step: torch's ZBV order."""
         return list(_zbv_order(d, r, m))
@@ -41,21 +44,6 @@ class _ZBV(_ZeroBubble):
         raise NotImplementedError("zb-v orders (op, chunk, microbatch): see chunk_order")
 
     @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - specs are frozen module-level singletons
-    def inflight(self, d: int, r: int, m: int) -> int:
-        """Counted on the generated order; past ``REPLAY_MICROBATCHES * d`` microbatches the steady state
-        only repeats, so at that count (cached: the planner asks for every stage of every candidate;
-        ``tests/test_zero_bubble.py`` checks both against the full order)."""
-        return _peak((op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
-                     Op.FORWARD, Op.BACKWARD_WEIGHT)
-
-    @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - as inflight
-    def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
-        return _peak((op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
-                     Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-
-    def held_pairs(self, d: int, r: int, m: int) -> tuple[tuple[int, int], ...]:
-        return _held_pairs(tuple(op for op, _, _ in self.chunk_order(d, r, min(m, REPLAY_MICROBATCHES * d))))
-
     def bubble_slots(self, d: int) -> float:  # type: ignore[override]
         return _ZeroBubble.bubble_slots(self, d) / 2
 

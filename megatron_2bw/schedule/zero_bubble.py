@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from .actions import Action, Op
 from .spec import Order, ScheduleSpec, _fragment
-from .rounds import REPLAY_MICROBATCHES, _held_pairs, _peak, _replayed_bubble
+from .rounds import _replayed_bubble
+from .spec import REPLAY_MICROBATCHES
 
 
 
@@ -37,6 +38,9 @@ class _ZeroBubble(ScheduleSpec):
 
     split_backward: bool = True
 
+    def compute_order(self, d: int, r: int, m: int) -> tuple[tuple[Op, int, int], ...]:
+        return tuple((op, 0, mb) for op, mb in self.split_order(d, r, m))
+
     def split_order(self, d: int, r: int, m: int) -> SplitOrder:
         """Stage ``r``'s F/I/W order over one step's microbatches ``0 .. m-1``."""
         raise NotImplementedError
@@ -44,24 +48,6 @@ class _ZeroBubble(ScheduleSpec):
     def order(self, d: int, r: int, lo: int, count: int) -> Order:
         """Forwards and input gradients (the whole-backward view of :meth:`split_order`)."""
         return [(op is Op.FORWARD, lo + i) for op, i in self.split_order(d, r, count) if op is not Op.BACKWARD_WEIGHT]
-
-    def inflight(self, d: int, r: int, m: int) -> int:
-        return min(self.inflight_bound(d, r), m)
-
-    def inflight_bound(self, d: int, r: int) -> int:
-        raise NotImplementedError
-
-    @functools.lru_cache(maxsize=1 << 14)  # noqa: B019 - specs are frozen module-level singletons
-    def deferred_weight_grads(self, d: int, r: int, m: int) -> int:
-        """Most microbatches between their I and their W at once, counted on the generated order
-        (cached: the planner's memory model asks for every stage of every candidate). Past
-        ``REPLAY_MICROBATCHES * d`` microbatches the steady state only repeats, so the count is taken
-        there (``tests/test_zero_bubble.py`` checks it against the full order)."""
-        return _peak((op for op, _ in self.split_order(d, r, min(m, REPLAY_MICROBATCHES * d))),
-                     Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-
-    def held_pairs(self, d: int, r: int, m: int) -> tuple[tuple[int, int], ...]:
-        return _held_pairs(tuple(op for op, _ in self.split_order(d, r, min(m, REPLAY_MICROBATCHES * d))))
 
     def bubble(self, d: int, m: int) -> float:
         """With the paper's equal forward, input-gradient and weight-gradient times."""
@@ -173,9 +159,6 @@ class _ZBH1(_ZeroBubble):
     def split_order(self, d: int, r: int, m: int) -> SplitOrder:
         return _zb_h1_order(d, r, m)
 
-    def inflight_bound(self, d: int, r: int) -> int:
-        return d
-
     def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
         """The paper's ``(d - 1) * (f + b - w)`` where it holds (m >= d, w <= min(f, b): the Ws a stage
         deferred fit in its drain); replayed otherwise."""
@@ -215,9 +198,6 @@ class _ZBH2(_ZeroBubble):
 
     def split_order(self, d: int, r: int, m: int) -> SplitOrder:
         return _greedy_orders(d, m, 2 * d - 1)[r]
-
-    def inflight_bound(self, d: int, r: int) -> int:
-        return 2 * d - 1
 
     def bubble_time(self, d: int, m: int, f: float, b: float, w: float) -> float:
         """``(d - 1) * f`` where that holds (m >= 2d - 1, b and w at most f, b at most 2w); replayed otherwise."""

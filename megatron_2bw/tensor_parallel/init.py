@@ -2,7 +2,7 @@
 
 A tensor-parallel layer does not draw its weight when it is built: it gets a parameter carrying an
 :class:`Init` (what the full tensor is: its shape, N(0, std^2) or zeros, and which slice of it this
-rank holds). Built inside :func:`deferred` (as ``StageWeights`` builds a stage), the parameter is a
+rank holds). Built inside :func:`deferred` (as ``RankWeights`` builds a stage), the parameter is a
 meta tensor, and the values are written straight into the stage's flat buffer on its device, one
 parameter at a time; outside it, the values are made at once (a layer built on its own, in tests).
 Either way there are two ways to make them (Megatron's ``--use-cpu-initialization`` chooses):
@@ -114,7 +114,7 @@ _DEFERRED = [0]  # depth of open ``deferred()`` blocks
 
 @contextlib.contextmanager
 def deferred():
-    """Build parameters that carry an :class:`Init` on the meta device (``StageWeights`` materializes them)."""
+    """Build parameters that carry an :class:`Init` on the meta device (``RankWeights`` materializes them)."""
     _DEFERRED[0] += 1
     try:
         yield

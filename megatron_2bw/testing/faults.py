@@ -1,7 +1,7 @@
 """Faults injected on purpose, for tests: one explicit object handed to the engine.
 
 Like Megatron's ``RerunErrorInjector``, the faults a run should suffer are described once, up
-front, and passed to ``PipelineStage(..., faults=...)``; the engine asks it at two points:
+front, and passed to ``build_stage(..., faults=...)``; the engine asks it at two points:
 
 - REDUCE_GRADS(t): :meth:`FaultInjector.poison` writes an inf into the rank's step-t gradient,
   which must make every rank skip step t (the overflow path);

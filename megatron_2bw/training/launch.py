@@ -7,7 +7,7 @@ resume and whether its data and schedule settings still hold: ``startup_checks``
 stops there with one ``config OK: ...`` line, so launch scripts validate once before torchrun.
 A mistake prints one line, ``error: ...``, and exits with status 2 before any collective exists
 (``cli.run_cli``), so no peer is left waiting. Failures after start-up (a dead peer, a bug)
-print one line per rank and exit 1 without waiting on teardown (``loop.run``).
+print one line per rank and exit 1 without waiting on teardown (``session.run``).
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def main(kind: str, argv: list[str] | None = None) -> int:
             early.restore()
             return summary(prep)
         install_exit_handling(prep, early)
-        from .loop import run
+        from .session import run
 
         try:
             return run(prep)

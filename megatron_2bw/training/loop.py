@@ -1,6 +1,6 @@
 """The training loop: segments of pipelined steps, evaluation, checkpoints and reporting.
 
-The engine (``PipelineStage.train``) runs a *segment* of steps and ends drained. A segment runs
+The engine (``PipelineRank.train``) runs a *segment* of steps and ends drained. A segment runs
 from the current step to the next boundary that needs the pipeline drained: an evaluation, a
 checkpoint, the exit interval or the end of training, or earlier when the ranks agree to stop (an
 exit signal, ``--exit-duration-in-mins``, an unhealthy run). Logging never drains the pipeline,
@@ -28,13 +28,9 @@ microbatch and is paused while a checkpoint is written.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import os
 import sys
 import time
-import traceback
-from dataclasses import asdict
 from typing import Callable, NamedTuple
 
 import torch
@@ -42,11 +38,10 @@ import torch.distributed as dist
 
 from .. import parallel_state
 from ..cli import describe, megatron_args
-from ..errors import ConfigError
 from ..checkpoint.names import WORD
 from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
-from ..pipeline.executor import PipelineStage
+from ..pipeline.build import build_stage
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import STOP_LAG
 from ..pipeline.weights import GlobalNames
@@ -55,17 +50,16 @@ from ..tensor_parallel.random import RNGTracker, seed_everything
 from ..testing.faults import FaultInjector
 from ..checkpoint import checkpointing, dist_checkpoint, formats
 from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
-from . import health, signals, supervision, watchdog
+from . import health, signals, watchdog
 from .data_iter import MicrobatchProvider
-from ..config.flops import counts_recompute, tflops_per_device
 from .log_format import (
-    cuda_memory, eta_line, iteration_of_step, math_choices, memory_report_line, peak_tflops_of, saved_checkpoint_line,
-    window_line,
+    iteration_of_step, saved_checkpoint_line,
 )
 from .lr_schedule import lr_at
-from .params_norm import params_sumsq, with_params_norm
-from .metrics import Metrics, MetricsWriteError, step_record
-from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row, window_bubble
+from .params_norm import params_sumsq
+from .metrics import Metrics
+from .report import StepReport
+from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
 from .wandb_writer import wandb_settings
 
 log = logging.getLogger("megatron_2bw")
@@ -116,7 +110,7 @@ class Trainer:
         b = cfg.pipeline.micro_batch_size
         place = cfg.pipeline.spec.placement(state.d)
         build, ranges = spec.rank_build(state.d, state.pp_rank, place)  # several chunks: interleaved, V
-        self.stage = PipelineStage(
+        self.stage = build_stage(
             build, spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
             cfg.model.stage_activation_shape(b, state.t), rng_tracker=self.tracker, faults=faults,
             names=GlobalNames(ranges[0][0], tied=WORD) if len(ranges) == 1 else GlobalNames.of_chunks(ranges, tied=WORD),
@@ -137,15 +131,9 @@ class Trainer:
         self.get_batch = self._progressing(self.provider)
         self.health = health.HealthMonitor(health.HealthPolicy.from_config(
             oc.dtype, oc.loss_scale, oc.initial_loss_scale, oc.min_loss_scale, tc.max_skipped_steps))
-        self.peak_tflops = (peak_tflops_of(torch.cuda.get_device_name(state.device), oc.dtype)
-                            if state.device.type == "cuda" else None)
-        self.memory_reported = False
-        self.start_step, self.t_start = self.stage.step, time.time()  # reset when training starts
         self.can_eval = prep.valid_ds is not None and tc.eval_iters > 0
-        self.metrics: Metrics | None = None
-        self.window: list[dict] = []  # train records since the last log line
-        self.stages_seen: list[dict] = []  # every stage's statistics at the newest recorded step
-        self.stages_logged: list[dict] | None = None  # ... at the last log line: the bubble's window starts there
+        self.metrics: Metrics | None = None  # rank 0's metrics file and writers, and what writes them:
+        self.report: StepReport | None = None
         self.last_saved: int | None = None
         self.async_writer = dist_checkpoint.AsyncWriter() if tc.async_save else None  # --async-save
         self.last_eval: int | None = None
@@ -260,28 +248,9 @@ class Trainer:
     def allreduce_and_log_start(self) -> None:
         """Collective (every rank calls it): reduce every stage's statistics, then rank 0 logs the
         start-up line and writes the ``start`` record."""
-        cfg, s = self.cfg, self.state
         stages = self.allreduce_step_stats([]).stages
-        if self.metrics is None:
-            return
-        mb = lambda key: "/".join(f"{st[key] / 2**20:.1f}" for st in stages)  # noqa: E731
-        params = cfg.model.num_parameters()
-        resumed = f" | resumed from iteration {self.stage.step}" if self.prep.resumed_from is not None else ""
-        log.info(
-            "%s %.2fM parameters | layout t=%d d=%d w=%d (%d processes, %s on %s) | b=%d m=%d B=%d%s | "
-            "%s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
-            cfg.kind.upper(), params / 1e6, s.t, s.d, s.w, s.world_size, cfg.system.backend, cfg.system.device,
-            cfg.pipeline.micro_batch_size, self.m, self.B,
-            " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), self.prep.kernels.describe(),
-            mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
-        )
-        self.metrics.write({
-            "type": "start", "time": time.time(), "world_size": s.world_size,
-            "layout": {"t": s.t, "d": s.d, "w": s.w}, "schedule": cfg.pipeline.schedule,
-            "micro_batch_size": cfg.pipeline.micro_batch_size, "num_microbatches": self.m, "global_batch_size": self.B,
-            "precision": cfg.optimizer.dtype, "kernels": asdict(self.prep.kernels), "parameters": params,
-            "resumed_from": self.prep.resumed_from, "stages": stages, "config": describe(cfg),
-        })
+        if self.report is not None:
+            self.report.start(stages, self.stage.step, self.prep.kernels, self.prep.resumed_from)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> int:
@@ -293,11 +262,14 @@ class Trainer:
                                    start_iter=stage.step, wandb=wb, config=describe(self.cfg),
                                    tensorboard_log_interval=tc.tensorboard_log_interval,
                                    log_timers=tc.log_timers_to_tensorboard)
+            self.report = StepReport(self.cfg, self.state, self.metrics, self.loss_keys,
+                                     self.provider.consumed_samples, stage.step)
         self.allreduce_and_log_start()
         lr_fn = lambda t: lr_at(self.cfg.lr, t)  # noqa: E731
-        self.window, self.last_eval = [], None
+        self.last_eval = None
         self.last_saved = stage.step if self.prep.resumed_from is not None else None
-        self.start_step, self.t_start = stage.step, time.time()
+        if self.report is not None:
+            self.report.restart_clock(stage.step)
         if tc.skip_train:  # evaluate the loaded weights, save nothing
             self.last_saved = stage.step
             self._finish(stage.step)
@@ -344,11 +316,8 @@ class Trainer:
             log.info(f"post-validation: {pv['speculative_updates']} updates applied speculatively, "
                      f"{pv['rolled_back_updates']} of them rolled back and redone (the clipping or overflow that "
                      "rolls one back also makes the next step wait for the norm)")
-        if self.metrics is not None:
-            self.metrics.write({"type": "end", "iteration": done - 1, "completed_iterations": done, "reason": reason,
-                                "pipeline_drains": self.drains, **pv,
-                                "seconds": time.time() - self.t_start, "time": time.time()})
-            self.metrics.close()
+        if self.report is not None:
+            self.report.end(done, reason, self.drains, pv)
 
     # ------------------------------------------------------------------ stopping early
     def _exit_reason(self) -> str | None:
@@ -366,7 +335,7 @@ class Trainer:
             what = f"{got or 'an exit signal on another rank'}"
         else:
             what = f"--exit-duration-in-mins {tc.exit_duration_in_mins:g}"
-        self._flush_window(done)
+        self._flush(done)
         if tc.save and self.last_saved != done and done > 0:
             self.save(done)
         elif not tc.save:
@@ -375,7 +344,7 @@ class Trainer:
 
     def _stop_unhealthy(self, done: int) -> int:
         """Every rank (the same verdict everywhere): stop a diverged run without saving; exit status 3."""
-        self._flush_window(done)
+        self._flush(done)
         if self.metrics is not None:
             print(f"error: {self.unhealthy}", file=sys.stderr, flush=True)
             self._close(done, "unhealthy")
@@ -398,7 +367,7 @@ class Trainer:
             return end, False
         exiting = _at_interval(end, tc.exit_interval) and end < tc.train_iters
         if exiting:
-            self._flush_window(end)
+            self._flush(end)
         if self.can_eval and _at_interval(end, tc.eval_interval):
             self.last_eval = end
             stats = self.evaluate_and_allreduce(self.prep.valid_ds, end // tc.eval_interval - 1)
@@ -452,25 +421,8 @@ class Trainer:
         if self.unhealthy is None:  # the first verdict is the one reported
             self.unhealthy = self.health.check(iteration_of_step(st.step), st.loss, r.grad_norm, r.skipped)
         self.exit_wanted = self.exit_wanted or st.signal or st.duration
-        if self.metrics is None:
-            return
-        cfg, tc = self.cfg, self.cfg.training
-        tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, counts_recompute(cfg.pipeline),
-                                cfg.parallel.tensor)
-        rec = step_record(r, st.loss, step_time_s=dt, global_batch=self.B, seq_length=cfg.model.seq_length,
-                          tflops=tfl, consumed_samples=self.provider.consumed_samples(st.step + 1),
-                          components=st.components or None)
-        if self._norm_step(st.step):
-            rec["params_norm"] = st.params_norm
-        self.stages_seen = st.stages
-        log_step = _at_interval(st.step + 1, tc.log_interval) or st.step + 1 == tc.train_iters
-        if log_step:  # the window's per-stage bubble, beside its TFLOP/s
-            rec["bubble"] = window_bubble(st.stages, self.stages_logged)
-        self.metrics.train_step(rec)
-        self.window.append(rec)
-        self.metrics.progress(1, st.loss)
-        if log_step:
-            self._flush_window(st.step + 1)
+        if self.report is not None:
+            self.report.step(r, st, dt, self._norm_step(st.step))
 
     def _finish(self, done: int) -> None:
         """At ``--train-iters``: the last checkpoint, the final validation and the test evaluation."""
@@ -485,122 +437,7 @@ class Trainer:
         for split, dataset, round_index in final:
             self._record_eval(done, split, self.evaluate_and_allreduce(dataset, round_index).extra, final=True)
 
-    def _flush_window(self, completed: int) -> None:
-        """Rank 0: Megatron's training line of the steps since the last one (if any), the memory report
-        once, a plain ETA line off a terminal."""
-        if self.metrics is None or not self.window:
-            return
-        window, stages, self.window = self.window, self.stages_seen, []
-        bubble = window_bubble(stages, self.stages_logged) if stages else None
-        self.stages_logged = stages
-        tc, s = self.cfg.training, self.state
-        log.info(with_params_norm(window_line(
-            window, completed=completed, train_iters=tc.train_iters, global_batch=self.B,
-            seq_length=self.cfg.model.seq_length, stages=stages, peak_tflops=self.peak_tflops, bubble=bubble,
-            loss_keys={key.replace("_", " "): key for key in self.loss_keys} or None), window[-1].get("params_norm")))
-        if not self.memory_reported:
-            self.memory_reported = True
-            cuda = cuda_memory(s.device) if s.device.type == "cuda" else None
-            log.info(memory_report_line(s.rank, completed, cuda, stages))
-        if self.metrics.bar is None:
-            log.info(eta_line(completed, tc.train_iters, self.start_step, time.time() - self.t_start))
-        self.metrics.stages(completed - 1, stages, bubble)
-
-
-def _init_attempt_group(cfg) -> None:
-    """Under torchrun's agent store, start the default group on this launch attempt's own keys
-    (``supervision.attempt_store``); ``parallel_state.initialize`` then only builds the layout's groups."""
-    store = supervision.attempt_store(60.0 * cfg.system.timeout_minutes)
-    if store is None or dist.is_initialized():
-        return
-    device_id = None
-    if cfg.system.device == "cuda":
-        torch.cuda.set_device(parallel_state.cuda_device_index(int(os.environ.get("LOCAL_RANK", "0"))))
-        device_id = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend=cfg.system.backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), device_id=device_id,
-                            timeout=datetime.timedelta(minutes=cfg.system.timeout_minutes))
-
-
-def rendezvous_failure(e: BaseException) -> str:
-    """What went wrong starting the process group, in one line (EADDRINUSE named as such)."""
-    text = str(e).strip()
-    first = text.splitlines()[0] if text else type(e).__name__
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    if "EADDRINUSE" in text or "address already in use" in text.lower():
-        return (f"cannot start the process group: the rendezvous address {where} is already in use (another job or "
-                "a leftover process on that port?): choose another MASTER_PORT")
-    return f"cannot start the process group at {where}: {type(e).__name__}: {first}"
-
-
-def _agree_on_resume(prep, state: parallel_state.ParallelState) -> None:
-    """Every rank read ``--load``'s pointer file on its own, before any process group; refuse (exit 2,
-    one line on rank 0) unless all read the same iteration: a pointer that moved meanwhile (another job
-    saving there) would otherwise resume the stages from different steps (Megatron compares them too)."""
-    spread = resume_disagreement(prep.loaded_iteration)
-    if spread is None:
-        return
-    if state.rank == 0:
-        name = lambda v: "none" if v is None else str(v)  # noqa: E731
-        print(f"error: the ranks read different checkpoints to resume from --load {prep.cfg.training.load} "
-              f"(iterations {name(spread[0])} to {name(spread[1])}): its {checkpointing.TRACKER} changed while the "
-              "job started (another job saving into it?); start again", file=sys.stderr, flush=True)
-    os._exit(2)
-
-
-def resume_disagreement(iteration: int | None) -> tuple[int | None, int | None] | None:
-    """Collective: None when every rank loaded the same iteration (None: nothing), else (lowest, highest)."""
-    it = -1 if iteration is None else int(iteration)
-    hi, neg_lo = signals.agree_max([it, -it])
-    if hi == -neg_lo:
-        return None
-    return (None if -neg_lo < 0 else -neg_lo), (None if hi < 0 else hi)
-
-
-def run(prep, faults: FaultInjector | None = None) -> int:
-    """Initialize the process groups, train, and tear down; a failure ends this process quickly.
-
-    ``faults`` (tests): injected faults; ``None`` takes them from the environment
-    (:meth:`FaultInjector.from_env`), which is how a test reaches processes that ``torchrun`` starts.
-    """
-    cfg = prep.cfg
-    faults = faults if faults is not None else FaultInjector.from_env()
-    try:
-        _init_attempt_group(cfg)
-        state = parallel_state.initialize(
-            cfg.parallel, backend=cfg.system.backend, device=cfg.system.device,
-            timeout_minutes=cfg.system.timeout_minutes,
-        )
-    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
-        print(f"error: rank {prep.rank}: {rendezvous_failure(e)}", file=sys.stderr, flush=True)
-        os._exit(1)
-    _agree_on_resume(prep, state)
-    wd = watchdog.start_watchdog(cfg.system.stall_timeout_s)
-    trainer = None
-    try:
-        with wd.starting_up() if wd is not None else contextlib.nullcontext():  # the grace starts after this
-            trainer = Trainer(prep, state, faults, wd)
-        code = trainer.train()
-        if wd is not None:
-            wd.stop()
-    except ConfigError as e:  # a mismatch only visible once the model is built
-        print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
-    except MetricsWriteError as e:
-        print(f"error: rank {state.rank}: {e}", file=sys.stderr, flush=True)
-        os._exit(1)
-    except Exception as e:  # noqa: BLE001 - report in one line, never hang in teardown
-        where = f" at iteration {trainer.stage.step}" if trainer is not None else ""
-        what = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if parallel_state.is_peer_failure(e):
-            print(f"error: rank {state.rank}: lost contact with a peer process{where} "
-                  f"(did another rank fail?): {type(e).__name__}: {what}", file=sys.stderr, flush=True)
-        else:
-            print(f"error: rank {state.rank}: training failed{where}: {type(e).__name__}: {what}", file=sys.stderr)
-            traceback.print_exc()
-            sys.stderr.flush()
-        os._exit(1)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return code
+    def _flush(self, completed: int) -> None:
+        """Rank 0: the training line of the steps not logged yet (before a stop or the end)."""
+        if self.report is not None:
+            self.report.flush_window(completed)

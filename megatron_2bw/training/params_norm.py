@@ -2,7 +2,7 @@
 
 Each rank adds the squared norm of its newest weights (data-parallel rank 0 only; parameters that
 the tensor group replicates counted on tensor rank 0, the tied embedding once: the gradient norm's
-rule, ``StageWeights.counted``) to the step's asynchronous all-reduce (``step_stats``), so the sum is
+rule, ``RankWeights.counted``) to the step's asynchronous all-reduce (``step_stats``), so the sum is
 the whole model's. Computed only at log steps: one read of the stage's weights, no extra collective.
 """
 
