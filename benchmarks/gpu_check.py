@@ -1,6 +1,6 @@
-"""GPU acceptance check: the CUDA path end to end on one GPU in about 8 minutes (issue 20).
+"""GPU acceptance check: the CUDA path end to end on one GPU within 8 minutes (issues 20 and 33).
 
-Checks, each a row of one printed table and an entry of ``docs/data/gpu_check.json`` (``--out``):
+Checks, each a row of one printed table and an entry of the JSON written to ``--out``:
 
 - ``kernels``: the kernel choice of ``--fused-kernels auto`` on this device (apex or torch, and
   why not apex), as the trainer logs it.
@@ -19,13 +19,20 @@ Checks, each a row of one printed table and an entry of ``docs/data/gpu_check.js
   of the weight bytes), and the resumed stage's weights equal the saved ones bitwise.
 - ``d=2 2bw+distopt [CUDA_DEVICE_MAX_CONNECTIONS=1]`` (2 or more GPUs): PipeDream-2BW with
   ``--use-distributed-optimizer`` at d = 2 over NCCL, with and without ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
-  120 s each: a hang is a failure.
+  120 s each: a hang is a failure (the last stage's forward sleeps 10 ms on the GPU so its host runs ahead).
+
+Before those, the probes of ``gpu_probe.py``: the environment, whether a stream wait blocks other streams
+(``queue probe``), the SDPA kernel of every GPT/Llama attention configuration, ``--async-save``'s page-locked
+staging, and a GPT-1.3B stage in the trainer's configuration (fp32 gradients, saved-tensor hooks) with its
+MFU and its memory against the planner's model. The JSON is written after every section, to ``--out``
+(default ``$OUT/gpu_check.json``, else the temporary directory); rows that would start after ``--budget-s``
+(450 s: the whole script within 8 minutes on one H200) are skipped and say so.
 
 Exits 1 if any check fails, else 0. Without CUDA it refuses (exit 2) unless ``--allow-cpu``: then a
 CI-sized form runs on the CPU (gpt-tiny in fp32, one timed step; the checkpoint row in bf16) to exercise the code, and the
 rows that need a GPU say so (status ``needs GPU``; they do not fail the run).
 
-    python benchmarks/gpu_check.py                  # on a GPU machine: writes docs/data/gpu_check.json
+    PYTHONPATH=$PWD python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"   # on a GPU machine
     python benchmarks/gpu_check.py --allow-cpu --out /tmp/gpu_check.json
 """
 
@@ -46,7 +53,9 @@ import gpu
 
 PASS, FAIL, NEEDS_GPU = "pass", "FAIL", "needs GPU"
 GPU_MODELS = ("gpt-355m", "gpt-1.3b")
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "data", "gpu_check.json")
+# never inside the repository: under $OUT where the caller collects results (the device machine), else the temp dir
+DEFAULT_OUT = os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), "gpu_check.json")
+BUDGET_S = 450.0  # the whole script on one H200: at most 8 minutes; rows past the budget are skipped, not run
 # the engine's first loss against the plain loop's, same weights and batches: both run the same layers
 # in the same precision; the engine's fp32 master only matters after the first update
 FIRST_LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
@@ -286,7 +295,17 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     b, m = 2, 4
     tracker = RNGTracker(1234, state.tp_rank, device)
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
-    stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+
+    def layers():
+        """The last stage's forward gets a 10 ms GPU sleep, so its host runs ahead of its stream (the case where
+        a stream wait on a transfer could sit ahead of the reducer's links); without it a fast GPU may never
+        let the host run ahead and a deadlock would not show."""
+        built = spec.build_stage(2, state.pp_rank)
+        if device.type == "cuda" and state.pp_rank == 1:
+            built[-1].register_forward_hook(lambda *_: torch.cuda._sleep(20_000_000))
+        return built
+
+    stage = build_stage(layers, spec.loss_fn(), state,
                           PipelineConfig("2bw", b, m, track_memory=False),
                           OptimizerConfig("adam", lr=1e-4, dtype="bf16", use_distributed_optimizer=True),
                           (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
@@ -341,66 +360,100 @@ def _write_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _setup(args) -> dict:
+    """Device, kernels and the sizes of this machine's form (the CPU form: tiny and one step)."""
+    import torch
+
+    from megatron_2bw.fused import select_kernels
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dict(cuda=cuda, device=device, name=torch.cuda.get_device_name(device) if cuda else "cpu",
+                n_gpus=torch.cuda.device_count() if cuda else 0, kernels=select_kernels("auto", device.type),
+                models=GPU_MODELS if cuda else ("gpt-tiny",), dtypes=("bf16", "fp16") if cuda else ("fp32",),
+                steps=args.steps if cuda else 1, warmup=args.warmup if cuda else 1, m=args.m if cuda else 2)
+
+
+def _sections(env: dict, deadline: float):
+    """Every check, in order of what it tells per second; each yields its rows (written as they come)."""
+    import gpu_probe
+    from megatron_2bw.training.log_format import peak_tflops_of
+
+    device, kernels = env["device"], env["kernels"]
+    yield [gpu_probe.environment_row(device), check_kernels(device)]
+    yield gpu_probe.queue_rows(device)
+    yield gpu_probe.sdpa_rows(device)
+    yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
+    yield gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
+    yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
+    yield check_checkpoint_memory(device, "bf16", kernels)
+    for model in env["models"]:
+        for dtype in env["dtypes"]:
+            if time.perf_counter() > deadline:
+                yield [_row(f"train {model} {dtype}", "info", "skipped: the script's time budget is spent")]
+                continue
+            yield check_training(model, dtype, device, env["steps"], env["warmup"], env["m"], kernels,
+                                 peak_tflops_of(env["name"], dtype))
+    yield check_d2(env["n_gpus"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT, help="the JSON written (default docs/data/gpu_check.json)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="the JSON written, after every section ($OUT/gpu_check.json, "
+                                                      "else the temp dir; never the repository by default)")
     p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run the CI-sized form on the CPU")
     p.add_argument("--steps", type=int, default=4, help="timed steps per training row")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--m", type=int, default=4, help="microbatches per step")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="skip the rows that would start after this")
     args = p.parse_args(argv)
 
     import torch
 
-    from megatron_2bw.fused import select_kernels
-    from megatron_2bw.training.log_format import peak_tflops_of
-
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.allow_cpu:
+    if not torch.cuda.is_available() and not args.allow_cpu:
         print("error: no CUDA device (give --allow-cpu for the CPU form)", file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    n_gpus = torch.cuda.device_count() if cuda else 0
-    kernels = select_kernels("auto", device.type)
-    models = GPU_MODELS if cuda else ("gpt-tiny",)
-    dtypes = ("bf16", "fp16") if cuda else ("fp32",)  # CPU: half-precision matmuls are slow there and not the point
-    steps, warmup = (args.steps, args.warmup) if cuda else (1, 1)
-    m = args.m if cuda else 2
+    env = _setup(args)
+    rows: list[dict] = []
 
-    rows = [check_kernels(device)]
-    for model in models:
-        for dtype in dtypes:
-            rows += check_training(model, dtype, device, steps, warmup, m, kernels, peak_tflops_of(name, dtype))
-    for dtype in dtypes:
-        rows.append(check_recompute_replay(device, dtype, kernels))
-    rows.append(check_fp16_large_gradient(device))
-    rows += check_checkpoint_memory(device, "bf16", kernels)
-    rows += check_d2(n_gpus)
-    elapsed = time.perf_counter() - t_start
+    def record(done: bool) -> None:
+        failed = [r for r in rows if r["status"] == FAIL]
+        _write_atomic(args.out, {
+            "device": env["name"], "gpus": env["n_gpus"], "cuda": env["cuda"], "torch": torch.__version__,
+            "kernels": env["kernels"].describe(), "elapsed_s": time.perf_counter() - t_start, "complete": done,
+            "machine": common.machine_info(), "ok": not failed,
+            "config": {"steps": env["steps"], "warmup": env["warmup"], "m": env["m"], "models": list(env["models"]),
+                       "dtypes": list(env["dtypes"]), "budget_s": args.budget_s,
+                       "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.flops)",
+                       "first_loss_rtol": FIRST_LOSS_RTOL, "save_extra_fraction": SAVE_EXTRA_FRACTION,
+                       "d2_timeout_s": D2_TIMEOUT_S},
+            "checks": rows,
+        })
+
+    for section in _sections(env, t_start + args.budget_s):
+        rows += section
+        record(False)
+    record(True)
+    _report(rows, env, time.perf_counter() - t_start)
+    print(f"wrote {args.out}")
+    return 1 if any(r["status"] == FAIL for r in rows) else 0
+
+
+def _report(rows: list[dict], env: dict, elapsed: float) -> None:
+    import torch
 
     failed = [r for r in rows if r["status"] == FAIL]
     cols = [("check", "check", ""), ("status", "status", ""), ("tokens_per_sec", "tokens/s", ".0f"),
             ("tflops_per_device", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"), ("max_allocated_GiB", "max alloc GiB", ".1f"),
             ("max_reserved_GiB", "max resv GiB", ".1f"), ("detail", "detail", "")]
-    print(f"{name} x {max(n_gpus, 1)}, torch {torch.__version__}, kernels {kernels.describe()}, {elapsed:.0f} s")
+    print(f"{env['name']} x {max(env['n_gpus'], 1)}, torch {torch.__version__}, kernels {env['kernels'].describe()}, "
+          f"{elapsed:.0f} s")
     print(common.table(rows, cols))
     needs = [r["check"] for r in rows if r["status"] == NEEDS_GPU]
     if needs:
         print(f"not checked on this machine (need a GPU): {', '.join(needs)}")
-    print(f"{len(rows) - len(failed) - len(needs)} passed, {len(failed)} failed, {len(needs)} need a GPU")
-    _write_atomic(args.out, {
-        "device": name, "gpus": n_gpus, "cuda": cuda, "torch": torch.__version__, "kernels": kernels.describe(),
-        "elapsed_s": elapsed, "machine": common.machine_info(), "ok": not failed,
-        "config": {"steps": steps, "warmup": warmup, "m": m, "models": list(models), "dtypes": list(dtypes),
-                   "flops_per_step": "72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.arith)",
-                   "first_loss_rtol": FIRST_LOSS_RTOL, "save_extra_fraction": SAVE_EXTRA_FRACTION,
-                   "d2_timeout_s": D2_TIMEOUT_S},
-        "checks": rows,
-    })
-    print(f"wrote {args.out}")
-    return 1 if failed else 0
+    print(f"{len(rows) - len(failed) - len(needs)} passed or measured, {len(failed)} failed, {len(needs)} need a GPU")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -166,16 +167,31 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: gpu_check.py runs its GPU form there (by hand, not in CI)")
-    out = tmp_path / "gpu_check.json"
+    out = tmp_path / "out" / "gpu_check.json"
+    t0 = time.perf_counter()
     rc = gpu_check.main(["--allow-cpu", "--out", str(out)])
+    assert time.perf_counter() - t0 < 120  # the CPU form stays CI-sized
     data = _load(out)
+    assert data["complete"] and os.listdir(tmp_path / "out") == ["gpu_check.json"]  # no temporary left beside it
+    repo = os.path.dirname(BENCH)
+    assert not os.path.abspath(gpu_check.DEFAULT_OUT).startswith(repo + os.sep)  # never the repository by default
     checks = {c["check"]: c for c in data["checks"]}
     failed = {k for k, c in checks.items() if c["status"] == gpu_check.FAIL}
     assert rc == (1 if failed else 0) and data["ok"] == (not failed)
     assert not failed, {k: checks[k]["detail"] for k in failed}  # the fp16 large-gradient step too (S1's fp32 norms)
     needs = {k for k, c in checks.items() if c["status"] == gpu_check.NEEDS_GPU}
     assert needs == {"checkpoint save device memory gpt-tiny bf16", "checkpoint resume device memory gpt-tiny bf16",
-                     "d=2 w=1 2bw+distopt", "d=2 w=1 2bw+distopt CUDA_DEVICE_MAX_CONNECTIONS=1"}
+                     "d=2 w=1 2bw+distopt", "d=2 w=1 2bw+distopt CUDA_DEVICE_MAX_CONNECTIONS=1",
+                     "queue probe CUDA_DEVICE_MAX_CONNECTIONS=unset", "queue probe CUDA_DEVICE_MAX_CONNECTIONS=1",
+                     "async staging pinned exact"}
+    assert checks["environment"]["torch"] == torch.__version__
+    sdpa = [c for k, c in checks.items() if k.startswith("sdpa ")]
+    assert len(sdpa) == 2 * 2 * 2 * 3 and all(c["kernel"] for c in sdpa)  # shapes x masks x dtypes x backends
+    refused = {c["check"] for c in sdpa if c["refused"]}
+    assert "sdpa llama-gqa mask bf16 fused" in refused and "sdpa gpt-mha mask bf16 fused" not in refused
+    for schedule in ("flush", "2bw"):  # the trainer's configuration: fp32 gradients, saved-tensor hooks on
+        row = checks[f"trainer stage gpt-tiny fp32 {schedule}"]
+        assert row["status"] == gpu_check.PASS and row["grads"] == "fp32" and row["planner_GiB"] > 0
     assert "not checked on this machine (need a GPU): " in capsys.readouterr().out
     trains = [c for k, c in checks.items() if k.startswith("train gpt-tiny fp32 ")]
     assert {c["check"].split()[-1] for c in trains} == {"plain", "engine_flush_d1", "engine_2bw_d1"}
