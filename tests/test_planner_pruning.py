@@ -58,3 +58,25 @@ def test_nothing_fits_says_the_same():
     with pytest.raises(ConfigError) as pruned:
         search(req, top=10, keep=KEEP)
     assert str(pruned.value) == str(full.value) and "nothing fits" in str(full.value)
+
+
+def test_speed_benchmark_smoke(tmp_path):
+    """``benchmarks/planner_speed.py`` at its smallest: one size, one round, and its exhaustive timing; the JSON's
+    counts are the search's (never its timings: those are the benchmark's to measure)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "speed.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "planner_speed.py"), "--sizes", "8",
+                           "--rounds", "1", "--cases", "0", "--exhaustive-sizes", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    pruned, full = runs
+    assert (pruned["exhaustive"], full["exhaustive"]) == (False, True) and pruned["num_gpus"] == full["num_gpus"] == 8
+    assert pruned["considered"] == full["considered"] == pruned["priced"] + pruned["pruned"]
+    assert pruned["priced"] < full["priced"] and pruned["best"] == full["best"]
+    assert pruned["cpu_seconds_median"] > 0 and pruned["wall_seconds_median"] > 0

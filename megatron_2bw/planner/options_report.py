@@ -63,8 +63,7 @@ def options_comparison(cluster: Cluster | None = None,
         for o in sets:
             req = PlanRequest(model, cluster, n, b, schedules=("2bw", "flush"), fp32_grads=o.fp32_grads,
                               distributed_optimizer_options=o.distributed_optimizer_options)
-            result = search(req, require_fit=False)
-            best = {s: next((e for e in result.ranked if keep(e.candidate)), None) for s, keep in SYSTEMS.items()}
+            best = dict(search(req, require_fit=False, top=0, keep=SYSTEMS).best_of)  # each system's best only
             out.append(OptionsRow(o, ComparisonRow(name, n, b, best)))
     return out
 
