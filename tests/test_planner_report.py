@@ -159,10 +159,11 @@ def test_memory_margin_tokens_and_mfu(capsys):
     assert runs[None]["feasible"] < runs["0"]["feasible"]
     best = runs[None]["best"]
     assert best["tokens_per_sec"] == pytest.approx(best["samples_per_sec"] * 4096, rel=1e-3)
-    # Megatron-LM's closed form without recomputation (MFU counts model FLOPs only), the vocabulary padded to a
-    # multiple of 128 (128256 = 1002 * 128 already is): model FLOPs per sample
-    L, h, s, V = 32, 4096, 4096, 128256
-    per_sample = 72 * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    # Megatron-LM's closed form without recomputation (MFU counts model FLOPs only) with the FFN as given (14336,
+    # not 4h: config/arith.py), the vocabulary padded to a multiple of 128 (128256 = 1002 * 128 already is): per
+    # layer and token 2 x 3 x (QKV 3h^2 + projection h^2 + attention 2sh + MLP 2hf), the logits 2 x 3 x hV
+    L, h, s, V, f = 32, 4096, 4096, 128256, 14336
+    per_sample = 6 * s * (L * (4 * h * h + 2 * s * h + 2 * h * f) + h * V)
     peak = load_cluster("dgx-h200").peak("bf16")
     assert best["mfu"] == pytest.approx(best["samples_per_sec"] * per_sample / (64 * peak), abs=1e-4)
     assert 0 < best["mfu"] < 1

@@ -149,8 +149,8 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"cluster: {cl.name}: {req.num_gpus} x {cl.device}, {cl.devices_per_server} per server, "
         f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU{_plan_margin(req)}; global batch {req.global_batch_size}",
         f"costs: {result.costs_source}",
-        f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms; "
-        f"{len(result.ranked)} fit, {result.too_big} do not fit in memory",
+        f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms: priced {result.priced} "
+        f"({result.num_fit} fit, {result.too_big} do not fit in memory), {result.pruned} pruned",
         "",
         f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
         f"{'seq-par':>7} "
@@ -180,8 +180,8 @@ def format_table(result: SearchResult, top: int = 10) -> str:
     if any(staleness(ev.candidate).stale_steps for ev in result.ranked[:top]):
         lines.append(STALENESS_NOTE)
     if result.pruned:
-        lines.append(f"{result.pruned} of the {result.considered} configurations not evaluated: slower than a "
-                     "cheaper recomputation of the same layout that fits")
+        lines.append(f"pruned: {result.pruned} of the {result.considered} configurations, each provably slower than "
+                     "a plan shown (by a lower bound on its batch time) or than a cheaper recomputation of its layout")
     lines += ["", "best configuration:", "  " + " ".join(pretrain_command(result.best, req))]
     return "\n".join(lines)
 
@@ -196,8 +196,9 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
                   "vocab_size": req.model.vocab_size, "num_parameters": req.model.num_parameters()},
         "cluster": req.cluster.name, "num_gpus": req.num_gpus, "global_batch_size": req.global_batch_size,
         "precision": req.precision, "fp32_grads": req.accumulates_in_fp32, "costs_source": result.costs_source,
-        "considered": result.considered, "feasible": len(result.ranked), "search_seconds": round(result.seconds, 4),
-        "pruned": result.pruned,  # considered, not evaluated: a cheaper recomputation of the layout is faster
+        "considered": result.considered, "feasible": result.num_fit, "search_seconds": round(result.seconds, 4),
+        # considered, not priced: provably slower than a plan of the answer or a cheaper recomputation of the layout
+        "pruned": result.pruned, "priced": result.priced,
         "memory_margin": req.memory_margin, "memory_limit_bytes": req.memory_limit_bytes,
         "best": {**describe(result.best, req), "command": pretrain_command(result.best, req)},
         "ranked": [describe(ev, req) for ev in ranked],
@@ -262,10 +263,6 @@ PAPER_SCENARIOS = (("gpt-2.2b", 8, 512), ("gpt-2.2b", 64, 512), ("gpt-2.2b", 64,
                    ("gpt-3.8b", 64, 512), ("gpt-3.8b", 64, 2048))
 
 
-def _best(result: SearchResult, keep: Selector) -> Evaluated | None:
-    return next((ev for ev in result.ranked if keep(ev.candidate)), None)
-
-
 def compare_systems(model: ModelConfig, cluster: Cluster, num_gpus: int, global_batch_size: int,
                     name: str = "", costs: LayerCosts | None = None, balance_stages: bool = True,
                     fp32_grads: bool | None = None, distributed_optimizer_options: tuple[bool, ...] = (False,),
@@ -279,10 +276,8 @@ def compare_systems(model: ModelConfig, cluster: Cluster, num_gpus: int, global_
                       schedules=(*paper, SEQUENTIAL), balance_stages=balance_stages, fp32_grads=fp32_grads,
                       distributed_optimizer_options=distributed_optimizer_options)
     costs = costs or default_costs(req)
-    result = search(req, costs, require_fit=False)
-    best: dict[str, Evaluated | None] = {"2BW": _best(result, lambda c: c.schedule == "2bw")}
-    for system, keep in BASELINES.items():
-        best[system] = _best(result, keep)
+    systems: dict[str, Selector] = {"2BW": lambda c: c.schedule == "2bw", **BASELINES}  # read the layout only
+    best = dict(search(req, costs, require_fit=False, top=0, keep=systems).best_of)  # each system's best, pruned
     return ComparisonRow(name or f"{model.kind}-{model.num_parameters() / 1e9:.1f}b", num_gpus, global_batch_size, best)
 
 
