@@ -119,6 +119,12 @@ class ModelConfig:
             return 0
         return int(self.head_dim * self.rotary_percent) // 2 * 2
 
+    def beyond_exports(self) -> tuple[str, ...]:
+        """The flags of features this model has that no export format (Hugging Face, Megatron-Core) can
+        write: an export of such a model is refused in one line rather than written as another model. A
+        layer feature that the exporters do not map names itself here, beside its field."""
+        return ()
+
     @property
     def tied_output(self) -> bool:
         """The output layer is the word embedding (GPT-2, BERT); False with a separate output weight."""

@@ -22,9 +22,8 @@ from ..errors import ConfigError
 from ..schedule.stages import stage_range
 from .hf_format import load_hf_dir, save_hf_dir
 from ..checkpoint.megatron_format import (
-    Exported, find_iteration_dir, rank_weights, read_megatron_dir, read_rank_files, write_megatron_dir,
+    Exported, find_iteration_dir, rank_weights, read_megatron_dir, write_megatron_dir,
 )
-from ..checkpoint import trainer_format
 from ..checkpoint.trainer_format import verified_rank_files
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
 from ..checkpoint.names import WORD, Split
@@ -122,6 +121,10 @@ def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int =
     """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
     if saver not in SAVERS:
         raise ConfigError(f"--saver must be one of {', '.join(SAVERS)}, got {saver!r}")
+    beyond = ex.cfg.beyond_exports()
+    if beyond and (saver in MCORE or saver == "hf"):
+        raise ConfigError(f"--saver {saver} cannot write a model with {', '.join(beyond)} (no such layer in its "
+                          "format); save it with --saver megatron (this trainer's layout) instead")
     if saver in MCORE:
         if chunks > 1:
             raise ConfigError("--saver mcore writes one model chunk per rank: drop the virtual pipeline target")
