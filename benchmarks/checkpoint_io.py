@@ -211,6 +211,7 @@ def resume_worker(conf: dict, fmt: str) -> dict:
     import torch.distributed as dist
 
     from megatron_2bw.checkpoint import checkpointing as ck
+    from megatron_2bw.checkpoint import formats
     from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     stage, tracker, cfg, opt, state, batch, runtime = _build(conf)
@@ -223,7 +224,7 @@ def resume_worker(conf: dict, fmt: str) -> dict:
             sd = ck.load_rank_file(root, it, 1, conf["d"], 0, state.pp_rank)
         else:
             sd = dc.read_checkpoint(root, it, state.rank, state.world_size, (1, conf["d"], 1, None))
-        ck.restore(sd, stage, tracker, state.device)
+        formats.of_file(sd).restore(sd, stage, tracker, state.device)
         del sd
         dt = time.perf_counter() - t0
     return {"rank": state.rank, "resume_s": dt, "runtime_anon_bytes": runtime, "state": _state(stage),

@@ -137,7 +137,7 @@ def _state_case(src: str, offline: dict) -> list[str]:
     for t, d, w, zero in TARGETS:
         sd = dc.read_checkpoint(src, START, rank, world, (t, d, w, None))
         online, tracker = _stage(sd["common"], t, d, w, zero)
-        ck.restore(sd, online, tracker, torch.device("cpu"))
+        dc.restore(sd, online, tracker, torch.device("cpu"))
         tp, _, pp = coords_of(rank, t, w)
         ref, tracker = _stage(sd["common"], t, d, w, zero)
         ck.restore(ck.load_rank_file(offline[(t, d)], START, t, d, tp, pp), ref, tracker, torch.device("cpu"))
