@@ -119,6 +119,27 @@ class ModelConfig:
             return 0
         return int(self.head_dim * self.rotary_percent) // 2 * 2
 
+    def features(self) -> list[str]:
+        """The family's choices that change the model's numbers, as the start-up line names them (GPT-2 style
+        when none is on). A new layer feature names itself here, beside its field."""
+        feats = []
+        if self.position_embedding_type == "rope":
+            pct = f" {self.rotary_percent:g} of each head" if self.rotary_percent != 1.0 else ""
+            feats.append(f"RoPE (base {self.rotary_base}{pct})")
+        else:
+            feats.append("learned positions")
+        feats.append("SwiGLU" if self.swiglu else "GELU")
+        feats.append(self.normalization)
+        if self.group_query_attention:
+            feats.append(f"GQA {self.query_groups} groups")
+        if self.untie_embeddings_and_output_weights:
+            feats.append("untied output")
+        if not self.add_bias_linear:
+            feats.append("no linear biases")
+        if self.hidden_dropout or self.attention_dropout:
+            feats.append(f"dropout {self.hidden_dropout:g} hidden, {self.attention_dropout:g} attention")
+        return feats
+
     def beyond_exports(self) -> tuple[str, ...]:
         """The flags of features this model has that no export format (Hugging Face, Megatron-Core) can
         write: an export of such a model is refused in one line rather than written as another model. A

@@ -275,27 +275,6 @@ __all__ = [
 ]
 
 
-def _model_features(model) -> str:
-    """The model family's choices that change its numbers (GPT-2 style when none is on)."""
-    feats = []
-    if model.position_embedding_type == "rope":
-        pct = f" {model.rotary_percent:g} of each head" if model.rotary_percent != 1.0 else ""
-        feats.append(f"RoPE (base {model.rotary_base}{pct})")
-    else:
-        feats.append("learned positions")
-    feats.append("SwiGLU" if model.swiglu else "GELU")
-    feats.append(model.normalization)
-    if model.group_query_attention:
-        feats.append(f"GQA {model.query_groups} groups")
-    if model.untie_embeddings_and_output_weights:
-        feats.append("untied output")
-    if not model.add_bias_linear:
-        feats.append("no linear biases")
-    if model.hidden_dropout or model.attention_dropout:
-        feats.append(f"dropout {model.hidden_dropout:g} hidden, {model.attention_dropout:g} attention")
-    return ", ".join(feats)
-
-
 def _optimizer_choice(opt) -> str:
     if opt.optimizer == "muon":
         lr = f", matrices' lr {opt.muon_lr:g}" if opt.muon_lr is not None else ""
@@ -335,5 +314,5 @@ def math_choices(cfg) -> str:
     features, sequence parallelism, the optimizer, the schedule with 2BW's compensation, the precision.
     (Layout and kernels are named beside it; there is no context parallelism in this trainer.)"""
     sp = "on" if cfg.model.sequence_parallel else "off"
-    return (f"model {_model_features(cfg.model)} | sequence parallel {sp} | optimizer {_optimizer_choice(cfg.optimizer)}"
+    return (f"model {', '.join(cfg.model.features())} | sequence parallel {sp} | optimizer {_optimizer_choice(cfg.optimizer)}"
             f" | schedule {_schedule_choice(cfg.pipeline)} | precision {_precision_choice(cfg.optimizer)}")
