@@ -13,19 +13,41 @@
 # command line says --no-exit-signal-handler (the workers would die and torchrun restart them).
 # torchrun dies with this shell (setpriv --pdeathsig KILL where available; its workers die with it),
 # as it did under exec.
+#
+# Under SLURM (SIGNALS_REACH_ALL=1, set by slurm_launch.sh) a stop signal (scancel, preemption, the
+# time-limit warning) reaches every process of the step, torchrun included, not this shell alone: there
+# torchrun starts with SIGTERM/SIGINT/SIGHUP/SIGUSR1 ignored and handles SIGQUIT only
+# (--signals-to-handle, torch >= 2.9), so it raises no SignalException and prints no traceback; the
+# trainers handle the signals themselves, save and exit 0, and torchrun ends as after a finished run.
+#
+# A start-up error that a worker reports under torchrun (one "error:" line; it then ends torchrun,
+# megatron_2bw/training/launcher_errors.py) ends this script with status 2, as --validate-only does,
+# not with the status of torchrun's end by a signal.
 set -uo pipefail
 [[ $# -gt 0 ]] || { echo "usage: graceful_torchrun.sh PYTHON -m torch.distributed.run ..." >&2; exit 2; }
 PDEATH=()
 if command -v setpriv >/dev/null 2>&1 && setpriv --pdeathsig KILL true 2>/dev/null; then
   PDEATH=(setpriv --pdeathsig KILL --)
 fi
-set -m  # the background job below gets its own process group
-"${PDEATH[@]}" "$@" &
-TORCHRUN=$!
-set +m
-
 STOPS=0
 for a in "$@"; do [[ "$a" == --no-exit-signal-handler ]] && STOPS=1; done
+IGNORE=()
+if [[ "${SIGNALS_REACH_ALL:-0}" == 1 && "$STOPS" == 0 ]]; then
+  IGNORE=(TERM INT HUP USR1)
+  ARGS=()
+  prev=""
+  for a in "$@"; do
+    if [[ "$prev" == --signals-to-handle ]]; then ARGS+=(SIGQUIT); else ARGS+=("$a"); fi
+    prev=$a
+  done
+  set -- "${ARGS[@]}"
+fi
+ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/graceful_torchrun.XXXXXX")
+export MEGATRON_2BW_STARTUP_ERROR_FILE=$ERROR_FILE
+set -m  # the background job below gets its own process group
+( if (( ${#IGNORE[@]} )); then trap '' "${IGNORE[@]}"; fi; exec "${PDEATH[@]}" "$@" ) &
+TORCHRUN=$!
+set +m
 workers() {  # torchrun's children: the trainers
   if command -v pgrep >/dev/null 2>&1; then pgrep -P "$TORCHRUN" 2>/dev/null || true
   else ps -o pid= --ppid "$TORCHRUN" 2>/dev/null || true; fi
@@ -46,7 +68,11 @@ for sig in TERM INT HUP USR1; do trap "stop $sig" "$sig"; done
 RC=0
 while :; do
   RC=0
-  wait "$TORCHRUN" || RC=$?
+  wait "$TORCHRUN" 2>/dev/null || RC=$?  # (bash's "User defined signal 2" job notice: the error line says it)
   kill -0 "$TORCHRUN" 2>/dev/null || break  # else a trapped signal interrupted the wait: keep waiting
 done
+if [[ "$RC" != 0 && -s "$ERROR_FILE" ]]; then
+  RC=2  # a worker printed the start-up error and ended torchrun
+fi
+rm -f "$ERROR_FILE"
 exit "$RC"

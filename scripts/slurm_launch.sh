@@ -10,9 +10,10 @@
 # 3. SLURM's warning signal (sbatch --signal=B:USR1@300) reaches this shell, which forwards it to
 #    the job steps (scancel --signal); torchrun passes it on to the trainers (--signals-to-handle, torch >= 2.9),
 #    which save a checkpoint at the next step boundary and exit; torchrun waits SHUTDOWN_TIMEOUT s.
-# 4. If the job was signalled, or the trainer exited 0 (e.g. --exit-duration-in-mins) before
-#    --train-iters, and the checkpoint advanced, the job requeues itself (scontrol requeue) and
-#    resumes from --load (= --save) when it starts again.
+# 4. If the job got the warning signal (USR1), or the trainer exited 0 (e.g. --exit-duration-in-mins)
+#    before --train-iters, and the checkpoint advanced, the job requeues itself (scontrol requeue) and
+#    resumes from --load (= --save) when it starts again. After SIGTERM (scancel JOB, the time limit,
+#    a preemption) the trainers save and the job ends without requeueing itself.
 #
 # Environment (defaults in brackets):
 #   REPO               repository root [$SLURM_SUBMIT_DIR, else the current directory]
@@ -132,8 +133,10 @@ NODE_CPUS=${NODE_CPUS:-${SLURM_CPUS_ON_NODE:-}}
 # Each task runs its own torchrun; the arguments travel as positional parameters (no quoting problems),
 # the restart settings through the environment (srun exports it).
 # scripts/graceful_torchrun.sh hands a stop signal to the workers rather than torchrun (no traceback).
+# SLURM signals every process of a step (scancel --signal, preemption): SIGNALS_REACH_ALL=1 keeps torchrun
+# out of it (no SignalException traceback in the job log; the trainers save and exit 0 on their own).
 export RDZV_ID=${SLURM_JOB_ID:-local} MAX_RESTARTS SHUTDOWN_TIMEOUT TORCHRUN_SIGNAL_ARGS \
-  GRACEFUL_TORCHRUN="$REPO/scripts/graceful_torchrun.sh"
+  GRACEFUL_TORCHRUN="$REPO/scripts/graceful_torchrun.sh" SIGNALS_REACH_ALL=${SIGNALS_REACH_ALL:-1}
 # shellcheck disable=SC2086,SC2016
 srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --ntasks="$NNODES" \
   ${NODE_CPUS:+--cpus-per-task="$NODE_CPUS"} ${SRUN_ARGS:-} \
@@ -150,8 +153,11 @@ while :; do
 done
 
 # ---------------------------------------------------------------- requeue an unfinished job
+# Only the warning signal (USR1, sbatch --signal=B:USR1@...) requeues: SIGTERM/SIGHUP mean SLURM is ending the
+# job (scancel JOB, the time limit itself, a preemption, which requeues by itself where PreemptMode=REQUEUE);
+# the trainers save, the job ends, and a new job resumes from the checkpoint.
 if [[ "${REQUEUE:-1}" == 1 && -n "${SLURM_JOB_ID:-}" && -n "$SAVE_DIR" && -n "$TRAIN_ITERS_ARG" ]] \
-   && [[ -n "$SIGNALLED" || "$RC" == 0 ]]; then
+   && [[ "$SIGNALLED" == USR1 || ( -z "$SIGNALLED" && "$RC" == 0 ) ]]; then
   NOW_ITER=$(latest_iteration)
   if (( NOW_ITER >= TRAIN_ITERS_ARG )); then
     :
@@ -164,6 +170,9 @@ if [[ "${REQUEUE:-1}" == 1 && -n "${SLURM_JOB_ID:-}" && -n "$SAVE_DIR" && -n "$T
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
   fi
+fi
+if [[ -n "$SIGNALLED" && "$SIGNALLED" != USR1 ]]; then
+  echo "slurm_launch: stopped by SIG$SIGNALLED (scancel, the time limit or a preemption): not requeueing" >&2
 fi
 # A stop signal that the trainers answered with a checkpoint is a clean stop, whatever torchrun's status
 # (a torchrun that received the signal itself exits 1).

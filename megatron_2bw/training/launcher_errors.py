@@ -4,11 +4,15 @@ Every rank checks its flags and files before any process group exists, so a typo
 at once; each would print the same ``error:`` line and torchrun would add its ``ChildFailedError``
 traceback and failure table (57 lines for 4 ranks). Instead the first rank with a given message
 prints it (identical messages of the node's other ranks are dropped: an ``O_EXCL`` marker file per
-message and launch), then the rank ends its torchrun agent with SIGKILL, the only signal torchrun
-does not answer with a traceback; the other workers follow through their parent-death signal. The
-shell then reports status 137 (``Killed``). Only on torchrun's last attempt: with ``--max-restarts``
-left, torchrun restarts the workers as it would. ``scripts/run_local.sh`` validates in one process
-first and exits 2 with the line; outside torchelastic (srun, one process) nothing changes.
+message and launch), then the rank ends its torchrun agent with a signal torchrun does not handle:
+SIGUSR2 (status 140, "User defined signal 2"), not SIGKILL, whose status 137 (``Killed``) users read
+as an out-of-memory kill; SIGKILL only where this torchrun was told to handle SIGUSR2
+(``--signals-to-handle``), which would print a traceback. The other workers follow through their
+parent-death signal. On the first attempt too: a start-up error comes before any process group and
+repeats on every attempt, so ``--max-restarts`` would only multiply its lines and delay the exit. Under the project's launchers (``scripts/graceful_torchrun.sh``, used by
+``run_local.sh`` and ``slurm_launch.sh``) the message also goes to ``$MEGATRON_2BW_STARTUP_ERROR_FILE``
+and the launcher exits 2, the status of the same error caught by ``--validate-only``. Outside
+torchelastic (srun, one process) nothing changes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import tempfile
 import time
 
+STARTUP_ERROR_FILE_ENV = "MEGATRON_2BW_STARTUP_ERROR_FILE"
 LAUNCHER_NAMES = ("torch.distributed.run", "torchrun", "torch/distributed/run.py")
 
 
@@ -84,25 +89,36 @@ def first_to_report(message: str, launch: str) -> bool:
     return True
 
 
-def restarts_left() -> int:
-    """How many more attempts torchrun makes after this one (``--max-restarts``)."""
+def agent_stop_signal(environ=os.environ) -> signal.Signals:
+    """The signal that ends the torchrun agent without its traceback: SIGUSR2 unless torchrun handles it."""
+    handled = {n.strip().upper() for n in environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "").split(",")}
+    return signal.SIGKILL if "SIGUSR2" in handled else signal.SIGUSR2
+
+
+def _tell_launcher(message: str) -> None:
+    """Leave the message where a project launcher looks for it (it then exits 2, not the agent's signal status)."""
+    path = os.environ.get(STARTUP_ERROR_FILE_ENV)
+    if not path:
+        return
     try:
-        return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(message + "\n")
+    except OSError:
+        pass
 
 
 def report_under_torchrun(message: str, agent: int | None) -> bool:
     """Print ``error: message`` once per machine and launch, and end the torchrun ``agent``
     (:func:`torchrun_parent`); False outside torchelastic (the caller prints as usual)."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is None or restarts_left() > 0:
-        return False  # torchrun may restart the workers (--max-restarts): leave the attempt to it
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return False
     # a rank that started after another had ended the agent has no torchrun parent: it only dedups
     if first_to_report(message, launch_identity()):
         print(f"error: {message}", file=sys.stderr, flush=True)
+    _tell_launcher(message)
     if agent is not None and os.getppid() == agent:  # not yet ended by another rank
         try:
-            os.kill(agent, signal.SIGKILL)
+            os.kill(agent, agent_stop_signal())
         except OSError:
             pass
     return True
