@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "and per-layer (--recompute-granularity) ones")
     s.add_argument("--no-sequence-parallel-search", dest="sp_search", action="store_false",
                    help="do not try --sequence-parallel (tried by default for GPT wherever t > 1)")
+    add_output_flags(p)
+    return p
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What to print: the ranked plans (how many, JSON, every plan) or one of the paper's and published tables."""
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=10)
     o.add_argument("--json", action="store_true")
@@ -121,7 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--schedule-calibration", action="store_true",
                    help="the Zero Bubble paper's ZB-1p/ZB-2p vs 1F1B throughput ratios (published.json "
                         "schedule_ratios), predicted vs published")
-    return p
 
 
 def _schedule_list(text: str) -> tuple[str, ...]:
