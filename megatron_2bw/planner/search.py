@@ -469,8 +469,9 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
                 fastest = min(ev.prediction.batch_s, math.inf if fastest is None else fastest)
                 if limits:
                     limits.add(ev.candidate, ev.prediction.batch_s)
-    if limits and not feasible:  # nothing fits: the message names the smallest of them all
-        return replace(search(request, costs, require_fit=require_fit, keep=keep), seconds=time.perf_counter() - start)
+    if limits and not feasible and (top or keep):  # nothing fits: the message names the smallest of them all
+        full = search(request, costs, require_fit=require_fit, keep=keep)
+        return replace(full, ranked=full.ranked[:top], seconds=time.perf_counter() - start)
     feasible.sort(key=_rank_key)
     best_of = {name: next((e for e in feasible if pick(e.candidate)), None) for name, pick in keep.items()}
     ranked = tuple(feasible if top is None else feasible[:top])
