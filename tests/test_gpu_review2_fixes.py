@@ -149,3 +149,28 @@ def test_fused_or_flash_attention_with_gqa_and_a_mask_or_fp32_is_refused_on_cuda
     with pytest.raises(ConfigError, match="flash in fp32 on CUDA"):
         replace(cfg, system=cuda, optimizer=replace(cfg.optimizer, dtype="fp32"))
     replace(cfg, system=cuda, optimizer=replace(cfg.optimizer, dtype="bf16"))
+
+
+def test_speculation_reuses_its_copies(monkeypatch) -> None:
+    """N18: post-validation's copy of the master and the optimizer state goes into buffers kept from one
+    speculated step to the next (the rollback results stay bitwise: tests/test_post_validation.py)."""
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    from pipeline_harness import train_tiny
+
+    from megatron_2bw.pipeline import updater as up
+
+    seen: list[list] = []  # the copies themselves (kept alive: fresh ones could not share an address)
+    original = up.Updater.speculate
+
+    def speculate(self, step: int, lr: float) -> None:
+        original(self, step, lr)
+        _, kept, snap = self._backup
+        seen.append([kept, *(t for s in snap["spans"].values() for t in s)])
+
+    monkeypatch.setattr(up.Updater, "speculate", speculate)
+    out = train_tiny("zb-h2", steps=6, global_batch=4, lr=1e-3, post_validation=True)
+    exact = train_tiny("zb-h2", steps=6, global_batch=4, lr=1e-3)
+    assert len(seen) >= 3 and all(a is b for later in seen[1:] for a, b in zip(later, seen[0], strict=True))
+    assert out["losses"] == exact["losses"]

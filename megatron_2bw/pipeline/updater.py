@@ -152,7 +152,19 @@ class Updater:
         if src != dst:
             raise RuntimeError("a speculative update needs a one-version schedule")
         kept = self.master if self.master is not None else self._weights(src)
-        self._backup = (step, kept.clone(), self.optimizer.snapshot())
+        # the copies are kept in buffers reused from one speculated step to the next (12 B/parameter each step
+        # would otherwise be allocated anew): the first speculation allocates them, later ones copy into them
+        held, spans = getattr(self, "_held", None), self.optimizer.state_spans()
+        if held is None or held[0].shape != kept.shape or {k: [t.shape for _, t in s] for k, s in spans.items()} \
+                != {k: [t.shape for t in s] for k, s in held[1]["spans"].items()}:
+            held = self._held = (kept.clone(), self.optimizer.snapshot())
+        else:
+            held[0].copy_(kept)
+            for k, s in spans.items():  # restore_snapshot's inverse
+                for (_, t), into in zip(s, held[1]["spans"][k]):
+                    into.copy_(t)
+            held[1]["scalars"] = dict(self.optimizer.state_scalars())
+        self._backup = (step, *held)
         scale = self._scales.get(step, self.scaler.scale)
         grad = self._grad(w.grad_buffer(step))
         if scale != 1.0 and grad.dtype == torch.float32:  # _step unscales in place: keep the gradient as it was
