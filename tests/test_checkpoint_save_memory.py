@@ -270,7 +270,7 @@ def test_a_torch_dist_save_writes_items_of_bounded_size_and_resumes_bitwise(tmp_
         f.add_(1.0)
     fresh.updater.optimizer.exp_avg.add_(1.0)
     sd = dc.read_checkpoint(str(tmp_path), 2, 0, 1, (1, 1, 1, None))
-    ck.restore(sd, fresh, fresh.rng, CPU)
+    dc.restore(sd, fresh, fresh.rng, CPU)
     assert all(torch.equal(a, b) for a, b in zip(fresh.weights.flat, saved.weights.flat))
     assert torch.equal(fresh.updater.master, saved.updater.master)
     assert torch.equal(fresh.updater.optimizer.exp_avg, saved.updater.optimizer.exp_avg)
@@ -319,7 +319,7 @@ def test_bounded_items_reshard_on_load(tmp_path):
         word = next(m for k, m in md.items() if k.startswith(key + "/") and "word" in k)
         size = word.properties.dtype.itemsize
         assert len(word.chunks) > 10 and max(torch.Size(c.sizes).numel() * size for c in word.chunks) <= 2048, key
-    ck.restore(sd, fresh, fresh.rng, CPU)
+    dc.restore(sd, fresh, fresh.rng, CPU)
     w, u = fresh.weights, fresh.updater
     got = {"model": w.state_views(w.flat[w.slot(fresh.step)]), "master": w.state_views(u.master),
            "exp_avg_sq": w.state_views(u.optimizer.exp_avg_sq)}
