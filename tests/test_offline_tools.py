@@ -199,3 +199,16 @@ def test_benchmark_outputs_replace_only_their_own(tmp_path, capsys):
     with pytest.raises(SystemExit):
         common.out_dir(out, "log_interval")  # another benchmark's directory
     one_error(capsys, 2, f"error: --out-dir {out} is not empty (")
+
+
+def test_build_demo_corpus_replaces_only_its_own_corpus(tmp_path, capsys):
+    build = tool("build_demo_corpus")
+    out = str(tmp_path / "corpus.jsonl")
+    assert build.main(["--output", out, "--max-mb", "0.02"]) == 0 and build.main(["--output", out, "--max-mb", "0.02"]) == 0
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"text": "a corpus of my own"}\n')
+    capsys.readouterr()
+    one_error(capsys, build.main(["--output", str(mine), "--max-mb", "0.02"]),
+              f"error: --output: {mine} exists and is not an earlier output of build_demo_corpus.py")
+    assert mine.read_text() == '{"text": "a corpus of my own"}\n' and sorted(os.listdir(tmp_path)) == ["corpus.jsonl",
+                                                                                                    "mine.jsonl"]

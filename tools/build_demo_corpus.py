@@ -23,6 +23,7 @@ from typing import Iterator
 
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.outputs import check_files
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings", "lib2to3"}
 MIN_CHARS = 40
@@ -117,17 +118,35 @@ def build_corpus(output: str, max_mb: float, root: str | None = None) -> tuple[i
     root = root or sysconfig.get_paths()["stdlib"]
     limit = int(max_mb * 1_000_000)
     ndocs = nbytes = 0
-    with open(output, "w", encoding="utf-8") as out:
-        for path in stdlib_sources(root):
-            for text in split_document(module_document(path)):
+    tmp = f"{output}.tmp.{os.getpid()}"  # written under a temporary name, renamed when complete
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for text in (t for path in stdlib_sources(root) for t in split_document(module_document(path))):
                 line = json.dumps({"text": text}, ensure_ascii=False) + "\n"
                 size = len(line.encode("utf-8"))
                 if nbytes + size > limit:
-                    return ndocs, nbytes
+                    break
                 out.write(line)
                 ndocs += 1
                 nbytes += size
+        os.replace(tmp, output)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return ndocs, nbytes
+
+
+def is_own_corpus(path: str, root: str | None = None) -> bool:
+    """Whether ``path`` is an earlier output of this tool: its first line is the first document it writes (a
+    corpus of the user's own is never taken for one)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    docs = (t for p in stdlib_sources(root) for t in split_document(module_document(p)))
+    first = json.dumps({"text": next(docs, "")}, ensure_ascii=False)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\n") == first
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def run(argv: list[str]) -> str:
@@ -135,9 +154,12 @@ def run(argv: list[str]) -> str:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--max-mb", type=float, default=4.0, help="stop before the corpus passes this size (MB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --output that this tool did not write")
     args = parser.parse_args(argv)
     if args.max_mb <= 0:
         raise ConfigError(f"--max-mb must be positive, got {args.max_mb}")
+    check_files([args.output], overwrite=args.overwrite, flag="--output", is_own=lambda: is_own_corpus(args.output),
+                tool="build_demo_corpus.py")
     try:
         ndocs, nbytes = build_corpus(args.output, args.max_mb)
     except OSError as e:
