@@ -4,8 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
-# Install extras: the tests exercise TensorBoard and an offline wandb run for real.
-EXTRAS ?= test,plot,tensorboard,wandb
+# Install extras: the tests exercise TensorBoard and an offline wandb run for real, and Megatron-Core (interop).
+EXTRAS ?= test,plot,tensorboard,wandb,interop
+# Megatron-Core, the reference of its checkpoint format in the tests: --no-deps (its requirements are CUDA's).
+MCORE ?= megatron-core==0.16.1
 
 .PHONY: setup demo test
 
@@ -16,6 +18,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	else \
 	  $(VENV)/bin/pip install -q -c constraints-cpu.txt -e '.[$(EXTRAS)]'; \
 	fi
+	$(VENV)/bin/pip install -q --no-deps '$(MCORE)'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -89,7 +89,9 @@ def fake(tmp_path):
     env = clean_env(PATH=f"{d / 'bin'}:{os.environ['PATH']}", FAKE_DIR=str(d), FAKE_SAVE=str(save), PYTHON=py,
                     FAKE_HELP=HELP_ALL, FAKE_TORCHRUN_HELP=TORCHRUN_HELP_NEW, SLURM_JOB_ID="4242",
                     SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES="2",
-                    SLURM_SUBMIT_DIR=REPO, NPROC_PER_NODE="8", SAVE=str(save), TRAIN_ITERS="1000")
+                    SLURM_SUBMIT_DIR=REPO, NPROC_PER_NODE="8", SAVE=str(save), TRAIN_ITERS="1000",
+                    SIGNALS_REACH_ALL="0")  # the stand-in scancel signals the trainer alone, not every process
+                    # (the real SLURM case, torchrun kept out of the signals: tests/test_slurm_jobs.py)
     return d, env, save
 
 

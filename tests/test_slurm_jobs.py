@@ -2,10 +2,9 @@
 submitted with sbatch as users submit them, with CPU overrides only (--gpus-per-node=0, tiny models):
 
 - slurm_gpt_2bw.sbatch on 2 nodes (c10d rendezvous on n1, t=1 d=2 w=2): the reference run;
-- preemption (scancel --signal=USR1 --batch): a checkpoint at the signalled step, the job requeues itself and
-  resumes; every loss equals the reference's; the job log holds no traceback;
-- kill -9 of a worker on the second node: torchrun restarts both nodes from the last checkpoint; every loss
-  equals the reference's;
+- kill -9 of a worker on the second node: torchrun restarts both nodes from the last checkpoint; then, in the
+  same job, a preemption (scancel --signal=USR1 --batch): a checkpoint at the signalled step, the job requeues
+  itself and resumes; every loss equals the reference's; the job log holds no traceback;
 - scancel JOB (SIGTERM to every step): a checkpoint, and a job that ends; slurm_bert_2bw.sbatch on 1 node;
 - a start-up error that only the workers see (VALIDATE=0): one error line, exit status 2 (not 137, "Killed").
 Each prints its SLURM job id and exit state."""
@@ -13,6 +12,7 @@ Each prints its SLURM job id and exit state."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -68,6 +68,18 @@ def wait_iteration(save, it: int, job: int, cluster: Cluster, timeout: float = J
     raise AssertionError(f"job {job}: no iteration {it} after {timeout} s")
 
 
+def wait_restart(save, job: int, cluster: Cluster, timeout: float = JOB_TIMEOUT) -> None:
+    """Wait until the metrics show a step logged again (a restarted attempt)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        its = [r["iteration"] for r in train_records(save)]
+        if any(b <= a for a, b in zip(its, its[1:])):
+            return
+        assert cluster.job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), cluster.job(job)
+        time.sleep(0.05)
+    raise AssertionError(f"job {job}: no restart after {timeout} s")
+
+
 def latest(save) -> int:
     try:
         return int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
@@ -100,26 +112,6 @@ def test_two_node_gpt_2bw_job(reference):
     assert_clean(log)
 
 
-def test_preemption_requeues_and_resumes_exactly(slurm_cluster, corpus, reference, tmp_path):  # noqa: F811
-    save = tmp_path / "ckpt"
-    job = slurm_cluster.sbatch("slurm_gpt_2bw.sbatch", "--nodes=2", *out_opts(tmp_path), env=job_env(corpus, save))
-    seen = wait_iteration(save, 5, job, slurm_cluster)
-    slurm_cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))  # what --signal=B:USR1@300 does
-    info = slurm_cluster.wait_done(job, JOB_TIMEOUT)
-    log = job_log(tmp_path, "gpt-2bw", job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
-    saved = _saved_iterations(log)
-    step = saved[0]
-    assert seen < step < ITERS and saved == [step, ITERS], log[-4000:]  # the signalled step, then the end
-    assert f"exiting at iteration {step} after SIGUSR1" in log
-    assert f"slurm_launch: checkpoint at iteration {step} of {ITERS}: requeueing job {job}" in log
-    assert f"resuming from iteration {step}" in log
-    recs = train_records(save)
-    assert [r["iteration"] for r in recs] == list(range(ITERS))  # each step once: stopped at step, resumed there
-    assert train_losses(recs) == train_losses(train_records(reference[3]))
-    assert_clean(log)
-
-
 def _saved_iterations(log: str) -> list[int]:
     return [int(line.split("from iteration")[1].split()[0]) for line in log.splitlines()
             if "successfully saved checkpoint from iteration" in line]
@@ -142,26 +134,39 @@ def _workers_of(job: int, node_rank: int) -> list[int]:
     return out
 
 
-def test_killed_worker_restarts_both_nodes_from_the_checkpoint(slurm_cluster, corpus, reference, tmp_path):  # noqa: F811
+def test_worker_kill_and_preemption_resume_exactly(slurm_cluster, corpus, reference, tmp_path):  # noqa: F811
+    """One 2-node job: kill -9 of a worker on the second node -> torchrun restarts both nodes from the last
+    checkpoint (every 10 iterations); then scancel --signal=USR1 --batch (what --signal=B:USR1@300 does) -> a checkpoint at
+    the signalled step, the job requeues itself and resumes there. Every loss equals the uninterrupted job's."""
     save = tmp_path / "ckpt"
     job = slurm_cluster.sbatch("slurm_gpt_2bw.sbatch", "--nodes=2", *out_opts(tmp_path),
                                env=job_env(corpus, save, SAVE_INTERVAL="10"))
-    wait_iteration(save, 12, job, slurm_cluster)
+    wait_iteration(save, 1, job, slurm_cluster)
     victims = _workers_of(job, 1)
     assert len(victims) == 2, victims
+    wait_iteration(save, 12, job, slurm_cluster)
     ckpt = latest(save)
     os.kill(victims[0], signal.SIGKILL)
+    wait_restart(save, job, slurm_cluster)  # the restarted attempt logs again from its checkpoint ...
+    its = [r["iteration"] for r in train_records(save)]
+    resumed = its[[i for i in range(1, len(its)) if its[i] <= its[i - 1]][0]]
+    seen = wait_iteration(save, resumed + 6, job, slurm_cluster)
+    slurm_cluster.cmd("scancel", "--signal=USR1", "--batch", str(job))
     info = slurm_cluster.wait_done(job, JOB_TIMEOUT)
     log = job_log(tmp_path, "gpt-2bw", job)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), log[-4000:]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
     its = [r["iteration"] for r in train_records(save)]
     back = [i for i in range(1, len(its)) if its[i] <= its[i - 1]]
-    assert len(back) == 1, its  # one restart ...
-    resumed = its[back[0]]
-    assert resumed % 10 == 0 and resumed >= ckpt > 0 and its[back[0]:] == list(range(resumed, ITERS))
-    assert log.count(f"resumed from iteration {resumed}") >= 1  # ... of rank 0, on the first node
+    assert len(back) == 1 and ckpt >= 10 and resumed % 10 == 0 and resumed >= ckpt, (its, ckpt)  # one restart ...
+    assert f"resumed from iteration {resumed}" in log  # ... of rank 0 on the first node too
+    step = int(re.search(r"exiting at iteration (\d+) after SIGUSR1", log).group(1))  # the preemption's checkpoint
+    assert seen < step < ITERS and step in _saved_iterations(log), log[-4000:]
+    assert f"slurm_launch: checkpoint at iteration {step} of {ITERS}: requeueing job {job}" in log
+    assert f"resuming from iteration {step}" in log  # the requeued job's validation pass
+    assert its[back[0]:] == list(range(resumed, ITERS))  # after the restart each step once: stopped at step, resumed there
     ref = train_losses(train_records(reference[3]))
     assert all(r["loss"] == ref[r["iteration"]] for r in train_records(save))
+    assert_clean(log)
 
 
 def test_scancel_saves_and_ends_the_job_and_bert_trains_on_one_node(slurm_cluster, corpus, tmp_path):  # noqa: F811

@@ -264,7 +264,7 @@ def config_from_args(args, model: dict) -> ModelConfig:
     a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     kind = a.get("model_kind") or ("bert" if "lm_head" in model or "binary_head" in model else "gpt")
     tokentype = _get(model, ("language_model", "embedding", "tokentype_embeddings", "weight"))
-    if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu"):
+    if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu") and not a.get("swiglu"):  # SwiGLU: no GELU
         raise ConfigError("checkpoint uses the exact (erf) GELU; this model implements only the tanh approximation")
     return ModelConfig(
         kind=kind, num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
