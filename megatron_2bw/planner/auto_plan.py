@@ -51,6 +51,7 @@ from .profile_check import load_checked_profile
 from .search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchResult, micro_batch_sizes, search
 
 log = logging.getLogger(__name__)
+AUTO_PLAN_TOP = 10  # plans of the search a run keeps (``AutoPlan.result.ranked``): the best and its runners-up
 
 # Substrings of torch.cuda.get_device_name -> shipped cluster preset.
 
@@ -192,7 +193,7 @@ def auto_plan_details(
                           schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
                           distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation,
                           memory_margin=memory_margin, recompute_policies=tuple(recompute_policies), optimizer=optimizer)
-    result = search(request, costs)
+    result = search(request, costs, top=AUTO_PLAN_TOP)  # the exhaustive search's best, pruned (pruning.py)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
                                c.schedule, c.layer_split, c.distributed_optimizer, c.recompute_policy),
