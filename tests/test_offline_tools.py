@@ -212,3 +212,11 @@ def test_build_demo_corpus_replaces_only_its_own_corpus(tmp_path, capsys):
               f"error: --output: {mine} exists and is not an earlier output of build_demo_corpus.py")
     assert mine.read_text() == '{"text": "a corpus of my own"}\n' and sorted(os.listdir(tmp_path)) == ["corpus.jsonl",
                                                                                                     "mine.jsonl"]
+
+
+def test_profile_model_refuses_an_out_that_is_not_a_profile(tmp_path, capsys):
+    notes = tmp_path / "notes.json"
+    notes.write_text("not a profile\n")
+    code = tool("profile_model").main(["--model-preset", "gpt-tiny", "--micro-batch-sizes", "1", "--out", str(notes)])
+    one_error(capsys, code, f"error: --out: {notes} exists and is not an earlier output of profile_model.py")
+    assert notes.read_text() == "not a profile\n"

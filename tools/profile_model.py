@@ -16,12 +16,15 @@ Model flags follow the trainer's rule (``cli.model_config``). Bad input prints o
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.outputs import check_files, write_text_atomic
+from megatron_2bw.planner.layer_costs import PROFILE_FORMAT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-going", action="store_true", help="on CUDA, when a b runs out of memory, write the smaller sizes measured so far instead of failing")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, help="profile JSON to write")
+    o.add_argument("--overwrite", action="store_true", help="replace an --out that is not a profile")
     return p
 
 
@@ -47,9 +51,20 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     return model_config(args)
 
 
+def _is_profile(path: str) -> bool:
+    """Whether ``path`` holds a profile (this tool's earlier output, which it replaces)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("format") == PROFILE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run(argv: list[str]) -> str:
     args = build_parser().parse_args(argv)
     cfg = model_from_args(args)
+    check_files([args.out], overwrite=args.overwrite, flag="--out", is_own=lambda: _is_profile(args.out),
+                tool="profile_model.py")
     import torch  # noqa: PLC0415
 
     from megatron_2bw.planner import profiler  # noqa: PLC0415
@@ -71,7 +86,7 @@ def run(argv: list[str]) -> str:
                                                           device_type=dev.type if dev else None,
                                                           threads=args.threads or 1, skip_oom=args.keep_going, **kw))
     prof = profiler.merge_profiles(parts)
-    prof.write(args.out)
+    write_text_atomic(args.out, json.dumps(prof.to_json(), indent=1) + "\n")
     lines = [f"wrote {args.out}: {len(prof.entries)} (t, b) entries in {time.perf_counter() - start:.1f} s; {prof.source}"]
     for (t, b), e in sorted(prof.entries.items()):
         lines.append(f"  t={t} b={b}: layer fwd {e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms "
