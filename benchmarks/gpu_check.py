@@ -384,6 +384,7 @@ def _sections(env: dict, deadline: float):
     yield gpu_probe.queue_rows(device)
     yield gpu_probe.sdpa_rows(device)
     yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
+    yield gpu_probe.split_backward_rows(device)
     yield gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
     yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
     yield check_checkpoint_memory(device, "bf16", kernels)

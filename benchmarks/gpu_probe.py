@@ -15,6 +15,9 @@
 - ``trainer stage``: a GPT-1.3B stage (d = 1) in the trainer's configuration (bf16 weights, fp32 gradient
   accumulation, saved-tensor hooks on) under Flush and 2BW: tokens/s, MFU, ``max_memory_allocated`` and
   ``max_memory_reserved`` against the planner's ``stage_memory`` for the same candidate.
+- ``split backward``: a GPT and a Llama stage's layers, BACKWARD_INPUT + BACKWARD_WEIGHT into fp32 main gradients
+  against the whole backward, and which first-use node types took the fused weight-gradient path (CUDA's
+  node types are not the CPU's).
 - ``async staging``: ``--async-save``'s host buffers are page-locked at their exact size (``is_pinned``, the
   caching host allocator's statistics unchanged where this torch has them).
 """
@@ -311,6 +314,73 @@ def trainer_stage_rows(device, steps: int, warmup: int, deadline: float) -> list
         ok = math.isfinite(r["last_loss"]) and (alloc is None or alloc * 2**30 <= planned)
         rows.append(_row(name, PASS if ok else FAIL, f"b={b} m={m} grads {r['grads']}, saved-tensor hooks on"
                          + ("" if ok else ": non-finite loss or more memory than the planner counts"), **numbers))
+    return rows
+
+
+# ------------------------------------------------------------------ split backward
+def _split_case(model: str, dtype: str, device) -> dict:
+    """A stage's middle layers: the whole backward against backward_input + backward_weight into fp32 main
+    gradients (the trainer's accumulation), and which first-use nodes took the fused weight-gradient path."""
+    import torch
+
+    from megatron_2bw.fused import select_kernels
+    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.models.spec import ModelSpec
+    from megatron_2bw.pipeline import wgrad_fusion
+    from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
+    from megatron_2bw.tensor_parallel.group import TPGroup
+
+    cfg = get_preset(model)
+    if cfg.seq_length > 2048:  # llama-1b's 8192: the node types, not the length, are the point
+        cfg = get_preset(model, seq_length=2048)
+    spec = ModelSpec(cfg, TPGroup(), 1234, kernels=select_kernels("auto", device.type))
+    tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    layers = torch.nn.ModuleList(spec.build_stage(1, 0)).to(device=device, dtype=tdt)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(3))
+    batch = {k: v.to(device) for k, v in spec.make_batch(tokens).items()}
+    body = layers[1:-1]
+    params = [p for p in body.parameters()]
+    x = layers[0](None, batch).detach().requires_grad_(True)
+
+    def run():
+        h = x
+        for layer in body:
+            h = layer(h, batch)
+        return h
+
+    out = run()
+    g = torch.randn_like(out)
+    whole = torch.autograd.grad(out, params, g)
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    before = dict(wgrad_fusion.TALLY)
+    out = run()
+    index = {accumulator(p): i for i, p in enumerate(params)}
+    _, deferred = backward_input(out, g, x, index)
+    backward_weight(deferred, params, index, main_grads=True)
+    tally = {f"{k[0]} {'fused' if k[1] else 'autograd'}": n - before.get(k, 0)
+             for k, n in wgrad_fusion.TALLY.items() if n != before.get(k, 0)}
+    rel = max(((p.main_grad - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()
+              for p, w in zip(params, whole))
+    return {"max_rel_diff": rel, "tally": tally}
+
+
+def split_backward_rows(device) -> list[dict]:
+    """GPT and Llama (RMSNorm, SwiGLU, GQA) shapes: split backward against the whole one, fused-path tally."""
+    cuda = device.type == "cuda"
+    rows = []
+    for model in (("gpt-355m", "llama-1b") if cuda else ("gpt-tiny", "llama-tiny")):
+        dtype = "bf16" if cuda else "fp32"
+        name = f"split backward {model} {dtype}"
+        try:
+            r = _split_case(model, dtype, device)
+        except Exception as e:  # noqa: BLE001
+            rows.append(_row(name, FAIL, _first_line(e)))
+            continue
+        ok = r["max_rel_diff"] <= (2e-2 if dtype == "bf16" else 1e-5)
+        fused = sum(n for k, n in r["tally"].items() if k.endswith("fused"))
+        rows.append(_row(name, PASS if ok else FAIL, f"I + W vs whole: max rel diff {r['max_rel_diff']:.2e}; fused "
+                         f"{fused} of {sum(r['tally'].values())} groups", **r))
     return rows
 
 

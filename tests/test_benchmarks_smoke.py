@@ -189,6 +189,10 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     assert len(sdpa) == 2 * 2 * 2 * 3 and all(c["kernel"] for c in sdpa)  # shapes x masks x dtypes x backends
     refused = {c["check"] for c in sdpa if c["refused"]}
     assert "sdpa llama-gqa mask bf16 fused" in refused and "sdpa gpt-mha mask bf16 fused" not in refused
+    for model in ("gpt-tiny", "llama-tiny"):  # N11: split backward equals the whole one; what took the fused path
+        row = checks[f"split backward {model} fp32"]
+        assert row["status"] == gpu_check.PASS and row["max_rel_diff"] <= 1e-5
+        assert row["tally"].get("MmBackward0 fused", 0) > 0 and sum(row["tally"].values()) > 0
     for schedule in ("flush", "2bw"):  # the trainer's configuration: fp32 gradients, saved-tensor hooks on
         row = checks[f"trainer stage gpt-tiny fp32 {schedule}"]
         assert row["status"] == gpu_check.PASS and row["grads"] == "fp32" and row["planner_GiB"] > 0

@@ -19,6 +19,8 @@ the engine's way; so does every group where what is handled here is not exactly 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.autograd.graph import Node
 
@@ -130,12 +132,24 @@ _FUSED = {"AddmmBackward0": _linear, "MmBackward0": _linear, "NativeLayerNormBac
           "MulBackward0": _scale, "AddBackward0": _bias}
 
 
+# (first-use node type, whether handled here) -> groups seen: which nodes took the fused path on this device
+# (CUDA's node types differ from the CPU's; ``benchmarks/gpu_probe.py`` reports it)
+TALLY: Counter[tuple[str, bool]] = Counter()
+
+
 @torch.no_grad()
 def fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | None, params: set[Node],
                       target: dict[Node, torch.Tensor]) -> bool:
     """Accumulate the weight gradients of the one first-use ``node`` of a group whose parameters (by
     accumulator) are ``params`` into ``target[acc]`` (their ``.grad`` or ``.main_grad``); False, with
     nothing written, where this node or group is not one handled here."""
+    done = _fused_weight_grad(node, caught, params, target)
+    TALLY[(type(node).__name__, done)] += 1
+    return done
+
+
+def _fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | None, params: set[Node],
+                       target: dict[Node, torch.Tensor]) -> bool:
     if not caught or caught[0] is None or len(caught) != 1:
         return False
     dy, handler = caught[0], _FUSED.get(type(node).__name__)
