@@ -37,8 +37,12 @@ def _footprint(ops) -> tuple[int, int, tuple[tuple[int, int], ...]]:
             continue
         most_a, most_b = max(most_a, a + b), max(most_b, b)
         seen.add((a, b))
-    front = tuple(sorted(p for p in seen if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in seen)))
-    return most_a, most_b, front
+    front, most = [], -1  # a point is on the front iff its b beats every point of a larger (or equal, larger b) a
+    for p in sorted(seen, reverse=True):
+        if p[1] > most:
+            front.append(p)
+            most = p[1]
+    return most_a, most_b, tuple(sorted(front))
 
 
 @functools.lru_cache(maxsize=1 << 16)
