@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..schedule.schedules import SCHEDULE_NAMES, get_schedule
 from .rules import FP16_MAX, _require, _require_finite
 
 
@@ -16,7 +15,7 @@ COMPENSATIONS = ("none", "predict", "dc", "ef", "extrapolate")  # 2BW stale-grad
 AUTO_COMPENSATION = "auto"  # --2bw-compensation's default: resolve_compensation picks by the measurements
 
 
-def resolve_compensation(mode: str, schedule: str, optimizer: str, dtype: str, distributed_optimizer: bool,
+def resolve_compensation(mode: str, stale_steps: int, optimizer: str, dtype: str, distributed_optimizer: bool,
                          sgd_momentum: float = 0.0) -> str:
     """``--2bw-compensation auto`` (the flag's default) as the measurements favour it
     (``docs/data/convergence_optimizers.json``, ``docs/benchmarks.md`` section 3): none for a schedule
@@ -27,7 +26,7 @@ def resolve_compensation(mode: str, schedule: str, optimizer: str, dtype: str, d
     distributed optimizer). Any other ``mode`` is returned as given."""
     if mode != AUTO_COMPENSATION:
         return mode
-    if schedule not in SCHEDULE_NAMES or get_schedule(schedule).stale_steps == 0:
+    if stale_steps == 0:  # the schedule's staleness (ScheduleSpec.stale_steps)
         return "none"
     if optimizer == "muon":
         return "ef"

@@ -260,7 +260,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.pipeline.compensation == AUTO_COMPENSATION:  # the flag's default: what the measurements favour
             o = self.optimizer
-            mode = resolve_compensation(AUTO_COMPENSATION, self.pipeline.schedule, o.optimizer, o.dtype,
+            mode = resolve_compensation(AUTO_COMPENSATION, self.pipeline.spec.stale_steps, o.optimizer, o.dtype,
                                         o.use_distributed_optimizer, o.sgd_momentum)
             object.__setattr__(self, "pipeline", replace(self.pipeline, compensation=mode))
         _require(not (self.optimizer.use_distributed_optimizer and self.pipeline.compensation == "predict"),

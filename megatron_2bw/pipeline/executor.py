@@ -1,6 +1,6 @@
 """Runs one pipeline stage's schedule: forward/backward, transfers, reductions and updates.
 
-The executor is a loop over the stage's action list (``schedules.stage_actions``); all ordering
+The executor is a loop over the stage's action list (``schedules.program`` of its resolved spec); all ordering
 decisions live in the schedule, which the checker verifies. It is model-agnostic: it runs any
 ordered list of layers with the signature ``layer(x, batch) -> y`` plus a loss function. Who
 talks to whom and how is the :class:`~.transport.Transport`'s business; the update rule is the
@@ -38,7 +38,7 @@ from .accounting import SavedBytes, clock_units
 from ..schedule.actions import Action, Op
 from .recompute import RNGSnapshot
 from ..schedule.evaluation import evaluation_program
-from ..schedule.schedules import cut_segment, stage_actions
+from ..schedule.schedules import cut_program, program
 from .saved_release import BoxedSaves, release_unread
 from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight, take_groups
 from .losses import _HostCopy, _loss_row, loss_parts  # noqa: F401 - loss_parts re-exported
@@ -157,13 +157,12 @@ class PipelineRank(PostValidation):
 
         ``on_update(result)`` runs right after each update. It may return a step count ``S`` below the
         segment's end, at least ``STOP_LAG`` past the update's step (the same ``S`` on every rank): the
-        stage then runs the rest of the segment that ends at ``S`` (:func:`cut_segment`) and drains there.
+        stage then runs the rest of the segment that ends at ``S`` (:func:`cut_program`) and drains there.
         """
         s, m = self.state, self.pipe.num_microbatches
         seg = _Segment(self.step, self.step + num_steps, get_batch, lr_fn, on_update,
                        predicting=self.pipe.compensation == "predict")
-        seg.actions = stage_actions(self.pipe.schedule, s.d, s.pp_rank, m, seg.first, num_steps,
-                                    self.pipe.virtual_stages, self.pipe.post_validation)
+        seg.actions = program(self.pipe.spec, s.d, s.pp_rank, m, seg.first, num_steps)
         self._steps_of(seg.actions)
         for layer_list in self.weights.slots:
             layer_list.train()
@@ -204,15 +203,14 @@ class PipelineRank(PostValidation):
 
     def _report(self, seg: "_Segment", result: StepResult | None) -> None:
         """A settled update's result (a speculative one reports at its VALIDATE): to the caller, who may end
-        the segment early (:func:`cut_segment`)."""
+        the segment early (:func:`cut_program`)."""
         if result is None:
             return
         seg.results.append(result)
         stop = seg.on_update(result) if seg.on_update is not None else None
         if stop is not None and stop < seg.end:
             s, done = self.state, seg.actions[:seg.done]
-            rest = cut_segment(self.pipe.schedule, s.d, s.pp_rank, self.pipe.num_microbatches, seg.first, done, stop,
-                               self.pipe.virtual_stages, self.pipe.post_validation)
+            rest = cut_program(self.pipe.spec, s.d, s.pp_rank, self.pipe.num_microbatches, seg.first, done, stop)
             seg.actions, seg.end = done + rest, stop
             self._steps_of(seg.actions)
             self.transport.forget_plan()  # the rest plans its own receives

@@ -158,7 +158,9 @@ class ParamBytes:
         less state per matrix element)."""
         # auto: the trainer's default for a 2BW stage (replicated optimizer; predict costs nothing in half
         # precision and is what auto picks there, and with the distributed optimizer auto picks none: 0 too)
-        compensation = resolve_compensation(compensation, _STALE_SCHEDULE, optimizer, precision, False)
+        # auto resolves per schedule; these bytes are what a stale-gradient schedule pays (the others pay none:
+        # compensation_bytes), so resolve as for one staleness step
+        compensation = resolve_compensation(compensation, 1, optimizer, precision, False)
         if optimizer == "muon":
             return replace(cls.for_precision(precision, fp32_grads, compensation), muon_saving=4)
         if precision not in ("fp16", "bf16", "fp32"):
@@ -240,9 +242,6 @@ def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
     return 1 if schedule == SEQUENTIAL else spec_of(schedule).inflight(d, stage, m)
 
 
-# auto resolves per schedule; these bytes are what a stale-gradient schedule pays (the others pay none:
-# compensation_bytes), so resolve as for one of them
-_STALE_SCHEDULE = next(name for name, spec in SCHEDULES.items() if spec.stale_steps > 0)
 
 
 def rank_units(count: int, chunks: int) -> float:

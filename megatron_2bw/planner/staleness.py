@@ -81,7 +81,8 @@ def staleness(c: Candidate, compensation: str = "none", optimizer: str = "adam",
     n = stale_steps(c)
     if not n:
         return Staleness(0, {})
-    mode = resolve_compensation(compensation, c.schedule, optimizer, precision, c.distributed_optimizer)
+    mode = resolve_compensation(compensation, spec_of(c.schedule).stale_steps, optimizer, precision,
+                                c.distributed_optimizer)
     regimes = measured()["regimes"]
     here = [r for r in REGIMES if r in regimes]
 

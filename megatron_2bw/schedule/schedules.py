@@ -73,7 +73,11 @@ def get_schedule(name: str, chunks: int | None = None, post_validation: bool = F
 
 def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None, post_validation: bool = False) -> None:
     """Refuse a schedule / depth / microbatch count that no stage could run, with one line."""
-    spec = get_schedule(schedule, chunks, post_validation)
+    check_layout(get_schedule(schedule, chunks, post_validation), d, m)
+
+
+def check_layout(spec: ScheduleSpec, d: int, m: int) -> None:
+    """:func:`validate_pipeline` for a resolved spec."""
     if d < 1:
         raise ConfigError(f"pipeline depth must be >= 1, got d={d}")
     if m < 1:
@@ -84,17 +88,22 @@ def validate_pipeline(schedule: str, d: int, m: int, chunks: int | None = None, 
                           f"warm-up holds the check): m={m} < d={d}")
     if m < need:
         if need == d:
-            raise ConfigError(f"{schedule.upper()} needs at least d microbatches per step: m={m} < d={d}")
-        raise ConfigError(f"{schedule.upper()} needs at least {need} microbatches per step at d={d}: m={m} < {need}")
+            raise ConfigError(f"{spec.name.upper()} needs at least d microbatches per step: m={m} < d={d}")
+        raise ConfigError(f"{spec.name.upper()} needs at least {need} microbatches per step at d={d}: m={m} < {need}")
     spec.check_layout(d, m)
 
 
 def _validate_stage(schedule: str, d: int, r: int, m: int, chunks: int | None = None,
                     post_validation: bool = False) -> ScheduleSpec:
-    validate_pipeline(schedule, d, m, chunks, post_validation)
+    spec = get_schedule(schedule, chunks, post_validation)
+    _check_stage(spec, d, r, m)
+    return spec
+
+
+def _check_stage(spec: ScheduleSpec, d: int, r: int, m: int) -> None:
+    check_layout(spec, d, m)
     if not 0 <= r < d:
         raise ConfigError(f"pipeline stage must be in 0..{d - 1}, got r={r}")
-    return get_schedule(schedule, chunks, post_validation)
 
 
 def inflight_limit(schedule: str, d: int, r: int, m: int, chunks: int | None = None) -> int:
@@ -117,11 +126,16 @@ STOP_LAG = 3
 
 def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: list[Action], end: int,
                 chunks: int | None = None, post_validation: bool = False) -> list[Action]:
+    """:func:`cut_program` of the schedule ``schedule`` names."""
+    return cut_program(get_schedule(schedule, chunks, post_validation), d, r, m, first_step, done, end)
+
+
+def cut_program(spec: ScheduleSpec, d: int, r: int, m: int, first_step: int, done: list[Action], end: int) -> list[Action]:
     """The actions still to run when a segment from ``first_step`` that has run ``done`` ends at step count ``end``.
 
     A RuntimeError if ``done`` is not how the segment ending at ``end`` starts (a caller's bug: cut too late).
     """
-    new = stage_actions(schedule, d, r, m, first_step, end - first_step, chunks, post_validation)
+    new = program(spec, d, r, m, first_step, end - first_step)
     if new[:len(done)] != done:
         raise RuntimeError(f"cannot end the segment from step {first_step} at step {end} on stage {r}: "
                            f"{len(done)} actions already ran that it does not start with")
@@ -130,16 +144,21 @@ def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: li
 
 def stage_actions(schedule: str, d: int, r: int, m: int, first_step: int, num_steps: int,
                   chunks: int | None = None, post_validation: bool = False) -> list[Action]:
+    """:func:`program` of the schedule ``schedule`` names (``chunks``: model chunks per rank for a schedule
+    that takes a count, None: its own; ``post_validation``: speculative updates checked in the next step's
+    warm-up)."""
+    return program(get_schedule(schedule, chunks, post_validation), d, r, m, first_step, num_steps)
+
+
+def program(spec: ScheduleSpec, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
     """Ordered actions of stage ``r`` of a depth-``d`` pipeline for a drained segment.
 
     The segment covers steps ``first_step .. first_step+num_steps-1`` and ends with every
     microbatch forwarded and backwarded and every update applied; a later segment starting
     at the next step continues microbatch indices and (for 2BW) weight versions exactly as
     an uninterrupted run would, so checkpoints and evaluations can sit at any step boundary.
-    ``chunks``: model chunks per rank for a schedule that takes a count (interleaved-1f1b); None: its own.
-    ``post_validation``: speculative updates checked in the next step's warm-up (:func:`_post_validated`).
     """
-    spec = _validate_stage(schedule, d, r, m, chunks, post_validation)
+    _check_stage(spec, d, r, m)
     if first_step < 0:
         raise ConfigError(f"first step must be >= 0, got first_step={first_step}")
     if num_steps < 1:

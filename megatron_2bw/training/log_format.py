@@ -293,7 +293,7 @@ def _schedule_choice(pipe) -> str:
         out += f" ({pipe.virtual_stages} chunks per rank)"
     if pipe.post_validation:
         out += " +post-validation"
-    if pipe.schedule == "2bw":
+    if pipe.spec.stale_steps > 0:  # a schedule whose gradients are stale (2BW) takes a compensation
         comp = {"dc": f"dc (lambda {pipe.dc_lambda:g})", "ef": f"ef (gamma {pipe.ef_scale:g})",
                 "extrapolate": f"extrapolate (gamma {pipe.ef_scale:g})"}.get(pipe.compensation, pipe.compensation)
         out += f", 2BW compensation {comp}"
