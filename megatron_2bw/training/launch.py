@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
@@ -33,6 +34,13 @@ from .startup_checks import check_index_memory, check_load_path, check_resume, c
 from .tb_writer import require_tensorboard
 from .wandb_writer import require_wandb, wandb_settings
 
+if TYPE_CHECKING:  # types only: this module stays light until a rank starts
+    from ..data import BertDataset, BlendedDataset, GPTDataset
+    from ..data.tokenizers import Tokenizer
+    from ..fused import Kernels
+
+    Dataset = Union[GPTDataset, BertDataset, BlendedDataset]
+
 log = logging.getLogger("megatron_2bw")
 QUIET_ENV = "MEGATRON_2BW_VALIDATE_QUIET"  # set by scripts/run_local.sh for its validation pass
 
@@ -43,11 +51,11 @@ class Prepared:
 
     cfg: RunConfig
     rank: int
-    kernels: object
-    tokenizer: object
-    train_ds: object
-    valid_ds: object
-    test_ds: object
+    kernels: Kernels
+    tokenizer: Tokenizer | None
+    train_ds: Dataset | None  # a GPT, BERT or blended dataset (data/build.py); None where a split is empty
+    valid_ds: Dataset | None
+    test_ds: Dataset | None
     checkpoint: dict | None = None
     resumed_from: int | None = None
     start_step: int = 0
