@@ -44,7 +44,7 @@ from ..checkpoint import megatron_format, trainer_format
 from ..schedule.stages import layers_per_stage
 from ..pipeline.recompute import RNGSnapshot
 from . import manifest, save_guard
-from .compat import SHAPE_FIELDS as _SHAPE_FIELDS, model_config  # noqa: F401 - re-exported
+from .compat import SHAPE_FIELDS as _SHAPE_FIELDS, check_model, check_optimizer, model_config  # noqa: F401
 from .manifest import write_tracker  # noqa: F401 - re-exported
 from .layout import FILENAME, TRACKER, checkpoint_path, iteration_dir, rank_dir_name, read_tracker  # noqa: F401 - re-exported
 from ..errors import describe_save_failure, os_error_line
@@ -250,10 +250,7 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, w
     """
     path = sd["path"]
     saved = sd["config"]
-    for field in (f for f in _SHAPE_FIELDS if f in saved["model"]):
-        a, b = saved["model"][field], model.get(field)
-        if a != b:
-            raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
+    check_model(path, saved, model)
     _check_split(path, sd["layout"], model["num_layers"], split)
     saved_chunks = megatron_format.chunks_of(sd) if sd.get("format") == MEGATRON_WEIGHTS else sd["layout"].get("chunks", 1)
     if saved_chunks != chunks:
@@ -271,13 +268,7 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, w
             "(the schedules keep different weight versions): convert it with tools/checkpoint_util.py "
             f"--target-schedule {schedule}, or pass --no-load-optim or --finetune"
         )
-    for field in ("optimizer", "dtype"):
-        a, b = saved["optimizer"][field], optimizer[field]
-        if a != b:
-            raise ConfigError(f"checkpoint {path} has {field} {a} but this run uses {b} (--no-load-optim loads "
-                              "the weights only)")
-    if optimizer["optimizer"] == "sgd" and (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0):
-        raise ConfigError(f"checkpoint {path} and this run disagree on whether SGD uses momentum")
+    check_optimizer(path, saved, optimizer)
 
 
 # --------------------------------------------------------------------------- writing

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from ..config import ModelConfig
+from ..errors import ConfigError
 
 # Model fields that must agree to load weights (dropout and sequence length may change).
 SHAPE_FIELDS = (
@@ -20,3 +21,22 @@ def model_config(config: dict) -> ModelConfig:
     """The ModelConfig a file's ``config`` (``cli.describe``) records."""
     known = {f.name for f in fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
+
+
+def check_model(path: str, saved: dict, model: dict) -> None:
+    """Every format: the saved model's shape equals this run's (dropout and sequence length may change)."""
+    for field in (f for f in SHAPE_FIELDS if f in saved["model"]):
+        a, b = saved["model"][field], model.get(field)
+        if a != b:
+            raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
+
+
+def check_optimizer(path: str, saved: dict, optimizer: dict) -> None:
+    """Every format, unless only the weights are loaded: the same optimizer, precision and SGD momentum."""
+    for field in ("optimizer", "dtype"):
+        a, b = saved["optimizer"][field], optimizer[field]
+        if a != b:
+            raise ConfigError(f"checkpoint {path} has {field} {a} but this run uses {b} (--no-load-optim loads "
+                              "the weights only)")
+    if optimizer["optimizer"] == "sgd" and (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0):
+        raise ConfigError(f"checkpoint {path} and this run disagree on whether SGD uses momentum")

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...errors import ConfigError
 from .. import manifest
-from ..compat import SHAPE_FIELDS
+from ..compat import check_model, check_optimizer
 from ..layout import TRACKER, iteration_dir
 from .collective import first_line
 from .files import COMMON, FORMAT, METADATA, rng_key
@@ -69,18 +69,9 @@ def check_compatible(sd: dict, model: dict, optimizer: dict, *, weights_only: bo
     """Refuse a checkpoint of another model shape, optimizer or precision (layout and schedule may differ)."""
 
     path, saved = sd["path"], sd["config"]
-    for f in (f for f in SHAPE_FIELDS if f in saved["model"]):
-        if saved["model"][f] != model.get(f):
-            raise ConfigError(f"checkpoint {path} has {f}={saved['model'][f]} but this run has {f}={model.get(f)}")
-    if weights_only:
-        return
-    for f in ("optimizer", "dtype"):
-        a, b = saved["optimizer"][f], optimizer[f]
-        if a != b:
-            raise ConfigError(f"checkpoint {path} has {f} {a} but this run uses {b} (--no-load-optim loads "
-                              "the weights only)")
-    if optimizer["optimizer"] == "sgd" and (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0):
-        raise ConfigError(f"checkpoint {path} and this run disagree on whether SGD uses momentum")
+    check_model(path, saved, model)
+    if not weights_only:
+        check_optimizer(path, saved, optimizer)
 
 
 def read_whole(iter_dir: str) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
