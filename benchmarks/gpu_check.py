@@ -144,7 +144,7 @@ def check_recompute_replay(device, dtype: str, kernels) -> dict:
 
     from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.pipeline.recompute import checkpointed
+    from megatron_2bw.tensor_parallel.recompute import checkpointed
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 

@@ -173,7 +173,7 @@ def test_tracker_state_of_another_device_reseeds_deterministically(tagged, caplo
     (a 5056-byte Mersenne-Twister state) raised "RNG state is wrong size" at the first dropout."""
     import logging
 
-    from megatron_2bw.pipeline.recompute import RNGSnapshot
+    from megatron_2bw.tensor_parallel.recompute import RNGSnapshot
 
     saved = RNGSnapshot.capture(CPU, RNGTracker(7, 0)).as_dict()
     assert saved["tracker_device"] == "cpu" and saved["tracker"].numel() == 5056

@@ -83,6 +83,21 @@ def test_no_upward_import():
     assert not upward, f"{len(upward)} upward imports:\n" + "\n".join(upward)
 
 
+# units of one floor that must not see each other: the pipeline runs any ``layer(x, batch)`` list, so it never
+# imports the models, and the models never reach into the engine
+APART = (("models", "pipeline"),)
+
+
+def test_the_pipeline_and_the_models_stay_apart():
+    crossing = []
+    for mod, path in MODULES.items():
+        for line, target in imports_of(path):
+            pair = {unit_of(mod), unit_of(target)}
+            if any(pair == set(apart) for apart in APART):
+                crossing.append(f"{path.relative_to(ROOT.parent)}:{line} {unit_of(mod)} -> {unit_of(target)}")
+    assert not crossing, "\n".join(crossing)
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]

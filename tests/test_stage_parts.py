@@ -20,7 +20,7 @@ from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.schedule.grouping import COMM_OPS, comm_groups
-from megatron_2bw.pipeline.recompute import RNGSnapshot
+from megatron_2bw.tensor_parallel.recompute import RNGSnapshot
 from megatron_2bw.schedule.schedules import stage_actions
 from megatron_2bw.pipeline.transport import Transport
 from megatron_2bw.pipeline.updater import Updater

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..checkpoint import megatron_format, trainer_format
 from ..schedule.stages import layers_per_stage
-from ..pipeline.recompute import RNGSnapshot
+from ..tensor_parallel.recompute import RNGSnapshot
 from . import manifest, save_guard
 from .compat import SHAPE_FIELDS as _SHAPE_FIELDS, check_model, check_optimizer, model_config  # noqa: F401
 from .manifest import write_tracker  # noqa: F401 - re-exported

@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
-from ..pipeline.recompute import checkpointed
+from ..tensor_parallel.recompute import checkpointed
 from ..schedule.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
 from .attention_core import attention

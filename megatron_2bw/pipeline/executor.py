@@ -36,7 +36,7 @@ from ..parallel_state import ParallelState
 from ..tensor_parallel.random import RNGTracker
 from .accounting import SavedBytes, clock_units
 from ..schedule.actions import Action, Op
-from .recompute import RNGSnapshot
+from ..tensor_parallel.recompute import RNGSnapshot
 from ..schedule.evaluation import evaluation_program
 from ..schedule.schedules import cut_program, program
 from .saved_release import BoxedSaves, release_unread

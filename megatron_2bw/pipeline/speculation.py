@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..schedule.actions import Action, Op
 from ..schedule.grouping import comm_groups
-from .recompute import RNGSnapshot
+from ..tensor_parallel.recompute import RNGSnapshot
 from .transport import RECV_OPS, Incoming
 
 

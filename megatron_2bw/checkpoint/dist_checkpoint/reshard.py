@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ...errors import ConfigError
-from ...pipeline.recompute import RNGSnapshot
+from ...tensor_parallel.recompute import RNGSnapshot
 from ..compat import model_config
 from .collective import checkpoint_group, config_error
 from .planners import LoadPlanner

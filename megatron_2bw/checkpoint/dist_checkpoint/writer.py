@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ...errors import ConfigError
-from ...pipeline.recompute import RNGSnapshot
+from ...tensor_parallel.recompute import RNGSnapshot
 from ...testing import faults
 from .. import manifest, trainer_format
 from ..compat import model_config

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..tensor_parallel.random import RNGTracker
+from .random import RNGTracker
 
 
 @dataclass
