@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..schedule.recompute_policy import check_recompute
-from ..schedule.schedules import SCHEDULE_NAMES, SCHEDULES, ScheduleSpec, get_schedule
+from ..schedule.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule
 from .rules import _require
 from .optim import AUTO_COMPENSATION, COMPENSATIONS
 
@@ -102,12 +102,12 @@ class PipelineConfig:
             f"--2bw-compensation must be one of {', '.join(COMPENSATIONS + (AUTO_COMPENSATION,))}, "
             f"got {self.compensation!r}",
         )
-        _require(
-            self.compensation in ("none", AUTO_COMPENSATION) or SCHEDULES[self.schedule].stale_steps > 0,
-            f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
-        )
         # the one lookup of --pipeline-schedule; refuses chunks or post-validation the schedule does not take
         object.__setattr__(self, "_spec", get_schedule(self.schedule, self.virtual_stages, self.post_validation))
+        _require(
+            self.compensation in ("none", AUTO_COMPENSATION) or self._spec.stale_steps > 0,
+            f"--2bw-compensation {self.compensation} only applies to --pipeline-schedule 2bw, not {self.schedule}",
+        )
         _require(math.isfinite(self.dc_lambda) and self.dc_lambda >= 0,
                  f"--2bw-dc-lambda must be finite and >= 0, got {self.dc_lambda}")
         _require(math.isfinite(self.ef_scale) and self.ef_scale >= 0,
