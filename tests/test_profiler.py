@@ -208,10 +208,11 @@ def test_simulate_tool_reads_a_profile(tiny, tmp_path, capsys):
     path = tmp_path / "tiny.json"
     tiny.write(path)
     sim = _tool("simulate")
-    assert sim.main(["--schedule", "flush", "--d", "2", "--m", "4", "--b", "2", "--profile", str(path),
+    cpu = ["--cluster", "cpu-host"]  # a CPU profile prices a CPU cluster (an H200 one is refused)
+    assert sim.main(["--schedule", "flush", "--d", "2", "--m", "4", "--b", "2", "--profile", str(path), *cpu,
                      "--recompute", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["step_time_s"] > 0 and out["costs_source"].startswith(f"profile {path}")
     assert out["micro_batch_size"] == 2 and len(out["peak_bytes"]) == 2
-    assert sim.main(["--schedule", "flush", "--d", "2", "--m", "4", "--b", "8", "--profile", str(path)]) == 2
+    assert sim.main(["--schedule", "flush", "--d", "2", "--m", "4", "--b", "8", "--profile", str(path), *cpu]) == 2
     assert "no b=8" in capsys.readouterr().err
