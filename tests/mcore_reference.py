@@ -38,9 +38,11 @@ def available() -> str | None:
 
 
 def setup(t: int) -> None:
-    """Megatron-Core's parallel state for ``t`` tensor ranks on the process group run_workers made, plus the shims."""
+    """Megatron-Core's parallel state for ``t`` tensor ranks on the process group run_workers made (any earlier one
+    destroyed), plus the shims."""
     from megatron.core import parallel_state, tensor_parallel
 
+    parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=1)
     # the attention scratch buffer (GlobalMemoryBuffer) and RoPE's inv_freq go to torch.cuda.current_device()
     torch.cuda.current_device = lambda: "cpu"
@@ -105,15 +107,17 @@ def megatron_args(cfg, t: int, iteration: int) -> argparse.Namespace:
 
 
 def save_torch_format(model, cfg, root: str, t: int, iteration: int) -> None:
-    """Megatron's torch checkpoint layout, written by every tensor rank: the model's own
-    ``state_dict_for_save_checkpoint()`` with Megatron's args (the pointer file by rank 0, after a barrier)."""
-    rank = dist.get_rank()
-    d = os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{rank:02d}")
-    os.makedirs(d, exist_ok=True)
-    torch.save({"model": model.state_dict_for_save_checkpoint(), "args": megatron_args(cfg, t, iteration),
-                "checkpoint_version": 3.0, "iteration": iteration}, os.path.join(d, "model_optim_rng.pt"))
+    """Megatron's torch checkpoint layout, written by every tensor rank of the first data-parallel replica: the
+    model's own ``state_dict_for_save_checkpoint()`` with Megatron's args (the pointer file last, after a barrier)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() == 0:
+        d = os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
+        os.makedirs(d, exist_ok=True)
+        torch.save({"model": model.state_dict_for_save_checkpoint(), "args": megatron_args(cfg, t, iteration),
+                    "checkpoint_version": 3.0, "iteration": iteration}, os.path.join(d, "model_optim_rng.pt"))
     dist.barrier()
-    if rank == 0:
+    if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
     dist.barrier()

@@ -5,6 +5,7 @@ script's one-line reason. Jobs are submitted with ``sbatch`` as users submit the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -25,6 +26,13 @@ class Cluster:
     dir: str
     install_s: float  # apt-get install (0 when the packages were there)
     start_s: float  # munged + slurmctld + 2 slurmd until sinfo shows both idle
+    config: object = None  # pytest's config: say() writes past the output capture
+
+    def say(self, line: str) -> None:
+        """One line in the test log even when pytest captures output (the job ids and states, the costs)."""
+        capman = self.config.pluginmanager.getplugin("capturemanager") if self.config is not None else None
+        with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
+            print(line, flush=True)
 
     def env(self, **extra: str) -> dict[str, str]:
         """A clean environment that reaches this cluster (sbatch exports it to the job)."""
@@ -57,7 +65,8 @@ class Cluster:
             info = self.job(job)
             if info["JobState"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING",
                                         "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"):
-                print(f"SLURM job {job}: {info['JobState']} exit {info['ExitCode']} restarts {info['Restarts']}")
+                self.say(f"\nSLURM job {job} ({info['JobName']}): {info['JobState']} exit {info['ExitCode']} "
+                         f"restarts {info['Restarts']}")
                 return info
             if time.monotonic() > deadline:
                 self.cmd("scancel", str(job))
@@ -87,10 +96,10 @@ def slurm_cluster(request) -> Cluster:
     _skip_or_fail(res)
     d = tempfile.mkdtemp(prefix="slurm_cluster_")
     res, start_s = _run_script("start", d)
-    cluster = Cluster(d, install_s, start_s)
+    cluster = Cluster(d, install_s, start_s, request.config)
     request.session.config.add_cleanup(lambda: _stop(cluster))
     _skip_or_fail(res)
-    print(f"SLURM test cluster: install {install_s:.1f} s, daemons up and idle in {start_s:.1f} s ({d})")
+    cluster.say(f"\nSLURM test cluster: install {install_s:.1f} s, daemons up and idle in {start_s:.1f} s ({d})")
     return cluster
 
 

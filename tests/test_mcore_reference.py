@@ -44,11 +44,13 @@ def _tokens(cfg) -> torch.Tensor:
 
 def _ours_to_mcore(kind: str, t: int, root: str) -> dict:
     """``--saver mcore`` (local and transformer_engine names) into Megatron-Core's model on this tensor rank."""
-    rank = dist.get_rank()
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
     ex, ours = tiny(kind)
     cfg, tokens = ex.cfg, _tokens(ex.cfg)
     src = os.path.join(root, f"{kind}_ours")
-    if rank == 0:
+    if dist.get_rank() == 0:
         save_checkpoint(ex, src, "megatron")
         util = _checkpoint_util()
         for impl in ("local", "transformer_engine"):
@@ -70,7 +72,7 @@ def _ours_to_mcore(kind: str, t: int, root: str) -> dict:
     err_te = max_err(mref.logits(fresh, tokens)[..., :cfg.vocab_size], gpt_logits(ours, tokens, cfg.vocab_size))
     return {"missing": sorted(missing), "unexpected": sorted(unexpected), "err_local": err_local,
             "te_only_ours": sorted(set(te_tensors) - set(named)), "te_only_mcore": sorted(set(named) - set(te_tensors)),
-            "te_extra": sorted(k for k in te if k not in te_tensors), "err_te": err_te}
+            "err_te": err_te}
 
 
 def _mcore_to_ours(kind: str, t: int, root: str) -> dict:
@@ -91,25 +93,30 @@ def _mcore_to_ours(kind: str, t: int, root: str) -> dict:
             "vocab": ex.cfg.vocab_size, "groups": ex.cfg.num_query_groups, "untied": ex.cfg.untie_embeddings_and_output_weights}
 
 
-def _both_ways(t: int, root: str) -> dict:
-    mref.setup(t)
-    return {kind: (_ours_to_mcore(kind, t, root), _mcore_to_ours(kind, t, root)) for kind in KINDS}
+def _both_ways(root: str) -> dict:
+    """On 2 processes: t = 1 (two data-parallel replicas) and t = 2, each kind both ways."""
+    out = {}
+    for t in (1, 2):
+        mref.setup(t)
+        path = os.path.join(root, f"t{t}")
+        out[t] = {kind: (_ours_to_mcore(kind, t, path), _mcore_to_ours(kind, t, path)) for kind in KINDS}
+    return out
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_megatron_core_round_trips(tmp_path, t):
-    results = run_workers(_both_ways, t, t, str(tmp_path), timeout=240)
-    for kind in KINDS:
-        for rank, res in enumerate(results):
-            to_mcore = res[kind][0]
-            print(f"t={t} {kind} rank {rank}: ours->mcore local {to_mcore['err_local']:.2e} "
-                  f"transformer_engine {to_mcore['err_te']:.2e}")
-            assert to_mcore["missing"] == [] and to_mcore["unexpected"] == [], to_mcore
-            assert to_mcore["err_local"] < TOL
-            assert to_mcore["te_only_ours"] == [] and to_mcore["te_only_mcore"] == [], to_mcore
-            assert to_mcore["err_te"] < TOL
-        back = results[0][kind][1]
-        print(f"t={t} {kind}: mcore->ours {back['err']:.2e}")
-        assert back["iteration"] == 7 and back["err"] < TOL, back
-        if kind == "llama":
-            assert back["groups"] == 2 and back["untied"]
+def test_megatron_core_round_trips(tmp_path):
+    results = run_workers(_both_ways, 2, str(tmp_path), timeout=300)
+    for t in (1, 2):
+        for kind in KINDS:
+            for rank, res in enumerate(results):
+                to_mcore = res[t][kind][0]
+                print(f"t={t} {kind} rank {rank}: ours->mcore local {to_mcore['err_local']:.2e} "
+                      f"transformer_engine {to_mcore['err_te']:.2e}")
+                assert to_mcore["missing"] == [] and to_mcore["unexpected"] == [], to_mcore
+                assert to_mcore["err_local"] < TOL
+                assert to_mcore["te_only_ours"] == [] and to_mcore["te_only_mcore"] == [], to_mcore
+                assert to_mcore["err_te"] < TOL
+            back = results[0][t][kind][1]
+            print(f"t={t} {kind}: mcore->ours {back['err']:.2e}")
+            assert back["iteration"] == 7 and back["err"] < TOL, back
+            if kind == "llama":
+                assert back["groups"] == 2 and back["untied"]

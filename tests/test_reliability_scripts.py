@@ -219,15 +219,6 @@ def _signalled_job(fake, saved_iter: int, **extra) -> tuple[subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), (d / "slurm.log").read_text()
 
 
-def test_warning_signal_reaches_the_trainer_and_the_job_requeues(fake):
-    res, log = _signalled_job(fake, 700)
-    assert res.returncode == 0, res.stderr
-    assert "scancel --signal=USR1 4242" in log
-    assert "trainer: got USR1" in res.stderr
-    assert "scontrol requeue 4242" in log
-    assert "slurm_launch: checkpoint at iteration 700 of 1000: requeueing job 4242" in res.stderr
-
-
 def test_warning_signal_reaches_the_trainer_as_sigterm_under_an_older_torchrun(fake):
     """torch < 2.9: torchrun would die of SIGUSR1 (no --signals-to-handle); it forwards SIGTERM."""
     res, log = _signalled_job(fake, 700, FAKE_TORCHRUN_HELP=TORCHRUN_HELP_2_4)
