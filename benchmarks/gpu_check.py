@@ -371,7 +371,8 @@ def _setup(args) -> dict:
     return dict(cuda=cuda, device=device, name=torch.cuda.get_device_name(device) if cuda else "cpu",
                 n_gpus=torch.cuda.device_count() if cuda else 0, kernels=select_kernels("auto", device.type),
                 models=GPU_MODELS if cuda else ("gpt-tiny",), dtypes=("bf16", "fp16") if cuda else ("fp32",),
-                steps=args.steps if cuda else 1, warmup=args.warmup if cuda else 1, m=args.m if cuda else 2)
+                steps=args.steps if cuda else 1, warmup=args.warmup if cuda else 1, m=args.m if cuda else 2,
+                cpu_trainer=args.cpu_trainer)
 
 
 def _sections(env: dict, deadline: float):
@@ -385,9 +386,14 @@ def _sections(env: dict, deadline: float):
     yield gpu_probe.sdpa_rows(device)
     yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
     yield gpu_probe.split_backward_rows(device)
-    yield gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
     yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
     yield check_checkpoint_memory(device, "bf16", kernels)
+    yield gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
+    if env["cuda"] or env["cpu_trainer"]:
+        yield [gpu_probe.trainer_resume_row(device, deadline)]
+    else:
+        yield [_row("trainer torch_dist async save and resume", "info",
+                    "not run in the CPU form (two trainer processes, about 40 s); --cpu-trainer runs it")]
     for model in env["models"]:
         for dtype in env["dtypes"]:
             if time.perf_counter() > deadline:
@@ -407,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--m", type=int, default=4, help="microbatches per step")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="skip the rows that would start after this")
+    p.add_argument("--cpu-trainer", action="store_true", help="the CPU form runs the trainer save/resume row too")
     args = p.parse_args(argv)
 
     import torch

@@ -18,6 +18,9 @@
 - ``split backward``: a GPT and a Llama stage's layers, BACKWARD_INPUT + BACKWARD_WEIGHT into fp32 main gradients
   against the whole backward, and which first-use node types took the fused weight-gradient path (CUDA's
   node types are not the CPU's).
+- ``trainer torch_dist async save and resume``: ``pretrain_gpt.py`` itself on this device (GPT-355M bf16, 30
+  iterations, an ``--async-save`` torch_dist checkpoint at 15 and evaluation there), resumed from iteration
+  15: the resumed losses equal the uninterrupted run's bitwise.
 - ``async staging``: ``--async-save``'s host buffers are page-locked at their exact size (``is_pinned``, the
   caching host allocator's statistics unchanged where this torch has them).
 """
@@ -382,6 +385,74 @@ def split_backward_rows(device) -> list[dict]:
         rows.append(_row(name, PASS if ok else FAIL, f"I + W vs whole: max rel diff {r['max_rel_diff']:.2e}; fused "
                          f"{fused} of {sum(r['tally'].values())} groups", **r))
     return rows
+
+
+# ------------------------------------------------------------------ the trainer, saved and resumed
+def _trainer(args: list[str], timeout_s: float) -> tuple[dict[int, float], float, str]:
+    """``pretrain_gpt.py`` in one process; its train losses by iteration (metrics file), seconds, output tail."""
+    import tempfile
+
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        metrics = f.name
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, os.path.join(repo, "pretrain_gpt.py"), *args, "--metrics-file", metrics],
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    seconds = time.perf_counter() - t0
+    with open(metrics, encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    os.unlink(metrics)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-1:] if done.returncode else []
+    if done.returncode:
+        raise RuntimeError(f"pretrain_gpt.py exited {done.returncode}: {tail[0] if tail else ''}"[:200])
+    return {r["iteration"]: r["loss"] for r in recs if r["type"] == "train"}, seconds, ""
+
+
+def trainer_resume_row(device, deadline: float) -> dict:
+    """The trainer's own path on this device (one process): a torch_dist ``--async-save`` at the middle
+    iteration (pinned staging, the writer thread, DCP), evaluation, then a resume from that checkpoint whose
+    losses must equal the uninterrupted run's bitwise (DCP's load into device buffers, the RNG restore)."""
+    import shutil
+    import tempfile
+
+    from megatron_2bw.checkpoint.layout import TRACKER, iteration_dir
+
+    name = "trainer torch_dist async save and resume"
+    cuda = device.type == "cuda"
+    if time.perf_counter() > deadline - (120 if cuda else 0):  # two runs of about a minute in all on an H200
+        return _row(name, INFO, "skipped: the script's time budget is spent")
+    n, half = (30, 15) if cuda else (4, 2)
+    model = (["--model-preset", "gpt-355m", "--bf16", "--micro-batch-size", "8", "--global-batch-size", "32",
+              "--vocab-size", "50257"] if cuda else
+             ["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--global-batch-size", "4", "--vocab-size",
+              "100", "--device", "cpu"])
+    common = [*model, "--mock-data", "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--train-iters", str(n),
+              "--log-interval", "1", "--eval-interval", str(half), "--eval-iters", "1", "--ckpt-format", "torch_dist",
+              "--async-save", "--save-interval", str(half)]
+    if cuda:  # the trainer processes share the GPU with this one: hand back what its allocator caches
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    root = tempfile.mkdtemp(prefix="gpu_check_ckpt_")
+    try:
+        first, s1, _ = _trainer([*common, "--save", os.path.join(root, "a")], 300)
+        shutil.copytree(iteration_dir(os.path.join(root, "a"), half), iteration_dir(os.path.join(root, "b"), half))
+        with open(os.path.join(root, "b", TRACKER), "w", encoding="utf-8") as f:
+            f.write(str(half))
+        second, s2, _ = _trainer([*common, "--load", os.path.join(root, "b"), "--save", os.path.join(root, "b")], 300)
+    except Exception as e:  # noqa: BLE001 - a crash, an out of memory or a hang of the trainer is this row's failure
+        return _row(name, FAIL, _first_line(e))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    after = {i: v for i, v in first.items() if i > half}
+    same = bool(after) and all(second.get(i) == v for i, v in after.items())
+    return _row(name, PASS if same else FAIL, f"losses {half + 1}-{n} after the resume "
+                + ("equal the uninterrupted run's (bitwise)" if same else f"differ: {after} vs {second}"),
+                run_s=s1, resume_s=s2)
 
 
 # ------------------------------------------------------------------ async-save staging

@@ -189,6 +189,7 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     assert len(sdpa) == 2 * 2 * 2 * 3 and all(c["kernel"] for c in sdpa)  # shapes x masks x dtypes x backends
     refused = {c["check"] for c in sdpa if c["refused"]}
     assert "sdpa llama-gqa mask bf16 fused" in refused and "sdpa gpt-mha mask bf16 fused" not in refused
+    assert checks["trainer torch_dist async save and resume"]["detail"].startswith("not run in the CPU form")
     for model in ("gpt-tiny", "llama-tiny"):  # N11: split backward equals the whole one; what took the fused path
         row = checks[f"split backward {model} fp32"]
         assert row["status"] == gpu_check.PASS and row["max_rel_diff"] <= 1e-5
