@@ -108,7 +108,9 @@ def staged_dir(path: str, request: dict) -> Iterator[str]:
             old = f"{final}.old.tmp.{os.getpid()}"
             os.replace(final, old)
         os.replace(tmp, final)
-        if old is not None:
+        if old is not None and (os.path.islink(old) or not os.path.isdir(old)):
+            os.unlink(old)  # a link (or file) that stood at the target: removed, what it pointed to untouched
+        elif old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:
         if os.path.isdir(tmp):
