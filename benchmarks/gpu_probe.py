@@ -490,6 +490,12 @@ def staging_row(device) -> dict:
             _unpin(st.buffers[dtype])
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--queue-child":
+if __name__ == "__main__":  # the queue probe's child process (gpu_check.py runs it; not a command of its own)
+    import argparse
+
+    parser = argparse.ArgumentParser(description="gpu_check.py's probes; run directly only as the queue probe's child")
+    parser.add_argument("--queue-child", type=int, required=True, metavar="PORT",
+                        help="run the stream-wait probe's trials (the store on PORT) and print their JSON")
+    args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    print(json.dumps(_queue_child(int(sys.argv[2]))))
+    print(json.dumps(_queue_child(args.queue_child)))
