@@ -36,10 +36,12 @@ class _GradSpy(FaultInjector):
         _SEEN[step] = grad.detach().clone()
 
 
-class _Stage(pipeline_harness.PipelineRank):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _STAGES.append(self)
+def _recorded(build):
+    """``build_stage`` that also records the rank it built."""
+    def build_stage(*args, **kwargs):
+        _STAGES.append(build(*args, **kwargs))
+        return _STAGES[-1]
+    return build_stage
 
 
 def train(schedule: str, dtype: str = "fp32", fp32_grads: bool | None = None, layout=None, policy=None, **kw) -> dict:
@@ -50,10 +52,10 @@ def train(schedule: str, dtype: str = "fp32", fp32_grads: bool | None = None, la
         def __init__(self, *args, **kwargs):
             super().__init__(*args, recompute=policy, **kwargs)
 
-    patched = ("OptimizerConfig", "FaultInjector", "ModelSpec", "PipelineRank")
+    patched = ("OptimizerConfig", "FaultInjector", "ModelSpec", "build_stage")
     saved = {k: getattr(pipeline_harness, k) for k in patched}
     opt = functools.partial(OptimizerConfig, accumulate_allreduce_grads_in_fp32=fp32_grads)
-    for k, v in zip(patched, (opt, _GradSpy, Spec, _Stage)):
+    for k, v in zip(patched, (opt, _GradSpy, Spec, _recorded(saved["build_stage"]))):
         setattr(pipeline_harness, k, v)
     _SEEN.clear()
     _STAGES.clear()

@@ -62,7 +62,7 @@ SHAPE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", 
 
 def test_plan_cli_staleness_schedules_and_recompute(capsys):
     plan = _plan()
-    assert plan.main([*SHAPE, "--json"]) == 0
+    assert plan.main([*SHAPE, "--json", "--exhaustive"]) == 0  # every plan priced: each schedule is in "ranked"
     out = json.loads(capsys.readouterr().out)
     by_sched = {r["schedule"]: r["staleness"] for r in out["ranked"] if r["pipeline_parallel"] > 1}
     assert by_sched["flush"] == {"stale_steps": 0} and by_sched["2bw"]["stale_steps"] == 1
