@@ -39,3 +39,44 @@ def test_flush_and_fp16_dynamic_scale():
     assert "model learned positions, GELU, LayerNorm, dropout 0.1 hidden, 0 attention |" in s
     assert "schedule flush |" in s and "compensation" not in s
     assert "optimizer SGD (momentum 0.9), no clipping" in s and "precision fp16, dynamic loss scale" in s
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, rec: dict) -> None:
+        self.records.append(rec)
+
+
+def _report(device: str, monkeypatch):
+    import types
+
+    import torch
+
+    from megatron_2bw.fused import Kernels
+    from megatron_2bw.training import report
+
+    monkeypatch.setattr(report.torch.cuda, "get_device_name", lambda dev: "NVIDIA H200")
+    cfg = build_config(parse_args(BASE, "gpt"), "gpt", 1)
+    state = types.SimpleNamespace(device=torch.device(device), t=1, d=1, w=1, world_size=1)
+    stats = {"weight_bytes": 1 << 20, "grad_bytes": 1 << 20, "optimizer_bytes": 2 << 20}
+    rep = report.StepReport(cfg, state, _Writer(), (), lambda n: n, 0)
+    rep.start([stats], 0, Kernels(), None)
+    return rep
+
+
+def test_on_cuda_the_log_says_its_clocks_are_the_hosts(monkeypatch, caplog):
+    """gpu-review-2 N15: the bubble column and the update wait are host times on a GPU; the log says so once."""
+    import logging
+
+    from megatron_2bw.training.report import HOST_CLOCK_NOTE
+
+    with caplog.at_level(logging.INFO, logger="megatron_2bw"):
+        rep = _report("cuda", monkeypatch)
+    assert sum(HOST_CLOCK_NOTE in r.getMessage() for r in caplog.records) == 1
+    assert rep.metrics.records[0]["type"] == "start"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_2bw"):
+        _report("cpu", monkeypatch)
+    assert not any(HOST_CLOCK_NOTE in r.getMessage() for r in caplog.records)

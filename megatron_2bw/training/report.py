@@ -23,6 +23,10 @@ from .step_stats import StepStats, window_bubble
 
 log = logging.getLogger("megatron_2bw")
 
+# On a GPU the engine's clocks are the host's (kernels run asynchronously): said once, beside the first numbers
+HOST_CLOCK_NOTE = ("note: on CUDA the bubble column and the update wait are host-clock times (the host runs ahead "
+                   "of the GPU), so they read low; profile with --profile for device times")
+
 
 class StepReport:
     """What rank 0 writes about a run (``metrics``: its metrics file and writers)."""
@@ -54,6 +58,8 @@ class StepReport:
             " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), kernels.describe(),
             mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
         )
+        if s.device.type == "cuda":
+            log.info(HOST_CLOCK_NOTE)
         self.metrics.write({
             "type": "start", "time": time.time(), "world_size": s.world_size,
             "layout": {"t": s.t, "d": s.d, "w": s.w}, "schedule": cfg.pipeline.schedule,
