@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import re
 import time
 from dataclasses import fields
 
@@ -46,7 +45,9 @@ from ..tensor_parallel.recompute import RNGSnapshot
 from . import manifest, save_guard
 from .compat import SHAPE_FIELDS as _SHAPE_FIELDS, check_model, check_optimizer, model_config  # noqa: F401
 from .manifest import write_tracker  # noqa: F401 - re-exported
-from .layout import FILENAME, TRACKER, checkpoint_path, iteration_dir, rank_dir_name, read_tracker  # noqa: F401 - re-exported
+from .layout import (
+    FILENAME, RANK_DIR_RE, TRACKER, checkpoint_path, iteration_dir, iteration_name, rank_dir_name, read_tracker,
+)  # noqa: F401 - re-exported
 from ..errors import describe_save_failure, os_error_line
 
 log = logging.getLogger("megatron_2bw")
@@ -65,7 +66,7 @@ def saved_layout(iter_dir: str) -> tuple[int, int] | None:
     missing): the highest tensor and pipeline ranks present; a ``_PPP`` suffix means d > 1."""
     t = d = 0
     for name in os.listdir(iter_dir) if os.path.isdir(iter_dir) else ():
-        m = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", name)
+        m = RANK_DIR_RE.fullmatch(name)
         if m and os.path.isfile(os.path.join(iter_dir, name, FILENAME)):
             t = max(t, int(m.group(1)) + 1)
             d = max(d, 1 if m.group(2) is None else max(int(m.group(2)) + 1, 2))
@@ -114,7 +115,7 @@ def find_checkpoint(load: str, save: str | None) -> int | None:
         unfinished = sorted(set(manifest.list_iterations(load)) - set(manifest.list_checkpoints(load)))
         if unfinished:
             log.warning(" ignoring %s in %s: no complete shard (a save killed before its first file was written)",
-                        ", ".join(f"iter_{i:07d}" for i in unfinished), load)
+                        ", ".join(iteration_name(i) for i in unfinished), load)
         return None
     if not os.path.isdir(load):
         raise ConfigError(f"--load {load} does not exist")

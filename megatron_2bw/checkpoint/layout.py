@@ -16,7 +16,7 @@ from ..errors import ConfigError
 TRACKER = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 RANK_DIR_RE = re.compile(r"mp_rank_(\d+)(?:_(\d+))?")
-ITER_DIR_RE = re.compile(r"iter_(\d{7,})")
+ITER_DIR_RE = re.compile(r"iter_(\d+)")  # iteration_name writes 7 digits or more
 
 
 def iteration_name(iteration: int) -> str:

@@ -24,7 +24,7 @@ import zlib
 from typing import BinaryIO, Callable, Iterator
 
 from ..errors import ConfigError, os_error_line
-from .layout import RANK_DIR_RE, TRACKER
+from .layout import FILENAME, ITER_DIR_RE, RANK_DIR_RE, TRACKER, iteration_dir
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -267,7 +267,6 @@ def verify(iter_dir: str, expected_identity_fn: IdentityFn | None = None, *, onl
 
 # --------------------------------------------------------------------------- start-up: temporaries and resume
 
-_ITER_RE = re.compile(r"iter_(\d+)")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -294,7 +293,7 @@ def clean_stale_temporaries(save_dir: str, pid_alive: Callable[[int], bool] = _p
         rel = os.path.relpath(root, save_dir)
         depth = 0 if rel == "." else rel.count(os.sep) + 1
         # temporaries live in SAVE/, SAVE/iter_*/ and SAVE/iter_*/mp_rank_*/ only
-        dirs[:] = [d for d in dirs if depth == 1 or (depth == 0 and _ITER_RE.fullmatch(d))]
+        dirs[:] = [d for d in dirs if depth == 1 or (depth == 0 and ITER_DIR_RE.fullmatch(d))]
         for name in names:
             m = TEMP_RE.fullmatch(name)
             if m and not pid_alive(int(m.group(1))):
@@ -313,21 +312,21 @@ def holds_checkpoint(iter_dir: str) -> bool:
     if os.path.isfile(os.path.join(iter_dir, MANIFEST)):
         return True
     for name in os.listdir(iter_dir) if os.path.isdir(iter_dir) else ():
-        if RANK_DIR_RE.fullmatch(name) and os.path.isfile(os.path.join(iter_dir, name, "model_optim_rng.pt")):
+        if RANK_DIR_RE.fullmatch(name) and os.path.isfile(os.path.join(iter_dir, name, FILENAME)):
             return True
     return False
 
 
 def list_checkpoints(root: str) -> list[int]:
     """Iterations of :func:`list_iterations` that :func:`holds_checkpoint` (an unfinished first save is ignored)."""
-    return [it for it in list_iterations(root) if holds_checkpoint(os.path.join(root, f"iter_{it:07d}"))]
+    return [it for it in list_iterations(root) if holds_checkpoint(iteration_dir(root, it))]
 
 
 def list_iterations(root: str) -> list[int]:
     """Iterations with an ``iter_*`` directory under ``root`` (complete or not), ascending."""
     if not os.path.isdir(root):
         return []
-    out = [int(m.group(1)) for m in map(_ITER_RE.fullmatch, os.listdir(root))
+    out = [int(m.group(1)) for m in map(ITER_DIR_RE.fullmatch, os.listdir(root))
            if m and os.path.isdir(os.path.join(root, m.group(0)))]
     return sorted(out)
 
@@ -337,7 +336,7 @@ def newest_complete(root: str, below: int | None = None) -> int | None:
     for it in reversed(list_iterations(root)):
         if below is not None and it >= below:
             continue
-        idir = os.path.join(root, f"iter_{it:07d}")
+        idir = iteration_dir(root, it)
         try:
             if verify(idir, checksums=False, require=True) is not None:
                 return it

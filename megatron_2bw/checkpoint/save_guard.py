@@ -24,6 +24,7 @@ import socket
 import time
 
 from ..errors import ConfigError
+from .layout import iteration_dir
 from .manifest import TRACKER, _pid_alive, list_checkpoints, list_iterations
 
 log = logging.getLogger("megatron_2bw")
@@ -207,7 +208,7 @@ def clear_checkpoints(save: str) -> None:
         if os.path.exists(os.path.join(save, TRACKER)):
             os.remove(os.path.join(save, TRACKER))
         for it in list_iterations(save):
-            shutil.rmtree(os.path.join(save, f"iter_{it:07d}"))
+            shutil.rmtree(iteration_dir(save, it))
     except OSError as e:
         raise ConfigError(f"--overwrite-save: cannot remove the checkpoints in {save}: {e.strerror or e}") from None
     log.warning(" --overwrite-save: removed the checkpoints in %s (%s): starting over", save, held)

@@ -23,6 +23,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .compat import model_config
+from .layout import iteration_dir
 from ..schedule.stages import check_virtual_split
 from ..schedule.schedules import get_schedule
 from ..checkpoint import manifest
@@ -118,7 +119,7 @@ def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: i
     schedule = schedule or ckpt.first["layout"]["schedule"]
     split = {n: reshard(ckpt.cfg, full, t, d, chunks=chunks) for n, full in ckpt.families.items()}
     it = int(ckpt.first["iteration"])
-    idir = os.path.join(root, f"iter_{it:07d}")
+    idir = iteration_dir(root, it)
     entries = {}
     for tp, pp in split[MODEL]:
         parts = {n: s[(tp, pp)] for n, s in split.items()}

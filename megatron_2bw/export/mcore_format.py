@@ -169,7 +169,6 @@ def read_mcore_files(files: dict[tuple[int, int], dict], root: str) -> Exported:
         legacy["lm_head"] = {}
     cfg = config_from_args(first["args"], legacy)
     a = vars(first["args"])
-    t = 1 + max(tp for tp, _ in files)
     d = 1 + max(pp for _, pp in files)
     split = a.get("pipeline_split")
     parts = {k: from_mcore_model(cfg, f["model"], d, k[1], split) for k, f in files.items()}

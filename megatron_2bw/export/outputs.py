@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ..errors import ConfigError
+from ..checkpoint.layout import TRACKER
 
 MARKER = ".megatron_2bw_output.json"
-TRACKER = "latest_checkpointed_iteration.txt"
 OVERWRITE_HELP = "replace a non-empty target that is not this tool's earlier output (never another run's checkpoints)"
 
 

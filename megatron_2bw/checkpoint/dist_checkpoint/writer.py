@@ -62,7 +62,7 @@ def write_and_publish(root: str, iteration: int, chunks: list[Chunk], objects: d
     pid = [os.getpid()]
     if group is not None:
         dist.broadcast_object_list(pid, src=0, group=group)
-    tmp = os.path.join(root, f"iter_{iteration:07d}.tmp.{pid[0]}")
+    tmp = f"{iteration_dir(root, iteration)}.tmp.{pid[0]}"
     error = None
     try:
         os.makedirs(tmp, exist_ok=True)
