@@ -1,4 +1,4 @@
-"""Which kernel implementation runs: apex's fused kernels when apex imports on CUDA, else torch's.
+"""Which kernel implementation runs: apex's fused kernels when apex imports and runs on CUDA, else torch's.
 
 The choice is made once per process (``select_kernels``), logged once, and can be forced with
 ``--fused-kernels {auto,apex,torch}``. No try/except import silently changes behaviour: the
@@ -10,9 +10,11 @@ neither is a choice made here.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +42,8 @@ _APEX_NEEDS = (("apex.normalization.fused_layer_norm", "FusedLayerNorm"), ("fuse
 
 
 def apex_unusable_reason() -> str | None:
-    """Why apex's kernels cannot run here (None: they can): CUDA and a real import of each kernel used."""
+    """Why apex's kernels cannot run here (None: they can): CUDA, a real import of each kernel used, and one
+    tiny forward and backward of the fused LayerNorm on this process's GPU."""
     if not torch.cuda.is_available():
         return "no CUDA"
     if importlib.util.find_spec("apex") is None:
@@ -52,7 +55,32 @@ def apex_unusable_reason() -> str | None:
             return f"apex is installed but {module} does not import ({type(e).__name__}: {e})".splitlines()[0]
         if attr is not None and not hasattr(mod, attr):
             return f"apex is installed but {module} has no {attr}"
-    return None
+    return _apex_kernel_problem(importlib.import_module(_APEX_NEEDS[0][0]).FusedLayerNorm, _probe_device())
+
+
+def _probe_device() -> torch.device:
+    """This process's GPU (``LOCAL_RANK``'s, as the trainer will pick it): the probe must not make a CUDA
+    context on GPU 0 from every local rank before ``set_device``."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+
+
+def _apex_kernel_problem(fused_layer_norm: type, device: torch.device) -> str | None:
+    """One tiny fused LayerNorm forward and backward against torch's: an apex built without this GPU's
+    architecture imports fine and fails only at its first kernel ("no kernel image is available")."""
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            x = torch.linspace(-2.0, 3.0, 2 * 8, device=device).view(2, 8).requires_grad_(True)
+            y = fused_layer_norm(8, eps=1e-5).to(device)(x)
+            y.square().sum().backward()
+            want = torch.nn.functional.layer_norm(x.detach(), (8,), eps=1e-5)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            bad = y.shape != want.shape or not torch.allclose(y.detach().float(), want, atol=1e-4) \
+                or x.grad is None or not bool(torch.isfinite(x.grad).all())
+    except Exception as e:  # noqa: BLE001 - any failure of the kernel on this device means the path is unusable
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"apex's fused layer norm fails on this GPU ({type(e).__name__}: {first})"
+    return "apex's fused layer norm gives other values than torch's on this GPU" if bad else None
 
 
 def apex_available() -> bool:

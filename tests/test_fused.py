@@ -25,9 +25,19 @@ def test_forcing_apex_without_cuda_is_a_clear_error():
     assert select_kernels("torch", "cuda").layer_norm == "torch"
 
 
-def _fake_apex(root, *, normalization: bool, cuda_ext: bool) -> None:
+# A FusedLayerNorm whose kernel was not built for this GPU: it constructs, and its forward raises as CUDA does.
+_NO_KERNEL = ("import torch\n\nclass FusedLayerNorm(torch.nn.LayerNorm):\n    def forward(self, x):\n"
+              "        raise RuntimeError('CUDA error: no kernel image is available for execution on the device\\n'\n"
+              "                           'CUDA kernel errors might be asynchronously reported')\n")
+# One whose kernel runs but computes something else (a mis-built extension): not chosen either.
+_WRONG = ("import torch\n\nclass FusedLayerNorm(torch.nn.LayerNorm):\n    def forward(self, x):\n"
+          "        return super().forward(x) * 1.01\n")
+
+
+def _fake_apex(root, *, normalization: bool, cuda_ext: bool, layer: str | None = None) -> None:
     """An ``apex`` package on disk: bare (the unrelated PyPI apex), with a Python-only
-    ``apex.normalization`` (apex built without --cuda_ext), or with a stand-in CUDA extension."""
+    ``apex.normalization`` (apex built without --cuda_ext), or with a stand-in CUDA extension;
+    ``layer``: the source of its ``fused_layer_norm`` module (default: torch's LayerNorm under apex's name)."""
     pkg = root / "apex"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -35,7 +45,7 @@ def _fake_apex(root, *, normalization: bool, cuda_ext: bool) -> None:
         (pkg / "normalization").mkdir()
         (pkg / "normalization" / "__init__.py").write_text("from .fused_layer_norm import FusedLayerNorm\n")
         (pkg / "normalization" / "fused_layer_norm.py").write_text(
-            "import torch\n\nclass FusedLayerNorm(torch.nn.LayerNorm):\n    pass\n")
+            layer or "import torch\n\nclass FusedLayerNorm(torch.nn.LayerNorm):\n    pass\n")
     if cuda_ext:
         (root / "fused_layer_norm_cuda.py").write_text("")
 
@@ -44,7 +54,10 @@ def _fake_apex(root, *, normalization: bool, cuda_ext: bool) -> None:
 def fake_cuda(monkeypatch):
     import sys
 
+    import megatron_2bw.fused as fused
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fused, "_probe_device", lambda: torch.device("cpu"))  # the start-up probe's forward runs here
     yield monkeypatch
     for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.") or n == "fused_layer_norm_cuda"]:
         del sys.modules[name]
@@ -80,3 +93,32 @@ def test_an_apex_with_its_kernels_is_chosen(fake_cuda, tmp_path):
     k = select_kernels("auto", "cuda")
     assert k == Kernels(layer_norm="apex") and type(layer_norm(8, 1e-5, k)).__name__ == "FusedLayerNorm"
     assert select_kernels("auto", "cpu") == Kernels(layer_norm="torch")
+
+
+@pytest.mark.parametrize("layer,why", [
+    (_NO_KERNEL, "apex's fused layer norm fails on this GPU (RuntimeError: CUDA error: no kernel image is available "
+                 "for execution on the device)"),
+    (_WRONG, "apex's fused layer norm gives other values than torch's on this GPU")], ids=["raises", "wrong-values"])
+def test_an_apex_whose_kernel_fails_at_start_up_falls_back_to_torch(fake_cuda, tmp_path, caplog, layer, why):
+    """Review C3's residual: an apex built without the GPU's architecture imports, then failed at the first
+    forward of the run. The start-up probe runs one tiny forward: torch's path, with the reason logged."""
+    _fake_apex(tmp_path, normalization=True, cuda_ext=True, layer=layer)
+    fake_cuda.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="megatron_2bw.fused"):
+        k = select_kernels("auto", "cuda")
+    assert k == Kernels(layer_norm="torch") and isinstance(layer_norm(8, 1e-5, k), torch.nn.LayerNorm)
+    assert [r.getMessage() for r in caplog.records] == [f"fused kernels: layer_norm=torch (apex not used: {why})"]
+    with pytest.raises(ConfigError, match="--fused-kernels apex needs CUDA and an importable apex"):
+        select_kernels("apex", "cuda")
+
+
+def test_the_probe_runs_on_this_process_gpu(monkeypatch):
+    """The probe runs before ``set_device``: on LOCAL_RANK's GPU (wrapping as the trainer does), not GPU 0."""
+    import megatron_2bw.fused as fused
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for local, want in (("0", 0), ("3", 3), ("5", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert fused._probe_device() == torch.device("cuda", want)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert fused._probe_device() == torch.device("cuda", 0)
