@@ -182,7 +182,8 @@ def precision_of(args: argparse.Namespace) -> str:
 def layout_of(args: argparse.Namespace) -> Layout:
     """The layout the flags ask for (``--auto-plan`` replaces it with the planner's)."""
     return Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size,
-                  bool(_switched(args, "pipeline.recompute")), schedule_of(args))
+                  bool(_switched(args, "pipeline.recompute")), schedule_of(args),
+                  context=args.context_parallel_size, cp_comm_type=args.cp_comm_type or "p2p")
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ATTENTION_BACKENDS
+from .config import ATTENTION_BACKENDS, CP_COMM_TYPES
 from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
                      P2P_MODES, POSITION_EMBEDDING_TYPES)
 from .models.presets import GPT2_VOCAB, PRESETS
@@ -101,6 +101,13 @@ FLAGS: tuple[Flag, ...] = (
          help="t > 1: norms, dropout and the residual stream sharded along the sequence (GPT)"),
     Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),
     Flag("--pipeline-model-parallel-size", "parallel.pipeline", PAR, int, 1),
+    Flag("--context-parallel-size", "parallel.context", PAR, int, 1,
+         help="ranks each sequence is sharded over (attention exchanges keys and values; Megatron's rank order "
+              "tensor, context, data, pipeline)"),
+    Flag("--cp-comm-type", "parallel.cp_comm_type", PAR, choices=CP_COMM_TYPES,
+         help="context parallelism's key/value exchange: p2p (a ring, overlapped with the attention of the "
+              "blocks at hand; default) or all_gather (the whole sequence's keys and values, then one fused "
+              "attention per local chunk)"),
     Flag("--pipeline-layer-split", "pipeline.layer_split", PAR, parse_split, metavar="N,N,...", show=format_split,
          help="layers of each stage, first to last (summing to --num-layers; 0 allowed on the first and last)"),
     Flag("--decoder-first-pipeline-num-layers", None, PAR, int, help="layers of the first stage (Megatron)"),

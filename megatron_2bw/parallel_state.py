@@ -1,9 +1,16 @@
-"""Process groups for tensor (t), pipeline (d) and data (w) parallelism.
+"""Process groups for tensor (t), context (c), pipeline (d) and data (w) parallelism.
 
 Rank order follows Megatron-LM: tensor ranks are adjacent (they exchange activations every
 layer, so they belong on one server), then data-parallel replicas, then pipeline stages::
 
     rank = pipeline_rank * (t * w) + data_rank * t + tensor_rank
+
+With context parallelism (c > 1) the context ranks come between tensor and data ranks (Megatron's
+tp-cp-dp-pp order). The c ranks of a context group hold the same weights, so for everything that
+concerns weights (gradient reduction, the distributed optimizer's shards, checkpoints) they are
+replicas: ``w`` and ``dp_rank`` below count the weight replicas (data width x c, Megatron's data
+group "with context parallel"), the formula above holding with that ``w``; the data a rank reads
+goes by ``data_width`` and ``data_rank``.
 
 Worked example, 8 processes with t = 2, d = 2, w = 2 (two servers of four GPUs)::
 
@@ -40,8 +47,9 @@ def coords_of(rank: int, t: int, w: int) -> tuple[int, int, int]:
     return rank % t, (rank // t) % w, rank // (t * w)
 
 
-def layout_groups(t: int, d: int, w: int) -> dict[str, list[list[int]]]:
-    """All process groups of a layout as lists of global ranks (pure; used by tests and set-up)."""
+def layout_groups(t: int, d: int, w: int, c: int = 1) -> dict[str, list[list[int]]]:
+    """All process groups of a layout as lists of global ranks (pure; used by tests and set-up); ``w``
+    counts the weight replicas (data width x ``c``), ``c`` the context ranks among them."""
     tensor = [[rank_of(t, w, i, dp, pp) for i in range(t)] for pp in range(d) for dp in range(w)]
     data = [[rank_of(t, w, tp, j, pp) for j in range(w)] for pp in range(d) for tp in range(t)]
     pipeline = [[rank_of(t, w, tp, dp, k) for k in range(d)] for dp in range(w) for tp in range(t)]
@@ -49,7 +57,11 @@ def layout_groups(t: int, d: int, w: int) -> dict[str, list[list[int]]]:
     model = [
         sorted(rank_of(t, w, tp, dp, pp) for tp in range(t) for pp in range(d)) for dp in range(w)
     ]
-    return {"tensor": tensor, "data": data, "pipeline": pipeline, "embedding": embedding, "model": model}
+    groups = {"tensor": tensor, "data": data, "pipeline": pipeline, "embedding": embedding, "model": model}
+    if c > 1:
+        groups["context"] = [[rank_of(t, w, tp, r * c + k, pp) for k in range(c)]
+                             for pp in range(d) for r in range(w // c) for tp in range(t)]
+    return groups
 
 
 @dataclass
@@ -74,6 +86,20 @@ class ParallelState:
     # the pipeline rank holding the model's last virtual stage, where the loss is (None: the last rank; a V
     # layout puts it on rank 0: the pipeline stage sets it from its placement)
     loss_stage: int | None = None
+    c: int = 1  # context-parallel size (the context group's ranks are among the w replicas)
+    cp_rank: int = 0
+    cp_group: object | None = None
+    cp_ranks: tuple[int, ...] = (0,)  # the context group's global ranks, in context order
+
+    @property
+    def data_width(self) -> int:
+        """Data-parallel width: the replicas that read different data (w / c)."""
+        return self.w // self.c
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of each global batch this rank's replica reads."""
+        return self.dp_rank // self.c
 
     @property
     def is_first_stage(self) -> bool:
@@ -199,7 +225,7 @@ def initialize(
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
-    t, d, w = parallel.tensor, parallel.pipeline, parallel.data
+    t, d, w, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
     rank = int(env["rank"])
     if world == 1 and not dist.is_initialized():
         return ParallelState.single(dev)
@@ -213,7 +239,7 @@ def initialize(
             # NCCL: create the communicators now, so a first batch_isend_irecv among a subset of ranks is legal
             device_id=dev if dev.type == "cuda" else None,
         )
-    return build_state(t, d, w, dev, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return build_state(t, d, w * c, dev, timeout=datetime.timedelta(minutes=timeout_minutes), c=c)
 
 
 _TIMEOUT: list[datetime.timedelta | None] = [None]  # the last build_state's group timeout
@@ -225,7 +251,7 @@ def group_timeout() -> datetime.timedelta | None:
 
 
 def build_state(t: int, d: int, w: int, device: torch.device, *,
-                timeout: datetime.timedelta | None = None) -> ParallelState:
+                timeout: datetime.timedelta | None = None, c: int = 1) -> ParallelState:
     """Create every group of the layout (all ranks call ``new_group`` in the same order).
 
     ``timeout`` (``--distributed-timeout-minutes``) applies to every group: ``new_group`` does not
@@ -238,8 +264,10 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
     rank, world = dist.get_rank(), dist.get_world_size()
     if t * d * w != world:
         raise ConfigError(f"layout t={t} x d={d} x w={w} does not match world size {world}")
+    if w % c:
+        raise ConfigError(f"weight replicas w={w} are not a multiple of the context-parallel size {c}")
     tp_rank, dp_rank, pp_rank = coords_of(rank, t, w)
-    groups = layout_groups(t, d, w)
+    groups = layout_groups(t, d, w, c)
     mine: dict[str, object | None] = {}
     for name, lists in groups.items():
         mine[name] = None
@@ -250,8 +278,10 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
             if rank in ranks:
                 mine[name] = g
     pipeline_ranks = next(p for p in groups["pipeline"] if rank in p)
+    cp_ranks = next((tuple(g) for g in groups.get("context", ()) if rank in g), (rank,))
     return ParallelState(
         rank, world, t, d, w, tp_rank, dp_rank, pp_rank, pipeline_ranks,
         tp_group=mine["tensor"], dp_group=mine["data"],
         embedding_group=mine["embedding"], model_group=mine["model"], device=device, timeout=timeout,
+        c=c, cp_rank=dp_rank % c, cp_group=mine.get("context"), cp_ranks=cp_ranks,
     )

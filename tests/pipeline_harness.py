@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.checkpoint.names import WORD
+from megatron_2bw.context_parallel.group import CPGroup
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
@@ -60,24 +61,27 @@ def train_tiny(
     dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
     sequence_parallel: bool = False, opt_extra: dict | None = None, ef_scale: float = 1.0,
     virtual_stages: int | None = None, num_layers: int | None = None, post_validation: bool = False,
+    context: int = 1, cp_comm_type: str = "p2p", model_extra: dict | None = None,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
     ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``);
     ``opt_extra``: more ``OptimizerConfig`` fields (Muon's, the distributed optimizer); ``virtual_stages``:
     model chunks per rank (interleaved-1f1b), built as ``pretrain_gpt.py`` builds them; ``num_layers``
-    overrides the preset's (d * v chunks need as many layers)."""
+    overrides the preset's (d * v chunks need as many layers); ``context``: the context-parallel size (the
+    world is t * d * w * context; ``w`` in ``layout`` is the data width); ``model_extra``: more model fields."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
-        state = build_state(t, d, w, torch.device("cpu"))
+        state = build_state(t, d, w * context, torch.device("cpu"), c=context)
     else:
         state = ParallelState.single()
-    t, d, w = state.t, state.d, state.w
+    t, d, w = state.t, state.d, state.data_width
     cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel and t > 1,
-                     **({} if num_layers is None else {"num_layers": num_layers}))
+                     **({} if num_layers is None else {"num_layers": num_layers}), **(model_extra or {}))
     seed = 1234
     torch.manual_seed(seed)
     tracker = RNGTracker(seed, state.tp_rank)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker)
+    spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker,
+                     cp=CPGroup.from_state(state, cp_comm_type) if state.c > 1 else None)
     m = global_batch // (micro * w)
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
                           dc_lambda=dc_lambda, ef_scale=ef_scale, virtual_stages=virtual_stages if d > 1 else None,
@@ -97,14 +101,14 @@ def train_tiny(
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     def build() -> PipelineRank:
         return build_stage(build_layers, spec.loss_fn(), state, pipe, opt,
-                             cfg.stage_activation_shape(micro, t), rng_tracker=tracker, names=names, faults=faults)
+                             cfg.stage_activation_shape(micro, t, state.c), rng_tracker=tracker, names=names, faults=faults)
 
     stage = build()
     data = _dataset(cfg, global_batch * steps)
 
     def get_batch(mb: int) -> dict:
         step, i = divmod(mb, m)
-        lo = step * global_batch + state.dp_rank * (global_batch // w) + i * micro
+        lo = step * global_batch + state.data_rank * (global_batch // w) + i * micro
         sl = slice(lo, lo + micro)
         return spec.make_batch(data[sl] if cfg.kind == "gpt" else {k: v[sl] for k, v in data.items()})
 
@@ -118,14 +122,14 @@ def train_tiny(
     losses = [r.loss for r in results]
     keys = sorted(results[0].components or {}) if results else []
     comps = [[(r.components or {})[k] for k in keys] for r in results] if state.holds_loss else None
-    if state.holds_loss and w > 1:
+    if state.holds_loss and state.w > 1:  # mean over the weight replicas (context ranks hold the same loss)
         x = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(x, group=state.dp_group)
-        losses = (x / w).tolist()
+        losses = (x / state.w).tolist()
         if keys:
             c = torch.tensor(comps, dtype=torch.float64)
             dist.all_reduce(c, group=state.dp_group)
-            comps = (c / w).tolist()
+            comps = (c / state.w).tolist()
     params = {name: view.detach().float().clone() for name, view in stage.newest_state().items()}
     return {
         "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.holds_loss,

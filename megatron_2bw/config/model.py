@@ -101,10 +101,22 @@ class ModelConfig:
                      f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size {t} "
                      "(--sequence-parallel shards the sequence)")
 
-    def stage_activation_shape(self, micro_batch: int, t: int) -> tuple[int, int, int]:
-        """What one pipeline stage sends the next: ``[b, s, h]``, the sequence sharded over t with
-        --sequence-parallel."""
-        s = self.seq_length // t if self.sequence_parallel else self.seq_length
+    def check_context_parallel(self, c: int, t: int) -> None:
+        """--context-parallel-size c cuts each sequence into 2c chunks (two per rank, for causal balance);
+        under --sequence-parallel a rank's 2 chunks are then sharded over t."""
+        if c > 1:
+            _require(self.seq_length % (2 * c) == 0,
+                     f"--seq-length {self.seq_length} is not divisible by 2 x --context-parallel-size {c} "
+                     "(each rank holds two of 2c equal chunks of the sequence)")
+            _require(not self.sequence_parallel or (self.seq_length // c) % t == 0,
+                     f"--seq-length {self.seq_length} / --context-parallel-size {c} is not divisible by "
+                     f"--tensor-model-parallel-size {t} (--sequence-parallel shards a rank's part of the sequence)")
+
+    def stage_activation_shape(self, micro_batch: int, t: int, c: int = 1) -> tuple[int, int, int]:
+        """What one pipeline stage sends the next: ``[b, s, h]``, the sequence sharded over c (context
+        parallel), then over t with --sequence-parallel."""
+        s = self.seq_length // c
+        s = s // t if self.sequence_parallel else s
         return (micro_batch, s, self.hidden_size)
 
     @property

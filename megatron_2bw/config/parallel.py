@@ -11,38 +11,52 @@ from .rules import _require
 from .optim import AUTO_COMPENSATION, COMPENSATIONS
 
 
+CP_COMM_TYPES = ("p2p", "all_gather")  # Megatron's --cp-comm-type (its a2a is not built)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout: tensor ``t``, pipeline depth ``d``, data width ``w``; world = t*d*w."""
+    """Parallel layout: tensor ``t``, pipeline depth ``d``, data width ``w``, context ``c``; world = t*c*w*d.
+
+    Context parallelism (``--context-parallel-size``) shards every sequence over ``c`` ranks (attention
+    exchanges keys and values by ``--cp-comm-type``); the ``c`` ranks hold the same weights, so they reduce
+    gradients together with the data-parallel replicas (Megatron's data-parallel group with context parallel).
+    """
 
     tensor: int = 1
     pipeline: int = 1
     data: int | None = None  # None: derived from the world size
+    context: int = 1
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
         _require(self.tensor >= 1, f"--tensor-model-parallel-size must be >= 1, got {self.tensor}")
         _require(self.pipeline >= 1, f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline}")
         _require(self.data is None or self.data >= 1, f"data-parallel size must be >= 1, got {self.data}")
+        _require(self.context >= 1, f"--context-parallel-size must be >= 1, got {self.context}")
+        _require(self.cp_comm_type in CP_COMM_TYPES,
+                 f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
 
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Return a copy with ``data`` derived from the world size, refusing a layout that does not divide."""
-        tp = self.tensor * self.pipeline
+        tp = self.tensor * self.pipeline * self.context
+        cp = f" x context-parallel-size {self.context}" if self.context > 1 else ""
         _require(
             world_size % tp == 0,
             f"world size {world_size} is not divisible by tensor-model-parallel-size {self.tensor} "
-            f"x pipeline-model-parallel-size {self.pipeline}",
+            f"x pipeline-model-parallel-size {self.pipeline}{cp}",
         )
         w = world_size // tp
         _require(
             self.data is None or self.data == w,
-            f"world size {world_size} != tensor {self.tensor} x pipeline {self.pipeline} x data {self.data}",
+            f"world size {world_size} != tensor {self.tensor} x pipeline {self.pipeline}{cp} x data {self.data}",
         )
-        return ParallelConfig(self.tensor, self.pipeline, w)
+        return ParallelConfig(self.tensor, self.pipeline, w, self.context, self.cp_comm_type)
 
     @property
     def world_size(self) -> int:
         _require(self.data is not None, "ParallelConfig.data is unresolved; call resolve(world_size)")
-        return self.tensor * self.pipeline * self.data
+        return self.tensor * self.pipeline * self.data * self.context
 
 
 P2P_MODES = ("auto", "prefetch", "grouped")

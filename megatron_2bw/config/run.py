@@ -187,6 +187,8 @@ class Layout:
     # the planner's recomputation inside stages (--recompute-granularity/-method/-num-layers); None: none
     recompute_policy: RecomputePolicy | None = None
     virtual_stages: int | None = None  # model chunks per rank (--virtual-pipeline-model-parallel-size)
+    context: int = 1  # --context-parallel-size
+    cp_comm_type: str = "p2p"  # --cp-comm-type
 
 
 def layout_configs(
@@ -197,9 +199,10 @@ def layout_configs(
     ``B`` defaults to ``b * w * d`` (``m = d``: the fewest microbatches PipeDream-2BW allows, and a
     small bubble for the flushing schedules); the microbatches per step and pipeline are ``m = B / (b * w)``.
     """
-    par = ParallelConfig(layout.tensor, layout.pipeline)
+    par = ParallelConfig(layout.tensor, layout.pipeline, context=layout.context, cp_comm_type=layout.cp_comm_type)
     model.check_tensor_parallel(par.tensor)
     model.check_sequence_parallel(par.tensor)
+    model.check_context_parallel(par.context, par.tensor)
     split = canonical_split(model.num_layers, par.pipeline, layout.layer_split)
     layers_per_stage(model.num_layers, par.pipeline, split)  # refuses an even split that does not divide
     par = par.resolve(world_size)

@@ -35,19 +35,20 @@ def _sdpa_backends(names: tuple[str, ...]) -> list:
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
                       causal: bool) -> torch.Tensor:
-    """``q [b, a, s, d]``, ``k, v [b, g, s, d]`` (a = g * per_group) -> ``[b, a, s, d]``, as SDPA computes it.
+    """``q [b, a, s, d]``, ``k, v [b, g, n, d]`` (a = g * per_group) -> ``[b, a, s, d]``, as SDPA computes it
+    (``n`` keys, ``s`` queries: context parallelism's chunks see a prefix of the keys).
     ``mask``: SDPA's convention (bool: True takes part; float: added to the scores)."""
     b, a, s, d = q.shape
-    g = k.shape[1]
-    scores = torch.matmul(q.reshape(b, g, (a // g) * s, d), k.transpose(-1, -2)).view(b, a, s, s)
+    g, n = k.shape[1], k.shape[2]
+    scores = torch.matmul(q.reshape(b, g, (a // g) * s, d), k.transpose(-1, -2)).view(b, a, s, n)
     scores = scores * (1.0 / math.sqrt(d))
     if causal:
-        keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        keep = torch.ones(s, n, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = F.dropout(torch.softmax(scores, dim=-1), p, p > 0)
-    return torch.matmul(probs.view(b, g, (a // g) * s, s), v).view(b, a, s, d)
+    return torch.matmul(probs.view(b, g, (a // g) * s, n), v).view(b, a, s, d)
 
 
 def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel.group import CPGroup
+from ..context_parallel.loss import first_token_only, masked_mean
 from ..fused import Kernels, layer_norm
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
@@ -55,16 +57,15 @@ class BertLoss:
 
     components = ("lm_loss", "sop_loss")  # the names :meth:`parts` returns, in this order
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
-        self.vocab_size, self.tp = cfg.vocab_size, tp
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, cp: CPGroup | None = None):
+        self.vocab_size, self.tp, self.cp = cfg.vocab_size, tp, cp
 
     def parts(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the total for backward, {"lm_loss": MLM, "sop_loss": SOP} detached)."""
         logits, sop = output
         losses = vocab_parallel_cross_entropy(logits, batch["labels"], self.vocab_size, self.tp)
-        mask = batch["loss_mask"]
-        lm = (losses * mask).sum() / mask.sum().clamp(min=1)
-        so = F.cross_entropy(sop.float(), batch["sop_label"])
+        lm = masked_mean(losses, batch["loss_mask"], self.cp)
+        so = first_token_only(F.cross_entropy(sop.float(), batch["sop_label"]), self.cp)  # [CLS]: context rank 0
         return lm + so, {"lm_loss": lm.detach(), "sop_loss": so.detach()}
 
     def __call__(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:

@@ -14,7 +14,7 @@ from . import bert, gpt
 class Family:
     causal: bool  # the attention masks future tokens
     head: type  # the last stage's module: head(cfg, tp, seed, kernels, word)
-    loss: Callable  # loss(cfg, tp) -> callable(out, batch)
+    loss: Callable  # loss(cfg, tp, cp) -> callable(out, batch)
     make_batch: Callable  # make_batch(sample, masks) -> the microbatch's tensors
 
 

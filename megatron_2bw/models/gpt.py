@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel.group import CPGroup
+from ..context_parallel.loss import masked_mean
 from ..fused import Kernels
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
@@ -36,15 +38,15 @@ class GPTHead(nn.Module):
 
 
 class GPTLoss:
-    """Mean LM loss over the tokens selected by ``loss_mask`` (vocab-parallel, never gathers logits)."""
+    """Mean LM loss over the tokens selected by ``loss_mask`` (vocab-parallel, never gathers logits; over the
+    whole sequence of the context-parallel group)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
-        self.vocab_size, self.tp = cfg.vocab_size, tp
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, cp: CPGroup | None = None):
+        self.vocab_size, self.tp, self.cp = cfg.vocab_size, tp, cp
 
     def __call__(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         losses = vocab_parallel_cross_entropy(logits, batch["labels"], self.vocab_size, self.tp)
-        mask = batch["loss_mask"]
-        return (losses * mask).sum() / mask.sum().clamp(min=1)
+        return masked_mean(losses, batch["loss_mask"], self.cp)
 
 
 @dataclass(frozen=True)

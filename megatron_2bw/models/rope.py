@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..context_parallel.group import CPGroup
+
 
 def inverse_frequencies(dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
     """``base ** (-2i/dim)`` for ``i < dim/2``, fp32."""
@@ -48,10 +50,15 @@ class RotaryEmbedding:
         self.dim, self.base = dim, base
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, s: int, device: torch.device, dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (s, start, device, dtype)
+    def tables(self, s: int, device: torch.device, dtype: torch.dtype, start: int = 0,
+               cp: CPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of ``s`` positions from ``start``; under context parallelism (``cp``), of this rank's
+        ``s`` tokens of the ``s * c`` long sequence (their global positions)."""
+        sharded = cp is not None and cp.size > 1
+        key = (s, start, device, dtype, (cp.rank, cp.size) if sharded else None)
         if key not in self._cache:
             if len(self._cache) > 8:
                 self._cache.clear()
-            self._cache[key] = rotary_tables(torch.arange(start, start + s, device=device), self.dim, self.base, dtype)
+            pos = cp.positions(s * cp.size, device) if sharded else torch.arange(start, start + s, device=device)
+            self._cache[key] = rotary_tables(pos, self.dim, self.base, dtype)
         return self._cache[key]

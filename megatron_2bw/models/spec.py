@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel.group import CPGroup, shard_batch
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
@@ -34,6 +35,7 @@ class ModelSpec:
     split: tuple[int, ...] | None = None  # layers per stage (schedule/stages.py); None: even
     recompute: RecomputePolicy | None = None  # recomputation inside the stage (pipeline/recompute.py)
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
+    cp: CPGroup | None = None  # context parallelism: each microbatch's sequence sharded over its ranks
 
     @property
     def num_items(self) -> int:
@@ -56,7 +58,7 @@ class ModelSpec:
                 layers.append(emb)
             elif i <= cfg.num_layers:
                 layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=family.causal, rng=self.rng,
-                                               kernels=self.kernels))
+                                               kernels=self.kernels, cp=self.cp))
             else:
                 layers.append(family.head(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else word))
         apply_recompute(layers, self.recompute)
@@ -94,11 +96,13 @@ class ModelSpec:
         return stage_range(self.cfg.num_layers, d, r, self.split)
 
     def loss_fn(self) -> Callable[[object, dict], torch.Tensor]:
-        return FAMILIES[self.cfg.kind].loss(self.cfg, self.tp)
+        return FAMILIES[self.cfg.kind].loss(self.cfg, self.tp, self.cp)
 
     def make_batch(self, sample) -> dict:
-        """Tensors of one microbatch from stacked samples (GPT: ``[b, s+1]`` tokens; BERT: dict)."""
-        return FAMILIES[self.cfg.kind].make_batch(sample, self.masks)
+        """Tensors of one microbatch from stacked samples (GPT: ``[b, s+1]`` tokens; BERT: dict), this
+        context rank's part of the sequence under context parallelism."""
+        batch = FAMILIES[self.cfg.kind].make_batch(sample, self.masks)
+        return batch if self.cp is None else shard_batch(batch, self.cp)
 
 
 def run_layers(layers: list[nn.Module], batch: dict, x=None):

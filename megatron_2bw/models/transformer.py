@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel.attention import all_gather_attention, ring_attention
+from ..context_parallel.group import CPGroup
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
@@ -22,9 +24,10 @@ from .rope import RotaryEmbedding, apply_rotary
 
 class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str, causal: bool, rng: RNGTracker | None,
-                 backend: str = "auto"):
+                 backend: str = "auto", cp: CPGroup | None = None):
         super().__init__()
         cfg.check_tensor_parallel(tp.size)
+        self.cp = cp if cp is not None and cp.size > 1 else None  # context parallelism (context_parallel/)
         self.causal, self.rng, self.dropout = causal, rng, cfg.attention_dropout
         self.backend = backend  # --attention-backend (attention_core.py)
         self.selective = False  # re-run core() in backward (RecomputePolicy selective)
@@ -52,11 +55,20 @@ class ParallelAttention(nn.Module):
 
         A given ``mask`` is complete (GPT's --reset-attention-mask is already causal)."""
         p = self.dropout if self.training else 0.0
-        causal = self.causal and mask is None  # --reset-attention-mask: the mask holds causality too
         if p > 0 and self.rng is not None:
             with self.rng.fork():  # this rank's heads draw their own dropout masks
-                return attention(self.backend, q, k, v, mask, p, causal)
-        return attention(self.backend, q, k, v, mask, p, causal)
+                return self._core(q, k, v, mask, p)
+        return self._core(q, k, v, mask, p)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              p: float) -> torch.Tensor:
+        causal = self.causal and mask is None  # --reset-attention-mask: the mask holds causality too
+        if self.cp is None:
+            return attention(self.backend, q, k, v, mask, p, causal)
+        if self.cp.comm_type == "p2p":  # the model's causality skips the key blocks in a query's future
+            return ring_attention(self.cp, q, k, v, mask, p, self.causal)
+        return all_gather_attention(self.cp, lambda *a: attention(self.backend, *a[:4], p, a[4]), q, k, v, mask,
+                                    self.causal)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[b, s, rows]`` -> q ``[b, heads, s, hd]``, k and v ``[b, groups, s, hd]`` (this rank's)."""
@@ -73,7 +85,7 @@ class ParallelAttention(nn.Module):
         b, s, _ = qkv.shape
         q, k, v = self.split_qkv(qkv)
         if self.rotary is not None:
-            cos, sin = self.rotary.tables(s, x.device, x.dtype)
+            cos, sin = self.rotary.tables(s, x.device, x.dtype, cp=self.cp)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.contiguous()  # else the stash keeps the whole QKV output alive through this view of it
         if self.selective:
@@ -116,13 +128,13 @@ class TransformerLayer(nn.Module):
 
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, seed: int, index: int, *, causal: bool,
-        rng: RNGTracker | None = None, kernels: Kernels | None = None,
+        rng: RNGTracker | None = None, kernels: Kernels | None = None, cp: CPGroup | None = None,
     ):
         super().__init__()
         prefix = f"layers.{index}"
         self.ln1 = norm(cfg, kernels, tp)
         self.attn = ParallelAttention(cfg, tp, seed, f"{prefix}.attn", causal, rng,
-                                      kernels.attention if kernels is not None else "auto")
+                                      kernels.attention if kernels is not None else "auto", cp)
         self.ln2 = norm(cfg, kernels, tp)
         self.mlp = ParallelMLP(cfg, tp, seed, f"{prefix}.mlp")
         self.hidden_dropout = cfg.hidden_dropout

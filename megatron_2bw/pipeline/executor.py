@@ -322,7 +322,7 @@ class PipelineRank(PostValidation):
     def _loss_factor(self, step: int) -> float:
         """What the last stage's loss is scaled by for backward: the step's loss scale (one for the whole
         step, on every stage) over the microbatches that average it."""
-        return self.updater.loss_scale(step) / (self.pipe.num_microbatches * self.state.w)
+        return self.updater.loss_scale(step) / (self.pipe.num_microbatches * self.state.data_width)
 
     def _backward_input(self, a: Action) -> None:
         """The input-gradient half of a split backward (:mod:`.split_backward`): recompute if the stage

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..checkpoint.names import WORD
+from ..context_parallel.group import CPGroup
 from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.build import build_stage
@@ -105,14 +106,15 @@ class Trainer:
         self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
         spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
                          split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline),
-                         masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)))
+                         masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)),
+                         cp=CPGroup.from_state(state, cfg.parallel.cp_comm_type) if state.c > 1 else None)
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
         place = cfg.pipeline.spec.placement(state.d)
         build, ranges = spec.rank_build(state.d, state.pp_rank, place)  # several chunks: interleaved, V
         self.stage = build_stage(
             build, spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
-            cfg.model.stage_activation_shape(b, state.t), rng_tracker=self.tracker, faults=faults,
+            cfg.model.stage_activation_shape(b, state.t, state.c), rng_tracker=self.tracker, faults=faults,
             names=GlobalNames(ranges[0][0], tied=WORD) if len(ranges) == 1 else GlobalNames.of_chunks(ranges, tied=WORD),
             cpu_init=cfg.system.use_cpu_initialization,  # off: each rank draws its own shards on its device
         )
@@ -124,8 +126,8 @@ class Trainer:
         self.m = cfg.pipeline.num_microbatches
         self.B = tc.global_batch_size
         self.provider = MicrobatchProvider(
-            prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.w,
-            dp_rank=state.dp_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
+            prep.train_ds, spec.make_batch, global_batch=self.B, micro_batch=b, m=self.m, w=state.data_width,
+            dp_rank=state.data_rank, device=state.device, start_step=self.stage.step, start_sample=prep.start_sample,
             vocab_size=cfg.model.vocab_size,
         )
         self.get_batch = self._progressing(self.provider)
@@ -188,7 +190,7 @@ class Trainer:
         tc, s = self.cfg.training, self.state
         provider = MicrobatchProvider(
             dataset, self.spec.make_batch, global_batch=self.B, micro_batch=self.cfg.pipeline.micro_batch_size,
-            m=self.m, w=s.w, dp_rank=s.dp_rank, device=s.device, start_step=0,
+            m=self.m, w=s.data_width, dp_rank=s.data_rank, device=s.device, start_step=0,
             start_sample=round_index * tc.eval_iters * self.B, vocab_size=self.cfg.model.vocab_size,
         )
         return self.stage.evaluate_components(tc.eval_iters * self.m, self._progressing(provider))

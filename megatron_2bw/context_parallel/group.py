@@ -1,0 +1,86 @@
+"""The context-parallel group and the load-balanced order of a sequence over it.
+
+A sequence of ``s`` tokens is cut into ``2c`` chunks of ``L = s / 2c``; rank ``r`` holds chunks ``r`` and
+``2c - 1 - r`` (Megatron's order), so under causal attention every rank has the same work: an early chunk
+sees few keys, its late partner many. Every rank reads the whole microbatch and keeps its two chunks
+(:func:`shard_batch`); masks keep their rows for the local queries and all their columns (the keys of
+every rank, in sequence order), so any mask works with either communication type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SEQ_KEYS = ("tokens", "labels", "loss_mask", "token_types", "position_ids")  # [b, s] tensors cut along s
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """Context-parallel process group, this rank's index in it, its size, ``--cp-comm-type``, and the
+    group's global ranks in context order (the ring's neighbours). Group None when size 1."""
+
+    group: object | None = None
+    rank: int = 0
+    size: int = 1
+    comm_type: str = "p2p"
+    ranks: tuple[int, ...] = (0,)
+
+    def __deepcopy__(self, memo) -> "CPGroup":
+        return self  # a handle to a process group: copies of a model share it
+
+    @classmethod
+    def from_state(cls, state, comm_type: str = "p2p") -> "CPGroup":
+        return cls(state.cp_group, state.cp_rank, state.c, comm_type, tuple(state.cp_ranks))
+
+    def chunks_of(self, rank: int) -> tuple[int, int]:
+        """The two global chunk numbers (of ``2c``) that ``rank`` holds, early one first."""
+        return rank, 2 * self.size - 1 - rank
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        return self.chunks_of(self.rank)
+
+    def positions(self, s: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global positions of this rank's ``2L`` tokens of a length-``s`` sequence, in local order."""
+        return positions_of(s, self.size, self.rank, device)
+
+    @property
+    def prev(self) -> int:
+        """Global rank of the ring's previous member (this rank receives from it)."""
+        return self.ranks[(self.rank - 1) % self.size]
+
+    @property
+    def next(self) -> int:
+        """Global rank of the ring's next member (this rank sends to it)."""
+        return self.ranks[(self.rank + 1) % self.size]
+
+
+def positions_of(s: int, c: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global positions of rank ``rank``'s two chunks of a length-``s`` sequence split over ``c`` ranks."""
+    if s % (2 * c):
+        raise ValueError(f"sequence length {s} is not divisible by 2 x context-parallel size {c}")
+    n = s // (2 * c)
+    a, b = rank, 2 * c - 1 - rank
+    return torch.cat([torch.arange(a * n, (a + 1) * n, device=device), torch.arange(b * n, (b + 1) * n, device=device)])
+
+
+def shard_batch(batch: dict, cp: CPGroup) -> dict:
+    """This rank's part of a whole microbatch: the ``[b, s]`` fields cut to its two chunks, masks'
+    query rows likewise (their key columns kept whole), and ``position_ids`` (the global positions) added
+    when absent, so learned position embeddings take the right rows."""
+    if cp.size == 1:
+        return batch
+    s = batch["tokens"].shape[1]
+    idx = cp.positions(s, batch["tokens"].device)
+    out = dict(batch)
+    for key in SEQ_KEYS:
+        if key in batch:
+            out[key] = batch[key].index_select(1, idx)
+    if "position_ids" not in batch:
+        out["position_ids"] = idx.expand(batch["tokens"].shape[0], -1)
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.shape[-2] == s:  # [b, 1, s, s]: rows are queries
+        out["attention_mask"] = mask.index_select(-2, idx)
+    return out
