@@ -24,7 +24,11 @@ Checks, each a row of one printed table and an entry of the JSON written to ``--
 Before those, the probes of ``gpu_probe.py``: the environment, whether a stream wait blocks other streams
 (``queue probe``), the SDPA kernel of every GPT/Llama attention configuration, ``--async-save``'s page-locked
 staging, and a GPT-1.3B stage in the trainer's configuration (fp32 gradients, saved-tensor hooks) with its
-MFU and its memory against the planner's model. The JSON is written after every section, to ``--out``
+MFU and its memory against the planner's model; and those of ``gpu_probe_overlap.py``: whether the
+allocator's out-of-memory retry synchronizes the device (``allocator retry sync``), the batch prefetch
+(``prefetch batches`` / ``prefetch h2d``), GEMMs on fewer SMs (``compute on fewer SMs``), the update's host
+wait against a GPU backlog (``update wait gpu backlog``) and, with 2 GPUs, the last stage's step time with
+the tied embedding against untied (``tied embedding d=2 last stage``). The JSON is written after every section, to ``--out``
 (default ``$OUT/gpu_check.json``, else the temporary directory); rows that would start after ``--budget-s``
 (450 s: the whole script within 8 minutes on one H200) are skipped and say so.
 
@@ -378,16 +382,21 @@ def _setup(args) -> dict:
 def _sections(env: dict, deadline: float):
     """Every check, in order of what it tells per second; each yields its rows (written as they come)."""
     import gpu_probe
+    import gpu_probe_overlap as overlap
     from megatron_2bw.training.log_format import peak_tflops_of
 
     device, kernels = env["device"], env["kernels"]
     yield [gpu_probe.environment_row(device), check_kernels(device)]
     yield gpu_probe.queue_rows(device)
+    yield overlap.alloc_sync_rows(device)
+    yield overlap.prefetch_rows(device)
+    yield [overlap.sm_share_row(device)]
     yield gpu_probe.sdpa_rows(device)
     yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
     yield gpu_probe.split_backward_rows(device)
     yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
     yield check_checkpoint_memory(device, "bf16", kernels)
+    yield [overlap.update_wait_row(device, deadline)]
     yield gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
     if env["cuda"] or env["cpu_trainer"]:
         yield [gpu_probe.trainer_resume_row(device, deadline)]
@@ -402,6 +411,7 @@ def _sections(env: dict, deadline: float):
             yield check_training(model, dtype, device, env["steps"], env["warmup"], env["m"], kernels,
                                  peak_tflops_of(env["name"], dtype))
     yield check_d2(env["n_gpus"])
+    yield [overlap.tied_d2_row(env["n_gpus"], deadline)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,7 +183,10 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     assert needs == {"checkpoint save device memory gpt-tiny bf16", "checkpoint resume device memory gpt-tiny bf16",
                      "d=2 w=1 2bw+distopt", "d=2 w=1 2bw+distopt CUDA_DEVICE_MAX_CONNECTIONS=1",
                      "queue probe CUDA_DEVICE_MAX_CONNECTIONS=unset", "queue probe CUDA_DEVICE_MAX_CONNECTIONS=1",
-                     "async staging pinned exact"}
+                     "async staging pinned exact", "allocator retry sync PYTORCH_CUDA_ALLOC_CONF=unset",
+                     "allocator retry sync PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                     "prefetch h2d gpt-tiny b=2 s=64", "compute on fewer SMs", "update wait gpu backlog",
+                     "tied embedding d=2 last stage"}
     assert checks["environment"]["torch"] == torch.__version__
     sdpa = [c for k, c in checks.items() if k.startswith("sdpa ")]
     assert len(sdpa) == 2 * 2 * 2 * 3 and all(c["kernel"] for c in sdpa)  # shapes x masks x dtypes x backends
@@ -206,6 +209,9 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
         assert c["tflops_per_device"] == pytest.approx(steps_per_s * fps / 1e12, rel=1e-9)
     assert checks["recompute replay gpt-tiny fp32"]["status"] == gpu_check.PASS
     assert checks["checkpoint resume gpt-tiny bf16"]["status"] == gpu_check.PASS
+    # P4: the prefetching provider's batches equal the direct ones, every one after the first served ahead
+    assert checks["prefetch batches gpt-tiny b=2 s=64"]["detail"].startswith("12 microbatches with prefetch == without")
+    assert checks["update wait gpu backlog"]["steps"]["0.0"]["update_wait_s"] >= 0  # P3: the code ran
 
 
 def test_muon_throughput_quick(tmp_path):
