@@ -149,3 +149,50 @@ def test_engine_losses_bitwise_with_prefetch():
             if prefetch:
                 assert provider.served_ahead == m * steps - 1  # every microbatch after the first
         assert runs[0] == runs[1] and all(x is not None for x, _ in runs[0]), schedule
+
+
+def test_side_stream_waits_for_its_event_and_records_the_compute_stream(monkeypatch):
+    """SideStream's CUDA calls, with torch.cuda's stream objects stood in for: the copies run under the side
+    stream, the event is recorded there, the compute stream waits for that event and every device tensor
+    is recorded on the compute stream (so the allocator keeps its memory until the compute is done)."""
+    from megatron_2bw.training import data_iter
+
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            calls.append(("wait", self.name, event.on))
+
+    class Event:
+        def record(self, stream):
+            self.on = stream.name
+            calls.append(("record", stream.name))
+
+    class Tensor:  # a device tensor as far as hand_over looks
+        def __init__(self, kind):
+            self.device = torch.device(kind)
+
+        def record_stream(self, stream):
+            calls.append(("record_stream", self.device.type, stream.name))
+
+    compute = Stream("compute")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream(f"side:{device}"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(calls.append(("enter", s.name))))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: compute)
+    dev = torch.device("cuda", 1)
+    side = data_iter.SideStream(dev)
+    with side.issuing():
+        mark = side.mark()
+    side.hand_over(mark, [Tensor("cuda"), Tensor("cpu"), Tensor("cuda")])
+    assert calls == [("enter", "side:cuda:1"), ("record", "side:cuda:1"), ("wait", "compute", "side:cuda:1"),
+                     ("record_stream", "cuda", "compute"), ("record_stream", "cuda", "compute")]
+    # on a CUDA device the provider prefetches through a SideStream unless told not to
+    p = MicrobatchProvider(Samples(8, 8, None), _make_batch, global_batch=4, micro_batch=2, m=2, w=1, dp_rank=0,
+                           device=dev)
+    assert isinstance(p.copies, data_iter.SideStream) and p.copies.stream.name == "side:cuda:1"
+    assert MicrobatchProvider(Samples(8, 8, None), _make_batch, global_batch=4, micro_batch=2, m=2, w=1, dp_rank=0,
+                              device=dev, prefetch=False).copies is None
