@@ -91,6 +91,8 @@ class MicrobatchProvider:
     yet (``copy_streams``: a :class:`SideStream` on CUDA). A re-request of an earlier microbatch (another
     chunk's forward, a re-run) loads it on the spot and keeps the prefetched one; a prefetch that cannot load
     (past the data's end, a bad token id) is dropped, so its error comes only if that microbatch is asked for.
+    ``make_batch`` then runs under the side stream one microbatch early, or not at all for a dropped one: it
+    must stay local (no collective) and keep no device tensor from one call to the next.
     """
 
     def __init__(
