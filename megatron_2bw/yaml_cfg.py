@@ -25,7 +25,6 @@ YAML_FLAG = "--yaml-cfg"
 
 # Common Megatron-LM flags this project does not implement, with what to use instead.
 MEGATRON_UNSUPPORTED = {
-    "--context-parallel-size": "context parallelism",
     "--num-experts": "mixture of experts",
     "--expert-model-parallel-size": "mixture of experts",
     "--transformer-impl": "Transformer Engine; --fused-kernels picks apex or torch kernels",

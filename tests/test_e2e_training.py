@@ -95,7 +95,7 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
     lines = [ln for ln in res.stderr.splitlines() if "TFLOP/s/device" in ln]
     assert lines and all(len(parse_bubble(ln) or ()) == d for ln in lines), lines[:2]
     start = by_type["start"][0]
-    assert start["layout"] == {"t": t, "d": d, "w": w} and start["num_microbatches"] == 8 // (2 * w)
+    assert start["layout"] == {"t": t, "d": d, "w": w, "c": 1} and start["num_microbatches"] == 8 // (2 * w)
 
     end = by_type["end"][0]
     if "--enable-optimizer-post-validation" in spec:  # speculated where the previous step did not clip; some did

@@ -59,7 +59,7 @@ def _report(device: str, monkeypatch):
 
     monkeypatch.setattr(report.torch.cuda, "get_device_name", lambda dev: "NVIDIA H200")
     cfg = build_config(parse_args(BASE, "gpt"), "gpt", 1)
-    state = types.SimpleNamespace(device=torch.device(device), t=1, d=1, w=1, world_size=1)
+    state = types.SimpleNamespace(device=torch.device(device), t=1, d=1, w=1, c=1, data_width=1, world_size=1)
     stats = {"weight_bytes": 1 << 20, "grad_bytes": 1 << 20, "optimizer_bytes": 2 << 20}
     rep = report.StepReport(cfg, state, _Writer(), (), lambda n: n, 0)
     rep.start([stats], 0, Kernels(), None)

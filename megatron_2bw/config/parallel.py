@@ -58,6 +58,10 @@ class ParallelConfig:
         _require(self.data is not None, "ParallelConfig.data is unresolved; call resolve(world_size)")
         return self.tensor * self.pipeline * self.data * self.context
 
+    def context_text(self) -> str:
+        """`` c=2 (p2p)`` for the start-up lines' layout (nothing without context parallelism)."""
+        return f" c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
+
 
 P2P_MODES = ("auto", "prefetch", "grouped")
 

@@ -289,7 +289,9 @@ class RunConfig:
                  f"{self.model.attention_dropout} on the CPU: torch's CPU flash kernel has no dropout (use auto, "
                  "unfused or --attention-dropout 0)")
         masked = "BERT's padding mask" if self.kind == "bert" else \
-            "--reset-attention-mask's mask" if self.data.reset_attention_mask else None
+            "--reset-attention-mask's mask" if self.data.reset_attention_mask else \
+            "--cp-comm-type all_gather's causal prefix mask" if self.parallel.context > 1 and \
+            self.parallel.cp_comm_type == "all_gather" else None
         _require(not (self.system.attention_backend == "flash" and masked),
                  f"--attention-backend flash takes no attention mask ({masked}): use fused, auto or unfused")
         problem = gqa_kernel_problem(self.system.attention_backend, self.system.device,

@@ -175,7 +175,7 @@ def gradient_sync_time(params: int, cand: Candidate, cluster: Cluster, pb: Param
     """The stage's data-parallel gradient traffic per batch: an all-reduce of the gradients, or
     with the distributed optimizer a reduce-scatter of them plus an all-gather of the weights (each
     half a ring all-reduce of its buffer)."""
-    t, w = cand.tensor_parallel, cand.data_parallel
+    t, w = cand.tensor_parallel, cand.replicas  # the context ranks are replicas too
     if not cand.distributed_optimizer:
         return data_parallel_allreduce_time(params * pb.grad, t, w, cluster)
     scatter = data_parallel_allreduce_time(params * pb.grad, t, w, cluster) / 2
@@ -261,7 +261,7 @@ def inner_recompute_cost(costs: MicrobatchCosts, num_layers: int, policy: Recomp
 def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int, cluster: Cluster,
                in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
     """The terms of stage ``stage`` holding ``part`` (any number of layers: ``planner/split.py``)."""
-    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
+    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.replicas  # placement: a stage spans t*c*w ranks
     passes = 2 if cand.recompute else 1  # our engine recomputes the whole stage, embedding and head included
     lay, emb, head = costs.layer, costs.embedding, costs.head
     blocks = [(lay, part.num_layers)] + ([(emb, 1)] if part.embedding else []) + ([(head, 1)] if part.head else [])
@@ -312,7 +312,7 @@ def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluste
                 param_bytes: ParamBytes = ParamBytes()) -> tuple[StageTime, ...]:
     """Every distinct stage: the first, the last, and one middle stage per pattern of its links
     (every stage under an uneven split)."""
-    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
+    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.replicas  # placement: a stage spans t*c*w ranks
     bw = [boundary_bandwidth(t, w, i, cluster) for i in range(d - 1)]
     picked: dict[tuple[float, float], int] = {}
     for i in range(1, d - 1):
@@ -331,7 +331,7 @@ def _sequential_microbatch_s(costs: MicrobatchCosts, cand: Candidate, num_layers
     (both of its ends count it)."""
     d = cand.pipeline_parallel
     per_stage = {s.stage: s for s in stages}
-    bw = [boundary_bandwidth(cand.tensor_parallel, cand.data_parallel, i, cluster) for i in range(d - 1)]
+    bw = [boundary_bandwidth(cand.tensor_parallel, cand.replicas, i, cluster) for i in range(d - 1)]
     inf = float("inf")
     total = 0.0
     for i in range(d):

@@ -192,23 +192,28 @@ class LayerCosts:
 
     ``sequence_parallel``: the setting ``table`` was counted or measured with (the model's). ``sp_table``:
     where the search tries sequence parallelism as an axis, the same (t > 1, b) with it on (``table``
-    then holds them with it off); empty otherwise.
+    then holds them with it off); empty otherwise. ``cp_table``: a rank's costs under context parallelism
+    per ``(c, cp_comm_type, t, b, sequence_parallel)`` (``context_costs.context_table``; analytic only).
     """
 
     source: str
     table: Mapping[tuple[int, int], MicrobatchCosts]
     sequence_parallel: bool = False
     sp_table: Mapping[tuple[int, int], MicrobatchCosts] = field(default_factory=dict)
+    cp_table: Mapping[tuple, MicrobatchCosts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.table:
             raise ConfigError(f"layer costs from {self.source} have no entries")
 
-    def at(self, tensor_parallel: int, micro_batch_size: int,
-           sequence_parallel: bool | None = None) -> MicrobatchCosts | None:
+    def at(self, tensor_parallel: int, micro_batch_size: int, sequence_parallel: bool | None = None,
+           context: tuple[int, str] | None = None) -> MicrobatchCosts | None:
         """The costs at (t, b); with ``sequence_parallel`` given, those of that setting (None where unknown).
-        At t = 1 sequence parallelism changes nothing, so both settings read ``table``."""
+        At t = 1 sequence parallelism changes nothing, so both settings read ``table``. ``context``: (c, comm)."""
         key = (tensor_parallel, micro_batch_size)
+        if context is not None:
+            sp = bool(sequence_parallel if sequence_parallel is not None else self.sequence_parallel)
+            return self.cp_table.get((*context, *key, sp and tensor_parallel > 1))
         if sequence_parallel is None or tensor_parallel == 1 or sequence_parallel == self.sequence_parallel:
             return self.table.get(key)
         return self.sp_table.get(key) if sequence_parallel else None
@@ -358,10 +363,8 @@ def _head_cost(model: ModelConfig, cluster: Cluster, b: int, t: int, e: int, spe
         # pooler's is a view of hidden states already counted)
         weight_grad_input_bytes=(2 * shard + (2 * b * s * 4 if model.normalization == "LayerNorm" else 0)
                                  + (2 * hidden + 2 * b * s * 4 + e * b * h if model.kind == "bert" else 0)),
-        params=head_params(model, t),
-        stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
-        input_bytes=shard, output_bytes=0,
-        workspace_bytes=(e + 4) * logits,
+        params=head_params(model, t), stash_bytes=2 * shard + SOFTMAX_BYTES * logits + bert_extra,
+        input_bytes=shard, output_bytes=0, workspace_bytes=(e + 4) * logits,
         tp_allreduce_forward_bytes=3 * b * s * 4 if t > 1 else 0,  # max, sum, target logit (fp32)
         tp_allreduce_backward_bytes=hidden if t > 1 else 0,
     )

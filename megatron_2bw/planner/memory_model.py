@@ -75,105 +75,11 @@ from dataclasses import dataclass, replace
 
 from ..config import CKPT_GATHER_CHUNK
 from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
-from ..config import resolve_compensation
-from ..errors import ConfigError
 from ..schedule.stages import Split, StageSlice, stage_slice
 from ..schedule.recompute_policy import RecomputePolicy
-from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
+from .candidate import SEQUENTIAL, Candidate, ParamBytes  # noqa: F401 - re-exported: the planner's names
 from .layer_costs import MicrobatchCosts
 from .spec_cache import held_pairs, spec_of
-
-# Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
-# A baseline of the paper's comparison, not a schedule of the trainer.
-SEQUENTIAL = "sequential"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the search: the layout (t, d, w), microbatch b, m per batch, recompute, schedule."""
-
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    micro_batch_size: int
-    num_micro_batches: int
-    recompute: bool
-    schedule: str
-    layer_split: tuple[int, ...] | None = None  # layers per stage; None: the even split
-    # recomputation inside each stage (Megatron's --recompute-granularity); ``recompute``: whole stages
-    recompute_policy: RecomputePolicy | None = None
-    # ZeRO-1: master and optimizer state sharded over the w replicas (a no-op at w = 1)
-    distributed_optimizer: bool = False
-    async_save: bool = False  # --async-save: a host copy of what each rank writes (StageMemory.host_save)
-    # --sequence-parallel (t > 1): norms, dropout and the residual stream sharded over the tensor group;
-    # its costs (a layer's whole stash over t, sharded stage inputs) are ``LayerCosts.at(..., True)``'s
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if self.layer_split is not None:
-            object.__setattr__(self, "layer_split", tuple(int(n) for n in self.layer_split))
-        if self.recompute_policy is not None and not self.recompute_policy.active:
-            object.__setattr__(self, "recompute_policy", None)
-        if self.recompute and self.recompute_policy is not None:
-            raise ConfigError("use either --recompute-activations (whole stages) or --recompute-granularity")
-        for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
-        name, pv = parse_schedule_id(self.schedule)
-        if name not in (*SCHEDULES, SEQUENTIAL):  # the registry as it is now (tests add schedules)
-            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.schedule != SEQUENTIAL:
-            validate_pipeline(name, self.pipeline_parallel, self.num_micro_batches, post_validation=pv)
-        if self.sequence_parallel and self.tensor_parallel == 1:
-            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-
-    @property
-    def num_gpus(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_micro_batches * self.data_parallel
-
-
-@dataclass(frozen=True)
-class ParamBytes:
-    """Bytes per parameter of each copy kept (``grad``: per gradient buffer); ``per_param`` is the
-    usual 16 of mixed-precision Adam with fp16 gradients."""
-
-    weight: int = 2
-    grad: int = 2
-    master: int = 4
-    optimizer_state: int = 8
-    stale_correction: int = 0  # the 2BW compensation's state (2BW candidates only; module docstring)
-    # bytes of optimizer state fewer per element of a Muon matrix (--optimizer muon: one fp32 momentum
-    # buffer instead of Adam's two moments; the transformer layers' weights, see muon_matrix_numel)
-    muon_saving: int = 0
-
-    @classmethod
-    def for_precision(cls, precision: str, fp32_grads: bool | None = None, compensation: str = "none",
-                      optimizer: str = "adam") -> "ParamBytes":
-        """The copies of ``precision``; ``fp32_grads`` None: that precision's default accumulation;
-        ``compensation``: the run's ``--2bw-compensation``; ``optimizer``: ``--optimizer`` (muon: 4 bytes
-        less state per matrix element)."""
-        # auto: the trainer's default for a 2BW stage (replicated optimizer; predict costs nothing in half
-        # precision and is what auto picks there, and with the distributed optimizer auto picks none: 0 too)
-        # auto resolves per schedule; these bytes are what a stale-gradient schedule pays (the others pay none:
-        # compensation_bytes), so resolve as for one staleness step
-        compensation = resolve_compensation(compensation, 1, optimizer, precision, False)
-        if optimizer == "muon":
-            return replace(cls.for_precision(precision, fp32_grads, compensation), muon_saving=4)
-        if precision not in ("fp16", "bf16", "fp32"):
-            raise ConfigError(f"unknown precision {precision!r}; choose one of fp16, bf16, fp32")
-        extra = 4 if compensation in ("ef", "extrapolate") or (compensation == "predict" and precision == "fp32") else 0
-        if precision in ("fp16", "bf16"):
-            return cls(2, 4 if fp32_grads_for(precision, fp32_grads) else 2, 4, 8, extra)
-        return cls(4, 4, 0, 8, extra)
-
-    @property
-    def per_param(self) -> int:
-        return self.weight + self.grad + self.master + self.optimizer_state
-
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -208,7 +114,7 @@ class StageMemory:
 def save_bytes(shard: int, cand: "Candidate") -> int:
     """Device bytes of a save: the distributed optimizer's gather buffer (fp32, at most
     ``CKPT_GATHER_CHUNK`` elements) on data-parallel rank 0; nothing otherwise."""
-    return 4 * min(shard, CKPT_GATHER_CHUNK) if cand.distributed_optimizer and cand.data_parallel > 1 else 0
+    return 4 * min(shard, CKPT_GATHER_CHUNK) if cand.distributed_optimizer and cand.replicas > 1 else 0
 
 
 def async_save_host_bytes(params: int, cand: "Candidate", param_bytes: "ParamBytes") -> int:
@@ -217,7 +123,7 @@ def async_save_host_bytes(params: int, cand: "Candidate", param_bytes: "ParamByt
         return 0
     per_param = (weight_versions(cand.schedule) * param_bytes.weight + param_bytes.master
                  + param_bytes.optimizer_state + _stale_correction(cand, param_bytes))
-    return -(-params // cand.data_parallel) * per_param
+    return -(-params // cand.replicas) * per_param
 
 
 def weight_versions(schedule: str) -> int:
@@ -232,8 +138,9 @@ def grad_buffers(schedule: str) -> int:
 
 def shard_numel(numel: int, cand: Candidate) -> int:
     """Elements of the flat parameter buffer whose master and optimizer state one GPU keeps:
-    ``ceil(N/w)`` with the distributed optimizer (equal shards, the last one padded), else ``N``."""
-    w = cand.data_parallel
+    ``ceil(N/w)`` with the distributed optimizer (equal shards, the last one padded; ``w`` the weight replicas,
+    ``Candidate.replicas``: the data width times the context-parallel size), else ``N``."""
+    w = cand.replicas
     return -(-numel // w) if cand.distributed_optimizer else numel
 
 

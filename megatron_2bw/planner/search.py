@@ -42,7 +42,11 @@ from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.stages import StageSlice
 from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
                                   parse_schedule_id, spec_of, validate_pipeline)
-from .cost_model import Prediction, inner_recompute_cost, predict
+from .candidates import (SELECTIVE_MIN_SAVING, candidates, context_choices,  # noqa: F401 - re-exported
+                         distributed_optimizer_choices, micro_batch_sizes, pipeline_depths, runs,
+                         sequence_parallel_choices, tensor_sizes)
+from .context_costs import context_sizes, context_table
+from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
 from .memory_model import (SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory,
@@ -197,99 +201,12 @@ class SearchResult:
         return len(self.ranked) if self.fit < 0 else self.fit
 
 
-def tensor_sizes(model: ModelConfig, cluster: Cluster, num_gpus: int) -> tuple[int, ...]:
-    """``t`` that fit in a server, divide the heads, the query groups and FFN, and divide ``N``."""
-    G = cluster.devices_per_server
-    return tuple(t for t in range(1, G + 1)
-                 if G % t == 0 and num_gpus % t == 0 and model.num_attention_heads % t == 0
-                 and model.query_groups % t == 0 and model.ffn_hidden_size % t == 0)
-
-
-def pipeline_depths(model: ModelConfig, num_gpus: int, t: int, uneven: bool = False) -> tuple[int, ...]:
-    """``d`` that leave a whole number of replicas and divide the layers (any ``d <= L`` when ``uneven``)."""
-    return tuple(d for d in range(1, model.num_layers + 1)
-                 if (uneven or model.num_layers % d == 0) and num_gpus % (t * d) == 0)
-
-
-def micro_batch_sizes(limit: int) -> tuple[int, ...]:
-    """Powers of two up to ``limit``."""
-    out, b = [], 1
-    while b <= limit:
-        out.append(b)
-        b *= 2
-    return tuple(out)
-
-
 def default_costs(request: PlanRequest) -> LayerCosts:
     """The analytic estimate on the grid the search needs."""
     return analytic_layer_costs(request.model, request.cluster, request.precision,
                                 tensor_sizes(request.model, request.cluster, request.num_gpus),
                                 micro_batch_sizes(request.max_micro_batch_size),
                                 search_sequence_parallel=request.searches_sequence_parallel)
-
-
-def sequence_parallel_choices(request: PlanRequest, costs: LayerCosts, t: int, b: int) -> tuple[bool, ...]:
-    """The sequence-parallel settings tried at (t, b): none but off at t = 1 (nothing to shard), and only
-    those the costs know (``LayerCosts.at``); costs of one setting only (a profile) are that setting."""
-    if not costs.sp_table:
-        return (costs.sequence_parallel and t > 1,)
-    wanted = dict.fromkeys(sp and t > 1 for sp in request.sequence_parallel_choices)
-    return tuple(sp for sp in wanted if costs.at(t, b, sp) is not None)
-
-
-def distributed_optimizer_choices(request: PlanRequest, w: int) -> tuple[bool, ...]:
-    """The optimizer settings tried at width ``w``: sharding one replica changes nothing."""
-    return tuple(o for o in dict.fromkeys(request.distributed_optimizer_options) if w > 1 or not o) or (False,)
-
-
-def candidates(request: PlanRequest, costs: LayerCosts) -> Iterator[Candidate]:
-    """Every candidate of the search space (see the module docstring)."""
-    N, B = request.num_gpus, request.global_batch_size
-    valid_t = set(tensor_sizes(request.model, request.cluster, N))
-    for t in costs.tensor_sizes():
-        if t not in valid_t:
-            continue
-        for d in pipeline_depths(request.model, N, t, request.balance_stages):
-            if d == 1 and not request.no_pipelining:
-                continue
-            w = N // (t * d)
-            # one stage has no pipeline: Flush stands for every schedule (one version, one stash)
-            schedules = ("flush",) if d == 1 else request.schedules
-            for b in costs.micro_batch_sizes(t):
-                if b > request.max_micro_batch_size or B % (b * w):
-                    continue
-                m = B // (b * w)
-                sps = sequence_parallel_choices(request, costs, t, b)
-                for schedule, sp in ((x, y) for x in schedules for y in sps):
-                    if schedule != SEQUENTIAL and not runs(schedule, request.model.num_layers, d, m):
-                        continue
-                    c = costs.at(t, b, sp)
-                    policies = sorted((p for p in request.recompute_policies if not _saves_nothing(p, c)),
-                                      key=lambda p: inner_recompute_cost(c, request.model.num_layers, p)[0])
-                    for zero in distributed_optimizer_choices(request, w):
-                        # cheapest recomputation first (none, inside stages, whole stages): see search()
-                        if False in request.recompute_options:
-                            yield Candidate(t, d, w, b, m, False, schedule, distributed_optimizer=zero,
-                                            sequence_parallel=sp, async_save=request.async_save)
-                        for policy in policies:
-                            yield Candidate(t, d, w, b, m, False, schedule, recompute_policy=policy,
-                                            distributed_optimizer=zero, sequence_parallel=sp,
-                                            async_save=request.async_save)
-                        if True in request.recompute_options:
-                            yield Candidate(t, d, w, b, m, True, schedule, distributed_optimizer=zero,
-                                            sequence_parallel=sp, async_save=request.async_save)
-
-
-# Selective recomputation is skipped where it frees less than this share of a layer's stash: with a
-# fused attention kernel (``Cluster.flash_attention``) the core keeps no s^2 tensors, so re-running
-# it costs its forward and saves next to nothing.
-SELECTIVE_MIN_SAVING = 0.01
-
-
-def _saves_nothing(policy: RecomputePolicy, costs: MicrobatchCosts | None) -> bool:
-    """Whether ``policy`` is selective and frees (almost) none of the layer's stash."""
-    return (policy.granularity == "selective" and costs is not None
-            and costs.layer.core_stash_bytes < SELECTIVE_MIN_SAVING * costs.layer.stash_bytes)
 
 
 def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest,
@@ -328,20 +245,6 @@ def _group(c: Candidate) -> tuple:
 def candidate_costs(costs: LayerCosts, cand: Candidate) -> MicrobatchCosts | None:
     """The costs of ``cand``'s (t, b) with its sequence-parallel setting."""
     return costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel)
-
-
-def runs(schedule: str, num_layers: int, d: int, m: int) -> bool:
-    """Whether the trainer would run ``schedule`` at depth ``d`` with ``m`` microbatches: its own layout rules
-    (``validate_pipeline``: interleaved's m a multiple of d, zb-v's m >= 2d - 1, ...) and, with several
-    chunks per rank, layers that divide evenly into the d * chunks virtual stages (uneven splits are refused
-    there, so the search keeps chunked schedules on even splits)."""
-    try:
-        name, pv = parse_schedule_id(schedule)
-        validate_pipeline(name, d, m, post_validation=pv)
-    except ConfigError:
-        return False
-    chunks = spec_of(schedule).chunks
-    return chunks == 1 or num_layers % (d * chunks) == 0
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest, max_batch_s: float = math.inf,

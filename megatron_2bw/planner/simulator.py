@@ -419,7 +419,7 @@ def _deferred(costs: MicrobatchCosts, cand: Candidate, num_layers: int, r: int, 
 
 def cluster_links(cand: Candidate, cluster: Cluster) -> list[Link]:
     """The boundaries' per-GPU bandwidths of the cost model (``cost_model.boundary_bandwidth``)."""
-    t, w = cand.tensor_parallel, cand.data_parallel
+    t, w = cand.tensor_parallel, cand.replicas
     return [Link(boundary_bandwidth(t, w, i, cluster)) for i in range(cand.pipeline_parallel - 1)]
 
 

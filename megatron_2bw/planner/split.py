@@ -97,7 +97,7 @@ def _slice(r: int, d: int, n: int) -> StageSlice:
 def stage_lines(costs: MicrobatchCosts, cand: Candidate, cluster: Cluster,
                 param_bytes: ParamBytes = ParamBytes()) -> tuple[list[float], list[float]]:
     """``(base_r, slope_r)`` of every stage: its time per microbatch with 0 layers and per layer."""
-    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel
+    t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.replicas
     bw = [boundary_bandwidth(t, w, i, cluster) for i in range(d - 1)]
     lines: dict[tuple, tuple[float, float]] = {}  # middle stages with the same links cost the same
     for r in range(d):

@@ -51,9 +51,10 @@ class StepReport:
         params = cfg.model.num_parameters()
         resumed = f" | resumed from iteration {step}" if resumed_from is not None else ""
         log.info(
-            "%s %.2fM parameters | layout t=%d d=%d w=%d (%d processes, %s on %s) | b=%d m=%d B=%d%s | "
+            "%s %.2fM parameters | layout t=%d d=%d w=%d%s (%d processes, %s on %s) | b=%d m=%d B=%d%s | "
             "%s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
-            cfg.kind.upper(), params / 1e6, s.t, s.d, s.w, s.world_size, cfg.system.backend, cfg.system.device,
+            cfg.kind.upper(), params / 1e6, s.t, s.d, s.data_width, cfg.parallel.context_text(), s.world_size,
+            cfg.system.backend, cfg.system.device,
             cfg.pipeline.micro_batch_size, self.m, self.B,
             " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), kernels.describe(),
             mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
@@ -62,7 +63,7 @@ class StepReport:
             log.info(HOST_CLOCK_NOTE)
         self.metrics.write({
             "type": "start", "time": time.time(), "world_size": s.world_size,
-            "layout": {"t": s.t, "d": s.d, "w": s.w}, "schedule": cfg.pipeline.schedule,
+            "layout": {"t": s.t, "d": s.d, "w": s.data_width, "c": s.c}, "schedule": cfg.pipeline.schedule,
             "micro_batch_size": cfg.pipeline.micro_batch_size, "num_microbatches": self.m, "global_batch_size": self.B,
             "precision": cfg.optimizer.dtype, "kernels": asdict(kernels), "parameters": params,
             "resumed_from": resumed_from, "stages": stages, "config": describe(cfg),
