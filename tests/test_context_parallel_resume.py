@@ -3,6 +3,7 @@
 pretrain_gpt.py, gpt-tiny, fp32 on CPU, ``--ckpt-format torch_dist`` (its tensors are global, so the
 context-parallel size may change on load): each layout trains 8 steps, saving at 4; each checkpoint of
 step 4 is resumed at the other layout, whose steps 5-8 must equal that layout's own uninterrupted run.
+At c = 2 the optimizer is distributed over the two context ranks, so each resume also reshards its state.
 The c ranks hold the same weights and optimizer state as one rank, and the arithmetic differs only by
 the attention's block merge, so the tolerance is rounding (1e-5 on a loss of about 6). SGD with momentum
 (its state is checkpointed): Adam would turn the rounding noise of gradients that are zero in exact
@@ -22,7 +23,8 @@ CUT, END = 4, 8
 
 
 def _run(args: list[str], c: int, metrics: str, *, comm: str = "p2p") -> dict[int, float]:
-    cp = ["--context-parallel-size", str(c), "--cp-comm-type", comm] if c > 1 else []
+    """At c = 2 with the distributed optimizer: its shards (over the two context ranks) are resharded on load."""
+    cp = ["--context-parallel-size", str(c), "--cp-comm-type", comm, "--use-distributed-optimizer"] if c > 1 else []
     res = train([*args, *cp, "--metrics-file", metrics], nproc=c, timeout=300)
     assert res.returncode == 0, res.describe()
     return train_losses(read_metrics(metrics))
