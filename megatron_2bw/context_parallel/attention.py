@@ -29,18 +29,13 @@ def _global_order(c: int, n: int, device: torch.device) -> torch.Tensor:
     offset = [0] * (2 * c)
     for r in range(c):
         offset[r], offset[2 * c - 1 - r] = 2 * r * n, (2 * r + 1) * n
-    return torch.cat([torch.arange(o, o + n, device=device) for o in offset])
+    return torch.cat([torch.arange(o, o + n, device=device) for o in offset])  # 2c ranges: no per-element loop
 
 
 def _gather_kv(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """``[b, g, 2L, d]`` of every rank -> ``[b, g, s, d]`` in sequence order."""
     full = gather_seq(x.transpose(1, 2), cp).transpose(1, 2)  # [b, g, c*2L, d] in rank order
     return full.index_select(2, _global_order(cp.size, x.shape[2] // 2, x.device))
-
-
-def _lower_right_keep(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """Causal mask of the last ``rows`` queries of a ``cols``-token prefix: row i sees keys <= cols-rows+i."""
-    return torch.arange(rows, device=device)[:, None] + (cols - rows) >= torch.arange(cols, device=device)[None, :]
 
 
 def _mask_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
@@ -50,20 +45,20 @@ def _mask_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | No
 
 def all_gather_attention(cp: CPGroup, core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """``core(q, k, v, mask, causal)`` is the model's attention core; ``mask`` keeps its columns whole."""
+    """``core(q, k, v, mask, causal)`` is the model's attention core, ``causal`` with more keys than queries
+    meaning the queries are the last of the keys' prefix; ``mask`` (which holds causality itself when given)
+    keeps its columns whole."""
     kg, vg = _gather_kv(k, cp), _gather_kv(v, cp)
     if not causal:
         return core(q, kg, vg, mask, False)
     n = q.shape[2] // 2
     outs = []
     for j, chunk in enumerate(cp.chunks):
-        end = (chunk + 1) * n
-        keep = _lower_right_keep(n, end, q.device)
+        end = (chunk + 1) * n  # the keys up to this chunk's end: the rest lie in its future
         rows = _mask_rows(mask, j * n, (j + 1) * n)
-        if rows is None and mask is not None:
-            rows = mask
-        keep = keep if rows is None else keep & rows[..., :end]
-        outs.append(core(q[:, :, j * n:(j + 1) * n], kg[:, :, :end], vg[:, :, :end], keep, False))
+        rows = mask if rows is None else rows
+        outs.append(core(q[:, :, j * n:(j + 1) * n], kg[:, :, :end], vg[:, :, :end],
+                         None if rows is None else rows[..., :end], rows is None))
     return torch.cat(outs, dim=2)
 
 

@@ -36,26 +36,39 @@ def _sdpa_backends(names: tuple[str, ...]) -> list:
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
                       causal: bool) -> torch.Tensor:
     """``q [b, a, s, d]``, ``k, v [b, g, n, d]`` (a = g * per_group) -> ``[b, a, s, d]``, as SDPA computes it
-    (``n`` keys, ``s`` queries: context parallelism's chunks see a prefix of the keys).
-    ``mask``: SDPA's convention (bool: True takes part; float: added to the scores)."""
+    (``n >= s`` keys: a context-parallel chunk's queries are the last ``s`` of an ``n``-token prefix, so
+    ``causal`` is aligned bottom-right). ``mask``: SDPA's convention (bool: True takes part; float: added)."""
     b, a, s, d = q.shape
     g, n = k.shape[1], k.shape[2]
     scores = torch.matmul(q.reshape(b, g, (a // g) * s, d), k.transpose(-1, -2)).view(b, a, s, n)
     scores = scores * (1.0 / math.sqrt(d))
     if causal:
-        keep = torch.ones(s, n, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        scores = scores.masked_fill(~prefix_causal_keep(s, n, q.device), float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = F.dropout(torch.softmax(scores, dim=-1), p, p > 0)
     return torch.matmul(probs.view(b, g, (a // g) * s, n), v).view(b, a, s, d)
 
 
+def prefix_causal_keep(s: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[s, n]`` causal mask of the last ``s`` queries of an ``n``-token sequence (bottom-right aligned)."""
+    return torch.arange(s, device=device)[:, None] + (n - s) >= torch.arange(n, device=device)[None, :]
+
+
 def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
               causal: bool) -> torch.Tensor:
-    """The core by ``backend`` (module docstring); ``p`` the dropout probability (0 in eval)."""
+    """The core by ``backend`` (module docstring); ``p`` the dropout probability (0 in eval). With more keys
+    than queries, ``causal`` means the queries are the keys' last ones (context parallelism's prefix): SDPA
+    takes that as torch's bottom-right causal bias, which its fused kernels run without a mask tensor."""
     if backend in ("unfused", "local"):
         return unfused_attention(q, k, v, mask, p, causal)
+    if causal and q.shape[2] != k.shape[2]:
+        from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415 - torch >= 2.3
+
+        if q.shape[1] != k.shape[1]:  # its flash path takes no grouped heads: the mask, materialized
+            mask, causal = prefix_causal_keep(q.shape[2], k.shape[2], q.device), False
+        else:
+            mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     if backend == "auto":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
