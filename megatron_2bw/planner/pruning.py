@@ -42,7 +42,7 @@ def chunks_of(cand: Candidate) -> int:
 def lines_key(cand: Candidate) -> tuple:
     """What ``split.stage_lines`` reads of a candidate: not the schedule's bubble, m, or the optimizer."""
     return (cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel, cand.micro_batch_size,
-            cand.sequence_parallel, cand.recompute, cand.recompute_policy, chunks_of(cand))
+            cand.sequence_parallel, cand.recompute, cand.recompute_policy, chunks_of(cand), cand.context)
 
 
 class StageLines:
@@ -56,7 +56,7 @@ class StageLines:
         key = lines_key(cand)
         lines = self._lines.get(key)
         if lines is None:
-            c = self.costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel)
+            c = self.costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel, cand.context)
             lines = self._lines[key] = stage_lines(c, cand, self.cluster, self.param_bytes)
         return lines
 

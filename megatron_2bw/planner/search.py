@@ -36,15 +36,15 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping
 
-from ..config import ModelConfig
+from ..config import CP_COMM_TYPES, ModelConfig
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.stages import StageSlice
 from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
-                                  parse_schedule_id, spec_of, validate_pipeline)
+                                  parse_schedule_id, spec_of)
 from .candidates import (SELECTIVE_MIN_SAVING, candidates, context_choices,  # noqa: F401 - re-exported
                          distributed_optimizer_choices, micro_batch_sizes, pipeline_depths, runs,
-                         sequence_parallel_choices, tensor_sizes)
+                         sequence_parallel_choices, tensor_sizes, within_server)
 from .context_costs import context_sizes, context_table
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
@@ -101,6 +101,10 @@ class PlanRequest:
     # --async-save (torch_dist): every candidate counts the host copy of what a rank writes
     # (StageMemory.host_save: host memory, not the device's; tools/plan.py's save-host column)
     async_save: bool = False
+    # --context-parallel-size values searched; None: 1 and every power of two whose 2c chunks divide the
+    # sequence (context_costs.context_sizes); (1,): none. The --cp-comm-type values tried at c > 1.
+    context_parallel_options: tuple[int, ...] | None = None
+    cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_margin < 1.0:
@@ -119,6 +123,12 @@ class PlanRequest:
         bad = [s for s in self.schedules if parse_schedule_id(s)[0] not in allowed]
         if bad or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
+
+    @property
+    def context_choices(self) -> tuple[int, ...]:
+        """The context-parallel sizes searched (see ``context_parallel_options``)."""
+        opts = self.context_parallel_options
+        return (1, *context_sizes(self.model, self.num_gpus)) if opts is None else tuple(dict.fromkeys(opts)) or (1,)
 
     @property
     def sequence_parallel_choices(self) -> tuple[bool, ...]:
@@ -202,11 +212,19 @@ class SearchResult:
 
 
 def default_costs(request: PlanRequest) -> LayerCosts:
-    """The analytic estimate on the grid the search needs."""
-    return analytic_layer_costs(request.model, request.cluster, request.precision,
-                                tensor_sizes(request.model, request.cluster, request.num_gpus),
-                                micro_batch_sizes(request.max_micro_batch_size),
-                                search_sequence_parallel=request.searches_sequence_parallel)
+    """The analytic estimate on the grid the search needs, with a context-parallel rank's costs
+    (``LayerCosts.cp_table``) where the request searches ``c > 1``."""
+    costs = analytic_layer_costs(request.model, request.cluster, request.precision,
+                                 tensor_sizes(request.model, request.cluster, request.num_gpus),
+                                 micro_batch_sizes(request.max_micro_batch_size),
+                                 search_sequence_parallel=request.searches_sequence_parallel)
+    sizes = [c for c in request.context_choices if c > 1 and within_server(request, 1, c)]
+    if not sizes:
+        return costs
+    keys = [(t, b, sp, c) for (t, b) in costs.table for sp in sequence_parallel_choices(request, costs, t, b)
+            for c in sizes if within_server(request, t, c) and request.num_gpus % (t * c) == 0]
+    return replace(costs, cp_table=context_table(request.model, request.cluster, request.precision, keys,
+                                                 request.cp_comm_types))
 
 
 def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest,
@@ -239,12 +257,12 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
 def _group(c: Candidate) -> tuple:
     """Candidates that differ only in their recomputation."""
     return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule,
-            c.distributed_optimizer, c.sequence_parallel)
+            c.distributed_optimizer, c.sequence_parallel, c.context)
 
 
 def candidate_costs(costs: LayerCosts, cand: Candidate) -> MicrobatchCosts | None:
-    """The costs of ``cand``'s (t, b) with its sequence-parallel setting."""
-    return costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel)
+    """The costs of ``cand``'s (t, b) with its sequence-parallel setting and context parallelism."""
+    return costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel, cand.context)
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest, max_batch_s: float = math.inf,
@@ -255,7 +273,8 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest, max_batch
     c = candidate_costs(costs, cand)
     if c is None:
         raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}"
-                          + (" with --sequence-parallel" if cand.sequence_parallel else ""))
+                          + (" with --sequence-parallel" if cand.sequence_parallel else "")
+                          + (f" at context-parallel size {cand.context_parallel}" if cand.context else ""))
     chunked = cand.schedule != SEQUENTIAL and spec_of(cand.schedule).chunks > 1
     if probe and (over := _stage_over(c, cand, request, chunked)) is not None:
         return Evaluated(cand, (over,), None)
@@ -305,7 +324,7 @@ def _rank_key(e: Evaluated) -> tuple:
     c = e.candidate
     policy = c.recompute_policy.label if c.recompute_policy else ""
     return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute, policy,
-            c.distributed_optimizer, c.sequence_parallel)
+            c.distributed_optimizer, c.sequence_parallel, c.context_parallel, c.cp_comm_type)
 
 
 def _layouts(cands: Iterator[Candidate]) -> list[list[Candidate]]:

@@ -1,0 +1,196 @@
+"""What one microbatch costs on a rank of a context-parallel group (``--context-parallel-size c``).
+
+The engine (``context_parallel/``) cuts each sequence into ``2c`` chunks of ``n = s / 2c`` tokens, two per
+rank, so every per-token tensor of a layer, the embedding and the head is ``s / c`` long: those terms are
+the analytic estimate's (``layer_costs.analytic_microbatch_costs``) for a sequence of ``s / c``. Attention
+differs, by ``--cp-comm-type``, in what its core keeps (counted tensor by tensor against the engine's
+saved-tensor accounting, ``benchmarks/memory.py --context-parallel-size``; per GPU, heads and groups over t):
+
+- ``p2p`` (the ring): each visible block (query chunk x key chunk, a query's future skipped when causal:
+  the fullest rank sees ``2c + 1`` blocks, ``4c`` without causality) is computed in fp32 with the core
+  written out, and keeps its fp32 scores and probabilities (``2 * 4abn^2``; with attention dropout its
+  mask and dropped probabilities too), an fp32 copy of its queries (``4abn d``; with half-precision
+  activations also of its keys and values, ``2 * 4bgn d``, else the ring keeps every rank's stacked K and V:
+  ``c * 2 * 2n bg d e``) and its log-sum-exp (``4abn``); the exact merge keeps ``2B - 4`` partial outputs
+  (``4abn d``), two weights per merge and the merged log-sum-exps (``4abn``), and a causal diagonal block
+  its bool mask (``n^2``). The layer's own Q, K and V are not kept (the ring keeps its copies).
+- ``all_gather``: the keys and values of the whole sequence (``2 s bg d e``, the gather's output, which the
+  core's inputs are views of) and, per local chunk, the ordinary core against the key prefix up to the
+  chunk's end: the fused kernels keep their log-sum-exp and, causal, the explicit mask ``[n, prefix]``
+  converted to the activations' dtype (``(2c + 1) n^2`` elements over the two chunks); the unfused core
+  keeps its ``a b`` score-sized tensors over those query x key elements and the bool mask.
+
+Time: the weight GEMMs and memory-bound passes at ``s / c`` tokens; the core's work is ``1/c`` of the whole
+sequence's (``all_gather``, the fused kernels at the precision's speed) or the ring's blocks in fp32
+(``B n^2`` query x key elements per head at the fp32 peak). Communication, per layer, over the context
+group's link (``t * c`` ranks: NVLink when they fit a server, else the server's NIC shared by its GPUs):
+``p2p`` sends a rank's K and V ``c - 1`` hops forward, overlapped with the blocks' compute (only what the
+compute does not cover is added), and their gradients the same hops back in backward, exposed (the ring's
+backward waits on each hop); ``all_gather`` gathers K and V forward and reduce-scatters their gradients
+backward, ``(c - 1)`` rank shares each way on a ring, exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+from ..config import ModelConfig
+from ..config.arith import core_forward_flops
+from .hardware import Cluster
+from .layer_costs import (SCORE_PASSES, MicrobatchCosts, activation_bytes, analytic_microbatch_costs,
+                          attention_kernel, core_stash_bytes, dropout_mask_bytes)
+
+FP32 = 4
+INDEX_BYTES = 8  # the gather's int64 index into sequence order (kept by index_select, K and V)
+
+
+# The search tries c only while each rank keeps at least this many tokens of a sequence (Megatron advises
+# context parallelism for long sequences): shorter shards make the K/V exchange as long as the GEMMs it
+# should hide behind, and the planner's speed stays that of the search without c for short sequences.
+MIN_TOKENS_PER_RANK = 2048
+
+
+def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
+    """The context-parallel sizes the search tries: powers of two above one whose ``2c`` chunks divide the
+    sequence and leave each rank ``MIN_TOKENS_PER_RANK`` tokens or more, within the GPUs."""
+    out, c = [], 2
+    while c <= num_gpus and model.seq_length % (2 * c) == 0 and model.seq_length // c >= MIN_TOKENS_PER_RANK:
+        if num_gpus % c == 0:
+            out.append(c)
+        c *= 2
+    return tuple(out)
+
+
+def ring_blocks(c: int, causal: bool) -> tuple[int, int]:
+    """Key blocks each of the fullest rank's two query chunks sees: rank 0's early chunk only its own, its late
+    chunk all ``2c`` (causal); every block of the ring without causality."""
+    return (1, 2 * c) if causal else (2 * c, 2 * c)
+
+
+def _per_gpu(model: ModelConfig, t: int) -> tuple[int, int, int]:
+    """(query heads, key/value groups, head size) on one GPU of the tensor group."""
+    return model.num_attention_heads // t, max(1, model.query_groups // t), model.head_dim
+
+
+def ring_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, mask_bytes: int, causal: bool) -> int:
+    """What the ``p2p`` core keeps per layer on the fullest rank (module docstring), Q, K, V included."""
+    a, g, hd = _per_gpu(model, t)
+    n = model.seq_length // (2 * c)
+    k0, k1 = ring_blocks(c, causal)
+    blocks, row = k0 + k1, FP32 * a * b * n
+    per_block = 2 * FP32 * a * b * n * n + row * hd + row
+    if model.attention_dropout > 0:
+        per_block += a * b * n * n * (mask_bytes + FP32)
+    kv = blocks * 2 * FP32 * b * g * n * hd if e != FP32 else c * 2 * 2 * n * b * g * hd * e
+    merged = (2 * blocks - 4) * row * hd + 2 * (blocks - 2) * row + (max(k0 - 2, 0) + max(k1 - 2, 0)) * row
+    masks = 2 * n * n if causal else 0
+    return blocks * per_block + kv + merged + masks
+
+
+def gather_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, kernel: str, mask_bytes: int,
+                      causal: bool) -> int:
+    """What the ``all_gather`` core keeps per layer beyond the layer's own Q, K, V (module docstring)."""
+    a, g, hd = _per_gpu(model, t)
+    s = model.seq_length
+    n, local = s // (2 * c), s // c
+    elems = (2 * c + 1) * n * n if causal else local * s  # query x key elements per head, both chunks
+    mask = (2 * c + 1) * n * n if causal else 0
+    gathered = 2 * b * g * s * hd * e + 2 * INDEX_BYTES * s
+    if kernel == "fused":
+        return gathered + FP32 * a * b * local + mask * e
+    # the unfused (or CPU math) core's s^2 tensors over these elements, and the bool mask it keeps
+    return gathered + round(core_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask_bytes) * elems / (s * s)) + mask
+
+
+def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int,
+                       comm: str, causal: bool) -> int:
+    """The core's bytes per layer at context size ``c`` by ``comm`` (the ring's include Q, K and V)."""
+    e = activation_bytes(precision)
+    if comm == "p2p":
+        return ring_core_bytes(model, b, t, c, e, dropout_mask_bytes(cluster, FP32), causal)
+    return gather_core_bytes(model, b, t, c, e, attention_kernel(cluster, model), dropout_mask_bytes(cluster, e),
+                             causal)
+
+
+def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
+    """Per-GPU bandwidth of the context group's exchange: inside a server NVLink (a ring's hops at the p2p
+    rate, the all-gather at the collective's bus rate), else the server's NIC shared by all its GPUs."""
+    G = cluster.devices_per_server
+    if t * c <= G and G % (t * c) == 0:
+        return cluster.intra_server_p2p_bandwidth if comm == "p2p" else cluster.intra_server_allreduce_bandwidth
+    return cluster.inter_server_bandwidth / G
+
+
+def _core_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int, comm: str,
+                  causal: bool) -> float:
+    """The core's forward on one rank: the ring's fp32 blocks, or 1/c of the whole sequence's core."""
+    s, local = model.seq_length, model.seq_length // c
+    eff = cluster.efficiency.layer_fraction(b, local, model.hidden_size, t)
+    if comm == "p2p":
+        n = s // (2 * c)
+        elems = sum(ring_blocks(c, causal)) * n * n
+        flops = 4 * b * elems * model.hidden_size / t
+        moved = SCORE_PASSES * FP32 * b * (model.num_attention_heads // t) * elems
+        return flops / (cluster.peak("fp32") * eff) + moved / cluster.memory_bandwidth
+    flops = core_forward_flops(model, b, t) / c
+    flash = attention_kernel(cluster, model) == "fused"
+    moved = 0.0 if flash else SCORE_PASSES * b * model.num_attention_heads * s * s * activation_bytes(precision) / (t * c)
+    return flops / (cluster.peak(precision) * eff) + moved / cluster.memory_bandwidth
+
+
+def _exchange_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int,
+                      comm: str) -> float:
+    """One direction of the K/V exchange of a layer: ``c - 1`` rank shares of K and V over the group's link."""
+    _, g, hd = _per_gpu(model, t)
+    kv = 2 * b * (model.seq_length // c) * g * hd * activation_bytes(precision)
+    return (c - 1) * kv / context_bandwidth(t, c, comm, cluster)
+
+
+def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int,
+                             comm: str, causal: bool = True) -> MicrobatchCosts:
+    """``analytic_microbatch_costs`` on a rank of a ``c``-way context group (module docstring)."""
+    s, e = model.seq_length, activation_bytes(precision)
+    local = replace(model, seq_length=s // c)
+    base = analytic_microbatch_costs(local, cluster, precision, t, b)
+    lay = base.layer
+    core = context_core_bytes(model, cluster, precision, t, b, c, comm, causal)
+    kv_dim = 2 * model.query_groups * model.head_dim
+    qkv = (model.hidden_size + kv_dim) * b * (s // c) * e // t if comm == "p2p" else 0  # the ring keeps copies
+    stash = lay.stash_bytes - lay.core_stash_bytes - qkv + core
+    core_s = _core_seconds(model, cluster, precision, t, b, c, comm, causal)
+    hop = _exchange_seconds(model, cluster, precision, t, b, c, comm)
+    fwd_comm = max(0.0, hop - core_s) if comm == "p2p" else hop
+    forward = lay.forward_s - lay.core_forward_s + core_s + fwd_comm
+    backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + hop
+    # selective recomputation frees the core's bytes but for Q, K and V, which its checkpoint keeps as inputs
+    layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
+                    core_stash_bytes=core - qkv, stash_bytes=stash, workspace_bytes=stash)
+    return replace(base, layer=layer)
+
+
+def dominates(x: MicrobatchCosts, y: MicrobatchCosts) -> bool:
+    """Whether every candidate priced with ``x`` is as fast and as small as with ``y``: the two differ only in
+    the layer's attention (times, its stash, and what selective recomputation keeps and re-runs)."""
+    a, b = x.layer, y.layer
+    return (a.forward_s <= b.forward_s and a.backward_s <= b.backward_s and a.core_forward_s <= b.core_forward_s
+            and a.stash_bytes <= b.stash_bytes and a.stash_bytes - a.core_stash_bytes <= b.stash_bytes - b.core_stash_bytes)
+
+
+def context_table(model: ModelConfig, cluster: Cluster, precision: str, keys: Iterable[tuple[int, int, bool, int]],
+                  comms: Iterable[str]) -> dict[tuple, MicrobatchCosts]:
+    """``LayerCosts.cp_table``: costs per ``(c, comm, t, b, sequence_parallel)`` for every ``(t, b, sp, c)`` of
+    ``keys`` where ``c`` splits the sequence (and, with sequence parallelism, its ``s / c`` over t). A
+    communication type another one :func:`dominates` at the same point is left out: no plan could pick it."""
+    causal, comms = model.kind != "bert", tuple(comms)
+    out: dict[tuple, MicrobatchCosts] = {}
+    for t, b, sp, c in keys:
+        m = replace(model, sequence_parallel=sp and t > 1)
+        if model.seq_length % (2 * c) or (m.sequence_parallel and (model.seq_length // c) % t):
+            continue
+        here = {comm: context_microbatch_costs(m, cluster, precision, t, b, c, comm, causal) for comm in comms}
+        for i, comm in enumerate(comms):
+            if not any(dominates(here[o], here[comm]) and (here[comm] != here[o] or j < i)
+                       for j, o in enumerate(comms) if o != comm):
+                out[(c, comm, t, b, sp)] = here[comm]
+    return out
