@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.context_parallel.group import CPGroup
+from megatron_2bw.models.gpt import DocumentMasks
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
@@ -61,14 +62,16 @@ def train_tiny(
     dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
     sequence_parallel: bool = False, opt_extra: dict | None = None, ef_scale: float = 1.0,
     virtual_stages: int | None = None, num_layers: int | None = None, post_validation: bool = False,
-    context: int = 1, cp_comm_type: str = "p2p", model_extra: dict | None = None,
+    context: int = 1, cp_comm_type: str = "p2p", model_extra: dict | None = None, documents: bool = False,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
     ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``);
     ``opt_extra``: more ``OptimizerConfig`` fields (Muon's, the distributed optimizer); ``virtual_stages``:
     model chunks per rank (interleaved-1f1b), built as ``pretrain_gpt.py`` builds them; ``num_layers``
     overrides the preset's (d * v chunks need as many layers); ``context``: the context-parallel size (the
-    world is t * d * w * context; ``w`` in ``layout`` is the data width); ``model_extra``: more model fields."""
+    world is t * d * w * context; ``w`` in ``layout`` is the data width); ``model_extra``: more model fields;
+    ``documents``: GPT's --eod-mask-loss, --reset-position-ids and --reset-attention-mask with token 7 as the end
+    of a document (every sixth token)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
         state = build_state(t, d, w * context, torch.device("cpu"), c=context)
@@ -81,6 +84,7 @@ def train_tiny(
     torch.manual_seed(seed)
     tracker = RNGTracker(seed, state.tp_rank)
     spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker,
+                     masks=DocumentMasks(7, True, True, True) if documents else None,
                      cp=CPGroup.from_state(state, cp_comm_type) if state.c > 1 else None)
     m = global_batch // (micro * w)
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
@@ -105,6 +109,8 @@ def train_tiny(
 
     stage = build()
     data = _dataset(cfg, global_batch * steps)
+    if documents:  # documents of 6 tokens, then a remainder, in every sample (inputs and labels)
+        data[:, 5::6] = 7
 
     def get_batch(mb: int) -> dict:
         step, i = divmod(mb, m)

@@ -5,7 +5,8 @@ ranks and compares every step's loss and every final weight with the single proc
 and the gather's block merges reorder sums, nothing else differs). The cells cover t in {1, 2} and
 d in {1, 2}, every schedule family (Flush, 2BW, zero-bubble, interleaved), GPT (learned positions) and
 Llama (RoPE, grouped-query attention), BERT (non-causal, the sentence-order loss on context rank 0), both
-communication types, sequence parallelism, recomputation, data parallelism and the distributed optimizer.
+communication types, sequence parallelism, recomputation, data parallelism and the distributed optimizer,
+and packed documents (--reset-attention-mask, --reset-position-ids, --eod-mask-loss) with each type.
 Cells of one world size share one set of processes.
 """
 
@@ -21,6 +22,8 @@ KW = dict(steps=5, global_batch=4, lr=0.1, optimizer="sgd")  # no clipping: it w
 CELLS = [
     ("gpt-flush-t1d1", "gpt-tiny", "flush", (1, 1, 1), "p2p", {}),
     ("bert-flush-t1d1", "bert-tiny", "flush", (1, 1, 1), "all_gather", {}),
+    ("gpt-flush-t1d1-documents", "gpt-tiny", "flush", (1, 1, 1), "all_gather", {"documents": True}),
+    ("gpt-2bw-t1d2-documents", "gpt-tiny", "2bw", (1, 2, 1), "p2p", {"documents": True}),
     ("gpt-2bw-t1d2-recompute", "gpt-tiny", "2bw", (1, 2, 1), "all_gather", {"recompute": True}),
     ("llama-2bw-t1d2", "llama-tiny", "2bw", (1, 2, 1), "p2p", {}),
     ("gpt-zbh1-t1d2", "gpt-tiny", "zb-h1", (1, 2, 1), "p2p", {}),
@@ -48,7 +51,7 @@ def _reference(cell) -> dict:
     """The single process: 2BW's own update rule (depth-free), Flush's for the flushing schedules."""
     _, kind, schedule, _, _, extra = cell
     return train_tiny("2bw" if schedule == "2bw" else "flush", kind=kind,
-                      **{**KW, **{k: v for k, v in extra.items() if k == "recompute"}})
+                      **{**KW, **{k: v for k, v in extra.items() if k in ("recompute", "documents")}})
 
 
 def test_cells_cover_the_issue():
