@@ -73,3 +73,42 @@ def test_context_parallel_matches_single_process(world):
         dparam = max((matching_shard(ref["params"][n], p, r["coords"][0], t) - p).abs().max().item()
                      for r in runs for n, p in r["params"].items())
         assert dloss < 1e-5 and dparam < 1e-5, (cell[0], dloss, dparam)
+
+
+def _config(*extra: str, world: int = 4):
+    from megatron_2bw.cli import build_config, parse_args  # noqa: PLC0415
+
+    base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--lr", "1e-3",
+            "--train-iters", "2", "--model-preset", "gpt-tiny", "--micro-batch-size", "1"]
+    return build_config(parse_args([*base, *extra], "gpt"), "gpt", world, cuda_available=False)
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    (("--context-parallel-size", "2"), 3, "world size 3 is not divisible by tensor-model-parallel-size 1 x "
+                                          "pipeline-model-parallel-size 1 x context-parallel-size 2"),
+    (("--context-parallel-size", "4", "--seq-length", "12", "--max-position-embeddings", "12"), 4,
+     "--seq-length 12 is not divisible by 2 x --context-parallel-size 4"),
+    (("--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length", "12",
+      "--max-position-embeddings", "12"), 8, "--seq-length 12 / --context-parallel-size 2 is not divisible by "
+                                             "--tensor-model-parallel-size 4"),
+    (("--context-parallel-size", "2", "--cp-comm-type", "a2a"), 4, "invalid choice: 'a2a'"),
+    (("--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-backend", "flash"), 2,
+     "--attention-backend flash takes no attention mask (--cp-comm-type all_gather's causal prefix mask)"),
+])
+def test_bad_context_parallel_layouts_are_one_line_errors(extra, world, message):
+    from megatron_2bw.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError) as e:
+        _config(*extra, world=world)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_context_parallel_layout_config():
+    """c enters the world size and the printed command; the data width is what remains."""
+    from megatron_2bw.cli import to_argv  # noqa: PLC0415
+
+    cfg = _config("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world=8)
+    assert (cfg.parallel.context, cfg.parallel.data, cfg.parallel.world_size) == (2, 4, 8)
+    argv = to_argv(cfg)
+    assert argv[argv.index("--context-parallel-size") + 1] == "2" and "all_gather" in argv
+    assert cfg.model.stage_activation_shape(1, 1, 2) == (1, cfg.model.seq_length // 2, cfg.model.hidden_size)
