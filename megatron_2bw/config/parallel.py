@@ -58,9 +58,11 @@ class ParallelConfig:
         _require(self.data is not None, "ParallelConfig.data is unresolved; call resolve(world_size)")
         return self.tensor * self.pipeline * self.data * self.context
 
-    def context_text(self) -> str:
-        """`` c=2 (p2p)`` for the start-up lines' layout (nothing without context parallelism)."""
-        return f" c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
+    def describe(self) -> str:
+        """The layout as both start-up lines print it: ``t=1 d=2 w=1 c=2 (p2p) (4 processes``."""
+        cp = f" c={self.context} ({self.cp_comm_type})" if self.context > 1 else ""
+        n = self.world_size
+        return f"t={self.tensor} d={self.pipeline} w={self.data}{cp} ({n} process{'es' if n > 1 else ''}"
 
 
 P2P_MODES = ("auto", "prefetch", "grouped")

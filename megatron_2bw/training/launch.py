@@ -322,8 +322,8 @@ def summary(prep: Prepared) -> str:
     resume = "starting from scratch" if prep.resumed_from is None else f"resuming from iteration {prep.resumed_from}"
     train = len(prep.train_ds) if prep.train_ds is not None else 0
     return (
-        f"config OK: {cfg.kind.upper()} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout t={par.tensor} "
-        f"d={par.pipeline} w={par.data}{par.context_text()} ({par.world_size} process{'es' if par.world_size > 1 else ''}, {cfg.system.backend} on {cfg.system.device}) | "
+        f"config OK: {cfg.kind.upper()} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout {par.describe()}, "
+        f"{cfg.system.backend} on {cfg.system.device}) | "
         f"schedule {pc.schedule}, b={pc.micro_batch_size} m={pc.num_microbatches} B={tc.global_batch_size} | "
         f"{tc.train_iters} iterations, {train} training samples | precision {cfg.optimizer.dtype} | {resume}"
     )

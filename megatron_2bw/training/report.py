@@ -51,10 +51,9 @@ class StepReport:
         params = cfg.model.num_parameters()
         resumed = f" | resumed from iteration {step}" if resumed_from is not None else ""
         log.info(
-            "%s %.2fM parameters | layout t=%d d=%d w=%d%s (%d processes, %s on %s) | b=%d m=%d B=%d%s | "
+            "%s %.2fM parameters | layout %s, %s on %s) | b=%d m=%d B=%d%s | "
             "%s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
-            cfg.kind.upper(), params / 1e6, s.t, s.d, s.data_width, cfg.parallel.context_text(), s.world_size,
-            cfg.system.backend, cfg.system.device,
+            cfg.kind.upper(), params / 1e6, cfg.parallel.describe(), cfg.system.backend, cfg.system.device,
             cfg.pipeline.micro_batch_size, self.m, self.B,
             " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), kernels.describe(),
             mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
