@@ -6,8 +6,10 @@ runs the ordinary core once per local chunk against the keys up to that chunk's 
 bottom-right aligned mask), so the fused kernels do the work. ``p2p`` passes the keys and values round the
 ring, ``c - 1`` hops, each hop's transfer posted before the blocks at hand are computed; it keeps one
 log-sum-exp per query row and merges the blocks' partial softmaxes exactly (blocks wholly in a query's
-future are skipped). Its blocks are computed in fp32 with the core written out (no fused kernel returns
-the log-sum-exp it needs), so its stash per block is ``[b, a, L, L]``.
+future are skipped). Its blocks are computed in fp32 with the core written out (no public fused kernel
+returns the log-sum-exp it needs) and recomputed in backward, so like a fused kernel it keeps only the
+block's inputs and its output and log-sum-exp, never the ``[b, a, L, L]`` scores (the price: the blocks'
+forward runs twice).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..tensor_parallel.mappings import gather_seq
+from ..tensor_parallel.recompute import checkpointed
 from .group import CPGroup
 
 _MASKED = -1e30  # finite: a query row with no visible key in one block weighs zero in the merge, never NaN
@@ -135,8 +138,8 @@ def ring_attention(cp: CPGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             for j, kc in enumerate(src_chunks):
                 visible, keep = _block_keep(cp, mask, i, qc, kc, n, causal, q.device)
                 if visible:
-                    part = _block(q[:, :, i * n:(i + 1) * n], kv[0][:, :, j * n:(j + 1) * n],
-                                  kv[1][:, :, j * n:(j + 1) * n], keep, p)
+                    part = checkpointed(_block, q[:, :, i * n:(i + 1) * n], kv[0][:, :, j * n:(j + 1) * n],
+                                        kv[1][:, :, j * n:(j + 1) * n], keep, p, tracker=None)
                     acc[i] = _merge(acc[i], part)
         for work in works:
             work.wait()
