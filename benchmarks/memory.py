@@ -4,6 +4,9 @@
 sequence parallelism (``2 x d`` processes, flush), beside the planner's activations for the attention
 kernel the CPU runs, and the saving against the planner's.
 
+``--context-parallel-size C [C ...]`` measures instead each stage's peak stash at each context-parallel size
+(``memory_context.py``), beside the planner's, and one layer's attention falling as ``1/c``.
+
 ``--states`` measures instead, per GPU, the bytes of weights (every version), gradients (every
 buffer), the fp32 master and the Adam state, at data-parallel widths w in {1, 2, 4}, fp32 and bf16,
 with and without the distributed optimizer (``PipelineRank.weights.weight_bytes``/``grad_bytes``,
@@ -422,7 +425,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: the stash per stage at t = 2 (2 x d processes, the first --d and --m) with and "
                         "without --sequence-parallel, beside the planner's activations and the saving it predicts")
     p.add_argument("--dropout", type=float, default=0.0, help="--sequence-parallel: hidden and attention dropout")
+    p.add_argument("--context-parallel-size", type=int, nargs="+", metavar="C",
+                   help="instead: the stash per stage at each context-parallel size C (C x d processes, the first --d "
+                        "and --m) beside the planner's, and one layer's attention (memory_context.py)")
+    p.add_argument("--cp-comm-type", nargs="+", default=["p2p", "all_gather"], choices=["p2p", "all_gather"],
+                   help="--context-parallel-size: the communication types measured at C > 1")
     args = p.parse_args(argv)
+    if args.context_parallel_size:
+        import memory_context  # noqa: PLC0415 - beside this script, as common is
+
+        if args.quick:
+            args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab = 2, 64, 4, 64, 2, 256
+            args.d, args.m, args.steps = [2], [4], 2
+        return memory_context.run(args)
     if args.sequence_parallel:
         if args.quick:
             args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab = 4, 64, 4, 32, 2, 256

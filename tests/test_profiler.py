@@ -172,8 +172,9 @@ def test_auto_plan_profiles_once_then_reuses(tmp_path):
     assert (best.tensor_parallel, best.pipeline_parallel, best.data_parallel) == (c.t, c.d, c.w)
     again = auto_plan_details(cfg, 4, 16, None, path, "cpu", **kw)
     assert not again.profiled_here and again.choice == c  # same file, same search, same answer
-    t, d, w, b, recompute, schedule, split, zero, policy = auto_plan(cfg, 4, 16, "aws-p3.16xlarge", path, "cpu", **kw)
-    assert t * d * w == 4 and (split is None or (len(split) == d and sum(split) == cfg.num_layers))
+    t, d, w, b, recompute, schedule, split, zero, policy, context, _ = auto_plan(cfg, 4, 16, "aws-p3.16xlarge", path,
+                                                                                 "cpu", **kw)
+    assert t * d * w * context == 4 and (split is None or (len(split) == d and sum(split) == cfg.num_layers))
     assert "auto-plan:" in first.describe()
 
 

@@ -48,7 +48,8 @@ from .hardware import GiB, Cluster, load_cluster
 from .peaks import DEVICE_PRESETS, PEAK_VARIANTS  # noqa: F401 - DEVICE_PRESETS re-exported
 from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported
 from .profile_check import load_checked_profile
-from .search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchResult, micro_batch_sizes, search
+from .search import (DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchResult, micro_batch_sizes, search,
+                     with_context_costs)
 
 log = logging.getLogger(__name__)
 AUTO_PLAN_TOP = 10  # plans of the search a run keeps (``AutoPlan.result.ranked``): the best and its runners-up
@@ -70,12 +71,14 @@ class PlanChoice(NamedTuple):
     split: tuple[int, ...] | None = None
     distributed_optimizer: bool = False
     recompute_policy: RecomputePolicy | None = None
+    context: int = 1  # --context-parallel-size (w is the data width: the world is t * c * w * d)
+    cp_comm_type: str = "p2p"
 
     @property
     def layout(self) -> Layout:
         """The choice as the trainer's config takes it (``cli.build_config(..., layout=)``)."""
         return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split, self.distributed_optimizer,
-                      self.recompute_policy)
+                      self.recompute_policy, context=self.context, cp_comm_type=self.cp_comm_type)
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class AutoPlan:
         c, ev = self.choice, self.result.best
         split = f" layers/stage={format_split(c.split)}" if c.split else ""
         recompute = "on" if c.recompute else c.recompute_policy.label if c.recompute_policy else "off"
-        return (f"auto-plan: t={c.t} d={c.d} w={c.w} b={c.b} m={self.num_micro_batches} "
+        cp = f" c={c.context} ({c.cp_comm_type})" if c.context > 1 else ""
+        return (f"auto-plan: t={c.t}{cp} d={c.d} w={c.w} b={c.b} m={self.num_micro_batches} "
                 f"recompute={recompute} schedule={c.schedule}{split} "
                 f"distributed-optimizer={'on' if c.distributed_optimizer else 'off'}: "
                 f"{ev.samples_per_sec:.1f} samples/s predicted, {ev.memory_bytes_per_gpu / GiB:.2f} GiB/GPU "
@@ -193,10 +197,12 @@ def auto_plan_details(
                           schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
                           distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation,
                           memory_margin=memory_margin, recompute_policies=tuple(recompute_policies), optimizer=optimizer)
+    costs = with_context_costs(request, costs)  # a profile holds c = 1: a context rank's costs scaled from it
     result = search(request, costs, top=AUTO_PLAN_TOP)  # the exhaustive search's best, pruned (pruning.py)
     c = result.best.candidate
     plan = AutoPlan(PlanChoice(c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
-                               c.schedule, c.layer_split, c.distributed_optimizer, c.recompute_policy),
+                               c.schedule, c.layer_split, c.distributed_optimizer, c.recompute_policy,
+                               c.context_parallel, c.cp_comm_type),
                     c.num_micro_batches, result, costs, cl,
                     str(profile_path) if profile_path is not None else None, here)
     (log_fn or log.info)(plan.describe())

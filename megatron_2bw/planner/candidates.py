@@ -65,19 +65,12 @@ def context_choices(request: Any, costs: LayerCosts, t: int, b: int, sp: bool, c
     return [(c, comm) for comm in request.cp_comm_types if costs.at(t, b, sp, (c, comm)) is not None]
 
 
-def within_server(request: Any, t: int, c: int) -> bool:
-    """Whether the search tries ``c`` beside ``t``: the tensor and context groups together inside one server
-    (Megatron's tp-cp adjacent placement; a ring across servers shares its NIC), unless the request names
-    its sizes (``PlanRequest.context_parallel_options``)."""
-    return c == 1 or request.context_parallel_options is not None or t * c <= request.cluster.devices_per_server
-
-
 def candidates(request: Any, costs: LayerCosts) -> Iterator[Candidate]:
     """Every candidate of the search space of ``request`` (a ``search.PlanRequest``; the module docstring)."""
     N, B = request.num_gpus, request.global_batch_size
     valid_t = set(tensor_sizes(request.model, request.cluster, N))
     for t in (t for t in costs.tensor_sizes() if t in valid_t):
-        for c in (c for c in request.context_choices if N % (t * c) == 0 and within_server(request, t, c)):
+        for c in (c for c in request.context_choices if N % (t * c) == 0):
             for d in pipeline_depths(request.model, N, t * c, request.balance_stages):
                 if d > 1 or request.no_pipelining:
                     yield from _layout_candidates(request, costs, t, c, d, N // (t * c * d), B)

@@ -8,16 +8,15 @@ saved-tensor accounting, ``benchmarks/memory.py --context-parallel-size``; per G
 
 - ``p2p`` (the ring): each visible block (query chunk x key chunk, a query's future skipped when causal:
   the fullest rank sees ``2c + 1`` blocks, ``4c`` without causality) is computed in fp32 with the core
-  written out, and keeps its fp32 scores and probabilities (``2 * 4abn^2``; with attention dropout its
-  mask and dropped probabilities too), an fp32 copy of its queries (``4abn d``; with half-precision
-  activations also of its keys and values, ``2 * 4bgn d``, else the ring keeps every rank's stacked K and V:
-  ``c * 2 * 2n bg d e``) and its log-sum-exp (``4abn``); the exact merge keeps ``2B - 4`` partial outputs
-  (``4abn d``), two weights per merge and the merged log-sum-exps (``4abn``), and a causal diagonal block
-  its bool mask (``n^2``). The layer's own Q, K and V are not kept (the ring keeps its copies).
+  written out and recomputed in backward, so it keeps only its inputs: views of the layer's Q (kept as the
+  layer's) and of every rank's stacked K and V (``c * 2 * 2n bg d e``), and a causal diagonal block's bool
+  mask (``n^2``); the exact merge keeps ``2B - 4`` partial outputs (``4abn d``, fp32), two weights per merge
+  and the log-sum-exps it reads (``4abn``).
 - ``all_gather``: the keys and values of the whole sequence (``2 s bg d e``, the gather's output, which the
   core's inputs are views of) and, per local chunk, the ordinary core against the key prefix up to the
-  chunk's end: the fused kernels keep their log-sum-exp and, causal, the explicit mask ``[n, prefix]``
-  converted to the activations' dtype (``(2c + 1) n^2`` elements over the two chunks); the unfused core
+  chunk's end: the fused kernels keep their log-sum-exp and, causal, where the prefix is given as a mask
+  (grouped heads; torch's CPU kernels materialize even the bottom-right causal bias) the mask ``[n, prefix]``
+  in the activations' dtype (``(2c + 1) n^2`` elements over the fullest rank's two chunks); the unfused core
   keeps its ``a b`` score-sized tensors over those query x key elements and the bool mask.
 
 Time: the weight GEMMs and memory-bound passes at ``s / c`` tokens; the core's work is ``1/c`` of the whole
@@ -32,13 +31,13 @@ backward, ``(c - 1)`` rank shares each way on a ring, exposed.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Iterable
 
 from ..config import ModelConfig
 from ..config.arith import core_forward_flops
 from .hardware import Cluster
-from .layer_costs import (SCORE_PASSES, MicrobatchCosts, activation_bytes, analytic_microbatch_costs,
+from .layer_costs import (SCORE_PASSES, BlockCost, LayerCosts, MicrobatchCosts, activation_bytes, analytic_microbatch_costs,
                           attention_kernel, core_stash_bytes, dropout_mask_bytes)
 
 FP32 = 4
@@ -73,32 +72,36 @@ def _per_gpu(model: ModelConfig, t: int) -> tuple[int, int, int]:
     return model.num_attention_heads // t, max(1, model.query_groups // t), model.head_dim
 
 
-def ring_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, mask_bytes: int, causal: bool) -> int:
-    """What the ``p2p`` core keeps per layer on the fullest rank (module docstring), Q, K, V included."""
+def ring_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, causal: bool) -> int:
+    """What the ``p2p`` core keeps per layer on the fullest rank beyond the layer's own Q, K, V (module
+    docstring): every rank's stacked K and V, the diagonal blocks' masks, and what the merge keeps."""
     a, g, hd = _per_gpu(model, t)
     n = model.seq_length // (2 * c)
     k0, k1 = ring_blocks(c, causal)
     blocks, row = k0 + k1, FP32 * a * b * n
-    per_block = 2 * FP32 * a * b * n * n + row * hd + row
-    if model.attention_dropout > 0:
-        per_block += a * b * n * n * (mask_bytes + FP32)
-    kv = blocks * 2 * FP32 * b * g * n * hd if e != FP32 else c * 2 * 2 * n * b * g * hd * e
-    merged = (2 * blocks - 4) * row * hd + 2 * (blocks - 2) * row + (max(k0 - 2, 0) + max(k1 - 2, 0)) * row
+    kv = c * 2 * 2 * n * b * g * hd * e
+    outputs = (2 * blocks - 4) * row * hd  # every block's output and each merge's but the last, per chunk
+    weights = 2 * (blocks - 2) * row  # exp(l - lse) of both sides of each merge
+    lse = sum(k if k > 1 else 0 for k in (k0, k1)) * row + (max(k0 - 2, 0) + max(k1 - 2, 0)) * row
     masks = 2 * n * n if causal else 0
-    return blocks * per_block + kv + merged + masks
+    return kv + outputs + weights + lse + masks
 
 
 def gather_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, kernel: str, mask_bytes: int,
-                      causal: bool) -> int:
-    """What the ``all_gather`` core keeps per layer beyond the layer's own Q, K, V (module docstring)."""
+                      causal: bool, mask_tensor: bool = True, cpu: bool = False) -> int:
+    """What the ``all_gather`` core keeps per layer beyond the layer's own Q, K, V (module docstring) on the
+    fullest rank; ``mask_tensor``: whether the fused kernels get a chunk's causal prefix as a tensor (the CPU,
+    grouped heads) rather than torch's bottom-right causal bias, which they run without one; ``cpu``: torch's
+    CPU flash kernel keeps its output ``[b, a, n, d]`` per chunk apart from the projection's input (on a GPU
+    the projection's input is a view of it, which the layer counts)."""
     a, g, hd = _per_gpu(model, t)
     s = model.seq_length
     n, local = s // (2 * c), s // c
     elems = (2 * c + 1) * n * n if causal else local * s  # query x key elements per head, both chunks
-    mask = (2 * c + 1) * n * n if causal else 0
+    mask = (2 * c + 1) * n * n if causal else 0  # a rank's two prefixes, [n, end] each
     gathered = 2 * b * g * s * hd * e + 2 * INDEX_BYTES * s
     if kernel == "fused":
-        return gathered + FP32 * a * b * local + mask * e
+        return gathered + FP32 * a * b * local + (mask * e if mask_tensor else 0) + (a * b * local * hd * e if cpu else 0)
     # the unfused (or CPU math) core's s^2 tensors over these elements, and the bool mask it keeps
     return gathered + round(core_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask_bytes) * elems / (s * s)) + mask
 
@@ -108,9 +111,10 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
     """The core's bytes per layer at context size ``c`` by ``comm`` (the ring's include Q, K and V)."""
     e = activation_bytes(precision)
     if comm == "p2p":
-        return ring_core_bytes(model, b, t, c, e, dropout_mask_bytes(cluster, FP32), causal)
+        return ring_core_bytes(model, b, t, c, e, causal)
+    grouped = model.query_groups != model.num_attention_heads
     return gather_core_bytes(model, b, t, c, e, attention_kernel(cluster, model), dropout_mask_bytes(cluster, e),
-                             causal)
+                             causal, cluster.is_cpu or grouped, cluster.is_cpu)
 
 
 def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
@@ -150,22 +154,23 @@ def _exchange_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: i
 def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int,
                              comm: str, causal: bool = True) -> MicrobatchCosts:
     """``analytic_microbatch_costs`` on a rank of a ``c``-way context group (module docstring)."""
-    s, e = model.seq_length, activation_bytes(precision)
-    local = replace(model, seq_length=s // c)
+    local = replace(model, seq_length=model.seq_length // c)
     base = analytic_microbatch_costs(local, cluster, precision, t, b)
     lay = base.layer
     core = context_core_bytes(model, cluster, precision, t, b, c, comm, causal)
-    kv_dim = 2 * model.query_groups * model.head_dim
-    qkv = (model.hidden_size + kv_dim) * b * (s // c) * e // t if comm == "p2p" else 0  # the ring keeps copies
-    stash = lay.stash_bytes - lay.core_stash_bytes - qkv + core
+    # grouped heads: the core's inputs are a copy of Q (its heads regrouped) and the gathered or stacked K, V,
+    # so the layer's QKV output (Q, K and V, which the layer counts) is not kept: only Q's copy
+    grouped = model.query_groups != model.num_attention_heads
+    kv = 2 * model.query_groups * model.head_dim * b * (model.seq_length // c) * activation_bytes(precision) // t
+    stash = lay.stash_bytes - lay.core_stash_bytes + core - (kv if grouped else 0)
     core_s = _core_seconds(model, cluster, precision, t, b, c, comm, causal)
     hop = _exchange_seconds(model, cluster, precision, t, b, c, comm)
     fwd_comm = max(0.0, hop - core_s) if comm == "p2p" else hop
     forward = lay.forward_s - lay.core_forward_s + core_s + fwd_comm
-    backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + hop
-    # selective recomputation frees the core's bytes but for Q, K and V, which its checkpoint keeps as inputs
+    redo = core_s if comm == "p2p" else 0.0  # the ring's backward re-runs each block's forward
+    backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + redo + hop
     layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
-                    core_stash_bytes=core - qkv, stash_bytes=stash, workspace_bytes=stash)
+                    core_stash_bytes=core, stash_bytes=stash, workspace_bytes=stash)
     return replace(base, layer=layer)
 
 
@@ -193,4 +198,30 @@ def context_table(model: ModelConfig, cluster: Cluster, precision: str, keys: It
             if not any(dominates(here[o], here[comm]) and (here[comm] != here[o] or j < i)
                        for j, o in enumerate(comms) if o != comm):
                 out[(c, comm, t, b, sp)] = here[comm]
+    return out
+
+
+def _scaled(measured: BlockCost, plain: BlockCost, context: BlockCost) -> BlockCost:
+    """``measured`` times context's over plain, field by field (context's own value where plain has none)."""
+    out = {}
+    for key, value in asdict(measured).items():
+        p, c = getattr(plain, key), getattr(context, key)
+        scaled = value * c / p if p else c
+        out[key] = scaled if key.endswith("_s") else round(scaled)
+    return BlockCost(**out)
+
+
+def anchored_table(costs: LayerCosts, model: ModelConfig, cluster: Cluster, precision: str,
+                   keys: Iterable[tuple[int, int, bool, int]], comms: Iterable[str]) -> dict[tuple, MicrobatchCosts]:
+    """``cp_table`` for measured costs (a profile holds c = 1 only): each measured entry scaled by the analytic
+    estimate's ratio, context rank over plain rank, block by block and field by field."""
+    out = {}
+    for key, ctx in context_table(model, cluster, precision, keys, comms).items():
+        c, comm, t, b, sp = key
+        measured = costs.at(t, b, sp)
+        if measured is None:
+            continue
+        plain = analytic_microbatch_costs(replace(model, sequence_parallel=sp and t > 1), cluster, precision, t, b)
+        out[key] = replace(measured, **{name: _scaled(getattr(measured, name), getattr(plain, name), getattr(ctx, name))
+                                        for name in ("layer", "embedding", "head")})
     return out

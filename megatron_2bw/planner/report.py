@@ -40,9 +40,16 @@ def paper_model(name: str) -> ModelConfig:
 
 def candidate_layout(c: Candidate) -> Layout:
     """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule, stage split,
-    distributed optimizer)."""
+    distributed optimizer, context parallelism)."""
     return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule, c.layer_split,
-                  c.distributed_optimizer)
+                  c.distributed_optimizer, context=c.context_parallel, cp_comm_type=c.cp_comm_type)
+
+
+def context_argv(layout: Layout, kind: str) -> list[str]:
+    """``--context-parallel-size`` and ``--cp-comm-type`` of a layout with context parallelism (none without)."""
+    if layout.context == 1:
+        return []
+    return render({"parallel.context": layout.context, "parallel.cp_comm_type": layout.cp_comm_type}, kind)
 
 
 def fp32_grads_flag(request: PlanRequest) -> bool | None:
@@ -57,10 +64,10 @@ def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     model = request.model
     if model.kind == "gpt" and model.sequence_parallel != c.sequence_parallel:  # the search's choice
         model = replace(model, sequence_parallel=c.sequence_parallel)
-    argv = pretrain_argv(model, candidate_layout(c), c.global_batch_size, request.precision,
-                         fp32_grads_flag(request))
+    layout = candidate_layout(c)
+    argv = pretrain_argv(model, layout, c.global_batch_size, request.precision, fp32_grads_flag(request))
     backend = request.cluster.attention_backend  # the kernel the memory was counted for
-    return argv + recompute_policy_argv(c, request.model.kind) + (
+    return argv + context_argv(layout, model.kind) + recompute_policy_argv(c, request.model.kind) + (
         ["--attention-backend", backend] if backend != "auto" else [])
 
 
@@ -95,6 +102,7 @@ def describe(ev: Evaluated, req: PlanRequest | None = None) -> dict[str, Any]:
         "num_micro_batches": c.num_micro_batches, "global_batch_size": c.global_batch_size,
         "recompute": c.recompute, "schedule": c.schedule, "distributed_optimizer": c.distributed_optimizer,
         "sequence_parallel": c.sequence_parallel,
+        "context_parallel": c.context_parallel, "cp_comm_type": c.cp_comm_type if c.context_parallel > 1 else None,
         "layer_split": list(c.layer_split) if c.layer_split else None,  # layers per stage; None: even
         "samples_per_sec": round(ev.samples_per_sec, 3),
         "memory_bytes_per_gpu": ev.memory_bytes_per_gpu,
@@ -129,6 +137,11 @@ def recompute_text(c: Candidate) -> str:
     return "yes" if c.recompute else c.recompute_policy.label if c.recompute_policy else "no"
 
 
+def context_text(c: Candidate) -> str:
+    """The context-parallel size and its communication (``4 ag``: all_gather, ``2 p2p``), or ``1``."""
+    return "1" if c.context_parallel == 1 else f"{c.context_parallel} {'ag' if c.cp_comm_type == 'all_gather' else 'p2p'}"
+
+
 def split_text(c: Candidate) -> str:
     """The stage split as ``--pipeline-layer-split`` writes it, ``even``, or ``-`` without a pipeline."""
     return "-" if c.pipeline_parallel == 1 else format_split(c.layer_split) if c.layer_split else "even"
@@ -152,7 +165,7 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms: priced {result.priced} "
         f"({result.num_fit} fit, {result.too_big} do not fit in memory), {result.pruned} pruned",
         "",
-        f"{'rank':>4} {'t':>3} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
+        f"{'rank':>4} {'t':>3} {'c':>7} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
         f"{'seq-par':>7} "
         f"{'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
@@ -165,7 +178,8 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         c = ev.candidate
         sched = c.schedule if c.pipeline_parallel > 1 else "none"
         lines.append(
-            f"{i:>4} {c.tensor_parallel:>3} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.micro_batch_size:>3} "
+            f"{i:>4} {c.tensor_parallel:>3} {context_text(c):>7} {c.pipeline_parallel:>3} {c.data_parallel:>4} "
+            f"{c.micro_batch_size:>3} "
             f"{c.num_micro_batches:>4} {recompute_text(c):>8} {sched:>8} "
             f"{'yes' if c.distributed_optimizer else 'no':>8} {'yes' if c.sequence_parallel else 'no':>7} "
             f"{ev.samples_per_sec:>10.1f} "

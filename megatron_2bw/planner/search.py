@@ -44,8 +44,8 @@ from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
                                   parse_schedule_id, spec_of)
 from .candidates import (SELECTIVE_MIN_SAVING, candidates, context_choices,  # noqa: F401 - re-exported
                          distributed_optimizer_choices, micro_batch_sizes, pipeline_depths, runs,
-                         sequence_parallel_choices, tensor_sizes, within_server)
-from .context_costs import context_sizes, context_table
+                         sequence_parallel_choices, tensor_sizes)
+from .context_costs import anchored_table, context_sizes, context_table
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
@@ -218,13 +218,27 @@ def default_costs(request: PlanRequest) -> LayerCosts:
                                  tensor_sizes(request.model, request.cluster, request.num_gpus),
                                  micro_batch_sizes(request.max_micro_batch_size),
                                  search_sequence_parallel=request.searches_sequence_parallel)
-    sizes = [c for c in request.context_choices if c > 1 and within_server(request, 1, c)]
-    if not sizes:
-        return costs
-    keys = [(t, b, sp, c) for (t, b) in costs.table for sp in sequence_parallel_choices(request, costs, t, b)
-            for c in sizes if within_server(request, t, c) and request.num_gpus % (t * c) == 0]
+    keys = context_keys(request, costs)
     return replace(costs, cp_table=context_table(request.model, request.cluster, request.precision, keys,
-                                                 request.cp_comm_types))
+                                                 request.cp_comm_types)) if keys else costs
+
+
+def context_keys(request: PlanRequest, costs: LayerCosts) -> list[tuple[int, int, bool, int]]:
+    """The ``(t, b, sequence_parallel, c)`` at ``c > 1`` the search can try on ``costs``' grid."""
+    sizes = [c for c in request.context_choices if c > 1]
+    return [(t, b, sp, c) for (t, b) in costs.table for sp in sequence_parallel_choices(request, costs, t, b)
+            for c in sizes if request.num_gpus % (t * c) == 0]
+
+
+def with_context_costs(request: PlanRequest, costs: LayerCosts) -> LayerCosts:
+    """Measured ``costs`` (a profile: c = 1 only) with a context rank's costs where the request searches c > 1:
+    each measured entry scaled by the analytic estimate's context-over-plain ratio (``anchored_table``)."""
+    keys = context_keys(request, costs)
+    if costs.cp_table or not keys:
+        return costs
+    table = anchored_table(costs, request.model, request.cluster, request.precision, keys, request.cp_comm_types)
+    return replace(costs, cp_table=table, source=f"{costs.source}; context-parallel ranks: scaled by the analytic "
+                   "estimate's ratio")
 
 
 def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequest,

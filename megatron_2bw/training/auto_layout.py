@@ -1,4 +1,5 @@
-"""``--auto-plan``: let the planner choose t, d, the microbatch size, recomputation, schedule and stage split.
+"""``--auto-plan``: let the planner choose t, d, c (context parallelism), the microbatch size, recomputation,
+schedule and stage split.
 
 It runs before validation and before any process group, like every other input check, so every
 rank must reach the same choice on its own. One process profiles its device (or loads
@@ -68,7 +69,8 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
                        compensation=getattr(args, "2bw_compensation", None) or "none", optimizer=opt.optimizer,
                        **finer)
     inner = f" +recompute {choice.recompute_policy.label}" if choice.recompute_policy else ""
-    log.info(" --auto-plan chose t=%d d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s%s", choice.t,
+    cp = f" c={choice.context} ({choice.cp_comm_type})" if choice.context > 1 else ""  # Layout carries both
+    log.info(" --auto-plan chose t=%d%s d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s%s", choice.t, cp,
              choice.d, choice.w, choice.b, " +recompute" if choice.recompute else inner, choice.schedule,
              format_split(choice.split) if choice.split else "even",
              ", distributed optimizer" if choice.distributed_optimizer else "")

@@ -1,0 +1,169 @@
+"""The planner's context parallelism (issue 36): its memory, the search axis, the plan it hands the trainer.
+
+- The memory model at c = 2 against c = 1, written out by hand for a GPT stage: every per-token term halves,
+  and the attention adds what the communication type keeps (all_gather: the whole sequence's K and V).
+- What the two cores keep, counted by the engine's saved-tensor accounting on 2 gloo processes (the p2p
+  ring and the gathered core, causal and not, fp32 and bf16, grouped heads), equals the planner's count.
+- A sequence c = 1 cannot hold (llama-8b at 256k tokens on 32 H100s) gets c > 1, and the printed command and
+  the trainer's layout carry it; the paper's 512-token GPT models keep c = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiproc import run_workers
+from megatron_2bw.config import ModelConfig, layout_configs
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.models.presets import get_preset
+from megatron_2bw.planner.auto_plan import PlanChoice
+from megatron_2bw.planner.context_costs import context_microbatch_costs, gather_core_bytes, ring_core_bytes
+from megatron_2bw.planner.hardware import load_cluster
+from megatron_2bw.planner.layer_costs import analytic_microbatch_costs, layer_costs_from_json
+from megatron_2bw.planner.memory_model import Candidate, stage_memory
+from megatron_2bw.planner.report import paper_model, pretrain_command
+from megatron_2bw.planner.search import FINER_RECOMPUTE, PlanRequest, default_costs, search, with_context_costs
+
+H100 = load_cluster("dgx-h100")
+GPT = ModelConfig("gpt", 4, 1024, 16, 4096, 4096, 50257, ffn_hidden_size=4096)  # no dropout: fused attention
+
+
+def _activations(c: int, comm: str = "all_gather") -> int:
+    costs = (analytic_microbatch_costs(GPT, H100, "bf16", 1, 1) if c == 1
+             else context_microbatch_costs(GPT, H100, "bf16", 1, 1, c, comm))
+    cand = Candidate(1, 1, 1, 1, 1, False, "flush", context_parallel=c, cp_comm_type=comm)
+    return stage_memory(costs, cand, GPT.num_layers, 0).activations
+
+
+def test_activations_at_c2_halve_every_per_token_term():
+    """One stage holding the embedding, 4 layers and the head (bf16, b = 1, s = 4096, h = 1024, f = 4096,
+    16 heads), by hand: a layer keeps 4 hidden-sized tensors across the tensor group, Q, K, V and the
+    projection's input (4h), the MLP's two f-wide tensors and the fused kernel's fp32 log-sum-exp per head
+    and row; the embedding's token ids (8 bytes), the head's norm input and output and fp32 softmax of the
+    padded vocabulary. At c = 2 each is over s/2 tokens; all_gather adds the whole sequence's K and V (bf16)
+    and the int64 index that orders them; the fused kernels take the causal prefix without a mask."""
+    b, s, h, f, a, e, vocab = 1, 4096, 1024, 4096, 16, 2, GPT.padded_vocab_size(1)
+
+    def per_token(tokens: int) -> int:
+        layer = 4 * b * tokens * h * e + 4 * h * b * tokens * e + 2 * b * tokens * f * e
+        return 4 * layer + b * tokens * 8 + 2 * b * tokens * h * e + 4 * b * tokens * vocab
+
+    lse = 4 * (4 * a * b * s)
+    assert _activations(1) == per_token(s) + lse == 1_378_910_208
+    gathered = 4 * (2 * b * s * h * e + 2 * 8 * s + 4 * a * b * (s // 2))
+    assert _activations(2) == per_token(s // 2) + gathered == 756_826_112
+    assert _activations(2) - gathered == (_activations(1) - lse) // 2  # every per-token term halves
+    # the ring (chunks of n = s/4): both ranks' stacked K and V; rank 0's late chunk sees 4 blocks, so its
+    # merge keeps 4 block outputs and 2 merged ones (fp32, [b, a, n, 64]), 6 weights, 4 + 2 log-sum-exps
+    # ([b, a, n] fp32 each), and the two diagonal blocks' bool masks
+    n, row = s // 4, 4 * a * b * s // 4
+    ring = 4 * (2 * 2 * 2 * n * b * a * 64 * e + 6 * row * 64 + 6 * row + 6 * row + 2 * n * n)
+    assert _activations(2, "p2p") == per_token(s // 2) + ring == 868_237_312
+
+
+CORE_CASES = [(comm, causal, dtype, groups) for comm in ("p2p", "all_gather")
+              for causal, dtype, groups in ((True, "float32", 4), (False, "float32", 4), (True, "bfloat16", 4),
+                                            (True, "float32", 2))]
+
+
+def _saved_worker() -> list[int]:
+    """This rank's bytes autograd keeps for one attention core at c = 2 in each case of ``CORE_CASES`` (the
+    layer's QKV output included where the core keeps views of it: without grouped heads)."""
+    from megatron_2bw.context_parallel.attention import all_gather_attention, ring_attention  # noqa: PLC0415
+    from megatron_2bw.context_parallel.group import CPGroup  # noqa: PLC0415
+    from megatron_2bw.models.attention_core import attention  # noqa: PLC0415
+    from megatron_2bw.pipeline.accounting import SavedBytes  # noqa: PLC0415
+
+    c, rank = dist.get_world_size(), dist.get_rank()
+    group, out = dist.new_group(list(range(c))), []
+    for comm, causal, dtype, groups in CORE_CASES:
+        cp = CPGroup(group, rank, c, comm, tuple(range(c)))
+        b, n, hd, heads = 2, 32, 16, 4
+        per = heads // groups
+        leaf = torch.randn(b, 2 * n, (heads + 2 * groups) * hd, dtype=getattr(torch, dtype), requires_grad=True)
+        qkv = (leaf * 1).view(b, 2 * n, groups, per + 2, hd)  # the layer's QKV output, split as the layer does
+        q = qkv[:, :, :, :per].reshape(b, 2 * n, heads, hd).transpose(1, 2)
+        k, v = qkv[:, :, :, per].transpose(1, 2), qkv[:, :, :, per + 1].transpose(1, 2)
+        saved = SavedBytes(set())
+        with saved.measure():
+            if comm == "p2p":
+                o = ring_attention(cp, q, k, v, None, 0.0, causal)
+            else:
+                o = all_gather_attention(cp, lambda *x: attention("auto", *x[:4], 0.0, x[4]), q, k, v, None, causal)
+        o.float().sum().backward()
+        out.append(saved.bytes)
+    return out
+
+
+def test_core_bytes_equal_the_engines():
+    """The planner's count of one core at c = 2 (s = 128) against what autograd keeps on the fullest rank, for
+    both communication types: causal and not, fp32 and bf16, 4 heads with 4 and with 2 key/value groups (this
+    CPU's kernels: torch's flash kernel, which keeps its output, and its materialized prefix masks)."""
+    ranks = run_workers(_saved_worker, 2, timeout=120)
+    for i, (comm, causal, dtype, groups) in enumerate(CORE_CASES):
+        got = max(r[i] for r in ranks)
+        gqa = dict(group_query_attention=True, num_query_groups=groups) if groups < 4 else {}
+        cfg = ModelConfig("gpt", 2, 64, 4, 128, 128, 256, **gqa)
+        e = 4 if dtype == "float32" else 2
+        qkv = 2 * 64 * (4 + (2 * groups if groups == 4 else 0)) * 16 * e  # grouped heads: only Q's regrouped copy
+        core = (ring_core_bytes(cfg, 2, 1, 2, e, causal) if comm == "p2p"
+                else gather_core_bytes(cfg, 2, 1, 2, e, "fused", e, causal, mask_tensor=True, cpu=True))
+        assert got == qkv + core, (comm, causal, dtype, groups, got, qkv + core)
+
+
+LONG = get_preset("llama-8b", seq_length=262144, max_position_embeddings=262144)
+
+
+def _request(model: ModelConfig, **kw) -> PlanRequest:
+    return PlanRequest(model, H100, 32, 32, "bf16", memory_margin=0.1, recompute_policies=FINER_RECOMPUTE, **kw)
+
+
+def test_long_sequence_gets_context_parallelism():
+    """llama-8b at 256k tokens on 32 H100s (4 servers of 8), one sequence per GPU: without context
+    parallelism the smallest candidate needs 76.3 GiB (over the 69.4 GiB the 10% margin leaves); with it
+    the best plan shards each sequence over c = 8 ranks, which the command and the trainer's layout carry."""
+    with pytest.raises(ConfigError, match=r"nothing fits.*76\.3 GiB per GPU"):
+        search(_request(LONG, context_parallel_options=(1,)), top=3)
+    result = search(_request(LONG), top=3)
+    best = result.best.candidate
+    assert (best.context_parallel, best.cp_comm_type, best.tensor_parallel) == (8, "all_gather", 2)
+    assert best.num_gpus == 32 and best.replicas == best.data_parallel * 8
+    assert result.best.memory_bytes_per_gpu <= _request(LONG).memory_limit_bytes
+    argv = pretrain_command(result.best, result.request)
+    i = argv.index("--context-parallel-size")
+    assert argv[i:i + 4] == ["--context-parallel-size", "8", "--cp-comm-type", "all_gather"]
+    choice = PlanChoice(best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.micro_batch_size,
+                        best.recompute, best.schedule, best.layer_split, best.distributed_optimizer,
+                        best.recompute_policy, best.context_parallel, best.cp_comm_type)
+    par, _, _ = layout_configs(choice.layout, LONG, 32, 32)
+    assert (par.context, par.cp_comm_type, par.data) == (8, "all_gather", best.data_parallel)
+
+
+def test_profile_costs_get_the_same_context_plan():
+    """A profile holds c = 1 only; its context ranks are scaled from it by the analytic ratio. A profile that
+    is the analytic estimate itself therefore plans exactly as the analytic search does."""
+    request = _request(LONG)
+    analytic = default_costs(request)
+    profile = layer_costs_from_json(analytic.to_json(), "analytic")
+    assert not profile.cp_table
+    scaled = with_context_costs(request, profile)
+    assert set(scaled.cp_table) == set(analytic.cp_table)
+    assert search(request, scaled, top=1).best.candidate == search(request, analytic, top=1).best.candidate
+
+
+@pytest.mark.parametrize("name", ["gpt-2.2b", "gpt-3.8b"])
+def test_paper_models_keep_c1(name):
+    """The paper's 512-token models: the search tries no c (each rank would keep under 2048 tokens), and asked
+    to try c = 2 and 4 it still picks c = 1 (each layer's K/V exchange costs more than the shorter shard saves)."""
+    model = paper_model(name)
+    v100 = load_cluster("aws-p3.16xlarge")
+    request = PlanRequest(model, v100, 64, 512, distributed_optimizer_options=(False,))
+    assert request.context_choices == (1,)
+    default = search(request, top=1).best
+    asked = search(replace(request, context_parallel_options=(1, 2, 4)), top=1).best
+    assert default.candidate.context_parallel == asked.candidate.context_parallel == 1
+    assert asked.candidate == default.candidate
