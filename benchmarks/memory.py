@@ -44,6 +44,7 @@ import argparse
 import sys
 
 import common
+import memory_context
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 MiB = 2**20
@@ -425,15 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: the stash per stage at t = 2 (2 x d processes, the first --d and --m) with and "
                         "without --sequence-parallel, beside the planner's activations and the saving it predicts")
     p.add_argument("--dropout", type=float, default=0.0, help="--sequence-parallel: hidden and attention dropout")
-    p.add_argument("--context-parallel-size", type=int, nargs="+", metavar="C",
-                   help="instead: the stash per stage at each context-parallel size C (C x d processes, the first --d "
-                        "and --m) beside the planner's, and one layer's attention (memory_context.py)")
-    p.add_argument("--cp-comm-type", nargs="+", default=["p2p", "all_gather"], choices=["p2p", "all_gather"],
-                   help="--context-parallel-size: the communication types measured at C > 1")
+    memory_context.add_args(p)  # --context-parallel-size, --cp-comm-type, --attention-backend
     args = p.parse_args(argv)
     if args.context_parallel_size:
-        import memory_context  # noqa: PLC0415 - beside this script, as common is
-
         if args.quick:
             args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab = 2, 64, 4, 64, 2, 256
             args.d, args.m, args.steps = [2], [4], 2

@@ -4,7 +4,7 @@
   and the attention adds what the communication type keeps (all_gather: the whole sequence's K and V).
 - What the two cores keep, counted by the engine's saved-tensor accounting on 2 gloo processes (the p2p
   ring and the gathered core, causal and not, fp32 and bf16, grouped heads), equals the planner's count.
-- A sequence c = 1 cannot hold (llama-8b at 256k tokens on 32 H100s) gets c > 1, and the printed command and
+- A sequence c = 1 cannot hold (llama-8b at 512k tokens on 32 H100s) gets c > 1, and the printed command and
   the trainer's layout carry it; the paper's 512-token GPT models keep c = 1.
 """
 
@@ -65,9 +65,9 @@ def test_activations_at_c2_halve_every_per_token_term():
     assert _activations(2, "p2p") == per_token(s // 2) + ring == 868_237_312
 
 
-CORE_CASES = [(comm, causal, dtype, groups) for comm in ("p2p", "all_gather")
+CORE_CASES = [(comm, causal, dtype, groups, "auto") for comm in ("p2p", "all_gather")
               for causal, dtype, groups in ((True, "float32", 4), (False, "float32", 4), (True, "bfloat16", 4),
-                                            (True, "float32", 2))]
+                                            (True, "float32", 2))] + [("all_gather", True, "float32", 4, "unfused")]
 
 
 def _saved_worker() -> list[int]:
@@ -80,7 +80,7 @@ def _saved_worker() -> list[int]:
 
     c, rank = dist.get_world_size(), dist.get_rank()
     group, out = dist.new_group(list(range(c))), []
-    for comm, causal, dtype, groups in CORE_CASES:
+    for comm, causal, dtype, groups, backend in CORE_CASES:
         cp = CPGroup(group, rank, c, comm, tuple(range(c)))
         b, n, hd, heads = 2, 32, 16, 4
         per = heads // groups
@@ -93,7 +93,7 @@ def _saved_worker() -> list[int]:
             if comm == "p2p":
                 o = ring_attention(cp, q, k, v, None, 0.0, causal)
             else:
-                o = all_gather_attention(cp, lambda *x: attention("auto", *x[:4], 0.0, x[4]), q, k, v, None, causal)
+                o = all_gather_attention(cp, lambda *x: attention(backend, *x[:4], 0.0, x[4]), q, k, v, None, causal)
         o.float().sum().backward()
         out.append(saved.bytes)
     return out
@@ -102,57 +102,71 @@ def _saved_worker() -> list[int]:
 def test_core_bytes_equal_the_engines():
     """The planner's count of one core at c = 2 (s = 128) against what autograd keeps on the fullest rank, for
     both communication types: causal and not, fp32 and bf16, 4 heads with 4 and with 2 key/value groups (this
-    CPU's kernels: torch's flash kernel, which keeps its output, and its materialized prefix masks)."""
+    CPU's kernels: torch's flash kernel, which keeps its output, and its materialized prefix masks), and the
+    unfused core at all_gather (its score-sized tensors over the prefix)."""
     ranks = run_workers(_saved_worker, 2, timeout=120)
-    for i, (comm, causal, dtype, groups) in enumerate(CORE_CASES):
+    for i, (comm, causal, dtype, groups, backend) in enumerate(CORE_CASES):
         got = max(r[i] for r in ranks)
         gqa = dict(group_query_attention=True, num_query_groups=groups) if groups < 4 else {}
         cfg = ModelConfig("gpt", 2, 64, 4, 128, 128, 256, **gqa)
         e = 4 if dtype == "float32" else 2
-        qkv = 2 * 64 * (4 + (2 * groups if groups == 4 else 0)) * 16 * e  # grouped heads: only Q's regrouped copy
+        # the layer's QKV output, kept through views of it, or (grouped heads; the unfused core's regrouped chunks)
+        # only copies of Q
+        copies = groups < 4 or backend == "unfused"
+        qkv = 2 * 64 * (4 + (0 if copies else 2 * groups)) * 16 * e
+        kernel = "fused" if backend == "auto" else "unfused"
         core = (ring_core_bytes(cfg, 2, 1, 2, e, causal) if comm == "p2p"
-                else gather_core_bytes(cfg, 2, 1, 2, e, "fused", e, causal, mask_tensor=True, cpu=True))
-        assert got == qkv + core, (comm, causal, dtype, groups, got, qkv + core)
+                else gather_core_bytes(cfg, 2, 1, 2, e, kernel, e, causal, mask_tensor=True, cpu=True))
+        assert got == qkv + core, (comm, causal, dtype, groups, backend, got, qkv + core)
 
 
-LONG = get_preset("llama-8b", seq_length=262144, max_position_embeddings=262144)
+def _request(model: ModelConfig, gpus: int, sp: tuple[bool, ...] = (False, True), **kw) -> PlanRequest:
+    """What ``tools/plan.py`` searches for ``model`` on ``gpus`` H100s, one sequence per GPU."""
+    return PlanRequest(model, H100, gpus, gpus, "bf16", memory_margin=0.1, recompute_policies=FINER_RECOMPUTE,
+                       sequence_parallel_options=sp, **kw)
 
 
-def _request(model: ModelConfig, **kw) -> PlanRequest:
-    return PlanRequest(model, H100, 32, 32, "bf16", memory_margin=0.1, recompute_policies=FINER_RECOMPUTE, **kw)
+def _llama8b(seq: int) -> ModelConfig:
+    return get_preset("llama-8b", seq_length=seq, max_position_embeddings=seq)
 
 
 def test_long_sequence_gets_context_parallelism():
-    """llama-8b at 256k tokens on 32 H100s (4 servers of 8), one sequence per GPU: without context
-    parallelism the smallest candidate needs 76.3 GiB (over the 69.4 GiB the 10% margin leaves); with it
-    the best plan shards each sequence over c = 8 ranks, which the command and the trainer's layout carry."""
-    with pytest.raises(ConfigError, match=r"nothing fits.*76\.3 GiB per GPU"):
-        search(_request(LONG, context_parallel_options=(1,)), top=3)
-    result = search(_request(LONG), top=3)
+    """llama-8b at 512k tokens on 32 H100s (4 servers of 8): without context parallelism the smallest candidate
+    needs 98.8 GiB (t = 8 with sequence parallelism is as far as its 8 key/value groups shard a layer; the
+    10% margin leaves 69.4 GiB); with it the best plan shards each sequence over c = 16 ranks (the ring: the
+    gathered K and V of 512k tokens would not fit), and the command and the trainer's layout carry it.
+    At 32k tokens on 8 H100s c = 1 fits and stays the best plan."""
+    long = _llama8b(524288)
+    with pytest.raises(ConfigError, match=r"nothing fits.*98\.8 GiB per GPU"):
+        search(_request(long, 32, context_parallel_options=(1,)), top=3)
+    result = search(_request(long, 32), top=3)
     best = result.best.candidate
-    assert (best.context_parallel, best.cp_comm_type, best.tensor_parallel) == (8, "all_gather", 2)
-    assert best.num_gpus == 32 and best.replicas == best.data_parallel * 8
-    assert result.best.memory_bytes_per_gpu <= _request(LONG).memory_limit_bytes
+    assert (best.context_parallel, best.cp_comm_type, best.tensor_parallel) == (16, "p2p", 2)
+    assert best.num_gpus == 32 and best.replicas == best.data_parallel * 16
+    assert result.best.memory_bytes_per_gpu <= result.request.memory_limit_bytes
     argv = pretrain_command(result.best, result.request)
     i = argv.index("--context-parallel-size")
-    assert argv[i:i + 4] == ["--context-parallel-size", "8", "--cp-comm-type", "all_gather"]
+    assert argv[i:i + 4] == ["--context-parallel-size", "16", "--cp-comm-type", "p2p"]
     choice = PlanChoice(best.tensor_parallel, best.pipeline_parallel, best.data_parallel, best.micro_batch_size,
                         best.recompute, best.schedule, best.layer_split, best.distributed_optimizer,
                         best.recompute_policy, best.context_parallel, best.cp_comm_type)
-    par, _, _ = layout_configs(choice.layout, LONG, 32, 32)
-    assert (par.context, par.cp_comm_type, par.data) == (8, "all_gather", best.data_parallel)
+    par, _, _ = layout_configs(choice.layout, long, 32, 32)
+    assert (par.context, par.cp_comm_type, par.data) == (16, "p2p", best.data_parallel)
+    assert search(_request(_llama8b(32768), 8), top=1).best.candidate.context_parallel == 1
 
 
 def test_profile_costs_get_the_same_context_plan():
     """A profile holds c = 1 only; its context ranks are scaled from it by the analytic ratio. A profile that
-    is the analytic estimate itself therefore plans exactly as the analytic search does."""
-    request = _request(LONG)
+    is the analytic estimate itself therefore plans exactly as the analytic search does (llama-8b at 128k
+    tokens on 8 H100s without sequence parallelism, which a profile holds one setting of: the best has c = 4)."""
+    request = _request(_llama8b(131072), 8, sp=(False,))
     analytic = default_costs(request)
     profile = layer_costs_from_json(analytic.to_json(), "analytic")
     assert not profile.cp_table
     scaled = with_context_costs(request, profile)
     assert set(scaled.cp_table) == set(analytic.cp_table)
-    assert search(request, scaled, top=1).best.candidate == search(request, analytic, top=1).best.candidate
+    best = search(request, scaled, top=1).best.candidate
+    assert best == search(request, analytic, top=1).best.candidate and best.context_parallel == 4
 
 
 @pytest.mark.parametrize("name", ["gpt-2.2b", "gpt-3.8b"])

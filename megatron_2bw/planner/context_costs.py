@@ -8,25 +8,30 @@ saved-tensor accounting, ``benchmarks/memory.py --context-parallel-size``; per G
 
 - ``p2p`` (the ring): each visible block (query chunk x key chunk, a query's future skipped when causal:
   the fullest rank sees ``2c + 1`` blocks, ``4c`` without causality) is computed in fp32 with the core
-  written out and recomputed in backward, so it keeps only its inputs: views of the layer's Q (kept as the
-  layer's) and of every rank's stacked K and V (``c * 2 * 2n bg d e``), and a causal diagonal block's bool
-  mask (``n^2``); the exact merge keeps ``2B - 4`` partial outputs (``4abn d``, fp32), two weights per merge
-  and the log-sum-exps it reads (``4abn``).
+  written out and recomputed in backward, so it keeps only its inputs: views of the layer's Q and of every
+  rank's stacked K and V (``c * 2 * 2n bg d e``), and a causal diagonal block's bool mask (``n^2``); the
+  exact merge keeps ``2B - 4`` partial outputs (``4abn d``, fp32), two weights per merge and the
+  log-sum-exps it reads (``4abn``).
 - ``all_gather``: the keys and values of the whole sequence (``2 s bg d e``, the gather's output, which the
   core's inputs are views of) and, per local chunk, the ordinary core against the key prefix up to the
   chunk's end: the fused kernels keep their log-sum-exp and, causal, where the prefix is given as a mask
   (grouped heads; torch's CPU kernels materialize even the bottom-right causal bias) the mask ``[n, prefix]``
-  in the activations' dtype (``(2c + 1) n^2`` elements over the fullest rank's two chunks); the unfused core
-  keeps its ``a b`` score-sized tensors over those query x key elements and the bool mask.
+  in the activations' dtype (``(2c + 1) n^2`` elements over the fullest rank's two chunks); torch's CPU flash
+  kernel also its output; the unfused core its ``a b`` score-sized tensors over those query x key elements
+  and the bool mask.
+- With grouped heads (and in the unfused core at ``all_gather``) the core's Q is a copy and K and V are the
+  gathered or stacked ones, so the layer's QKV output is not kept: its ``K, V`` term leaves the count
+  (:func:`keeps_layer_qkv`).
 
 Time: the weight GEMMs and memory-bound passes at ``s / c`` tokens; the core's work is ``1/c`` of the whole
 sequence's (``all_gather``, the fused kernels at the precision's speed) or the ring's blocks in fp32
-(``B n^2`` query x key elements per head at the fp32 peak). Communication, per layer, over the context
-group's link (``t * c`` ranks: NVLink when they fit a server, else the server's NIC shared by its GPUs):
-``p2p`` sends a rank's K and V ``c - 1`` hops forward, overlapped with the blocks' compute (only what the
-compute does not cover is added), and their gradients the same hops back in backward, exposed (the ring's
-backward waits on each hop); ``all_gather`` gathers K and V forward and reduce-scatters their gradients
-backward, ``(c - 1)`` rank shares each way on a ring, exposed.
+(``B n^2`` query x key elements per head at the fp32 peak, run twice: backward recomputes them).
+Communication, per layer, over the context group's link (``t * c`` ranks: NVLink when they fit a server,
+else the server's NIC shared by all its GPUs): ``p2p`` sends a rank's K and V ``c - 1`` hops forward,
+overlapped with the blocks' compute (only what the compute does not cover is added), and their gradients the
+same hops back in backward, exposed (the ring's backward waits on each hop); ``all_gather`` gathers K and V
+forward and reduce-scatters their gradients backward, ``c - 1`` rank shares each way on a ring, exposed.
+The weights do not shrink with c: the c ranks are replicas (``Candidate.replicas``).
 """
 
 from __future__ import annotations
@@ -117,6 +122,14 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
                              causal, cluster.is_cpu or grouped, cluster.is_cpu)
 
 
+def keeps_layer_qkv(model: ModelConfig, cluster: Cluster, comm: str) -> bool:
+    """Whether the core keeps the layer's QKV output (Q, K and V, as the layer counts them): its Q is a view of
+    it. Not with grouped heads (Q is a regrouped copy), nor in the unfused core at all_gather (each chunk's Q,
+    regrouped for its GEMM, is a copy): those keep Q's copy alone, and K and V are the gathered or stacked ones."""
+    grouped = model.query_groups != model.num_attention_heads
+    return not grouped and (comm == "p2p" or attention_kernel(cluster, model) != "unfused")
+
+
 def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
     """Per-GPU bandwidth of the context group's exchange: inside a server NVLink (a ring's hops at the p2p
     rate, the all-gather at the collective's bus rate), else the server's NIC shared by all its GPUs."""
@@ -158,11 +171,8 @@ def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: st
     base = analytic_microbatch_costs(local, cluster, precision, t, b)
     lay = base.layer
     core = context_core_bytes(model, cluster, precision, t, b, c, comm, causal)
-    # grouped heads: the core's inputs are a copy of Q (its heads regrouped) and the gathered or stacked K, V,
-    # so the layer's QKV output (Q, K and V, which the layer counts) is not kept: only Q's copy
-    grouped = model.query_groups != model.num_attention_heads
     kv = 2 * model.query_groups * model.head_dim * b * (model.seq_length // c) * activation_bytes(precision) // t
-    stash = lay.stash_bytes - lay.core_stash_bytes + core - (kv if grouped else 0)
+    stash = lay.stash_bytes - lay.core_stash_bytes + core - (0 if keeps_layer_qkv(model, cluster, comm) else kv)
     core_s = _core_seconds(model, cluster, precision, t, b, c, comm, causal)
     hop = _exchange_seconds(model, cluster, precision, t, b, c, comm)
     fwd_comm = max(0.0, hop - core_s) if comm == "p2p" else hop

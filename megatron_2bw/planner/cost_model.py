@@ -15,7 +15,9 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
   and their gradients. A boundary inside a server uses NVLink; one between servers shares the
   server's NIC with every GPU of the server sending across it at the same time (all ``t*w`` GPUs of
   a stage, at most a server's worth). Each tensor rank sends the whole activation.
-- ``allreduce``: once per batch, the stage's gradients across its ``w`` replicas. Ring cost
+- ``allreduce``: once per batch, the stage's gradients across its ``w`` replicas (with context parallelism
+  ``w * c``: ``Candidate.replicas``; a context rank's attention exchange is in its layer's times,
+  ``context_costs.py``). Ring cost
   ``2(n-1)/n * bytes / bw``; replicas inside one server (``t*w <= devices per server``) use NVLink,
   otherwise hierarchically: NVLink inside each server, then the NIC carries ``2(n_s-1)/n_s`` of the
   gradient of every data-parallel group on the server (``n_s`` servers). With several stages the
