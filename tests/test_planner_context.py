@@ -171,7 +171,7 @@ def test_profile_costs_get_the_same_context_plan():
 
 @pytest.mark.parametrize("name", ["gpt-2.2b", "gpt-3.8b"])
 def test_paper_models_keep_c1(name):
-    """The paper's 512-token models: the search tries no c (each rank would keep under 2048 tokens), and asked
+    """The paper's 512-token models: the search tries no c (each rank would keep under 4096 tokens), and asked
     to try c = 2 and 4 it still picks c = 1 (each layer's K/V exchange costs more than the shorter shard saves)."""
     model = paper_model(name)
     v100 = load_cluster("aws-p3.16xlarge")

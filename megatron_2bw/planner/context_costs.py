@@ -49,10 +49,10 @@ FP32 = 4
 INDEX_BYTES = 8  # the gather's int64 index into sequence order (kept by index_select, K and V)
 
 
-# The search tries c only while each rank keeps at least this many tokens of a sequence (Megatron advises
-# context parallelism for long sequences): shorter shards make the K/V exchange as long as the GEMMs it
+# The search tries c only while each rank keeps at least this many tokens of a sequence (so from 8k tokens
+# on: context parallelism is for long sequences): shorter shards make the K/V exchange as long as the GEMMs it
 # should hide behind, and the planner's speed stays that of the search without c for short sequences.
-MIN_TOKENS_PER_RANK = 2048
+MIN_TOKENS_PER_RANK = 4096
 
 
 def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
