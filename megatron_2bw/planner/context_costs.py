@@ -6,12 +6,10 @@ the analytic estimate's (``layer_costs.analytic_microbatch_costs``) for a sequen
 differs, by ``--cp-comm-type``, in what its core keeps (counted tensor by tensor against the engine's
 saved-tensor accounting, ``benchmarks/memory.py --context-parallel-size``; per GPU, heads and groups over t):
 
-- ``p2p`` (the ring): each visible block (query chunk x key chunk, a query's future skipped when causal:
-  the fullest rank sees ``2c + 1`` blocks, ``4c`` without causality) is computed in fp32 with the core
-  written out and recomputed in backward, so it keeps only its inputs: views of the layer's Q and of every
-  rank's stacked K and V (``c * 2 * 2n bg d e``), and a causal diagonal block's bool mask (``n^2``); the
-  exact merge keeps ``2B - 4`` partial outputs (``4abn d``, fp32), two weights per merge and the
-  log-sum-exps it reads (``4abn``).
+- ``p2p`` (the ring, ``context_parallel/ring.py``): its own autograd function keeps what a fused kernel
+  keeps: this rank's Q, K and V (views of the layer's QKV output; with grouped heads Q is a regrouped copy,
+  ``2n ab d e``), the output (``2n ab d e``) and one fp32 log-sum-exp per query row (``4 ab 2n``); the
+  blocks' scores are recomputed in backward, where the keys and values go round the ring again.
 - ``all_gather``: the keys and values of the whole sequence (``2 s bg d e``, the gather's output, which the
   core's inputs are views of) and, per local chunk, the ordinary core against the key prefix up to the
   chunk's end: the fused kernels keep their log-sum-exp and, causal, where the prefix is given as a mask
@@ -78,18 +76,13 @@ def _per_gpu(model: ModelConfig, t: int) -> tuple[int, int, int]:
 
 
 def ring_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, causal: bool) -> int:
-    """What the ``p2p`` core keeps per layer on the fullest rank beyond the layer's own Q, K, V (module
-    docstring): every rank's stacked K and V, the diagonal blocks' masks, and what the merge keeps."""
+    """What the ``p2p`` core keeps per layer on each rank beyond the layer's own Q, K, V (module docstring):
+    its output and log-sum-exp, and Q's regrouped copy with grouped heads; the same on every rank (the
+    blocks' work differs, not what is kept), with or without causality."""
     a, g, hd = _per_gpu(model, t)
-    n = model.seq_length // (2 * c)
-    k0, k1 = ring_blocks(c, causal)
-    blocks, row = k0 + k1, FP32 * a * b * n
-    kv = c * 2 * 2 * n * b * g * hd * e
-    outputs = (2 * blocks - 4) * row * hd  # every block's output and each merge's but the last, per chunk
-    weights = 2 * (blocks - 2) * row  # exp(l - lse) of both sides of each merge
-    lse = sum(k if k > 1 else 0 for k in (k0, k1)) * row + (max(k0 - 2, 0) + max(k1 - 2, 0)) * row
-    masks = 2 * n * n if causal else 0
-    return kv + outputs + weights + lse + masks
+    rows = a * b * model.seq_length // c  # this rank's query rows, every head
+    grouped = model.query_groups != model.num_attention_heads
+    return rows * hd * e * (2 if grouped else 1) + FP32 * rows
 
 
 def gather_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, kernel: str, mask_bytes: int,
@@ -123,11 +116,12 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
 
 
 def keeps_layer_qkv(model: ModelConfig, cluster: Cluster, comm: str) -> bool:
-    """Whether the core keeps the layer's QKV output (Q, K and V, as the layer counts them): its Q is a view of
-    it. Not with grouped heads (Q is a regrouped copy), nor in the unfused core at all_gather (each chunk's Q,
-    regrouped for its GEMM, is a copy): those keep Q's copy alone, and K and V are the gathered or stacked ones."""
+    """Whether the core keeps the layer's QKV output (Q, K and V, as the layer counts them): the ring keeps
+    views of it always (with grouped heads K and V are views, Q a copy it counts). At all_gather, not with
+    grouped heads (Q is a regrouped copy) nor in the unfused core (each chunk's Q, regrouped for its GEMM, is a
+    copy): those keep Q's copy alone, and K and V are the gathered ones."""
     grouped = model.query_groups != model.num_attention_heads
-    return not grouped and (comm == "p2p" or attention_kernel(cluster, model) != "unfused")
+    return comm == "p2p" or not grouped and attention_kernel(cluster, model) != "unfused"
 
 
 def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
