@@ -74,13 +74,29 @@ CASES = {  # id: (heads, key/value groups, causal, mask)
 }
 
 
-@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_context_parallel_core_equals_dense(case, comm):
+COMBOS = [(case, comm) for case in CASES for comm in ("p2p", "all_gather")]
+
+
+def _all_cases_worker():
+    """Every (case, communication type) on one set of processes (one spawn for the whole table)."""
+    out = []
+    for case, comm in COMBOS:
+        heads, groups, causal, mask_kind = CASES[case]
+        out.append(_cp_worker(heads, groups, causal, mask_kind, comm, "unfused" if mask_kind else "auto"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_runs():
+    return run_workers(_all_cases_worker, 2, timeout=180)
+
+
+@pytest.mark.parametrize("case, comm", COMBOS)
+def test_context_parallel_core_equals_dense(cp_runs, case, comm):
     heads, groups, causal, mask_kind = CASES[case]
-    backend = "unfused" if mask_kind else "auto"
-    ref = _dense(heads, groups, causal, mask_kind, backend)
-    for idx, *got in run_workers(_cp_worker, 2, heads, groups, causal, mask_kind, comm, backend, timeout=120):
+    ref = _dense(heads, groups, causal, mask_kind, "unfused" if mask_kind else "auto")
+    k = COMBOS.index((case, comm))
+    for idx, *got in (rank[k] for rank in cp_runs):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             err = (a - b.index_select(2, idx)).abs().max().item()
             assert err < 1e-5, (case, comm, name, err)
