@@ -11,29 +11,16 @@ from __future__ import annotations
 import torch
 
 from ..tensor_parallel.mappings import gather_seq
-from .group import CPGroup
+from .group import CPGroup, mask_rows, sequence_order
 from .ring import ring_attention
 
 __all__ = ["all_gather_attention", "ring_attention"]
 
 
-def _global_order(c: int, n: int, device: torch.device) -> torch.Tensor:
-    """Indices taking the gathered keys (rank 0's two chunks, rank 1's, ...) into sequence order."""
-    offset = [0] * (2 * c)
-    for r in range(c):
-        offset[r], offset[2 * c - 1 - r] = 2 * r * n, (2 * r + 1) * n
-    return torch.cat([torch.arange(o, o + n, device=device) for o in offset])  # 2c ranges: no per-element loop
-
-
 def _gather_kv(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """``[b, g, 2L, d]`` of every rank -> ``[b, g, s, d]`` in sequence order."""
     full = gather_seq(x.transpose(1, 2), cp).transpose(1, 2)  # [b, g, c*2L, d] in rank order
-    return full.index_select(2, _global_order(cp.size, x.shape[2] // 2, x.device))
-
-
-def _mask_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    """Rows ``lo:hi`` of a per-query mask (a key-only mask ``[b, 1, 1, s]`` applies to every row)."""
-    return None if mask is None or mask.shape[-2] == 1 else mask[..., lo:hi, :]
+    return full.index_select(2, sequence_order(cp.size, x.shape[2] // 2, x.device))
 
 
 def all_gather_attention(cp: CPGroup, core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,8 +35,7 @@ def all_gather_attention(cp: CPGroup, core, q: torch.Tensor, k: torch.Tensor, v:
     outs = []
     for j, chunk in enumerate(cp.chunks):
         end = (chunk + 1) * n  # the keys up to this chunk's end: the rest lie in its future
-        rows = _mask_rows(mask, j * n, (j + 1) * n)
-        rows = mask if rows is None else rows
+        rows = mask_rows(mask, j * n, (j + 1) * n)
         outs.append(core(q[:, :, j * n:(j + 1) * n], kg[:, :, :end], vg[:, :, :end],
                          None if rows is None else rows[..., :end], rows is None))
     return torch.cat(outs, dim=2)

@@ -66,6 +66,17 @@ def positions_of(s: int, c: int, rank: int, device: torch.device | str = "cpu") 
     return torch.cat([torch.arange(a * n, (a + 1) * n, device=device), torch.arange(b * n, (b + 1) * n, device=device)])
 
 
+def mask_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """Query rows ``lo:hi`` of a sharded mask: a per-query mask ``[b, 1, 2L, s]``'s rows, a key-only mask
+    ``[b, 1, 1, s]`` (it applies to every row) as it is; its key columns stay whole, in sequence order."""
+    return mask if mask is None or mask.shape[-2] == 1 else mask[..., lo:hi, :]
+
+
+def sequence_order(c: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Indices taking every rank's two chunks, gathered in rank order, into sequence order."""
+    return torch.cat([positions_of(2 * c * n, c, r, device) for r in range(c)]).argsort()
+
+
 def shard_batch(batch: dict, cp: CPGroup) -> dict:
     """This rank's part of a whole microbatch: the ``[b, s]`` fields cut to its two chunks, masks'
     query rows likewise (their key columns kept whole), and ``position_ids`` (the global positions) added

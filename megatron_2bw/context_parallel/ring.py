@@ -18,13 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .group import CPGroup
+from .group import CPGroup, mask_rows
 
 _MASKED = -1e30  # finite: a query row with no visible key in one block weighs zero in the merge, never NaN
-
-
-def _rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    return None if mask is None or mask.shape[-2] == 1 else mask[..., lo:hi, :]
 
 
 def block_keep(mask: torch.Tensor | None, i: int, qc: int, kc: int, n: int, causal: bool,
@@ -35,8 +31,7 @@ def block_keep(mask: torch.Tensor | None, i: int, qc: int, kc: int, n: int, caus
         return False, None
     keep = torch.ones(n, n, dtype=torch.bool, device=device).tril() if causal and kc == qc and mask is None else None
     if mask is not None:
-        rows = _rows(mask, i * n, (i + 1) * n)
-        keep = (mask if rows is None else rows)[..., kc * n:(kc + 1) * n]
+        keep = mask_rows(mask, i * n, (i + 1) * n)[..., kc * n:(kc + 1) * n]
     return True, keep
 
 
