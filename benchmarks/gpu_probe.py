@@ -127,6 +127,14 @@ def _queue_child(port: int) -> dict:
     return rows
 
 
+def env_with(name: str, value: str | None) -> dict[str, str]:
+    """This process's environment with ``name`` set to ``value`` (None: unset), for a probe's child."""
+    env = {k: v for k, v in os.environ.items() if k != name}
+    if value:
+        env[name] = value
+    return env
+
+
 def queue_rows(device, timeout_s: float = 60.0) -> list[dict]:
     """The queue probe with ``CUDA_DEVICE_MAX_CONNECTIONS`` unset and ``=1``, each in its own process."""
     from megatron_2bw.testing.local_workers import free_port
@@ -137,9 +145,7 @@ def queue_rows(device, timeout_s: float = 60.0) -> list[dict]:
         if device.type != "cuda":
             rows.append(_row(name, NEEDS_GPU, "CUDA streams and NCCL"))
             continue
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-        if conn:
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = conn
+        env = env_with("CUDA_DEVICE_MAX_CONNECTIONS", conn)
         cmd = [sys.executable, os.path.abspath(__file__), "--queue-child", str(free_port())]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

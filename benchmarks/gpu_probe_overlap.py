@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from gpu_probe import FAIL, INFO, NEEDS_GPU, PASS, _first_line, _row
+from gpu_probe import FAIL, INFO, NEEDS_GPU, PASS, _first_line, _row, env_with
 
 SLEEP_S = 0.5  # the stand-in collective's length in the allocator probe
 GiB = 2**30
@@ -271,9 +271,7 @@ def alloc_sync_rows(device, timeout_s: float = 90.0) -> list[dict]:
         if device.type != "cuda":
             rows.append(_row(name, NEEDS_GPU, "the CUDA caching allocator"))
             continue
-        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-        if conf:
-            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        env = env_with("PYTORCH_CUDA_ALLOC_CONF", conf)
         try:
             delays = _child("--alloc-child", env, timeout_s)
         except Exception as e:  # noqa: BLE001 - the probe's own failure is its row (a measurement, not a check)
