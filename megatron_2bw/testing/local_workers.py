@@ -6,6 +6,13 @@
 A worker that raises fails the call with its traceback; a job that does not finish within
 ``timeout`` seconds is killed and fails: a hang is a failure, never a stuck CI. ``fn`` must be a
 module-level function (it is pickled by name).
+
+``start_method="forkserver"`` forks the workers from one server process that has imported the
+``preload`` modules once (torch and the package take 1-3 s per process to import; a fork takes
+about 50 ms), which is what the test suite uses. Either way a worker runs with the caller's
+environment and working directory as they are at the call (a forked worker would otherwise see
+the server's, fixed when it started). Benchmarks keep ``spawn``: a fresh interpreter per worker,
+so what they measure of a process (its resident memory) holds nothing of the server's.
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ def init_kwargs(backend: str, rank: int) -> dict:
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, pg_timeout: float,
-            backend: str) -> None:
+            backend: str, env: dict[str, str], cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -64,12 +74,17 @@ def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, queue, 
 
 def run_workers(
     fn: Callable, world: int, *args: Any, timeout: float = 180.0, pg_timeout: float = 120.0, backend: str = "gloo",
+    start_method: str = "spawn", preload: tuple[str, ...] = (),
 ) -> list[Any]:
     """``fn(*args)`` on ``world`` fresh processes; the per-rank results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver" and preload:
+        ctx.set_forkserver_preload(list(preload))  # takes effect when the server starts (the first call)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, pg_timeout, backend), daemon=True)
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, pg_timeout, backend, env, cwd),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
