@@ -180,3 +180,52 @@ def test_paper_models_keep_c1(name):
     asked = search(replace(request, context_parallel_options=(1, 2, 4)), top=1).best
     assert default.candidate.context_parallel == asked.candidate.context_parallel == 1
     assert asked.candidate == default.candidate
+
+
+def _plan_tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan.py")
+    spec = importlib.util.spec_from_file_location("plan_tool", path)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    return plan
+
+
+def test_plan_py_fixes_the_context_parallel_size(capsys):
+    """tools/plan.py --context-parallel-size C [--cp-comm-type T]: every ranked plan has c = C (and type T),
+    the best one is the search's best restricted to C, and its printed command carries C; a C that does not
+    divide the GPUs is one error line, exit 2, and so is a C or type with which nothing fits (c = 1, and
+    all_gather's whole-sequence K and V at 128k tokens)."""
+    import json
+
+    plan = _plan_tool()
+    argv = ["--model-preset", "llama-8b", "--seq-length", "131072", "--max-position-embeddings", "131072",
+            "--num-gpus", "8", "--cluster", "dgx-h100", "--global-batch-size", "8", "--precision", "bf16",
+            "--no-sequence-parallel-search", "--top", "5"]
+    assert plan.main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranked"][0]["context_parallel"] == 4  # as the search picks
+    for c, kind in ((2, None), (4, "p2p")):
+        extra = ["--context-parallel-size", str(c)] + (["--cp-comm-type", kind] if kind else [])
+        assert plan.main([*argv, *extra, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["ranked"]
+        assert rows and {r["context_parallel"] for r in rows} == {c}
+        if kind:
+            assert {r["cp_comm_type"] for r in rows} == {kind}
+        request = _request(_llama8b(131072), 8, sp=(False,), context_parallel_options=(c,),
+                           **({"cp_comm_types": (kind,)} if kind else {}))
+        best = search(request, top=1).best
+        assert rows[0]["memory_bytes_per_gpu"] == best.memory_bytes_per_gpu
+        assert rows[0]["batch_seconds"] == pytest.approx(best.prediction.batch_s, abs=1e-6)
+    assert plan.main([*argv, "--context-parallel-size", "2"]) == 0
+    command = capsys.readouterr().out.split("best configuration:")[1]
+    assert "--context-parallel-size 2 --cp-comm-type" in command
+    for bad, why in ((["--context-parallel-size", "1"], "nothing fits"),  # 128k tokens need c > 1 on 8 GPUs
+                     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], "nothing fits"),  # whole K, V
+                     (["--context-parallel-size", "3"], "--num-gpus 8 is not divisible by --context-parallel-size 3"),
+                     (["--context-parallel-size", "0"], "--context-parallel-size must be positive"),
+                     (["--cp-comm-type", "a2a"], "--cp-comm-type")):
+        assert plan.main([*argv, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err

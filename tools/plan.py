@@ -17,7 +17,8 @@ measured on a small model) beside its throughput. It tries the distributed optim
 wherever there is more than one replica (``--use-distributed-optimizer``: only it;
 ``--no-distributed-optimizer``: never), and for GPT with t > 1 sequence parallelism on and off
 (``--sequence-parallel``: only on; ``--no-sequence-parallel-search``: only off; the table's ``seq-par``
-column). Gradients accumulate
+column), and context parallelism at the sizes that leave each rank 4,096 tokens or more
+(``--context-parallel-size C``: only C; ``--cp-comm-type``: only that exchange). Gradients accumulate
 in the precision's default (fp32 for bf16, fp16 for fp16) unless ``--accumulate-allreduce-grads-in-fp32``
 or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer.
 
@@ -35,7 +36,7 @@ import sys
 from dataclasses import asdict, replace
 
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
-from megatron_2bw.config import ATTENTION_BACKENDS, ModelConfig
+from megatron_2bw.config import ATTENTION_BACKENDS, CP_COMM_TYPES, ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.calibration import (
     calibration, calibration_json, format_calibration, format_schedule_ratios, schedule_ratio_calibration,
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and per-layer (--recompute-granularity) ones")
     s.add_argument("--no-sequence-parallel-search", dest="sp_search", action="store_false",
                    help="do not try --sequence-parallel (tried by default for GPT wherever t > 1)")
+    s.add_argument("--context-parallel-size", dest="context", type=int, default=None, metavar="C",
+                   help="plan only this context-parallel size (the trainer's flag; 1: none). Default: 1 and every "
+                        "power of two whose 2c chunks divide --seq-length and leave each rank >= 4096 tokens")
+    s.add_argument("--cp-comm-type", dest="cp_comm_type", choices=CP_COMM_TYPES, default=None,
+                   help="plan only this context-parallel exchange (the trainer's flag); default: both at c > 1")
     add_output_flags(p)
     return p
 
@@ -261,7 +267,22 @@ def plan_request(args: argparse.Namespace, model: ModelConfig, cluster) -> PlanR
                        recompute_policies=FINER_RECOMPUTE if args.finer_recompute else (),
                        memory_margin=DEFAULT_MEMORY_MARGIN if args.memory_margin is None else args.memory_margin,
                        sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
-                       compensation=args.compensation, optimizer=args.optimizer, async_save=args.async_save)
+                       compensation=args.compensation, optimizer=args.optimizer, async_save=args.async_save,
+                       context_parallel_options=context_parallel_options(args, model),
+                       cp_comm_types=CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,))
+
+
+def context_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tuple[int, ...] | None:
+    """``--context-parallel-size`` given: that size only, checked as the trainer checks it; else None (searched)."""
+    c = args.context
+    if c is None:
+        return None
+    if c < 1:
+        raise ConfigError(f"--context-parallel-size must be positive, got {c}")
+    if args.num_gpus % c:
+        raise ConfigError(f"--num-gpus {args.num_gpus} is not divisible by --context-parallel-size {c}")
+    model.check_context_parallel(c, 1)
+    return (c,)
 
 
 def sequence_parallel_options(model: ModelConfig, search: bool) -> tuple[bool, ...]:
