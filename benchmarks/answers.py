@@ -171,7 +171,32 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
     else:
         lines.append("No convergence JSON saved.")
     lines += _optimizer_rows(_load(json_dir, "convergence_optimizers.json"), link, target_loss)
+    lines += _ef_published_rows(_load(json_dir, "convergence_ef_published.json"), link)
     return "\n".join(lines + [""])
+
+
+def _ef_published_rows(ef: dict | None, link) -> list[str]:
+    """The ``ef`` rows rerun with the published rule (issue 33; ``convergence_ef_published.json``): the mean over
+    seeds of each (regime, optimizer)'s final validation loss over its paired Flush."""
+    if not ef or not ef.get("results"):
+        return []
+    groups: dict[tuple, list[float]] = {}
+    for r in ef["results"]:
+        if r.get("ef_rule") == "published" and r.get("valid_loss_ratio_vs_flush") is not None:
+            groups.setdefault((r["regime"], r["optimizer"]), []).append(r["valid_loss_ratio_vs_flush"])
+    if not groups:
+        return []
+    seeds = {len(v) for v in groups.values()}
+    by_regime: dict[str, list[str]] = {}
+    for (regime, optimizer), ratios in sorted(groups.items(), key=lambda kv: (kv[0][0] != "paper", kv[0])):
+        name = {"adamw": "AdamW", "muon": "Muon"}.get(optimizer, optimizer)
+        by_regime.setdefault(regime, []).append(f"{name} {sum(ratios) / len(ratios):.4f}")
+    means = "; ".join(f"{regime} {', '.join(parts)}" for regime, parts in by_regime.items())
+    return [f"- `ef` rows above: the former rule (the first update corrected too). With the published rule, "
+            f"{'all' if ef.get('complete') else 'some of the'} {sum(len(v) for v in groups.values())} rerun and each "
+            f"paired with a Flush on the same data (mean of {'/'.join(map(str, sorted(seeds)))} seed"
+            f"{'s' if seeds != {1} else ''}): {means} (section 3, \"`ef` as published\"; "
+            f"[convergence_ef_published.json]({link('convergence_ef_published.json')}) {_date(ef)})."]
 
 
 def _optimizer_rows(opt: dict | None, link, target_loss: float) -> list[str]:

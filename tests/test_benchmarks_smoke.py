@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -307,3 +308,61 @@ def test_pipeline_throughput_pairs_each_schedule_with_torchs_counterpart():
     i = order.index("zb-v")
     assert [s for s, _ in odd[i:i + 2]] == ["torch_zbv", "zb-v"]  # torch's first in odd rounds
     assert sorted(odd) == sorted(entries)
+
+
+def _regenerate(tmp_path, doc_text: str) -> tuple[str, str]:
+    """docs/data and ``doc_text`` copied under ``tmp_path/docs``, the document rebuilt there from the JSON;
+    returns (rebuilt text, the copy's data path)."""
+    import shutil
+
+    import report
+
+    docs = tmp_path / "docs"
+    shutil.copytree(os.path.join(os.path.dirname(BENCH), "docs", "data"), docs / "data")
+    (docs / "benchmarks.md").write_text(doc_text)
+    assert report.main(["--from-json", str(docs / "data"), "--doc", str(docs / "benchmarks.md"),
+                        "--img-dir", str(docs / "img")]) == 0
+    return (docs / "benchmarks.md").read_text(), str(docs / "data")
+
+
+def test_benchmarks_doc_is_what_the_report_rebuilds(tmp_path):
+    """docs/benchmarks.md equals ``report.py --from-json docs/data``'s rebuild of it (but the date and the data
+    directory's path): every figure comes from a saved JSON, and what was measured by hand stands in kept
+    blocks, which a rebuild carries over (a hand edit anywhere else would be lost by the next rebuild)."""
+    import kept_notes
+
+    path = os.path.join(os.path.dirname(BENCH), "docs", "benchmarks.md")
+    with open(path) as fh:
+        committed = fh.read()
+    rebuilt, data = _regenerate(tmp_path, committed)
+    norm = lambda text: re.sub(r" on \d{4}-\d\d-\d\d \d\d:\d\d UTC", " on DATE", text.replace(data, "docs/data"))  # noqa: E731
+    assert norm(rebuilt).splitlines() == norm(committed).splitlines()
+    assert [name for _, name, _ in kept_notes.extract(committed)] == ["memory-context-parallel", "ef-published"]
+
+
+def test_kept_blocks_survive_rebuilds_and_splices(tmp_path):
+    """A kept block goes back to the end of the section it stood in, after a full rebuild and after
+    ``--convergence-only``'s splice of section 3; one whose section is gone goes to the end; an unclosed block
+    stops the rebuild with its name."""
+    import kept_notes
+    import report
+
+    base, _ = _regenerate(tmp_path / "a", "")
+    assert not kept_notes.extract(base)  # the header names the markers, inside a line
+    note2 = "<!-- kept: mine -->\n### A hand measurement\n\n42 MiB.\n<!-- /kept -->"
+    note9 = "<!-- kept: lost -->\ngone section\n<!-- /kept -->"
+    at = base.index("## 3. Convergence")
+    doc = base[:at] + note2 + "\n\n" + base[at:] + "\n## 9. Old\n\n" + note9 + "\n"
+    rebuilt, data = _regenerate(tmp_path / "b", doc)
+    assert rebuilt.index("## 2. Memory") < rebuilt.index(note2) < rebuilt.index("## 3. Convergence")
+    assert rebuilt.rstrip().endswith(note9) and "## 9. Old" not in rebuilt
+    target = tmp_path / "b" / "docs" / "benchmarks.md"
+    assert report.main(["--from-json", data, "--doc", str(target), "--img-dir", str(tmp_path / "b" / "docs" / "img"),
+                        "--convergence-only"]) == 0
+    spliced = target.read_text()
+    assert spliced.count(note2) == 1 and spliced.count(note9) == 1
+    kept = [b for _, _, b in kept_notes.extract(spliced)]
+    target.write_text(spliced + "\n<!-- kept: open -->\nno end\n")
+    with pytest.raises(ValueError, match="kept block 'open' has no"):
+        report.main(["--from-json", data, "--doc", str(target), "--img-dir", str(tmp_path / "b" / "docs" / "img")])
+    assert kept_notes.extract(target.read_text().rsplit("\n<!-- kept: open", 1)[0]) and kept == [note2, note9]
