@@ -11,8 +11,9 @@ from typing import Any, Callable
 from megatron_2bw.testing import local_workers
 from megatron_2bw.testing.local_workers import free_port  # noqa: F401
 
-PRELOAD = ("torch", "torch.distributed", "megatron_2bw.training.loop", "megatron_2bw.pipeline.build",
-           "megatron_2bw.checkpoint", "megatron_2bw.models.spec")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "megatron_2bw.training.loop",
+           "megatron_2bw.pipeline.build", "megatron_2bw.checkpoint.dist_checkpoint.writer",
+           "megatron_2bw.checkpoint.dist_checkpoint.reshard", "megatron_2bw.models.spec")
 
 
 def run_workers(fn: Callable, world: int, *args: Any, **kwargs: Any) -> list[Any]:

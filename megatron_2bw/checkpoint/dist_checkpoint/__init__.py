@@ -39,13 +39,30 @@ one-line failures), ``writer`` and ``async_writer`` (saving), ``reader`` (checki
 before init), ``reshard`` (restoring at any layout).
 """
 
+import importlib
+from typing import Any
+
 from ...config import CKPT_FORMATS
-from .async_writer import AsyncWriter
 from .files import COMMON, FORMAT, METADATA, clean_stale_temporaries, is_dist_checkpoint
-from .reader import check_compatible, read_checkpoint, read_whole
-from .reshard import restore
 from .shard_map import EF_PREV, MASTER, MODEL, OLDER, save_chunks, stage_params
-from .writer import common_state, megatron_namespace, save, write_and_publish, write_whole
+
+# torch.distributed.checkpoint takes about 0.9 s of every process's start-up to import (DTensor's operator
+# tables): the modules that use it load on first use, so a run that neither saves nor loads this format
+# never pays for it.
+_LAZY = {
+    "AsyncWriter": "async_writer", "check_compatible": "reader", "read_checkpoint": "reader", "read_whole": "reader",
+    "restore": "reshard", "common_state": "writer", "megatron_namespace": "writer", "save": "writer",
+    "write_and_publish": "writer", "write_whole": "writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CKPT_FORMATS", "COMMON", "EF_PREV", "FORMAT", "MASTER", "METADATA", "MODEL", "OLDER", "AsyncWriter",
