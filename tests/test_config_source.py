@@ -170,6 +170,16 @@ def test_config_to_flags_and_back_is_the_same_config(kind, argv, world):
     assert set(flat) == {f.dest for f in FLAGS if kind in f.kinds and f.targets and not f.alias}
 
 
+def test_one_lr_in_both_sections():
+    """--lr is stored as the optimizer's base rate and the schedule's peak; a config giving them two values (a
+    program or a config file, since the flag writes both) is refused where it is built."""
+    kind, argv, world = CONFIGS[0]
+    cfg = build_config(parse_args(argv, kind), kind, world)
+    assert cfg.optimizer.lr == cfg.lr.lr
+    with pytest.raises(ConfigError, match="the optimizer's lr .* and the schedule's lr .* differ"):
+        replace(cfg, lr=replace(cfg.lr, lr=2 * cfg.lr.lr))
+
+
 def test_auto_plan_choice_is_applied_to_the_config():
     choice = PlanChoice(t=1, d=2, w=2, b=2, recompute=True, schedule="flush")
     args = parse_args(["--model-preset", "gpt-tiny", "--auto-plan", "--global-batch-size", "16", *TRAIN], "gpt")

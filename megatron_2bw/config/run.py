@@ -261,6 +261,10 @@ class RunConfig:
     SECTIONS = ("model", "parallel", "pipeline", "optimizer", "lr", "training", "data", "system")
 
     def __post_init__(self) -> None:
+        # --lr is the optimizer's base rate (Muon's --muon-lr ratio) and the schedule's peak: one value, two sections
+        _require(self.optimizer.lr == self.lr.lr,
+                 f"the optimizer's lr {self.optimizer.lr} and the schedule's lr {self.lr.lr} differ: --lr sets both "
+                 "(a config file or a program must give them one value)")
         if self.pipeline.compensation == AUTO_COMPENSATION:  # the flag's default: what the measurements favour
             o = self.optimizer
             mode = resolve_compensation(AUTO_COMPENSATION, self.pipeline.spec.stale_steps, o.optimizer, o.dtype,
