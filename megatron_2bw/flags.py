@@ -106,8 +106,9 @@ FLAGS: tuple[Flag, ...] = (
               "tensor, context, data, pipeline)"),
     Flag("--cp-comm-type", "parallel.cp_comm_type", PAR, choices=CP_COMM_TYPES,
          help="context parallelism's key/value exchange: p2p (a ring, overlapped with the attention of the "
-              "blocks at hand; default) or all_gather (the whole sequence's keys and values, then one fused "
-              "attention per local chunk)"),
+              "blocks at hand; default), all_gather (the whole sequence's keys and values, then one fused "
+              "attention per local chunk) or a2a (all-to-all: 1/c of the heads over the whole sequence; heads and "
+              "key/value groups per tensor rank divisible by c)"),
     Flag("--pipeline-layer-split", "pipeline.layer_split", PAR, parse_split, metavar="N,N,...", show=format_split,
          help="layers of each stage, first to last (summing to --num-layers; 0 allowed on the first and last)"),
     Flag("--decoder-first-pipeline-num-layers", None, PAR, int, help="layers of the first stage (Megatron)"),

@@ -2,10 +2,10 @@
 
 Each cell trains a tiny model 5 steps (fp32, SGD) with the sequence sharded over two context
 ranks and compares every step's loss and every final weight with the single process's (1e-5: the ring's
-and the gather's block merges reorder sums, nothing else differs). The cells cover t in {1, 2} and
+and the gather's block merges reorder sums, the all-to-all's heads see the same sums; nothing else differs). The cells cover t in {1, 2} and
 d in {1, 2}, every schedule family (Flush, 2BW, zero-bubble, interleaved), GPT (learned positions) and
-Llama (RoPE, grouped-query attention), BERT (non-causal, the sentence-order loss on context rank 0), both
-communication types, sequence parallelism, recomputation, data parallelism and the distributed optimizer,
+Llama (RoPE, grouped-query attention), BERT (non-causal, the sentence-order loss on context rank 0), every
+communication type (p2p, all_gather, a2a), sequence parallelism, recomputation, data parallelism and the distributed optimizer,
 and packed documents (--reset-attention-mask, --reset-position-ids, --eod-mask-loss) with each type.
 Cells of one world size share one set of processes.
 """
@@ -34,6 +34,10 @@ CELLS = [
     ("gpt-flush-t1d1w2-zero", "gpt-tiny", "flush", (1, 1, 2), "p2p", {"distributed_optimizer": True}),
     ("bert-2bw-t1d2", "bert-tiny", "2bw", (1, 2, 1), "p2p", {}),
     ("gpt-2bw-t2d2-sp", "gpt-tiny", "2bw", (2, 2, 1), "p2p", {"sequence_parallel": True}),
+    ("gpt-2bw-t1d2-a2a", "gpt-tiny", "2bw", (1, 2, 1), "a2a", {}),
+    ("llama-flush-t1d1-a2a-documents", "llama-tiny", "flush", (1, 1, 1), "a2a", {"documents": True}),
+    ("bert-flush-t1d1-a2a", "bert-tiny", "flush", (1, 1, 1), "a2a", {}),
+    ("gpt-2bw-t2d2-sp-a2a", "gpt-tiny", "2bw", (2, 2, 1), "a2a", {"sequence_parallel": True}),
 ]
 
 
@@ -55,11 +59,11 @@ def _reference(cell) -> dict:
 
 
 def test_cells_cover_the_issue():
-    """Every (t, d) in {1, 2}^2, every schedule family with GPT and Llama, both communication types."""
+    """Every (t, d) in {1, 2}^2, every schedule family with GPT and Llama, every communication type."""
     assert {c[3][:2] for c in CELLS} >= {(1, 1), (1, 2), (2, 1), (2, 2)}
     for family in ("flush", "2bw", "zb", "interleaved"):
         assert {c[1] for c in CELLS if c[2].startswith(family)} >= {"gpt-tiny", "llama-tiny"}, family
-    assert {c[4] for c in CELLS} == {"p2p", "all_gather"}
+    assert {c[4] for c in CELLS} == {"p2p", "all_gather", "a2a"}
 
 
 @pytest.mark.parametrize("world", sorted({_world(c) for c in CELLS}))
@@ -91,7 +95,10 @@ def _config(*extra: str, world: int = 4):
     (("--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel", "--seq-length", "12",
       "--max-position-embeddings", "12"), 8, "--seq-length 12 / --context-parallel-size 2 is not divisible by "
                                              "--tensor-model-parallel-size 4"),
-    (("--context-parallel-size", "2", "--cp-comm-type", "a2a"), 4, "invalid choice: 'a2a'"),
+    (("--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"), 4, "invalid choice: 'a2a+p2p'"),
+    (("--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tensor-model-parallel-size", "4"), 8,
+     "--cp-comm-type a2a scatters attention heads over --context-parallel-size 2: a tensor rank's 1 heads and 1 "
+     "key/value groups must both be divisible by 2"),
     (("--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--attention-backend", "flash"), 2,
      "--attention-backend flash takes no attention mask (--cp-comm-type all_gather's causal prefix mask)"),
 ])

@@ -4,7 +4,7 @@ Each rank draws the same whole-sequence q, k, v (and mask), keeps its two chunks
 order, runs the context-parallel core and back-propagates a fixed random output gradient; its outputs
 and its chunks' gradients of q, k and v must equal the dense core's (fp32, within 1e-5 of rounding):
 causal (GPT), grouped-query heads (Llama), non-causal with a padding mask (BERT) and a document mask
-(--reset-attention-mask), each with both communication types.
+(--reset-attention-mask), each with every communication type (p2p, all_gather, a2a).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def _dense(heads, groups, causal, mask_kind, backend):
 
 def _cp_worker(heads, groups, causal, mask_kind, comm, backend):
     from megatron_2bw.models.transformer import ParallelAttention  # noqa: PLC0415
+    from megatron_2bw.context_parallel.a2a import a2a_attention  # noqa: PLC0415
     from megatron_2bw.context_parallel.attention import all_gather_attention, ring_attention  # noqa: PLC0415
 
     c, rank = dist.get_world_size(), dist.get_rank()
@@ -60,7 +61,8 @@ def _cp_worker(heads, groups, causal, mask_kind, comm, backend):
     if comm == "p2p":
         out = ring_attention(cp, *local, m, 0.0, causal)
     else:
-        out = all_gather_attention(cp, lambda *a: attention(backend, *a[:4], 0.0, a[4]), *local, m, causal)
+        exchange = a2a_attention if comm == "a2a" else all_gather_attention
+        out = exchange(cp, lambda *a: attention(backend, *a[:4], 0.0, a[4]), *local, m, causal)
     out.backward(dout.index_select(2, idx))
     assert ParallelAttention is not None
     return idx, out.detach(), *(x.grad for x in local)
@@ -74,7 +76,7 @@ CASES = {  # id: (heads, key/value groups, causal, mask)
 }
 
 
-COMBOS = [(case, comm) for case in CASES for comm in ("p2p", "all_gather")]
+COMBOS = [(case, comm) for case in CASES for comm in ("p2p", "all_gather", "a2a")]
 
 
 def _all_cases_worker():

@@ -36,7 +36,7 @@ import sys
 from dataclasses import asdict, replace
 
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
-from megatron_2bw.config import ATTENTION_BACKENDS, CP_COMM_TYPES, ModelConfig
+from megatron_2bw.config import ATTENTION_BACKENDS, ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.calibration import (
     calibration, calibration_json, format_calibration, format_schedule_ratios, schedule_ratio_calibration,
@@ -45,6 +45,7 @@ from megatron_2bw.planner.calibration import (
 from megatron_2bw.planner.calibration_tp import (
     format_tensor_calibration, korthikanti, paper_systems, tensor_calibration_json, tensor_mp_64,
 )
+from megatron_2bw.planner.context_costs import PLANNED_CP_COMM_TYPES
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context-parallel-size", dest="context", type=int, default=None, metavar="C",
                    help="plan only this context-parallel size (the trainer's flag; 1: none). Default: 1 and every "
                         "power of two whose 2c chunks divide --seq-length and leave each rank >= 4096 tokens")
-    s.add_argument("--cp-comm-type", dest="cp_comm_type", choices=CP_COMM_TYPES, default=None,
+    s.add_argument("--cp-comm-type", dest="cp_comm_type", choices=PLANNED_CP_COMM_TYPES, default=None,
                    help="plan only this context-parallel exchange (the trainer's flag); default: both at c > 1")
     add_output_flags(p)
     return p
@@ -269,7 +270,7 @@ def plan_request(args: argparse.Namespace, model: ModelConfig, cluster) -> PlanR
                        sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
                        compensation=args.compensation, optimizer=args.optimizer, async_save=args.async_save,
                        context_parallel_options=context_parallel_options(args, model),
-                       cp_comm_types=CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,))
+                       cp_comm_types=PLANNED_CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,))
 
 
 def context_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tuple[int, ...] | None:
@@ -281,7 +282,7 @@ def context_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tu
         raise ConfigError(f"--context-parallel-size must be positive, got {c}")
     if args.num_gpus % c:
         raise ConfigError(f"--num-gpus {args.num_gpus} is not divisible by --context-parallel-size {c}")
-    model.check_context_parallel(c, 1)
+    model.check_context_parallel(c, 1, args.cp_comm_type or "p2p")
     return (c,)
 
 

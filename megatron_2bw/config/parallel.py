@@ -11,7 +11,7 @@ from .rules import _require
 from .optim import AUTO_COMPENSATION, COMPENSATIONS
 
 
-CP_COMM_TYPES = ("p2p", "all_gather")  # Megatron's --cp-comm-type (its a2a is not built)
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # Megatron's --cp-comm-type (its hierarchical a2a+p2p is not built)
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ def layout_configs(
     par = ParallelConfig(layout.tensor, layout.pipeline, context=layout.context, cp_comm_type=layout.cp_comm_type)
     model.check_tensor_parallel(par.tensor)
     model.check_sequence_parallel(par.tensor)
-    model.check_context_parallel(par.context, par.tensor)
+    model.check_context_parallel(par.context, par.tensor, par.cp_comm_type)
     split = canonical_split(model.num_layers, par.pipeline, layout.layer_split)
     layers_per_stage(model.num_layers, par.pipeline, split)  # refuses an even split that does not divide
     par = par.resolve(world_size)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel.a2a import a2a_attention
 from ..context_parallel.attention import all_gather_attention, ring_attention
 from ..context_parallel.group import CPGroup
 from ..fused import Kernels
@@ -67,8 +68,8 @@ class ParallelAttention(nn.Module):
             return attention(self.backend, q, k, v, mask, p, causal)
         if self.cp.comm_type == "p2p":  # the model's causality skips the key blocks in a query's future
             return ring_attention(self.cp, q, k, v, mask, p, self.causal)
-        return all_gather_attention(self.cp, lambda *a: attention(self.backend, *a[:4], p, a[4]), q, k, v, mask,
-                                    self.causal)
+        exchange = a2a_attention if self.cp.comm_type == "a2a" else all_gather_attention
+        return exchange(self.cp, lambda *a: attention(self.backend, *a[:4], p, a[4]), q, k, v, mask, self.causal)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[b, s, rows]`` -> q ``[b, heads, s, hd]``, k and v ``[b, groups, s, hd]`` (this rank's)."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import CP_COMM_TYPES, fp32_grads_for, resolve_compensation
+from ..config import fp32_grads_for, resolve_compensation
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
+from .context_costs import PLANNED_CP_COMM_TYPES
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
 # A baseline of the paper's comparison, not a schedule of the trainer.
@@ -53,8 +54,9 @@ class Candidate:
             object.__setattr__(self, "recompute_policy", None)
         if self.recompute and self.recompute_policy is not None:
             raise ConfigError("use either --recompute-activations (whole stages) or --recompute-granularity")
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ConfigError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
+        if self.cp_comm_type not in PLANNED_CP_COMM_TYPES:
+            raise ConfigError(f"the planner prices --cp-comm-type {' and '.join(PLANNED_CP_COMM_TYPES)}, "
+                              f"got {self.cp_comm_type!r}")
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches",
                     "context_parallel"):
             if getattr(self, key) < 1:

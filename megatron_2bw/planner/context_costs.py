@@ -53,6 +53,10 @@ INDEX_BYTES = 8  # the gather's int64 index into sequence order (kept by index_s
 MIN_TOKENS_PER_RANK = 4096
 
 
+# the exchanges the planner prices; --cp-comm-type a2a trains but is not priced yet
+PLANNED_CP_COMM_TYPES = ("p2p", "all_gather")
+
+
 def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
     """The context-parallel sizes the search tries: powers of two above one whose ``2c`` chunks divide the
     sequence and leave each rank ``MIN_TOKENS_PER_RANK`` tokens or more, within the GPUs."""

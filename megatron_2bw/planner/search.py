@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping
 
-from ..config import CP_COMM_TYPES, ModelConfig
+from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.stages import StageSlice
@@ -45,7 +45,7 @@ from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
 from .candidates import (SELECTIVE_MIN_SAVING, candidates, context_choices,  # noqa: F401 - re-exported
                          distributed_optimizer_choices, micro_batch_sizes, pipeline_depths, runs,
                          sequence_parallel_choices, tensor_sizes)
-from .context_costs import anchored_table, context_sizes, context_table
+from .context_costs import PLANNED_CP_COMM_TYPES, anchored_table, context_sizes, context_table
 from .cost_model import Prediction, predict
 from .hardware import GiB, Cluster
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
@@ -104,7 +104,7 @@ class PlanRequest:
     # --context-parallel-size values searched; None: 1 and every power of two whose 2c chunks divide the
     # sequence (context_costs.context_sizes); (1,): none. The --cp-comm-type values tried at c > 1.
     context_parallel_options: tuple[int, ...] | None = None
-    cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
+    cp_comm_types: tuple[str, ...] = PLANNED_CP_COMM_TYPES
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_margin < 1.0:

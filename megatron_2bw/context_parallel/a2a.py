@@ -1,0 +1,81 @@
+"""``--cp-comm-type a2a``: attention heads scattered over the context group (all-to-all, as Megatron's
+``a2a`` and DeepSpeed-Ulysses do).
+
+Each rank holds all heads of its two chunks. One all-to-all per tensor trades that for ``1/c`` of the heads
+over the whole sequence (keys and values likewise, by key/value group), so the ordinary core, fused
+kernels included, runs once on the whole sequence with the plain causal mask; a second all-to-all brings
+each rank its chunks of every head's output. Backward is the same exchanges reversed (an all-to-all is its
+own adjoint). Needs the heads and key/value groups of a tensor rank divisible by c (checked at start-up,
+``ModelConfig.check_context_parallel``). A mask's query rows are gathered (it is not differentiated).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .group import CPGroup, positions_of
+
+__all__ = ["a2a_attention"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Block ``i`` of dim 0 goes to context rank ``i``; block ``i`` of the result came from rank ``i``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+        ctx.cp = cp
+        return _exchange(x, cp)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _exchange(g, ctx.cp), None
+
+
+def _exchange(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=cp.group)
+    return out
+
+
+def _rank_order(cp: CPGroup, s: int, device: torch.device) -> torch.Tensor:
+    """The global position of each token of the ranks' chunks concatenated in rank order."""
+    return torch.cat([positions_of(s, cp.size, r, device) for r in range(cp.size)])
+
+
+def _to_sequence(x: torch.Tensor, cp: CPGroup, order: torch.Tensor) -> torch.Tensor:
+    """``[b, n, 2L, d]`` (all ``n`` heads, local chunks) -> ``[b, n/c, s, d]`` (this rank's heads, in sequence order)."""
+    b, n, l2, d = x.shape
+    c = cp.size
+    blocks = x.reshape(b, c, n // c, l2, d).transpose(0, 1)  # block i: head group i, for rank i
+    got = _AllToAll.apply(blocks, cp)  # block i: this rank's head group, rank i's chunks
+    full = got.permute(1, 2, 0, 3, 4).reshape(b, n // c, c * l2, d)
+    return full.index_select(2, order.argsort())
+
+
+def _to_chunks(y: torch.Tensor, cp: CPGroup, order: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_sequence`: ``[b, n/c, s, d]`` -> ``[b, n, 2L, d]``."""
+    b, h, s, d = y.shape
+    c = cp.size
+    blocks = y.index_select(2, order).reshape(b, h, c, s // c, d).permute(2, 0, 1, 3, 4)  # block i: rank i's chunks
+    got = _AllToAll.apply(blocks, cp)  # block i: head group i, this rank's chunks
+    return got.transpose(0, 1).reshape(b, c * h, s // c, d)
+
+
+def _gather_rows(mask: torch.Tensor, cp: CPGroup, order: torch.Tensor) -> torch.Tensor:
+    """Every rank's query rows of a per-query mask ``[b, 1, 2L, s]``, in sequence order."""
+    parts = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(cp.size)]
+    dist.all_gather(parts, mask.to(torch.uint8).contiguous(), group=cp.group)
+    return torch.cat(parts, dim=-2).index_select(-2, order.argsort()).to(mask.dtype)
+
+
+def a2a_attention(cp: CPGroup, core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """``core(q, k, v, mask, causal)`` (the model's attention core) over the whole sequence for ``1/c`` of the
+    heads; ``mask`` (which holds causality itself when given) keeps its columns whole and gets its rows."""
+    order = _rank_order(cp, cp.size * q.shape[2], q.device)
+    qf, kf, vf = (_to_sequence(x, cp, order) for x in (q, k, v))
+    if mask is not None and mask.shape[-2] > 1:
+        mask = _gather_rows(mask, cp, order)
+    return _to_chunks(core(qf, kf, vf, mask, causal and mask is None), cp, order)
