@@ -62,12 +62,3 @@ def read_kept(path: str) -> list[tuple[str | None, str, str]]:
         return []
     with open(path) as fh:
         return extract(fh.read())
-
-
-def write_text(path: str, text: str) -> None:
-    """``text`` to ``path`` through a temporary file renamed over it (a failed write leaves the old document)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)

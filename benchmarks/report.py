@@ -27,6 +27,7 @@ import time
 import common
 import convergence  # its plots and run_group
 import kept_notes
+from megatron_2bw.export.outputs import write_text_atomic
 from answers import answers_section, speed_rows
 
 ROOT = common.ROOT
@@ -932,7 +933,7 @@ def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, statu
                     machine_section(datas, status), tp_text,
                     mem_text, conv_text, gpu_section(gpu, gpu_path), produced_section(datas, status, json_dir)]
     text = kept_notes.restore("\n".join(parts).rstrip() + "\n", kept_notes.read_kept(doc))
-    kept_notes.write_text(doc, text)
+    write_text_atomic(doc, text)
     print(f"wrote {doc}")
     return text
 
@@ -955,7 +956,7 @@ def splice_convergence(json_dir: str, doc: str, img_dir: str) -> str:
     start = text.index("## 3. Convergence")
     end = text.index("\n## 4.", start) + 1
     text = kept_notes.restore(text[:start] + section.rstrip() + "\n\n" + text[end:], kept_notes.extract(text))
-    kept_notes.write_text(doc, text)
+    write_text_atomic(doc, text)
     print(f"wrote section 3 of {doc}")
     return text
 

@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+from megatron_2bw.export.outputs import write_text_atomic  # noqa: E402
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES  # noqa: E402
 
 DOC = os.path.join(REPO, "docs", "planner.md")
@@ -136,13 +137,6 @@ def updated(text: str, block: str) -> str:
     return text[:i] + block + text[j + len(END):]
 
 
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--doc", default=DOC)
@@ -163,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if new != text:
-        write_atomic(args.doc, new)
+        write_text_atomic(args.doc, new)
     return 0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .group import CPGroup, positions_of
+from .group import CPGroup, rank_order
 
 __all__ = ["a2a_attention"]
 
@@ -39,43 +39,39 @@ def _exchange(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     return out
 
 
-def _rank_order(cp: CPGroup, s: int, device: torch.device) -> torch.Tensor:
-    """The global position of each token of the ranks' chunks concatenated in rank order."""
-    return torch.cat([positions_of(s, cp.size, r, device) for r in range(cp.size)])
-
-
-def _to_sequence(x: torch.Tensor, cp: CPGroup, order: torch.Tensor) -> torch.Tensor:
+def _to_sequence(x: torch.Tensor, cp: CPGroup, to_seq: torch.Tensor) -> torch.Tensor:
     """``[b, n, 2L, d]`` (all ``n`` heads, local chunks) -> ``[b, n/c, s, d]`` (this rank's heads, in sequence order)."""
     b, n, l2, d = x.shape
     c = cp.size
     blocks = x.reshape(b, c, n // c, l2, d).transpose(0, 1)  # block i: head group i, for rank i
     got = _AllToAll.apply(blocks, cp)  # block i: this rank's head group, rank i's chunks
     full = got.permute(1, 2, 0, 3, 4).reshape(b, n // c, c * l2, d)
-    return full.index_select(2, order.argsort())
+    return full.index_select(2, to_seq)
 
 
-def _to_chunks(y: torch.Tensor, cp: CPGroup, order: torch.Tensor) -> torch.Tensor:
+def _to_chunks(y: torch.Tensor, cp: CPGroup, to_ranks: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_to_sequence`: ``[b, n/c, s, d]`` -> ``[b, n, 2L, d]``."""
     b, h, s, d = y.shape
     c = cp.size
-    blocks = y.index_select(2, order).reshape(b, h, c, s // c, d).permute(2, 0, 1, 3, 4)  # block i: rank i's chunks
+    blocks = y.index_select(2, to_ranks).reshape(b, h, c, s // c, d).permute(2, 0, 1, 3, 4)  # block i: rank i's chunks
     got = _AllToAll.apply(blocks, cp)  # block i: head group i, this rank's chunks
     return got.transpose(0, 1).reshape(b, c * h, s // c, d)
 
 
-def _gather_rows(mask: torch.Tensor, cp: CPGroup, order: torch.Tensor) -> torch.Tensor:
+def _gather_rows(mask: torch.Tensor, cp: CPGroup, to_seq: torch.Tensor) -> torch.Tensor:
     """Every rank's query rows of a per-query mask ``[b, 1, 2L, s]``, in sequence order."""
     parts = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(cp.size)]
     dist.all_gather(parts, mask.to(torch.uint8).contiguous(), group=cp.group)
-    return torch.cat(parts, dim=-2).index_select(-2, order.argsort()).to(mask.dtype)
+    return torch.cat(parts, dim=-2).index_select(-2, to_seq).to(mask.dtype)
 
 
 def a2a_attention(cp: CPGroup, core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     """``core(q, k, v, mask, causal)`` (the model's attention core) over the whole sequence for ``1/c`` of the
     heads; ``mask`` (which holds causality itself when given) keeps its columns whole and gets its rows."""
-    order = _rank_order(cp, cp.size * q.shape[2], q.device)
-    qf, kf, vf = (_to_sequence(x, cp, order) for x in (q, k, v))
+    to_ranks = rank_order(cp.size, q.shape[2] // 2, q.device)
+    to_seq = to_ranks.argsort()
+    qf, kf, vf = (_to_sequence(x, cp, to_seq) for x in (q, k, v))
     if mask is not None and mask.shape[-2] > 1:
-        mask = _gather_rows(mask, cp, order)
-    return _to_chunks(core(qf, kf, vf, mask, causal and mask is None), cp, order)
+        mask = _gather_rows(mask, cp, to_seq)
+    return _to_chunks(core(qf, kf, vf, mask, causal and mask is None), cp, to_ranks)

@@ -72,9 +72,15 @@ def mask_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | Non
     return mask if mask is None or mask.shape[-2] == 1 else mask[..., lo:hi, :]
 
 
+def rank_order(c: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global position of each token of every rank's two chunks (``n`` tokens each) concatenated in rank
+    order; indexing a sequence-ordered tensor with it gives the rank order."""
+    return torch.cat([positions_of(2 * c * n, c, r, device) for r in range(c)])
+
+
 def sequence_order(c: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Indices taking every rank's two chunks, gathered in rank order, into sequence order."""
-    return torch.cat([positions_of(2 * c * n, c, r, device) for r in range(c)]).argsort()
+    return rank_order(c, n, device).argsort()
 
 
 def shard_batch(batch: dict, cp: CPGroup) -> dict:

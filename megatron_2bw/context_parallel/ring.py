@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..tensor_parallel.recompute import RNGSnapshot
 from .group import CPGroup, mask_rows
 
 _MASKED = -1e30  # finite: a query row with no visible key in one block weighs zero in the merge, never NaN
@@ -51,26 +52,15 @@ def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
     return x.reshape(b, g, (a // g) * n, m)
 
 
-def _replayed_mask(shape: torch.Size, p: float, state: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _replayed_mask(shape: torch.Size, p: float, state: RNGSnapshot, device: torch.device) -> torch.Tensor:
     """The forward's scaled dropout keep-mask of one block, drawn again from its saved generator state
     (the generator itself left as it was)."""
-    now = _rng_state(device)
-    _set_rng_state(state, device)
+    now = RNGSnapshot.capture(device, None)
+    state.restore(device, None)
     try:
         return F.dropout(torch.ones(shape, device=device), p, True)
     finally:
-        _set_rng_state(now, device)
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+        now.restore(device, None)
 
 
 def _exchange(cp: CPGroup, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], list]:
@@ -111,7 +101,7 @@ def _ring_forward(cp: CPGroup, q, k, v, mask, p: float, causal: bool):
             lse = torch.logsumexp(s, dim=-1)
             probs = torch.exp(s - lse[..., None])
             if p > 0:
-                states.append(_rng_state(q.device))
+                states.append(RNGSnapshot.capture(q.device, None))
                 probs = probs * F.dropout(torch.ones_like(probs), p, True)
             o = torch.matmul(_grouped(probs, g), kv[1][:, :, j * n:(j + 1) * n].float()).view(b, a, n, d)
             if outs[i] is None:
