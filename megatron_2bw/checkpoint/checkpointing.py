@@ -380,13 +380,14 @@ def _engine_dict(sd: dict, stage) -> dict:
         return sd["stage"]
     w = stage.weights
     return trainer_format.engine_state(sd, model_config(sd["config"]), w.global_names, w.sizes, w.names,
-                                       len(w.flat))
+                                       len(w.flat), w.offsets)
 
 
 def _weights_only_engine_dict(sd: dict, stage) -> dict:
     w, lay, cfg = stage.weights, sd["layout"], sd["megatron_config"]
     named = megatron_format.rank_weights(sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split"))
-    newest = trainer_format.flatten(named, w.global_names, w.sizes, "the weights", sd["path"]).to(w.flat[0].dtype)
+    newest = trainer_format.flatten(named, w.global_names, w.sizes, "the weights", sd["path"],
+                                    w.offsets).to(w.flat[0].dtype)
     return {"step": 0, "schedule": stage.pipe.schedule, "names": w.names, "versions": [newest] * len(w.flat),
             **_FRESH_OPTIMIZER}
 
