@@ -300,6 +300,10 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     CPU buffers, or of one host copy of device buffers (nothing is copied on the device); the file must
     be written before training goes on."""
     state, w = stage.state, stage.weights
+    if state.e > 1:  # the same on every rank: every rank refuses before any collective of the save
+        raise ConfigError("--ckpt-format torch cannot hold expert-parallel parameters yet (its files are one per "
+                          "tensor and pipeline rank; an expert's pieces differ across the data group): use "
+                          "--ckpt-format torch_dist, whose tensors are global")
     if state.dp_rank != 0:
         if stage.updater.shard is not None:
             stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective

@@ -132,7 +132,8 @@ class Updater:
 
         def fits(kept: torch.Tensor, st: dict, p) -> bool:
             shapes = {n: [t.shape for _, t in sp] for n, sp in p.optimizer.state_spans().items()}
-            return kept.shape == p.kept(slot).shape and shapes == {n: [t.shape for t in sp] for n, sp in st["spans"].items()}
+            held_shapes = {n: [t.shape for t in sp] for n, sp in st["spans"].items()}
+            return kept.shape == p.kept(slot).shape and shapes == held_shapes
 
         if held is not None and all(fits(k, st, p) for (k, st), p in zip(held, self.parts)):
             for (k, st), p in zip(held, self.parts):
@@ -284,7 +285,8 @@ class Updater:
         and ``ef``'s scratch buffer (in fp32 ``ef``'s extra buffer is the master: :attr:`master_bytes`)."""
         def part(p) -> int:
             ef = p.ef_next.numel() * 4 if p.ef_next is not None else 0
-            return ef + sum(t.numel() * t.element_size() for k, s in p.state_spans().items() if k != "master" for _, t in s)
+            spans = [t for k, s in p.state_spans().items() if k != "master" for _, t in s]
+            return ef + sum(t.numel() * t.element_size() for t in spans)
 
         return sum(part(p) for p in self.parts)
 
