@@ -30,13 +30,13 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
+from multiproc import run_workers
 from torch import nn
 
 from megatron_2bw.checkpoint import checkpointing as ckpt
-from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.dist_checkpoint.reader import read_whole
+from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
@@ -48,7 +48,6 @@ from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.init import Init, parameter
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from multiproc import run_workers
 
 H, E, LAYERS, SEED, B = 7, 4, 2, 5, 8  # hidden, experts (rows of an expert matrix), layers, init seed, global batch
 CPU = torch.device("cpu")
@@ -301,7 +300,7 @@ def _gpt(two: bool, distributed: bool) -> tuple:
     m = B // 2
     opt = OptimizerConfig("adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed)
     start, _ = stage_range(cfg.num_layers, 2, state.pp_rank)
-    build = lambda: spec.build_stage(2, state.pp_rank)  # noqa: E731
+    build = lambda: spec.build_stage(2, state.pp_rank)
     stage = build_stage(_mlp_in_edp(build) if two else build, spec.loss_fn(), state, PipelineConfig("2bw", 1, m), opt,
                         cfg.stage_activation_shape(1, 1, 1), rng_tracker=tracker, names=GlobalNames(start, tied=WORD))
     data = torch.randint(0, cfg.vocab_size, (B * 3, cfg.seq_length + 1), generator=torch.Generator().manual_seed(9))
@@ -318,7 +317,7 @@ def _gpt(two: bool, distributed: bool) -> tuple:
 def _gpt_cell(root: str, distributed: bool) -> dict:
     """Two segments against one (the same losses within the fused AdamW's last bits), and a torch-format save
     after 1 step, restored into a fresh stage: 2 more steps replay the uninterrupted run bitwise."""
-    lr = lambda s: 1e-3  # noqa: E731
+    lr = lambda s: 1e-3
     one, get_batch, _, _ = _gpt(False, distributed)
     ref = [r.loss for r in one.train(3, get_batch, lr)]
     two, get_batch, tracker, config = _gpt(True, distributed)
@@ -391,7 +390,7 @@ def test_resharded_to_another_data_width(cells):
 def test_two_segments_train_as_one_and_resume_in_the_torch_format(cells, distributed):
     for rank in cells:
         r = rank["gpt", distributed]
-        (d0, s0, n0, p0), (d1, s1, n1, p1) = r["segments"]
+        (d0, s0, _, p0), (d1, s1, _, _) = r["segments"]
         assert (d0, d1, s0) == ("dp", "edp", 0) and s1 == p0 and p0 % (2 if distributed else 1) == 0
         assert r["weights_equal"]
         if r["one"][0] is None:

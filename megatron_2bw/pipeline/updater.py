@@ -84,7 +84,7 @@ class Updater:
         self.ef_has_prev = False
         self.scaler = build_scaler(opt)
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
-        self._backup: tuple[int, list] | None = None  # a speculative update's (step, [(kept, state)] per part)
+        self._backup: tuple | None = None  # a speculative update's (step, kept, state): see :meth:`speculate`
 
     # the first (default domain's) segment's state: the whole stage's when there is one segment
     optimizer = property(lambda self: self.parts[0].optimizer)
@@ -156,7 +156,9 @@ class Updater:
         src, dst = w.slot(step), w.slot(step + 1)
         if src != dst:
             raise RuntimeError("a speculative update needs a one-version schedule")
-        self._backup = (step, self._hold(src))
+        held = self._hold(src)
+        # (step, kept, state): one segment's copies, or with several a list of each
+        self._backup = (step, *held[0]) if len(held) == 1 else (step, [k for k, _ in held], [st for _, st in held])
         scale = self._scales.get(step, self.scaler.scale)
         self._step(w.grad_buffer(step), src, dst, 1.0 / scale, lr, keep_grad=scale != 1.0)
         if self.reducer is not None:
@@ -173,7 +175,8 @@ class Updater:
         else rolled back and applied exactly. Returns what the update did and whether it was rolled back."""
         if self.speculating != step:
             raise RuntimeError(f"validating step {step} but the speculative update is of step {self.speculating}")
-        _, held = self._backup
+        _, kept, state = self._backup
+        held = [(kept, state)] if len(self.parts) == 1 else list(zip(kept, state))
         self._backup = None
         scale = self._scales.get(step, self.scaler.scale)
         overflow = not math.isfinite(sumsq)
