@@ -43,10 +43,11 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.parallel_state import EXPERT_DATA, build_state
-from megatron_2bw.pipeline.build import build_stage
-from megatron_2bw.pipeline.weights import GlobalNames
+from megatron_2bw.parallel_state import EXPERT_DATA, ParallelState, build_state
+from megatron_2bw.pipeline.build import build_stage, reductions
+from megatron_2bw.pipeline.weights import GlobalNames, RankWeights
 from megatron_2bw.schedule.stages import stage_range
+from megatron_2bw.tensor_parallel import init as tp_init
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.init import Init, parameter
 from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -418,3 +419,27 @@ def test_two_segments_train_as_one_and_resume_in_the_torch_format(cells, distrib
 def test_post_validation_speculates_every_segment_bitwise(cells):
     for rank in cells:
         assert rank["post_validation"]["speculated"] >= 1 and rank["post_validation"]["equal"]
+
+
+def test_one_domain_is_the_single_buffer():
+    """Every parameter in the default domain: the store is the one flat buffer of before segments (fb23088), so
+    the views and shard ranges every checkpoint format reads are those it wrote: one segment, the parameters
+    back to back from 0 in the same order (decayed matrices first, otherwise as the modules list them), padded
+    for the distributed optimizer to ceil(N / w) * w, and one reduction over the whole storage."""
+    cfg = get_preset("gpt-tiny")
+    spec = ModelSpec(cfg, TPGroup(), 1234)
+    w = RankWeights(lambda: spec.build_stage(2, 1), num_versions=2, dtype=torch.float32, device=CPU, shards=3)
+    with tp_init.deferred():
+        seen, named = set(), []
+        for name, p in nn.ModuleList(spec.build_stage(2, 1)).named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p.numel(), p.dim()))
+    named = sorted(named, key=lambda n: n[2] < 2)
+    offsets = [sum(n for _, n, _ in named[:i]) for i in range(len(named) + 1)]
+    assert w.names == [n for n, _, _ in named] and w.offsets == offsets and w.numel == offsets[-1]
+    assert w.padded_numel == -(-w.numel // 3) * 3 and w.padded_numel > w.numel  # a tail to pad: 3 does not divide
+    assert [(s.domain, s.start, s.numel, s.padded) for s in w.segments] == [("dp", 0, w.numel, w.padded_numel)]
+    assert w.n_decay == sum(n for _, n, dim in named if dim >= 2)
+    (red,) = reductions(w, ParallelState.single(), sharded=False)
+    assert (red.lo, red.hi, red.shard, red.copies) == (0, None, None, None)
