@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megatron_2bw.fused import select_kernels
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of

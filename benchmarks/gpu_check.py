@@ -93,7 +93,7 @@ def check_training(model: str, dtype: str, device, steps: int, warmup: int, m: i
     """Flush and 2BW at d = 1 and the plain loop, on the same layers, weights and batches."""
     import torch
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -146,7 +146,7 @@ def check_recompute_replay(device, dtype: str, kernels) -> dict:
     import torch
     from torch import nn
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.recompute import checkpointed
     from megatron_2bw.tensor_parallel.group import TPGroup
@@ -206,7 +206,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.checkpoint.names import WORD
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
@@ -285,7 +285,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.checkpoint.names import WORD
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import build_state
     from megatron_2bw.pipeline.build import build_stage
@@ -323,7 +323,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
 
 
 def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
-    from megatron_2bw.testing.local_workers import run_workers
+    from megatron_2bw.local_workers import run_workers
 
     rows = []
     w = max(1, n_gpus // 2)

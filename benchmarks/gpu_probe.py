@@ -137,7 +137,7 @@ def env_with(name: str, value: str | None) -> dict[str, str]:
 
 def queue_rows(device, timeout_s: float = 60.0) -> list[dict]:
     """The queue probe with ``CUDA_DEVICE_MAX_CONNECTIONS`` unset and ``=1``, each in its own process."""
-    from megatron_2bw.testing.local_workers import free_port
+    from megatron_2bw.local_workers import free_port
 
     rows = []
     for conn in (None, "1"):
@@ -288,7 +288,7 @@ def trainer_stage_rows(device, steps: int, warmup: int, deadline: float) -> list
     import torch
 
     from megatron_2bw.fused import select_kernels
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of
@@ -333,7 +333,7 @@ def _split_case(model: str, dtype: str, device) -> dict:
     import torch
 
     from megatron_2bw.fused import select_kernels
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline import wgrad_fusion
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight

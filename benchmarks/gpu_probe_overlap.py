@@ -170,7 +170,7 @@ def update_wait_row(device, deadline: float) -> dict:
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
@@ -292,7 +292,7 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
 
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import build_state
     from megatron_2bw.pipeline.build import build_stage
@@ -323,7 +323,7 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
 
 def tied_d2_row(n_gpus: int, deadline: float, steps: int = 6) -> dict:
     """The last stage's step time at d = 2, tied against untied embeddings (2 GPUs)."""
-    from megatron_2bw.testing.local_workers import run_workers
+    from megatron_2bw.local_workers import run_workers
 
     name = "tied embedding d=2 last stage"
     if n_gpus < 2:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer.muon import NS_COEFFICIENTS, NS_EPS, zeropower_via_newtonschulz
 from megatron_2bw.parallel_state import ParallelState, build_state
@@ -38,7 +38,7 @@ from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import RankWeights
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.testing.local_workers import run_workers
+from megatron_2bw.local_workers import run_workers
 
 OPTIMIZERS = ("adam", "muon")
 

@@ -25,7 +25,7 @@ import torch
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.planner.memory_model import Candidate
 from megatron_2bw.planner.simulator import Link, simulate, stage_costs
-from megatron_2bw.testing.local_workers import run_workers
+from megatron_2bw.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 

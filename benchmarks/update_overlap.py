@@ -31,7 +31,7 @@ from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.testing.local_workers import run_workers
+from megatron_2bw.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 

@@ -88,7 +88,7 @@ def test_gpu_skips_or_runs_tiny(tmp_path):
     rows = _load(out)["results"]
     assert {r["system"] for r in rows} == {"engine_flush_d1", "engine_2bw_d1", "plain"}
     assert all(r["tokens_per_sec"] > 0 for r in rows)
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.config.arith import flops_per_step
 
     for r in rows:  # the trainer's FLOP formula (review S3/B1)
@@ -162,7 +162,7 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     import gpu_check
     import torch
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
 
     from megatron_2bw.config.arith import flops_per_step
 
