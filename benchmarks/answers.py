@@ -90,14 +90,9 @@ def newest_verdicts(facts: list[dict], target: float) -> list[str]:
     return out
 
 
-def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_loss: float = 1.01) -> str:
-    """The three questions, answered from ``json_dir``; ``link(name)`` is the markdown path of a JSON file."""
-    lines = ["## What a user asks", "",
-             "Every saved run in `docs/data/` answers one of three questions below; each figure names its JSON file "
-             "and the date it was measured (CPU, one core per stage, a shared machine: read the ranges in the "
-             "sections after this one). A speed-up stands beside its **ceiling**: the stage split's `sum / max` of "
-             "the measured stage times (1.83x for the 4-layer model's 2-stage split, whose last stage carries the LM "
-             "head), not the stage count 2.0.", ""]
+def _speed_lines(json_dir: str, link, target_speedup: float) -> list[str]:
+    """How much faster than Flush and torch: the throughput rows, the newest verdicts, logging and Muon."""
+    lines = []
     rows, facts = speed_rows(json_dir, link)
     lines += ["### How much faster than Flush and torch?", ""]
     if rows:
@@ -124,7 +119,12 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       f"Newton-Schulz (the one used) {ms(tp, 'gather')} ms, of which the all-gather "
                       f"{ms(tp, 'allgather_only')} ms; distributed Newton-Schulz {ms(tp, 'distributed')} ms "
                       f"([muon_throughput.json]({link('muon_throughput.json')}) {_date(mu)})."]
-    lines += ["", "### At what memory?", ""]
+    return lines
+
+
+def _memory_lines(json_dir: str, link) -> list[str]:
+    """At what memory: weight versions and in-flight microbatches per schedule, the stage states."""
+    lines = []
     mem, states = _load(json_dir, "memory.json"), _load(json_dir, "memory_states.json")
     if mem:
         by = {}
@@ -145,7 +145,12 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       f"{_fmt((states.get('largest_rel_diff') or {}).get('planner'), '.1%')} over "
                       f"{len(states.get('states') or [])} stage states ([memory_states.json]"
                       f"({link('memory_states.json')}) {_date(states)})."]
-    lines += ["", "### At what loss?", ""]
+    return lines
+
+
+def _loss_lines(json_dir: str, link, target_loss: float) -> list[str]:
+    """At what loss: 2BW over Flush per setting and compensation."""
+    lines = []
     conv, reg = _load(json_dir, "convergence.json"), _load(json_dir, "convergence_regimes.json")
     lrows = []
     if conv:
@@ -170,6 +175,20 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       "(`--2bw-compensation predict`) recovers most of it (section 3)."]
     else:
         lines.append("No convergence JSON saved.")
+    return lines
+
+
+def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_loss: float = 1.01) -> str:
+    """The three questions, answered from ``json_dir``; ``link(name)`` is the markdown path of a JSON file."""
+    lines = ["## What a user asks", "",
+             "Every saved run in `docs/data/` answers one of three questions below; each figure names its JSON file "
+             "and the date it was measured (CPU, one core per stage, a shared machine: read the ranges in the "
+             "sections after this one). A speed-up stands beside its **ceiling**: the stage split's `sum / max` of "
+             "the measured stage times (1.83x for the 4-layer model's 2-stage split, whose last stage carries the LM "
+             "head), not the stage count 2.0.", ""]
+    lines += _speed_lines(json_dir, link, target_speedup)
+    lines += ["", "### At what memory?", ""] + _memory_lines(json_dir, link)
+    lines += ["", "### At what loss?", ""] + _loss_lines(json_dir, link, target_loss)
     lines += _optimizer_rows(_load(json_dir, "convergence_optimizers.json"), link, target_loss)
     lines += _ef_published_rows(_load(json_dir, "convergence_ef_published.json"), link)
     return "\n".join(lines + [""])

@@ -155,7 +155,7 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
                 grad_dtype=str(dtype).replace("torch.", ""), **memory_stats(device))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt-355m", "gpt-1.3b"])
     p.add_argument("--micro-batch", type=int, default=0, help="b (default: 8 for 355M, 4 for 1.3B)")
@@ -167,6 +167,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine rows accumulate gradients in fp32 (the trainer's bf16 default) instead of bf16")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run a tiny fp32 model on the CPU (tests the script)")
+    return p
+
+
+# (result key, column head, format) of the printed table
+COLUMNS = [("model", "model", ""), ("system", "system", ""), ("micro_batch", "b", ""), ("m", "m", ""),
+        ("tokens_per_sec", "tokens/s", ".0f"), ("model_tflops_per_sec", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
+        ("peak_memory_GiB", "peak GiB", ".1f"), ("peak_reserved_GiB", "reserved GiB", ".1f"),
+        ("grad_dtype", "grads", ""), ("build_s", "build s", ".1f")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
 
     import torch
@@ -216,12 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    cols = [("model", "model", ""), ("system", "system", ""), ("micro_batch", "b", ""), ("m", "m", ""),
-            ("tokens_per_sec", "tokens/s", ".0f"), ("model_tflops_per_sec", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
-            ("peak_memory_GiB", "peak GiB", ".1f"), ("peak_reserved_GiB", "reserved GiB", ".1f"),
-            ("grad_dtype", "grads", ""), ("build_s", "build s", ".1f")]
     print(f"\n{name}: peak {dtype_name} {peak if peak else '-'} TFLOP/s; kernels {kernels.describe()}")
-    print(common.table(results, cols))
+    print(common.table(results, COLUMNS))
     common.write_json(args.json, {
         "skipped": False, "results": results, "machine": dict(machine, device=name, peak_tflops=peak),
         "config": dict(models=models, m=args.m, steps=args.steps, warmup=args.warmup, kernels=kernels.describe(),

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -200,6 +201,37 @@ def check_fp16_large_gradient(device) -> dict:
 
 
 # ------------------------------------------------------------------ checkpoint save and resume
+def _extra_device_bytes(fn, device) -> int | None:
+    """The device bytes ``fn`` allocates at its peak beyond what was allocated before (None off CUDA: it only runs)."""
+    import torch
+
+    _sync(device)
+    if device.type != "cuda":
+        fn()
+        return None
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _checkpoint_rows(what: str, same: bool, extras: dict[str, int | None], weight_bytes: int) -> list[dict]:
+    """The bitwise resume's row, then the save's and the resume's extra device bytes against the limit."""
+    rows = [_row(f"checkpoint resume {what}", PASS if same else FAIL,
+                 "resumed weights == saved (bitwise)" if same else "resumed weights differ from the saved ones")]
+    for step, extra in extras.items():
+        name = f"checkpoint {step} device memory {what}"
+        if extra is None:
+            rows.append(_row(name, NEEDS_GPU, "device bytes are measured by the CUDA allocator (the code ran)"))
+            continue
+        ok = extra <= SAVE_EXTRA_FRACTION * weight_bytes
+        rows.append(_row(name, PASS if ok else FAIL, f"+{extra / 2**20:.1f} MiB over training's allocation "
+                         f"({extra / weight_bytes:.2f} x the weight bytes; limit {SAVE_EXTRA_FRACTION})",
+                         extra_device_MiB=extra / 2**20, weight_MiB=weight_bytes / 2**20))
+    return rows
+
+
 def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     """The device bytes a save and a resume allocate beyond training's, and a bitwise resume."""
     import torch
@@ -232,19 +264,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     stage.train(2, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
     weight_bytes = sum(f.numel() * f.element_size() for f in stage.weights.flat)
     cuda = device.type == "cuda"
-
-    def measure(fn):
-        _sync(device)
-        if not cuda:
-            fn()
-            return None
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
-
-    rows = []
+    measure = functools.partial(_extra_device_bytes, device=device)
     with tempfile.TemporaryDirectory() as root:
         config = {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "optimizer": {}, "pipeline": {"layer_split": None}}
 
@@ -254,23 +274,13 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
 
         save_extra = measure(save)
         saved = [f.detach().cpu().clone() for f in stage.weights.flat]
-        del stage
+        stage = None  # freed (``save`` reads it through its cell)
         gc.collect()
         fresh, _ = build()
         resume_extra = measure(lambda: ck.restore(ck.load_rank_file(root, 2, 1, 1, 0, 0), fresh, fresh.rng, device))
         same = all(torch.equal(a, f.detach().cpu()) for a, f in zip(saved, fresh.weights.flat))
-    rows.append(_row(f"checkpoint resume {model} {dtype}", PASS if same else FAIL,
-                     "resumed weights == saved (bitwise)" if same else "resumed weights differ from the saved ones"))
-    for what, extra in (("save", save_extra), ("resume", resume_extra)):
-        name = f"checkpoint {what} device memory {model} {dtype}"
-        if extra is None:
-            rows.append(_row(name, NEEDS_GPU, "device bytes are measured by the CUDA allocator (the code ran)"))
-            continue
-        ok = extra <= SAVE_EXTRA_FRACTION * weight_bytes
-        rows.append(_row(name, PASS if ok else FAIL, f"+{extra / 2**20:.1f} MiB over training's allocation "
-                         f"({extra / weight_bytes:.2f} x the weight bytes; limit {SAVE_EXTRA_FRACTION})",
-                         extra_device_MiB=extra / 2**20, weight_MiB=weight_bytes / 2**20))
-    del fresh
+    rows = _checkpoint_rows(f"{model} {dtype}", same, {"save": save_extra, "resume": resume_extra}, weight_bytes)
+    fresh = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -382,6 +392,7 @@ def _setup(args) -> dict:
 def _sections(env: dict, deadline: float):
     """Every check, in order of what it tells per second; each yields its rows (written as they come)."""
     import gpu_probe
+    import gpu_probe_sdpa
     import gpu_probe_overlap as overlap
     from megatron_2bw.training.log_format import peak_tflops_of
 
@@ -391,7 +402,7 @@ def _sections(env: dict, deadline: float):
     yield overlap.alloc_sync_rows(device)
     yield overlap.prefetch_rows(device)
     yield [overlap.sm_share_row(device)]
-    yield gpu_probe.sdpa_rows(device)
+    yield gpu_probe_sdpa.sdpa_rows(device)
     yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
     yield gpu_probe.split_backward_rows(device)
     yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]

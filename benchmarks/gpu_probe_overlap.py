@@ -215,6 +215,11 @@ def update_wait_row(device, deadline: float) -> dict:
         return _row(name, FAIL, _first_line(e))
     finally:
         gc.collect()
+    return _update_wait_verdict(name, cuda, out, backlogs)
+
+
+def _update_wait_verdict(name: str, cuda: bool, out: dict, backlogs: tuple) -> dict:
+    """How much of the injected GPU work per step the update's host wait grew by (off CUDA: it only ran)."""
     base = out[0.0]
     if not cuda:
         return _row(name, NEEDS_GPU, f"a GPU backlog needs CUDA (the code ran: update wait {base['update_wait_s']:.4f} "

@@ -28,7 +28,7 @@ import sys
 import time
 
 import common
-from convergence import _children_cpu, ensure_data, run_group
+from convergence_runs import _children_cpu, ensure_data, run_group
 
 ROOT = common.ROOT
 INTERVALS = (1, 100)
