@@ -62,7 +62,8 @@ def speed_rows(json_dir: str, link) -> tuple[list[list], list[dict]]:
             vs_flush = b["samples_per_sec"] / fl["samples_per_sec"] if fl and fl.get("samples_per_sec") else None
             share = b["speedup_vs_single"] / ceiling if ceiling else None
             layers = "x".join(map(str, b.get("layers_per_stage") or []))
-            rows.append([f"{k[0]}, {k[1]}" + (f" ({layers})" if layers else ""), k[2], _fmt(b["speedup_vs_single"]), _fmt(ceiling),
+            rows.append([f"{k[0]}, {k[1]}" + (f" ({layers})" if layers else ""), k[2], _fmt(b["speedup_vs_single"]),
+                         _fmt(ceiling),
                          _fmt(share, ".0%"), _fmt(vs_flush), _fmt(b.get("ratio_vs_torch_1f1b")),
                          f"[{name}]({link(name)}) {_date(data)}"])
             facts.append({"file": name, "date": _date(data), "model": k[0], "split": k[1], "m": k[2],
@@ -82,9 +83,11 @@ def newest_verdicts(facts: list[dict], target: float) -> list[str]:
     for (model, split, m), fct in sorted(newest.items()):
         c = fct["ceiling"]
         if c is not None and c < target:
-            verdict = f"the stage split caps it at {c:.3f}x, below the {target}x target ({fct['speedup'] / c:.0%} of it)"
+            verdict = (f"the stage split caps it at {c:.3f}x, below the {target}x target "
+                       f"({fct['speedup'] / c:.0%} of it)")
         else:
-            verdict = f"{'**meets**' if fct['speedup'] >= target else 'misses'} the {target}x target (ceiling {_fmt(c)})"
+            verdict = (f"{'**meets**' if fct['speedup'] >= target else 'misses'} the {target}x target "
+                       f"(ceiling {_fmt(c)})")
         out.append(f"- {model}, {split} split, m = {m}: {fct['speedup']:.3f}x single: {verdict} "
                    f"({fct['file']}, {fct['date']})")
     return out
@@ -137,7 +140,8 @@ def _memory_lines(json_dir: str, link) -> list[str]:
         lines += _table(["schedule", "d", "m", "weight versions", "weights MiB (stage 0)", "in flight",
                          "formula", "stash / exact"], mrows)
         lines += ["", f"([memory.json]({link('memory.json')}) {_date(mem)}.) 2BW keeps two weight versions and up to d "
-                      "microbatches in flight per stage, as the paper's formulas say; Flush and GPipe keep one version."]
+                      "microbatches in flight per stage, as the paper's formulas say; Flush and GPipe keep one "
+                      "version."]
     if states:
         lines += ["", f"Weights, gradients, fp32 master and optimizer state per stage, precision and distributed "
                       f"optimizer, against the formulas and the planner: largest relative difference "
@@ -159,7 +163,8 @@ def _loss_lines(json_dir: str, link, target_loss: float) -> list[str]:
                       f"[convergence.json]({link('convergence.json')}) {_date(conv)}"])
         for e in conv.get("lr_sweep") or []:
             if e.get("lr") != lr:
-                lrows.append([f"d = 2, peak lr {e['lr']:g}", "none", _fmt(e.get("valid_loss_ratio_2bw_over_flush"), ".4f"),
+                lrows.append([f"d = 2, peak lr {e['lr']:g}", "none",
+                              _fmt(e.get("valid_loss_ratio_2bw_over_flush"), ".4f"),
                               f"[convergence.json]({link('convergence.json')}) {_date(conv)}"])
     if reg:
         for name, r in (reg.get("regimes") or {}).items():
@@ -231,7 +236,8 @@ def _optimizer_rows(opt: dict | None, link, target_loss: float) -> list[str]:
     rows = []
     for (regime, optimizer, mode), runs in sorted(groups.items()):
         same = [r["valid_loss_ratio_vs_flush"] for r in runs if r.get("valid_loss_ratio_vs_flush") is not None]
-        best = [r["valid_loss_ratio_vs_best_flush"] for r in runs if r.get("valid_loss_ratio_vs_best_flush") is not None]
+        best = [r["valid_loss_ratio_vs_best_flush"] for r in runs
+                if r.get("valid_loss_ratio_vs_best_flush") is not None]
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         rows.append([f"regime `{regime}`", optimizer, mode, f"{_fmt(mean(same), '.4f')} ({len(same)} seed"
                      f"{'s' if len(same) != 1 else ''})", _fmt(mean(best), ".4f"),
@@ -264,9 +270,9 @@ def _optimizer_targets(groups: dict[tuple, list[dict]]) -> list[str]:
 
         (o, m), runs = min(full.items(), key=lambda kv: mean(kv[1], "valid_loss_ratio_vs_best_flush"))
         same, best = mean(runs, "valid_loss_ratio_vs_flush"), mean(runs, "valid_loss_ratio_vs_best_flush")
-        verdict = lambda x: (f"meets it by {100 * (target - x):.2f} points" if x <= target  # noqa: E731
-                             else f"misses it by {100 * (x - target):.2f} points")
+        verdict = lambda x, target=target: (f"meets it by {100 * (target - x):.2f} points" if x <= target  # noqa: E731
+                                            else f"misses it by {100 * (x - target):.2f} points")
         out.append(f"- `{regime}` (target {target}): best 2BW is {o} + `{m}` ({most} seed{'s' if most != 1 else ''}): "
-                   f"{same:.4f} x its optimizer's Flush ({verdict(same)}), {best:.4f} x the best Flush of any optimizer "
-                   f"({verdict(best)}).")
+                   f"{same:.4f} x its optimizer's Flush ({verdict(same)}), {best:.4f} x the best Flush of any "
+                   f"optimizer ({verdict(best)}).")
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -145,7 +144,7 @@ def table(rows: Sequence[dict], cols: Sequence[tuple[str, str, str]]) -> str:
     """Plain-text table; ``cols`` are (key, header, format spec)."""
     cells = [[h for _, h, _ in cols]] + [[fmt(r.get(k), s) for k, _, s in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -101,7 +101,8 @@ def seed_summary(runs: list[dict]) -> dict:
         v2, vf = fin.get("2bw"), fin.get("flush")
         per_seed.append({"seed": sd, "final_valid_loss": fin,
                          "valid_loss_ratio_2bw_over_flush": v2 / vf if v2 and vf else None})
-    ratios = [e["valid_loss_ratio_2bw_over_flush"] for e in per_seed if e["valid_loss_ratio_2bw_over_flush"] is not None]
+    ratios = [e["valid_loss_ratio_2bw_over_flush"] for e in per_seed
+              if e["valid_loss_ratio_2bw_over_flush"] is not None]
 
     def spread(schedule):
         xs = [e["final_valid_loss"].get(schedule) for e in per_seed]
@@ -127,27 +128,32 @@ def seed_summary(runs: list[dict]) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=DEFAULTS["iters"], help="training steps of each run")
     p.add_argument("--eval-interval", type=int, default=DEFAULTS["eval_interval"])
     p.add_argument("--eval-iters", type=int, default=DEFAULTS["eval_iters"],
                    help="global batches per validation evaluation (x global batch = validation sequences)")
     p.add_argument("--log-interval", type=int, default=50, help="segment length (2BW drains only at segment ends)")
     p.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"], help="b")
-    p.add_argument("--m", type=int, default=DEFAULTS["m"], help="microbatches per step (>= d = 2); global batch = b * m")
+    p.add_argument("--m", type=int, default=DEFAULTS["m"], help="microbatches per step (>= d = 2); global batch = b * "
+                                                                "m")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--preset", default="gpt-demo")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--min-lr", type=float, default=DEFAULTS["min_lr"])
-    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warm-up steps (default 10%% of --iters)")
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="linear warm-up steps (default 10%% of "
+                                                                          "--iters)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234, 5678],
                    help="run both schedules once per seed (initialization, data order and validation draw); the spread "
                         "of Flush over the seeds is the noise floor of the comparison")
     p.add_argument("--seed", type=int, default=None, help="shorthand for --seeds SEED (one seed, no noise floor)")
     p.add_argument("--smooth", type=int, default=20, help="training-loss smoothing window (steps)")
-    p.add_argument("--target-factor", type=float, default=1.05, help="time-to-loss target = this x Flush's final smoothed train loss")
+    p.add_argument("--target-factor", type=float, default=1.05, help="time-to-loss target = this x Flush's final "
+                                                                     "smoothed train loss")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
-    p.add_argument("--data-dir", default=None, help="cached corpus/tokenizer/dataset (default demo_data, quick: demo_data/quick)")
+    p.add_argument("--data-dir", default=None, help="cached corpus/tokenizer/dataset (default demo_data, quick: "
+                                                    "demo_data/quick)")
     p.add_argument("--vocab", type=int, default=None, help="tokenizer vocabulary (default 8000, quick: 500)")
     p.add_argument("--corpus-mb", type=float, default=None, help="corpus size when it is built (default 4, quick: 0.3)")
     p.add_argument("--out-dir", default=None, help="metrics files and logs (default runs/convergence[_quick])")
@@ -159,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exploration", metavar="FILE",
                    help="a JSON list of earlier measured settings (see docs/data/convergence.json's 'exploration') "
                         "copied into the output JSON so the report can show how the defaults were chosen")
-    p.add_argument("--quick", action="store_true", help="tiny model, 10 steps, small corpus: a smoke run (~30 s per seed)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 10 steps, small corpus: a smoke run (~30 s per "
+                                                        "seed)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the loss curves here")
     _add_regime_flags(p)
@@ -172,18 +179,20 @@ def _add_regime_flags(p: argparse.ArgumentParser) -> None:
                    help="run these regimes' settings (REGIMES) instead of the flags above, every --compensations mode, "
                         "and write {'results': [...], 'regimes': {...}} (see main_regimes)")
     p.add_argument("--optimizers", nargs="+", choices=("adamw", "muon"), default=["adamw"],
-                   help="--regimes: optimizers to run (muon: --optimizer muon, Muon on the linear weights at --muon-lr; "
-                        "its Flush run is its own reference; predict is AdamW/SGD only and skipped for muon)")
+                   help="--regimes: optimizers to run (muon: --optimizer muon, Muon on the linear weights at "
+                        "--muon-lr; its Flush run is its own reference; predict is AdamW/SGD only and skipped for "
+                        "muon)")
     p.add_argument("--muon-lr", type=float, default=MUON_LR, help="--regimes: peak lr of Muon's matrices")
-    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc", "ef", "extrapolate"), default=["none"],
+    p.add_argument("--compensations", nargs="+", choices=("none", "predict", "dc", "ef", "extrapolate"),
+                   default=["none"],
                    help="2BW's --2bw-compensation modes to run (one 2BW run per mode and seed)")
     p.add_argument("--dc-lambda", type=float, default=0.04, help="--2bw-dc-lambda of the dc runs")
     p.add_argument("--depth", type=int, default=2, help="pipeline depth d (2BW's update rule does not depend on it)")
     p.add_argument("--parallel-runs", type=int, default=1, help="--regimes: trainer runs at a time")
     p.add_argument("--max-iters", type=int, default=None, help="--regimes: cap each regime's steps (a short check)")
     p.add_argument("--resume-from", nargs="*", default=[], metavar="FILE",
-                   help="--regimes: reuse the finished runs of these JSONs (earlier --regimes output, or a single-regime "
-                        "JSON whose settings equal a regime's) and run only what is missing")
+                   help="--regimes: reuse the finished runs of these JSONs (earlier --regimes output, or a "
+                        "single-regime JSON whose settings equal a regime's) and run only what is missing")
     p.add_argument("--merge-only", action="store_true",
                    help="--regimes: run nothing; write the JSON (and plot) from the --resume-from runs")
     p.add_argument("--first-seed-only", nargs="*", default=[], metavar="MODE",
@@ -264,33 +273,38 @@ def _train(args: argparse.Namespace, data_dir: str, vocab: int, corpus_mb: float
 def _print(args: argparse.Namespace, runs: list[dict], noise: dict, ratio, speed, sweep: list[dict],
            machine: dict) -> None:
     """The tables on stdout and the plots."""
-    cols = [("schedule", "schedule", ""), ("seed", "seed", ""), ("steps", "steps", ""), ("final_valid_loss", "valid loss", ".4f"),
-            ("final_train_loss", "train loss (sm)", ".4f"), ("seconds", "train s", ".1f"), ("wall_seconds", "wall s", ".1f"),
+    cols = [("schedule", "schedule", ""), ("seed", "seed", ""), ("steps", "steps", ""),
+            ("final_valid_loss", "valid loss", ".4f"), ("final_train_loss", "train loss (sm)", ".4f"),
+            ("seconds", "train s", ".1f"), ("wall_seconds", "wall s", ".1f"),
             ("samples_per_sec_median", "samples/s", ".2f"), ("ttl_step", "ttl step", ""), ("ttl_s", "ttl s", ".1f"),
             ("foreign_load_cpus", "other load", ".2f")]
     show = [dict(r, ttl_step=r["time_to_loss"]["step"], ttl_s=r["time_to_loss"]["seconds"]) for r in runs]
     gb = args.micro_batch * args.m
     print()
-    print(f"{args.preset}, seq {args.seq}, d=2 w=1, b={args.micro_batch} m={args.m} (global batch {gb}), {args.iters} steps, "
-          f"warm-up {args.warmup}, lr {args.lr:g} -> {args.min_lr:g}; validation {args.eval_iters * gb} sequences; "
-          f"seeds {args.seeds}")
+    print(f"{args.preset}, seq {args.seq}, d=2 w=1, b={args.micro_batch} m={args.m} (global batch {gb}), {args.iters} "
+          f"steps, warm-up {args.warmup}, lr {args.lr:g} -> {args.min_lr:g}; validation {args.eval_iters * gb} "
+          f"sequences; seeds {args.seeds}")
     print(common.table(show, cols))
     print(common.table([dict(seed=e["seed"], v2=e["final_valid_loss"].get("2bw"), vf=e["final_valid_loss"].get("flush"),
                              ratio=e["valid_loss_ratio_2bw_over_flush"]) for e in noise["per_seed"]],
-                       [("seed", "seed", ""), ("v2", "2BW valid", ".4f"), ("vf", "Flush valid", ".4f"), ("ratio", "2BW/Flush", ".4f")]))
-    print(f"valid loss ratio 2BW / Flush, mean over seeds: {common.fmt(ratio, '.4f')} (target <= 1.01); Flush seed-to-seed "
-          f"spread {common.fmt(noise['flush_seed_spread'], '.4f')}; 2BW gap above noise: {noise['gap_above_noise']}; "
-          f"training-time speedup Flush/2BW: {common.fmt(speed, '.3f')}")
+                       [("seed", "seed", ""), ("v2", "2BW valid", ".4f"), ("vf", "Flush valid", ".4f"),
+                        ("ratio", "2BW/Flush", ".4f")]))
+    print(f"valid loss ratio 2BW / Flush, mean over seeds: {common.fmt(ratio, '.4f')} (target <= 1.01); Flush "
+          f"seed-to-seed spread {common.fmt(noise['flush_seed_spread'], '.4f')}; 2BW gap above noise: "
+          f"{noise['gap_above_noise']}; training-time speedup Flush/2BW: {common.fmt(speed, '.3f')}")
     if len(sweep) > 1:
         print(f"\nlearning-rate sweep (final valid loss, seed {args.seeds[0]}):")
         print(common.table([dict(lr=e["lr"], **{f"v_{r['schedule']}": r["final_valid_loss"] for r in e["runs"]},
                                  ratio=e["valid_loss_ratio_2bw_over_flush"]) for e in sweep],
-                           [("lr", "peak lr", "g"), ("v_2bw", "2BW", ".4f"), ("v_flush", "Flush", ".4f"), ("ratio", "2BW/Flush", ".4f")]))
+                           [("lr", "peak lr", "g"), ("v_2bw", "2BW", ".4f"), ("v_flush", "Flush", ".4f"),
+                            ("ratio", "2BW/Flush", ".4f")]))
         if args.sweep_png:
             plot_sweep(sweep, args.sweep_png, f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, "
-                                              f"{args.iters} steps, seed {args.seeds[0]}: smoothed training loss per peak learning rate")
+                                              f"{args.iters} steps, seed {args.seeds[0]}: smoothed training loss per "
+                                              f"peak learning rate")
     title = (f"{args.preset} (seq {args.seq}), d=2, b={args.micro_batch}, m={args.m}, {args.iters} steps, "
-             f"{len(args.seeds)} seed(s) on {machine['cpus_usable']} CPUs; valid loss 2BW/Flush = {common.fmt(ratio, '.4f')}")
+             f"{len(args.seeds)} seed(s) on {machine['cpus_usable']} CPUs; valid loss 2BW/Flush = "
+             f"{common.fmt(ratio, '.4f')}")
     if args.png:
         plot(runs, args.png, title)
 
@@ -316,9 +330,10 @@ def _output(args: argparse.Namespace, vocab: int, t: dict) -> dict:
                        lr=args.lr, min_lr=args.min_lr, lr_decay="cosine", warmup=args.warmup, weight_decay=0.01,
                        clip_grad=1.0, seed=args.seeds[0], seeds=args.seeds, optimizer="adam (betas 0.9, 0.999)",
                        precision="fp32", smooth_window=args.smooth, target_factor=args.target_factor,
-                       target_definition="target_factor x flush final smoothed training loss of the same seed; first step "
-                                         "whose smoothed training loss <= target",
-                       ratio_definition="mean over seeds of (2BW final valid loss / Flush final valid loss of the same seed)",
+                       target_definition="target_factor x flush final smoothed training loss of the same seed; first "
+                                         "step whose smoothed training loss <= target",
+                       ratio_definition="mean over seeds of (2BW final valid loss / Flush final valid loss of the same "
+                                        "seed)",
                        seconds_definition="sum of step_time_s (segment wall time incl. fill/drain; evals excluded)",
                        data=os.path.relpath(t["data_prefix"], ROOT), vocab=vocab, data_prep_s=round(t["data_s"], 1),
                        quick=args.quick),

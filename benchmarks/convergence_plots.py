@@ -66,14 +66,15 @@ def plot(runs: list[dict], path: str, title: str) -> None:
             ax.plot(c[xkey], c["train_loss_smoothed"], styles[k % len(styles)], color=color, lw=1.6 if k == 0 else 1.1,
                     label=f"{tag} train (smoothed)")
             vx = [x for x in v[xkey] if x is not None]
-            ax.plot(vx, v["loss"][: len(vx)], "o" if k == 0 else "s", ls="--" if k == 0 else "none", color=color, ms=5, lw=1,
-                    mfc=color if k == 0 else "none", label=f"{tag} validation")
+            ax.plot(vx, v["loss"][: len(vx)], "o" if k == 0 else "s", ls="--" if k == 0 else "none", color=color, ms=5,
+                    lw=1, mfc=color if k == 0 else "none", label=f"{tag} validation")
             t = r.get("time_to_loss") or {}
             if k == 0 and t.get(xkey) is not None:
                 ax.axvline(t[xkey], color=color, ls=":", lw=1)
         tgt = (runs[0].get("time_to_loss") or {}).get("target")
         if tgt is not None:
-            ax.axhline(tgt, color="gray", ls=":", lw=1, label="time-to-loss target" + (f" (seed {seeds[0]})" if len(seeds) > 1 else ""))
+            ax.axhline(tgt, color="gray", ls=":", lw=1,
+                       label="time-to-loss target" + (f" (seed {seeds[0]})" if len(seeds) > 1 else ""))
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("LM loss (nats/token)")
@@ -111,7 +112,7 @@ def plot_regimes(data: dict, path: str) -> None:
 
     regs = data["regimes"]
     fig, axes = plt.subplots(1, len(regs), figsize=(6 * len(regs), 4.6), squeeze=False)
-    for ax, (name, reg) in zip(axes[0], regs.items()):
+    for ax, (name, reg) in zip(axes[0], regs.items(), strict=False):
         seeds = list(dict.fromkeys(r["seed"] for r in reg["runs"]))
         lo = []
         for r in sorted(reg["runs"], key=lambda r: r["compensation"] == "dc"):  # dc (often on plain 2BW's) on top
@@ -122,8 +123,9 @@ def plot_regimes(data: dict, path: str) -> None:
             c = r["curve"]
             dotted = r["compensation"] == "dc"  # dotted: visible where it lies on plain 2BW's curve
             muon = r.get("optimizer") == "muon"  # Muon: dash-dotted lines
-            ax.plot(c["step"], c["train_loss_smoothed"], "-." if muon else (":" if dotted else "-") if k == 0 else "--", color=color,
-                    lw=2.0 if dotted else 1.3, label=f"{label} seed {r['seed']}" + (f" (d={r['d']})" if r.get("d") else ""))
+            ax.plot(c["step"], c["train_loss_smoothed"], "-." if muon else (":" if dotted else "-") if k == 0 else "--",
+                    color=color, lw=2.0 if dotted else 1.3,
+                    label=f"{label} seed {r['seed']}" + (f" (d={r['d']})" if r.get("d") else ""))
             ax.plot(r["valid"]["step"], r["valid"]["loss"], "o" if k == 0 else "s", color=color, ms=3.5,
                     mfc=color if k == 0 else "none")
             lo += [x for x in c["train_loss_smoothed"] if x == x]

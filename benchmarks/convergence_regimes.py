@@ -44,7 +44,7 @@ def measured_speedup(m: int, path: str = THROUGHPUT_JSON) -> dict:
 def steps_to_target(run: dict, target: float) -> int | None:
     """First step whose smoothed training loss is <= ``target`` (None: never)."""
     c = run["curve"]
-    return next((st for st, loss in zip(c["step"], c["train_loss_smoothed"]) if loss <= target), None)
+    return next((st for st, loss in zip(c["step"], c["train_loss_smoothed"], strict=False) if loss <= target), None)
 
 
 def regime_args(args, name: str):
@@ -86,7 +86,8 @@ def _modes(ra, runs: list[dict]) -> dict:
 def _regime_config(ra, runs: list[dict]) -> dict:
     """The settings the regime's runs share, as the report prints them."""
     gb = ra.micro_batch * ra.m
-    return dict(preset=ra.preset, seq=ra.seq, d=sorted({r.get("d", ra.depth) for r in runs}) or [ra.depth], w=1, micro_batch=ra.micro_batch, m=ra.m, global_batch=gb,
+    return dict(preset=ra.preset, seq=ra.seq, d=sorted({r.get("d", ra.depth) for r in runs}) or [ra.depth], w=1,
+                  micro_batch=ra.micro_batch, m=ra.m, global_batch=gb,
                   iters=ra.iters, warmup=ra.warmup, lr=ra.lr, min_lr=ra.min_lr, lr_decay="cosine", weight_decay=0.01,
                   clip_grad=1.0, optimizer="adam (betas 0.9, 0.999)", precision="fp32", eval_interval=ra.eval_interval,
                   optimizers=getattr(ra, "optimizers", ["adamw"]),
@@ -124,7 +125,8 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
                  valid_loss_ratio_vs_flush=r["final_valid_loss"] / flush["final_valid_loss"] if flush else None,
                  valid_loss_ratio_vs_best_flush=r["final_valid_loss"] / best if best else None,
                  flush_steps_to_this_loss=back, time_vs_flush_at_this_loss=back_t)
-        results.append({k: r.get(k) for k in ("regime", "optimizer", "schedule", "compensation", "seed", "final_valid_loss",
+        results.append({k: r.get(k) for k in ("regime", "optimizer", "schedule", "compensation", "seed",
+                                               "final_valid_loss",
                                                "valid_loss_ratio_vs_best_flush", "muon_lr",
                                                "steps_to_target", "final_train_loss", "valid_loss_ratio_vs_flush",
                                                "time_to_target_vs_flush", "flush_steps_to_this_loss",
@@ -136,7 +138,8 @@ def summarize_regime(ra, name: str, runs: list[dict]) -> dict:
     spread = spreads.get("adamw")
     modes = _modes(ra, runs)
     config = _regime_config(ra, runs)
-    return {"results": results, "runs": sorted(runs, key=lambda r: (r["seed"], r["schedule"] != "flush", r["compensation"])),
+    return {"results": results,
+            "runs": sorted(runs, key=lambda r: (r["seed"], r["schedule"] != "flush", r["compensation"])),
             "config": config, "flush_seed_spread": spread, "flush_seed_spread_by_optimizer": spreads, "modes": modes,
             "measured_speedup": speed}
 
@@ -188,7 +191,8 @@ def main_regimes(args) -> int:
     opts = args.optimizers
     jobs = [(name, sd, "flush", "none", o) for sd in args.seeds for name in args.regimes for o in opts
             if "flush" in args.schedules]
-    jobs += [(name, sd, "2bw", c, o) for sd in args.seeds for name in args.regimes for o in opts for c in args.compensations
+    jobs += [(name, sd, "2bw", c, o)
+             for sd in args.seeds for name in args.regimes for o in opts for c in args.compensations
              if (c not in args.first_seed_only or sd == args.seeds[0]) and not (o == "muon" and c == "predict")
              and "2bw" in args.schedules]
     # seed by seed (each seed's Flush first), the first-seed-only modes last
@@ -212,13 +216,15 @@ def main_regimes(args) -> int:
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, args.parallel_runs)) as pool:
-        futs = {pool.submit(run_one, ras[n], sch, data_prefix, tok_model, None, sd, c, o): n for n, sd, sch, c, o in jobs}
+        futs = {pool.submit(run_one, ras[n], sch, data_prefix, tok_model, None, sd, c, o): n
+                for n, sd, sch, c, o in jobs}
         for fut in as_completed(futs):
             done[futs[fut]].append(fut.result())
             write(False)
     out = write(missing == 0)
     for name, reg in out["regimes"].items():
-        flushes = {(r["optimizer"], r["seed"]): round(r["final_valid_loss"], 4) for r in reg["runs"] if r["schedule"] == "flush"}
+        flushes = {(r["optimizer"], r["seed"]): round(r["final_valid_loss"], 4) for r in reg["runs"]
+                   if r["schedule"] == "flush"}
         print(f"\n{name}: Flush final valid loss by (optimizer, seed) {flushes}")
         print(f"{name}: Flush seed spread {common.fmt(reg['flush_seed_spread'], '.4f')}; speedup 2BW/Flush "
               f"{common.fmt(reg['measured_speedup']['ratio'], '.3f')} (m={reg['measured_speedup']['m']})")

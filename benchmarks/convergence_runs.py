@@ -83,7 +83,8 @@ def trainer_command(args, schedule: str, data_prefix: str, tok_model: str, metri
 def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | None = None, seed: int | None = None,
             compensation: str = "none", optimizer: str = "adamw") -> dict:
     seed = args.seeds[0] if seed is None else seed
-    out_dir = os.path.join(args.out_dir, f"seed_{seed}") if lr is None else os.path.join(args.out_dir, f"lr_{lr:g}_seed_{seed}")
+    out_dir = (os.path.join(args.out_dir, f"seed_{seed}") if lr is None
+               else os.path.join(args.out_dir, f"lr_{lr:g}_seed_{seed}"))
     os.makedirs(out_dir, exist_ok=True)
     tag = schedule if compensation == "none" else f"{schedule}_{compensation}"
     tag = tag if optimizer == "adamw" else f"{optimizer}_{tag}"
@@ -111,12 +112,14 @@ def run_one(args, schedule: str, data_prefix: str, tok_model: str, lr: float | N
         raise RuntimeError(f"{schedule}: trainer exited with status {rc} (log: {log}):\n{tail}")
     run = parse_metrics(metrics, args.smooth)
     run_lr = args.lr if lr is None else lr
-    run.update(schedule=schedule, seed=seed, lr=args.lr if lr is None else lr, wall_seconds=wall, metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
+    run.update(schedule=schedule, seed=seed, lr=args.lr if lr is None else lr, wall_seconds=wall,
+               metrics_file=os.path.relpath(metrics, ROOT), log_file=os.path.relpath(log, ROOT),
                foreign_load_cpus=max(0.0, busy - own) / wall if busy > 0 else None, compensation=compensation,
                d=getattr(args, "depth", 2), optimizer=optimizer,
                muon_lr=getattr(args, "muon_lr", MUON_LR) * run_lr / args.lr if optimizer == "muon" else None)
-    print(f"{tag} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s wall); final valid loss "
-          f"{common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss {common.fmt(run['final_train_loss'], '.4f')}",
+    print(f"{tag} (lr {run['lr']:g}, seed {seed}): {run['steps']} steps, {run['seconds']:.1f} s training ({wall:.1f} s "
+          f"wall); final valid loss {common.fmt(run['final_valid_loss'], '.4f')}, smoothed train loss "
+          f"{common.fmt(run['final_train_loss'], '.4f')}",
           flush=True)
     return run
 
@@ -181,7 +184,7 @@ def parse_metrics(path: str, window: int) -> dict:
         acc += r["step_time_s"]
         elapsed.append(acc)
     sm = smooth(losses, window)
-    t_of_step = dict(zip(steps, elapsed))
+    t_of_step = dict(zip(steps, elapsed, strict=False))
     return {
         "steps": len(train),
         "seconds": elapsed[-1] if elapsed else None,
@@ -202,7 +205,7 @@ def parse_metrics(path: str, window: int) -> dict:
 
 def time_to_loss(run: dict, target: float) -> dict:
     c = run["curve"]
-    for step, sec, loss in zip(c["step"], c["seconds"], c["train_loss_smoothed"]):
+    for step, sec, loss in zip(c["step"], c["seconds"], c["train_loss_smoothed"], strict=False):
         if loss <= target:
             return {"target": target, "step": step, "seconds": sec}
     return {"target": target, "step": None, "seconds": None}

@@ -178,13 +178,12 @@ def _planner_bytes(cfg, b: int, m: int, schedule: str, precision: str) -> int:
 def _trainer_stage(cfg, spec, b: int, m: int, steps: int, warmup: int, dtype: str, schedule: str, device) -> dict:
     """One engine stage as the trainer configures it: fp32 gradient accumulation in bf16 (the precision's
     default), saved-tensor hooks on (``track_memory``), global-norm clipping."""
+    import gpu
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
-
-    import gpu
 
     pipe = PipelineConfig(schedule, b, m, recompute=False, track_memory=True)
     opt = OptimizerConfig("adam", lr=1e-4, dtype=dtype, clip_grad=1.0)
@@ -211,15 +210,14 @@ def trainer_stage_rows(device, steps: int, warmup: int, deadline: float) -> list
     import gc
     import math
 
+    import gpu
     import torch
 
-    from megatron_2bw.fused import select_kernels
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.fused import select_kernels
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of
-
-    import gpu
 
     cuda = device.type == "cuda"
     model, dtype, b, m = ("gpt-1.3b", "bf16", 4, 4) if cuda else ("gpt-tiny", "fp32", 2, 2)
@@ -258,8 +256,8 @@ def _split_case(model: str, dtype: str, device) -> dict:
     gradients (the trainer's accumulation), and which first-use nodes took the fused weight-gradient path."""
     import torch
 
-    from megatron_2bw.fused import select_kernels
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.fused import select_kernels
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline import wgrad_fusion
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
@@ -296,7 +294,7 @@ def _split_case(model: str, dtype: str, device) -> dict:
     tally = {f"{k[0]} {'fused' if k[1] else 'autograd'}": n - before.get(k, 0)
              for k, n in wgrad_fusion.TALLY.items() if n != before.get(k, 0)}
     rel = max(((p.main_grad - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()
-              for p, w in zip(params, whole))
+              for p, w in zip(params, whole, strict=False))
     return {"max_rel_diff": rel, "tally": tally}
 
 
@@ -410,7 +408,8 @@ def staging_row(device) -> dict:
         after = stats().get("allocated_bytes.current", 0) if stats() else None
         ok = host.is_pinned() and torch.equal(host, src.cpu()) and st.pinned_bytes() == 4 * n
         return _row("async staging pinned exact", PASS if ok else FAIL,
-                    f"pinned {st.pinned_bytes()} B for {4 * n} B staged, is_pinned {host.is_pinned()}, {staged_s:.2f} s",
+                    f"pinned {st.pinned_bytes()} B for {4 * n} B staged, is_pinned {host.is_pinned()}, {staged_s:.2f} "
+                    f"s",
                     pinned_bytes=st.pinned_bytes(), staged_bytes=4 * n, stage_s=staged_s,
                     caching_host_allocator_delta=None if before is None else after - before)
     except Exception as e:  # noqa: BLE001

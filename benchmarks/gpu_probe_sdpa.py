@@ -73,7 +73,7 @@ def sdpa_rows(device) -> list[dict]:
                     finally:
                         q.grad = k.grad = v.grad = None
                     s2 = 3 * b * a * s * s * 4 / 2**20  # the math path's three fp32 [b, a, s, s] tensors
-                    rows.append(_row(name, PASS, kernel + (" (runs here although refused at start-up)" if refused and cuda
-                                                           else ""), kernel=kernel, peak_MiB=peak,
+                    note = " (runs here although refused at start-up)" if refused and cuda else ""
+                    rows.append(_row(name, PASS, kernel + note, kernel=kernel, peak_MiB=peak,
                                      math_s2_MiB=s2, refused=refused))
     return rows

@@ -70,8 +70,8 @@ def worker(conf: dict) -> list[dict]:
     tokens = common.token_pool(cfg, 32, b)
     batches = [spec.make_batch(t) for t in tokens]
     out = []
-    from megatron_2bw.schedule.stages import chunk_ranges
     from megatron_2bw.schedule.schedules import get_schedule
+    from megatron_2bw.schedule.stages import chunk_ranges
 
     for m in conf["ms"]:
         for schedule in conf.get("schedules", SCHEDULES):
@@ -84,7 +84,7 @@ def worker(conf: dict) -> list[dict]:
                 if pipe.chunks > 1:  # one layer list per chunk (a V: the embedding's rank holds the head)
                     place = get_schedule(schedule).placement(d)
                     ranges = chunk_ranges(cfg.num_layers, place.stages_of(state.pp_rank), place.num_stages)
-                    build = lambda: spec.build_chunks(ranges)  # noqa: E731
+                    build = lambda: spec.build_chunks(ranges)  # noqa: E731, B023 - built within this iteration
                 stage = build_stage(build, spec.loss_fn(), state, pipe, opt, (b, cfg.seq_length, cfg.hidden_size))
                 stage.train(conf["steps"], lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
                 st = stage.stats.as_dict()
@@ -332,7 +332,7 @@ def _states(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     """``--states``: its own model shape and widths unless given."""
     # odd hidden size and sequence: the first stage's N is odd, so every w > 1 pads its last shard
     model = (2, 33, 3, 15, 1, 200) if args.quick else (4, 129, 3, 63, 2, 1000)
-    for key, value in zip(("layers", "hidden", "heads", "seq", "micro_batch", "vocab"), model):
+    for key, value in zip(("layers", "hidden", "heads", "seq", "micro_batch", "vocab"), model, strict=False):
         if getattr(args, key) == p.get_default(key):
             setattr(args, key, value)
     if args.d == p.get_default("d"):
@@ -375,8 +375,8 @@ def _stash(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
             ("paper_activation_bytes", "A paper", ".2f"), ("planner_activation_bytes", "A planner", ".2f"),
             ("measured_over_exact", "meas/exact", ".3f"), ("measured_over_planner", "meas/planner", ".3f")]
     cfg = conf["model"]
-    print(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, b {args.micro_batch}, "
-          f"vocab {cfg['vocab_size']}, fp32; A_input = {rows[0]['A_input_bytes'] / MiB:.2f} MiB")
+    print(f"GPT {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, seq {cfg['seq_length']}, b "
+          f"{args.micro_batch}, vocab {cfg['vocab_size']}, fp32; A_input = {rows[0]['A_input_bytes'] / MiB:.2f} MiB")
     print(common.table(show, cols))
     if why:
         print(f"planner: {why}")

@@ -53,31 +53,38 @@ from throughput_worker import worker
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
-    p.add_argument("--d", type=int, nargs="+", default=[2], help="pipeline depths (one process each; d=4 on 2 cores oversubscribes)")
+    p.add_argument("--d", type=int, nargs="+", default=[2], help="pipeline depths (one process each; d=4 on 2 cores "
+                                                                 "oversubscribes)")
     p.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="microbatches per step")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians of per-round ratios)")
-    p.add_argument("--steps", type=int, default=0, help="steps K per segment of a pipeline, >= 3 (default: 2 + enough steps for --window-microbatches); one process runs K-1")
+    p.add_argument("--steps", type=int, default=0, help="steps K per segment of a pipeline, >= 3 (default: 2 + enough "
+                                                        "steps for --window-microbatches); one process runs K-1")
     p.add_argument("--window-microbatches", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--quiet-cpus", type=float, default=0.3,
-                   help="a round of one m is 'quiet' when other jobs used less than this many CPUs in each of its segments")
+                   help="a round of one m is 'quiet' when other jobs used less than this many CPUs in each of its "
+                        "segments")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                   help="before each segment, wait up to S seconds (<= 240) for the other jobs' load to drop under --quiet-cpus")
+                   help="before each segment, wait up to S seconds (<= 240) for the other jobs' load to drop under "
+                        "--quiet-cpus")
     p.add_argument("--retry-noisy", type=int, default=0, metavar="N",
                    help="re-run a segment up to N times while other jobs' load exceeded --quiet-cpus during it "
                         "(the same rule for every system; the last attempt is kept)")
     p.add_argument("--p2p-mode", choices=("prefetch", "grouped"), default="prefetch",
                    help="engine transfers: receives posted ahead (gloo's default) or batch_isend_irecv groups (NCCL's)")
     p.add_argument("--sync-sends", action="store_true",
-                   help="engine: issue sends from the training thread (as before the transport's send thread), for A/B runs")
+                   help="engine: issue sends from the training thread (as before the transport's send thread), for A/B "
+                        "runs")
     p.add_argument("--clip", type=float, default=CLIP,
                    help="global-norm clipping of every system (Megatron's 1.0; clips every step on these random "
                         "tokens, whose norms run 1.3-2.6; a larger value is the stable-training regime where it never "
                         "does, which post-validation (zb-h2+pv) assumes)")
-    p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks (off: pure speed)")
+    p.add_argument("--track-memory", action="store_true", help="engine: count stashed bytes with saved-tensor hooks "
+                                                               "(off: pure speed)")
     p.add_argument("--models", nargs="+", choices=(*MODELS, "custom"), default=list(MODELS),
                    help="named models (custom: the --layers/--hidden/... flags)")
     p.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS),
@@ -99,7 +106,8 @@ def _models(args: argparse.Namespace) -> dict[str, dict]:
 
 def _conf(args: argparse.Namespace) -> dict:
     """What every worker reads (the model is set per model)."""
-    return dict(model=None, model_name=None, splits=list(args.splits), micro_batch=args.micro_batch, ms=args.m, rounds=args.rounds,
+    return dict(model=None, model_name=None, splits=list(args.splits), micro_batch=args.micro_batch, ms=args.m,
+                rounds=args.rounds,
                 steps=args.steps, window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
                 systems=list(args.systems), track_memory=args.track_memory, pool=64, sync_sends=args.sync_sends,
                 cpus=common.machine_info()["cpus_usable"], p2p_mode=args.p2p_mode, quiet_cpus=args.quiet_cpus,
@@ -128,7 +136,8 @@ def _measure(models: dict, conf: dict, args: argparse.Namespace) -> tuple[list[d
 
 
 # (result key, column head, format) of the printed table
-COLUMNS = [("system", "system", ""), ("split", "split", ""), ("layers_text", "layers", ""), ("d", "d", ""), ("m", "m", ""),
+COLUMNS = [
+        ("system", "system", ""), ("split", "split", ""), ("layers_text", "layers", ""), ("d", "d", ""), ("m", "m", ""),
         ("samples_per_sec", "samples/s", ".2f"), ("speedup_vs_single", "x single", ".3f"),
         ("ideal_speedup", "split ideal", ".3f"), ("ideal_vs_single_with_split", "ideal w/ split", ".3f"),
         ("ideal_vs_single", "ideal", ".3f"),
@@ -152,8 +161,10 @@ def _print(models: dict, all_results: list[dict], per_model: dict, machine: dict
     for r in all_results:
         r_text = ",".join(map(str, r["layers_per_stage"]))
         r["layers_text"] = r_text
-        r["bubble_text"], r["idle_text"] = stages_text(r.get("bubble_per_stage")), stages_text(r.get("idle_wait_per_stage"))
-        r["compute_text"] = " ".join(f"{x:.1f}" for x in r.get("compute_ms_per_microbatch_per_stage") or [] if x is not None)
+        r["bubble_text"] = stages_text(r.get("bubble_per_stage"))
+        r["idle_text"] = stages_text(r.get("idle_wait_per_stage"))
+        r["compute_text"] = " ".join(f"{x:.1f}" for x in r.get("compute_ms_per_microbatch_per_stage") or []
+                                     if x is not None)
     for name, fields in models.items():
         print()
         print(f"{name}: GPT {fields['num_layers']} layers, hidden {fields['hidden_size']}, seq {fields['seq_length']}, "
@@ -165,7 +176,8 @@ def _print(models: dict, all_results: list[dict], per_model: dict, machine: dict
             print(f"\nd = {d}: splits {e['splits']}; stage fwd+bwd ms/microbatch {ms}; ideal (sum/max) "
                   f"{ {sp: round(v, 3) for sp, v in e['ideal_speedup_by_split'].items()} }; "
                   f"waiting ranks' CPU share {common.fmt(e['waiting_ranks_cpu_share'], '.3f')}; "
-                  f"other jobs' load per round (CPUs) {[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
+                  f"other jobs' load per round (CPUs) "
+                  f"{[common.fmt(x, '.2f') for x in e['foreign_load_cpus_per_round']]}")
             print(common.table([r for r in all_results if r["compared_in_world_d"] == d and r["model"] == name],
                                COLUMNS))
     for r in all_results:
@@ -202,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     skipped = _print(models, all_results, per_model, machine, args, overhead)
     common.write_json(args.json, {
         "results": all_results, "machine": machine, "per_model": per_model,
-        "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch, d=args.d, m=args.m, rounds=args.rounds,
+        "config": dict(model=models[first], models=models, splits=list(args.splits), micro_batch=args.micro_batch,
+                       d=args.d, m=args.m, rounds=args.rounds,
                        steps=args.steps or "auto", window_microbatches=args.window_microbatches,
                        warmup_steps=args.warmup_steps, optimizer=f"adamw lr 1e-4 wd 0.01, clip {args.clip:g}, fp32",
                        clip=args.clip,
-                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode, sync_sends=args.sync_sends,
+                       track_memory=args.track_memory, quick=args.quick, p2p_mode=args.p2p_mode,
+                       sync_sends=args.sync_sends,
                        quiet_cpus=args.quiet_cpus, wait_quiet_s=args.wait_quiet, retry_noisy=args.retry_noisy,
                        throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1",
                        gc="collected before each segment, disabled inside it (every system alike)"),

@@ -62,7 +62,8 @@ def run_benchmarks(args, out_dir: str, img_dir: str) -> dict:
             elif args.sweep_lr:
                 cmd += ["--sweep-lr", *[str(x) for x in args.sweep_lr]]
         cmd += shlex.split(getattr(args, f"{name}_args") or "")
-        print(f"[report] {name}: {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)}", flush=True)
+        print(f"[report] {name}: {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)}",
+              flush=True)
         t0 = time.time()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         st = {"command": " ".join(shlex.quote(c) for c in cmd), "log": os.path.relpath(log, ROOT)}
@@ -77,7 +78,8 @@ def run_benchmarks(args, out_dir: str, img_dir: str) -> dict:
                 lines = [ln.rstrip() for ln in f if ln.strip()]
             st["error"] = (f"timed out after {args.timeout:.0f} s" if rc is None else f"exit status {rc}") + \
                 (": " + lines[-1][:300] if lines else "")
-        print(f"[report] {name}: {'ok' if st['ok'] else 'FAILED (' + st['error'] + ')'} in {st['seconds']} s", flush=True)
+        print(f"[report] {name}: {'ok' if st['ok'] else 'FAILED (' + st['error'] + ')'} in {st['seconds']} s",
+              flush=True)
         status[name] = st
     with open(os.path.join(out_dir, "status.json"), "w") as f:
         json.dump(status, f, indent=1)
@@ -88,8 +90,9 @@ def run_benchmarks(args, out_dir: str, img_dir: str) -> dict:
 def gpu_section(data: dict | None, path: str | None) -> str:
     lines = ["## 4. One GPU (`benchmarks/gpu.py`)", ""]
     if data is None:
-        lines += ["Not run here: no GPU JSON was given. On a GPU node run `python benchmarks/gpu.py --json gpu.json` and "
-                  "rebuild this document with `python benchmarks/report.py --from-json DIR --gpu-json gpu.json`.", ""]
+        lines += ["Not run here: no GPU JSON was given. On a GPU node run `python benchmarks/gpu.py --json gpu.json` "
+                  "and rebuild this document with `python benchmarks/report.py --from-json DIR --gpu-json gpu.json`.",
+                  ""]
         return "\n".join(lines)
     mach = data.get("machine") or {}
     if data.get("skipped"):
@@ -108,9 +111,10 @@ def gpu_section(data: dict | None, path: str | None) -> str:
             continue
         rows.append([r.get("model"), r.get("system"), f(r.get("params") / 1e6 if r.get("params") else None, ".0f"),
                      r.get("micro_batch"), r.get("dtype"), f(r.get("tokens_per_sec"), ".0f"),
-                     f(r.get("model_tflops_per_sec"), ".1f"), f(r.get("mfu"), ".3f"), f(r.get("peak_memory_GiB"), ".1f"), ""])
-    lines += [md_table(["model", "system", "params (M)", "b", "dtype", "tokens/s", "model TFLOP/s", "MFU", "peak GiB", "note"],
-                       rows), ""]
+                     f(r.get("model_tflops_per_sec"), ".1f"), f(r.get("mfu"), ".3f"),
+                     f(r.get("peak_memory_GiB"), ".1f"), ""])
+    lines += [md_table(["model", "system", "params (M)", "b", "dtype", "tokens/s", "model TFLOP/s", "MFU", "peak GiB",
+                        "note"], rows), ""]
     lines += [
         "What the numbers mean: **tokens/s** over the timed steps; **model TFLOP/s** = "
         + (f"steps/s x `{cfg['flops_per_step']}` FLOPs per step" if cfg.get("flops_per_step") else
@@ -134,7 +138,8 @@ def machine_section(datas: dict, status: dict) -> str:
             continue
         m = dict(data.get("machine") or {})  # status.json may describe another run: times come from the data
         rows.append([name, m.get("cpu", "?"), f"{m.get('logical_cpus')} / {m.get('cpus_usable')}", m.get("torch"),
-                     m.get("python"), m.get("date_utc"), ", ".join(f(x, ".2f") for x in m.get("loadavg_at_start") or []) or "-",
+                     m.get("python"), m.get("date_utc"),
+                     ", ".join(f(x, ".2f") for x in m.get("loadavg_at_start") or []) or "-",
                      f(m.get("elapsed_s"), ".0f")])
     if not rows:
         return ""
@@ -156,7 +161,8 @@ REPRO_FLAGS = {
     "convergence": [("preset", "--preset"), ("seq", "--seq"), ("micro_batch", "--micro-batch"), ("m", "--m"),
                     ("iters", "--iters"), ("lr", "--lr"), ("min_lr", "--min-lr"), ("warmup", "--warmup"),
                     ("seeds", "--seeds"), ("eval_interval", "--eval-interval"), ("eval_iters", "--eval-iters"),
-                    ("log_interval", "--log-interval"), ("smooth_window", "--smooth"), ("target_factor", "--target-factor"),
+                    ("log_interval", "--log-interval"), ("smooth_window", "--smooth"),
+                    ("target_factor", "--target-factor"),
                     ("vocab", "--vocab")],
 }
 
@@ -230,7 +236,8 @@ def summary_section(tp_targets, conv: dict | None, mem_summary, status: dict) ->
         ok = None if any(o is None for o in oks) else all(oks)
         rows.append([key, f"{rel} {ts[0]['goal']}" + (" at every m" if len(ts) > 1 else ""), meas, verdict(ok)])
     if not tp_targets:
-        rows.append(["throughput targets", "-", "not measured (" + (status.get("throughput", {}).get("error") or "no JSON") + ")", "-"])
+        rows.append(["throughput targets", "-",
+                     "not measured (" + (status.get("throughput", {}).get("error") or "no JSON") + ")", "-"])
     if conv is not None:
         r = conv.get("valid_loss_ratio_2bw_over_flush")
         finals = {x["schedule"]: x.get("final_valid_loss") for x in conv.get("runs") or []}
@@ -249,7 +256,8 @@ def summary_section(tp_targets, conv: dict | None, mem_summary, status: dict) ->
                      + f"){extra}",
                      verdict(None if r is None else r <= T_VALID_RATIO)])
     else:
-        rows.append(["convergence", f"<= {T_VALID_RATIO}", "not measured (" + (status.get("convergence", {}).get("error") or "no JSON") + ")", "-"])
+        rows.append(["convergence", f"<= {T_VALID_RATIO}",
+                     "not measured (" + (status.get("convergence", {}).get("error") or "no JSON") + ")", "-"])
     if mem_summary:
         wok = all(s[3] == "yes" for s in mem_summary)
         iok = all(s[4] == "yes" for s in mem_summary)
@@ -261,14 +269,16 @@ def summary_section(tp_targets, conv: dict | None, mem_summary, status: dict) ->
                       "threshold can flip between runs. The per-round ranges are in section 1.", ""])
 
 
-def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, status: dict | None, quick_note: bool) -> str:
+def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, status: dict | None,
+              quick_note: bool) -> str:
     status = status or load_json(os.path.join(json_dir, "status.json")) or {}
     tp = load_json(os.path.join(json_dir, "throughput.json"))
     mem = load_json(os.path.join(json_dir, "memory.json"))
     conv = load_json(os.path.join(json_dir, "convergence.json"))
     regimes = load_json(os.path.join(json_dir, "convergence_regimes.json")) if os.path.exists(
         os.path.join(json_dir, "convergence_regimes.json")) else None
-    gpu_path = gpu_json or (os.path.join(json_dir, "gpu.json") if os.path.exists(os.path.join(json_dir, "gpu.json")) else None)
+    gpu_path = gpu_json or (os.path.join(json_dir, "gpu.json") if os.path.exists(os.path.join(json_dir, "gpu.json"))
+                            else None)
     gpu = load_json(gpu_path) if gpu_path else None
     imgs = {}
     for name, data, fn in (("throughput", tp, plot_throughput), ("memory", mem, plot_memory),
@@ -293,12 +303,12 @@ def build_doc(json_dir: str, doc: str, img_dir: str, gpu_json: str | None, statu
     head = ["# Benchmarks", "",
             f"Generated by `python benchmarks/report.py` on {now} from the JSON files in `{show_path(json_dir)}/`"
             + (f" and `{show_path(gpu_path)}`" if gpu else "") + ". Do not edit by hand: rerun the command (or "
-            "`python benchmarks/report.py --from-json DIR [--gpu-json FILE]` to rebuild it from saved JSON); measurements "
-            "made by hand stand between `<!-- kept: NAME -->` and `<!-- /kept -->` and a rebuild carries them over "
-            "(`benchmarks/kept_notes.py`).", ""]
+            "`python benchmarks/report.py --from-json DIR [--gpu-json FILE]` to rebuild it from saved JSON); "
+            "measurements made by hand stand between `<!-- kept: NAME -->` and `<!-- /kept -->` and a rebuild carries "
+            "them over (`benchmarks/kept_notes.py`).", ""]
     if quick_note:
-        head += ["> **Quick smoke settings** (`--quick`): tiny models and a few steps; the numbers check the code paths, "
-                 "not the performance.", ""]
+        head += ["> **Quick smoke settings** (`--quick`): tiny models and a few steps; the numbers check the code "
+                 "paths, not the performance.", ""]
     datas = {"throughput": tp, "memory": mem, "convergence": conv}
     failed = [n for n, s in status.items() if not s.get("ok") and datas.get(n) is None]
     if failed:
@@ -337,14 +347,18 @@ def splice_convergence(json_dir: str, doc: str, img_dir: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="every benchmark with --quick (a smoke run, about a minute)")
-    p.add_argument("--from-json", metavar="DIR", help="do not run anything: rebuild from DIR/{throughput,memory,convergence}.json")
+    p.add_argument("--from-json", metavar="DIR", help="do not run anything: rebuild from "
+                                                      "DIR/{throughput,memory,convergence}.json")
     p.add_argument("--convergence-only", action="store_true",
                    help="with --from-json: rebuild only the convergence section of the existing --doc")
-    p.add_argument("--gpu-json", metavar="FILE", help="benchmarks/gpu.py's JSON from a GPU machine (default: DIR/gpu.json if present)")
-    p.add_argument("--out-dir", metavar="DIR", help="where the JSON files and logs go (default runs/benchmarks[_quick])")
+    p.add_argument("--gpu-json", metavar="FILE", help="benchmarks/gpu.py's JSON from a GPU machine (default: "
+                                                      "DIR/gpu.json if present)")
+    p.add_argument("--out-dir", metavar="DIR", help="where the JSON files and logs go (default "
+                                                    "runs/benchmarks[_quick])")
     p.add_argument("--doc", help="markdown to write (default docs/benchmarks.md; quick: DIR/benchmarks.md)")
     p.add_argument("--img-dir", help="plots (default docs/img; quick: DIR/img)")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), help="run only these benchmarks")
@@ -355,10 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-args", default="", help="extra flags for memory.py (one string)")
     p.add_argument("--convergence-args", default="", help="extra flags for convergence.py (one string)")
     args = p.parse_args(argv)
-    json_dir = os.path.abspath(args.from_json or args.out_dir or os.path.join(ROOT, "runs", "benchmarks_quick" if args.quick else "benchmarks"))
+    json_dir = os.path.abspath(args.from_json or args.out_dir
+                               or os.path.join(ROOT, "runs", "benchmarks_quick" if args.quick else "benchmarks"))
     quick_out = args.quick and not args.doc
-    doc = os.path.abspath(args.doc or (os.path.join(json_dir, "benchmarks.md") if quick_out else os.path.join(ROOT, "docs", "benchmarks.md")))
-    img_dir = os.path.abspath(args.img_dir or (os.path.join(json_dir, "img") if quick_out else os.path.join(os.path.dirname(doc), "img")))
+    doc = os.path.abspath(args.doc or (os.path.join(json_dir, "benchmarks.md") if quick_out
+                                       else os.path.join(ROOT, "docs", "benchmarks.md")))
+    img_dir = os.path.abspath(args.img_dir or (os.path.join(json_dir, "img") if quick_out
+                                               else os.path.join(os.path.dirname(doc), "img")))
     status = None
     if args.from_json:
         if not os.path.isdir(json_dir):

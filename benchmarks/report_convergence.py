@@ -27,8 +27,9 @@ def plot_convergence_sweep(data: dict, path: str) -> bool:
     if len(sweep) < 2:
         return False
     cfg = data.get("config") or {}
-    convergence_plots.plot_sweep(sweep, path, f"{cfg.get('preset')} (seq {cfg.get('seq')}), d=2, b={cfg.get('micro_batch')}, "
-                                        f"m={cfg.get('m')}, {cfg.get('iters')} steps: 2BW (solid) vs Flush (dashed) per peak lr")
+    convergence_plots.plot_sweep(sweep, path, f"{cfg.get('preset')} (seq {cfg.get('seq')}), d=2, "
+                                        f"b={cfg.get('micro_batch')}, m={cfg.get('m')}, {cfg.get('iters')} steps: 2BW "
+                                        f"(solid) vs Flush (dashed) per peak lr")
     return True
 
 
@@ -50,16 +51,18 @@ def _exploration_table(rows: list[dict]) -> list[str]:
 def _setting_lines(cfg: dict, mach: dict, seeds: list) -> list[str]:
     """The trainer's settings both runs of a seed share."""
     nvalid = cfg.get("valid_sequences") or ((cfg.get("eval_iters") or 0) * (cfg.get("global_batch") or 0) or None)
-    return [f"The real trainer (`pretrain_gpt.py`, torchrun, 2 processes, d = 2, w = 1), preset `{cfg.get('preset')}` at "
-              f"sequence {cfg.get('seq')}, b = {cfg.get('micro_batch')}, m = {cfg.get('m')} (global batch "
-              f"{cfg.get('global_batch')}), {cfg.get('iters')} steps, Adam lr {cfg.get('lr')} (cosine to {cfg.get('min_lr')}, "
-              f"{cfg.get('warmup')} linear warm-up steps), weight decay {cfg.get('weight_decay')}, clipping {cfg.get('clip_grad')}, "
-              f"{cfg.get('precision')}, seeds {', '.join(str(x) for x in seeds)}, data `{cfg.get('data')}` (vocabulary "
-              f"{cfg.get('vocab')}); validation every {cfg.get('eval_interval')} steps over {cfg.get('eval_iters')} global "
-              f"batches ({f(nvalid)} sequences); logging segments of {cfg.get('log_interval')} steps (2BW drains only there)"
-              f"{'; QUICK smoke settings, not representative' if cfg.get('quick') else ''}. Only `--pipeline-schedule` differs "
-              f"between the two runs of a seed; the seed sets the initialization, the training data order and which "
-              f"validation sequences are drawn. Took {f(mach.get('elapsed_s'), '.0f')} s.", ""]
+    return [f"The real trainer (`pretrain_gpt.py`, torchrun, 2 processes, d = 2, w = 1), preset `{cfg.get('preset')}` "
+              f"at sequence {cfg.get('seq')}, b = {cfg.get('micro_batch')}, m = {cfg.get('m')} (global batch "
+              f"{cfg.get('global_batch')}), {cfg.get('iters')} steps, Adam lr {cfg.get('lr')} (cosine to "
+              f"{cfg.get('min_lr')}, {cfg.get('warmup')} linear warm-up steps), weight decay "
+              f"{cfg.get('weight_decay')}, clipping {cfg.get('clip_grad')}, {cfg.get('precision')}, seeds "
+              f"{', '.join(str(x) for x in seeds)}, data `{cfg.get('data')}` (vocabulary {cfg.get('vocab')}); "
+              f"validation every {cfg.get('eval_interval')} steps over {cfg.get('eval_iters')} global batches "
+              f"({f(nvalid)} sequences); logging segments of {cfg.get('log_interval')} steps (2BW drains only "
+              f"there){'; QUICK smoke settings, not representative' if cfg.get('quick') else ''}. Only "
+              f"`--pipeline-schedule` differs between the two runs of a seed; the seed sets the initialization, the "
+              f"training data order and which validation sequences are drawn. Took {f(mach.get('elapsed_s'), '.0f')} "
+              f"s.", ""]
 
 
 def _runs_lines(data: dict, cfg: dict) -> list[str]:
@@ -67,13 +70,14 @@ def _runs_lines(data: dict, cfg: dict) -> list[str]:
     table = []
     for r in data.get("runs") or []:
         t = r.get("time_to_loss") or {}
-        table.append([r["schedule"], f(r.get("seed", cfg.get("seed"))), r.get("steps"), f(r.get("final_valid_loss"), ".4f"),
+        table.append([r["schedule"], f(r.get("seed", cfg.get("seed"))), r.get("steps"),
+                      f(r.get("final_valid_loss"), ".4f"),
                       f(r.get("final_train_loss"), ".4f"), f(r.get("seconds"), ".1f"), f(r.get("wall_seconds"), ".1f"),
                       f(r.get("samples_per_sec_median"), ".1f"), f(t.get("target"), ".4f"), f(t.get("step")),
                       f(t.get("seconds"), ".1f"), f(r.get("foreign_load_cpus"), ".2f")])
     return [md_table(["schedule", "seed", "steps", "final valid loss", "final train loss (smoothed)", "training s",
-                        "process wall s", "samples/s (median)", "time-to-loss target", "step reached", "seconds to target",
-                        "other load (CPUs)"], table), ""]
+                      "process wall s", "samples/s (median)", "time-to-loss target", "step reached",
+                      "seconds to target", "other load (CPUs)"], table), ""]
 
 
 def _seed_lines(noise: dict) -> list[str]:
@@ -83,7 +87,8 @@ def _seed_lines(noise: dict) -> list[str]:
     rows = [[f(e["seed"]), f(e["final_valid_loss"].get("2bw"), ".4f"), f(e["final_valid_loss"].get("flush"), ".4f"),
              f(e.get("valid_loss_ratio_2bw_over_flush"), ".4f")] for e in noise["per_seed"]]
     means = noise.get("mean_final_valid_loss") or {}
-    rows.append(["mean", f(means.get("2bw"), ".4f"), f(means.get("flush"), ".4f"), f(noise.get("valid_loss_ratio_mean"), ".4f")])
+    rows.append(["mean", f(means.get("2bw"), ".4f"), f(means.get("flush"), ".4f"),
+                 f(noise.get("valid_loss_ratio_mean"), ".4f")])
     return ["Per seed (each ratio is paired: same initialization, data order and validation sequences):", "",
               md_table(["seed", "2BW final valid", "Flush final valid", "2BW / Flush"], rows), ""]
 
@@ -94,11 +99,14 @@ def _targets_lines(data: dict, seeds: list, noise: dict) -> list[str]:
     fs = noise.get("flush_seed_spread", data.get("flush_seed_spread"))
     gap = noise.get("gap_above_noise")
     return [md_table(["target", "goal", "measured", "verdict"], [
-        ["2BW final valid loss / Flush final valid loss (equal steps" + (", mean over seeds)" if len(seeds) > 1 else ")"),
+        ["2BW final valid loss / Flush final valid loss (equal steps"
+         + (", mean over seeds)" if len(seeds) > 1 else ")"),
          f"<= {T_VALID_RATIO}", f(ratio, ".4f"), verdict(None if ratio is None else ratio <= T_VALID_RATIO)],
-        ["noise floor: Flush seed-to-seed spread (max - min) / mean of its final valid loss", "(info)", f(fs, ".4f"), "-"],
+        ["noise floor: Flush seed-to-seed spread (max - min) / mean of its final valid loss", "(info)", f(fs, ".4f"),
+         "-"],
         ["2BW's excess (mean ratio - 1) above that noise floor", "(info)",
-         "-" if gap is None else ("yes" if gap else "no") + f" ({f(None if ratio is None else ratio - 1, '+.4f')} vs {f(fs, '.4f')})", "-"],
+         "-" if gap is None else ("yes" if gap else "no") + f" ({f(None if ratio is None else ratio - 1, '+.4f')} vs "
+                                                            f"{f(fs, '.4f')})", "-"],
         ["spread of the per-seed ratios (max - min)", "(info)", f(noise.get("ratio_spread"), ".4f"), "-"],
         ["training-time speedup 2BW vs Flush (same steps" + (", mean over seeds)" if len(seeds) > 1 else ")"), "(info)",
          f(data.get("train_time_speedup_2bw_vs_flush"), ".3f"), "-"],
@@ -138,13 +146,13 @@ def _meaning_lines(cfg: dict) -> list[str]:
     return [
         "What the numbers mean:",
         "",
-        "- **final valid loss**: mean LM loss (nats/token) of the last validation evaluation, after the last step, on the "
-        "newest weights; both runs of a seed see the same validation samples at the same steps, so each per-seed ratio "
-        "is a paired comparison. Flush has vanilla semantics `W(t+1) = W(t) - lr*grad f_t(W(t))`; 2BW applies the "
-        "1-stale gradient `grad f_t(W(t-1))`; a (mean) ratio at or under 1.01 is the issue's convergence target.",
-        "- **noise floor**: the Flush-vs-Flush difference between seeds, `(max - min) / mean` of Flush's final validation "
-        "loss (for two seeds `|flush(s1) - flush(s2)| / flush`). A 2BW excess (mean ratio - 1) below it is not "
-        "distinguishable from changing the seed; the paired per-seed ratios are less noisy than that, so their own "
+        "- **final valid loss**: mean LM loss (nats/token) of the last validation evaluation, after the last step, on "
+        "the newest weights; both runs of a seed see the same validation samples at the same steps, so each per-seed "
+        "ratio is a paired comparison. Flush has vanilla semantics `W(t+1) = W(t) - lr*grad f_t(W(t))`; 2BW applies "
+        "the 1-stale gradient `grad f_t(W(t-1))`; a (mean) ratio at or under 1.01 is the issue's convergence target.",
+        "- **noise floor**: the Flush-vs-Flush difference between seeds, `(max - min) / mean` of Flush's final "
+        "validation loss (for two seeds `|flush(s1) - flush(s2)| / flush`). A 2BW excess (mean ratio - 1) below it is "
+        "not distinguishable from changing the seed; the paired per-seed ratios are less noisy than that, so their own "
         "spread is listed too.",
         f"- **final train loss**: trailing mean of the training loss over the last {cfg.get('smooth_window')} steps "
         "(2BW's training loss of step t is computed on `W(t-1)`).",
@@ -153,9 +161,9 @@ def _meaning_lines(cfg: dict) -> list[str]:
         "- **training s**: the sum of the trainer's per-step times (each logging segment's wall time, fill and drain "
         "included; evaluations, start-up and process launch excluded); **process wall s** is the whole torchrun "
         "subprocess. Both are noisy on a shared 2-core machine (see *other load*).",
-        f"- **time-to-loss**: target = {cfg.get('target_factor')} x Flush's final smoothed training loss of the same seed; "
-        "the first step whose smoothed training loss is at or under it, and the training seconds up to it (step times "
-        f"inside a {cfg.get('log_interval')}-step segment are the segment's mean).",
+        f"- **time-to-loss**: target = {cfg.get('target_factor')} x Flush's final smoothed training loss of the same "
+        f"seed; the first step whose smoothed training loss is at or under it, and the training seconds up to it (step "
+        f"times inside a {cfg.get('log_interval')}-step segment are the segment's mean).",
         "",
     ]
 
@@ -178,7 +186,7 @@ def convergence_section(data: dict | None, st: dict | None, img: str | None, doc
     if expl:
         lines += ["### How the defaults were chosen (measured settings)", "",
                   "Pairs of runs (2BW and Flush, same seed) measured with this script while choosing the defaults; "
-                  "everything not listed is as above (seq 64, b = 2, cosine decay to lr/10, weight decay 0.01, clipping 1.0). "
-                  "Settings where 2BW misses 1% are kept.", ""] + _exploration_table(expl)
+                  "everything not listed is as above (seq 64, b = 2, cosine decay to lr/10, weight decay 0.01, "
+                  "clipping 1.0). Settings where 2BW misses 1% are kept.", ""] + _exploration_table(expl)
     lines += _meaning_lines(cfg)
     return "\n".join(lines + regimes_section(regimes, regimes_img, doc))

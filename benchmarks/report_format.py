@@ -62,8 +62,8 @@ def minmax(xs):
 
 def missing_note(name: str, st: dict | None) -> str:
     if st and not st.get("ok"):
-        return (f"**Not available: `{name}` failed** ({st.get('error')}; log `{st.get('log')}`). The rest of the report "
-                "was generated without it.")
+        return (f"**Not available: `{name}` failed** ({st.get('error')}; log `{st.get('log')}`). The rest of the "
+                f"report was generated without it.")
     return f"**Not available**: no `{name}` result JSON was found."
 
 

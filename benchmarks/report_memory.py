@@ -80,9 +80,10 @@ def memory_section(data: dict | None, st: dict | None, img: str | None, doc: str
     cfg = data.get("config") or {}
     model = cfg.get("model") or {}
     rows = sorted(data.get("results") or [], key=lambda r: (r["d"], r["m"], r["schedule"], r["recompute"], r["stage"]))
-    lines += [f"GPT with {model.get('num_layers')} layers, hidden {model.get('hidden_size')}, sequence {model.get('seq_length')}, "
-              f"b = {cfg.get('micro_batch')}, {cfg.get('precision', 'fp32')}, {cfg.get('steps')} steps per configuration. "
-              f"Measured by the engine's saved-tensor hooks; bytes in MiB.", ""]
+    lines += [f"GPT with {model.get('num_layers')} layers, hidden {model.get('hidden_size')}, sequence "
+              f"{model.get('seq_length')}, b = {cfg.get('micro_batch')}, {cfg.get('precision', 'fp32')}, "
+              f"{cfg.get('steps')} steps per configuration. Measured by the engine's saved-tensor hooks; bytes in MiB.",
+              ""]
     if cfg.get("planner_note"):
         lines += [f"Planner column: {cfg['planner_note']}", ""]
     summ = _summary(rows)
@@ -90,7 +91,8 @@ def memory_section(data: dict | None, st: dict | None, img: str | None, doc: str
                                             "in-flight = formula", "measured / exact", "measured / paper"], summ), ""]
     table = []
     for r in rows:
-        table.append([r["d"], r["m"], r["schedule"], "yes" if r["recompute"] else "no", r["stage"], r["weight_versions"],
+        table.append([r["d"], r["m"], r["schedule"], "yes" if r["recompute"] else "no", r["stage"],
+                      r["weight_versions"],
                       f"{r['max_inflight']}/{r['expected_inflight']}",
                       f(r["measured_weight_bytes"] / MiB), f(r["paper_weight_bytes"] / MiB),
                       f(r["planner_weight_bytes"] / MiB) if r.get("planner_weight_bytes") is not None else "-",

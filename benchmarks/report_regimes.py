@@ -56,14 +56,15 @@ def _default_advice(data: dict) -> list[str]:
         wins, total = 0, 0
         for reg in regs.values():
             floor = reg.get("flush_seed_spread") or 0.0
-            base = {r["seed"]: r["final_valid_loss"] for r in reg["runs"] if r["schedule"] == "2bw" and r["compensation"] == "none"}
+            base = {r["seed"]: r["final_valid_loss"] for r in reg["runs"]
+                    if r["schedule"] == "2bw" and r["compensation"] == "none"}
             for r in reg["runs"]:
                 if r["schedule"] == "2bw" and r["compensation"] == mode and r["seed"] in base:
                     total += 1
                     wins += r["final_valid_loss"] < base[r["seed"]] * (1 - floor)
         need = sum(len({r["seed"] for r in reg["runs"] if r["schedule"] == "flush"}) for reg in regs.values())
-        out.append(f"- `{mode}` beats plain 2BW's final validation loss by more than the regime's noise floor in {wins} "
-                   f"of {total} measured (regime, seed) pairs ({need} needed to change the default): "
+        out.append(f"- `{mode}` beats plain 2BW's final validation loss by more than the regime's noise floor in "
+                   f"{wins} of {total} measured (regime, seed) pairs ({need} needed to change the default): "
                    + ("**better in every pair: meets the rule for the default**" if total == need and wins == total
                       else "does not meet the rule for the default") + ".")
     return out
@@ -106,35 +107,39 @@ def regimes_section(data: dict | None, img: str | None, doc: str) -> list[str]:
         target = REGIME_TARGETS.get(name, T_VALID_RATIO)
         d = ", ".join(str(x) for x in c["d"]) if isinstance(c["d"], list) else c["d"]
         lines += [f"**{name}**: preset `{c['preset']}` at sequence {c['seq']}, d = {d} (2BW's update rule does not "
-                  f"depend on d), b = {c['micro_batch']}, m = {c['m']} (global batch {c['global_batch']}), {c['iters']} steps, "
-                  f"Adam lr {c['lr']:g} ({c['warmup']} linear warm-up steps, {c['lr_decay']} to {c['min_lr']:g}), weight decay "
-                  f"{c['weight_decay']}, clipping {c['clip_grad']}, {c['precision']}, seeds "
-                  f"{', '.join(str(x) for x in c['seeds'])}; validation over {c['valid_sequences']} sequences every "
-                  f"{c['eval_interval']} steps; dc lambda {c['dc_lambda']:g}. Target: best 2BW mode <= {target} x Flush. "
-                  f"Flush's seed-to-seed spread (noise floor): {f(reg.get('flush_seed_spread'), '.4f')}. Time-to-loss uses "
-                  f"the measured 2BW/Flush throughput ratio {f(sp.get('ratio'), '.3f')} (d = 2, m = {sp.get('m')}, "
-                  f"`{sp.get('source')}`).", "",
-                  md_table(["run", "final valid loss (per seed)", "/ Flush (per seed)", "mean ratio", f"within {target}",
+                  f"depend on d), b = {c['micro_batch']}, m = {c['m']} (global batch {c['global_batch']}), "
+                  f"{c['iters']} steps, Adam lr {c['lr']:g} ({c['warmup']} linear warm-up steps, {c['lr_decay']} to "
+                  f"{c['min_lr']:g}), weight decay {c['weight_decay']}, clipping {c['clip_grad']}, {c['precision']}, "
+                  f"seeds {', '.join(str(x) for x in c['seeds'])}; validation over {c['valid_sequences']} sequences "
+                  f"every {c['eval_interval']} steps; dc lambda {c['dc_lambda']:g}. Target: best 2BW mode <= {target} "
+                  f"x Flush. Flush's seed-to-seed spread (noise floor): {f(reg.get('flush_seed_spread'), '.4f')}. "
+                  f"Time-to-loss uses the measured 2BW/Flush throughput ratio {f(sp.get('ratio'), '.3f')} (d = 2, m = "
+                  f"{sp.get('m')}, `{sp.get('source')}`).", "",
+                  md_table(["run", "final valid loss (per seed)", "/ Flush (per seed)", "mean ratio",
+                            f"within {target}",
                             "steps to Flush's final train loss", "time to it / Flush's",
                             "Flush's steps to this final train loss", "time to this loss / Flush's"], rows), "",
                   f"Best complete 2BW mode here: `{best}`." if best else "No 2BW mode complete on every seed yet.", ""]
     if img:
         lines += [f"![convergence in two regimes]({rel_link(img, doc)})", ""]
-    lines += ["Default `--2bw-compensation` (changed only for a mode better than plain 2BW in both regimes and both seeds):",
-              ""] + _default_advice(data) + [f"- The trainer's default today: `{_cli_default()}` (`config.resolve_compensation`: `ef` with Muon, `predict` with "
-                                    "Adam or SGD-momentum in bf16/fp16 without the distributed optimizer, where it costs no memory, "
-                                    "`none` otherwise; the Muon and `ef` runs: `docs/data/convergence_optimizers.json`, first section)."] + _regime_advice(data) + [
+    today = (f"- The trainer's default today: `{_cli_default()}` (`config.resolve_compensation`: `ef` with Muon, "
+             "`predict` with Adam or SGD-momentum in bf16/fp16 without the distributed optimizer, where it costs no "
+             "memory, `none` otherwise; the Muon and `ef` runs: `docs/data/convergence_optimizers.json`, first "
+             "section).")
+    lines += ["Default `--2bw-compensation` (changed only for a mode better than plain 2BW in both regimes and both "
+              "seeds):", ""] + _default_advice(data) + [today] + _regime_advice(data) + [
         "",
         "- **steps to Flush's final train loss**: the first step whose smoothed training loss is at or under the same "
         "seed's Flush final smoothed training loss (`-`: never within the run). **time to it / Flush's**: "
         "(2BW steps / Flush steps) / measured throughput ratio; under 1 means 2BW gets there sooner in wall time.",
         "- **Flush's steps to this final train loss**: the other way round, the first step at which Flush's smoothed "
         "training loss reached this run's final one; **time to this loss / Flush's** = (this run's steps / those Flush "
-        "steps) / measured throughput ratio (under 1: 2BW reaches its own final loss sooner in wall time than Flush does).",
+        "steps) / measured throughput ratio (under 1: 2BW reaches its own final loss sooner in wall time than Flush "
+        "does).",
         "- Semantics of each mode: `megatron_2bw/pipeline/compensation.py` (module docstring). A mode marked "
         "`(1 seed)` ran on the first seed only (`convergence.py --first-seed-only`).",
-        "- Runs at d = 2 come from the single-regime benchmark (`docs/data/convergence.json`, the same settings; reused "
-        "with `--resume-from`): 2BW's and Flush's update rules do not depend on d, and the d = 1 and d = 2 Flush runs of "
-        "the same seed give the same final validation loss to the printed digits.",
+        "- Runs at d = 2 come from the single-regime benchmark (`docs/data/convergence.json`, the same settings; "
+        "reused with `--resume-from`): 2BW's and Flush's update rules do not depend on d, and the d = 1 and d = 2 "
+        "Flush runs of the same seed give the same final validation loss to the printed digits.",
         ""]
     return lines

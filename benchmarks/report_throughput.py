@@ -48,11 +48,12 @@ def throughput_targets(data: dict) -> list[dict]:
             ideal = r.get("ideal_vs_single")  # 2BW's bubble-free d, capped by the stage split's sum / max
             out.append(dict(target=f"2BW (d=2) vs single process, m={m}", goal=T_2BW_VS_SINGLE,
                             measured=r.get("speedup_vs_single"), quiet=r.get("quiet_speedup_vs_single"),
-                            ideal=min(ideal, split_cap) if ideal and split_cap else ideal, lo=r.get("speedup_vs_single_min"),
-                            hi=r.get("speedup_vs_single_max")))
+                            ideal=min(ideal, split_cap) if ideal and split_cap else ideal,
+                            lo=r.get("speedup_vs_single_min"), hi=r.get("speedup_vs_single_max")))
     r = by.get(("2bw", 4))
     if r:
-        out.append(dict(target="2BW vs torch Schedule1F1B, m=4", goal=T_2BW_VS_T1F1B_M4, measured=r.get("ratio_vs_torch_1f1b"),
+        out.append(dict(target="2BW vs torch Schedule1F1B, m=4", goal=T_2BW_VS_T1F1B_M4,
+                        measured=r.get("ratio_vs_torch_1f1b"),
                         quiet=r.get("quiet_ratio_vs_torch_1f1b"), ideal=r.get("ideal_vs_torch_1f1b"),
                         **minmax(r.get("ratio_vs_torch_1f1b_per_round"))))
     for m in ms:
@@ -67,8 +68,8 @@ def throughput_targets(data: dict) -> list[dict]:
             ratio = _per_round_ratio(data, 2, "gpipe", "torch_gpipe", m)
             if ratio is None and g.get("samples_per_sec") and t.get("samples_per_sec"):
                 ratio = g["samples_per_sec"] / t["samples_per_sec"]
-            out.append(dict(target=f"GPipe (ours) vs torch ScheduleGPipe, m={m}", goal=T_GPIPE_VS_TGPIPE, measured=ratio,
-                            quiet=None, ideal=1.0))
+            out.append(dict(target=f"GPipe (ours) vs torch ScheduleGPipe, m={m}", goal=T_GPIPE_VS_TGPIPE,
+                            measured=ratio, quiet=None, ideal=1.0))
     for m in ms:
         r = by.get(("engine_d1", m))
         if r:
@@ -93,7 +94,8 @@ def plot_throughput(data: dict, path: str) -> bool:
     ms = sorted({r["m"] for r in rows})
     systems = [s for s in SYSTEM_NAMES if any(r["system"] == s for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = dict(zip(SYSTEM_NAMES, ["black", "gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]))
+    colors = dict(zip(SYSTEM_NAMES, ["black", "gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"],
+                      strict=False))
     for s in systems:
         pts = sorted((r["m"], r.get("speedup_vs_single"), r.get("ideal_vs_single"), r.get("samples_per_sec"))
                      for r in rows if r["system"] == s)
@@ -113,8 +115,8 @@ def plot_throughput(data: dict, path: str) -> bool:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     cfg = (data.get("config") or {}).get("model") or {}
-    fig.suptitle(f"CPU, d=2, GPT {cfg.get('num_layers')} layers hidden {cfg.get('hidden_size')} seq {cfg.get('seq_length')}, "
-                 f"b={(data.get('config') or {}).get('micro_batch')}", fontsize=10)
+    fig.suptitle(f"CPU, d=2, GPT {cfg.get('num_layers')} layers hidden {cfg.get('hidden_size')} seq "
+                 f"{cfg.get('seq_length')}, b={(data.get('config') or {}).get('micro_batch')}", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
     return True
@@ -124,17 +126,19 @@ def _setting_lines(data: dict) -> list[str]:
     """The model, the layout, the machine and each d's stage times and load."""
     cfg, mach = data.get("config") or {}, data.get("machine") or {}
     model = cfg.get("model") or {}
-    lines = [f"GPT with {model.get('num_layers')} layers, hidden {model.get('hidden_size')}, {model.get('num_attention_heads')} heads, "
-              f"sequence {model.get('seq_length')}, vocabulary {model.get('vocab_size')}, microbatch b = {cfg.get('micro_batch')}, "
-              f"{cfg.get('optimizer', 'AdamW')}; d = {cfg.get('d')}, m = {cfg.get('m')}, {cfg.get('rounds')} alternating rounds "
-              f"(medians reported){'; QUICK smoke settings, not representative' if cfg.get('quick') else ''}. "
-              f"{mach.get('cpus_usable')} usable CPUs, one torch thread per process; took {f(mach.get('elapsed_s'), '.0f')} s.", ""]
+    lines = [f"GPT with {model.get('num_layers')} layers, hidden {model.get('hidden_size')}, "
+              f"{model.get('num_attention_heads')} heads, sequence {model.get('seq_length')}, vocabulary "
+              f"{model.get('vocab_size')}, microbatch b = {cfg.get('micro_batch')}, {cfg.get('optimizer', 'AdamW')}; d "
+              f"= {cfg.get('d')}, m = {cfg.get('m')}, {cfg.get('rounds')} alternating rounds (medians "
+              f"reported){'; QUICK smoke settings, not representative' if cfg.get('quick') else ''}. "
+              f"{mach.get('cpus_usable')} usable CPUs, one torch thread per process; took "
+              f"{f(mach.get('elapsed_s'), '.0f')} s.", ""]
     for d_key, e in sorted((data.get("per_d") or {}).items()):
         lines.append(f"- d = {d_key}: forward+backward per microbatch per stage "
-                     f"{[round(x, 1) for x in e.get('stage_compute_ms_per_microbatch') or []]} ms; stage-balance ceiling "
-                     f"{f(e.get('balance_ceiling_vs_single'), '.3f')}x single; other jobs' load per round (CPUs) "
-                     f"{[f(x, '.2f') for x in e.get('foreign_load_cpus_per_round') or []]}; waiting ranks' CPU share "
-                     f"{f(e.get('waiting_ranks_cpu_share'), '.3f')}")
+                     f"{[round(x, 1) for x in e.get('stage_compute_ms_per_microbatch') or []]} ms; stage-balance "
+                     f"ceiling {f(e.get('balance_ceiling_vs_single'), '.3f')}x single; other jobs' load per round "
+                     f"(CPUs) {[f(x, '.2f') for x in e.get('foreign_load_cpus_per_round') or []]}; waiting ranks' CPU "
+                     f"share {f(e.get('waiting_ranks_cpu_share'), '.3f')}")
     lines.append("")
     return lines
 
@@ -168,9 +172,9 @@ def _systems_lines(data: dict) -> list[str]:
                       f(r.get("wall_speedup_vs_single"), ".3f"),
                       f"{f(r.get('speedup_vs_single_min'), '.3f')}-{f(r.get('speedup_vs_single_max'), '.3f')}",
                       f(r.get("foreign_load_cpus"), ".2f"), f"{r.get('quiet_rounds', '-')}/{r.get('rounds', '-')}"])
-    return ["### All systems", "", md_table(["system", "d", "m", "samples/s", "x single", "ideal x single", "x torch 1F1B",
-                                               "ideal x torch 1F1B", "wall x single", "x single range", "other load (CPUs)",
-                                               "quiet rounds"], table), ""]
+    return ["### All systems", "", md_table(["system", "d", "m", "samples/s", "x single", "ideal x single",
+                                             "x torch 1F1B", "ideal x torch 1F1B", "wall x single", "x single range",
+                                             "other load (CPUs)", "quiet rounds"], table), ""]
 
 
 THROUGHPUT_MEANING = [
@@ -208,7 +212,8 @@ def throughput_section(data: dict | None, st: dict | None, img: str | None, doc:
         lines += [f"![throughput]({rel_link(img, doc)})", ""]
     ov = data.get("executor_overhead_d1_pct") or {}
     if ov:
-        lines += ["Executor overhead at d = 1 (our engine running Flush in one process vs the plain loop, % of step time): "
+        lines += ["Executor overhead at d = 1 (our engine running Flush in one process vs the plain loop, % of step "
+                  "time): "
                   + ", ".join(f"m={m}: {f(v, '+.1f')}%" for m, v in ov.items()), ""]
     lines += THROUGHPUT_MEANING
     return "\n".join(lines), targets

@@ -23,9 +23,9 @@ import time
 import torch
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.local_workers import run_workers
 from megatron_2bw.planner.memory_model import Candidate
 from megatron_2bw.planner.simulator import Link, simulate, stage_costs
-from megatron_2bw.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 
@@ -39,7 +39,7 @@ TIMING_B, TIMING_M, TIMING_STEPS = 2, 4, 7
 
 def _median_intervals(stamps: list[float]) -> float:
     """Steady-state time per step: the median of the intervals between step starts from step 1 on."""
-    return statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:]))
+    return statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:], strict=False))
 
 
 def _run_delay_s() -> float:
@@ -204,7 +204,7 @@ def measure_step_times(rounds: int = 5) -> dict[str, dict]:
     out = {}
     for s in SCHEDULES:
         pairs = [(_simulate_pair([a, b]), a["engine_s"], max(a["cpu_wait"], b["cpu_wait"]))
-                 for a, b in zip(*per_rank) if a["schedule"] == s]
+                 for a, b in zip(*per_rank, strict=False) if a["schedule"] == s]
         clean = [p for p in pairs if p[2] <= MAX_CPU_WAIT]
         used = clean if len(clean) >= 2 else pairs
         sim, meas = statistics.median(p[0] for p in used), statistics.median(p[1] for p in used)
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     res = measure_step_times(args.rounds)
     print(f"{busy:.1f} CPUs busy before; schedule | simulated ms | measured ms | ratio | rounds counted")
     for s, r in res.items():
-        print(f"  {s:5} | {r['sim'] * 1e3:7.2f} | {r['meas'] * 1e3:7.2f} | {r['ratio']:.3f} | {r['clean']}/{len(r['rounds'])}")
+        print(f"  {s:5} | {r['sim'] * 1e3:7.2f} | {r['meas'] * 1e3:7.2f} | {r['ratio']:.3f} | "
+              f"{r['clean']}/{len(r['rounds'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": TIMING_MODEL, "b": TIMING_B, "m": TIMING_M, "results": res}, f, indent=1)

@@ -196,7 +196,8 @@ class TorchRunner(Runner):
         spec = ctx.spec if v == 1 else ModelSpec(ctx.cfg, TPGroup(), 1234)  # even split of L over d*v stages
         self.compute_s = 0.0
         self.modules = [_TorchStageModule.make(spec.build_stage(n_stages, i), first=i == 0) for i in mine]
-        self.stages = [pp.PipelineStage(mod, i, n_stages, torch.device("cpu")) for mod, i in zip(self.modules, mine)]
+        self.stages = [pp.PipelineStage(mod, i, n_stages, torch.device("cpu"))
+                       for mod, i in zip(self.modules, mine, strict=False)]
         for stage in self.stages:
             self._time(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"))
         self.has_first, self.has_last = 0 in mine, n_stages - 1 in mine

@@ -161,7 +161,7 @@ def summarize(d: int, conf: dict, out: dict) -> tuple[list[dict], dict]:
     quiet_groups = _quiet_groups(conf, recs)
     results = []
     for m in conf["ms"]:
-        for s, sp in [(s, sp) for s in conf["systems"] for sp in splits_of(s, splits)]:
+        for s, sp in [(x, sp) for x in conf["systems"] for sp in splits_of(x, splits)]:
             per_round = _per_round(by, conf, quiet_groups, s, sp, m)
             if per_round:
                 results.append(_row(d, conf, splits, ceiling, s, sp, m, per_round))

@@ -51,6 +51,9 @@ POISON_ENV = "MEGATRON_2BW_FAULT_POISON"
 
 @dataclass(frozen=True)
 class FaultInjector:
+    """The faults an environment (or a test) describes. The trainer honours the ``MEGATRON_2BW_FAULT_*``
+    variables it documents, so this lives in the library, not in test support."""
+
     poison_grads: frozenset[tuple[int, int]] = frozenset()  # (global rank, step): an inf in that gradient
     kill_rank: int | None = None  # the global rank that dies ...
     kill_iteration: int = 0  # ... when it starts a forward of this step (0-based) or a later one
