@@ -13,6 +13,7 @@ that cannot be read so is itself a failure. The floors, from the ground up, are 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
@@ -180,10 +181,15 @@ def imports_in(source: str, me: str, is_package: bool = False) -> list[tuple[int
     return out
 
 
+@functools.cache
+def all_imports_of(path: Path) -> tuple[tuple[int, str], ...]:
+    """Every import of the package's module at ``path`` (parsed once for all the tests)."""
+    return tuple(imports_in(path.read_text(), module_name(path), path.name == "__init__.py"))
+
+
 def imports_of(path: Path) -> list[tuple[int, str]]:
     """(line, imported module of this package, or ``"?"``) for every import in ``path``."""
-    found = imports_in(path.read_text(), module_name(path), path.name == "__init__.py")
-    return [(line, t) for line, t in found if t == "?" or t.startswith("megatron_2bw")]
+    return [(line, t) for line, t in all_imports_of(path) if t == "?" or t.startswith("megatron_2bw")]
 
 
 def problems(module: str, found: list[tuple[int, str]]) -> list[str]:
@@ -236,7 +242,7 @@ def test_the_pipeline_and_the_models_stay_apart():
 
 
 def test_every_import_is_read_and_follows_the_rules():
-    found = {m: [(line, t) for line, t in imports_in(p.read_text(), m, p.name == "__init__.py")
+    found = {m: [(line, t) for line, t in all_imports_of(p)
                  if t == "?" or t.startswith("megatron_2bw") or _outside(t)]
              for m, p in MODULES.items()}
     bad = [msg for m, f in found.items() for msg in problems(m, f)]
@@ -247,7 +253,7 @@ def test_the_library_never_imports_its_tests():
     """Not even lazily: the fault hooks and the local-workers helper are the library's own (floors 0 and 3)."""
     assert not (ROOT / "testing").exists()
     outside = [msg for m, p in MODULES.items()
-               for msg in problems(m, imports_in(p.read_text(), m, p.name == "__init__.py"))
+               for msg in problems(m, list(all_imports_of(p)))
                if "not the library" in msg]
     assert not outside, "\n".join(outside)
 
