@@ -39,4 +39,5 @@ $(CONVERTERS)/.stamp: $(STAMP)
 	touch $@
 
 test: $(STAMP) $(CONVERTERS)/.stamp
+	$(VENV)/bin/ruff check .
 	HF_MEGATRON_CONVERTERS=$(abspath $(CONVERTERS)) $(PY) -m pytest --durations=15

@@ -62,7 +62,8 @@ def speed_rows(json_dir: str, link) -> tuple[list[list], list[dict]]:
             vs_flush = b["samples_per_sec"] / fl["samples_per_sec"] if fl and fl.get("samples_per_sec") else None
             share = b["speedup_vs_single"] / ceiling if ceiling else None
             layers = "x".join(map(str, b.get("layers_per_stage") or []))
-            rows.append([f"{k[0]}, {k[1]}" + (f" ({layers})" if layers else ""), k[2], _fmt(b["speedup_vs_single"]), _fmt(ceiling),
+            rows.append([f"{k[0]}, {k[1]}" + (f" ({layers})" if layers else ""), k[2], _fmt(b["speedup_vs_single"]),
+                         _fmt(ceiling),
                          _fmt(share, ".0%"), _fmt(vs_flush), _fmt(b.get("ratio_vs_torch_1f1b")),
                          f"[{name}]({link(name)}) {_date(data)}"])
             facts.append({"file": name, "date": _date(data), "model": k[0], "split": k[1], "m": k[2],
@@ -82,22 +83,19 @@ def newest_verdicts(facts: list[dict], target: float) -> list[str]:
     for (model, split, m), fct in sorted(newest.items()):
         c = fct["ceiling"]
         if c is not None and c < target:
-            verdict = f"the stage split caps it at {c:.3f}x, below the {target}x target ({fct['speedup'] / c:.0%} of it)"
+            verdict = (f"the stage split caps it at {c:.3f}x, below the {target}x target "
+                       f"({fct['speedup'] / c:.0%} of it)")
         else:
-            verdict = f"{'**meets**' if fct['speedup'] >= target else 'misses'} the {target}x target (ceiling {_fmt(c)})"
+            verdict = (f"{'**meets**' if fct['speedup'] >= target else 'misses'} the {target}x target "
+                       f"(ceiling {_fmt(c)})")
         out.append(f"- {model}, {split} split, m = {m}: {fct['speedup']:.3f}x single: {verdict} "
                    f"({fct['file']}, {fct['date']})")
     return out
 
 
-def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_loss: float = 1.01) -> str:
-    """The three questions, answered from ``json_dir``; ``link(name)`` is the markdown path of a JSON file."""
-    lines = ["## What a user asks", "",
-             "Every saved run in `docs/data/` answers one of three questions below; each figure names its JSON file "
-             "and the date it was measured (CPU, one core per stage, a shared machine: read the ranges in the "
-             "sections after this one). A speed-up stands beside its **ceiling**: the stage split's `sum / max` of "
-             "the measured stage times (1.83x for the 4-layer model's 2-stage split, whose last stage carries the LM "
-             "head), not the stage count 2.0.", ""]
+def _speed_lines(json_dir: str, link, target_speedup: float) -> list[str]:
+    """How much faster than Flush and torch: the throughput rows, the newest verdicts, logging and Muon."""
+    lines = []
     rows, facts = speed_rows(json_dir, link)
     lines += ["### How much faster than Flush and torch?", ""]
     if rows:
@@ -124,7 +122,12 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       f"Newton-Schulz (the one used) {ms(tp, 'gather')} ms, of which the all-gather "
                       f"{ms(tp, 'allgather_only')} ms; distributed Newton-Schulz {ms(tp, 'distributed')} ms "
                       f"([muon_throughput.json]({link('muon_throughput.json')}) {_date(mu)})."]
-    lines += ["", "### At what memory?", ""]
+    return lines
+
+
+def _memory_lines(json_dir: str, link) -> list[str]:
+    """At what memory: weight versions and in-flight microbatches per schedule, the stage states."""
+    lines = []
     mem, states = _load(json_dir, "memory.json"), _load(json_dir, "memory_states.json")
     if mem:
         by = {}
@@ -137,7 +140,8 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
         lines += _table(["schedule", "d", "m", "weight versions", "weights MiB (stage 0)", "in flight",
                          "formula", "stash / exact"], mrows)
         lines += ["", f"([memory.json]({link('memory.json')}) {_date(mem)}.) 2BW keeps two weight versions and up to d "
-                      "microbatches in flight per stage, as the paper's formulas say; Flush and GPipe keep one version."]
+                      "microbatches in flight per stage, as the paper's formulas say; Flush and GPipe keep one "
+                      "version."]
     if states:
         lines += ["", f"Weights, gradients, fp32 master and optimizer state per stage, precision and distributed "
                       f"optimizer, against the formulas and the planner: largest relative difference "
@@ -145,7 +149,12 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       f"{_fmt((states.get('largest_rel_diff') or {}).get('planner'), '.1%')} over "
                       f"{len(states.get('states') or [])} stage states ([memory_states.json]"
                       f"({link('memory_states.json')}) {_date(states)})."]
-    lines += ["", "### At what loss?", ""]
+    return lines
+
+
+def _loss_lines(json_dir: str, link, target_loss: float) -> list[str]:
+    """At what loss: 2BW over Flush per setting and compensation."""
+    lines = []
     conv, reg = _load(json_dir, "convergence.json"), _load(json_dir, "convergence_regimes.json")
     lrows = []
     if conv:
@@ -154,7 +163,8 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       f"[convergence.json]({link('convergence.json')}) {_date(conv)}"])
         for e in conv.get("lr_sweep") or []:
             if e.get("lr") != lr:
-                lrows.append([f"d = 2, peak lr {e['lr']:g}", "none", _fmt(e.get("valid_loss_ratio_2bw_over_flush"), ".4f"),
+                lrows.append([f"d = 2, peak lr {e['lr']:g}", "none",
+                              _fmt(e.get("valid_loss_ratio_2bw_over_flush"), ".4f"),
                               f"[convergence.json]({link('convergence.json')}) {_date(conv)}"])
     if reg:
         for name, r in (reg.get("regimes") or {}).items():
@@ -170,6 +180,20 @@ def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_los
                       "(`--2bw-compensation predict`) recovers most of it (section 3)."]
     else:
         lines.append("No convergence JSON saved.")
+    return lines
+
+
+def answers_section(json_dir: str, link, target_speedup: float = 1.8, target_loss: float = 1.01) -> str:
+    """The three questions, answered from ``json_dir``; ``link(name)`` is the markdown path of a JSON file."""
+    lines = ["## What a user asks", "",
+             "Every saved run in `docs/data/` answers one of three questions below; each figure names its JSON file "
+             "and the date it was measured (CPU, one core per stage, a shared machine: read the ranges in the "
+             "sections after this one). A speed-up stands beside its **ceiling**: the stage split's `sum / max` of "
+             "the measured stage times (1.83x for the 4-layer model's 2-stage split, whose last stage carries the LM "
+             "head), not the stage count 2.0.", ""]
+    lines += _speed_lines(json_dir, link, target_speedup)
+    lines += ["", "### At what memory?", ""] + _memory_lines(json_dir, link)
+    lines += ["", "### At what loss?", ""] + _loss_lines(json_dir, link, target_loss)
     lines += _optimizer_rows(_load(json_dir, "convergence_optimizers.json"), link, target_loss)
     lines += _ef_published_rows(_load(json_dir, "convergence_ef_published.json"), link)
     return "\n".join(lines + [""])
@@ -212,7 +236,8 @@ def _optimizer_rows(opt: dict | None, link, target_loss: float) -> list[str]:
     rows = []
     for (regime, optimizer, mode), runs in sorted(groups.items()):
         same = [r["valid_loss_ratio_vs_flush"] for r in runs if r.get("valid_loss_ratio_vs_flush") is not None]
-        best = [r["valid_loss_ratio_vs_best_flush"] for r in runs if r.get("valid_loss_ratio_vs_best_flush") is not None]
+        best = [r["valid_loss_ratio_vs_best_flush"] for r in runs
+                if r.get("valid_loss_ratio_vs_best_flush") is not None]
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         rows.append([f"regime `{regime}`", optimizer, mode, f"{_fmt(mean(same), '.4f')} ({len(same)} seed"
                      f"{'s' if len(same) != 1 else ''})", _fmt(mean(best), ".4f"),
@@ -245,9 +270,9 @@ def _optimizer_targets(groups: dict[tuple, list[dict]]) -> list[str]:
 
         (o, m), runs = min(full.items(), key=lambda kv: mean(kv[1], "valid_loss_ratio_vs_best_flush"))
         same, best = mean(runs, "valid_loss_ratio_vs_flush"), mean(runs, "valid_loss_ratio_vs_best_flush")
-        verdict = lambda x: (f"meets it by {100 * (target - x):.2f} points" if x <= target  # noqa: E731
-                             else f"misses it by {100 * (x - target):.2f} points")
+        verdict = lambda x, target=target: (f"meets it by {100 * (target - x):.2f} points" if x <= target  # noqa: E731
+                                            else f"misses it by {100 * (x - target):.2f} points")
         out.append(f"- `{regime}` (target {target}): best 2BW is {o} + `{m}` ({most} seed{'s' if most != 1 else ''}): "
-                   f"{same:.4f} x its optimizer's Flush ({verdict(same)}), {best:.4f} x the best Flush of any optimizer "
-                   f"({verdict(best)}).")
+                   f"{same:.4f} x its optimizer's Flush ({verdict(same)}), {best:.4f} x the best Flush of any "
+                   f"optimizer ({verdict(best)}).")
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -109,10 +108,10 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 1800.0) -> list
     """Run ``fn(*args)`` on ``world`` spawned gloo processes (1 torch thread each, no core pinning).
 
     The processes are started once and live for the whole call, so every round of a benchmark
-    runs inside the same process group (the package's ``testing.local_workers``, with a longer collective
+    runs inside the same process group (the package's ``local_workers``, with a longer collective
     timeout: a rank may wait at a barrier while the other measures the single-process baseline).
     """
-    from megatron_2bw.testing.local_workers import run_workers
+    from megatron_2bw.local_workers import run_workers
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads there
     return run_workers(fn, world, *args, timeout=timeout, pg_timeout=300.0)
@@ -145,7 +144,7 @@ def table(rows: Sequence[dict], cols: Sequence[tuple[str, str, str]]) -> str:
     """Plain-text table; ``cols`` are (key, header, format spec)."""
     cells = [[h for _, h, _ in cols]] + [[fmt(r.get(k), s) for k, _, s in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -155,7 +155,7 @@ def run_plain(spec, cfg, b: int, m: int, steps: int, warmup: int, dtype, device)
                 grad_dtype=str(dtype).replace("torch.", ""), **memory_stats(device))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt-355m", "gpt-1.3b"])
     p.add_argument("--micro-batch", type=int, default=0, help="b (default: 8 for 355M, 4 for 1.3B)")
@@ -166,13 +166,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp32-grads", action="store_true",
                    help="engine rows accumulate gradients in fp32 (the trainer's bf16 default) instead of bf16")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run a tiny fp32 model on the CPU (tests the script)")
+    p.add_argument("--allow-cpu", action="store_true", help="no CUDA: run a tiny fp32 model on the CPU (tests the "
+                                                            "script)")
+    return p
+
+
+# (result key, column head, format) of the printed table
+COLUMNS = [("model", "model", ""), ("system", "system", ""), ("micro_batch", "b", ""), ("m", "m", ""),
+        ("tokens_per_sec", "tokens/s", ".0f"), ("model_tflops_per_sec", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
+        ("peak_memory_GiB", "peak GiB", ".1f"), ("peak_reserved_GiB", "reserved GiB", ".1f"),
+        ("grad_dtype", "grads", ""), ("build_s", "build s", ".1f")]
+
+
+def _measure(spec, model: str, system: str, b: int, args: argparse.Namespace, dtypes: tuple, device, peak) -> dict:
+    """One (model, system) row: tokens/s, model TFLOP/s and MFU over the timed steps (or the out-of-memory line)."""
+    import torch
+
+    cfg, (dtype_name, dtype) = spec.cfg, dtypes
+    tokens_per_step = args.m * b * cfg.seq_length
+    fps = flops_per_step(cfg, b, args.m)
+    try:
+        if system.startswith("engine_"):
+            r = run_engine(spec, cfg, b, args.m, args.steps, args.warmup, dtype_name, device,
+                           schedule=system.split("_")[1], fp32_grads=args.fp32_grads)
+        else:
+            r = run_plain(spec, cfg, b, args.m, args.steps, args.warmup, dtype, device)
+        tflops = r["steps"] * fps / r["seconds"] / 1e12
+        return dict(model=model, system=system, params=cfg.num_parameters(), micro_batch=b, m=args.m,
+                    seq=cfg.seq_length, dtype=dtype_name, tokens_per_sec=r["steps"] * tokens_per_step / r["seconds"],
+                    model_tflops_per_sec=tflops, mfu=(tflops / peak) if peak else None, **r)
+    except torch.cuda.OutOfMemoryError as exc:  # type: ignore[attr-defined]
+        return dict(model=model, system=system, error=f"out of memory: {exc}".splitlines()[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
 
     import torch
 
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.fused import select_kernels
-    from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of
@@ -196,37 +230,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = get_preset(model)
         b = args.micro_batch or DEFAULT_MICRO.get(model, 2)
         spec = ModelSpec(cfg, TPGroup(), 1234, kernels=kernels)
-        tokens_per_step = args.m * b * cfg.seq_length
-        fps = flops_per_step(cfg, b, args.m)
         for system in args.systems:
-            try:
-                if system.startswith("engine_"):
-                    r = run_engine(spec, cfg, b, args.m, args.steps, args.warmup, dtype_name, device,
-                                   schedule=system.split("_")[1], fp32_grads=args.fp32_grads)
-                else:
-                    r = run_plain(spec, cfg, b, args.m, args.steps, args.warmup, dtype, device)
-                tflops = r["steps"] * fps / r["seconds"] / 1e12
-                row = dict(model=model, system=system, params=cfg.num_parameters(), micro_batch=b, m=args.m,
-                           seq=cfg.seq_length, dtype=dtype_name, tokens_per_sec=r["steps"] * tokens_per_step / r["seconds"],
-                           model_tflops_per_sec=tflops, mfu=(tflops / peak) if peak else None, **r)
-            except torch.cuda.OutOfMemoryError as exc:  # type: ignore[attr-defined]
-                row = dict(model=model, system=system, error=f"out of memory: {exc}".splitlines()[0])
+            row = _measure(spec, model, system, b, args, (dtype_name, dtype), device, peak)
             results.append(row)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    cols = [("model", "model", ""), ("system", "system", ""), ("micro_batch", "b", ""), ("m", "m", ""),
-            ("tokens_per_sec", "tokens/s", ".0f"), ("model_tflops_per_sec", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
-            ("peak_memory_GiB", "peak GiB", ".1f"), ("peak_reserved_GiB", "reserved GiB", ".1f"),
-            ("grad_dtype", "grads", ""), ("build_s", "build s", ".1f")]
     print(f"\n{name}: peak {dtype_name} {peak if peak else '-'} TFLOP/s; kernels {kernels.describe()}")
-    print(common.table(results, cols))
+    print(common.table(results, COLUMNS))
     common.write_json(args.json, {
         "skipped": False, "results": results, "machine": dict(machine, device=name, peak_tflops=peak),
         "config": dict(models=models, m=args.m, steps=args.steps, warmup=args.warmup, kernels=kernels.describe(),
                        flops_per_step="72 B s L h^2 (1 + s/6h + V/12Lh), padded V (megatron_2bw.config.arith)",
-                       fp32_grads=args.fp32_grads, pipeline_on_one_gpu="not run (two processes on one GPU over gloo measures only the transport)"),
+                       fp32_grads=args.fp32_grads, pipeline_on_one_gpu="not run (two processes on one GPU over gloo "
+                                                                       "measures only the transport)"),
     })
     return 0
 

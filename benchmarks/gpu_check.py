@@ -28,13 +28,13 @@ MFU and its memory against the planner's model; and those of ``gpu_probe_overlap
 allocator's out-of-memory retry synchronizes the device (``allocator retry sync``), the batch prefetch
 (``prefetch batches`` / ``prefetch h2d``), GEMMs on fewer SMs (``compute on fewer SMs``), the update's host
 wait against a GPU backlog (``update wait gpu backlog``) and, with 2 GPUs, the last stage's step time with
-the tied embedding against untied (``tied embedding d=2 last stage``). The JSON is written after every section, to ``--out``
-(default ``$OUT/gpu_check.json``, else the temporary directory); rows that would start after ``--budget-s``
+the tied embedding against untied (``tied embedding d=2 last stage``). The JSON is written after every section,
+to ``--out`` (default ``$OUT/gpu_check.json``, else the temporary directory); rows that would start after ``--budget-s``
 (450 s: the whole script within 8 minutes on one H200) are skipped and say so.
 
 Exits 1 if any check fails, else 0. Without CUDA it refuses (exit 2) unless ``--allow-cpu``: then a
-CI-sized form runs on the CPU (gpt-tiny in fp32, one timed step; the checkpoint row in bf16) to exercise the code, and the
-rows that need a GPU say so (status ``needs GPU``; they do not fail the run).
+CI-sized form runs on the CPU (gpt-tiny in fp32, one timed step; the checkpoint row in bf16) to exercise the code,
+and the rows that need a GPU say so (status ``needs GPU``; they do not fail the run).
 
     PYTHONPATH=$PWD python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"   # on a GPU machine
     python benchmarks/gpu_check.py --allow-cpu --out /tmp/gpu_check.json
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -93,7 +94,7 @@ def check_training(model: str, dtype: str, device, steps: int, warmup: int, m: i
     """Flush and 2BW at d = 1 and the plain loop, on the same layers, weights and batches."""
     import torch
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -135,7 +136,8 @@ def check_training(model: str, dtype: str, device, steps: int, warmup: int, m: i
             numbers["first_loss_vs_plain"] = rel
             if rel > FIRST_LOSS_RTOL[dtype]:
                 problems.append(f"first loss {r['first_loss']:.5f} vs plain {plain_first:.5f} (rel {rel:.2e})")
-        rows.append(_row(name, FAIL if problems else PASS, "; ".join(problems) or f"b={b} m={m} grads {numbers['grads']}",
+        rows.append(_row(name, FAIL if problems else PASS, "; ".join(problems) or f"b={b} m={m} grads "
+                                                                                  f"{numbers['grads']}",
                          **numbers))
     return rows
 
@@ -146,11 +148,11 @@ def check_recompute_replay(device, dtype: str, kernels) -> dict:
     import torch
     from torch import nn
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.tensor_parallel.recompute import checkpointed
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
+    from megatron_2bw.tensor_parallel.recompute import checkpointed
 
     model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
     cfg = get_preset(model, hidden_dropout=0.1, attention_dropout=0.1)
@@ -200,20 +202,51 @@ def check_fp16_large_gradient(device) -> dict:
 
 
 # ------------------------------------------------------------------ checkpoint save and resume
+def _extra_device_bytes(fn, device) -> int | None:
+    """The device bytes ``fn`` allocates at its peak beyond what was allocated before (None off CUDA: it only runs)."""
+    import torch
+
+    _sync(device)
+    if device.type != "cuda":
+        fn()
+        return None
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _checkpoint_rows(what: str, same: bool, extras: dict[str, int | None], weight_bytes: int) -> list[dict]:
+    """The bitwise resume's row, then the save's and the resume's extra device bytes against the limit."""
+    rows = [_row(f"checkpoint resume {what}", PASS if same else FAIL,
+                 "resumed weights == saved (bitwise)" if same else "resumed weights differ from the saved ones")]
+    for step, extra in extras.items():
+        name = f"checkpoint {step} device memory {what}"
+        if extra is None:
+            rows.append(_row(name, NEEDS_GPU, "device bytes are measured by the CUDA allocator (the code ran)"))
+            continue
+        ok = extra <= SAVE_EXTRA_FRACTION * weight_bytes
+        rows.append(_row(name, PASS if ok else FAIL, f"+{extra / 2**20:.1f} MiB over training's allocation "
+                         f"({extra / weight_bytes:.2f} x the weight bytes; limit {SAVE_EXTRA_FRACTION})",
+                         extra_device_MiB=extra / 2**20, weight_MiB=weight_bytes / 2**20))
+    return rows
+
+
 def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     """The device bytes a save and a resume allocate beyond training's, and a bitwise resume."""
     import torch
 
-    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.checkpoint import checkpointing as ck
     from megatron_2bw.checkpoint.names import WORD
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
-    from megatron_2bw.checkpoint import checkpointing as ck
 
     model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
     cfg = get_preset(model)
@@ -224,53 +257,34 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
         tracker = RNGTracker(1234, 0, device)
         spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker, kernels=kernels)
         return build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
-                             PipelineConfig("2bw", b, m, track_memory=False), OptimizerConfig("adam", lr=1e-4, dtype=dtype),
-                             (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD)), spec
+                           PipelineConfig("2bw", b, m, track_memory=False),
+                           OptimizerConfig("adam", lr=1e-4, dtype=dtype), (b, cfg.seq_length, cfg.hidden_size),
+                           rng_tracker=tracker, names=GlobalNames(0, tied=WORD)), spec
 
     stage, spec = build()
     batches = gpu._batches(spec, cfg, b, 2 * m, device)
     stage.train(2, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
     weight_bytes = sum(f.numel() * f.element_size() for f in stage.weights.flat)
     cuda = device.type == "cuda"
-
-    def measure(fn):
-        _sync(device)
-        if not cuda:
-            fn()
-            return None
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        _sync(device)
-        return torch.cuda.max_memory_allocated(device) - base
-
-    rows = []
+    measure = functools.partial(_extra_device_bytes, device=device)
     with tempfile.TemporaryDirectory() as root:
-        config = {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "optimizer": {}, "pipeline": {"layer_split": None}}
+        config = {"model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "optimizer": {},
+                  "pipeline": {"layer_split": None}}
 
         def save():
-            ck.save(root, 2, state, lambda: ck.payload(stage, iteration=2, tracker=stage.rng, consumed_samples=2 * b * m,
-                                                        global_batch=b * m, config=config, args={"micro_batch_size": b}))
+            ck.save(root, 2, state, lambda: ck.payload(stage, iteration=2, tracker=stage.rng,
+                                                       consumed_samples=2 * b * m, global_batch=b * m, config=config,
+                                                       args={"micro_batch_size": b}))
 
         save_extra = measure(save)
         saved = [f.detach().cpu().clone() for f in stage.weights.flat]
-        del stage
+        stage = None  # freed (``save`` reads it through its cell)
         gc.collect()
         fresh, _ = build()
         resume_extra = measure(lambda: ck.restore(ck.load_rank_file(root, 2, 1, 1, 0, 0), fresh, fresh.rng, device))
-        same = all(torch.equal(a, f.detach().cpu()) for a, f in zip(saved, fresh.weights.flat))
-    rows.append(_row(f"checkpoint resume {model} {dtype}", PASS if same else FAIL,
-                     "resumed weights == saved (bitwise)" if same else "resumed weights differ from the saved ones"))
-    for what, extra in (("save", save_extra), ("resume", resume_extra)):
-        name = f"checkpoint {what} device memory {model} {dtype}"
-        if extra is None:
-            rows.append(_row(name, NEEDS_GPU, "device bytes are measured by the CUDA allocator (the code ran)"))
-            continue
-        ok = extra <= SAVE_EXTRA_FRACTION * weight_bytes
-        rows.append(_row(name, PASS if ok else FAIL, f"+{extra / 2**20:.1f} MiB over training's allocation "
-                         f"({extra / weight_bytes:.2f} x the weight bytes; limit {SAVE_EXTRA_FRACTION})",
-                         extra_device_MiB=extra / 2**20, weight_MiB=weight_bytes / 2**20))
-    del fresh
+        same = all(torch.equal(a, f.detach().cpu()) for a, f in zip(saved, fresh.weights.flat, strict=False))
+    rows = _checkpoint_rows(f"{model} {dtype}", same, {"save": save_extra, "resume": resume_extra}, weight_bytes)
+    fresh = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -283,9 +297,9 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     on a CPU-only gloo world the same code runs on the CPU)."""
     import torch
 
-    from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.checkpoint.names import WORD
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import build_state
     from megatron_2bw.pipeline.build import build_stage
@@ -323,7 +337,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
 
 
 def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
-    from megatron_2bw.testing.local_workers import run_workers
+    from megatron_2bw.local_workers import run_workers
 
     rows = []
     w = max(1, n_gpus // 2)
@@ -339,7 +353,8 @@ def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
             os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
         t0 = time.perf_counter()
         try:
-            out = run_workers(_d2_worker, 2 * w, w, steps, timeout=D2_TIMEOUT_S, pg_timeout=D2_TIMEOUT_S, backend="nccl")
+            out = run_workers(_d2_worker, 2 * w, w, steps, timeout=D2_TIMEOUT_S, pg_timeout=D2_TIMEOUT_S,
+                              backend="nccl")
             losses = [x for r in out for x in r]
             ok = bool(losses) and all(math.isfinite(x) for x in losses)
             rows.append(_row(name, PASS if ok else FAIL, f"{steps} steps in {time.perf_counter() - t0:.0f} s"
@@ -383,6 +398,8 @@ def _sections(env: dict, deadline: float):
     """Every check, in order of what it tells per second; each yields its rows (written as they come)."""
     import gpu_probe
     import gpu_probe_overlap as overlap
+    import gpu_probe_sdpa
+
     from megatron_2bw.training.log_format import peak_tflops_of
 
     device, kernels = env["device"], env["kernels"]
@@ -391,7 +408,7 @@ def _sections(env: dict, deadline: float):
     yield overlap.alloc_sync_rows(device)
     yield overlap.prefetch_rows(device)
     yield [overlap.sm_share_row(device)]
-    yield gpu_probe.sdpa_rows(device)
+    yield gpu_probe_sdpa.sdpa_rows(device)
     yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
     yield gpu_probe.split_backward_rows(device)
     yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
@@ -463,7 +480,8 @@ def _report(rows: list[dict], env: dict, elapsed: float) -> None:
 
     failed = [r for r in rows if r["status"] == FAIL]
     cols = [("check", "check", ""), ("status", "status", ""), ("tokens_per_sec", "tokens/s", ".0f"),
-            ("tflops_per_device", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"), ("max_allocated_GiB", "max alloc GiB", ".1f"),
+            ("tflops_per_device", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
+            ("max_allocated_GiB", "max alloc GiB", ".1f"),
             ("max_reserved_GiB", "max resv GiB", ".1f"), ("detail", "detail", "")]
     print(f"{env['name']} x {max(env['n_gpus'], 1)}, torch {torch.__version__}, kernels {env['kernels'].describe()}, "
           f"{elapsed:.0f} s")

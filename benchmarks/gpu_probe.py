@@ -137,7 +137,7 @@ def env_with(name: str, value: str | None) -> dict[str, str]:
 
 def queue_rows(device, timeout_s: float = 60.0) -> list[dict]:
     """The queue probe with ``CUDA_DEVICE_MAX_CONNECTIONS`` unset and ``=1``, each in its own process."""
-    from megatron_2bw.testing.local_workers import free_port
+    from megatron_2bw.local_workers import free_port
 
     rows = []
     for conn in (None, "1"):
@@ -163,80 +163,6 @@ def queue_rows(device, timeout_s: float = 60.0) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------ SDPA kernel matrix
-def _sdpa_cell(backend: str, q, k, v, mask) -> tuple[str, float | None]:
-    """Forward and backward through the attention core; the aten kernel op SDPA ran and the peak MiB."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from megatron_2bw.models.attention_core import attention
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func.overloadpacket.__name__)
-            if name.startswith("_scaled_dot_product") or name.startswith(("_flash_attention", "_efficient_attention")):
-                self.names.add(name)
-            return func(*args, **(kwargs or {}))
-
-    cuda = q.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    with Ops() as ops:
-        out = attention(backend, q, k, v, mask, 0.0, mask is None)
-        out.float().square().mean().backward()
-    if cuda:
-        torch.cuda.synchronize()
-    fwd = sorted(o for o in ops.names if "backward" not in o)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-    return (", ".join(fwd) or "math (no fused op)"), peak
-
-
-def sdpa_rows(device) -> list[dict]:
-    """Each GPT (MHA) / Llama (GQA) shape x mask x dtype x backend: runs, or is refused at start-up."""
-    import torch
-
-    from megatron_2bw.config.run import gqa_kernel_problem
-
-    cuda = device.type == "cuda"
-    b, s = (2, 2048) if cuda else (1, 32)
-    shapes = {"gpt-mha": (16, 16, 64), "llama-gqa": (32, 8, 64)} if cuda else {"gpt-mha": (4, 4, 16),
-                                                                              "llama-gqa": (4, 2, 16)}
-    rows = []
-    g = torch.Generator().manual_seed(5)
-    for shape, (a, kv, hd) in shapes.items():
-        for masked in (False, True):
-            for dtype in ("bf16", "fp32"):
-                tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-                q = torch.randn(b, a, s, hd, generator=g).to(device, tdt).requires_grad_(True)
-                k = torch.randn(b, kv, s, hd, generator=g).to(device, tdt).requires_grad_(True)
-                v = torch.randn(b, kv, s, hd, generator=g).to(device, tdt).requires_grad_(True)
-                mask = torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(b, 1, s, s) if masked else None
-                for backend in ("auto", "flash", "fused"):
-                    refused = ("flash takes no mask" if backend == "flash" and masked else
-                               gqa_kernel_problem(backend, "cuda", a != kv, "a mask" if masked else None, dtype))
-                    name = f"sdpa {shape} {'mask' if masked else 'causal'} {dtype} {backend}"
-                    try:
-                        kernel, peak = _sdpa_cell(backend, q, k, v, mask)
-                    except Exception as e:  # noqa: BLE001 - "No available kernel" and the like
-                        ok = refused is not None or not cuda
-                        rows.append(_row(name, PASS if ok else FAIL, _first_line(e) + (
-                            " (refused at start-up)" if refused else "" if cuda else " (CPU)"), refused=refused))
-                        continue
-                    finally:
-                        q.grad = k.grad = v.grad = None
-                    s2 = 3 * b * a * s * s * 4 / 2**20  # the math path's three fp32 [b, a, s, s] tensors
-                    rows.append(_row(name, PASS, kernel + (" (runs here although refused at start-up)" if refused and cuda
-                                                           else ""), kernel=kernel, peak_MiB=peak,
-                                     math_s2_MiB=s2, refused=refused))
-    return rows
-
-
 # ------------------------------------------------------------------ trainer-configuration stage
 def _planner_bytes(cfg, b: int, m: int, schedule: str, precision: str) -> int:
     """The planner's bytes for this stage (d = 1, the analytic costs of an H200 node): stage_memory's total."""
@@ -252,13 +178,12 @@ def _planner_bytes(cfg, b: int, m: int, schedule: str, precision: str) -> int:
 def _trainer_stage(cfg, spec, b: int, m: int, steps: int, warmup: int, dtype: str, schedule: str, device) -> dict:
     """One engine stage as the trainer configures it: fp32 gradient accumulation in bf16 (the precision's
     default), saved-tensor hooks on (``track_memory``), global-norm clipping."""
+    import gpu
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
-
-    import gpu
 
     pipe = PipelineConfig(schedule, b, m, recompute=False, track_memory=True)
     opt = OptimizerConfig("adam", lr=1e-4, dtype=dtype, clip_grad=1.0)
@@ -285,15 +210,14 @@ def trainer_stage_rows(device, steps: int, warmup: int, deadline: float) -> list
     import gc
     import math
 
+    import gpu
     import torch
 
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.fused import select_kernels
-    from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of
-
-    import gpu
 
     cuda = device.type == "cuda"
     model, dtype, b, m = ("gpt-1.3b", "bf16", 4, 4) if cuda else ("gpt-tiny", "fp32", 2, 2)
@@ -332,8 +256,8 @@ def _split_case(model: str, dtype: str, device) -> dict:
     gradients (the trainer's accumulation), and which first-use nodes took the fused weight-gradient path."""
     import torch
 
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.fused import select_kernels
-    from megatron_2bw.models.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline import wgrad_fusion
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
@@ -370,7 +294,7 @@ def _split_case(model: str, dtype: str, device) -> dict:
     tally = {f"{k[0]} {'fused' if k[1] else 'autograd'}": n - before.get(k, 0)
              for k, n in wgrad_fusion.TALLY.items() if n != before.get(k, 0)}
     rel = max(((p.main_grad - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()
-              for p, w in zip(params, whole))
+              for p, w in zip(params, whole, strict=False))
     return {"max_rel_diff": rel, "tally": tally}
 
 
@@ -484,7 +408,8 @@ def staging_row(device) -> dict:
         after = stats().get("allocated_bytes.current", 0) if stats() else None
         ok = host.is_pinned() and torch.equal(host, src.cpu()) and st.pinned_bytes() == 4 * n
         return _row("async staging pinned exact", PASS if ok else FAIL,
-                    f"pinned {st.pinned_bytes()} B for {4 * n} B staged, is_pinned {host.is_pinned()}, {staged_s:.2f} s",
+                    f"pinned {st.pinned_bytes()} B for {4 * n} B staged, is_pinned {host.is_pinned()}, {staged_s:.2f} "
+                    f"s",
                     pinned_bytes=st.pinned_bytes(), staged_bytes=4 * n, stage_s=staged_s,
                     caching_host_allocator_delta=None if before is None else after - before)
     except Exception as e:  # noqa: BLE001

@@ -143,7 +143,8 @@ def prefetch_rows(device) -> list[dict]:
             rows.append(_row(f"prefetch batches {label}", FAIL, _first_line(e)))
             continue
         same = len(off["kept"]) == len(on["kept"]) and all(
-            x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(off["kept"], on["kept"]))
+            x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            for x, y in zip(off["kept"], on["kept"], strict=False))
         ok = same and on["served"] == mbs - 1
         rows.append(_row(f"prefetch batches {label}", PASS if ok else FAIL,
                          f"{mbs} microbatches with prefetch == without (bitwise), {on['served']} served ahead"
@@ -167,16 +168,15 @@ def update_wait_row(device, deadline: float) -> dict:
     GPU backlog injected into every forward."""
     import gc
 
+    import gpu
     import torch
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
-
-    import gpu
 
     name = "update wait gpu backlog"
     cuda = device.type == "cuda"
@@ -215,15 +215,21 @@ def update_wait_row(device, deadline: float) -> dict:
         return _row(name, FAIL, _first_line(e))
     finally:
         gc.collect()
+    return _update_wait_verdict(name, cuda, out, backlogs)
+
+
+def _update_wait_verdict(name: str, cuda: bool, out: dict, backlogs: tuple) -> dict:
+    """How much of the injected GPU work per step the update's host wait grew by (off CUDA: it only ran)."""
     base = out[0.0]
     if not cuda:
         return _row(name, NEEDS_GPU, f"a GPU backlog needs CUDA (the code ran: update wait {base['update_wait_s']:.4f} "
                     "s a step on the CPU)", steps=out)
     more = out[backlogs[-1]]
     grown = more["update_wait_s"] - base["update_wait_s"]
-    return _row(name, INFO, f"update_wait_s {base['update_wait_s']:.4f} s a step ({base['update_wait_s'] / base['step_s']:.0%}"
-                f" of the step); with {more['injected_s']:.2f} s of GPU work a step added {more['update_wait_s']:.4f} s "
-                f"({grown / more['injected_s']:.0%} of what was added): the host waits for the GPU's backlog there",
+    return _row(name, INFO, f"update_wait_s {base['update_wait_s']:.4f} s a step "
+                f"({base['update_wait_s'] / base['step_s']:.0%} of the step); with {more['injected_s']:.2f} s of GPU "
+                f"work a step added {more['update_wait_s']:.4f} s ({grown / more['injected_s']:.0%} of what was "
+                f"added): the host waits for the GPU's backlog there",
                 steps={str(k): v for k, v in out.items()}, wait_growth_over_injected=grown / more["injected_s"])
 
 
@@ -292,7 +298,7 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
 
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import build_state
     from megatron_2bw.pipeline.build import build_stage
@@ -310,7 +316,8 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
                         PipelineConfig("2bw", b, m), OptimizerConfig("adam", lr=1e-4, dtype="bf16"),
                         (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,
                         names=GlobalNames(stage_range(cfg.num_layers, 2, state.pp_rank)[0], tied=WORD))
-    tokens = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1),
+                           generator=torch.Generator().manual_seed(5))
     batches = [{k: v.to(device) for k, v in spec.make_batch(t).items()} for t in tokens]
     get = lambda mb: batches[mb % len(batches)]  # noqa: E731
     stage.train(2, get, lambda t: 1e-4)
@@ -323,7 +330,7 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
 
 def tied_d2_row(n_gpus: int, deadline: float, steps: int = 6) -> dict:
     """The last stage's step time at d = 2, tied against untied embeddings (2 GPUs)."""
-    from megatron_2bw.testing.local_workers import run_workers
+    from megatron_2bw.local_workers import run_workers
 
     name = "tied embedding d=2 last stage"
     if n_gpus < 2:

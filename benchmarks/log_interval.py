@@ -15,8 +15,9 @@ the medians over rounds are reported. Target: the ratio is at least 0.97.
 
 JSON (``--json``): ``{"results": [{"log_interval", "samples_per_sec" (median over rounds),
 "samples_per_sec_rounds", "foreign_load_cpus_rounds" (other jobs' CPU use during each run, in
-cores: on a shared machine the ratio is only as good as this is small), "pipeline_drains", "steps"}], "ratio_log1_over_log100" (median of the
-per-round ratios), "ratio_rounds", "target": 0.97, "within_target", "config", "machine"}``.
+cores: on a shared machine the ratio is only as good as this is small), "pipeline_drains", "steps"}],
+"ratio_log1_over_log100" (median of the per-round ratios), "ratio_rounds", "target": 0.97, "within_target",
+"config", "machine"}``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 import time
 
 import common
-from convergence import _children_cpu, ensure_data, run_group
+from convergence_runs import _children_cpu, ensure_data, run_group
 
 ROOT = common.ROOT
 INTERVALS = (1, 100)
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4, help="b")
     p.add_argument("--m", type=int, default=4, help="microbatches per step (w = 1)")
-    p.add_argument("--data-dir", default=None, help="cached corpus/tokenizer/dataset (default demo_data, quick: demo_data/quick)")
+    p.add_argument("--data-dir", default=None, help="cached corpus/tokenizer/dataset (default demo_data, quick: "
+                                                    "demo_data/quick)")
     p.add_argument("--out-dir", default=None, help="metrics files and logs (default runs/log_interval[_quick])")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per training run before it is killed")
     p.add_argument("--quick", action="store_true", help="tiny model, 16 steps, one round: a smoke run")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[interval].append(run_one(args, interval, data_prefix, tok_model, f"round{k}"))
             print(f"round {k}: --log-interval {interval}: {runs[interval][-1]['samples_per_sec']:.1f} samples/s",
                   flush=True)
-    ratios = [a["samples_per_sec"] / b["samples_per_sec"] for a, b in zip(runs[1], runs[100])]
+    ratios = [a["samples_per_sec"] / b["samples_per_sec"] for a, b in zip(runs[1], runs[100], strict=False)]
     results = [{"log_interval": i, "samples_per_sec": common.median(r["samples_per_sec"] for r in runs[i]),
                 "samples_per_sec_rounds": [r["samples_per_sec"] for r in runs[i]],
                 "foreign_load_cpus_rounds": [r["foreign_load_cpus"] for r in runs[i]],

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
+from megatron_2bw.local_workers import run_workers
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer.muon import NS_COEFFICIENTS, NS_EPS, zeropower_via_newtonschulz
 from megatron_2bw.parallel_state import ParallelState, build_state
@@ -38,7 +39,6 @@ from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import RankWeights
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.testing.local_workers import run_workers
 
 OPTIMIZERS = ("adam", "muon")
 
@@ -53,7 +53,7 @@ def update_times(preset: str, seq: int, reps: int) -> list[dict]:
     rows = []
     for stage in range(2):
         for name in OPTIMIZERS:
-            w = RankWeights(lambda: spec.build_stage(2, stage), num_versions=2, dtype=torch.float32,
+            w = RankWeights(lambda: spec.build_stage(2, stage), num_versions=2, dtype=torch.float32,  # noqa: B023
                              device=torch.device("cpu"))
             upd = Updater(w, _opt(name))
             g = torch.Generator().manual_seed(0)
@@ -64,7 +64,7 @@ def update_times(preset: str, seq: int, reps: int) -> list[dict]:
                 upd.step_alone(t, 1e-3)
                 if t >= 2:
                     times.append(time.perf_counter() - t0)
-            muon_share = sum(n for n, d in zip(w.sizes, w.partition_dims) if d is not None) / w.numel
+            muon_share = sum(n for n, d in zip(w.sizes, w.partition_dims, strict=False) if d is not None) / w.numel
             rows.append({"stage": stage, "optimizer": name, "params": w.numel, "update_s": statistics.median(times),
                          "state_bytes": upd.state_bytes, "muon_param_share": muon_share})
     return rows
@@ -153,7 +153,8 @@ def _tp_worker(h: int, reps: int) -> dict:
         out[name] = statistics.median(times)
     # the two ways agree to bf16 precision (the distributed one rounds the Gram sum in another order)
     a, b = gather(), distributed()
-    out["max_rel_diff_gather_vs_distributed"] = max(((x - y).abs().max() / x.abs().max()).item() for x, y in zip(a, b))
+    out["max_rel_diff_gather_vs_distributed"] = max(((x - y).abs().max() / x.abs().max()).item()
+                                                    for x, y in zip(a, b, strict=False))
     elems = sum(p.numel() for p, _ in parts)
     out["gather_elements"] = elems
     out["distributed_allreduce_elements"] = sum(5 * min(x.shape) ** 2 + 1 for x, _ in whole)
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     tp = run_workers(_tp_worker, 2, cfg.hidden_size, args.reps, timeout=900)
     tp_med = {k: statistics.median(r[k] for r in tp) for k in tp[0]}
     print(f"t=2, one layer's matrices (h={cfg.hidden_size}): gather+NS {tp_med['gather'] * 1e3:.1f} ms, distributed NS "
-          f"{tp_med['distributed'] * 1e3:.1f} ms, all-gather alone {tp_med['allgather_only'] * 1e3:.2f} ms, unsplit NS on "
-          f"one process {tp_med['local'] * 1e3:.1f} ms")
+          f"{tp_med['distributed'] * 1e3:.1f} ms, all-gather alone {tp_med['allgather_only'] * 1e3:.2f} ms, unsplit NS "
+          f"on one process {tp_med['local'] * 1e3:.1f} ms")
     ratio = {s: next(r["update_s"] for r in upd if r["stage"] == s and r["optimizer"] == "muon")
              / next(r["update_s"] for r in upd if r["stage"] == s and r["optimizer"] == "adam") for s in range(2)}
     common.write_json(args.json, {

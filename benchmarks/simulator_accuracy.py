@@ -23,9 +23,9 @@ import time
 import torch
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.local_workers import run_workers
 from megatron_2bw.planner.memory_model import Candidate
 from megatron_2bw.planner.simulator import Link, simulate, stage_costs
-from megatron_2bw.testing.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 
@@ -39,7 +39,7 @@ TIMING_B, TIMING_M, TIMING_STEPS = 2, 4, 7
 
 def _median_intervals(stamps: list[float]) -> float:
     """Steady-state time per step: the median of the intervals between step starts from step 1 on."""
-    return statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:]))
+    return statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:], strict=False))
 
 
 def _run_delay_s() -> float:
@@ -61,6 +61,56 @@ def _steal_s() -> float:
         return 0.0
 
 
+def _link_and_reduce(state, x, tied) -> tuple[list[float], list[tuple[float, float]]]:
+    """Five rounds of: one activation there and back between the two processes (half of it is the one-way
+    link), then the reduction chain (tied embedding, then the norm) in wall and CPU seconds."""
+    import torch.distributed as dist
+
+    one_way, reduce = [], []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if state.pp_rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        t1, c1 = time.perf_counter(), time.process_time()
+        dist.all_reduce(tied)  # the reduction chain: tied embedding, then the norm
+        dist.all_reduce(torch.zeros(1))
+        one_way.append((t1 - t0) / 2)
+        reduce.append((time.perf_counter() - t1, time.process_time() - c1))
+    return one_way, reduce
+
+
+def _engine_segment(spec, state, schedule: str, b: int, m: int, steps: int, pool: list) -> tuple[float, float]:
+    """The schedule's engine: a warm-up step, then ``steps`` timed ones; (median step interval, the share of
+    the time this process waited for a CPU)."""
+    import torch.distributed as dist
+
+    from megatron_2bw.config import OptimizerConfig, PipelineConfig
+    from megatron_2bw.pipeline.build import build_stage
+
+    cfg = spec.cfg
+    stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
+                        PipelineConfig(schedule, b, m), OptimizerConfig(), (b, cfg.seq_length, cfg.hidden_size))
+    stamps: dict[int, float] = {}
+
+    def get_batch(mb: int) -> dict:
+        if mb % m == 0:
+            stamps[mb // m] = time.perf_counter()
+        return pool[mb % m]
+
+    stage.train(1, get_batch, lambda t: 1e-4)  # warm-up
+    dist.barrier()
+    first = stage.step
+    w0, d0 = time.perf_counter(), _run_delay_s()
+    stage.train(steps, get_batch, lambda t: 1e-4)
+    engine_wait = (_run_delay_s() - d0) / (time.perf_counter() - w0)
+    return _median_intervals([stamps[first + i] for i in range(steps)]), engine_wait
+
+
 def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedules: tuple[str, ...],
                    enough_clean: int = 4) -> list[dict]:
     """Rounds of: for each schedule (the order rotates between rounds), profile the blocks (both
@@ -70,10 +120,8 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
     earlier once every schedule has ``enough_clean`` rounds that count (``MAX_CPU_WAIT``)."""
     import torch.distributed as dist
 
-    from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
-    from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.planner.profiler import profile_model
     from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -101,42 +149,14 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
             pair_start = w0
             prof = profile_model(cfg, [b], warmup=1, reps=7).to_json()
             prof_wait = (_run_delay_s() - d0) / (time.perf_counter() - w0)
-            one_way, reduce = [], []
-            for i in range(5):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if state.pp_rank == 0:
-                    dist.send(x, 1)
-                    dist.recv(x, 1)
-                else:
-                    dist.recv(x, 0)
-                    dist.send(x, 0)
-                t1, c1 = time.perf_counter(), time.process_time()
-                dist.all_reduce(tied)  # the reduction chain: tied embedding, then the norm
-                dist.all_reduce(torch.zeros(1))
-                one_way.append((t1 - t0) / 2)
-                reduce.append((time.perf_counter() - t1, time.process_time() - c1))
-            stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
-                                  PipelineConfig(s, b, m), OptimizerConfig(), (b, cfg.seq_length, cfg.hidden_size))
-            stamps: dict[int, float] = {}
-
-            def get_batch(mb: int) -> dict:
-                if mb % m == 0:
-                    stamps[mb // m] = time.perf_counter()
-                return pool[mb % m]
-
-            stage.train(1, get_batch, lambda t: 1e-4)  # warm-up
-            dist.barrier()
-            first = stage.step
-            w0, d0 = time.perf_counter(), _run_delay_s()
-            stage.train(steps, get_batch, lambda t: 1e-4)
-            engine_wait = (_run_delay_s() - d0) / (time.perf_counter() - w0)
+            one_way, reduce = _link_and_reduce(state, x, tied)
+            engine_s, engine_wait = _engine_segment(spec, state, s, b, m, steps, pool)
             # time the hypervisor took from this machine's cores (a VM's "steal"), per core
             steal = (_steal_s() - steal0) / (os.cpu_count() or 1) / (time.perf_counter() - pair_start)
             out.append({"round": rnd, "schedule": s, "profile": prof, "link_s": statistics.median(one_way[1:]),
                         "reduce_s": statistics.median(r[0] for r in reduce[1:]),
                         "reduce_cpu_s": statistics.median(r[1] for r in reduce[1:]),
-                        "engine_s": _median_intervals([stamps[first + i] for i in range(steps)]),
+                        "engine_s": engine_s,
                         "cpu_wait": max(prof_wait, engine_wait, steal)})
             worst = torch.tensor([out[-1]["cpu_wait"]], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # both processes decide alike
@@ -184,7 +204,7 @@ def measure_step_times(rounds: int = 5) -> dict[str, dict]:
     out = {}
     for s in SCHEDULES:
         pairs = [(_simulate_pair([a, b]), a["engine_s"], max(a["cpu_wait"], b["cpu_wait"]))
-                 for a, b in zip(*per_rank) if a["schedule"] == s]
+                 for a, b in zip(*per_rank, strict=False) if a["schedule"] == s]
         clean = [p for p in pairs if p[2] <= MAX_CPU_WAIT]
         used = clean if len(clean) >= 2 else pairs
         sim, meas = statistics.median(p[0] for p in used), statistics.median(p[1] for p in used)
@@ -226,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     res = measure_step_times(args.rounds)
     print(f"{busy:.1f} CPUs busy before; schedule | simulated ms | measured ms | ratio | rounds counted")
     for s, r in res.items():
-        print(f"  {s:5} | {r['sim'] * 1e3:7.2f} | {r['meas'] * 1e3:7.2f} | {r['ratio']:.3f} | {r['clean']}/{len(r['rounds'])}")
+        print(f"  {s:5} | {r['sim'] * 1e3:7.2f} | {r['meas'] * 1e3:7.2f} | {r['ratio']:.3f} | "
+              f"{r['clean']}/{len(r['rounds'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": TIMING_MODEL, "b": TIMING_B, "m": TIMING_M, "results": res}, f, indent=1)

@@ -26,12 +26,12 @@ import time
 import torch
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+from megatron_2bw.local_workers import run_workers
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
-from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
+from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.testing.local_workers import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 
@@ -165,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(2):
             step = statistics.median(rd[r][s]["step_s"] for rd in rounds)
             wait = statistics.median(rd[r][s]["wait_s"] for rd in rounds)
-            rows.append({"schedule": s, "stage": r, "step_s": step, "update_wait_s": wait, "wait_fraction": wait / step})
+            rows.append({"schedule": s, "stage": r, "step_s": step, "update_wait_s": wait,
+                         "wait_fraction": wait / step})
             print(f"{s:6} {r} | {step * 1e3:8.1f} | {wait * 1e3:8.2f} | {wait / step:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "micro_batch": args.micro_batch, "m": args.m, "d": 2, "results": rows}, f, indent=1)
+            json.dump({"model": model, "micro_batch": args.micro_batch, "m": args.m, "d": 2, "results": rows}, f,
+                      indent=1)
     return 0
 
 

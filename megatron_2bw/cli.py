@@ -2,9 +2,9 @@
 
 Each row of ``FLAGS`` (``megatron_2bw.flags``) is one flag: its argparse type, default and help, and the config field it
 sets (``"section.field"`` of :class:`~megatron_2bw.config.RunConfig`). From the table come the
-trainer's parser (``build_parser``), the flags -> config mapping (``build_config``), the flags that
-reproduce a config (``megatron_args``, ``to_argv``) and the command the planner prints
-(``pretrain_argv``). One rule turns a preset plus shape flags into a ``ModelConfig``
+trainer's parser (``build_parser``) and the flags -> config mapping (``build_config``); the way back, a
+config to flags (``to_argv``, ``megatron_args``, the planner's ``pretrain_argv``), is ``argv.py``,
+which needs no argparse. One rule turns a preset plus shape flags into a ``ModelConfig``
 (``model_config``) for the trainer and every tool. Nothing here imports torch or starts a process
 group: a mistake is one ``ConfigError`` line (``OneLineParser``, ``errors.run_cli``) before any collective;
 an unknown flag's line names the nearest known one. ``--yaml-cfg FILE`` expands into flags placed before
@@ -16,28 +16,35 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
+from .argv import REQUIRED_SHAPE, shape_model, trainer_flags
 from .config import (
-    DataConfig, Layout, LRConfig, ModelConfig, OptimizerConfig, RunConfig, SystemConfig, TrainingConfig,
-    default_ffn_hidden_size, layout_configs, lr_by_samples, train_iters_of,
+    DataConfig,
+    Layout,
+    LRConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+    SystemConfig,
+    TrainingConfig,
+    default_ffn_hidden_size,
+    layout_configs,
+    lr_by_samples,
+    train_iters_of,
 )
+from .config.presets import get_preset
 from .errors import ConfigError, run_cli
-from .flags import FLAGS, MEGATRON_DROPOUT, MODEL, TOOL_MODEL_FLAGS, Flag
-from .models.presets import GPT2_VOCAB, get_preset
+from .flags import FLAGS, MODEL, TOOL_MODEL_FLAGS, Flag
 from .schedule.stages import split_from_args, virtual_stages
-from .schedule.schedules import parse_schedule_id
 from .yaml_cfg import expand_yaml_cfg, explain_unrecognized
 
 __all__ = [
-    "FLAGS", "Flag", "OneLineParser", "add_model_flags", "build_config", "build_parser", "describe", "env_world",
-    "megatron_args", "model_config", "parse_args", "pretrain_argv", "run_cli", "to_argv",
+    "FLAGS", "Flag", "OneLineParser", "add_model_flags", "build_config", "build_parser", "env_world", "model_config",
+    "parse_args", "run_cli",
 ]
-
-# Without a preset: the shape flags a model needs.
-REQUIRED_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -53,10 +60,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(explain_unrecognized(message, self))
-
-
-def _flags(kind: str) -> Iterable[Flag]:
-    return (f for f in FLAGS if kind in f.kinds)
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
@@ -77,7 +80,7 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     """The flags of ``pretrain_gpt.py`` (kind ``gpt``) or ``pretrain_bert.py`` (kind ``bert``)."""
     p = OneLineParser(prog=f"pretrain_{kind}.py", allow_abbrev=False,
                       description=f"Pre-train {kind.upper()} with PipeDream-2BW / Flush / GPipe.")
-    add_flags(p, _flags(kind))
+    add_flags(p, trainer_flags(kind))
     return p
 
 
@@ -141,11 +144,7 @@ def model_config(args: argparse.Namespace, kind: str | None = None, *, base: Mod
     missing = ["--" + k.replace("_", "-") for k in REQUIRED_SHAPE if k not in given]
     if missing:
         raise ConfigError(f"{missing[0]} is required (or give --model-preset); missing: {' '.join(missing)}")
-    given.setdefault("hidden_dropout", MEGATRON_DROPOUT)
-    given.setdefault("attention_dropout", MEGATRON_DROPOUT)
-    given.setdefault("vocab_size", GPT2_VOCAB)
-    want = want or "gpt"
-    return ModelConfig(kind=want, num_tokentypes=2 if want == "bert" else 0, **given)
+    return shape_model(given, want or "gpt")
 
 
 def default_schedule(d: int) -> tuple[str, str]:
@@ -247,10 +246,11 @@ _DATA_SWITCHES = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask",
 
 
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
-    switches = {t: bool(_switched(args, f"training.{t}")) for t in ("override_resumed_settings", "exit_signal_handler",
-                                                                 "finetune", "no_load_optim", "no_load_rng", "skip_train",
-                                                                 "async_save")}
-    switches.update(exit_signal_handler=exit_signal_handler_of(args), overwrite_save=bool(getattr(args, "overwrite_save", False)))
+    given = ("override_resumed_settings", "exit_signal_handler", "finetune", "no_load_optim", "no_load_rng",
+             "skip_train", "async_save")
+    switches = {t: bool(_switched(args, f"training.{t}")) for t in given}
+    switches.update(exit_signal_handler=exit_signal_handler_of(args),
+                    overwrite_save=bool(getattr(args, "overwrite_save", False)))
     switches.update({t: bool(_switched(args, f"training.{t}")) for t in _TRAINING_SWITCHES})
     return TrainingConfig(**{**_fields(args, "training"), "global_batch_size": global_batch, **switches,
                              "train_iters": train_iters_of(args.train_iters, args.train_samples, global_batch)})
@@ -261,7 +261,8 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     _require(bool(args.data_path) or switches["mock_data"],
              "--data-path is required (an indexed dataset prefix from tools/preprocess_data.py), or --mock-data")
     _require(not (args.data_path and switches["mock_data"]), "give --data-path or --mock-data, not both")
-    _require(bool(args.tokenizer_type), "--tokenizer-type is required (the model's vocabulary comes from the tokenizer)")
+    _require(bool(args.tokenizer_type),
+             "--tokenizer-type is required (the model's vocabulary comes from the tokenizer)")
     given = _fields(args, "data")
     return DataConfig(**{**given, **switches, "data_path": tuple(given.get("data_path") or ())})
 
@@ -309,75 +310,6 @@ def build_config(
         opt = replace(opt, use_distributed_optimizer=True)
     return RunConfig(kind, model, parallel, pipe, opt, lr_config(args, B), training, data_config(args),
                      system_config(args, cuda_available))
-
-
-# --------------------------------------------------------------------------- config -> flags
-def _text(v: Any) -> list[str]:
-    return [str(x) for x in v] if isinstance(v, (tuple, list)) else [str(v)]
-
-
-def render(values: Mapping[str, Any], kind: str) -> list[str]:
-    """The trainer's flags that set each ``"section.field"`` in ``values`` (table order, no old spellings)."""
-    argv: list[str] = []
-    for f in _flags(kind):
-        if f.alias or not f.targets or f.targets[0] not in values:
-            continue
-        v = values[f.targets[0]]
-        if f.const is not None:
-            argv += [f.name] if v == f.const else []
-        elif v is not None:
-            argv += [f.name, *([f.show(v)] if f.show else _text(v))]
-    return argv
-
-
-def config_values(cfg: RunConfig) -> dict[str, Any]:
-    """``{"section.field": value}`` of every field of ``cfg``."""
-    return {f"{sec}.{k}": v for sec, d in cfg.to_dict().items() if isinstance(d, dict) for k, v in d.items()}
-
-
-def to_argv(cfg: RunConfig) -> list[str]:
-    """Trainer flags that rebuild ``cfg`` (its model explicitly; the vocabulary comes from the tokenizer)."""
-    return render(config_values(cfg), cfg.kind)
-
-
-def megatron_args(cfg: RunConfig) -> dict[str, Any]:
-    """Megatron-style flat arguments (flag dest -> value) of ``cfg``, as checkpoints store them."""
-    values = config_values(cfg)
-    out: dict[str, Any] = {}
-    for f in _flags(cfg.kind):
-        if not f.alias and f.targets and f.targets[0] in values:
-            v = values[f.targets[0]]
-            out[f.dest] = (v == f.const) if f.const is not None else list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def model_values(model: ModelConfig) -> dict[str, Any]:
-    """The model fields a command must state: the required shape and what the trainer would not imply."""
-    implied = model_config(argparse.Namespace(**{k: getattr(model, k) for k in REQUIRED_SHAPE}), model.kind)
-    names = [f.targets[0].split(".")[1] for f in FLAGS if f.targets and f.targets[0].startswith("model.")]
-    return {f"model.{n}": getattr(model, n) for n in names
-            if n in REQUIRED_SHAPE or getattr(model, n) != getattr(implied, n)}
-
-
-def pretrain_argv(model: ModelConfig, layout: Layout, global_batch_size: int, precision: str = "fp32",
-                  fp32_grads: bool | None = None) -> list[str]:
-    """The ``pretrain_{gpt,bert}.py`` command line that trains ``model`` with ``layout`` (the planner's);
-    ``fp32_grads`` None leaves the precision's default gradient accumulation unstated."""
-    values = {
-        **model_values(model), "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline,
-        "pipeline.schedule": parse_schedule_id(layout.schedule)[0],
-        "pipeline.post_validation": parse_schedule_id(layout.schedule)[1], "pipeline.micro_batch_size": layout.micro_batch_size,
-        "pipeline.layer_split": layout.layer_split, "pipeline.virtual_stages": layout.virtual_stages,
-        "training.global_batch_size": global_batch_size, "pipeline.recompute": layout.recompute,
-        "optimizer.dtype": precision, "optimizer.accumulate_allreduce_grads_in_fp32": fp32_grads,
-        "optimizer.use_distributed_optimizer": layout.distributed_optimizer,
-    }
-    return [f"pretrain_{model.kind}.py", *render(values, model.kind)]
-
-
-def describe(cfg: RunConfig) -> dict[str, Any]:
-    """The start-up description: every config field, nested by section (checkpoints and the metrics file)."""
-    return cfg.to_dict()
 
 
 def env_world() -> tuple[int, int]:

@@ -14,7 +14,7 @@ from typing import Any
 from .config import ATTENTION_BACKENDS, CP_COMM_TYPES
 from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
                      P2P_MODES, POSITION_EMBEDDING_TYPES)
-from .models.presets import GPT2_VOCAB, PRESETS
+from .config.presets import GPT2_VOCAB, PRESETS
 from .schedule.stages import format_split, parse_split
 from .schedule.schedules import SCHEDULE_NAMES
 from .yaml_cfg import YAML_FLAG

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_PLAN_ENV, KILL_RANK_ENV, POISON_ENV
+from megatron_2bw.faults import KILL_ITER_ENV, KILL_PLAN_ENV, KILL_RANK_ENV, POISON_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable

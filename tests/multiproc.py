@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_2bw.testing import local_workers
-from megatron_2bw.testing.local_workers import free_port  # noqa: F401
+from megatron_2bw import local_workers
+from megatron_2bw.local_workers import free_port  # noqa: F401
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "megatron_2bw.training.loop",
            "megatron_2bw.pipeline.build", "megatron_2bw.checkpoint.dist_checkpoint.writer",
@@ -17,7 +17,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "megatr
 
 
 def run_workers(fn: Callable, world: int, *args: Any, **kwargs: Any) -> list[Any]:
-    """:func:`megatron_2bw.testing.local_workers.run_workers` on workers forked from the preloaded server."""
+    """:func:`megatron_2bw.local_workers.run_workers` on workers forked from the preloaded server."""
     kwargs.setdefault("start_method", "forkserver")
     kwargs.setdefault("preload", PRELOAD)
     return local_workers.run_workers(fn, world, *args, **kwargs)

@@ -15,7 +15,7 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.context_parallel.group import CPGroup
 from megatron_2bw.models.gpt import DocumentMasks
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
 from megatron_2bw.parallel_state import ParallelState, build_state
@@ -25,7 +25,7 @@ from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.testing.faults import FaultInjector
+from megatron_2bw.faults import FaultInjector
 
 
 def matching_shard(dense: torch.Tensor, local: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:

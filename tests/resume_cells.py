@@ -20,7 +20,7 @@ from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.checkpoint.trainer_reshard import read_trainer_checkpoint, write_trainer_checkpoint
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer import muon
 from megatron_2bw.parallel_state import build_state

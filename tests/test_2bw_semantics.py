@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.tensor_parallel.group import TPGroup
 from pipeline_harness import train_tiny

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megatron_2bw.cli import build_config, env_world, megatron_args, parse_args
+from megatron_2bw.argv import megatron_args
+from megatron_2bw.cli import build_config, env_world, parse_args
 from megatron_2bw.errors import ConfigError
 
 DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]

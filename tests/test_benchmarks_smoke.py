@@ -19,6 +19,8 @@ sys.path.insert(0, BENCH)
 import gpu  # noqa: E402
 import memory  # noqa: E402
 import pipeline_throughput  # noqa: E402
+import throughput_summary  # noqa: E402
+import throughput_systems  # noqa: E402
 
 
 def _load(path) -> dict:
@@ -88,7 +90,7 @@ def test_gpu_skips_or_runs_tiny(tmp_path):
     rows = _load(out)["results"]
     assert {r["system"] for r in rows} == {"engine_flush_d1", "engine_2bw_d1", "plain"}
     assert all(r["tokens_per_sec"] > 0 for r in rows)
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.config.arith import flops_per_step
 
     for r in rows:  # the trainer's FLOP formula (review S3/B1)
@@ -162,7 +164,7 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     import gpu_check
     import torch
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
 
     from megatron_2bw.config.arith import flops_per_step
 
@@ -291,19 +293,19 @@ def test_checkpoint_io_quick(tmp_path):
 def test_ceiling_vs_2bw_is_the_compute_ratio_less_the_ideal_bubble():
     """zb-v's rank 0 computing 80 ms per microbatch where 2BW's busiest stage computes 77, with its ideal 0.04
     bubble at d = 2, m = 4: at best 77/80 * 0.96 of 2BW, whatever the executor does."""
-    assert pipeline_throughput.ceiling_vs_2bw([80.0, 72.0], [68.0, 77.0], 0.04) == pytest.approx(77 / 80 * 0.96)
-    assert pipeline_throughput.ceiling_vs_2bw([80.0, 72.0], None, 0.04) is None
-    assert pipeline_throughput.ceiling_vs_2bw([80.0, None], [68.0, 77.0], 0.04) is None
+    assert throughput_summary.ceiling_vs_2bw([80.0, 72.0], [68.0, 77.0], 0.04) == pytest.approx(77 / 80 * 0.96)
+    assert throughput_summary.ceiling_vs_2bw([80.0, 72.0], None, 0.04) is None
+    assert throughput_summary.ceiling_vs_2bw([80.0, None], [68.0, 77.0], 0.04) is None
 
 
 def test_pipeline_throughput_pairs_each_schedule_with_torchs_counterpart():
-    order = pipeline_throughput.paired_order(pipeline_throughput.SYSTEMS)
-    assert sorted(order) == sorted(pipeline_throughput.SYSTEMS)
-    for ours, twin in pipeline_throughput.COUNTERPART.items():
+    order = throughput_systems.paired_order(throughput_systems.SYSTEMS)
+    assert sorted(order) == sorted(throughput_systems.SYSTEMS)
+    for ours, twin in throughput_systems.COUNTERPART.items():
         if ours in order and twin in order:
             assert order.index(twin) == order.index(ours) + 1, (ours, twin)
     entries = [(s, "uniform") for s in order]
-    even, odd = (pipeline_throughput.round_order(entries, r) for r in (0, 1))
+    even, odd = (throughput_systems.round_order(entries, r) for r in (0, 1))
     assert even == entries
     i = order.index("zb-v")
     assert [s for s, _ in odd[i:i + 2]] == ["torch_zbv", "zb-v"]  # torch's first in odd rounds

@@ -23,7 +23,7 @@ from pipeline_harness import _dataset, train_tiny
 from test_log_format import MEGATRON, VALID, grab
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState
 from megatron_2bw.pipeline.build import build_stage

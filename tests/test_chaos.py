@@ -20,7 +20,7 @@ import signal
 
 from e2e import (clean_env, corpus, gpt_2bw_run, read_metrics, start, torchrun, torchrun_cmd,  # noqa: F401
                  train_losses)
-from megatron_2bw.testing.faults import KILL_PLAN_ENV
+from megatron_2bw.faults import KILL_PLAN_ENV
 from test_trainer_wiring import same_checkpoint, tracker
 
 SEED = 20261130  # the kill plan's random steps and ranks; printed on failure

@@ -28,7 +28,7 @@ from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.testing.faults import SAVE_FAULT_ENV
+from megatron_2bw.faults import SAVE_FAULT_ENV
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint import dist_checkpoint as dc
 from multiproc import run_workers

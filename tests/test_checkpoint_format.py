@@ -17,7 +17,7 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint import trainer_format
 from megatron_2bw.checkpoint.names import WORD
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.parallel_state import ParallelState
 from megatron_2bw.pipeline.executor import PipelineRank

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.checkpoint.names import WORD
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.executor import PipelineRank

@@ -18,6 +18,7 @@ import torch
 
 from e2e import PY, REPO, clean_env, corpus, read_metrics, run, train_args  # noqa: F401
 from megatron_2bw import cli
+from megatron_2bw.argv import megatron_args
 from megatron_2bw.cli import build_config, parse_args, schedule_note
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.schedule.schedules import get_schedule
@@ -249,7 +250,7 @@ def test_a_changed_compensation_is_a_resume_setting():
                 "--pipeline-schedule", "2bw", *extra]
         return cli.build_config(cli.parse_args(argv, "gpt"), "gpt", 1, cuda_available=False)
 
-    saved = cli.megatron_args(cfg("--2bw-compensation", "predict"))
+    saved = megatron_args(cfg("--2bw-compensation", "predict"))
     assert changed_settings(saved, cfg()) == [("--2bw-compensation", "predict", "none")]
     assert changed_settings(saved, cfg("--2bw-compensation", "predict")) == []
 

@@ -112,7 +112,7 @@ def test_bad_context_parallel_layouts_are_one_line_errors(extra, world, message)
 
 def test_context_parallel_layout_config():
     """c enters the world size and the printed command; the data width is what remains."""
-    from megatron_2bw.cli import to_argv  # noqa: PLC0415
+    from megatron_2bw.argv import to_argv  # noqa: PLC0415
 
     cfg = _config("--context-parallel-size", "2", "--cp-comm-type", "all_gather", world=8)
     assert (cfg.parallel.context, cfg.parallel.data, cfg.parallel.world_size) == (2, 4, 8)

@@ -125,7 +125,7 @@ def test_engine_losses_bitwise_with_prefetch():
     """2BW and Flush at d = 1 on a gpt-tiny stage fed by the provider: the same losses and norms with the
     prefetch on (the executor's own request order) as without, and the prefetch serves the microbatches."""
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage

@@ -19,7 +19,7 @@ from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 # V) cannot be; tests/test_interleaved_numerics.py covers those against the single process
 ONE_CHUNK = tuple(s for s in SCHEDULE_NAMES if get_schedule(s).chunks == 1)
 from megatron_2bw.pipeline.weights import RankWeights
-from megatron_2bw.testing.faults import FaultInjector
+from megatron_2bw.faults import FaultInjector
 from multiproc import run_workers
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -66,7 +66,7 @@ def fake_cuda(monkeypatch):
 @pytest.mark.parametrize("normalization", [False, True], ids=["pypi-apex", "apex-without-cuda-ext"])
 def test_an_apex_without_its_kernels_is_not_chosen_and_the_model_builds(fake_cuda, tmp_path, caplog, normalization):
     """Review C3: any package named apex used to switch the kernels under --fused-kernels auto."""
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.tensor_parallel.group import TPGroup
 

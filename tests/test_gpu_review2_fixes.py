@@ -16,7 +16,7 @@ from megatron_2bw.pipeline import transport as tp
 from megatron_2bw.pipeline import zero
 from megatron_2bw.pipeline.zero import ShardLayout, gather_full
 from megatron_2bw.schedule.actions import Action, Op
-from megatron_2bw.testing.local_workers import init_kwargs
+from megatron_2bw.local_workers import init_kwargs
 from multiproc import run_workers
 
 

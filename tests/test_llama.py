@@ -17,7 +17,7 @@ from megatron_2bw.export.hf_format import hf_model, to_hf_llama
 from megatron_2bw.checkpoint.megatron_format import Exported
 from megatron_2bw.export.model_io import build_full_model, global_state_dict
 from megatron_2bw.flags import FLAGS
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from multiproc import run_workers
@@ -199,10 +199,11 @@ def test_untied_output_layer_is_its_own_parameter():
 
 
 def test_planner_command_rebuilds_the_llama_model():
-    """The trainer command the planner prints (cli.pretrain_argv) states every Llama option."""
+    """The trainer command the planner prints (``argv.pretrain_argv``) states every Llama option."""
     from dataclasses import replace
 
-    from megatron_2bw.cli import parse_args, pretrain_argv
+    from megatron_2bw.argv import pretrain_argv
+    from megatron_2bw.cli import parse_args
     from megatron_2bw.config import Layout
     from megatron_2bw.planner.hardware import load_cluster
     from megatron_2bw.planner.search import tensor_sizes

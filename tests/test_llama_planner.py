@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_2bw.models.embedding import Embedding
 from megatron_2bw.models.gpt import GPTHead
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.transformer import ParallelAttention, ParallelMLP, TransformerLayer
 from megatron_2bw.planner.layer_costs import (
     core_forward_flops, embedding_params, head_forward_flops, head_params, layer_forward_flops, layer_params,

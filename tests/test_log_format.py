@@ -254,7 +254,7 @@ def _matmul_flops(L: int, h: int, s: int, V: int, B: int, recompute: bool) -> fl
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("preset", ["gpt-demo", "gpt-1.3b"])
 def test_flops_are_megatrons_closed_form_with_the_padded_vocabulary(preset, recompute, t):
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.config.arith import flops_per_step, tflops_per_device
 
     cfg = get_preset(preset)

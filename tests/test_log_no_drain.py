@@ -116,7 +116,7 @@ def _signal_on_rank_1(trainer) -> None:
 
 def _runs(base: list[str], out: str) -> dict:
     """Every case on this rank: (exit code, completed steps); the engine reference's losses on the last stage."""
-    from megatron_2bw.testing.faults import FaultInjector
+    from megatron_2bw.faults import FaultInjector
     from megatron_2bw.training.lr_schedule import lr_at
 
     cases = {

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import asdict
 
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.search import PlanRequest, default_costs
 

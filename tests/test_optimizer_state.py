@@ -15,7 +15,7 @@ import torch
 from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer.flat import FlatAdam, FlatSGD
 from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix

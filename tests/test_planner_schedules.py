@@ -211,7 +211,7 @@ def test_deferred_bytes_are_what_the_engine_keeps(kind):
     import torch
     from torch import nn
 
-    from megatron_2bw.models.presets import get_preset
+    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input
     from megatron_2bw.tensor_parallel.group import TPGroup

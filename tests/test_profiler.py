@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.planner.auto_plan import AutoPlan, PlanChoice, auto_plan, auto_plan_details, host_cluster
 from megatron_2bw.planner.layer_costs import (
     embedding_params, head_params, layer_params, layer_stash_bytes, load_profile, tied_params, weight_grad_input_bytes,

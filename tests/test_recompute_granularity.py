@@ -10,7 +10,7 @@ import torch
 import pipeline_harness
 from megatron_2bw.config import PipelineConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import stage_slice
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy

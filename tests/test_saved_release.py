@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.saved_release import BoxedSaves, release_unread
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.schedule.actions import Op
 from megatron_2bw.schedule.schedules import bubble_fraction, inflight_limit
 from megatron_2bw.planner.cost_model import predict

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy

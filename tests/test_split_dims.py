@@ -9,7 +9,7 @@ from torch import nn
 
 from megatron_2bw.checkpoint.names import full_names
 from megatron_2bw.checkpoint.reshard import is_vocab, split_dim
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.tensor_parallel.group import TPGroup
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.checkpoint.names import WORD
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.schedule.grouping import COMM_OPS, comm_groups
@@ -27,7 +27,7 @@ from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import GlobalNames, RankWeights, sized_weights
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.testing.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
+from megatron_2bw.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
 
 
 def _adamw_reference(w0: torch.Tensor, n_decay: int, grads: list[torch.Tensor], lr: float, clip: float) -> torch.Tensor:
@@ -137,7 +137,7 @@ def test_fault_injector_poisons_only_its_rank_and_step():
 
 
 def test_fault_injector_kills_the_chosen_rank():
-    code = ("from megatron_2bw.testing.faults import FaultInjector\n"
+    code = ("from megatron_2bw.faults import FaultInjector\n"
             "f = FaultInjector(kill_rank=1, kill_iteration=3)\n"
             "f.before_forward(0, 9); f.before_forward(1, 2); print('alive', flush=True); f.before_forward(1, 3)\n"
             "print('not reached')\n")

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_2bw.models.presets import get_preset
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.group import TPGroup

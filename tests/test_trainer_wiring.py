@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from e2e import PY, REPO, clean_env, corpus, read_metrics, run, start, train_args, train_losses  # noqa: F401
-from megatron_2bw.testing.faults import POISON_ENV
+from megatron_2bw.faults import POISON_ENV
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.training.health import EXIT_UNHEALTHY
 from test_log_format import MEGATRON, VALID, grab
@@ -272,7 +272,8 @@ def test_new_flags_are_checked_before_start(flags, message):
 
 
 def test_new_flags_reach_the_config():
-    from megatron_2bw.cli import build_config, megatron_args, parse_args
+    from megatron_2bw.argv import megatron_args
+    from megatron_2bw.cli import build_config, parse_args
 
     cfg = build_config(parse_args([*BASE, "--exit-signal-handler", "--exit-signal", "usr2", "--exit-duration-in-mins",
                                    "90", "--max-skipped-steps", "7", "--stall-timeout-s", "0", "--wandb-project", "p",

@@ -14,10 +14,11 @@ from dataclasses import replace
 import pytest
 
 from e2e import corpus  # noqa: F401 - session fixture
-from megatron_2bw.cli import build_config, parse_args, to_argv
+from megatron_2bw.argv import to_argv
+from megatron_2bw.cli import build_config, parse_args
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.models.presets import GPT2_VOCAB
+from megatron_2bw.config.presets import GPT2_VOCAB
 from megatron_2bw.schedule.stages import (
     canonical_split, format_split, layers_per_stage, megatron_split, min_layers, stage_range, stage_slice,
 )

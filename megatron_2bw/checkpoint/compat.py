@@ -18,7 +18,7 @@ SHAPE_FIELDS += ("make_vocab_size_divisible_by",)  # the embedding's padded rows
 
 
 def model_config(config: dict) -> ModelConfig:
-    """The ModelConfig a file's ``config`` (``cli.describe``) records."""
+    """The ModelConfig a file's ``config`` (``argv.describe``) records."""
     known = {f.name for f in fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
 

@@ -1,55 +1,32 @@
 """The checkpoint formats under their ``--ckpt-format`` names: one small protocol the trainer and the
-launcher ask, instead of an ``if`` on the format at every call site.
+launcher ask (``format_protocol.py``), instead of an ``if`` on the format at every call site.
 
-A format answers five questions: is this iteration folder mine (``detect``), what does this rank read
-before any process group exists (``read_before_init``), does it fit the run (``check_compatible``), how
-does it go into the live stage (``restore``) and how is it written (``save``). Adding a format is its own
-module (``<name>_format.py``, found by its name) plus its name in ``config.CKPT_FORMATS``.
+Adding a format is its own module (``<name>_format.py``, whose ``FORMAT`` implements the protocol), its row
+in :data:`MODULES` and its name in ``config.CKPT_FORMATS``.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
 
 from ..config import CKPT_FORMATS
 from ..errors import ConfigError
+from .format_protocol import CheckpointFormat, SaveRequest
 from .layout import iteration_dir
 
+__all__ = ["MODULES", "CheckpointFormat", "SaveRequest", "detect", "get_format", "of_file"]
 
-@dataclass
-class SaveRequest:
-    """What a save may need; each format takes its part (the torch format a payload per rank, torch_dist the
-    rank-independent ``common`` state and the optional background writer)."""
-
-    root: str
-    iteration: int
-    stage: Any
-    state: Any
-    tracker: Any
-    payload: Callable[[], dict]
-    common: Callable[[], dict]
-    async_writer: Any = None
-
-
-class CheckpointFormat(Protocol):
-    name: str
-
-    def detect(self, iter_dir: str) -> bool: ...
-    def read_before_init(self, load: str, iteration: int, rank: int, cfg) -> dict: ...
-    def check_compatible(self, sd: dict, cfg, weights_only: bool) -> None: ...
-    def restore(self, sd: dict, stage, tracker, device, **options) -> None: ...
-    def save(self, req: SaveRequest) -> str: ...
+# --ckpt-format NAME -> the module of this package whose FORMAT implements it, a literal table the layering
+# test reads; each loads on first use
+MODULES = {"torch": "torch_format", "torch_dist": "torch_dist_format"}
 
 
 def get_format(name: str) -> CheckpointFormat:
-    """The format ``--ckpt-format NAME`` names: the ``FORMAT`` of this package's module ``<name>_format``
-    (``torch_format.py``, ``torch_dist_format.py``), loaded on first use, so a new format is its module and
-    its name in :data:`~megatron_2bw.config.CKPT_FORMATS`."""
+    """The format ``--ckpt-format NAME`` names: the ``FORMAT`` of its module in :data:`MODULES`
+    (``torch_format.py``, ``torch_dist_format.py``), loaded on first use."""
     if name not in CKPT_FORMATS:
         raise ConfigError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, got {name!r}")
-    return importlib.import_module(f"{__package__}.{name}_format").FORMAT
+    return importlib.import_module(f"{__package__}.{MODULES[name]}").FORMAT
 
 
 def detect(load: str, iteration: int) -> CheckpointFormat:

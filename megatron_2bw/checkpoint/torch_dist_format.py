@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from . import dist_checkpoint
-from .formats import SaveRequest
+from .format_protocol import SaveRequest
 
 
 class TorchDistFormat:

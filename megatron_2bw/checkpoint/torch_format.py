@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from . import checkpointing, dist_checkpoint
-from .formats import SaveRequest
+from .format_protocol import SaveRequest
 
 
 class TorchFormat:

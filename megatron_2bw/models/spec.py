@@ -33,7 +33,7 @@ class ModelSpec:
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
     split: tuple[int, ...] | None = None  # layers per stage (schedule/stages.py); None: even
-    recompute: RecomputePolicy | None = None  # recomputation inside the stage (pipeline/recompute.py)
+    recompute: RecomputePolicy | None = None  # inside the stage (transformer.py:apply_recompute)
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
     cp: CPGroup | None = None  # context parallelism: each microbatch's sequence sharded over its ranks
 

@@ -24,7 +24,7 @@ from .weights import GlobalNames, RankWeights
 from .zero import ShardLayout
 
 if TYPE_CHECKING:
-    from ..testing.faults import FaultInjector
+    from ..faults import Faults
 
 
 def _weights(build: Callable, state: ParallelState, opt: OptimizerConfig, pipe: PipelineConfig, chunks: int,
@@ -105,7 +105,7 @@ def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt
 def build_stage(build: Callable[[], list[nn.Module]], loss_fn: Callable, state: ParallelState,
                 pipe: PipelineConfig, opt: OptimizerConfig, act_shape: tuple[int, ...], *,
                 rng_tracker: RNGTracker | None = None, names: GlobalNames = GlobalNames(),
-                faults: "FaultInjector | None" = None, cpu_init: bool = True,
+                faults: "Faults | None" = None, cpu_init: bool = True,
                 transport: Transport | None = None) -> PipelineRank:
     """This rank's engine: ``build()`` gives its layers (one list per model chunk where the schedule runs
     several), ``loss_fn(out, batch)`` the last stage's loss; ``transport``: a given one (tests)."""

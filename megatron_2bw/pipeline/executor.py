@@ -48,7 +48,7 @@ from .transport import SEND_OPS, Incoming
 from .updater import host
 
 if TYPE_CHECKING:
-    from ..testing.faults import FaultInjector
+    from ..faults import Faults
 
 
 @dataclass
@@ -106,7 +106,7 @@ class PipelineRank(PostValidation):
 
     def __init__(self, parts: RankParts, loss_fn: Callable, state: ParallelState, pipe: PipelineConfig,
                  opt: OptimizerConfig, *, rng_tracker: RNGTracker | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: Faults | None = None) -> None:
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
         self.weights, self.transport, self.reducer = parts.weights, parts.transport, parts.reducer
         self.updater, self.stats = parts.updater, parts.stats

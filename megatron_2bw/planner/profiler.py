@@ -49,7 +49,7 @@ from torch import nn
 from ..config import ModelConfig, OptimizerConfig
 from ..errors import ConfigError
 from ..models.bert import random_samples
-from ..models.presets import get_preset
+from ..config.presets import get_preset
 from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
 from .block_timing import (  # noqa: F401 - re-exported: the profiler's public names
@@ -262,7 +262,7 @@ def profile_tensor_parallel(
 ) -> Profile:
     """Profile at tensor-parallel size ``t`` with ``t`` local processes (one GPU each on CUDA, gloo
     processes of ``threads`` threads on a CPU); keyword arguments as :func:`profile_model`."""
-    from ..testing.local_workers import run_workers  # noqa: PLC0415
+    from ..local_workers import run_workers  # noqa: PLC0415
 
     cfg = _model(model)
     if t < 1:

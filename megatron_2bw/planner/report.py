@@ -3,7 +3,7 @@
 Everything here formats results or re-runs the search; the costs and bytes come from
 ``search``/``memory_model``. ``max_model_size`` is the one search of its own: a doubling then
 bisection over the number of layers, each probe evaluated by ``search.evaluate``. The trainer's
-command is rendered by ``cli.pretrain_argv`` from the same flag table the trainer parses.
+command is rendered by ``argv.pretrain_argv`` from the same flag table the trainer parses.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from ..cli import pretrain_argv, render
+from ..argv import pretrain_argv, render
 from ..config import Layout, ModelConfig
 from ..errors import ConfigError
-from ..models.presets import get_preset
+from ..config.presets import get_preset
 from ..schedule.stages import format_split
 from ..schedule.schedules import SCHEDULE_NAMES
 from ..config.arith import flops_per_step

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
-from ..cli import describe, megatron_args
+from ..argv import describe, megatron_args
 from ..checkpoint.names import WORD
 from ..context_parallel.group import CPGroup
 from ..models.gpt import DocumentMasks
@@ -48,7 +48,7 @@ from ..schedule.schedules import STOP_LAG
 from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
-from ..testing.faults import FaultInjector
+from ..faults import Faults
 from ..checkpoint import checkpointing, dist_checkpoint, formats
 from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
 from . import health, signals, watchdog
@@ -96,7 +96,7 @@ class BoundaryStats(NamedTuple):
 class Trainer:
     """One rank's training run: the engine, its data, and the boundaries where ranks meet."""
 
-    def __init__(self, prep, state: parallel_state.ParallelState, faults: FaultInjector | None = None,
+    def __init__(self, prep, state: parallel_state.ParallelState, faults: Faults | None = None,
                  wd: watchdog.Watchdog | None = None) -> None:
         self.prep, self.cfg, self.state, self.wd = prep, prep.cfg, state, wd
         cfg, tc, oc = self.cfg, self.cfg.training, self.cfg.optimizer

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import torch
 
-from ..cli import describe
+from ..argv import describe
 from ..config import RunConfig
 from ..config.arith import counts_recompute, tflops_per_device
 from ..parallel_state import ParallelState

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import parallel_state
 from ..errors import ConfigError
-from ..testing.faults import FaultInjector
+from ..faults import FaultInjector, Faults
 from ..checkpoint import checkpointing
 from . import signals, supervision, watchdog
 from .loop import Trainer
@@ -75,7 +75,7 @@ def resume_disagreement(iteration: int | None) -> tuple[int | None, int | None] 
     return (None if -neg_lo < 0 else -neg_lo), (None if hi < 0 else hi)
 
 
-def run(prep, faults: FaultInjector | None = None) -> int:
+def run(prep, faults: Faults | None = None) -> int:
     """Initialize the process groups, train, and tear down; a failure ends this process quickly.
 
     ``faults`` (tests): injected faults; ``None`` takes them from the environment

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..cli import megatron_args
+from ..argv import megatron_args
 from ..config import RunConfig
 from ..errors import ConfigError
 from . import supervision

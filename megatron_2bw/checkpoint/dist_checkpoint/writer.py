@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from ...errors import ConfigError
 from ...tensor_parallel.recompute import RNGSnapshot
-from ...testing import faults
+from ... import faults
 from .. import manifest, trainer_format
 from ..compat import stage_model
 from ..layout import iteration_dir

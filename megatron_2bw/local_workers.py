@@ -1,4 +1,4 @@
-"""Run a function on N local processes with a hard timeout (tests, benchmarks, the profiler).
+"""Run a function on N local processes with a hard timeout (the profiler, benchmarks, tests).
 
 ``run_workers(fn, n, *args)`` starts ``n`` spawned processes on a fresh free port, calls
 ``fn(*args)`` in each after ``torch.distributed`` is initialized (gloo by default; with
@@ -101,7 +101,7 @@ def run_workers(
             except Exception:  # queue.Empty: check for dead workers
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and queue.empty():
-                    raise RuntimeError(f"{fn.__name__}: a worker died with exit code {dead[0].exitcode}")
+                    raise RuntimeError(f"{fn.__name__}: a worker died with exit code {dead[0].exitcode}") from None
                 continue
             if ok:
                 results[rank] = pickle.loads(value)

@@ -1,15 +1,18 @@
-"""Faults injected on purpose, for tests: one explicit object handed to the engine.
+"""Faults injected on purpose: the engine's two hooks as a protocol, and the injector the environment describes.
 
-Like Megatron's ``RerunErrorInjector``, the faults a run should suffer are described once, up
-front, and passed to ``build_stage(..., faults=...)``; the engine asks it at two points:
+The engine, the trainer and the checkpoint writer depend on this module only, never on the tests: like
+Megatron's ``RerunErrorInjector``, the faults a run should suffer are described once, up front, and passed
+to ``build_stage(..., faults=...)`` as any object that has the two hooks of :class:`Faults`:
 
-- REDUCE_GRADS(t): :meth:`FaultInjector.poison` writes an inf into the rank's step-t gradient,
-  which must make every rank skip step t (the overflow path);
-- FORWARD of a microbatch of step t: :meth:`FaultInjector.before_forward` ends the process
+- REDUCE_GRADS(t): :meth:`Faults.poison` may write an inf into the rank's step-t gradient, which must make
+  every rank skip step t (the overflow path);
+- FORWARD of a microbatch of step t: :meth:`Faults.before_forward` may end the process
   (``os._exit(1)``, no clean-up, as a crash would) on the rank chosen to die.
 
-Processes started by ``torchrun`` get theirs from the environment (:meth:`FaultInjector.from_env`,
-called by the launcher, never by the engine).
+:class:`FaultInjector` is the one implementation the trainer builds: processes started by ``torchrun``
+get theirs from the environment (:meth:`FaultInjector.from_env`, called by the session, never by the
+engine; docs/training.md "Fault injection"); tests hand one in, or their own object with the same hooks.
+Torch-free: a gradient is only indexed.
 """
 
 from __future__ import annotations
@@ -18,8 +21,21 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+class Faults(Protocol):
+    """What the engine asks at its two injection points."""
+
+    def poison(self, rank: int, step: int, grad: Tensor) -> None:
+        """Make ``grad`` (this rank's flat step-``step`` gradient) non-finite, or leave it."""
+
+    def before_forward(self, rank: int, step: int) -> None:
+        """End this process, or return."""
+
 
 KILL_RANK_ENV = "MEGATRON_2BW_FAULT_KILL_RANK"
 KILL_ITER_ENV = "MEGATRON_2BW_FAULT_KILL_ITER"
@@ -35,6 +51,9 @@ POISON_ENV = "MEGATRON_2BW_FAULT_POISON"
 
 @dataclass(frozen=True)
 class FaultInjector:
+    """The faults an environment (or a test) describes. The trainer honours the ``MEGATRON_2BW_FAULT_*``
+    variables it documents, so this lives in the library, not in test support."""
+
     poison_grads: frozenset[tuple[int, int]] = frozenset()  # (global rank, step): an inf in that gradient
     kill_rank: int | None = None  # the global rank that dies ...
     kill_iteration: int = 0  # ... when it starts a forward of this step (0-based) or a later one
@@ -74,7 +93,7 @@ class FaultInjector:
                 return cls(kill_rank=rank, kill_iteration=step)
         return None
 
-    def poison(self, rank: int, step: int, grad: torch.Tensor) -> None:
+    def poison(self, rank: int, step: int, grad: Tensor) -> None:
         """Make ``grad`` (this rank's flat step-``step`` gradient) non-finite if asked to."""
         if (rank, step) in self.poison_grads:
             grad[0] = float("inf")

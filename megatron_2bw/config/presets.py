@@ -1,11 +1,14 @@
-"""Named model sizes: the paper's GPT/BERT models and tiny ones for tests and the demo."""
+"""Named model sizes: the paper's GPT/BERT models and tiny ones for tests and the demo.
+
+Data about configs, so it lives with them: the flag table, the command line and the planner read it
+without importing the models."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ModelConfig
 from ..errors import ConfigError
+from .model import ModelConfig
 
 GPT2_VOCAB = 50257
 BERT_VOCAB = 30522

@@ -1,1 +1,0 @@
-"""Helpers for running the package on several local processes (tests, benchmarks, the profiler)."""
