@@ -15,8 +15,14 @@ import sys
 
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config
 from megatron_2bw.planner.hardware import load_cluster
-from megatron_2bw.planner.search import (DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, candidates,
-                                         default_costs, evaluate, sequence_parallel_choices)
+from megatron_2bw.planner.search import (
+    DEFAULT_MEMORY_MARGIN,
+    FINER_RECOMPUTE,
+    PlanRequest,
+    candidates,
+    default_costs,
+    evaluate,
+)
 from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES
 
 GiB = 2**30

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_2bw.checkpoint.megatron_format import Exported
-from megatron_2bw.export.model_io import build_full_model, global_state_dict, load_full
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.export.model_io import build_full_model, global_state_dict, load_full
 from megatron_2bw.models.spec import run_layers
 
 CONVERTERS_ENV = "HF_MEGATRON_CONVERTERS"

@@ -11,21 +11,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.checkpoint.names import WORD
-from megatron_2bw.context_parallel.group import CPGroup
-from megatron_2bw.models.gpt import DocumentMasks
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.context_parallel.group import CPGroup
+from megatron_2bw.faults import FaultInjector
+from megatron_2bw.models.gpt import DocumentMasks
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.schedule.stages import chunk_ranges, stage_range
 from megatron_2bw.parallel_state import ParallelState, build_state
-from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
-from megatron_2bw.schedule.schedules import get_schedule
+from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
+from megatron_2bw.schedule.schedules import get_schedule
+from megatron_2bw.schedule.stages import chunk_ranges, stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.faults import FaultInjector
 
 
 def matching_shard(dense: torch.Tensor, local: torch.Tensor, tp_rank: int, t: int) -> torch.Tensor:

@@ -24,8 +24,8 @@ from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer import muon
 from megatron_2bw.parallel_state import build_state
-from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
+from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range

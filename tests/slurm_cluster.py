@@ -14,7 +14,6 @@ import tempfile
 import time
 
 import pytest
-
 from e2e import REPO, clean_env, once
 
 SCRIPT = os.path.join(REPO, "scripts", "slurm_test_cluster.sh")

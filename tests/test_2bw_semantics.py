@@ -16,13 +16,13 @@ import copy
 
 import pytest
 import torch
+from pipeline_harness import train_tiny
 from torch import nn
 from torch.func import functional_call
 
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.tensor_parallel.group import TPGroup
-from pipeline_harness import train_tiny
 
 STEPS, B, MICRO, WD = 6, 8, 2, 0.01
 # Adam's normalization amplifies last-bit differences of near-zero gradients by ~lr; keep it small

@@ -16,14 +16,18 @@ import pytest
 import torch
 
 from megatron_2bw.cli import build_config, parse_args
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError, run_cli
 from megatron_2bw.fused import Kernels
 from megatron_2bw.models.attention_core import attention, unfused_attention
-from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import (
-    analytic_microbatch_costs, attention_kernel, core_stash_bytes, dropout_mask_bytes, layer_stash_bytes,
+    analytic_microbatch_costs,
+    attention_kernel,
+    core_stash_bytes,
+    dropout_mask_bytes,
+    layer_stash_bytes,
 )
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker

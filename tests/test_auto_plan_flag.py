@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from e2e import PY, REPO, clean_env, corpus, read_metrics, run  # noqa: F401
+
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.planner.auto_plan import auto_plan
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from e2e import PY, REPO, clean_env, corpus, run, torchrun  # noqa: F401
 
 TIMEOUT = 60

@@ -16,7 +16,6 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-
 from e2e import PY, REPO, corpus, read_metrics, run, train_args  # noqa: F401
 from multiproc import run_workers
 from pipeline_harness import _dataset, train_tiny

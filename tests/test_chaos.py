@@ -18,10 +18,10 @@ import random
 import re
 import signal
 
-from e2e import (clean_env, corpus, gpt_2bw_run, read_metrics, start, torchrun, torchrun_cmd,  # noqa: F401
-                 train_losses)
-from megatron_2bw.faults import KILL_PLAN_ENV
+from e2e import clean_env, corpus, gpt_2bw_run, read_metrics, start, torchrun, torchrun_cmd, train_losses  # noqa: F401
 from test_trainer_wiring import same_checkpoint, tracker
+
+from megatron_2bw.faults import KILL_PLAN_ENV
 
 SEED = 20261130  # the kill plan's random steps and ranks; printed on failure
 CHAOS_TIMEOUT = 600

@@ -18,20 +18,20 @@ import torch
 import torch.distributed as dist
 from ckpt_runs import DATA, _ckpt_data, gpt_args, one_rank_run, train  # noqa: F401
 from e2e import PY, REPO, once, read_metrics, run, train_losses
+from multiproc import run_workers
 
-from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.names import WORD
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.faults import SAVE_FAULT_ENV
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state, coords_of
-from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
+from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.faults import SAVE_FAULT_ENV
-from megatron_2bw.checkpoint import checkpointing as ck
-from megatron_2bw.checkpoint import dist_checkpoint as dc
-from multiproc import run_workers
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_util.py")
 START, END = 2, 3

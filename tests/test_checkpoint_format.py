@@ -5,7 +5,6 @@ state by global name beside them; formats 1 and 2 still load; weights-only resto
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import asdict
 
 import pytest
@@ -13,19 +12,19 @@ import torch
 from ckpt_runs import _ckpt_data, one_rank_run  # noqa: F401
 from export_helpers import hf_converter, max_err
 
-from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.errors import ConfigError
+from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint import trainer_format
 from megatron_2bw.checkpoint.names import WORD
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.parallel_state import ParallelState
-from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
+from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.checkpoint import checkpointing as ck
 
 CPU = torch.device("cpu")
 

@@ -18,9 +18,9 @@ import torch
 from ckpt_runs import _ckpt_data, gpt_args, one_rank_run, tp2_pp2_run, train  # noqa: F401
 from e2e import read_metrics, train_losses
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint import manifest
+from megatron_2bw.errors import ConfigError
 
 
 def _error_lines(res) -> list[str]:

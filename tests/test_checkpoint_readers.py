@@ -17,10 +17,11 @@ import shutil
 
 from ckpt_runs import _ckpt_data, one_rank_run, train  # noqa: F401
 from e2e import REPO
-from megatron_2bw.checkpoint import checkpointing as ck
-from megatron_2bw.checkpoint import manifest
 from test_checkpoint_integrity import _tensor_data_offset
 from test_save_guard import _digest
+
+from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.checkpoint import manifest
 
 UTIL, GEN = os.path.join(REPO, "tools", "checkpoint_util.py"), os.path.join(REPO, "tools", "generate.py")
 

@@ -12,8 +12,8 @@ import torch
 from ckpt_runs import _ckpt_data, gpt_args, tp2_pp2_run, train  # noqa: F401
 from e2e import PY, REPO, read_metrics, run, train_losses
 
-from megatron_2bw.checkpoint.trainer_reshard import read_trainer_checkpoint
 from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.checkpoint.trainer_reshard import read_trainer_checkpoint
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_util.py")
 START, END = 5, 10

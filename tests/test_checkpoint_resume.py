@@ -12,11 +12,10 @@ import shutil
 
 import pytest
 import torch
+from e2e import bert_flush_run, corpus, gpt_2bw_killed, gpt_2bw_run, read_metrics, torchrun, train_losses  # noqa: F401
 
-from e2e import (bert_flush_run, corpus, gpt_2bw_killed, gpt_2bw_run, read_metrics, torchrun,  # noqa: F401
-                 train_losses)
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.errors import ConfigError
 
 
 def _evals(records):

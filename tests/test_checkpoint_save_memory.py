@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from multiproc import run_workers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint.names import WORD
+from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
-from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.build import build_stage
+from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.pipeline.zero import ShardLayout, gather_full
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.checkpoint import checkpointing as ck
-from multiproc import run_workers
 
 CPU = torch.device("cpu")
 
@@ -204,9 +204,9 @@ def test_memory_model_counts_the_async_save_host_copy():
     16 B/param), is 1/w of that per replica, and stays out of the device total."""
     from dataclasses import replace
 
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
     from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
     from megatron_2bw.planner.memory_model import Candidate, ParamBytes, async_save_host_bytes, stage_memory
-    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     stage = _stage(ParallelState.single())
     writer = dc.AsyncWriter()
@@ -249,8 +249,8 @@ def test_a_torch_dist_save_writes_items_of_bounded_size_and_resumes_bitwise(tmp_
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron_2bw.checkpoint.dist_checkpoint import shard_map
     from megatron_2bw.checkpoint import dist_checkpoint as dc
+    from megatron_2bw.checkpoint.dist_checkpoint import shard_map
 
     limit = 4096
     monkeypatch.setattr(shard_map, "MAX_CHUNK_BYTES", limit)
@@ -305,10 +305,9 @@ def _bounded_d2_save(root: str) -> dict:
 def test_bounded_items_reshard_on_load(tmp_path):
     """A d = 2 save cut into 2 KiB items resumes at d = 1 (load-time resharding): every parameter of the
     single stage equals the saved stages' values, so each piece sits at its global offset."""
-    from megatron_2bw.checkpoint import dist_checkpoint as dc
-
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_2bw.checkpoint import dist_checkpoint as dc
 
     stages = run_workers(_bounded_d2_save, 2, str(tmp_path), timeout=300)
     fresh = _stage(ParallelState.single())

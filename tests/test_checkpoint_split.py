@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint.checkpointing import check_compatible
+from megatron_2bw.errors import ConfigError
 
 MODEL = {"num_layers": 4}
 

@@ -15,14 +15,14 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-
 from e2e import PY, REPO, clean_env, corpus, read_metrics, run, train_args  # noqa: F401
+
 from megatron_2bw import cli
 from megatron_2bw.argv import megatron_args
+from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.cli import build_config, parse_args, schedule_note
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.schedule.schedules import get_schedule
-from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.training.launch import dataset_sizes
 from megatron_2bw.training.startup_checks import check_save_dir, index_bytes
 

@@ -8,14 +8,14 @@ memory per precision, that draining between segments changes nothing, and the re
 
 import pytest
 import torch
+from multiproc import run_workers
+from pipeline_harness import matching_shard, train_tiny
+from test_2bw_semantics import DC_LAMBDA, LR, MICRO, MUON, STEPS, WD, B, fp32_newton_schulz, reference_2bw
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import sized_weights
-from multiproc import run_workers
-from pipeline_harness import matching_shard, train_tiny
-from test_2bw_semantics import B, DC_LAMBDA, LR, MICRO, MUON, STEPS, WD, fp32_newton_schulz, reference_2bw
 
 MODES = ("none", "predict", "dc")
 LAYOUTS = [(1, 2, 1), (1, 1, 2), (1, 2, 2)]  # (t, d, w); (1, 1, 1) is test_2bw_semantics

@@ -14,11 +14,11 @@ from dataclasses import replace
 import pytest
 
 from megatron_2bw.argv import megatron_args, to_argv
-from megatron_2bw.cli import FLAGS, build_config, build_parser, model_config, parse_args, run_cli
-from megatron_2bw.flags import MEGATRON_DROPOUT
+from megatron_2bw.cli import FLAGS, build_config, build_parser, parse_args, run_cli
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import PRESETS
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.flags import MEGATRON_DROPOUT
 from megatron_2bw.planner.auto_plan import PlanChoice
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.report import paper_model, pretrain_command

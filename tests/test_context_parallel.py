@@ -13,7 +13,6 @@ Cells of one world size share one set of processes.
 from __future__ import annotations
 
 import pytest
-
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
 

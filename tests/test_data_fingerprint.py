@@ -12,9 +12,10 @@ import os
 import shutil
 
 from e2e import PY, REPO, corpus, run, tool, train_args  # noqa: F401
+
+from megatron_2bw.data.fingerprint import read_sidecar, sidecar_path, tokenizer_fingerprint
 from megatron_2bw.data.preprocess import preprocess_jsonl
 from megatron_2bw.data.tokenizers import build_tokenizer
-from megatron_2bw.data.fingerprint import read_sidecar, sidecar_path, tokenizer_fingerprint
 
 GPT = os.path.join(REPO, "pretrain_gpt.py")
 

@@ -27,22 +27,22 @@ import contextlib
 import functools
 import shutil
 
+import ckpt_runs
+import pipeline_harness
 import pytest
 import torch
 import torch.distributed as dist
-
-import ckpt_runs
-import pipeline_harness
 from ckpt_runs import _ckpt_data  # noqa: F401 - the autouse fixture that builds the corpus
 from e2e import read_metrics, train_losses
+from multiproc import run_workers
+
+from megatron_2bw.checkpoint import checkpointing as ckpt
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.grad_reducer import GradReducer
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import sized_weights
 from megatron_2bw.pipeline.zero import ShardLayout
-from megatron_2bw.checkpoint import checkpointing as ckpt
-from multiproc import run_workers
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 KW = dict(steps=3, lr=1e-3)

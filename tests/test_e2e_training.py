@@ -9,8 +9,8 @@ import os
 import re
 
 import pytest
-
 from e2e import REPO, bert_flush_run, corpus, gpt_2bw_run, read_metrics, torchrun, train_args  # noqa: F401
+
 from megatron_2bw.training.log_format import parse_bubble
 from megatron_2bw.training.loop import next_boundary
 
@@ -158,8 +158,8 @@ def test_metrics_writer_bert_components(tmp_path, caplog):
     """BERT's eval record and validation line: MLM and SOP values, PPL of the MLM loss only."""
     import json
 
-    from megatron_2bw.training.metrics import Metrics, step_record
     from megatron_2bw.pipeline.executor import StepResult
+    from megatron_2bw.training.metrics import Metrics, step_record
 
     path = tmp_path / "m.jsonl"
     lm, sop = 2.5, 0.625

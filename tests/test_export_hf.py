@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import pytest
 import torch
 from export_helpers import bert_batch, bert_outputs, gpt_logits, max_err, tiny
 

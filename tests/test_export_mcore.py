@@ -12,8 +12,8 @@ import pytest
 import torch
 from export_helpers import gpt_logits, max_err, tiny
 
-from megatron_2bw.export.checkpoints import load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.megatron_format import read_rank_files
+from megatron_2bw.export.checkpoints import load_checkpoint, save_checkpoint
 from megatron_2bw.export.model_io import build_full_model, load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

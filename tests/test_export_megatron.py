@@ -9,7 +9,11 @@ import torch
 from export_helpers import bert_batch, bert_outputs, gpt_logits, hf_converter, max_err, tiny
 
 from megatron_2bw.checkpoint.megatron_format import (
-    CHECKPOINT_VERSION, megatron_files, qkv_from_version, read_megatron_dir, write_megatron_dir,
+    CHECKPOINT_VERSION,
+    megatron_files,
+    qkv_from_version,
+    read_megatron_dir,
+    write_megatron_dir,
 )
 
 

@@ -5,10 +5,10 @@ import pytest
 
 from megatron_2bw.checkpoint.megatron_format import Exported
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import save_checkpoint
 from megatron_2bw.export.model_io import build_full_model, global_state_dict
-from megatron_2bw.config.presets import get_preset
 
 
 @pytest.fixture

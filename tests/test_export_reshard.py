@@ -6,11 +6,11 @@ import pytest
 import torch
 from export_helpers import tiny
 
-from megatron_2bw.errors import ConfigError
-from megatron_2bw.export.model_io import build_full_model, global_state_dict
 from megatron_2bw.checkpoint.names import full_names, stage_names
 from megatron_2bw.checkpoint.reshard import join_stages, merge_tensor_parallel, reshard, split_tensor_parallel, unshard
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.model_io import build_full_model, global_state_dict
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.tensor_parallel.group import TPGroup
 

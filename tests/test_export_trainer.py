@@ -10,12 +10,13 @@ import torch
 from e2e import PY, REPO, run, shared_corpus, torchrun
 from export_helpers import max_err
 
-from megatron_2bw.export.checkpoints import trainer_model_config
 from megatron_2bw.checkpoint.megatron_format import read_rank_files
 from megatron_2bw.checkpoint.trainer_format import newest_weights
+from megatron_2bw.export.checkpoints import trainer_model_config
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
+
 
 @pytest.fixture(scope="module")
 def corpus_data(tmp_path_factory):
@@ -85,8 +86,8 @@ def test_trainer_files_with_megatron_contents_load(tmp_path):
 
     from export_helpers import tiny
 
-    from megatron_2bw.export.checkpoints import load_checkpoint
     from megatron_2bw.checkpoint.megatron_format import FILENAME, megatron_files, rank_dir
+    from megatron_2bw.export.checkpoints import load_checkpoint
 
     ex, _ = tiny("gpt")
     idir = tmp_path / "ckpt" / "iter_0000011"

@@ -9,9 +9,9 @@ import os
 import shutil
 
 import pytest
-
 from ckpt_runs import _ckpt_data, one_rank_run, train  # noqa: F401
 from e2e import REPO
+
 from megatron_2bw.data.blend import parse_data_path
 from megatron_2bw.data.preprocess import read_jsonl
 from megatron_2bw.errors import ConfigError

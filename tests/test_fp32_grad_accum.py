@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import functools
 
+import pipeline_harness
 import torch
 from torch import nn
 
-import pipeline_harness
-from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.checkpoint.names import WORD
+from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
 
 # one model chunk per rank: these compare against a one-stage run, which a chunked schedule (interleaved,
 # V) cannot be; tests/test_interleaved_numerics.py covers those against the single process
 ONE_CHUNK = tuple(s for s in SCHEDULE_NAMES if get_schedule(s).chunks == 1)
-from megatron_2bw.pipeline.weights import RankWeights
-from megatron_2bw.faults import FaultInjector
 from multiproc import run_workers
+
+from megatron_2bw.faults import FaultInjector
+from megatron_2bw.pipeline.weights import RankWeights
 
 BF16, FP32 = torch.bfloat16, torch.float32
 KW = dict(steps=2, global_batch=16, micro=1, lr=3e-3, clip=1.0)  # m=8 per replica at w=2

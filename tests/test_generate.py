@@ -61,8 +61,8 @@ def test_generate_tool_streams_transformers_greedy_text(tmp_path, tmp_path_facto
     import importlib.util
     import os
 
-    from megatron_2bw.data.tokenizers import build_tokenizer
     from megatron_2bw.checkpoint.megatron_format import write_megatron_dir
+    from megatron_2bw.data.tokenizers import build_tokenizer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     from e2e import shared_corpus

@@ -5,7 +5,6 @@ printed garbage with exit 0 (only a larger vocabulary was refused); on a torch_d
 
 from __future__ import annotations
 
-
 from ckpt_runs import gpt_args, train
 from e2e import shared_corpus
 from test_export_tokenizer import TEXT

@@ -8,16 +8,16 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from multiproc import run_workers
 
-from megatron_2bw.checkpoint.dist_checkpoint import collective
 from megatron_2bw import parallel_state as ps
+from megatron_2bw.checkpoint.dist_checkpoint import collective
+from megatron_2bw.local_workers import init_kwargs
 from megatron_2bw.parallel_state import build_state, group_timeout, layout_groups
 from megatron_2bw.pipeline import transport as tp
 from megatron_2bw.pipeline import zero
 from megatron_2bw.pipeline.zero import ShardLayout, gather_full
 from megatron_2bw.schedule.actions import Action, Op
-from megatron_2bw.local_workers import init_kwargs
-from multiproc import run_workers
 
 
 class _Done:

@@ -9,9 +9,9 @@ advanced by polling from the loop deadlocks here; the issued-at-once chain compl
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_workers
 
 from megatron_2bw.pipeline.grad_reducer import GradReducer
-from multiproc import run_workers
 
 pytestmark = pytest.mark.torch_floor
 

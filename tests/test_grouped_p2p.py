@@ -8,14 +8,14 @@ an ordering that could deadlock on NCCL hangs here too (and the worker timeout f
 """
 
 import pytest
+from multiproc import run_workers
+from pipeline_harness import train_tiny
+from test_pipeline_layouts import SCHEDULES, compare
 
 from megatron_2bw.schedule.actions import Op, format_actions, parse_actions
 from megatron_2bw.schedule.checker import ScheduleError
 from megatron_2bw.schedule.grouping import COMM_OPS, check_grouped, check_grouped_actions, comm_groups
 from megatron_2bw.schedule.schedules import stage_actions
-from multiproc import run_workers
-from pipeline_harness import train_tiny
-from test_pipeline_layouts import SCHEDULES, compare
 
 KW = dict(steps=4, lr=1e-3)
 

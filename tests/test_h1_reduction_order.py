@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from megatron_2bw.pipeline import grad_reducer, zero
+from megatron_2bw.pipeline.grad_reducer import GradReducer
+from megatron_2bw.pipeline.zero import ShardLayout
 from megatron_2bw.schedule import schedules
 from megatron_2bw.schedule.actions import Action, Op
-from megatron_2bw.pipeline.grad_reducer import GradReducer
 from megatron_2bw.schedule.grouping import comm_groups
 from megatron_2bw.schedule.replay import BLOCKED, Rendezvous, Replay, ScheduleError, Timing
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, stage_actions
-from megatron_2bw.pipeline.zero import ShardLayout
 
 pytestmark = pytest.mark.torch_floor
 

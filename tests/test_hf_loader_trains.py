@@ -3,9 +3,8 @@
 import math
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
 from e2e import PY, REPO, corpus, read_metrics, run, train_args, train_losses  # noqa: F401
+from transformers import GPT2Config, GPT2LMHeadModel
 
 
 def test_hf_model_loads_and_trains(corpus, tmp_path):  # noqa: F811

@@ -9,12 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from megatron_2bw.data.indexed_dataset import (
-    HEADER_SIZE,
-    IndexedDataset,
-    IndexedDatasetBuilder,
-    best_fitting_dtype,
-)
+from megatron_2bw.data.indexed_dataset import HEADER_SIZE, IndexedDataset, IndexedDatasetBuilder, best_fitting_dtype
 from megatron_2bw.errors import ConfigError
 
 # Three documents: [a b] [c] [] ; item sizes 3, 0, 5, 2.

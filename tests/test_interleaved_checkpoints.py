@@ -11,11 +11,10 @@ import shutil
 
 import pytest
 import torch
-
 from e2e import REPO, read_metrics, torchrun, train_losses
 
-from megatron_2bw.export.checkpoints import load_checkpoint
 from megatron_2bw.checkpoint.trainer_reshard import read_dist_checkpoint, read_trainer_checkpoint
+from megatron_2bw.export.checkpoints import load_checkpoint
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_util.py")
 # 4 layers on d = 2 ranks, one layer per virtual stage: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3

@@ -16,7 +16,6 @@ test_pipeline_layouts' layouts); the in-flight count is the schedule's, in chunk
 from __future__ import annotations
 
 import torch
-
 from multiproc import run_workers
 from pipeline_harness import train_tiny
 from test_pipeline_layouts import compare

@@ -8,12 +8,12 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.planner.simulator import StageCosts, simulate
 from megatron_2bw.schedule.actions import Action, Op, format_actions
 from megatron_2bw.schedule.checker import check_schedule
 from megatron_2bw.schedule.grouping import check_grouped
 from megatron_2bw.schedule.placement import Placement
 from megatron_2bw.schedule.schedules import get_schedule, stage_actions, validate_pipeline
-from megatron_2bw.planner.simulator import StageCosts, simulate
 
 NAME = "interleaved-1f1b"
 NUM_STEPS = 2

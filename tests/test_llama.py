@@ -5,23 +5,23 @@ errors, and every schedule and layout against the single-process run."""
 import argparse
 import functools
 
+import pipeline_harness
 import pytest
 import torch
 import torch.nn.functional as F
-
-import pipeline_harness
-from megatron_2bw.cli import model_config
-from megatron_2bw.config import ModelConfig
-from megatron_2bw.errors import ConfigError
-from megatron_2bw.export.hf_format import hf_model, to_hf_llama
-from megatron_2bw.checkpoint.megatron_format import Exported
-from megatron_2bw.export.model_io import build_full_model, global_state_dict
-from megatron_2bw.flags import FLAGS
-from megatron_2bw.config.presets import get_preset
-from megatron_2bw.models.spec import ModelSpec, run_layers
-from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
+
+from megatron_2bw.checkpoint.megatron_format import Exported
+from megatron_2bw.cli import model_config
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.export.hf_format import hf_model, to_hf_llama
+from megatron_2bw.export.model_io import build_full_model, global_state_dict
+from megatron_2bw.flags import FLAGS
+from megatron_2bw.models.spec import ModelSpec, run_layers
+from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 
 CASES = {  # (GQA groups or None, untied, rotary base)
     "gqa_untied": (2, True, 500000),

@@ -11,12 +11,12 @@ import pytest
 import torch
 from export_helpers import gpt_logits, max_err
 
+from megatron_2bw.checkpoint.megatron_format import Exported, read_megatron_dir, read_rank_files
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.export.checkpoints import load_checkpoint
 from megatron_2bw.export.generation import CachedGPT, KVCache, generate
 from megatron_2bw.export.hf_format import hf_model
-from megatron_2bw.checkpoint.megatron_format import Exported, read_megatron_dir, read_rank_files
 from megatron_2bw.export.model_io import build_full_model, global_state_dict, load_full
-from megatron_2bw.config.presets import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

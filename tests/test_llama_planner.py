@@ -7,16 +7,22 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_2bw.config.arith import flops_per_step
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.embedding import Embedding
 from megatron_2bw.models.gpt import GPTHead
-from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.transformer import ParallelAttention, ParallelMLP, TransformerLayer
 from megatron_2bw.planner.layer_costs import (
-    core_forward_flops, embedding_params, head_forward_flops, head_params, layer_forward_flops, layer_params,
-    layer_stash_bytes, tied_params,
+    core_forward_flops,
+    embedding_params,
+    head_forward_flops,
+    head_params,
+    layer_forward_flops,
+    layer_params,
+    layer_stash_bytes,
+    tied_params,
 )
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.config.arith import flops_per_step
 
 CONFIGS = {
     "llama-tiny": get_preset("llama-tiny"),  # GQA (2 groups), SwiGLU, RMSNorm, no biases, untied

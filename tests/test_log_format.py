@@ -9,8 +9,18 @@ from datetime import datetime
 import pytest
 
 from megatron_2bw.training.log_format import (
-    CudaMemory, MemoryReading, eta_line, framed, iteration_of_step, memory_from_stages, memory_report_line,
-    peak_tflops_of, saved_checkpoint_line, train_log_line, validation_line, window_line,
+    CudaMemory,
+    MemoryReading,
+    eta_line,
+    framed,
+    iteration_of_step,
+    memory_from_stages,
+    memory_report_line,
+    peak_tflops_of,
+    saved_checkpoint_line,
+    train_log_line,
+    validation_line,
+    window_line,
 )
 
 NUM = r"([-+]?[\d.]+(?:E[-+]\d+)?)"
@@ -254,8 +264,8 @@ def _matmul_flops(L: int, h: int, s: int, V: int, B: int, recompute: bool) -> fl
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("preset", ["gpt-demo", "gpt-1.3b"])
 def test_flops_are_megatrons_closed_form_with_the_padded_vocabulary(preset, recompute, t):
-    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.config.arith import flops_per_step, tflops_per_device
+    from megatron_2bw.config.presets import get_preset
 
     cfg = get_preset(preset)
     L, h, s, B = cfg.num_layers, cfg.hidden_size, cfg.seq_length, 512

@@ -18,16 +18,15 @@ import json
 import os
 
 import pytest
-
 from e2e import corpus, train_args  # noqa: F401
-from megatron_2bw.schedule.actions import Op
+from multiproc import run_workers
+
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.schedule.schedules import (SCHEDULE_NAMES, STOP_LAG, cut_segment, stage_actions,
-                                              validate_pipeline)
 from megatron_2bw.pipeline.transport import Transport
+from megatron_2bw.schedule.actions import Op
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, STOP_LAG, cut_segment, stage_actions, validate_pipeline
 from megatron_2bw.training.health import EXIT_UNHEALTHY
 from megatron_2bw.training.step_stats import WAIT_LAG
-from multiproc import run_workers
 
 RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
 AHEAD = inspect.signature(Transport).parameters["ahead"].default  # receives of a kind the transport posts ahead

@@ -13,16 +13,16 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import mcore_reference as mref
 import pytest
 import torch
 import torch.distributed as dist
-
-import mcore_reference as mref
 from export_helpers import gpt_logits, max_err, tiny
+from multiproc import run_workers
+
 from megatron_2bw.checkpoint.megatron_format import read_rank_files
 from megatron_2bw.export.checkpoints import load_checkpoint, save_checkpoint
 from megatron_2bw.export.model_io import build_full_model, load_full
-from multiproc import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4

@@ -21,21 +21,21 @@ import functools
 import os
 import shutil
 
+import ckpt_runs
+import pipeline_harness
 import pytest
 import torch
 import torch.distributed as dist
-
-import ckpt_runs
-import pipeline_harness
 from ckpt_runs import _ckpt_data  # noqa: F401 - the autouse fixture that builds the corpus
 from e2e import read_metrics, train_losses
-from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
-from megatron_2bw.parallel_state import build_state
-from megatron_2bw.pipeline.zero import ShardLayout
-from megatron_2bw.checkpoint import checkpointing as ckpt
 from multiproc import run_workers
 from pipeline_harness import matching_shard
 from test_2bw_semantics import MUON, fp32_newton_schulz
+
+from megatron_2bw.checkpoint import checkpointing as ckpt
+from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
+from megatron_2bw.parallel_state import build_state
+from megatron_2bw.pipeline.zero import ShardLayout
 
 FULL = [((24, 16), 0), ((16, 40), 1), ((32, 32), 0), ((12, 8), None)]  # (whole shape, split dim at t = 2)
 KW = dict(steps=4, global_batch=8, micro=2, optimizer="muon", lr=1e-3, weight_decay=0.01, opt_extra=MUON)

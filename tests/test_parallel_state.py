@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_workers
 
 from megatron_2bw.config import ParallelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.parallel_state import build_state, distributed_env, is_peer_failure, layout_groups
-from multiproc import run_workers
 
 # The worked example in parallel_state.py's docstring, written out independently.
 DOCUMENTED_222 = {

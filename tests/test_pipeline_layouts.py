@@ -5,7 +5,6 @@ Flush and GPipe must equal the vanilla single-process run; 2BW must equal the si
 """
 
 import pytest
-
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
 

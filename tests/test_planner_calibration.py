@@ -14,7 +14,11 @@ import pytest
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.calibration import (
-    TOLERANCE, calibration, load_published, megatron_flops_per_sample, parse_recompute,
+    TOLERANCE,
+    calibration,
+    load_published,
+    megatron_flops_per_sample,
+    parse_recompute,
 )
 from megatron_2bw.planner.efficiency import EfficiencyCurve, gemm_work
 from megatron_2bw.planner.hardware import PRESET_DIR, cluster_from_dict, load_cluster
@@ -105,7 +109,11 @@ def test_plan_cli_calibration(capsys):
 # ---- the Zero Bubble paper's schedule ratios (published.json "schedule_ratios") ----------------------
 
 from megatron_2bw.planner.calibration import (  # noqa: E402 - this section's imports
-    ZB_SCHEDULES, format_schedule_ratios, load_schedule_ratios, predict_schedule_ratios, schedule_ratio_calibration,
+    ZB_SCHEDULES,
+    format_schedule_ratios,
+    load_schedule_ratios,
+    predict_schedule_ratios,
+    schedule_ratio_calibration,
 )
 
 ZB_SOURCES, ZB_RUNS = load_schedule_ratios()
@@ -146,13 +154,14 @@ def test_zero_bubble_ratios_are_priced_by_the_registry(monkeypatch):
     """The ratios come from each spec's ``bubble_time``: a spec carrying the paper's handcrafted formulas
     (ZB-H1 ``(d-1)(f+b-w)``, ZB-H2 ``(d-1)(f+b-2w)``) in place of the replayed programs moves the ratio
     by exactly the bubble difference, computed here by hand from Flush's prediction."""
-    from dataclasses import dataclass, replace as dc_replace
+    from dataclasses import dataclass
+    from dataclasses import replace as dc_replace
 
-    from megatron_2bw.schedule.schedules import SCHEDULES, get_schedule
     from megatron_2bw.planner.cost_model import predict
     from megatron_2bw.planner.hardware import load_cluster
     from megatron_2bw.planner.layer_costs import analytic_layer_costs
     from megatron_2bw.planner.memory_model import Candidate
+    from megatron_2bw.schedule.schedules import SCHEDULES, get_schedule
 
     @dataclass(frozen=True)
     class _Paper(type(get_schedule("zb-h1"))):

@@ -6,8 +6,16 @@ Toy cluster: 4 GPUs per server, NVLink all-reduce 100 B/s and p2p 50 B/s, NIC 10
 import pytest
 
 from megatron_2bw.planner.cost_model import (
-    boundary_bandwidth, bubble_slots, data_parallel_allreduce_time, optimizer_traffic_bytes, p2p_time, predict,
-    ring_allreduce_time, stage_time, tensor_bandwidth, tied_embedding_sync_time,
+    boundary_bandwidth,
+    bubble_slots,
+    data_parallel_allreduce_time,
+    optimizer_traffic_bytes,
+    p2p_time,
+    predict,
+    ring_allreduce_time,
+    stage_time,
+    tensor_bandwidth,
+    tied_embedding_sync_time,
 )
 from megatron_2bw.planner.efficiency import EfficiencyCurve
 from megatron_2bw.planner.hardware import Cluster

@@ -8,8 +8,16 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import (
-    analytic_layer_costs, analytic_microbatch_costs, embedding_params, head_params, layer_costs_from_json,
-    layer_forward_flops, layer_params, layer_stash_bytes, load_profile, tied_params,
+    analytic_layer_costs,
+    analytic_microbatch_costs,
+    embedding_params,
+    head_params,
+    layer_costs_from_json,
+    layer_forward_flops,
+    layer_params,
+    layer_stash_bytes,
+    load_profile,
+    tied_params,
 )
 
 V100 = load_cluster("aws-p3.16xlarge")

@@ -9,13 +9,19 @@ stash); a head of 500 params, 400 of them the tied word embedding, with a 50-byt
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts
+from megatron_2bw.planner.hardware import load_cluster
+from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts, analytic_microbatch_costs
 from megatron_2bw.planner.memory_model import (
-    Candidate, ParamBytes, activation_bytes, in_flight, plan_memory, stage_memory, stage_params, weight_versions,
+    Candidate,
+    ParamBytes,
+    activation_bytes,
+    in_flight,
+    plan_memory,
+    stage_memory,
+    stage_params,
+    weight_versions,
 )
 from megatron_2bw.planner.report import paper_model
-from megatron_2bw.planner.hardware import load_cluster
-from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
 
 L = 8
 COSTS = MicrobatchCosts(

@@ -1,19 +1,26 @@
 """Output: the flags of the best configuration, JSON, the paper's comparisons, and the CLI."""
 
-import json
 import importlib.util
-from dataclasses import replace
+import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.cli import model_config, parse_args
+from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.report import (
-    BASELINES, PAPER_MAX_MODEL_DEPTH, PAPER_MAX_MODEL_PARAMETERS, format_paper_comparison, max_model_size,
-    paper_comparison, paper_model, plan_json, pretrain_command,
+    BASELINES,
+    PAPER_MAX_MODEL_DEPTH,
+    PAPER_MAX_MODEL_PARAMETERS,
+    format_paper_comparison,
+    max_model_size,
+    paper_comparison,
+    paper_model,
+    plan_json,
+    pretrain_command,
 )
 from megatron_2bw.planner.search import PlanRequest, default_costs, search
 

@@ -18,7 +18,12 @@ from megatron_2bw.planner.cost_model import bubble_slots, predict, stage_times
 from megatron_2bw.planner.efficiency import EfficiencyCurve
 from megatron_2bw.planner.hardware import Cluster, load_cluster
 from megatron_2bw.planner.layer_costs import (
-    BlockCost, LayerCosts, MicrobatchCosts, analytic_microbatch_costs, core_forward_flops, layer_forward_flops,
+    BlockCost,
+    LayerCosts,
+    MicrobatchCosts,
+    analytic_microbatch_costs,
+    core_forward_flops,
+    layer_forward_flops,
 )
 from megatron_2bw.planner.memory_model import Candidate, stage_memory
 from megatron_2bw.planner.search import PlanRequest, batch_time_lower_bound, search
@@ -209,6 +214,7 @@ def test_deferred_bytes_are_what_the_engine_keeps(kind):
     """The analytic bytes a deferred W keeps beyond the stash equal what ``split_backward``'s I keeps for
     W in a real stage (fp32, t = 1): a middle stage's layer, and the last stage's head on top of it."""
     import torch
+    from pipeline_harness import _dataset
     from torch import nn
 
     from megatron_2bw.config.presets import get_preset
@@ -216,7 +222,6 @@ def test_deferred_bytes_are_what_the_engine_keeps(kind):
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
-    from pipeline_harness import _dataset
 
     cfg = get_preset(kind, hidden_dropout=0.0, attention_dropout=0.0)
     costs = analytic_microbatch_costs(cfg, load_cluster("dgx-a100-80gb"), "fp32", 1, 2)

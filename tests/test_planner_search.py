@@ -6,10 +6,10 @@ import pytest
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, SCHEDULE_NAMES
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.report import paper_model
 from megatron_2bw.planner.search import PlanRequest, candidates, default_costs, pipeline_depths, search, tensor_sizes
+from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, SCHEDULE_NAMES
 
 V100 = load_cluster("aws-p3.16xlarge")
 
@@ -56,8 +56,14 @@ def test_ranked_best_first_and_all_fit():
 def test_pruned_candidates_are_slower():
     """Evaluate every candidate the search skipped: each is no faster than a candidate of the same
     layout that the ranking kept, so pruning never loses a plan; and the lower bound holds."""
-    from megatron_2bw.planner.search import (FINER_RECOMPUTE, _group, batch_time_lower_bound, candidates,
-                                             default_costs, evaluate)
+    from megatron_2bw.planner.search import (
+        FINER_RECOMPUTE,
+        _group,
+        batch_time_lower_bound,
+        candidates,
+        default_costs,
+        evaluate,
+    )
     req = PlanRequest(paper_model("gpt-1.3b"), V100, 16, 256, recompute_policies=FINER_RECOMPUTE)
     r = search(req)
     costs = default_costs(req)

@@ -19,6 +19,7 @@ from megatron_2bw.planner.search import PlanRequest, evaluate, search
 
 V100 = load_cluster("aws-p3.16xlarge")
 from test_planner_memory import COSTS, L  # 8 layers of 100 params; embedding 1000; head 500 (400 tied)
+
 DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]
 TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--device", "cpu", *DATA]
 

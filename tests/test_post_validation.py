@@ -16,6 +16,9 @@ next step's warm-up, rolled back and redone where the global norm says so.
 from __future__ import annotations
 
 import pytest
+from multiproc import run_workers
+from pipeline_harness import train_tiny
+from test_pipeline_layouts import compare
 
 from megatron_2bw.config import PipelineConfig
 from megatron_2bw.errors import ConfigError
@@ -24,9 +27,6 @@ from megatron_2bw.schedule.checker import ScheduleError, check_actions, check_sc
 from megatron_2bw.schedule.grouping import check_grouped
 from megatron_2bw.schedule.replay import Replay, Timing
 from megatron_2bw.schedule.schedules import get_schedule, stage_actions
-from multiproc import run_workers
-from pipeline_harness import train_tiny
-from test_pipeline_layouts import compare
 
 ZB = ("zb-h1", "zb-h2")  # one chunk; zb-v (two in a V) takes post-validation too
 

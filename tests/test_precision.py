@@ -3,7 +3,6 @@
 import math
 
 import torch
-
 from multiproc import run_workers
 from pipeline_harness import train_tiny
 

@@ -15,8 +15,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.auto_plan import profile_or_load
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.profile_check import device_kind

@@ -10,15 +10,26 @@ import os
 import pytest
 import torch
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.auto_plan import AutoPlan, PlanChoice, auto_plan, auto_plan_details, host_cluster
 from megatron_2bw.planner.layer_costs import (
-    embedding_params, head_params, layer_params, layer_stash_bytes, load_profile, tied_params, weight_grad_input_bytes,
+    embedding_params,
+    head_params,
+    layer_params,
+    layer_stash_bytes,
+    load_profile,
+    tied_params,
+    weight_grad_input_bytes,
     weight_grad_stash_bytes,
 )
 from megatron_2bw.planner.profiler import (
-    OptimizerCost, Profile, load_full_profile, merge_profiles, profile_model, profile_optimizer,
+    OptimizerCost,
+    Profile,
+    load_full_profile,
+    merge_profiles,
+    profile_model,
+    profile_optimizer,
     profile_tensor_parallel,
 )
 

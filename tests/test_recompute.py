@@ -2,7 +2,6 @@
 holds only stage inputs plus one microbatch's activations."""
 
 import torch
-
 from multiproc import run_workers
 from pipeline_harness import train_tiny
 

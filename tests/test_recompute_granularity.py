@@ -4,25 +4,26 @@ planner's memory model predicts."""
 
 import functools
 
+import pipeline_harness
 import pytest
 import torch
 
-import pipeline_harness
 from megatron_2bw.config import PipelineConfig
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.schedule.stages import stage_slice
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
+from megatron_2bw.schedule.stages import stage_slice
 
 # one model chunk per rank: these compare against a one-stage run, which a chunked schedule (interleaved,
 # V) cannot be; tests/test_interleaved_numerics.py covers those against the single process
 ONE_CHUNK = tuple(s for s in SCHEDULE_NAMES if get_schedule(s).chunks == 1)
+from multiproc import run_workers
+
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
 from megatron_2bw.planner.memory_model import edge_activation_bytes, layer_stash_with
-from multiproc import run_workers
 
 KW = dict(steps=3, dropout=0.1, global_batch=8, micro=2, lr=1e-3)
 SELECTIVE = RecomputePolicy("selective")

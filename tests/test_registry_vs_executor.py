@@ -6,13 +6,12 @@ own accounting (StageStats) is compared with them.
 """
 
 import pytest
-
 from multiproc import run_workers
 from pipeline_harness import train_tiny
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 from megatron_2bw.planner.memory_model import in_flight, weight_versions
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule, validate_pipeline
 
 MICROBATCHES = (4, 8)
 

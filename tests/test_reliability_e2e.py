@@ -14,6 +14,7 @@ import signal
 import time
 
 from e2e import corpus, descendants, start, torchrun_cmd, train_args  # noqa: F401
+
 from megatron_2bw.training.watchdog import EXIT_STALLED
 
 STALL_S = 4.0
@@ -63,7 +64,7 @@ def test_a_stopped_rank_is_named_within_the_stall_timeout(corpus, tmp_path):  # 
         os.kill(pids[1], signal.SIGCONT)  # let torchrun's SIGTERM end it at once
     res = job.finish()
     line = next(line for _, line in res.lines if "watchdog:" in line)
-    assert line.startswith(f"error: rank 0: watchdog: rank 1 (host ") and f"pid {pids[1]})" in line, res.describe()
+    assert line.startswith("error: rank 0: watchdog: rank 1 (host ") and f"pid {pids[1]})" in line, res.describe()
     assert "stopped responding" in line and f"--stall-timeout-s {STALL_S:g}" in line
     interval = min(5.0, STALL_S / 10)
     assert STALL_S <= named - stopped_at <= STALL_S + 4 * interval + 2.0, (named - stopped_at, res.describe())

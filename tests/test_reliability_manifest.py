@@ -16,12 +16,19 @@ import zlib
 import pytest
 import torch
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint import checkpointing, manifest
 from megatron_2bw.checkpoint.manifest import (
-    ChecksumWriter, clean_stale_temporaries, file_checksum, layout_identity_fn, manifest_entry, recover_missing_tracker,
-    shard_identity, verify, write_manifest,
+    ChecksumWriter,
+    clean_stale_temporaries,
+    file_checksum,
+    layout_identity_fn,
+    manifest_entry,
+    recover_missing_tracker,
+    shard_identity,
+    verify,
+    write_manifest,
 )
+from megatron_2bw.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T, D, W, SCHEDULE = 2, 2, 1, "2bw"

@@ -12,7 +12,6 @@ import subprocess
 import time
 
 import pytest
-
 from e2e import REPO, clean_env
 
 SBATCH = ["slurm_gpt_2bw.sbatch", "slurm_gpt_flush.sbatch", "slurm_bert_2bw.sbatch"]

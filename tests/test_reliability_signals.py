@@ -12,12 +12,17 @@ import time
 
 import pytest
 import torch.distributed as dist
+from multiproc import run_workers
 
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.training.signals import (
-    EXIT_INTERRUPTED, ExitDuration, ExitSignalHandler, agree_any, exit_reason, parse_signal,
+    EXIT_INTERRUPTED,
+    ExitDuration,
+    ExitSignalHandler,
+    agree_any,
+    exit_reason,
+    parse_signal,
 )
-from multiproc import run_workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

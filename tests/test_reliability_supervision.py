@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.checkpoint.manifest import ChecksumWriter
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.training.supervision import check_load_path, check_save_dir, describe_save_failure, os_error_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

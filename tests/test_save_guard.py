@@ -23,14 +23,14 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from ckpt_runs import _ckpt_data, gpt_args, one_rank_run  # noqa: F401
 from e2e import PY, REPO, clean_env, read_metrics, run, start
-from megatron_2bw.errors import ConfigError
+from multiproc import run_workers
+
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint import manifest, save_guard
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.training.session import resume_disagreement
-from multiproc import run_workers
 
 SCRIPT = os.path.join(REPO, "pretrain_gpt.py")
 
@@ -245,5 +245,5 @@ def test_sighup_saves_by_default(tmp_path):
     res = job.finish()
     assert res.returncode == 0, res.describe()
     stopped = ck.read_tracker(save)
-    assert f"received SIGHUP: saving a checkpoint at the next step boundary" in res.stderr
+    assert "received SIGHUP: saving a checkpoint at the next step boundary" in res.stderr
     assert f"exiting at iteration {stopped} after SIGHUP" in res.stderr and stopped >= 3, res.describe()

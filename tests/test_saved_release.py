@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+from pipeline_harness import _dataset
 from torch import nn
 
 from megatron_2bw.config.presets import get_preset
@@ -22,7 +23,6 @@ from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from pipeline_harness import _dataset
 
 B = 2
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.schedule.actions import Op
-from megatron_2bw.schedule.checker import check_actions
-from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, SCHEDULES, get_schedule, stage_actions, validate_pipeline
 from megatron_2bw.planner.cost_model import bubble_slots
 from megatron_2bw.planner.memory_model import Candidate, in_flight, weight_versions
 from megatron_2bw.planner.simulator import StageCosts, simulate
+from megatron_2bw.schedule.actions import Op
+from megatron_2bw.schedule.checker import check_actions
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, SCHEDULES, get_schedule, stage_actions, validate_pipeline
 
 STEPS = 4  # enough for 2BW to run steps on two versions at once
 

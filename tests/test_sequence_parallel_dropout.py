@@ -13,10 +13,9 @@ run with recomputation must equal it bitwise (the fork's state is replayed).
 
 from __future__ import annotations
 
+import pipeline_harness
 import torch
 import torch.nn.functional as F
-
-import pipeline_harness
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
 

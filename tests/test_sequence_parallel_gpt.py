@@ -8,7 +8,6 @@ Llama (rotary positions) is covered by ``test_llama.py``'s layouts."""
 from __future__ import annotations
 
 import pytest
-
 from multiproc import run_workers
 from pipeline_harness import matching_shard, train_tiny
 

@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from multiproc import run_workers
 
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
-from megatron_2bw.schedule.actions import Op
-from megatron_2bw.schedule.schedules import bubble_fraction, inflight_limit
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.cost_model import predict
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import BlockCost, MicrobatchCosts, analytic_microbatch_costs
 from megatron_2bw.planner.memory_model import Candidate, activation_bytes
-from megatron_2bw.planner.simulator import (
-    Link, SimulationError, StageCosts, simulate, simulate_plan, stage_costs,
-)
+from megatron_2bw.planner.simulator import Link, SimulationError, StageCosts, simulate, simulate_plan, stage_costs
 from megatron_2bw.planner.timeline import chrome_trace, write_chrome_trace, write_png
-from multiproc import run_workers
+from megatron_2bw.schedule.actions import Op
+from megatron_2bw.schedule.schedules import bubble_fraction, inflight_limit
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 

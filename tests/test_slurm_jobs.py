@@ -17,7 +17,6 @@ import signal
 import time
 
 import pytest
-
 from e2e import REPO, corpus, read_metrics, train_losses  # noqa: F401
 from slurm_cluster import Cluster, slurm_cluster  # noqa: F401
 

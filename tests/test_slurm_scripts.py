@@ -10,7 +10,6 @@ import re
 import stat
 
 import pytest
-
 from e2e import PY, REPO, clean_env, run
 
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh")) + glob.glob(os.path.join(REPO, "scripts", "*.sbatch")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pipeline_harness import _dataset
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -16,7 +17,6 @@ from megatron_2bw.pipeline.split_backward import accumulator, backward_input, ba
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from pipeline_harness import _dataset
 
 
 def _stage(kind: str, d: int, r: int, dropout: float = 0.0, policy: RecomputePolicy | None = None):

@@ -23,17 +23,17 @@ import time
 
 import pytest
 import torch
+from multiproc import run_workers
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
-from megatron_2bw.schedule.actions import Op
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.planner.simulator import StageCosts, simulate
+from megatron_2bw.schedule.actions import Op
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.training.log_format import parse_bubble, train_log_line
 from megatron_2bw.training.step_stats import stage_dicts, stage_row, window_bubble
-from multiproc import run_workers
 
 MODEL = dict(kind="gpt", num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64,
              max_position_embeddings=64, vocab_size=512)

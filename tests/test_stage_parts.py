@@ -14,20 +14,20 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.checkpoint.names import WORD
+from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.schedule.stages import stage_range
-from megatron_2bw.schedule.grouping import COMM_OPS, comm_groups
-from megatron_2bw.tensor_parallel.recompute import RNGSnapshot
-from megatron_2bw.schedule.schedules import stage_actions
 from megatron_2bw.pipeline.transport import Transport
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import GlobalNames, RankWeights, sized_weights
+from megatron_2bw.schedule.grouping import COMM_OPS, comm_groups
+from megatron_2bw.schedule.schedules import stage_actions
+from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
-from megatron_2bw.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
+from megatron_2bw.tensor_parallel.recompute import RNGSnapshot
 
 
 def _adamw_reference(w0: torch.Tensor, n_decay: int, grads: list[torch.Tensor], lr: float, clip: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 import signal
 
 from e2e import PY, REPO, clean_env, corpus, run, torchrun_cmd  # noqa: F401
+
 from megatron_2bw.training.launcher_errors import agent_stop_signal
 
 

@@ -3,6 +3,8 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from multiproc import run_workers
+from pipeline_harness import matching_shard
 
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec, run_layers
@@ -10,8 +12,6 @@ from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron_2bw.tensor_parallel.mappings import gather_from_tp
-from multiproc import run_workers
-from pipeline_harness import matching_shard
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

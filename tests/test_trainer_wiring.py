@@ -23,12 +23,12 @@ import signal
 
 import pytest
 import torch
-
 from e2e import PY, REPO, clean_env, corpus, read_metrics, run, start, train_args, train_losses  # noqa: F401
-from megatron_2bw.faults import POISON_ENV
-from megatron_2bw.checkpoint import checkpointing as ck
-from megatron_2bw.training.health import EXIT_UNHEALTHY
 from test_log_format import MEGATRON, VALID, grab
+
+from megatron_2bw.checkpoint import checkpointing as ck
+from megatron_2bw.faults import POISON_ENV
+from megatron_2bw.training.health import EXIT_UNHEALTHY
 
 SCRIPT = os.path.join(REPO, "pretrain_gpt.py")
 ITERS = 120

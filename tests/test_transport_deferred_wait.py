@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 
 import torch
-
-from megatron_2bw.schedule.actions import Action, Op
-from megatron_2bw.pipeline.transport import Incoming, Transport
 from multiproc import run_workers
+
+from megatron_2bw.pipeline.transport import Incoming, Transport
+from megatron_2bw.schedule.actions import Action, Op
 
 DELAY = 0.6
 SHAPE = (2, 3)

@@ -12,16 +12,13 @@ import itertools
 from dataclasses import replace
 
 import pytest
-
 from e2e import corpus  # noqa: F401 - session fixture
+
 from megatron_2bw.argv import to_argv
 from megatron_2bw.cli import build_config, parse_args
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import GPT2_VOCAB
-from megatron_2bw.schedule.stages import (
-    canonical_split, format_split, layers_per_stage, megatron_split, min_layers, stage_range, stage_slice,
-)
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.cost_model import predict, stage_time
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
@@ -30,6 +27,15 @@ from megatron_2bw.planner.report import format_table, plan_json, pretrain_comman
 from megatron_2bw.planner.search import PlanRequest, default_costs, evaluate, search
 from megatron_2bw.planner.simulator import simulate_plan
 from megatron_2bw.planner.split import balanced_split
+from megatron_2bw.schedule.stages import (
+    canonical_split,
+    format_split,
+    layers_per_stage,
+    megatron_split,
+    min_layers,
+    stage_range,
+    stage_slice,
+)
 
 DATA = ["--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model"]
 TRAIN = ["--train-iters", "10", "--lr", "1e-3", "--device", "cpu", *DATA]
@@ -233,6 +239,7 @@ KW = dict(steps=6, lr=1e-3)
 def _train_split(schedule: str, layout, split):
     """``pipeline_harness.train_tiny`` with the stages cut by ``split`` (the harness builds even stages)."""
     import pipeline_harness as h  # noqa: PLC0415 - inside the worker
+
     from megatron_2bw.models.spec import ModelSpec  # noqa: PLC0415
 
     saved = h.stage_range, h.ModelSpec

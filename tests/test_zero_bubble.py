@@ -13,15 +13,15 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from megatron_2bw.errors import ConfigError
-from megatron_2bw.schedule.actions import format_actions, parse_actions
-from megatron_2bw.schedule.checker import ScheduleError, check_actions
-from megatron_2bw.schedule.schedules import get_schedule, stage_actions
-from megatron_2bw.planner.simulator import StageCosts, simulate
 from multiproc import run_workers
 from pipeline_harness import train_tiny
 from test_pipeline_layouts import compare
+
+from megatron_2bw.errors import ConfigError
+from megatron_2bw.planner.simulator import StageCosts, simulate
+from megatron_2bw.schedule.actions import format_actions, parse_actions
+from megatron_2bw.schedule.checker import ScheduleError, check_actions
+from megatron_2bw.schedule.schedules import get_schedule, stage_actions
 
 ZB = ("zb-h1", "zb-h2")
 KW = dict(steps=4, lr=1e-3)

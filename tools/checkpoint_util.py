@@ -34,19 +34,27 @@ import argparse
 import os
 import sys
 
+from megatron_2bw.checkpoint.dist_checkpoint import CKPT_FORMATS
+from megatron_2bw.checkpoint.trainer_reshard import (
+    read_dist_checkpoint,
+    read_trainer_checkpoint,
+    write_dist_checkpoint,
+    write_trainer_checkpoint,
+)
 from megatron_2bw.cli import OneLineParser, run_cli
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.checkpoints import (
-    LOADERS, SAVERS, dist_exported, is_dist_path, load_checkpoint, save_checkpoint,
+    LOADERS,
+    SAVERS,
+    dist_exported,
+    is_dist_path,
+    load_checkpoint,
+    save_checkpoint,
 )
 from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
 from megatron_2bw.export.outputs import OVERWRITE_HELP, check_dir, staged_dir
-from megatron_2bw.checkpoint.trainer_reshard import (
-    read_dist_checkpoint, read_trainer_checkpoint, write_dist_checkpoint, write_trainer_checkpoint,
-)
-from megatron_2bw.checkpoint.dist_checkpoint import CKPT_FORMATS
-from megatron_2bw.schedule.stages import check_virtual_split
 from megatron_2bw.schedule.schedules import SCHEDULE_NAMES, get_schedule
+from megatron_2bw.schedule.stages import check_virtual_split
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

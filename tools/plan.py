@@ -39,19 +39,35 @@ from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_c
 from megatron_2bw.config import ATTENTION_BACKENDS, ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.calibration import (
-    calibration, calibration_json, format_calibration, format_schedule_ratios, schedule_ratio_calibration,
+    calibration,
+    calibration_json,
+    format_calibration,
+    format_schedule_ratios,
+    schedule_ratio_calibration,
     schedule_ratios_json,
 )
 from megatron_2bw.planner.calibration_tp import (
-    format_tensor_calibration, korthikanti, paper_systems, tensor_calibration_json, tensor_mp_64,
+    format_tensor_calibration,
+    korthikanti,
+    paper_systems,
+    tensor_calibration_json,
+    tensor_mp_64,
 )
 from megatron_2bw.planner.context_costs import PLANNED_CP_COMM_TYPES
 from megatron_2bw.planner.hardware import load_cluster
-from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
+from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.report import (
-    PAPER_CLUSTER, describe, format_max_model, format_paper_comparison, format_table, max_model_size, paper_comparison,
-    plan_json, recompute_text, split_text,
+    PAPER_CLUSTER,
+    describe,
+    format_max_model,
+    format_paper_comparison,
+    format_table,
+    max_model_size,
+    paper_comparison,
+    plan_json,
+    recompute_text,
+    split_text,
 )
 from megatron_2bw.planner.search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, search
 from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDULE_NAMES, spec_of

@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import ConfigError
 from ..models.spec import ModelSpec
 from ..tensor_parallel import init
 from ..tensor_parallel.group import TPGroup
-from ..errors import ConfigError
 from .names import OUTPUT, WORD, Split, head_index, rank_names, stage_names
+
 
 def is_vocab(cfg: ModelConfig, name: str) -> bool:
     return (name == WORD or (cfg.kind == "bert" and name == f"{head_index(cfg)}.lm_bias")

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint import manifest
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..schedule.schedules import get_schedule
+from ..schedule.stages import check_virtual_split
+from . import trainer_format
 from .compat import model_config
 from .layout import iteration_dir
-from ..schedule.stages import check_virtual_split
-from ..schedule.schedules import get_schedule
-from ..checkpoint import manifest
-from . import trainer_format
 from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir
 from .reshard import reshard, unshard
 

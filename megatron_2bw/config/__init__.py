@@ -9,14 +9,32 @@ system, the whole run) and ``rules`` (the checks they share).
 
 from .model import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, ModelConfig, default_ffn_hidden_size
 from .optim import (
-    AUTO_COMPENSATION, COMPENSATIONS, DECAY_STYLES, DTYPES, MUON_ADJUST_LR_FNS, OPTIMIZERS, WSD_DECAY_STYLES,
-    LRConfig, OptimizerConfig, fp32_grads_for, lr_by_samples, resolve_compensation,
+    AUTO_COMPENSATION,
+    COMPENSATIONS,
+    DECAY_STYLES,
+    DTYPES,
+    MUON_ADJUST_LR_FNS,
+    OPTIMIZERS,
+    WSD_DECAY_STYLES,
+    LRConfig,
+    OptimizerConfig,
+    fp32_grads_for,
+    lr_by_samples,
+    resolve_compensation,
 )
 from .parallel import CP_COMM_TYPES, P2P_MODES, ParallelConfig, PipelineConfig
 from .rules import FP16_MAX, MAX_SEED
 from .run import (
-    ATTENTION_BACKENDS, CKPT_FORMATS, CKPT_GATHER_CHUNK, DataConfig, Layout, RunConfig, SystemConfig, TrainingConfig,
-    layout_configs, train_iters_of,
+    ATTENTION_BACKENDS,
+    CKPT_FORMATS,
+    CKPT_GATHER_CHUNK,
+    DataConfig,
+    Layout,
+    RunConfig,
+    SystemConfig,
+    TrainingConfig,
+    layout_configs,
+    train_iters_of,
 )
 
 __all__ = [

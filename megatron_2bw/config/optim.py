@@ -7,7 +7,6 @@ from typing import Any
 
 from .rules import FP16_MAX, _require, _require_finite
 
-
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "muon")  # optimizer/flat.py, optimizer/muon.py
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn

@@ -9,7 +9,6 @@ from dataclasses import fields
 
 from ..errors import ConfigError
 
-
 # fp16's largest finite value: a constant loss scale above it overflows every scaled loss >= 1.
 FP16_MAX = 65504.0
 # numpy's seeds (the data order) are 32-bit.

@@ -16,20 +16,24 @@ from dataclasses import fields
 
 import torch
 
+from ..checkpoint.dist_checkpoint import is_dist_checkpoint
+from ..checkpoint.megatron_format import (
+    Exported,
+    find_iteration_dir,
+    rank_weights,
+    read_megatron_dir,
+    write_megatron_dir,
+)
+from ..checkpoint.names import WORD, Split
+from ..checkpoint.reshard import unshard
+from ..checkpoint.trainer_format import verified_rank_files
+from ..checkpoint.trainer_reshard import TrainerCheckpoint, read_dist_checkpoint
 from ..config import ModelConfig
 from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 from .hf_format import load_hf_dir, save_hf_dir
-from ..checkpoint.megatron_format import (
-    Exported, find_iteration_dir, rank_weights, read_megatron_dir, write_megatron_dir,
-)
-from ..checkpoint.trainer_format import verified_rank_files
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
-from ..checkpoint.names import WORD, Split
-from ..checkpoint.reshard import unshard
-from ..checkpoint.dist_checkpoint import is_dist_checkpoint
-from ..checkpoint.trainer_reshard import TrainerCheckpoint, read_dist_checkpoint
 
 LOADERS = ("auto", "megatron", "hf", "mcore", "core")
 SAVERS = ("megatron", "hf", "mcore", "core")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.names import full_names
+from ..checkpoint.reshard import is_vocab, pad_vocab
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
-from ..checkpoint.names import full_names
-from ..checkpoint.reshard import is_vocab, pad_vocab
 
 
 def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ..tensor_parallel.backward_phase import in_phase as _in_phase, phase  # noqa: F401 - phase re-exported
+from ..tensor_parallel.backward_phase import in_phase as _in_phase  # noqa: F401 - phase re-exported
 from .wgrad_fusion import fused_weight_grad
 
 

@@ -39,17 +39,24 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..config import Layout, ModelConfig
-from ..schedule.recompute_policy import RecomputePolicy
 from ..errors import ConfigError
-from ..schedule.stages import format_split
+from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import SCHEDULE_NAMES
+from ..schedule.stages import format_split
 from .efficiency import EfficiencyCurve
-from .hardware import GiB, Cluster, load_cluster
-from .peaks import DEVICE_PRESETS, PEAK_VARIANTS  # noqa: F401 - DEVICE_PRESETS re-exported
+from .hardware import Cluster, GiB, load_cluster
 from .layer_costs import LayerCosts, load_profile  # noqa: F401 - re-exported
+from .peaks import DEVICE_PRESETS, PEAK_VARIANTS  # noqa: F401 - DEVICE_PRESETS re-exported
 from .profile_check import load_checked_profile
-from .search import (DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, PlanRequest, SearchResult, micro_batch_sizes, search,
-                     with_context_costs)
+from .search import (
+    DEFAULT_MEMORY_MARGIN,
+    FINER_RECOMPUTE,
+    PlanRequest,
+    SearchResult,
+    micro_batch_sizes,
+    search,
+    with_context_costs,
+)
 
 log = logging.getLogger(__name__)
 AUTO_PLAN_TOP = 10  # plans of the search a run keeps (``AutoPlan.result.ranked``): the best and its runners-up

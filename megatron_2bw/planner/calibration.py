@@ -25,11 +25,11 @@ from typing import Any, Iterable
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
+from .cost_model import predict
 from .hardware import GiB, load_cluster
 from .layer_costs import analytic_layer_costs
 from .memory_model import Candidate, ParamBytes, plan_memory
 from .search import Evaluated, PlanRequest, evaluate, micro_batch_sizes
-from .cost_model import predict
 
 PUBLISHED = Path(__file__).resolve().parent / "published.json"
 TOLERANCE = 0.15  # issue 22: predictions within 15% of the published throughput

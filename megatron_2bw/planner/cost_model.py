@@ -65,8 +65,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..schedule.stages import StageSlice
 from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.stages import StageSlice
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params

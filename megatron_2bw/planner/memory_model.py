@@ -73,13 +73,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import CKPT_GATHER_CHUNK
-from ..config import fp32_grads_for  # noqa: F401 - the trainer's rule, re-exported to the planner
-from ..schedule.stages import Split, StageSlice, stage_slice
+from ..config import (
+    CKPT_GATHER_CHUNK,
+    fp32_grads_for,  # noqa: F401 - the trainer's rule, re-exported to the planner
+)
 from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.stages import Split, StageSlice, stage_slice
 from .candidate import SEQUENTIAL, Candidate, ParamBytes  # noqa: F401 - re-exported: the planner's names
 from .layer_costs import MicrobatchCosts
 from .spec_cache import held_pairs, spec_of
+
 
 @dataclass(frozen=True)
 class StageMemory:

@@ -12,10 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .hardware import GiB, Cluster, load_cluster
-from .report import (
-    BASELINES, PAPER_CLUSTER, ComparisonRow, MaxModelRow, _short, describe, max_model_size, paper_model,
-)
+from .hardware import Cluster, GiB, load_cluster
+from .report import BASELINES, PAPER_CLUSTER, ComparisonRow, MaxModelRow, _short, describe, max_model_size, paper_model
 from .search import PlanRequest, search
 
 

@@ -39,21 +39,35 @@ from typing import Iterator, Mapping
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.schedules import PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec, parse_schedule_id, spec_of
 from ..schedule.stages import StageSlice
-from ..schedule.schedules import (PLANNED_SCHEDULES, SCHEDULES, ScheduleSpec,
-                                  parse_schedule_id, spec_of)
-from .candidates import (SELECTIVE_MIN_SAVING, candidates, context_choices,  # noqa: F401 - re-exported
-                         distributed_optimizer_choices, micro_batch_sizes, pipeline_depths, runs,
-                         sequence_parallel_choices, tensor_sizes)
+from .candidates import (  # noqa: F401 - re-exported
+    SELECTIVE_MIN_SAVING,
+    candidates,
+    context_choices,
+    distributed_optimizer_choices,
+    micro_batch_sizes,
+    pipeline_depths,
+    runs,
+    sequence_parallel_choices,
+    tensor_sizes,
+)
 from .context_costs import PLANNED_CP_COMM_TYPES, anchored_table, context_sizes, context_table
 from .cost_model import Prediction, predict
-from .hardware import GiB, Cluster
+from .hardware import Cluster, GiB
 from .layer_costs import ACTIVATION_BYTES, LayerCosts, MicrobatchCosts, analytic_layer_costs
-from .memory_model import (SEQUENTIAL, Candidate, ParamBytes, StageMemory, fp32_grads_for, plan_memory,
-                           representative_stages, slice_memory)
+from .memory_model import (
+    SEQUENTIAL,
+    Candidate,
+    ParamBytes,
+    StageMemory,
+    fp32_grads_for,
+    plan_memory,
+    representative_stages,
+    slice_memory,
+)
 from .pruning import Selector, StageLines, Thresholds, above
 from .split import balanced_split, stage_lines
-
 
 # The memory margin tools/plan.py and --auto-plan keep by default: a plan at 99% of the memory runs out of it.
 DEFAULT_MEMORY_MARGIN = 0.10

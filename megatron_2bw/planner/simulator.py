@@ -46,10 +46,10 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from ..errors import ConfigError
-from ..schedule.stages import Split, stage_slice
 from ..schedule.actions import Action, Op
 from ..schedule.replay import Replay, Timing
 from ..schedule.schedules import get_schedule, parse_schedule_id, spec_of, stage_actions, validate_pipeline
+from ..schedule.stages import Split, stage_slice
 from .cost_model import boundary_bandwidth, ring_allreduce_time, stage_time, tensor_bandwidth
 from .hardware import Cluster
 from .layer_costs import BlockCost, MicrobatchCosts

@@ -14,7 +14,6 @@ import functools
 from ..schedule.schedules import SCHEDULES, ScheduleSpec, parse_schedule_id
 from ..schedule.schedules import spec_of as registry_spec_of
 
-
 _SPECS: dict[str, tuple[ScheduleSpec | None, ScheduleSpec]] = {}  # id -> (the registry's entry, its spec)
 
 

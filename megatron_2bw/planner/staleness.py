@@ -21,8 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..schedule.schedules import spec_of
 from ..config import resolve_compensation
+from ..schedule.schedules import spec_of
 from .memory_model import SEQUENTIAL, Candidate
 
 STALENESS = Path(__file__).resolve().parent / "staleness.json"

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 from ..errors import ConfigError
 from .actions import Action, Op
-from .spec import Order, ScheduleSpec, _fragment
 from .rounds import Round, _flushed_steps, lower_rounds
+from .spec import Order, ScheduleSpec, _fragment
 
 
 @dataclass(frozen=True)

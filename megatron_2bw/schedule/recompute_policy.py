@@ -58,7 +58,7 @@ class RecomputePolicy:
     def from_pipeline(cls, pipe: object) -> RecomputePolicy | None:
         """The policy of a ``PipelineConfig``'s ``recompute_*`` fields (None: nothing inside stages)."""
         g = getattr(pipe, "recompute_granularity", None)
-        return cls(g, getattr(pipe, "recompute_method"), getattr(pipe, "recompute_num_layers")) if g else None
+        return cls(g, pipe.recompute_method, pipe.recompute_num_layers) if g else None
 
     @property
     def active(self) -> bool:

@@ -10,7 +10,6 @@ from .placement import Placement
 from .replay import Replay, Timing
 from .spec import ScheduleSpec
 
-
 _COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
 Round = tuple[tuple[Op, int, int], ...]  # (compute op, chunk, microbatch) computes a rank runs, then communicates
 _GRAD = frozenset({Op.BACKWARD, Op.BACKWARD_INPUT})  # the computes that make the input gradient

@@ -16,16 +16,13 @@ in BACKWARD(j)'s place, between the same transfers, and BACKWARD_WEIGHT(j) on it
 
 from __future__ import annotations
 
-
 from ..errors import ConfigError
 from .actions import Action
-from .spec import ScheduleSpec
 from .classic import _GPipe, _Interleaved, _TwoBW
-from .zero_bubble import _ZBH1, _ZBH2, validation_cut  # noqa: F401 - validation_cut re-exported
-from .zb_v import _ZBV
 from .rounds import lower_rounds  # noqa: F401 - re-exported
-
-
+from .spec import ScheduleSpec
+from .zb_v import _ZBV
+from .zero_bubble import _ZBH1, _ZBH2, validation_cut  # noqa: F401 - validation_cut re-exported
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     "2bw": _TwoBW("2bw", weight_versions=2, grad_buffers=2, stale_steps=1),

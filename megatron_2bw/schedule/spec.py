@@ -11,8 +11,6 @@ from ..errors import ConfigError
 from .actions import Action, Op
 from .placement import Placement
 
-
-
 Order = list[tuple[bool, int]]  # (is_forward, microbatch) in the order a stage runs them
 # per stage: past this many microbatches per rank of depth the order's steady state only repeats, so its
 # footprint (and the planner's replayed bubble) is taken there (``tests/test_schedule_footprint.py``)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from .actions import Action, Op
 from .placement import Placement
-from .zero_bubble import SplitOrder, _ZeroBubble, validation_cut
 from .rounds import _flushed_steps, lower_rounds
+from .zero_bubble import SplitOrder, _ZeroBubble, validation_cut
 
 
 @dataclass(frozen=True)

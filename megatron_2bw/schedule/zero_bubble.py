@@ -7,11 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .actions import Action, Op
-from .spec import Order, ScheduleSpec, _fragment
 from .rounds import _replayed_bubble
-from .spec import REPLAY_MICROBATCHES
-
-
+from .spec import REPLAY_MICROBATCHES, Order, ScheduleSpec, _fragment
 
 SplitOrder = list[tuple[Op, int]]  # (FORWARD, BACKWARD_INPUT or BACKWARD_WEIGHT, microbatch of the step)
 

@@ -22,8 +22,8 @@ import time
 from types import FrameType
 from typing import Callable
 
-from ..errors import ConfigError
 from ..config.rules import parse_signal  # noqa: F401 - one implementation, below the config floor
+from ..errors import ConfigError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for a second Ctrl-C
 
