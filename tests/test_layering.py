@@ -21,7 +21,7 @@ FLOORS = {
     "schedule": 1,
     "config": 2, "yaml_cfg": 2, "fused": 2, "data": 2, "testing": 2,
     "parallel_state": 3,
-    "tensor_parallel": 4, "optimizer": 4, "context_parallel": 4,
+    "tensor_parallel": 4, "optimizer": 4, "context_parallel": 4, "moe": 4,
     "models": 5, "pipeline": 5,
     "checkpoint": 6,
     "export": 7, "flags": 7,
