@@ -22,13 +22,13 @@ from megatron_2bw.moe import MoELayer
 H, E = 8, 8
 SHAPES = ((5, 2), (3, 2))  # (s, b) of rank 0 and rank 1
 CASES = {
-    "alltoall": dict(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True),
-    "allgather": dict(moe_token_dispatcher_type="allgather"),
-    "alltoall_capacity": dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
-                              moe_pad_expert_input_to_capacity=True),
-    "allgather_sigmoid_bias": dict(moe_token_dispatcher_type="allgather", moe_router_score_function="sigmoid",
-                                   moe_router_enable_expert_bias=True, moe_router_num_groups=4,
-                                   moe_router_group_topk=2, moe_router_load_balancing_type="seq_aux_loss"),
+    "alltoall": {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+    "allgather": {"moe_token_dispatcher_type": "allgather"},
+    "alltoall_capacity": {"moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": 1.0,
+                          "moe_pad_expert_input_to_capacity": True},
+    "allgather_sigmoid_bias": {"moe_token_dispatcher_type": "allgather", "moe_router_score_function": "sigmoid",
+                               "moe_router_enable_expert_bias": True, "moe_router_num_groups": 4,
+                               "moe_router_group_topk": 2, "moe_router_load_balancing_type": "seq_aux_loss"},
 }
 
 
