@@ -3,7 +3,8 @@
 ``linear_fc1`` is ``[E_local, 2F, H]`` with SwiGLU (the gate block first, then up: Megatron-Core's
 ``linear_fc1`` and Hugging Face's fused ``gate_up_proj``) or ``[E_local, F, H]`` with GELU; ``linear_fc2`` is
 ``[E_local, H, F]`` (HF's ``down_proj``). No biases (as Mixtral, Qwen-MoE and DeepSeek's experts). Every
-product goes through :func:`~megatron_2bw.moe.grouped_gemm.grouped_linear`.
+product goes through :func:`~megatron_2bw.moe.grouped_gemm.grouped_linear`. The activation is the dense MLP's
+(SiLU-gated, or GELU's tanh form).
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .grouped_gemm import grouped_linear
+
+
+def activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """SwiGLU on ``[gate | up]`` (the gate block first), else GELU."""
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh")
 
 
 class GroupedExperts(nn.Module):
@@ -30,39 +39,5 @@ class GroupedExperts(nn.Module):
             self.linear_fc2.normal_(0.0, init_std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
-        h = grouped_linear(x, self.linear_fc1, counts, self.use_grouped_mm)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
+        h = activation(grouped_linear(x, self.linear_fc1, counts, self.use_grouped_mm), self.gated)
         return grouped_linear(h, self.linear_fc2, counts, self.use_grouped_mm)
-
-
-class SharedExperts(nn.Module):
-    """The always-on experts (one MLP of their summed width), optionally scaled by ``sigmoid(x . gate)``
-    (Qwen2-MoE's shared-expert gate). Not sharded here: tensor parallelism is the integrator's."""
-
-    def __init__(self, hidden_size: int, ffn_size: int, gated: bool, use_gate: bool, *, init_std: float = 0.02,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.gated = gated
-        fc1_out = 2 * ffn_size if gated else ffn_size
-        self.linear_fc1 = nn.Linear(hidden_size, fc1_out, bias=False, dtype=dtype)
-        self.linear_fc2 = nn.Linear(ffn_size, hidden_size, bias=False, dtype=dtype)
-        self.gate_weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype)) if use_gate else None
-        with torch.no_grad():
-            for p in self.parameters():
-                p.normal_(0.0, init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        out = self.linear_fc2(h)
-        if self.gate_weight is not None:
-            out = torch.sigmoid(F.linear(x, self.gate_weight)) * out
-        return out

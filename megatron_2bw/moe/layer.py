@@ -14,19 +14,22 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.moe import MoEConfig
+from ..tensor_parallel.recompute import checkpointed
 from .dispatcher import make_dispatcher
-from .experts import GroupedExperts, SharedExperts
+from .experts import GroupedExperts
 from .router import Router
+from .shared import SharedExperts
 
 
 @dataclass
 class MoEStats:
     """One call's numbers for the log: Megatron-Core's loss names (values divided by their coefficients),
-    this rank's assignments per expert (after dropping) and the assignments the capacity cut."""
+    this rank's assignments per expert (after dropping) and the assignments the capacity cut. Tensors, detached:
+    reading them (``float``) is the logger's synchronisation, not the forward's."""
 
-    losses: dict[str, float]
+    losses: dict[str, torch.Tensor]
     tokens_per_expert: torch.Tensor
-    dropped: int
+    dropped: torch.Tensor | None
 
     @property
     def max_over_mean(self) -> float:
@@ -77,6 +80,23 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, *, expert_bias: torch.Tensor | None = None,
                 count_tokens: bool = True) -> torch.Tensor:
+        """``x [s, b, h] -> [s, b, h]``. ``expert_bias``: route with this version of the bias (default: the
+        router's buffer); ``count_tokens=False``: leave the bias update's counts alone (a recomputation)."""
+        if not (self.cfg.moe_layer_recompute and self.training and torch.is_grad_enabled()):
+            return self._forward(x, expert_bias, count_tokens, True)
+        bias = self.router.expert_bias if expert_bias is None else expert_bias
+        bias = None if bias is None else bias.detach().clone()  # the replay routes with the forward's bias
+        calls = [0]
+
+        def run(inp: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            first = calls[0] == 1  # the replay in backward neither counts tokens again nor replaces the stats
+            return self._forward(inp, bias, count_tokens and first, first)
+
+        return checkpointed(run, x, tracker=None)
+
+    def _forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None, count_tokens: bool,
+                 record: bool) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         route = self.router(tokens, s, b, expert_bias=expert_bias, count_tokens=count_tokens)
@@ -84,8 +104,8 @@ class MoELayer(nn.Module):
         y = self.dispatcher.combine(self.experts(rows, counts), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
-        self.last_stats = MoEStats({k: float(v) for k, v in route.losses.items()}, route.tokens_per_expert.detach(),
-                                   route.dropped)
+        if record:
+            self.last_stats = MoEStats(route.losses, route.tokens_per_expert.detach(), route.dropped)
         return y.view(s, b, h).to(x.dtype)
 
 

@@ -34,7 +34,7 @@ class Routing:
     routing_map: torch.Tensor
     logits: torch.Tensor
     tokens_per_expert: torch.Tensor  # this rank's kept assignments per expert
-    dropped: int = 0  # assignments cut by the capacity
+    dropped: torch.Tensor | None = None  # assignments cut by the capacity (a tensor: read it when logging)
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -92,12 +92,12 @@ class Router(nn.Module):
             pre_softmax=c.moe_router_pre_softmax, num_groups=c.moe_router_num_groups,
             group_topk=c.moe_router_group_topk, scaling_factor=c.moe_router_topk_scaling_factor, expert_bias=bias)
         probs, routing_map = dense_routing(top_p, top_i, c.num_experts)
-        dropped = 0
+        dropped = None
         if c.moe_expert_capacity_factor is not None:
             before = routing_map
             probs, routing_map = drop_tokens(probs, routing_map, c.moe_router_topk, c.moe_expert_capacity_factor,
                                              c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity)
-            dropped = int((before & ~routing_map).sum())
+            dropped = (before & ~routing_map).sum()
         if with_losses and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
             probs = self._balancing_loss(probs, logits, seq_length, batch, losses)
         counts = routing_map.sum(dim=0)
