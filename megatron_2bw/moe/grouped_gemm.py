@@ -3,7 +3,7 @@
 ``grouped_linear(x, w, counts)``: the rows of ``x`` come in ``len(counts)`` consecutive segments, segment ``e``
 multiplied by ``w[e]^T`` (``w`` is ``[E, out, in]``, each expert's matrix in ``nn.Linear``'s layout). With
 ``--moe-grouped-gemm`` it runs ``torch._grouped_mm`` (forward and backward, CPU included in torch 2.13) where
-that kernel takes the operands (fp32/bf16/fp16, rows 16-byte aligned), else one ``F.linear`` per expert.
+that kernel takes the operands (``grouped_mm_supported``), else one ``F.linear`` per expert.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the dtypes torch._grouped_mm takes: the CPU kernel fp32/bf16/fp16 (checked in torch 2.13); on CUDA only bf16
+# (torch's meta function states the CUDA kernel's checks; not run here: no GPU in this project's tests)
+_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``x [N, in]`` and ``w [E, out, in]``: it needs 16-byte strides."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_DTYPES or w.dtype != x.dtype:
+    """Whether ``torch._grouped_mm`` takes ``x [N, in]`` and ``w [E, out, in]``: its dtypes, 16-byte strides."""
+    dtypes = _GROUPED_DTYPES.get(x.device.type, ())
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in dtypes or w.dtype != x.dtype:
         return False
     size = x.element_size()
     return (w.shape[1] * size) % 16 == 0 and (w.shape[2] * size) % 16 == 0
