@@ -163,3 +163,21 @@ def test_tiny_presets_by_hand():
         assert a < t < 1_000_000
     with pytest.raises(ConfigError, match="unknown MoE preset"):
         get_moe_preset("mixtral")
+
+
+WORLD2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("extra, env, line", [
+    (["--num-experts", "4"], {}, "error: --num-experts: MoE training is not wired into the trainer yet"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], {}, "error: --moe-router-topk 5 must be between 1 and "
+                                                           "--num-experts 4"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], WORLD2,  # a rank of 2: no peer, no hang
+     "error: --expert-model-parallel-size 4 does not divide data-parallel size 2 x --context-parallel-size 1"),
+], ids=["not-wired", "topk", "ep-vs-data"])
+def test_pretrain_gpt_stops_in_one_line(extra, env, line):
+    from e2e import PY, REPO, clean_env, run
+
+    res = run([PY, f"{REPO}/pretrain_gpt.py", *BASE, *extra], env=clean_env(**env), timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.describe()
+    assert [ln for ln in res.stderr.splitlines() if ln.strip()][-1].startswith(line), res.describe()
