@@ -11,9 +11,11 @@ import the command line. ``render`` turns ``{"section.field": value}`` into flag
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import fields
 from typing import Any
 
 from .config import Layout, ModelConfig, RunConfig
+from .config.moe import MoEConfig
 from .config.presets import GPT2_VOCAB
 from .flags import FLAGS, MEGATRON_DROPOUT, Flag
 from .schedule.schedules import parse_schedule_id
@@ -53,8 +55,12 @@ def render(values: Mapping[str, Any], kind: str) -> list[str]:
 
 
 def config_values(cfg: RunConfig) -> dict[str, Any]:
-    """``{"section.field": value}`` of every field of ``cfg``."""
-    return {f"{sec}.{k}": v for sec, d in cfg.to_dict().items() if isinstance(d, dict) for k, v in d.items()}
+    """``{"section.field": value}`` of every field of ``cfg``; the model's MoE fields as ``moe.field`` (all None
+    for a dense model, as Megatron stores ``num_experts = None``)."""
+    values = {f"{sec}.{k}": v for sec, d in cfg.to_dict().items() if isinstance(d, dict) for k, v in d.items()}
+    moe = values.pop("model.moe", None)
+    values.update({f"moe.{f.name}": (moe or {}).get(f.name) for f in fields(MoEConfig)})
+    return values
 
 
 def to_argv(cfg: RunConfig) -> list[str]:

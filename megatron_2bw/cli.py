@@ -35,6 +35,7 @@ from .config import (
     lr_by_samples,
     train_iters_of,
 )
+from .config.moe import MoEConfig
 from .config.presets import get_preset
 from .errors import ConfigError, run_cli
 from .flags import FLAGS, MODEL, TOOL_MODEL_FLAGS, Flag
@@ -126,6 +127,8 @@ def model_config(args: argparse.Namespace, kind: str | None = None, *, base: Mod
     """
     given = _fields(args, "model")
     given.update(_model_switches(args))
+    if (moe := moe_config(args)) is not None:
+        given["moe"] = moe
     tool_kind = given.pop("kind", None)  # --model-kind (the trainer's kind is its script's)
     want = kind or tool_kind
     preset = getattr(args, "model_preset", None)
@@ -145,6 +148,25 @@ def model_config(args: argparse.Namespace, kind: str | None = None, *, base: Mod
     if missing:
         raise ConfigError(f"{missing[0]} is required (or give --model-preset); missing: {' '.join(missing)}")
     return shape_model(given, want or "gpt")
+
+
+def moe_config(args: argparse.Namespace) -> MoEConfig | None:
+    """``--num-experts`` and the ``--moe-*`` flags as a :class:`MoEConfig`; None (dense) without ``--num-experts``,
+    where any other MoE flag is refused rather than ignored."""
+    given = _fields(args, "moe")
+    given.update({t.split(".")[1]: f.const for f in FLAGS if f.const is not None and getattr(args, f.dest, False)
+                  for t in f.targets if t.startswith("moe.")})
+    if "num_experts" not in given:
+        _require(not given, f"--{next(iter(given), '').replace('_', '-')} needs --num-experts")
+        return None
+    return MoEConfig(**given)
+
+
+def refuse_unwired_moe(model: ModelConfig) -> None:
+    """The one place that stops an MoE run until the MoE layer (megatron_2bw/moe/) is wired into the trainer:
+    never a silent dense run. The integrator deletes this function and its call in ``build_config``."""
+    _require(model.moe is None, "--num-experts: MoE training is not wired into the trainer yet (the MoE layer is "
+                                "megatron_2bw/moe/); run without --num-experts for a dense model")
 
 
 def default_schedule(d: int) -> tuple[str, str]:
@@ -308,8 +330,10 @@ def build_config(
     opt, training = optimizer_config(args), training_config(args, B)  # --train-iters before the lr schedule
     if layout.distributed_optimizer:  # the planner's choice (--auto-plan)
         opt = replace(opt, use_distributed_optimizer=True)
-    return RunConfig(kind, model, parallel, pipe, opt, lr_config(args, B), training, data_config(args),
-                     system_config(args, cuda_available))
+    cfg = RunConfig(kind, model, parallel, pipe, opt, lr_config(args, B), training, data_config(args),
+                    system_config(args, cuda_available))
+    refuse_unwired_moe(cfg.model)  # after every check of the flags: a bad MoE flag still names itself
+    return cfg
 
 
 def env_world() -> tuple[int, int]:

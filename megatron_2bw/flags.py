@@ -14,6 +14,8 @@ from typing import Any
 from .config import ATTENTION_BACKENDS, CP_COMM_TYPES
 from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
                      P2P_MODES, POSITION_EMBEDDING_TYPES)
+from .config.moe import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS,
+                         format_moe_layer_freq, parse_moe_layer_freq)
 from .config.presets import GPT2_VOCAB, PRESETS
 from .schedule.stages import format_split, parse_split
 from .schedule.schedules import SCHEDULE_NAMES
@@ -72,6 +74,58 @@ _DURATION_HELP = "save (with --save) and exit 0 at the first step boundary after
 _SKIP_HELP = "exit 3 after more consecutive skipped steps (default: fp16 20, constant --loss-scale 5, else 0)"
 _WANDB_HELP = "turns wandb logging on (offline unless WANDB_MODE/WANDB_API_KEY say otherwise; pip install -e '.[wandb]')"
 
+# ---- Mixture of experts (issue 42): Megatron-Core's flags; every default is MoEConfig's (config/moe.py), so a flag
+# not given is None here and --num-experts absent is the dense model. Values Megatron has that are not built here
+# (flex, sinkhorn, global_aux_loss, an expert-tensor-parallel size other than 1) parse and are refused in one line.
+MOE = "mixture of experts (Megatron-Core's flags; GPT)"
+_GPT = ("gpt",)
+MOE_FLAGS: tuple[Flag, ...] = (
+    Flag("--num-experts", "moe.num_experts", MOE, int, kinds=_GPT, help="experts per MoE layer (absent: dense)"),
+    Flag("--moe-ffn-hidden-size", "moe.moe_ffn_hidden_size", MOE, int, kinds=_GPT,
+         help="each expert's FFN size (default --ffn-hidden-size)"),
+    Flag("--moe-layer-freq", "moe.moe_layer_freq", MOE, parse_moe_layer_freq, kinds=_GPT, show=format_moe_layer_freq,
+         help="MoE every N layers (default 1), or one 0/1 per layer: ([0]*3+[1]*5)"),
+    Flag("--moe-router-topk", "moe.moe_router_topk", MOE, int, kinds=_GPT, help="experts per token (default 2)"),
+    Flag("--moe-router-score-function", "moe.moe_router_score_function", MOE, choices=SCORE_FUNCTIONS, kinds=_GPT,
+         help="softmax (default) or sigmoid"),
+    Flag("--moe-router-pre-softmax", "moe.moe_router_pre_softmax", MOE, const=True, kinds=_GPT,
+         help="softmax over all experts before top-k (not renormalised)"),
+    Flag("--moe-router-num-groups", "moe.moe_router_num_groups", MOE, int, kinds=_GPT,
+         help="expert groups for group-limited routing"),
+    Flag("--moe-router-group-topk", "moe.moe_router_group_topk", MOE, int, kinds=_GPT, help="groups chosen per token"),
+    Flag("--moe-router-topk-scaling-factor", "moe.moe_router_topk_scaling_factor", MOE, float, kinds=_GPT,
+         help="multiplies the routing weights"),
+    Flag("--moe-router-dtype", "moe.moe_router_dtype", MOE, choices=ROUTER_DTYPES, kinds=_GPT,
+         help="routing in fp32 or fp64 (default: the input's dtype)"),
+    Flag("--moe-router-load-balancing-type", "moe.moe_router_load_balancing_type", MOE,
+         choices=LOAD_BALANCING_TYPES + ("sinkhorn", "global_aux_loss"), kinds=_GPT, help="default aux_loss"),
+    Flag("--moe-aux-loss-coeff", "moe.moe_aux_loss_coeff", MOE, float, kinds=_GPT, help="default 0"),
+    Flag("--moe-z-loss-coeff", "moe.moe_z_loss_coeff", MOE, float, kinds=_GPT, help="default: no z-loss"),
+    Flag("--moe-router-enable-expert-bias", "moe.moe_router_enable_expert_bias", MOE, const=True, kinds=_GPT,
+         help="aux-loss-free balancing: a per-expert bias on the sigmoid scores, updated every step"),
+    Flag("--moe-router-bias-update-rate", "moe.moe_router_bias_update_rate", MOE, float, kinds=_GPT,
+         help="default 1e-3"),
+    Flag("--moe-token-dispatcher-type", "moe.moe_token_dispatcher_type", MOE, choices=DISPATCHER_TYPES + ("flex",),
+         kinds=_GPT, help="allgather (default) or alltoall"),
+    Flag("--moe-expert-capacity-factor", "moe.moe_expert_capacity_factor", MOE, float, kinds=_GPT,
+         help="drop tokens over this capacity (default: dropless)"),
+    Flag("--moe-token-drop-policy", "moe.moe_token_drop_policy", MOE, choices=DROP_POLICIES, kinds=_GPT,
+         help="probs (default) or position"),
+    Flag("--moe-pad-expert-input-to-capacity", "moe.moe_pad_expert_input_to_capacity", MOE, const=True, kinds=_GPT),
+    Flag("--moe-shared-expert-intermediate-size", "moe.moe_shared_expert_intermediate_size", MOE, int, kinds=_GPT,
+         help="FFN size of all shared experts together (default: none)"),
+    Flag("--moe-shared-expert-gate", "moe.moe_shared_expert_gate", MOE, const=True, kinds=_GPT,
+         help="sigmoid gate on the shared experts (Qwen2-MoE)"),
+    Flag("--moe-grouped-gemm", "moe.moe_grouped_gemm", MOE, const=True, kinds=_GPT,
+         help="torch._grouped_mm for the experts where it runs"),
+    Flag("--expert-model-parallel-size", "moe.expert_model_parallel_size", MOE, int, kinds=_GPT,
+         help="ranks the experts are spread over, inside data x context (default 1)"),
+    Flag("--expert-tensor-parallel-size", "moe.expert_tensor_parallel_size", MOE, int, kinds=_GPT,
+         help="only 1 (experts are not sharded over the tensor group)"),
+    Flag("--moe-layer-recompute", "moe.moe_layer_recompute", MOE, const=True, kinds=_GPT,
+         help="recompute the MoE layers in backward"),
+)
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--model-preset", None, MODEL, help=_PRESET_HELP),
     Flag("--num-layers", "model.num_layers", MODEL, int),
@@ -97,6 +151,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", MODEL, const=True,
          help="a separate output layer instead of the word embedding"),
     Flag("--disable-bias-linear", "model.add_bias_linear", MODEL, const=False, help="no biases in the linear layers"),
+    *MOE_FLAGS,
     Flag("--sequence-parallel", "model.sequence_parallel", PAR, const=True,
          help="t > 1: norms, dropout and the residual stream sharded along the sequence (GPT)"),
     Flag("--tensor-model-parallel-size", "parallel.tensor", PAR, int, 1),

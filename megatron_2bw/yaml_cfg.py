@@ -25,8 +25,6 @@ YAML_FLAG = "--yaml-cfg"
 
 # Common Megatron-LM flags this project does not implement, with what to use instead.
 MEGATRON_UNSUPPORTED = {
-    "--num-experts": "mixture of experts",
-    "--expert-model-parallel-size": "mixture of experts",
     "--transformer-impl": "Transformer Engine; --fused-kernels picks apex or torch kernels",
     "--use-mcore-models": "Megatron-Core models; the models are this project's own",
     "--fp8-format": "FP8 training; use --bf16 or --fp16",

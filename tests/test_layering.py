@@ -30,7 +30,7 @@ FLOORS = {
     "config": 2, "yaml_cfg": 2, "fused": 2, "data": 2,
     # the command line (torch-free, reads only the configs) beside the process groups
     "flags": 3, "argv": 3, "cli": 3, "parallel_state": 3, "local_workers": 3,
-    "tensor_parallel": 4, "optimizer": 4, "context_parallel": 4,
+    "tensor_parallel": 4, "optimizer": 4, "context_parallel": 4, "moe": 4,
     "models": 5, "pipeline": 5,
     "checkpoint": 6,
     "export": 7,

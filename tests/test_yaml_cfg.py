@@ -127,8 +127,8 @@ def test_unknown_flag_hint_names_the_nearest_flag():
 def test_known_megatron_flags_say_they_are_not_supported():
     p = parser()
     with pytest.raises(ConfigError) as e:
-        p.parse_args([*REQUIRED, "--num-experts", "2"])
+        p.parse_args([*REQUIRED, "--transformer-impl", "local"])
     msg = explain_unrecognized(str(e.value), p)
-    assert msg.startswith("Megatron flag not supported by megatron_2bw: --num-experts (")
+    assert msg.startswith("Megatron flag not supported by megatron_2bw: --transformer-impl (")
     # No flag in the list exists in the parser (else the hint would be wrong).
     assert not set(MEGATRON_UNSUPPORTED) & set(p._option_string_actions)

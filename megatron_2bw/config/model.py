@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .arith import num_parameters
+from .moe import MoEConfig, moe_config_of
 from .rules import _require, _require_finite
 
 
@@ -40,6 +41,7 @@ class ModelConfig:
     # the sequence over the tensor group; the pipeline carries [b, s/t, h]
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128  # Megatron's: the embedding has a multiple of this * t rows
+    moe: MoEConfig | None = None  # mixture of experts (--num-experts ...; config/moe.py); None: dense
 
     def __post_init__(self) -> None:
         _require(self.make_vocab_size_divisible_by >= 1,
@@ -67,6 +69,9 @@ class ModelConfig:
         _require_finite(self)
         _require(self.layernorm_epsilon > 0, f"--layernorm-epsilon must be positive, got {self.layernorm_epsilon}")
         _require(self.init_method_std >= 0, f"--init-method-std must be >= 0, got {self.init_method_std}")
+        moe = moe_config_of(self.moe)  # a checkpoint's JSON holds it as a dict
+        _require(moe is None or self.kind == "gpt", "--num-experts is implemented for GPT models only")
+        object.__setattr__(self, "moe", moe and moe.for_model(self.num_layers, self.ffn_hidden_size))
 
     def _check_llama_fields(self) -> None:
         """Refuse contradictory or unsupported Llama-family options (one line each)."""
@@ -154,6 +159,8 @@ class ModelConfig:
             feats.append("untied output")
         if not self.add_bias_linear:
             feats.append("no linear biases")
+        if self.moe is not None:
+            feats.append(f"MoE {self.moe.num_experts} experts top-{self.moe.moe_router_topk}")
         if self.hidden_dropout or self.attention_dropout:
             feats.append(f"dropout {self.hidden_dropout:g} hidden, {self.attention_dropout:g} attention")
         return feats
@@ -162,7 +169,7 @@ class ModelConfig:
         """The flags of features this model has that no export format (Hugging Face, Megatron-Core) can
         write: an export of such a model is refused in one line rather than written as another model. A
         layer feature that the exporters do not map names itself here, beside its field."""
-        return ()
+        return ("--num-experts",) if self.moe is not None else ()
 
     @property
     def tied_output(self) -> bool:

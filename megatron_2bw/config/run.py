@@ -11,6 +11,7 @@ from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import parse_schedule_id
 from .rules import MAX_SEED, _require
 from .model import ModelConfig
+from .moe import check_expert_parallel
 from .optim import AUTO_COMPENSATION, LRConfig, OptimizerConfig, resolve_compensation
 from .parallel import ParallelConfig, PipelineConfig
 
@@ -265,6 +266,7 @@ class RunConfig:
         _require(self.optimizer.lr == self.lr.lr,
                  f"the optimizer's lr {self.optimizer.lr} and the schedule's lr {self.lr.lr} differ: --lr sets both "
                  "(a config file or a program must give them one value)")
+        check_expert_parallel(self.model.moe, self.parallel.data, self.parallel.context)
         if self.pipeline.compensation == AUTO_COMPENSATION:  # the flag's default: what the measurements favour
             o = self.optimizer
             mode = resolve_compensation(AUTO_COMPENSATION, self.pipeline.spec.stale_steps, o.optimizer, o.dtype,

@@ -1,0 +1,33 @@
+"""Shared experts: the MLP every token goes through beside its routed experts (DeepSeek, Qwen2-MoE), optionally
+scaled per token by ``sigmoid(x . gate)`` (Qwen2-MoE's ``shared_expert_gate``; ``--moe-shared-expert-gate``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import activation
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts (one MLP of their summed width), optionally scaled by ``sigmoid(x . gate)``
+    (Qwen2-MoE's shared-expert gate). Not sharded here: tensor parallelism is the integrator's."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, gated: bool, use_gate: bool, *, init_std: float = 0.02,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gated = gated
+        fc1_out = 2 * ffn_size if gated else ffn_size
+        self.linear_fc1 = nn.Linear(hidden_size, fc1_out, bias=False, dtype=dtype)
+        self.linear_fc2 = nn.Linear(ffn_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype)) if use_gate else None
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear_fc2(activation(self.linear_fc1(x), self.gated))
+        if self.gate_weight is not None:
+            out = torch.sigmoid(F.linear(x, self.gate_weight)) * out
+        return out
