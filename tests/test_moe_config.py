@@ -8,7 +8,8 @@ from dataclasses import asdict, fields, replace
 import pytest
 
 import mcore_reference as mref
-from megatron_2bw.cli import build_config, megatron_args, model_config, parse_args, to_argv
+from megatron_2bw.argv import megatron_args, to_argv
+from megatron_2bw.cli import build_config, model_config, parse_args
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.moe import MoEConfig, check_expert_parallel, parse_moe_layer_freq
 from megatron_2bw.config.moe_presets import MOE_PRESETS, get_moe_preset, moe_layer_params, parameter_counts
