@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load-dir", required=True, help="checkpoint root, iteration dir, or Hugging Face model dir")
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--loader", choices=LOADERS[1:], help="source format (default: Hugging Face if config.json is there)")
+    p.add_argument("--loader", choices=LOADERS[1:],
+                   help="source format (default: Hugging Face if config.json is there)")
     p.add_argument("--saver", choices=SAVERS, default="megatron")
     p.add_argument("--saver-transformer-impl", choices=TRANSFORMER_IMPLS, default=TRANSFORMER_IMPLS[0],
                    help="--saver mcore: Megatron-Core's layer names for Transformer Engine layers (norms fused into "

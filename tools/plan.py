@@ -24,8 +24,8 @@ or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer.
 
 Without ``--profile`` the per-layer times are an analytic estimate from FLOPs and bytes (the output
 says so); its activation memory follows ``--attention-backend`` (the trainer's flag: which attention
-kernel runs, so whether the ``s^2`` scores are kept). The model flags follow the trainer's rule (``cli.model_config``). Bad input prints one
-``error: ...`` line on stderr and exits with status 2.
+kernel runs, so whether the ``s^2`` scores are kept). The model flags follow the trainer's rule
+(``cli.model_config``). Bad input prints one ``error: ...`` line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -261,7 +261,8 @@ def paper_space_text(result) -> str:
         return "best with t = 1 (the paper's search space): none fits"
     c = t1.candidate
     head = (f"best with t = 1 (the paper's search space): d = {c.pipeline_parallel}, w = {c.data_parallel}, "
-            f"b = {c.micro_batch_size}, recompute {recompute_text(c)}, {c.schedule if c.pipeline_parallel > 1 else 'no pipeline'}"
+            f"b = {c.micro_batch_size}, recompute {recompute_text(c)}, "
+            f"{c.schedule if c.pipeline_parallel > 1 else 'no pipeline'}"
             f"{', distributed optimizer' if c.distributed_optimizer else ''}, {split_text(c)} split: "
             f"{t1.samples_per_sec:.1f} samples/s")
     if gain is not None and gain > 1e-9:

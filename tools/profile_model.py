@@ -32,14 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(p)
     r = p.add_argument_group("measurement")
     r.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    r.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], help="tensor-parallel sizes (t > 1 spawns t processes)")
+    r.add_argument("--tensor-parallel", type=int, nargs="+", default=[1],
+                   help="tensor-parallel sizes (t > 1 spawns t processes)")
     r.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     r.add_argument("--device", help="cuda, cuda:1 or cpu (default: CUDA when available)")
     r.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     r.add_argument("--reps", type=int, default=5)
     r.add_argument("--warmup", type=int, default=2)
     r.add_argument("--no-optimizer", action="store_true", help="skip timing the optimizer step")
-    r.add_argument("--keep-going", action="store_true", help="on CUDA, when a b runs out of memory, write the smaller sizes measured so far instead of failing")
+    r.add_argument("--keep-going", action="store_true",
+                   help="on CUDA, when a b runs out of memory, write the smaller sizes measured so far "
+                        "instead of failing")
     o = p.add_argument_group("output")
     o.add_argument("--out", required=True, help="profile JSON to write")
     o.add_argument("--overwrite", action="store_true", help="replace an --out that is not a profile")
@@ -78,7 +81,8 @@ def run(argv: list[str]) -> str:
     for t in sorted(set(args.tensor_parallel)):
         kw = dict(dtype=args.precision, warmup=args.warmup, reps=args.reps, optimizer=not args.no_optimizer)
         if t == 1:
-            parts.append(profiler.profile_model(cfg, args.micro_batch_sizes, device=args.device, skip_oom=args.keep_going,
+            parts.append(profiler.profile_model(cfg, args.micro_batch_sizes, device=args.device,
+                                                skip_oom=args.keep_going,
                                                 log=lambda s: print(f"t=1 {s}", file=sys.stderr), **kw))
         else:
             dev = torch.device(args.device) if args.device else None
@@ -87,14 +91,16 @@ def run(argv: list[str]) -> str:
                                                           threads=args.threads or 1, skip_oom=args.keep_going, **kw))
     prof = profiler.merge_profiles(parts)
     write_text_atomic(args.out, json.dumps(prof.to_json(), indent=1) + "\n")
-    lines = [f"wrote {args.out}: {len(prof.entries)} (t, b) entries in {time.perf_counter() - start:.1f} s; {prof.source}"]
+    lines = [f"wrote {args.out}: {len(prof.entries)} (t, b) entries in {time.perf_counter() - start:.1f} s; "
+             f"{prof.source}"]
     for (t, b), e in sorted(prof.entries.items()):
         lines.append(f"  t={t} b={b}: layer fwd {e.layer.forward_s * 1e3:.3f} ms bwd {e.layer.backward_s * 1e3:.3f} ms "
                      f"(split: I {e.layer.backward_input_s * 1e3:.3f} ms + W {e.layer.backward_weight_s * 1e3:.3f} ms) "
                      f"stash {e.layer.stash_bytes / 2**20:.2f} MiB; head fwd {e.head.forward_s * 1e3:.3f} ms "
                      f"bwd {e.head.backward_s * 1e3:.3f} ms stash {e.head.stash_bytes / 2**20:.2f} MiB")
     if prof.optimizer:
-        lines.append(f"  optimizer step: {prof.optimizer.fixed_s * 1e6:.1f} us + {prof.optimizer.per_param_s * 1e9:.3f} ns/param")
+        lines.append(f"  optimizer step: {prof.optimizer.fixed_s * 1e6:.1f} us + "
+                     f"{prof.optimizer.per_param_s * 1e9:.3f} ns/param")
     return "\n".join(lines)
 
 

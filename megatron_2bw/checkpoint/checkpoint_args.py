@@ -56,7 +56,8 @@ def apply_checkpoint_args(args: argparse.Namespace) -> str | None:
         raise ConfigError("--use-checkpoint-args needs --load DIR holding a checkpoint")
     saved, path = checkpoint_args(args.load, args.save)
     names = list(SHAPE_ARGS) + (list(TOKENIZER_ARGS) if getattr(args, "tokenizer_type", None) is None else [])
-    if saved.get("tokenizer_type") != "NullTokenizer" or getattr(args, "tokenizer_type", None) not in (None, "NullTokenizer"):
+    if (saved.get("tokenizer_type") != "NullTokenizer"
+            or getattr(args, "tokenizer_type", None) not in (None, "NullTokenizer")):
         names = [n for n in names if n != "vocab_size"]  # elsewhere Megatron's vocab_size is the model's, not a flag
     taken = []
     for name in names:

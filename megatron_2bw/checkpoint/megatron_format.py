@@ -91,7 +91,8 @@ def _get(tree: dict, path: tuple[str, ...]):
     return tree
 
 
-def megatron_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: int = 0, split: Split = None) -> dict:
+def megatron_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: int = 0,
+                   split: Split = None) -> dict:
     """The nested ``model`` dict of stage ``r`` of ``d`` from that stage's (possibly sharded) tensors."""
     model: dict = {}
     for name in stage_names(cfg, d, r, split):  # embedding, layers in order, then final LayerNorm and heads
@@ -161,7 +162,8 @@ def rank_contents(meta: Exported, part: dict[str, torch.Tensor], *, t: int, d: i
     }
 
 
-def rank_weights(contents: dict, cfg: ModelConfig, *, t: int, d: int, pp: int, split: Split = None) -> dict[str, torch.Tensor]:
+def rank_weights(contents: dict, cfg: ModelConfig, *, t: int, d: int, pp: int,
+                 split: Split = None) -> dict[str, torch.Tensor]:
     """Inverse of :func:`rank_contents`: a rank's global-name shard from its Megatron file contents (all of its
     model chunks: an interleaved file's ``model0``, ``model1``, ... say how many)."""
     version = float(contents.get("checkpoint_version", 0.0))
@@ -223,7 +225,8 @@ def read_rank_files(idir: str) -> dict[tuple[int, int], dict]:
         path = os.path.join(idir, name, FILENAME)
         if m and os.path.isfile(path):
             try:
-                files[(int(m.group(1)), int(m.group(2) or 0))] = torch.load(path, map_location="cpu", weights_only=False)
+                key = (int(m.group(1)), int(m.group(2) or 0))
+                files[key] = torch.load(path, map_location="cpu", weights_only=False)
             except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt file
                 raise ConfigError(f"cannot read {path}: {type(e).__name__}") from None
     if not files:
@@ -255,8 +258,9 @@ def _refuse_missing_shards(idir: str, files: dict) -> None:
     missing = [rank_dir(a, b, d) for a in range(t) for b in range(d) if (a, b) not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ConfigError(f"checkpoint {idir} was written with t={t} d={d} but {os.path.join(idir, missing[0], FILENAME)}"
-                          f" is missing{more}: copy it back or use a complete checkpoint")
+        raise ConfigError(f"checkpoint {idir} was written with t={t} d={d} but "
+                          f"{os.path.join(idir, missing[0], FILENAME)} is missing{more}: "
+                          "copy it back or use a complete checkpoint")
 
 
 def config_from_args(args, model: dict) -> ModelConfig:
@@ -267,8 +271,9 @@ def config_from_args(args, model: dict) -> ModelConfig:
     if a.get("bias_gelu_fusion") is False and not a.get("openai_gelu") and not a.get("swiglu"):  # SwiGLU: no GELU
         raise ConfigError("checkpoint uses the exact (erf) GELU; this model implements only the tanh approximation")
     return ModelConfig(
-        kind=kind, num_layers=a["num_layers"], hidden_size=a["hidden_size"], num_attention_heads=a["num_attention_heads"],
-        seq_length=a.get("seq_length") or a["max_position_embeddings"], max_position_embeddings=a["max_position_embeddings"],
+        kind=kind, num_layers=a["num_layers"], hidden_size=a["hidden_size"],
+        num_attention_heads=a["num_attention_heads"], seq_length=a.get("seq_length") or a["max_position_embeddings"],
+        max_position_embeddings=a["max_position_embeddings"],
         vocab_size=a.get("vocab_size") or a["padded_vocab_size"], ffn_hidden_size=a.get("ffn_hidden_size"),
         hidden_dropout=a.get("hidden_dropout", 0.0), attention_dropout=a.get("attention_dropout", 0.0),
         layernorm_epsilon=a.get("layernorm_epsilon", 1e-5), init_method_std=a.get("init_method_std", 0.02),

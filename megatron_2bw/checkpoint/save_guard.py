@@ -202,7 +202,8 @@ def check_fresh_start(save: str, load: str | None, resumes_from_save: bool, over
 
 
 def clear_checkpoints(save: str) -> None:
-    """``--overwrite-save``: remove the pointer file and every ``iter_*`` folder of ``save`` (rank 0, under the lock)."""
+    """``--overwrite-save``: remove the pointer file and every ``iter_*`` folder of ``save`` (rank 0, under the
+    lock)."""
     held = saved_checkpoints(save)
     try:
         if os.path.exists(os.path.join(save, TRACKER)):

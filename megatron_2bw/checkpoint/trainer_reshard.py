@@ -75,8 +75,10 @@ def read_trainer_checkpoint(path: str) -> TrainerCheckpoint:
 
 def _stage_entry(ckpt: TrainerCheckpoint, parts: dict[str, dict], schedule: str) -> dict:
     st = ckpt.first["stage"]
-    opt = {k: (parts[f"optimizer.{k}"] if isinstance(v, dict) else copy.deepcopy(v)) for k, v in st["optimizer"].items()}
-    return {"step": st["step"], "schedule": schedule, "older": parts.get("older") if get_schedule(schedule).weight_versions > 1 else None,
+    opt = {k: (parts[f"optimizer.{k}"] if isinstance(v, dict) else copy.deepcopy(v))
+           for k, v in st["optimizer"].items()}
+    older = parts.get("older") if get_schedule(schedule).weight_versions > 1 else None
+    return {"step": st["step"], "schedule": schedule, "older": older,
             "master": parts.get("master"), "optimizer": opt, "scaler": copy.deepcopy(st["scaler"])}
 
 
@@ -170,6 +172,7 @@ def write_dist_checkpoint(root: str, ckpt: TrainerCheckpoint, *, schedule: str |
     common = {"format": dc.FORMAT, "iteration": int(first["iteration"]), "step": int(st["step"]), "schedule": schedule,
               "layout": {"t": None, "d": None, "w": None, "schedule": schedule, "split": None,
                          "distributed_optimizer": False},
-              "config": config, "args": args, "data": copy.deepcopy(first["data"]), "scaler": copy.deepcopy(st["scaler"]),
+              "config": config, "args": args, "data": copy.deepcopy(first["data"]),
+              "scaler": copy.deepcopy(st["scaler"]),
               "optimizer": {k: copy.deepcopy(v) for k, v in st["optimizer"].items() if not isinstance(v, dict)}}
     return dc.write_whole(root, int(first["iteration"]), common, families)

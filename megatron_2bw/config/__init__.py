@@ -41,7 +41,8 @@ __all__ = [
     "ATTENTION_BACKENDS", "AUTO_COMPENSATION", "CKPT_FORMATS", "CKPT_GATHER_CHUNK", "COMPENSATIONS", "DECAY_STYLES",
     "DTYPES", "FP16_MAX", "MAX_SEED", "MUON_ADJUST_LR_FNS", "NORMALIZATIONS", "OPTIMIZERS", "P2P_MODES",
     "POSITION_EMBEDDING_TYPES", "WSD_DECAY_STYLES", "DataConfig", "LRConfig", "Layout", "ModelConfig",
-    "CP_COMM_TYPES", "OptimizerConfig", "ParallelConfig", "PipelineConfig", "RunConfig", "SystemConfig", "TrainingConfig",
+    "CP_COMM_TYPES", "OptimizerConfig", "ParallelConfig", "PipelineConfig", "RunConfig", "SystemConfig",
+    "TrainingConfig",
     "default_ffn_hidden_size", "fp32_grads_for", "layout_configs", "lr_by_samples", "resolve_compensation",
     "train_iters_of",
 ]

@@ -10,7 +10,8 @@ from .rules import FP16_MAX, _require, _require_finite
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "muon")  # optimizer/flat.py, optimizer/muon.py
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
-COMPENSATIONS = ("none", "predict", "dc", "ef", "extrapolate")  # 2BW stale-gradient compensation (pipeline/compensation.py)
+# 2BW stale-gradient compensation (pipeline/compensation.py)
+COMPENSATIONS = ("none", "predict", "dc", "ef", "extrapolate")
 AUTO_COMPENSATION = "auto"  # --2bw-compensation's default: resolve_compensation picks by the measurements
 
 
@@ -75,7 +76,8 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        _require(self.optimizer in OPTIMIZERS,
+                 f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         _require(self.dtype in DTYPES, f"precision must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require_finite(self)
         _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
@@ -147,7 +149,8 @@ class LRConfig:
     decay_iters: int = 1
     samples_per_step: int | None = None  # --train-samples: warm-up and decay are counted in samples
     wsd_decay_style: str = "exponential"  # WSD: the shape of the final anneal
-    wsd_decay_iters: int | None = None  # WSD: length of the anneal that ends at decay_iters (samples with --train-samples)
+    # WSD: length of the anneal that ends at decay_iters (samples with --train-samples)
+    wsd_decay_iters: int | None = None
     # inverse-square-root without warm-up: Megatron divides by sqrt(consumed samples), which needs the batch
     global_batch_size: int | None = None
 

@@ -62,7 +62,8 @@ class BertDataset:
         self._block_start, self._block_end = _blocks(self._sent_len, sent_doc, len(documents), self.max_tokens)
         if len(self._block_start) == 0:
             raise ConfigError(
-                f"no document among the {len(documents)} given to BertDataset from {indexed.prefix} has 2 tokens for a sentence pair"
+                f"no document among the {len(documents)} given to BertDataset from {indexed.prefix} "
+                "has 2 tokens for a sentence pair"
             )
         # Epochs of independently shuffled blocks, truncated to num_samples.
         n_blocks = len(self._block_start)
@@ -199,7 +200,8 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - starts
 
 
-def _truncate_pair(a: np.ndarray, b: np.ndarray, target: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _truncate_pair(a: np.ndarray, b: np.ndarray, target: int,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Cut the longer segment until ``len(a) + len(b) <= target`` (``target >= 2``).
 
     Megatron drops one token at a time from the longer segment (ties: B); the closed form

@@ -67,7 +67,8 @@ def _atomic_write(path: str, write) -> None:
     except OSError as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise ConfigError(f"--data-cache-path {os.path.dirname(path)}: cannot write {path}: {e.strerror or e}") from None
+        raise ConfigError(f"--data-cache-path {os.path.dirname(path)}: cannot write {path}: "
+                          f"{e.strerror or e}") from None
 
 
 class GPTDataset:
@@ -96,7 +97,8 @@ class GPTDataset:
         doc_tokens = item_cum[doc_end_item] - item_cum[doc_start_item]
         tokens_per_epoch = int(doc_tokens.sum())
         if tokens_per_epoch == 0:
-            raise ConfigError(f"the {len(documents)} documents given to GPTDataset from {indexed.prefix} hold no tokens")
+            raise ConfigError(f"the {len(documents)} documents given to GPTDataset from {indexed.prefix} "
+                              "hold no tokens")
         block = max(tokens_per_epoch // seq_length, 1)  # windows shuffled together
         needed = -(-num_samples // block) * block * seq_length + 1  # whole blocks of windows
         num_epochs = -(-needed // tokens_per_epoch)

@@ -65,7 +65,8 @@ def dataset_exists(prefix: str) -> bool:
 def _dtype_code(dtype) -> int:
     dt = np.dtype(dtype)
     if dt not in _CODES:
-        raise ConfigError(f"indexed dataset dtype {dt} is not one of {sorted(str(np.dtype(d)) for d in DTYPES.values())}")
+        raise ConfigError(f"indexed dataset dtype {dt} is not one of "
+                          f"{sorted(str(np.dtype(d)) for d in DTYPES.values())}")
     return _CODES[dt]
 
 
@@ -185,7 +186,8 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int, int]:
     except OSError as e:
         raise ConfigError(f"cannot read index file {idx_path}: {e.strerror or e}") from None
     if len(header) < HEADER_SIZE:
-        raise ConfigError(f"index file {idx_path} is truncated: {idx_size} bytes, shorter than the {HEADER_SIZE}-byte header")
+        raise ConfigError(f"index file {idx_path} is truncated: {idx_size} bytes, "
+                          f"shorter than the {HEADER_SIZE}-byte header")
     if header[: len(MAGIC)] != MAGIC:
         raise ConfigError(f"index file {idx_path} has a bad magic number (not a Megatron MMIDIDX index)")
     pos = len(MAGIC)
@@ -221,8 +223,9 @@ def _check_pointers(idx_path: str, bin_path: str, bin_size: int, dtype: np.dtype
     if n and np.any(pointers != expected):
         bad = int(np.argmax(pointers != expected))
         raise ConfigError(
-            f"index file {idx_path} is corrupt: sequence {bad} starts at byte {int(pointers[bad])} but the sizes before it "
-            f"give byte {int(expected[bad])} for dtype {dtype} ({item} bytes per token); its dtype code or pointers are wrong"
+            f"index file {idx_path} is corrupt: sequence {bad} starts at byte {int(pointers[bad])} "
+            f"but the sizes before it give byte {int(expected[bad])} for dtype {dtype} ({item} bytes per token); "
+            "its dtype code or pointers are wrong"
         )
     ends = pointers + nbytes
     if n and ends.max() > bin_size:
@@ -250,7 +253,8 @@ def _read_index(idx_path: str, bin_path: str, bin_size: int):
     if doc_idx[0] != 0 or np.any(np.diff(doc_idx) < 0) or doc_idx[-1] != n:
         raise ConfigError(
             f"index file {idx_path} is corrupt: its document index must rise from 0 to the {n} sequences, "
-            f"got [{int(doc_idx[0])} .. {int(doc_idx[-1])}]{' and decreasing steps' if np.any(np.diff(doc_idx) < 0) else ''}"
+            f"got [{int(doc_idx[0])} .. {int(doc_idx[-1])}]"
+            f"{' and decreasing steps' if np.any(np.diff(doc_idx) < 0) else ''}"
         )
     return dtype, sizes, pointers, doc_idx
 

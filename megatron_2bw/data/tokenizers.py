@@ -91,7 +91,8 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_file=model_file)
         except (OSError, RuntimeError) as e:
-            raise ConfigError(f"--tokenizer-model {model_file} is not a SentencePiece model: {_first_line(e)}") from None
+            raise ConfigError(f"--tokenizer-model {model_file} is not a SentencePiece model: "
+                              f"{_first_line(e)}") from None
         sp = self._sp
         self.vocab_size = int(sp.get_piece_size())
         self.eod = self._special(sp.eos_id(), SP_EOD, "</s>")
@@ -169,7 +170,8 @@ class BertWordPieceTokenizer(Tokenizer):
         try:
             vocab = load_vocab(vocab_file)
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--vocab-file {vocab_file}: cannot read a WordPiece vocabulary: {_first_line(e)}") from None
+            raise ConfigError(f"--vocab-file {vocab_file}: cannot read a WordPiece vocabulary: "
+                              f"{_first_line(e)}") from None
         for token in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"):
             if token not in vocab:
                 raise ConfigError(f"--vocab-file {vocab_file} has no {token} token")
@@ -245,7 +247,8 @@ def build_tokenizer(
         try:
             hf = _load_gpt2(vocab, merges)
         except Exception as e:  # noqa: BLE001 - any load failure is bad input
-            raise ConfigError(f"--vocab-file {vocab} / --merge-file {merges}: cannot load GPT-2 BPE: {_first_line(e)}") from None
+            raise ConfigError(f"--vocab-file {vocab} / --merge-file {merges}: cannot load GPT-2 BPE: "
+                              f"{_first_line(e)}") from None
         eod = hf.get_vocab().get("<|endoftext|>")
         return HFTokenizer(hf, args, eod, literal_specials=True)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
@@ -253,7 +256,8 @@ def build_tokenizer(
         return BertWordPieceTokenizer(vocab, tokenizer_type == "BertWordPieceLowerCase", args)
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
-            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer directory)")
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                              "(a local tokenizer directory)")
         if not os.path.exists(tokenizer_model):
             raise ConfigError(f"--tokenizer-model {tokenizer_model} does not exist (only local tokenizers are loaded)")
         try:
@@ -261,7 +265,8 @@ def build_tokenizer(
 
             hf = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any load failure is bad input
-            raise ConfigError(f"--tokenizer-model {tokenizer_model}: cannot load a tokenizer: {_first_line(e)}") from None
+            raise ConfigError(f"--tokenizer-model {tokenizer_model}: cannot load a tokenizer: "
+                              f"{_first_line(e)}") from None
         eod = hf.eos_token_id if hf.eos_token_id is not None else hf.sep_token_id
         return HFTokenizer(hf, args, eod)
     raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")

@@ -5,8 +5,8 @@ iteration dir of ``mp_rank_*`` files, any t x d), a trainer checkpoint of this p
 (``format`` 1 files: per-stage parameter names and engine state; or ``--ckpt-format torch_dist``), and a
 Hugging Face model directory. Every reader returns the tokenizer the checkpoint recorded (flags and
 fingerprint, ``data.fingerprint.recorded_tokenizer``). Formats written: Megatron-LM v2.x (any t x d) and
-Hugging Face. Megatron-Core's torch format (flat ``decoder.layers.N`` names, ``mcore_format.py``) is read and written too: ``mcore`` or
-Megatron's newer name ``core``.
+Hugging Face. Megatron-Core's torch format (flat ``decoder.layers.N`` names, ``mcore_format.py``) is
+read and written too: ``mcore`` or Megatron's newer name ``core``.
 """
 
 from __future__ import annotations

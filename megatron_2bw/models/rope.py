@@ -18,7 +18,8 @@ def inverse_frequencies(dim: int, base: float, device: torch.device | None = Non
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
 
 
-def rotary_tables(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(positions: torch.Tensor, dim: int, base: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[len(positions), dim]`` (each frequency twice: the two halves share it)."""
     freqs = positions.float()[:, None] * inverse_frequencies(dim, base, positions.device)[None, :]
     emb = torch.cat([freqs, freqs], -1)

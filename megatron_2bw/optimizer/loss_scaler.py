@@ -10,7 +10,8 @@ from __future__ import annotations
 class LossScaler:
     def __init__(self, initial: float = 1.0, dynamic: bool = False, window: int = 1000, min_scale: float = 1.0,
                  factor: float = 2.0):
-        self.scale, self.dynamic, self.window, self.min_scale, self.factor = float(initial), dynamic, window, min_scale, factor
+        self.scale, self.dynamic, self.window = float(initial), dynamic, window
+        self.min_scale, self.factor = min_scale, factor
         self.good_steps = 0
 
     def update(self, overflow: bool) -> None:

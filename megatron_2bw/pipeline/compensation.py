@@ -117,7 +117,8 @@ def check_compensation(mode: str, optimizer: FlatAdam | FlatSGD) -> None:
         raise ConfigError("--2bw-compensation predict extrapolates Adam or SGD steps only: use ef or dc with "
                           "--optimizer muon")
     if mode == "predict" and isinstance(optimizer, FlatSGD) and optimizer.buf is None:
-        raise ConfigError("--2bw-compensation predict needs a momentum to extrapolate with: use Adam or --sgd-momentum > 0")
+        raise ConfigError("--2bw-compensation predict needs a momentum to extrapolate with: "
+                          "use Adam or --sgd-momentum > 0")
 
 
 def predict(optimizer: FlatAdam | FlatSGD, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:

@@ -280,13 +280,13 @@ class Transport:
 
     def forget_plan(self) -> None:
         """Drop the planned receives not yet posted (a segment cut short plans its own); posted ones stay."""
-        for queue in self._plan.values():
-            queue.clear()
+        for planned in self._plan.values():
+            planned.clear()
 
     def _fill(self) -> None:
-        for kind, queue in self._plan.items():
-            while queue and self._posted[kind] < self.ahead:
-                self._post(kind, queue.popleft())
+        for kind, planned in self._plan.items():
+            while planned and self._posted[kind] < self.ahead:
+                self._post(kind, planned.popleft())
 
     def _post(self, kind: Op, key: tuple[int, int]) -> None:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -300,10 +300,10 @@ class Transport:
         key = (a.chunk, a.mb)
         if (a.op, *key) in self._recvs:
             return
-        queue = self._plan[a.op]
-        if key in queue:
-            while queue:
-                nxt = queue.popleft()
+        planned = self._plan[a.op]
+        if key in planned:
+            while planned:
+                nxt = planned.popleft()
                 self._post(a.op, nxt)
                 if nxt == key:
                     return
@@ -351,7 +351,8 @@ class Transport:
             self._sends.popleft()
 
     # ------------------------------------------------------------------ grouped
-    def exchange(self, unit: Sequence[Action], outgoing: Mapping[Action, torch.Tensor]) -> list[tuple[Action, torch.Tensor]]:
+    def exchange(self, unit: Sequence[Action],
+                 outgoing: Mapping[Action, torch.Tensor]) -> list[tuple[Action, torch.Tensor]]:
         """Issue the unit's sends, then its receives, as one ``batch_isend_irecv`` group and wait for all of it.
 
         Transfers of one kind keep their order in ``unit``, which is the order the peer issues the

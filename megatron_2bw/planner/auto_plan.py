@@ -114,7 +114,8 @@ class AutoPlan:
 
 def host_cluster(device: torch.device | None = None, num_gpus: int = 1) -> Cluster:
     """A cluster description of this machine (see the module docstring)."""
-    dev = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    dev = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                     else torch.device("cpu"))
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
         preset = next((p for key, p in DEVICE_PRESETS if key in name), None)
@@ -203,7 +204,8 @@ def auto_plan_details(
     request = PlanRequest(model_cfg, cl, num_gpus, global_batch, precision, max_micro_batch_size=max_micro_batch_size,
                           schedules=schedules, recompute_options=tuple(recompute_options), fp32_grads=fp32_grads,
                           distributed_optimizer_options=tuple(distributed_optimizer_options), compensation=compensation,
-                          memory_margin=memory_margin, recompute_policies=tuple(recompute_policies), optimizer=optimizer)
+                          memory_margin=memory_margin, recompute_policies=tuple(recompute_policies),
+                          optimizer=optimizer)
     costs = with_context_costs(request, costs)  # a profile holds c = 1: a context rank's costs scaled from it
     result = search(request, costs, top=AUTO_PLAN_TOP)  # the exhaustive search's best, pruned (pruning.py)
     c = result.best.candidate

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -132,8 +133,8 @@ class _Samples:
             params=params, stash_bytes=self.stash, input_bytes=self.input, output_bytes=self.output,
             workspace_bytes=int(self.workspace) if workspace_measured else self.stash,
             workspace_measured=workspace_measured, forward_samples=tuple(self.fwd), backward_samples=tuple(self.bwd),
-            backward_input_s=median(self.bwd_i), backward_weight_s=median(self.bwd_w), weight_grad_stash_bytes=self.kept,
-            weight_grad_input_bytes=self.read,
+            backward_input_s=median(self.bwd_i), backward_weight_s=median(self.bwd_w),
+            weight_grad_stash_bytes=self.kept, weight_grad_input_bytes=self.read,
         )
 
 
@@ -142,7 +143,8 @@ class _Chain:
 
     def __init__(self, emb: nn.Module, layers: Sequence[nn.Module], head: nn.Module, loss_fn: Callable,
                  batch: dict, device: torch.device) -> None:
-        self.emb, self.layers, self.head, self.loss_fn, self.batch, self.device = emb, layers, head, loss_fn, batch, device
+        self.emb, self.layers, self.head = emb, layers, head
+        self.loss_fn, self.batch, self.device = loss_fn, batch, device
         self.cuda = device.type == "cuda"
         self.emb_s, self.lay_s, self.head_s = _Samples(), _Samples(), _Samples()
         excl_params = _storages(unique_params([emb, *layers, head]))
@@ -183,7 +185,7 @@ class _Chain:
         x = h.detach().requires_grad_(True)
         for layer in self.layers:
             inputs.append(x)
-            out = self._fwd(self.lay_s, lambda: layer(x, batch), self.saver, rec)
+            out = self._fwd(self.lay_s, partial(layer, x, batch), self.saver, rec)
             self.lay_s.input, self.lay_s.output = _nbytes(x), _nbytes(out)
             outputs.append(out)
             x = out.detach().requires_grad_(True)

@@ -100,7 +100,7 @@ def load_published(path: str | Path = PUBLISHED, section: str = "runs") -> tuple
     d = data["defaults"]
     runs = []
     for r in data[section]:
-        get = lambda k: r.get(k, d.get(k))  # noqa: E731 - per-run value, else the file's default
+        get = lambda k, r=r: r.get(k, d.get(k))  # noqa: E731 - per-run value, else the file's default
         sp = bool(get("sequence_parallel"))
         model = ModelConfig("gpt", r["num_layers"], r["hidden_size"], r["num_attention_heads"], get("seq_length"),
                             vocab_size=get("vocab_size"), hidden_dropout=get("hidden_dropout"),
@@ -266,7 +266,7 @@ def load_schedule_ratios(path: str | Path = PUBLISHED) -> tuple[dict[str, str], 
     d, section = data["defaults"], data["schedule_ratios"]
     runs = []
     for r in section["runs"]:
-        get = lambda k: r.get(k, section.get(k, d.get(k)))  # noqa: E731 - run, then section, then file default
+        get = lambda k, r=r: r.get(k, section.get(k, d.get(k)))  # noqa: E731 - run, then section, then file default
         model = ModelConfig("gpt", r["num_layers"], r["hidden_size"], r["num_attention_heads"], get("seq_length"),
                             vocab_size=get("vocab_size"), hidden_dropout=get("hidden_dropout"),
                             attention_dropout=get("attention_dropout"))

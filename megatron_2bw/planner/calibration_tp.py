@@ -171,7 +171,8 @@ def format_tensor_calibration(kor: list[CalibrationRow], systems: list[SystemRow
     lines += ["", f"{'GPT-3.8B, 64 V100':<20} {'B':>5} {'t':>3} {'2BW':>16} {'tensor MP':>18} {'2BW over TP':>12}"]
     for r in tmp:
         c, tp = r.two_bw.candidate, r.tensor
-        tp_text = f"{tp.samples_per_sec:.1f} w{tp.candidate.data_parallel} b{tp.candidate.micro_batch_size}" if tp else "-"
+        tp_text = (f"{tp.samples_per_sec:.1f} w{tp.candidate.data_parallel} b{tp.candidate.micro_batch_size}"
+                   if tp else "-")
         lines.append(f"{'':<20} {r.global_batch_size:>5} {r.tensor_parallel:>3} "
                      f"{f'{r.two_bw.samples_per_sec:.1f} d{c.pipeline_parallel} w{c.data_parallel}':>16} "
                      f"{tp_text:>18} {(f'{r.speedup:.1f}x' if r.speedup else '-'):>12}")
@@ -187,7 +188,8 @@ def tensor_calibration_json(kor: list[CalibrationRow], systems: list[SystemRow],
                               "predicted_samples_per_sec": round(r.samples_per_sec, 4), "ratio": round(r.ratio, 4)}
                              for r in kor],
         "figure_6a": [{"system": s.system, "layout": s.layout, "published_samples_per_sec": s.published,
-                       "predicted_samples_per_sec": round(s.predicted, 3), "ratio": round(s.ratio, 4)} for s in systems],
+                       "predicted_samples_per_sec": round(s.predicted, 3), "ratio": round(s.ratio, 4)}
+                      for s in systems],
         "tensor_mp_64": [{"global_batch_size": r.global_batch_size, "tensor_parallel": r.tensor_parallel,
                           "two_bw_samples_per_sec": round(r.two_bw.samples_per_sec, 3),
                           "tensor_mp_samples_per_sec": round(r.tensor.samples_per_sec, 3) if r.tensor else None,

@@ -69,7 +69,7 @@ from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.stages import StageSlice
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params
+from .memory_model import DEFAULT_PARAM_BYTES, SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params
 from .spec_cache import spec_of
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
@@ -239,7 +239,7 @@ class Prediction:
 
 
 def stage_time(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int, cluster: Cluster,
-               in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
+               in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> StageTime:
     """The terms of one stage (see the module docstring), under ``cand``'s split."""
     part = rank_slice(num_layers, cand, stage)
     return slice_time(costs, cand, part, stage, cluster, in_bandwidth, out_bandwidth, param_bytes)
@@ -261,7 +261,7 @@ def inner_recompute_cost(costs: MicrobatchCosts, num_layers: int, policy: Recomp
 
 
 def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int, cluster: Cluster,
-               in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = ParamBytes()) -> StageTime:
+               in_bandwidth: float, out_bandwidth: float, param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> StageTime:
     """The terms of stage ``stage`` holding ``part`` (any number of layers: ``planner/split.py``)."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.replicas  # placement: a stage spans t*c*w ranks
     passes = 2 if cand.recompute else 1  # our engine recomputes the whole stage, embedding and head included
@@ -311,7 +311,7 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
 
 
 def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
-                param_bytes: ParamBytes = ParamBytes()) -> tuple[StageTime, ...]:
+                param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> tuple[StageTime, ...]:
     """Every distinct stage: the first, the last, and one middle stage per pattern of its links
     (every stage under an uneven split)."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.replicas  # placement: a stage spans t*c*w ranks
@@ -322,7 +322,8 @@ def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluste
     wanted = sorted({0, d - 1, *picked.values()})
     inf = float("inf")
     return tuple(
-        stage_time(costs, cand, num_layers, i, cluster, bw[i - 1] if i > 0 else inf, bw[i] if i < d - 1 else inf, param_bytes)
+        stage_time(costs, cand, num_layers, i, cluster, bw[i - 1] if i > 0 else inf, bw[i] if i < d - 1 else inf,
+                   param_bytes)
         for i in wanted
     )
 
@@ -344,7 +345,7 @@ def _sequential_microbatch_s(costs: MicrobatchCosts, cand: Candidate, num_layers
 
 
 def predict(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
-            param_bytes: ParamBytes = ParamBytes(), max_batch_s: float = math.inf) -> Prediction | None:
+            param_bytes: ParamBytes = DEFAULT_PARAM_BYTES, max_batch_s: float = math.inf) -> Prediction | None:
     """Time per batch and samples per second of ``cand``; ``None`` when even without its bubble (which
     only adds, and is a replay of the programs for the zero-bubble schedules) the batch would take longer
     than ``max_batch_s`` (the search's threshold, ``planner/pruning.py``)."""

@@ -168,7 +168,8 @@ def load_cluster(spec: str) -> Cluster:
     if not path.is_file():
         if looks_like_path:
             raise ConfigError(f"--cluster file {spec!r} does not exist")
-        raise ConfigError(f"unknown --cluster preset {spec!r}; choose one of {', '.join(cluster_presets())} or give a JSON file")
+        raise ConfigError(f"unknown --cluster preset {spec!r}; choose one of {', '.join(cluster_presets())} "
+                          "or give a JSON file")
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -83,6 +83,9 @@ from .candidate import SEQUENTIAL, Candidate, ParamBytes  # noqa: F401 - re-expo
 from .layer_costs import MicrobatchCosts
 from .spec_cache import held_pairs, spec_of
 
+# the default copies (mixed-precision Adam, fp16 gradients); ParamBytes is frozen, so one shared default is safe
+DEFAULT_PARAM_BYTES = ParamBytes()
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -335,7 +338,7 @@ def _stale_correction(cand: Candidate, param_bytes: ParamBytes) -> int:
 
 
 def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int,
-                 param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
+                 param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> StageMemory:
     """Bytes per GPU of stage ``stage`` holding ``part``, term by term."""
     p = slice_params(costs, part)
     shard = shard_numel(p, cand)
@@ -385,7 +388,7 @@ def rank_slice(num_layers: int, cand: Candidate, stage: int) -> StageSlice:
 
 
 def stage_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int, stage: int,
-                 param_bytes: ParamBytes = ParamBytes()) -> StageMemory:
+                 param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> StageMemory:
     """Bytes per GPU of one stage, term by term."""
     part = rank_slice(num_layers, cand, stage)
     return slice_memory(costs, cand, part, stage, param_bytes)
@@ -397,7 +400,7 @@ def representative_stages(d: int) -> tuple[int, ...]:
 
 
 def plan_memory(costs: MicrobatchCosts, cand: Candidate, num_layers: int,
-                param_bytes: ParamBytes = ParamBytes()) -> tuple[StageMemory, ...]:
+                param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> tuple[StageMemory, ...]:
     """Memory of the stages that can be the peak.
 
     Stage 0 has the embedding and the most microbatches in flight; the last stage has the head;

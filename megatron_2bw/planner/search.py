@@ -9,15 +9,16 @@ power-of-two microbatch ``b`` up to a limit, recomputation on and off (plus, whe
 ``recompute_policies`` inside stages: ``FINER_RECOMPUTE``), each schedule of the registry
 (``schedule/schedules.py``, priced through its ``ScheduleSpec``: ``bubble_time``, ``chunks``,
 ``inflight``, ``deferred_weight_grads``, never by name; see ``cost_model``), and with ``w > 1`` the
-optimizer replicated or distributed (ZeRO-1: less memory, a shorter optimizer step). Gradients accumulate in the precision's default
-(``memory_model.fp32_grads_for``: fp32 for bf16, fp16 for fp16) unless ``fp32_grads`` says
-otherwise. The number of microbatches per batch is fixed by the global batch, ``m = B / (b*w)``: a
-``b`` that does not divide it is skipped, and so is a schedule that needs more microbatches
-(``ScheduleSpec.min_microbatches``). Where ``t > 1``, ``sequence_parallel_options`` may add
-sequence parallelism on and off (``Candidate.sequence_parallel``; the analytic costs then hold both
-settings, ``LayerCosts.sp_table``). A layout
-whose fullest GPU exceeds the device's usable memory is discarded; the rest are ranked by predicted
-samples per second. The whole search is closed-form arithmetic over a few thousand candidates.
+optimizer replicated or distributed (ZeRO-1: less memory, a shorter optimizer step). Gradients
+accumulate in the precision's default (``memory_model.fp32_grads_for``: fp32 for bf16, fp16 for
+fp16) unless ``fp32_grads`` says otherwise. The number of microbatches per batch is fixed by the
+global batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and so is a schedule that
+needs more microbatches (``ScheduleSpec.min_microbatches``). Where ``t > 1``,
+``sequence_parallel_options`` may add sequence parallelism on and off
+(``Candidate.sequence_parallel``; the analytic costs then hold both settings,
+``LayerCosts.sp_table``). A layout whose fullest GPU exceeds the device's usable memory is discarded;
+the rest are ranked by predicted samples per second. The whole search is closed-form arithmetic over a
+few thousand candidates.
 
 Recomputation is tried cheapest first within each layout: none, the ``recompute_policies`` by the
 forward they re-run, whole stages. Two kinds of candidate are not evaluated: selective
@@ -136,7 +137,8 @@ class PlanRequest:
         allowed = (*SCHEDULES, SEQUENTIAL)  # the registry as it is now (tests register schedules)
         bad = [s for s in self.schedules if parse_schedule_id(s)[0] not in allowed]
         if bad or not self.schedules:
-            raise ConfigError(f"schedules must be among {', '.join(allowed)}, got {', '.join(self.schedules) or 'none'}")
+            raise ConfigError(f"schedules must be among {', '.join(allowed)}, "
+                              f"got {', '.join(self.schedules) or 'none'}")
 
     @property
     def context_choices(self) -> tuple[int, ...]:
@@ -153,7 +155,8 @@ class PlanRequest:
     @property
     def searches_sequence_parallel(self) -> bool:
         """Whether both settings are tried: the analytic costs then hold both (``LayerCosts.sp_table``)."""
-        return len(self.sequence_parallel_choices) > 1 or self.sequence_parallel_choices != (self.model.sequence_parallel,)
+        return (len(self.sequence_parallel_choices) > 1
+                or self.sequence_parallel_choices != (self.model.sequence_parallel,))
 
     @property
     def param_bytes(self) -> ParamBytes:

@@ -224,7 +224,8 @@ def _timing(stages: Sequence[StageCosts], links: Sequence[Link], collective_s: f
     )
 
 
-def _memory(events: list[Event], st: StageCosts, chunks: int = 1) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+def _memory(events: list[Event], st: StageCosts,
+            chunks: int = 1) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
     """(total, activations) over time: a FORWARD's stash is held until its BACKWARD (or W) ends; a
     backward also holds its recomputed activations (a split one from its I to its W), and any compute
     its workspace. With ``chunks`` chunks per rank each chunk's stash and backward transient are the
@@ -297,7 +298,8 @@ def simulate(
         raise ConfigError(f"simulate at least one step, got num_steps={num_steps}")
     timing = _timing(stages, _links(links, d), collective_s)
     if v > 1:
-        timing = replace(timing, forward_s=[x / v for x in timing.forward_s], backward_s=[x / v for x in timing.backward_s],
+        timing = replace(timing, forward_s=[x / v for x in timing.forward_s],
+                         backward_s=[x / v for x in timing.backward_s],
                          input_s=[x / v for x in timing.input_s], weight_s=[x / v for x in timing.weight_s])
     progs = [list(a) for a in actions] if actions is not None else [
         stage_actions(name, d, r, m, first_step, num_steps, chunks, pv) for r in range(d)]

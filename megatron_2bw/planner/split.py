@@ -27,7 +27,7 @@ from ..schedule.stages import Split, StageSlice, canonical_split, min_layers
 from .cost_model import boundary_bandwidth, slice_time
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import Candidate, ParamBytes, slice_memory
+from .memory_model import DEFAULT_PARAM_BYTES, Candidate, ParamBytes, slice_memory
 
 REL_TOL = 1e-12
 
@@ -95,7 +95,7 @@ def _slice(r: int, d: int, n: int) -> StageSlice:
 
 
 def stage_lines(costs: MicrobatchCosts, cand: Candidate, cluster: Cluster,
-                param_bytes: ParamBytes = ParamBytes()) -> tuple[list[float], list[float]]:
+                param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> tuple[list[float], list[float]]:
     """``(base_r, slope_r)`` of every stage: its time per microbatch with 0 layers and per layer."""
     t, d, w = cand.tensor_parallel, cand.pipeline_parallel, cand.replicas
     bw = [boundary_bandwidth(t, w, i, cluster) for i in range(d - 1)]
@@ -112,7 +112,7 @@ def stage_lines(costs: MicrobatchCosts, cand: Candidate, cluster: Cluster,
 
 
 def memory_caps(costs: MicrobatchCosts, cand: Candidate, num_layers: int, limit: float,
-                param_bytes: ParamBytes = ParamBytes()) -> list[int]:
+                param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> list[int]:
     """The most layers each stage can hold within ``limit`` bytes (-1: not even its minimum).
 
     A stage's bytes are affine in its layer count from one layer on (weights, gradients, optimizer
@@ -122,7 +122,7 @@ def memory_caps(costs: MicrobatchCosts, cand: Candidate, num_layers: int, limit:
     d = cand.pipeline_parallel
     caps = []
     for r in range(d):
-        def total(n: int) -> int:
+        def total(n: int, r: int = r) -> int:
             return slice_memory(costs, cand, _slice(r, d, n), r, param_bytes).total
         one = total(1)
         if one > limit:
@@ -134,7 +134,7 @@ def memory_caps(costs: MicrobatchCosts, cand: Candidate, num_layers: int, limit:
 
 
 def balanced_split(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,
-                   param_bytes: ParamBytes = ParamBytes(), memory_limit: float | None = None,
+                   param_bytes: ParamBytes = DEFAULT_PARAM_BYTES, memory_limit: float | None = None,
                    lines: tuple[Sequence[float], Sequence[float]] | None = None) -> Split:
     """The fastest split of ``cand`` that fits ``memory_limit`` (``None``: the even split is as good).
 

@@ -47,10 +47,12 @@ def chrome_trace(result: SimResult, *, title: str | None = None) -> dict[str, An
                            "ts": e.start * _US, "dur": (e.end - e.start) * _US, "args": {"microbatch": e.mb}})
     for t, s in enumerate(result.step_starts):
         ev.append({"name": f"step {result.first_step + t}", "ph": "i", "s": "g", "pid": pid, "tid": 0, "ts": s * _US})
-    for r, (mem, act) in enumerate(zip(result.memory, result.activation_memory)):
-        for (t, total), (_, a) in zip(mem, act):
+    # every point of ``memory``: it has more than ``activation_memory`` (the workspace's peaks), so no zip with it
+    for r, mem in enumerate(result.memory):
+        static = result.static_bytes[r]
+        for t, total in mem:
             ev.append({"name": f"memory stage {r}", "ph": "C", "pid": pid, "tid": r, "ts": t * _US,
-                       "args": {"static": result.static_bytes[r], "activations": max(total - result.static_bytes[r], 0)}})
+                       "args": {"static": static, "activations": max(total - static, 0)}})
     ev.sort(key=lambda x: (x.get("ts", -1), x["tid"]))
     return {"traceEvents": ev, "displayTimeUnit": "ms",
             "otherData": {k: v for k, v in result.summary().items() if not isinstance(v, list)}}
@@ -92,9 +94,10 @@ def _draw_timeline(ax, result: SimResult, scale: float, palette: list, title: st
     ax.set_yticklabels([f"stage {d - 1 - i}" for i in range(d)])
     ax.set_ylim(-0.6, d - 0.1 + 0.35)
     ax.set_xlim(0, span * scale)
-    ax.legend(handles=[Patch(facecolor=palette[0], alpha=0.45, label="forward"), Patch(facecolor=palette[0], label="backward"),
-                       Patch(facecolor="0.35", label="optimizer update")], loc="upper right", fontsize=7, ncol=3,
-              bbox_to_anchor=(1.0, 1.18))
+    ax.legend(handles=[Patch(facecolor=palette[0], alpha=0.45, label="forward"),
+                       Patch(facecolor=palette[0], label="backward"),
+                       Patch(facecolor="0.35", label="optimizer update")],
+              loc="upper right", fontsize=7, ncol=3, bbox_to_anchor=(1.0, 1.18))
     head = title or f"{result.schedule}  d={d}  m={m}"
     ax.set_title(f"{head}:  {result.step_time_s * scale:.3g} {unit}/step steady state, "
                  f"bubble {100 * result.bubble_fraction:.1f}%", fontsize=9, loc="left")

@@ -63,11 +63,12 @@ class Action:
 
     ``mb`` is the global 0-based microbatch index counted from the start of training,
     ``step`` the optimizer step it belongs to (``mb // m``; for the step ops, REDUCE_GRADS,
-    APPLY_UPDATE, REDUCE_EMBEDDING and VALIDATE, the step whose gradients they handle) and ``version`` the weight version W(v) a
-    compute action runs on. Unused fields stay -1. ``chunk`` is the model chunk (virtual stage) of the
-    rank a microbatch action belongs to: 0 unless the schedule places several chunks on a rank
-    (interleaved, V); printed as ``c<chunk>`` only when it is not 0 (``F3c1v0``, ``SA3c1``).
-    BACKWARD is a whole backward; BACKWARD_INPUT then BACKWARD_WEIGHT split it in two.
+    APPLY_UPDATE, REDUCE_EMBEDDING and VALIDATE, the step whose gradients they handle) and
+    ``version`` the weight version W(v) a compute action runs on. Unused fields stay -1. ``chunk`` is
+    the model chunk (virtual stage) of the rank a microbatch action belongs to: 0 unless the schedule
+    places several chunks on a rank (interleaved, V); printed as ``c<chunk>`` only when it is not 0
+    (``F3c1v0``, ``SA3c1``). BACKWARD is a whole backward; BACKWARD_INPUT then BACKWARD_WEIGHT split it
+    in two.
     """
 
     op: Op

@@ -115,9 +115,11 @@ class _StageRules:
         """Index of ``a``'s step within the segment, once all of its backwards ran here."""
         s = a.step - self.first_step
         if not 0 <= s < self.num_steps:
-            raise self._fail(i, a, f"step outside this segment ({self.first_step}..{self.first_step + self.num_steps - 1})")
+            raise self._fail(i, a, f"step outside this segment "
+                                   f"({self.first_step}..{self.first_step + self.num_steps - 1})")
         if self.bwd_per_step[s] != self.m * self.v:
-            raise self._fail(i, a, f"only {self.bwd_per_step[s]} of the {self.m * self.v} backwards of step {a.step} done")
+            raise self._fail(i, a, f"only {self.bwd_per_step[s]} of the {self.m * self.v} backwards "
+                                   f"of step {a.step} done")
         return s
 
     def _count_live(self, i: int, a: Action) -> None:
@@ -126,7 +128,8 @@ class _StageRules:
             self.max_live = live
             if live > self.spec.weight_versions:
                 versions = sorted(set(self.live) | {self.newest})
-                raise self._fail(i, a, f"weight versions {versions} live, the schedule keeps {self.spec.weight_versions}")
+                raise self._fail(i, a, f"weight versions {versions} live, "
+                                       f"the schedule keeps {self.spec.weight_versions}")
 
     def _forward(self, i: int, a: Action) -> None:
         j, v = self._index(i, a), a.version
@@ -198,7 +201,8 @@ class _StageRules:
             self.got_grad[j] = _CONSUMED
         s = a.step - self.first_step
         if 0 <= s < self.num_steps and s and self.post_validation and not self.validated[s - 1]:
-            raise self._fail(i, a, f"backward of step {a.step} before VALIDATE({a.step - 1}): its loss scale is not known")
+            raise self._fail(i, a, f"backward of step {a.step} before VALIDATE({a.step - 1}): "
+                                   "its loss scale is not known")
         self.done_inp[j] = 1
         self.next_bwd[c] += 1
         if 0 <= s < self.num_steps:
@@ -320,7 +324,8 @@ def _check_fields(r: int, program: Sequence[Action], m: int, first_step: int, nu
             if not lo <= a.mb < hi:
                 raise ScheduleError(f"stage {r} action #{i} {a}: microbatch outside this segment ({lo}..{hi - 1})")
             if a.step != a.mb // m:
-                raise ScheduleError(f"stage {r} action #{i} {a}: step field {a.step} but microbatch belongs to step {a.mb // m}")
+                raise ScheduleError(f"stage {r} action #{i} {a}: step field {a.step} "
+                                    f"but microbatch belongs to step {a.mb // m}")
 
 
 def check_validation_cuts(stages: Sequence[Sequence[Action]]) -> None:

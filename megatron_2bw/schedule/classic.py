@@ -57,10 +57,11 @@ class _TwoBW(ScheduleSpec):
         the reductions hide behind step t+1's compute; but never after REDUCE_GRADS(t+1): at
         m = d the last stage, which has no warm-up, reaches step t+2's first forward only after
         step t+1's last backward, and APPLY_UPDATE(t) goes just before REDUCE_GRADS(t+1) instead.
-        The distributed optimizer's all-gather of W(t+1), which APPLY_UPDATE(t) issues, then runs on the reducer's ordered worker before chain(t+1), not
-        behind it (chain(t+1) ends only when stage 0 has finished step t+1, (d-1) backward slots
-        later, and the last stage's next forward waits for the all-gather). Updates still pending
-        at the end of the segment are applied after the last action, leaving it drained."""
+        The distributed optimizer's all-gather of W(t+1), which APPLY_UPDATE(t) issues, then runs on
+        the reducer's ordered worker before chain(t+1), not behind it (chain(t+1) ends only when stage
+        0 has finished step t+1, (d-1) backward slots later, and the last stage's next forward waits
+        for the all-gather). Updates still pending at the end of the segment are applied after the
+        last action, leaving it drained."""
         out: list[Action] = []
         has_prev, has_next = r > 0, r < d - 1
         next_update = first_step  # APPLY_UPDATE(first_step - 1) ran at the end of the previous segment

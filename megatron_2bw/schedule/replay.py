@@ -334,7 +334,8 @@ class _Link:
         head, arrival = self.queue[0]
         if head != key:
             got = head if isinstance(head, int) else f"{head[2]} of virtual stage {head[1]}"
-            raise rp.fail(r, i, a, f"mismatched order: stage {self.sender} sent the {self.what} of microbatch {got} first")
+            raise rp.fail(r, i, a, f"mismatched order: stage {self.sender} sent the {self.what} "
+                                   f"of microbatch {got} first")
         self.queue.popleft()
         now = rp.clock[r]
         rp.end[r][i] = rp.clock[r] = arrival if arrival > now else now

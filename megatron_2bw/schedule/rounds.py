@@ -52,7 +52,8 @@ def _slots(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> dict[tupl
 
 
 @functools.lru_cache(maxsize=1024)
-def lower_rounds(place: Placement, rounds: tuple[tuple[Round, ...], ...]) -> tuple[tuple[tuple[Op, int, int], ...], ...]:
+def lower_rounds(place: Placement,
+                 rounds: tuple[tuple[Round, ...], ...]) -> tuple[tuple[tuple[Op, int, int], ...], ...]:
     """Every rank's (op, chunk, microbatch) program for one step of compute ``rounds`` (per rank, in order),
     with the transfers placed between the rounds: the lowering pass that makes a multi-chunk order a program.
 

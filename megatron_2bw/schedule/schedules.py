@@ -127,7 +127,8 @@ def cut_segment(schedule: str, d: int, r: int, m: int, first_step: int, done: li
     return cut_program(get_schedule(schedule, chunks, post_validation), d, r, m, first_step, done, end)
 
 
-def cut_program(spec: ScheduleSpec, d: int, r: int, m: int, first_step: int, done: list[Action], end: int) -> list[Action]:
+def cut_program(spec: ScheduleSpec, d: int, r: int, m: int, first_step: int, done: list[Action],
+                end: int) -> list[Action]:
     """The actions still to run when a segment from ``first_step`` that has run ``done`` ends at step count ``end``.
 
     A RuntimeError if ``done`` is not how the segment ending at ``end`` starts (a caller's bug: cut too late).

@@ -53,7 +53,8 @@ def parse_split(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in parts)
     except ValueError:
-        raise ConfigError(f"--pipeline-layer-split takes comma-separated layer counts like 5,3,3, got {text!r}") from None
+        raise ConfigError(f"--pipeline-layer-split takes comma-separated layer counts like 5,3,3, "
+                          f"got {text!r}") from None
 
 
 def min_layers(r: int, d: int) -> int:

@@ -87,12 +87,13 @@ class _Ahead:
 class MicrobatchProvider:
     """``provider(mb)`` -> the tensors of global microbatch ``mb`` (``mb // m`` is its step) on this rank.
 
-    ``prefetch`` (default: on CUDA or with ``copy_streams``): each call also issues the copies of the next microbatch not handed out
-    yet (``copy_streams``: a :class:`SideStream` on CUDA). A re-request of an earlier microbatch (another
-    chunk's forward, a re-run) loads it on the spot and keeps the prefetched one; a prefetch that cannot load
-    (past the data's end, a bad token id) is dropped, so its error comes only if that microbatch is asked for.
-    ``make_batch`` then runs under the side stream one microbatch early, or not at all for a dropped one: it
-    must stay local (no collective) and keep no device tensor from one call to the next.
+    ``prefetch`` (default: on CUDA or with ``copy_streams``): each call also issues the copies of the next
+    microbatch not handed out yet (``copy_streams``: a :class:`SideStream` on CUDA). A re-request of an
+    earlier microbatch (another chunk's forward, a re-run) loads it on the spot and keeps the prefetched
+    one; a prefetch that cannot load (past the data's end, a bad token id) is dropped, so its error comes
+    only if that microbatch is asked for. ``make_batch`` then runs under the side stream one microbatch
+    early, or not at all for a dropped one: it must stay local (no collective) and keep no device tensor
+    from one call to the next.
     """
 
     def __init__(
@@ -101,7 +102,8 @@ class MicrobatchProvider:
         prefetch: bool | None = None, copy_streams: CopyStreams | None = None,
     ) -> None:
         self.dataset, self.make_batch, self.device = dataset, make_batch, device
-        self.vocab_size = vocab_size  # every batch's token ids are checked against it (start-up scans sample 64 windows)
+        # every batch's token ids are checked against it (start-up scans sample 64 windows)
+        self.vocab_size = vocab_size
         self.B, self.b, self.m, self.w, self.dp_rank = global_batch, micro_batch, m, w, dp_rank
         self.start_step, self.start_sample = start_step, start_sample
         if prefetch is None:  # given streams ask for it
@@ -168,11 +170,13 @@ class MicrobatchProvider:
     def _check_ids(self, stacked, lo: int, hi: int) -> None:
         """A token id outside the vocabulary is a data/tokenizer mismatch: one line, not an IndexError in the
         embedding (or a "diverged" verdict) later. One min and max over the CPU batch: no device sync."""
-        tokens = stacked if isinstance(stacked, torch.Tensor) else stacked.get("tokens") if isinstance(stacked, dict) else None
+        tokens = (stacked if isinstance(stacked, torch.Tensor)
+                  else stacked.get("tokens") if isinstance(stacked, dict) else None)
         if tokens is None or tokens.numel() == 0:
             return
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
-            raise ConfigError(f"samples [{lo}, {hi}) of the data hold token id {bad} but the tokenizer's vocabulary has "
-                              f"{self.vocab_size} entries: the data was made with another tokenizer (or is corrupt)")
+            raise ConfigError(f"samples [{lo}, {hi}) of the data hold token id {bad} but the tokenizer's "
+                              f"vocabulary has {self.vocab_size} entries: the data was made with another tokenizer "
+                              "(or is corrupt)")

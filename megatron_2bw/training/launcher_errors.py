@@ -9,10 +9,11 @@ SIGUSR2 (status 140, "User defined signal 2"), not SIGKILL, whose status 137 (``
 as an out-of-memory kill; SIGKILL only where this torchrun was told to handle SIGUSR2
 (``--signals-to-handle``), which would print a traceback. The other workers follow through their
 parent-death signal. On the first attempt too: a start-up error comes before any process group and
-repeats on every attempt, so ``--max-restarts`` would only multiply its lines and delay the exit. Under the project's launchers (``scripts/graceful_torchrun.sh``, used by
-``run_local.sh`` and ``slurm_launch.sh``) the message also goes to ``$MEGATRON_2BW_STARTUP_ERROR_FILE``
-and the launcher exits 2, the status of the same error caught by ``--validate-only``. Outside
-torchelastic (srun, one process) nothing changes.
+repeats on every attempt, so ``--max-restarts`` would only multiply its lines and delay the exit.
+Under the project's launchers (``scripts/graceful_torchrun.sh``, used by ``run_local.sh`` and
+``slurm_launch.sh``) the message also goes to ``$MEGATRON_2BW_STARTUP_ERROR_FILE`` and the launcher
+exits 2, the status of the same error caught by ``--validate-only``. Outside torchelastic (srun, one
+process) nothing changes.
 """
 
 from __future__ import annotations

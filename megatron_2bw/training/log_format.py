@@ -314,5 +314,6 @@ def math_choices(cfg) -> str:
     features, sequence parallelism, the optimizer, the schedule with 2BW's compensation, the precision.
     (Layout and kernels are named beside it; there is no context parallelism in this trainer.)"""
     sp = "on" if cfg.model.sequence_parallel else "off"
-    return (f"model {', '.join(cfg.model.features())} | sequence parallel {sp} | optimizer {_optimizer_choice(cfg.optimizer)}"
+    return (f"model {', '.join(cfg.model.features())} | sequence parallel {sp}"
+            f" | optimizer {_optimizer_choice(cfg.optimizer)}"
             f" | schedule {_schedule_choice(cfg.pipeline)} | precision {_precision_choice(cfg.optimizer)}")

@@ -149,7 +149,8 @@ class Metrics:
         for s in stages:
             parts.append(
                 f"[{s['stage']}] versions {s['weight_versions']} (live {s['max_live_versions']}) "
-                f"in-flight {s['max_inflight']} stashed {s['stashed_bytes'] / _MB:.2f}/{s['peak_stashed_bytes'] / _MB:.2f} MB"
+                f"in-flight {s['max_inflight']} "
+                f"stashed {s['stashed_bytes'] / _MB:.2f}/{s['peak_stashed_bytes'] / _MB:.2f} MB"
             )
         log.info(" stages: %s", " | ".join(parts))
 

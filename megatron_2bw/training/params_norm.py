@@ -29,4 +29,5 @@ def with_params_norm(line: str, norm: float | None) -> str:
     """Megatron's `` params norm: {:.3f} |`` field, placed where Megatron puts it (before the skipped count)."""
     if norm is None:
         return line
-    return line.replace(" number of skipped iterations:", f" params norm: {norm:.3f} | number of skipped iterations:", 1)
+    return line.replace(" number of skipped iterations:",
+                        f" params norm: {norm:.3f} | number of skipped iterations:", 1)

@@ -52,7 +52,8 @@ def wandb_settings(project: str | None, exp_name: str | None, save_dir: str | No
     if not exp_name:
         raise ConfigError("--wandb-project needs --wandb-exp-name (the run's name, as in Megatron)")
     if not save_dir and not save:
-        raise ConfigError("--wandb-project needs --wandb-save-dir DIR (or --save, whose wandb/ subfolder is the default)")
+        raise ConfigError("--wandb-project needs --wandb-save-dir DIR "
+                          "(or --save, whose wandb/ subfolder is the default)")
     return WandbSettings(project, exp_name, save_dir or os.path.join(save, "wandb"), wandb_mode(env))
 
 
