@@ -147,6 +147,21 @@ def test_chrome_trace_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_chrome_trace_keeps_every_memory_point_with_a_workspace():
+    """A stage's workspace adds points to ``memory`` that ``activation_memory`` lacks: the trace draws them all,
+    and the last one is the static level after the last release (it once stopped at the shorter series)."""
+    st = [StageCosts(1e-3, 2e-3, update_s=5e-4, stash_bytes=1 << 20, static_bytes=8 << 20, workspace_bytes=1 << 18)
+          for _ in range(2)]
+    r = simulate("2bw", 2, 4, st, num_steps=3)
+    assert any(len(m) > len(a) for m, a in zip(r.memory, r.activation_memory))
+    counters = [e for e in chrome_trace(r)["traceEvents"] if e.get("ph") == "C"]
+    for stage in range(2):
+        mine = [e for e in counters if e["tid"] == stage]
+        assert len(mine) == len(r.memory[stage])
+        assert max(mine, key=lambda e: e["ts"])["args"]["activations"] == max(r.memory[stage][-1][1]
+                                                                              - r.static_bytes[stage], 0)
+
+
 def test_cli_simulate(tmp_path, capsys):
     import importlib.util
     import os
