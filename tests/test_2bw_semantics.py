@@ -194,7 +194,7 @@ def test_single_process_2bw_equals_plain_pytorch_reference(optimizer):
     assert set(got["params"]) == set(ref_params)
     for name, p in got["params"].items():
         torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=2e-6 if optimizer == "sgd" else 1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
     # the stale-gradient rule is really in effect: steps 0 and 1 both run on W(0)
     assert got["losses"][1] != pytest.approx(train_tiny("flush", steps=2, global_batch=B, micro=MICRO, optimizer=optimizer,
                                                        lr=LR[optimizer], weight_decay=WD)["losses"][1], abs=1e-7)
@@ -214,7 +214,7 @@ def test_single_process_compensation_equals_plain_pytorch_reference(optimizer, c
     got = train_tiny("2bw", compensation=compensation, dc_lambda=lam, **kw)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # the compensation is really in effect: it moves the weights 10x beyond the tolerance
     plain = train_tiny("2bw", **kw)["params"]
     assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
@@ -232,7 +232,7 @@ def test_single_process_ef_equals_plain_pytorch_reference(optimizer, mode):
         got = train_tiny("2bw", compensation=mode, **kw)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     plain = train_tiny("2bw", **kw)["params"]
     assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
 
@@ -246,4 +246,4 @@ def test_single_process_muon_equals_torch_muon_and_adamw(schedule):
                          weight_decay=WD, opt_extra=MUON)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 
-from e2e import PY, REPO, clean_env, corpus, read_metrics, run  # noqa: F401
+import e2e
+from e2e import PY, REPO, clean_env, read_metrics, run
 
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.planner.auto_plan import auto_plan
+
+corpus = e2e.corpus  # the session fixture, bound here so that pytest finds it for this module's tests
 
 COMMON = ["--model-preset", "gpt-tiny", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
           "--device", "cpu", "--log-interval", "1", "--eval-iters", "0"]

@@ -48,7 +48,7 @@ def test_layout_equals_reference_in_every_mode(layout, references):
         for o in outs:
             for name, p in o[mode]["params"].items():
                 want = matching_shard(ref_params[name], p, o[mode]["coords"][0], o[mode]["t"])
-                torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{mode} {name}: {m}")
+                torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}")
                 seen.add(name)
         assert seen == set(ref_params), "layout does not cover every parameter"
 

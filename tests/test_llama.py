@@ -52,7 +52,7 @@ def _ours_and_theirs(cfg: ModelConfig, dtype: torch.dtype, monkeypatch):
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     a = run_layers(list(ours), batch)[..., :cfg.vocab_size]
     b = theirs(batch["tokens"]).logits
-    for logits, model in ((a, ours), (b, theirs)):
+    for logits in (a, b):
         F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch["labels"].reshape(-1)).backward()
     ours_grads = to_hf_llama(cfg, {n: p.grad for n, p in ours.named_parameters()})
     theirs_grads = {n: p.grad for n, p in theirs.named_parameters()}

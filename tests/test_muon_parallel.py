@@ -157,7 +157,7 @@ def test_engine_at_t2_trains_like_one_process(cases):
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
         for name, p in got["params"].items():
             want = matching_shard(ref["params"][name], p, got["coords"][0], 2)
-            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_low_precision_and_skipped_steps():

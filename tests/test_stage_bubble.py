@@ -79,7 +79,7 @@ def _worker() -> list[dict]:
         stage.train(1, get_batch, lambda t: 1e-4)  # warm-up (allocator, first receives)
         rows = []
         stage.train(steps, get_batch, lambda t: 1e-4,
-                    on_update=lambda r: rows.append(stage_row(stage.stats)))
+                    on_update=lambda r, rows=rows, stage=stage: rows.append(stage_row(stage.stats)))
         out.append(rows)
     return out
 

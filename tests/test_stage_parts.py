@@ -4,6 +4,7 @@ RNG snapshots and the fault injector."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -89,7 +90,7 @@ def test_global_names_are_the_full_models_names(kind):
     seen: dict[str, torch.Size] = {}
     for r in range(d):
         start, _ = stage_range(cfg.num_layers, d, r)
-        w = RankWeights(lambda: spec.build_stage(d, r), num_versions=1, dtype=torch.float32,
+        w = RankWeights(functools.partial(spec.build_stage, d, r), num_versions=1, dtype=torch.float32,
                          device=torch.device("cpu"), names=GlobalNames(start, tied=WORD))
         views = w.state_views(w.flat[0])
         assert len(views) == len(w.names)

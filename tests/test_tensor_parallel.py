@@ -146,7 +146,7 @@ def _model_worker(kind: str) -> float:
     worst = 0.0
     for (name, p), (_, ref) in zip(params, ref_params):
         want = _matching_shard(ref.grad, p, tp)
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         worst = max(worst, (p.grad - want).abs().max().item())
     return worst
 
