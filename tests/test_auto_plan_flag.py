@@ -41,4 +41,5 @@ def test_multi_process_job_needs_a_profile_file(corpus):
     assert res.returncode == 2
     lines = [line for line in res.stderr.strip().splitlines() if line]
     assert lines == ["error: --auto-plan with 4 processes needs --auto-plan-profile FILE made beforehand "
-                     "(a single-process --auto-plan run or tools/profile_model.py writes it): ranks must not profile apart"]
+                     "(a single-process --auto-plan run or tools/profile_model.py writes it): "
+                     "ranks must not profile apart"]

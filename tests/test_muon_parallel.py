@@ -187,7 +187,8 @@ def test_trainer_resume_is_bitwise_with_muon_ef_and_the_distributed_optimizer(tm
     shutil.copytree(ckpt.iteration_dir(saved.save, 2), ckpt.iteration_dir(load, 2))
     ckpt.write_tracker(load, 2)
     metrics = str(tmp_path / "resumed.jsonl")
-    res = ckpt_runs.train([*ckpt_runs.gpt_args(iters=4, extra=extra), "--load", load, "--metrics-file", metrics], nproc=2)
+    res = ckpt_runs.train([*ckpt_runs.gpt_args(iters=4, extra=extra), "--load", load, "--metrics-file", metrics],
+                          nproc=2)
     assert res.returncode == 0, res.describe()
     resumed = train_losses(read_metrics(metrics))
     assert sorted(resumed) == [2, 3] and resumed == {k: straight[k] for k in resumed}

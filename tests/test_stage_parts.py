@@ -134,7 +134,8 @@ def test_fault_injector_poisons_only_its_rank_and_step():
     faults.poison(1, 3, grad)
     assert grad[0] == float("inf") and torch.isfinite(grad[1:]).all()
     assert FaultInjector.from_env({}) is None
-    assert FaultInjector.from_env({KILL_RANK_ENV: "2", KILL_ITER_ENV: "5"}) == FaultInjector(kill_rank=2, kill_iteration=5)
+    assert (FaultInjector.from_env({KILL_RANK_ENV: "2", KILL_ITER_ENV: "5"})
+            == FaultInjector(kill_rank=2, kill_iteration=5))
 
 
 def test_fault_injector_kills_the_chosen_rank():
