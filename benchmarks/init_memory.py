@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=float, default=100, help="millions of parameters (the issue's target: 1000)")
     p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=50257, help="vocabulary (each of d = 2's stages holds the tied embedding)")
+    p.add_argument("--vocab", type=int, default=50257,
+                   help="vocabulary (each of d = 2's stages holds the tied embedding)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, two cases")
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         row["peak_added_over_buffers"] = row["host_peak_added_bytes"] / row["buffer_bytes"]
         transient = alone["drawing_transient_bytes"]
         row["weights_only"] = {"seconds": alone["seconds"], "weight_bytes": alone["weight_bytes"],
-                               "transient_bytes": transient, "transient_parameter": alone["drawing_transient_parameter"],
+                               "transient_bytes": transient,
+                               "transient_parameter": alone["drawing_transient_parameter"],
                                "transient_over_largest_full_matrix": transient / full["largest_full_matrix_fp32_bytes"]}
         rows.append(row)
         print(f"{label:26s} params={row['params'] / 1e6:7.1f}M  {row['seconds']:6.2f} s  peak added "

@@ -102,7 +102,8 @@ def planner_bytes(conf: dict, c: int, comm: str, stage: int, d: int) -> tuple[in
     cfg, b, e = ModelConfig(**conf["model"]), conf["micro_batch"], 4
     cluster = replace(load_cluster("cpu-host"), attention_backend=conf["backend"])
     kv = 2 * cfg.query_groups * cfg.head_dim
-    qkv = b * (cfg.seq_length // c) * (cfg.hidden_size + (kv if c == 1 or keeps_layer_qkv(cfg, cluster, comm) else 0)) * e
+    qkv = (b * (cfg.seq_length // c)
+           * (cfg.hidden_size + (kv if c == 1 or keeps_layer_qkv(cfg, cluster, comm) else 0)) * e)
     if c == 1:
         costs = analytic_microbatch_costs(cfg, cluster, "fp32", 1, b)
         attention = qkv + core_stash_bytes(cfg, b, 1, e, kernel=attention_kernel(cluster, cfg))
@@ -128,7 +129,8 @@ def cp_rows(raw: list[dict], conf: dict) -> list[dict]:
         act, att = planner_bytes(dict(conf, backend=backend), c, comm if c > 1 else "p2p", k, r["d"])
         ref = base.get((backend, k))
         rows.append(dict(r, planner_activation_bytes=act, measured_over_planner=r["measured_stash_bytes"] / act,
-                         planner_attention_bytes=att, attention_measured_over_planner=r["measured_attention_bytes"] / att,
+                         planner_attention_bytes=att,
+                         attention_measured_over_planner=r["measured_attention_bytes"] / att,
                          attention_vs_c1=r["measured_attention_bytes"] / ref if ref else None))
     return rows
 
@@ -147,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
     rows = cp_rows(raw, conf)
     show = [dict(r, **{k: r[k] / MiB for k in ("measured_stash_bytes", "planner_activation_bytes",
                                                 "measured_attention_bytes", "planner_attention_bytes")}) for r in rows]
-    cols = [("backend", "attention", ""), ("c", "c", ""), ("cp_comm_type", "comm", ""), ("d", "d", ""), ("stage", "stage", ""),
-            ("cp_rank", "cp rank", ""), ("max_inflight", "inflight", ""),
+    cols = [("backend", "attention", ""), ("c", "c", ""), ("cp_comm_type", "comm", ""), ("d", "d", ""),
+            ("stage", "stage", ""), ("cp_rank", "cp rank", ""), ("max_inflight", "inflight", ""),
             ("measured_stash_bytes", "A meas MiB", ".3f"), ("planner_activation_bytes", "A planner", ".3f"),
             ("measured_over_planner", "meas/planner", ".3f"), ("measured_attention_bytes", "attn meas MiB", ".3f"),
             ("planner_attention_bytes", "attn planner", ".3f"), ("attention_measured_over_planner", "attn m/p", ".3f"),

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("other_processes_busy_cpus_median", "others' CPUs", ".1f"), ("considered", "considered", ""),
                        ("priced", "priced", ""), ("pruned", "pruned", "")]))
     write_json(args.json, {
-        "benchmark": "planner_speed", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "planner_speed",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average_at_end": list(os.getloadavg())},
         "about": "tools/plan.py per cluster size, each run a fresh process: wall and CPU seconds of the whole "

@@ -121,8 +121,8 @@ def schedule_rows(json_dir: str, schedules: tuple[str, ...]) -> list[list[str]]:
 def table(json_dir: str = JSON_DIR, schedules: tuple[str, ...] | None = None) -> str:
     """The block between BEGIN and END (both included)."""
     names = schedules or tuple(dict.fromkeys((*DESCRIBED, *SCHEDULE_NAMES)))
-    head = ["schedule", "d", "m", "clip", "samples/s", "vs flush", "vs torch 1F1B", "vs torch's counterpart", "vs 2bw (ceiling)",
-            "idle per stage (ideal)", "from"]
+    head = ["schedule", "d", "m", "clip", "samples/s", "vs flush", "vs torch 1F1B", "vs torch's counterpart",
+            "vs 2bw (ceiling)", "idle per stage (ideal)", "from"]
     lines = [BEGIN, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in schedule_rows(json_dir, names)]
     lines += ["", END]

@@ -60,7 +60,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any launcher variables (so a child never thinks it is a rank)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-           and k not in (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV, POISON_ENV) and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+           and k not in (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV, POISON_ENV)
+           and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -143,7 +144,8 @@ class Started:
             if hit is not None:
                 return hit
             if self.proc.poll() is not None and not any(r.is_alive() for r in self.readers):
-                pytest.fail(f"{' '.join(self.cmd)} ended before printing {text!r}\n{''.join(self.chunks['err'])[-4000:]}")
+                pytest.fail(f"{' '.join(self.cmd)} ended before printing {text!r}\n"
+                            f"{''.join(self.chunks['err'])[-4000:]}")
             time.sleep(0.05)
         self.kill()
         pytest.fail(f"no line with {text!r} after {timeout:.0f}s\n{''.join(self.chunks['err'])[-4000:]}")
@@ -258,8 +260,10 @@ def shared_corpus(tmp_path_factory) -> Corpus:
     if not os.path.exists(c.prefix + ".idx"):
         d.mkdir(exist_ok=True)
         tool("build_demo_corpus.py", "--output", str(d / "corpus.jsonl"), "--max-mb", "0.1")
-        tool("train_tokenizer.py", "--input", str(d / "corpus.jsonl"), "--vocab-size", "512", "--model-prefix", str(d / "tok512"))
-        tool("train_tokenizer.py", "--input", str(d / "corpus.jsonl"), "--vocab-size", "400", "--model-prefix", str(d / "tok400"))
+        tool("train_tokenizer.py", "--input", str(d / "corpus.jsonl"), "--vocab-size", "512",
+             "--model-prefix", str(d / "tok512"))
+        tool("train_tokenizer.py", "--input", str(d / "corpus.jsonl"), "--vocab-size", "400",
+             "--model-prefix", str(d / "tok400"))
         tool("preprocess_data.py", "--input", str(d / "corpus.jsonl"), "--output-prefix", str(d / "demo"),
              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", c.model, "--append-eod")
     return c

@@ -67,7 +67,8 @@ def build(cfg, t: int, seed: int = 0):
         use_cpu_initialization=True, init_method_std=cfg.init_method_std)
     torch.manual_seed(seed)
     model = GPTModel(conf, get_gpt_layer_local_spec(), vocab_size=cfg.padded_vocab_size(t),
-                     max_sequence_length=cfg.max_position_embeddings, position_embedding_type=cfg.position_embedding_type,
+                     max_sequence_length=cfg.max_position_embeddings,
+                     position_embedding_type=cfg.position_embedding_type,
                      rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent,
                      share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
                      parallel_output=False)
@@ -98,7 +99,8 @@ def megatron_args(cfg, t: int, iteration: int) -> argparse.Namespace:
         group_query_attention=cfg.group_query_attention, num_query_groups=cfg.num_query_groups,
         max_position_embeddings=cfg.max_position_embeddings, seq_length=cfg.seq_length,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, padded_vocab_size=cfg.padded_vocab_size(t),
-        tensor_model_parallel_size=t, pipeline_model_parallel_size=1, position_embedding_type=cfg.position_embedding_type,
+        tensor_model_parallel_size=t, pipeline_model_parallel_size=1,
+        position_embedding_type=cfg.position_embedding_type,
         rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent, swiglu=cfg.swiglu, openai_gelu=not cfg.swiglu,
         bias_gelu_fusion=False, normalization=cfg.normalization, layernorm_epsilon=cfg.layernorm_epsilon,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -112,7 +114,8 @@ def save_torch_format(model, cfg, root: str, t: int, iteration: int) -> None:
     from megatron.core import parallel_state
 
     if parallel_state.get_data_parallel_rank() == 0:
-        d = os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
+        d = os.path.join(root, f"iter_{iteration:07d}",
+                         f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
         os.makedirs(d, exist_ok=True)
         torch.save({"model": model.state_dict_for_save_checkpoint(), "args": megatron_args(cfg, t, iteration),
                     "checkpoint_version": 3.0, "iteration": iteration}, os.path.join(d, "model_optim_rng.pt"))

@@ -48,8 +48,10 @@ def _dataset(cfg, n: int):
         return torch.randint(0, cfg.vocab_size, (n, cfg.seq_length + 1), generator=g)
     s = cfg.seq_length
     return dict(
-        tokens=torch.randint(0, cfg.vocab_size, (n, s), generator=g), token_types=(torch.arange(s) >= s // 2).long().expand(n, s),
-        labels=torch.randint(0, cfg.vocab_size, (n, s), generator=g), loss_mask=(torch.rand(n, s, generator=g) < 0.3).float(),
+        tokens=torch.randint(0, cfg.vocab_size, (n, s), generator=g),
+        token_types=(torch.arange(s) >= s // 2).long().expand(n, s),
+        labels=torch.randint(0, cfg.vocab_size, (n, s), generator=g),
+        loss_mask=(torch.rand(n, s, generator=g) < 0.3).float(),
         padding_mask=torch.ones(n, s), sop_label=torch.randint(0, 2, (n,), generator=g),
     )
 
@@ -57,12 +59,13 @@ def _dataset(cfg, n: int):
 def train_tiny(
     schedule: str, *, layout: tuple[int, int, int] | None = None, steps: int = 6, global_batch: int = 8,
     micro: int = 1, kind: str = "gpt-tiny", recompute: bool = False, dtype: str = "fp32", optimizer: str = "adam",
-    lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None, segments: tuple[int, ...] | None = None,
-    dropout: float = 0.0, weight_decay: float = 0.01, p2p_mode: str = "auto", compensation: str = "none",
-    dc_lambda: float = 0.04, sgd_momentum: float = 0.0, reload: bool = False, distributed_optimizer: bool | None = None,
-    sequence_parallel: bool = False, opt_extra: dict | None = None, ef_scale: float = 1.0,
-    virtual_stages: int | None = None, num_layers: int | None = None, post_validation: bool = False,
-    context: int = 1, cp_comm_type: str = "p2p", model_extra: dict | None = None, documents: bool = False,
+    lr: float = 1e-2, clip: float = 0.0, inject_inf: tuple[int, int] | None = None,
+    segments: tuple[int, ...] | None = None, dropout: float = 0.0, weight_decay: float = 0.01,
+    p2p_mode: str = "auto", compensation: str = "none", dc_lambda: float = 0.04, sgd_momentum: float = 0.0,
+    reload: bool = False, distributed_optimizer: bool | None = None, sequence_parallel: bool = False,
+    opt_extra: dict | None = None, ef_scale: float = 1.0, virtual_stages: int | None = None,
+    num_layers: int | None = None, post_validation: bool = False, context: int = 1, cp_comm_type: str = "p2p",
+    model_extra: dict | None = None, documents: bool = False,
 ) -> dict:
     """``reload``: between segments, move the stage's state_dict into a freshly built stage (a resume);
     ``distributed_optimizer`` None: OptimizerConfig's default (tests may patch ``OptimizerConfig``);
@@ -78,7 +81,8 @@ def train_tiny(
     else:
         state = ParallelState.single()
     t, d, w = state.t, state.d, state.data_width
-    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, sequence_parallel=sequence_parallel and t > 1,
+    cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout,
+                     sequence_parallel=sequence_parallel and t > 1,
                      **({} if num_layers is None else {"num_layers": num_layers}), **(model_extra or {}))
     seed = 1234
     torch.manual_seed(seed)
@@ -92,7 +96,8 @@ def train_tiny(
                           post_validation=post_validation)
     opt = OptimizerConfig(optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip, dtype=dtype,
                           adam_beta2=0.99, initial_loss_scale=2.0**12, sgd_momentum=sgd_momentum,
-                          **({} if distributed_optimizer is None else {"use_distributed_optimizer": distributed_optimizer}),
+                          **({} if distributed_optimizer is None
+                             else {"use_distributed_optimizer": distributed_optimizer}),
                           **(opt_extra or {}))
     start, _ = stage_range(cfg.num_layers, d, state.pp_rank)
     names = GlobalNames(start, tied=WORD)  # the head's copy of the word embedding is named as the original
@@ -105,7 +110,8 @@ def train_tiny(
     faults = FaultInjector(poison_grads=frozenset({inject_inf})) if inject_inf is not None else None
     def build() -> PipelineRank:
         return build_stage(build_layers, spec.loss_fn(), state, pipe, opt,
-                             cfg.stage_activation_shape(micro, t, state.c), rng_tracker=tracker, names=names, faults=faults)
+                             cfg.stage_activation_shape(micro, t, state.c), rng_tracker=tracker, names=names,
+                            faults=faults)
 
     stage = build()
     data = _dataset(cfg, global_batch * steps)

@@ -116,8 +116,9 @@ def train(run: Run, steps: int) -> list[float]:
 def save(run: Run, fmt: str, root: str, writer) -> None:
     st = run.stage
     if fmt == "torch":
-        ck.save(root, CUT, run.state, lambda: ck.payload(st, iteration=CUT, tracker=run.tracker, consumed_samples=CUT * GLOBAL,
-                                                         global_batch=GLOBAL, config=run.config, args={}))
+        ck.save(root, CUT, run.state, lambda: ck.payload(st, iteration=CUT, tracker=run.tracker,
+                                                         consumed_samples=CUT * GLOBAL, global_batch=GLOBAL,
+                                                         config=run.config, args={}))
         return
     common = dc.common_state(st, iteration=CUT, config=run.config, args={}, consumed_samples=CUT * GLOBAL,
                              global_batch=GLOBAL)

@@ -113,7 +113,8 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
     optimizer runs unchanged on its own iterate y (``newest``); its update D_t = y(t+1) - y(t) is read off
     the parameters, and the weights the model runs on follow x(1) = x(0) + D_0 (the first update
     uncorrected), then x(t+1) = x(t) + D_t + lam * (D_t - D_{t-1}), kept as their own tensors; the
-    iterate is y = x - lam * D_{t-1} (set back by lam * D_0 after the first update). Both written here from their definitions in compensation.py."""
+    iterate is y = x - lam * D_{t-1} (set back by lam * D_0 after the first update). Both written here from
+    their definitions in compensation.py."""
     lr, stale_rule = LR[optimizer], stale
     cfg = get_preset("gpt-tiny")
     spec = ModelSpec(cfg, TPGroup(), 1234)
@@ -189,15 +190,17 @@ def run_layers_with(model: nn.ModuleList, params: dict, batch: dict):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_single_process_2bw_equals_plain_pytorch_reference(optimizer):
     ref_losses, ref_params = reference_2bw(optimizer)
-    got = train_tiny("2bw", steps=STEPS, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer], weight_decay=WD)
+    got = train_tiny("2bw", steps=STEPS, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer],
+                     weight_decay=WD)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert set(got["params"]) == set(ref_params)
     for name, p in got["params"].items():
         torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=2e-6 if optimizer == "sgd" else 1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
     # the stale-gradient rule is really in effect: steps 0 and 1 both run on W(0)
-    assert got["losses"][1] != pytest.approx(train_tiny("flush", steps=2, global_batch=B, micro=MICRO, optimizer=optimizer,
-                                                       lr=LR[optimizer], weight_decay=WD)["losses"][1], abs=1e-7)
+    flush = train_tiny("flush", steps=2, global_batch=B, micro=MICRO, optimizer=optimizer, lr=LR[optimizer],
+                       weight_decay=WD)
+    assert got["losses"][1] != pytest.approx(flush["losses"][1], abs=1e-7)
 
 
 # lambda large enough that the DC term moves the weights far beyond the comparison tolerance
@@ -214,7 +217,7 @@ def test_single_process_compensation_equals_plain_pytorch_reference(optimizer, c
     got = train_tiny("2bw", compensation=compensation, dc_lambda=lam, **kw)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # the compensation is really in effect: it moves the weights 10x beyond the tolerance
     plain = train_tiny("2bw", **kw)["params"]
     assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
@@ -232,7 +235,7 @@ def test_single_process_ef_equals_plain_pytorch_reference(optimizer, mode):
         got = train_tiny("2bw", compensation=mode, **kw)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     plain = train_tiny("2bw", **kw)["params"]
     assert max((plain[n] - p).abs().max().item() for n, p in got["params"].items()) > 1e-4
 
@@ -246,4 +249,4 @@ def test_single_process_muon_equals_torch_muon_and_adamw(schedule):
                          weight_decay=WD, opt_extra=MUON)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

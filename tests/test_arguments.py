@@ -55,8 +55,8 @@ def test_preset_with_explicit_overrides():
 
 
 def test_without_preset_megatron_defaults():
-    cfg = cfg_of(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "8", *MINIMAL],
-                 kind="bert")
+    cfg = cfg_of(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "8",
+                  *MINIMAL], kind="bert")
     assert cfg.model.kind == "bert" and cfg.model.num_tokentypes == 2
     assert cfg.model.hidden_dropout == 0.1 and cfg.model.attention_dropout == 0.1
     assert cfg.pipeline.schedule == "flush" and cfg.optimizer.dtype == "fp32"  # one stage: flush
@@ -135,7 +135,8 @@ def test_p2p_mode_flag():
 def test_muon_and_ef_flags():
     base = [*MINIMAL, "--model-preset", "gpt-tiny", "--pipeline-model-parallel-size", "2", "--optimizer", "muon"]
     cfg = cfg_of([*base, "--muon-momentum", "0.9", "--no-muon-nesterov", "--muon-ns-steps", "3", "--muon-lr", "0.02",
-                  "--muon-adjust-lr-fn", "match_rms_adamw", "--2bw-compensation", "ef", "--2bw-ef-scale", "0.5"], world=2)
+                  "--muon-adjust-lr-fn", "match_rms_adamw", "--2bw-compensation", "ef", "--2bw-ef-scale", "0.5"],
+                 world=2)
     o = cfg.optimizer
     assert (o.optimizer, o.muon_momentum, o.muon_nesterov, o.muon_ns_steps, o.muon_lr, o.muon_adjust_lr_fn) == \
         ("muon", 0.9, False, 3, 0.02, "match_rms_adamw")
@@ -162,11 +163,13 @@ def test_default_compensation_follows_the_measurements():
         return cfg_of([*base, *extra], world=world).pipeline.compensation
 
     assert mode("--optimizer", "muon") == mode("--optimizer", "muon", "--bf16") == "ef"
-    assert mode("--bf16") == mode("--fp16") == mode("--bf16", "--optimizer", "sgd", "--sgd-momentum", "0.9") == "predict"
+    assert (mode("--bf16") == mode("--fp16") == mode("--bf16", "--optimizer", "sgd", "--sgd-momentum", "0.9")
+            == "predict")
     assert mode() == "none"  # fp32: predict would cost a weight copy
     assert mode("--bf16", "--optimizer", "sgd", "--sgd-momentum", "0") == "none"  # no momentum to extrapolate with
     assert mode("--bf16", "--use-distributed-optimizer", world=4) == "none"
-    assert mode("--bf16", "--pipeline-schedule", "flush") == mode("--optimizer", "muon", "--pipeline-schedule", "flush") == "none"
+    assert (mode("--bf16", "--pipeline-schedule", "flush")
+            == mode("--optimizer", "muon", "--pipeline-schedule", "flush") == "none")
     assert mode("--bf16", "--2bw-compensation", "none") == "none"
     assert mode("--2bw-compensation", "ef") == "ef"
 

@@ -23,7 +23,8 @@ def test_writer_thread_takes_the_ranks_device_before_dcp_runs(monkeypatch, tmp_p
     calls: list[tuple[str, str, object]] = []  # (what, thread, argument)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", threading.current_thread().name, d)))
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: calls.append(("set_device", threading.current_thread().name, d)))
 
     def write(root, iteration, staged, objects, group) -> str:
         calls.append(("write", threading.current_thread().name, iteration))

@@ -147,7 +147,8 @@ def test_planner_core_terms_by_backend():
     assert core_stash_bytes(cfg, b, 2, 2, kernel="fused") == 4 * a * s * b // 2
     h = cfg.hidden_size  # plus fp32 Q, K, V in place of the fp16 ones (6h more per token)
     assert core_stash_bytes(cfg, b, 1, 2, kernel="math", mask_bytes=2) == 12 * a * s * s * b + 6 * h * s * b
-    assert attention_kernel(CPU, cfg) == "math" and attention_kernel(CPU, replace(cfg, attention_dropout=0.0)) == "fused"
+    assert attention_kernel(CPU, cfg) == "math"
+    assert attention_kernel(CPU, replace(cfg, attention_dropout=0.0)) == "fused"
     with pytest.raises(ConfigError, match="attention_backend must be one of"):
         replace(CPU, attention_backend="xformers")
 
@@ -162,7 +163,8 @@ def test_attention_backend_flag(capsys):
 
     assert run_cli(run, [*MINIMAL, "--attention-backend", "flash", "--attention-dropout", "0.1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --attention-backend flash with --attention-dropout 0.1 on the CPU")
+    assert len(err) == 1
+    assert err[0].startswith("error: --attention-backend flash with --attention-dropout 0.1 on the CPU")
     assert run_cli(run, [*MINIMAL, "--attention-backend", "flash"]) == 0
     assert run_cli(run, [*MINIMAL, "--attention-backend", "flash", "--reset-attention-mask"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 
-from e2e import PY, REPO, clean_env, corpus, read_metrics, run  # noqa: F401
+import e2e
+from e2e import PY, REPO, clean_env, read_metrics, run
 
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.planner.auto_plan import auto_plan
+
+corpus = e2e.corpus  # the session fixture, bound here so that pytest finds it for this module's tests
 
 COMMON = ["--model-preset", "gpt-tiny", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
           "--device", "cpu", "--log-interval", "1", "--eval-iters", "0"]
@@ -38,4 +41,5 @@ def test_multi_process_job_needs_a_profile_file(corpus):
     assert res.returncode == 2
     lines = [line for line in res.stderr.strip().splitlines() if line]
     assert lines == ["error: --auto-plan with 4 processes needs --auto-plan-profile FILE made beforehand "
-                     "(a single-process --auto-plan run or tools/profile_model.py writes it): ranks must not profile apart"]
+                     "(a single-process --auto-plan run or tools/profile_model.py writes it): "
+                     "ranks must not profile apart"]

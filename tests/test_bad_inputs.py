@@ -53,7 +53,8 @@ CASES = [
     ("fp16-and-bf16", lambda c, t: base(c) + ["--fp16", "--bf16"], {}, "--fp16 and --bf16 are mutually exclusive"),
     ("schedule-spellings", lambda c, t: base(c) + ["--pipeline-schedule", "flush", "--gpipe"], {},
      "--gpipe contradicts --pipeline-schedule flush"),
-    ("unknown-flag", lambda c, t: base(c) + ["--no-such-flag"], {}, "unrecognized argument --no-such-flag (see --help)"),
+    ("unknown-flag", lambda c, t: base(c) + ["--no-such-flag"], {},
+     "unrecognized argument --no-such-flag (see --help)"),
     ("misspelt-flag", lambda c, t: base(c) + ["--micro-batch", "2"], {},
      "unrecognized argument --micro-batch (did you mean --micro-batch-size?)"),
     ("missing-train-iters", lambda c, t: base(c, drop=("--train-iters",)), {},
@@ -69,7 +70,8 @@ CASES = [
      "--max-position-embeddings 8 is smaller than --seq-length 16"),
     ("nccl-on-cpu", lambda c, t: base(c) + ["--distributed-backend", "nccl"], {},
      "--distributed-backend nccl needs --device cuda"),
-    ("save-interval-without-save", lambda c, t: base(c) + ["--save-interval", "2"], {}, "--save-interval needs --save DIR"),
+    ("save-interval-without-save", lambda c, t: base(c) + ["--save-interval", "2"], {},
+     "--save-interval needs --save DIR"),
     ("no-data-path", lambda c, t: base(c, drop=("--data-path",)), {}, "--data-path is required"),
     ("odd-blend", lambda c, t: base(c) + ["--data-path", "0.5", c.prefix, "0.5"], {}, "an odd number"),
     ("split-all-zero", lambda c, t: base(c) + ["--split", "0,0,0"], {}, "--split '0,0,0' is all zeros"),
@@ -130,7 +132,8 @@ def test_case_table_is_large_enough():
 
 def test_torchrun_every_rank_refuses_before_init(corpus):  # noqa: F811
     """4 processes, d = 2, B = 4: m = 1 < d on every rank; all exit 2 at once, nobody waits for a peer."""
-    res = torchrun("pretrain_gpt.py", base(corpus) + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
+    res = torchrun("pretrain_gpt.py",
+                   base(corpus) + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
                    nproc=4, timeout=TIMEOUT)
     assert res.returncode != 0, res.describe()
     # one line for the 4 ranks, and torchrun ended before its ChildFailedError traceback (issue 19)

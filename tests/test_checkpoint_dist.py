@@ -142,11 +142,13 @@ def _state_case(src: str, offline: dict) -> list[str]:
         ref, tracker = _stage(sd["common"], t, d, w, zero)
         ck.restore(ck.load_rank_file(offline[(t, d)], START, t, d, tp, pp), ref, tracker, torch.device("cpu"))
         a, b = online.state_dict(), ref.state_dict()
-        if a["step"] != b["step"] or a["step"] != START or online.updater.scaler.state_dict() != ref.updater.scaler.state_dict():
+        if (a["step"] != b["step"] or a["step"] != START
+                or online.updater.scaler.state_dict() != ref.updater.scaler.state_dict()):
             bad.append(f"{(t, d, w, zero)}: step or scaler")
         pairs = [("versions", x, y) for x, y in zip(a["versions"], b["versions"])]
         pairs += [("master", a["master"], b["master"])]
-        pairs += [(k, a["optimizer"][k], b["optimizer"][k]) for k in a["optimizer"] if isinstance(a["optimizer"][k], torch.Tensor)]
+        pairs += [(k, a["optimizer"][k], b["optimizer"][k]) for k in a["optimizer"]
+                  if isinstance(a["optimizer"][k], torch.Tensor)]
         pairs += [("steps", torch.tensor(a["optimizer"]["steps"]), torch.tensor(b["optimizer"]["steps"]))]
         bad += [f"{(t, d, w, zero)} rank {rank}: {name}" for name, x, y in pairs if not torch.equal(x, y)]
         if not any(float(v.abs().sum()) > 0 for k, v in a["optimizer"].items() if isinstance(v, torch.Tensor)):
@@ -195,10 +197,12 @@ def test_killed_async_save_leaves_the_previous_checkpoint_the_newest(async_runs)
     r = async_runs
     assert r["killed"].returncode != 0 and "killing this process during the save of iteration 4" in r["killed"].stderr
     assert r["state"]["tracker"] == 2, r["state"]  # the save of 4 never published
-    assert "iter_0000004" not in r["state"]["names"] and any(n.startswith("iter_0000004.tmp.") for n in r["state"]["names"])
+    assert "iter_0000004" not in r["state"]["names"]
+    assert any(n.startswith("iter_0000004.tmp.") for n in r["state"]["names"])
     assert r["again"].returncode == 0, r["again"].describe()
     assert "removed stale temporary folder" in r["again"].stderr, r["again"].stderr
-    assert "resumed from iteration 2" in r["again"].stderr, [x for x in r["again"].stderr.splitlines() if "resum" in x or "start" in x]
+    assert "resumed from iteration 2" in r["again"].stderr, [x for x in r["again"].stderr.splitlines()
+                                                             if "resum" in x or "start" in x]
     killed, again = r["losses"]
     assert sorted(killed) == [0, 1, 2, 3] and sorted(again) == [2, 3]
     assert all(again[i] == killed[i] for i in again), (killed, again)  # same layout: bitwise

@@ -66,7 +66,8 @@ def test_contents_are_megatrons_with_the_newest_weights():
     sd = _payload(stage, spec, 3)
     assert isinstance(sd["args"], argparse.Namespace) and sd["checkpoint_version"] == 3.0 and sd["iteration"] == 3
     a = sd["args"]
-    assert (a.padded_vocab_size, a.num_layers, a.hidden_size, a.bias_gelu_fusion, a.openai_gelu) == (384, 4, 64, False, True)
+    assert ((a.padded_vocab_size, a.num_layers, a.hidden_size, a.bias_gelu_fusion, a.openai_gelu)
+            == (384, 4, 64, False, True))
     assert (a.micro_batch_size, a.tensor_model_parallel_size, a.pipeline_schedule) == (1, 1, "2bw")
     enc = sd["model"]["language_model"]["encoder"]
     assert sorted({k.split(".")[1] for k in enc if k.startswith("layers.")}) == ["0", "1", "2", "3"]
@@ -79,8 +80,8 @@ def test_contents_are_megatrons_with_the_newest_weights():
     assert any(not torch.equal(older[n], newest[n]) for n in newest)
     assert torch.equal(enc["layers.2.self_attention.query_key_value.weight"], newest["3.attn.qkv.weight"])
     exp_avg = stage.updater.optimizer.state_dict()["exp_avg"]
-    assert torch.equal(torch.cat([sd["stage"]["optimizer"]["exp_avg"][n].reshape(-1) for n in stage.weights.global_names]),
-                       exp_avg)
+    saved = sd["stage"]["optimizer"]["exp_avg"]
+    assert torch.equal(torch.cat([saved[n].reshape(-1) for n in stage.weights.global_names]), exp_avg)
 
 
 def _continue(stage, batch, steps: int = 2) -> list[float]:

@@ -124,7 +124,8 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path):
 def test_manifest_lists_every_shard_with_its_identity(tp2_pp2_run):  # noqa: F811
     idir = ck.iteration_dir(tp2_pp2_run.save, 10)
     doc = manifest.verify(idir)  # every checksum matches the bytes on disk
-    assert sorted(doc["files"]) == [f"{ck.rank_dir_name(tp, pp, 2)}/{ck.FILENAME}" for tp in range(2) for pp in range(2)]
+    assert sorted(doc["files"]) == [f"{ck.rank_dir_name(tp, pp, 2)}/{ck.FILENAME}"
+                                    for tp in range(2) for pp in range(2)]
     for rel, entry in doc["files"].items():
         assert entry["identity"] == {"iteration": 10, "t": 2, "d": 2, "w": 1, "schedule": "2bw",
                                      **manifest.identity_from_path(rel)}

@@ -63,7 +63,8 @@ def _main(tool, argv: list[str], capsys) -> _Ran:
 def _tools(load: str, tmp_path, tok: list[str], capsys) -> list:
     util, gen = _tool(UTIL), _tool(GEN)
     return [
-        _main(util, ["--load-dir", load, "--save-dir", str(tmp_path / "hf"), "--saver", "hf", "--no-optimizer"], capsys),
+        _main(util, ["--load-dir", load, "--save-dir", str(tmp_path / "hf"), "--saver", "hf", "--no-optimizer"],
+              capsys),
         _main(util, ["--load-dir", load, "--save-dir", str(tmp_path / "meg"), "--saver", "megatron", "--no-optimizer"],
               capsys),
         _main(gen, ["--load", load, *tok, "--prompt", "The", "--max-new-tokens", "2", "--temperature", "0",

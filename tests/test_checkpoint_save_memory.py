@@ -41,7 +41,8 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 name = str(func.overloadpacket.__name__)
@@ -58,7 +59,8 @@ def _stage(state: ParallelState, dtype: str = "bf16", zero: bool = False) -> Pip
     tracker = RNGTracker(7, 0)
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
     stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
-                          PipelineConfig("2bw", 1, 2), OptimizerConfig("adam", lr=1e-2, dtype=dtype, use_distributed_optimizer=zero),
+                          PipelineConfig("2bw", 1, 2),
+                         OptimizerConfig("adam", lr=1e-2, dtype=dtype, use_distributed_optimizer=zero),
                           (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD))
     data = torch.randint(0, cfg.vocab_size, (8, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     stage.train(2, lambda mb: spec.make_batch(data[mb % 8:mb % 8 + 1]), lambda t: 1e-2)

@@ -160,7 +160,8 @@ def test_validate_only_checks_everything_once_and_prints_one_line(corpus, tmp_pa
     (line,) = _lines(res.stdout)
     b, w, d, iters = 2, 2, 2, 5
     assert line.startswith("config OK: GPT ") and f"layout t=1 d={d} w={w} (4 processes" in line, line
-    assert f"schedule 2bw, b={b} m={d} B={b * w * d}" in line and f"{iters} iterations, {iters * b * w * d} training" in line
+    assert f"schedule 2bw, b={b} m={d} B={b * w * d}" in line
+    assert f"{iters} iterations, {iters * b * w * d} training" in line
     assert "--pipeline-schedule not given: 2bw (2 pipeline stages" in res.stderr
     assert save.is_dir()  # --save checked (created) at start-up
     bad = run([PY, GPT, *argv, "--tokenizer-model", corpus.small_model, "--validate-only"], env=env, timeout=120)
@@ -245,8 +246,8 @@ def test_a_changed_compensation_is_a_resume_setting():
     from megatron_2bw.training.startup_checks import changed_settings
 
     def cfg(*extra):
-        argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
-                "--lr", "1e-3", "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer",
+        argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--global-batch-size", "2",
+                "--train-iters", "4", "--lr", "1e-3", "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer",
                 "--pipeline-schedule", "2bw", *extra]
         return cli.build_config(cli.parse_args(argv, "gpt"), "gpt", 1, cuda_available=False)
 

@@ -48,7 +48,8 @@ def test_layout_equals_reference_in_every_mode(layout, references):
         for o in outs:
             for name, p in o[mode]["params"].items():
                 want = matching_shard(ref_params[name], p, o[mode]["coords"][0], o[mode]["t"])
-                torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{mode} {name}: {m}")
+                torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}")
                 seen.add(name)
         assert seen == set(ref_params), "layout does not cover every parameter"
 
@@ -81,7 +82,8 @@ def test_draining_and_resuming_between_segments_changes_nothing(mode, dtype):
     in a fresh stage: bitwise the same losses and newest weights."""
     a = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), dtype=dtype, **KW)
     for reload in (False, True):
-        b = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), dtype=dtype, segments=(2, 1, 3), reload=reload, **KW)
+        b = train_tiny("2bw", compensation=mode, dc_lambda=_lam(mode), dtype=dtype, segments=(2, 1, 3), reload=reload,
+                       **KW)
         assert a["losses"] == b["losses"], reload
         assert all(a["params"][k].equal(b["params"][k]) for k in a["params"]), reload
 

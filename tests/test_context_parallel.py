@@ -1,12 +1,12 @@
 """Context parallelism at c = 2 trains like the single process (issue 36).
 
-Each cell trains a tiny model 5 steps (fp32, SGD) with the sequence sharded over two context
-ranks and compares every step's loss and every final weight with the single process's (1e-5: the ring's
-and the gather's block merges reorder sums, the all-to-all's heads see the same sums; nothing else differs). The cells cover t in {1, 2} and
-d in {1, 2}, every schedule family (Flush, 2BW, zero-bubble, interleaved), GPT (learned positions) and
-Llama (RoPE, grouped-query attention), BERT (non-causal, the sentence-order loss on context rank 0), every
-communication type (p2p, all_gather, a2a), sequence parallelism, recomputation, data parallelism and the distributed optimizer,
-and packed documents (--reset-attention-mask, --reset-position-ids, --eod-mask-loss) with each type.
+Each cell trains a tiny model 5 steps (fp32, SGD) with the sequence sharded over two context ranks and compares
+every step's loss and every final weight with the single process's (1e-5: the ring's and the gather's block merges
+reorder sums, the all-to-all's heads see the same sums; nothing else differs). The cells cover t in {1, 2} and d in
+{1, 2}, every schedule family (Flush, 2BW, zero-bubble, interleaved), GPT (learned positions) and Llama (RoPE,
+grouped-query attention), BERT (non-causal, the sentence-order loss on context rank 0), every communication type
+(p2p, all_gather, a2a), sequence parallelism, recomputation, data parallelism and the distributed optimizer, and
+packed documents (--reset-attention-mask, --reset-position-ids, --eod-mask-loss) with each type.
 Cells of one world size share one set of processes.
 """
 

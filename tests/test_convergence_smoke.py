@@ -31,7 +31,8 @@ def test_convergence_quick(tmp_path):
     data = json.loads(js.read_text())
     assert png.is_file() and png.stat().st_size > 1000
     assert {r["schedule"] for r in data["runs"]} == {"2bw", "flush"}
-    assert sorted((r["seed"], r["schedule"]) for r in data["runs"]) == [(s, k) for s in sorted(seeds) for k in ("2bw", "flush")]
+    assert sorted((r["seed"], r["schedule"]) for r in data["runs"]) == [(s, k) for s in sorted(seeds)
+                                                                         for k in ("2bw", "flush")]
     for r in data["runs"]:
         for key in ("schedule", "seed", "final_valid_loss", "final_train_loss", "steps", "seconds", "time_to_loss"):
             assert key in r, key
@@ -70,7 +71,8 @@ def _fake_jsons(d):
                "platform": "Linux", "python": "3.12.0", "torch": "2.x", "torch_threads_per_process": 1,
                "date_utc": "2025-01-01T00:00:00Z", "elapsed_s": 12.0}
     results = []
-    sps = {"single": 10.0, "engine_d1": 9.8, "2bw": 19.0, "flush": 15.0, "gpipe": 14.5, "torch_1f1b": 14.0, "torch_gpipe": 14.0}
+    sps = {"single": 10.0, "engine_d1": 9.8, "2bw": 19.0, "flush": 15.0, "gpipe": 14.5, "torch_1f1b": 14.0,
+           "torch_gpipe": 14.0}
     ideal = {"single": 1.0, "engine_d1": 1.0, "2bw": 2.0}
     for m in (4, 8):
         for s, v in sps.items():
@@ -96,45 +98,53 @@ def _fake_jsons(d):
             for st in (0, 1):
                 mem.append(dict(d=2, m=4, schedule=s, recompute=rc, stage=st, weight_versions=2 if s == "2bw" else 1,
                                 max_inflight=2 - st, expected_inflight=2 - st, measured_weight_bytes=2**20,
-                                paper_weight_bytes=2**20, measured_stash_bytes=3 * 2**20, paper_activation_bytes=4 * 2**20,
-                                exact_activation_bytes=3 * 2**20, A_input_bytes=2**18, A_stage_bytes=2**20,
-                                W_version_bytes=2**19, measured_over_exact=1.0, measured_over_paper=0.75))
+                                paper_weight_bytes=2**20, measured_stash_bytes=3 * 2**20,
+                                paper_activation_bytes=4 * 2**20, exact_activation_bytes=3 * 2**20,
+                                A_input_bytes=2**18, A_stage_bytes=2**20, W_version_bytes=2**19,
+                                measured_over_exact=1.0, measured_over_paper=0.75))
     (d / "memory.json").write_text(json.dumps({"results": mem, "machine": machine,
-                                               "config": {"model": {"num_layers": 4, "hidden_size": 64, "seq_length": 32},
+                                               "config": {"model": {"num_layers": 4, "hidden_size": 64,
+                                                                    "seq_length": 32},
                                                           "micro_batch": 2, "steps": 2, "precision": "fp32"}}))
     runs = []
     for seed, s, end in ((1234, "2bw", 5.05), (1234, "flush", 5.0), (5678, "2bw", 5.151), (5678, "flush", 5.1)):
         losses = [6.0 - 0.1 * i for i in range(10)]
-        runs.append(dict(schedule=s, seed=seed, final_valid_loss=end, final_train_loss=5.2, steps=10, seconds=1.0, wall_seconds=5.0,
-                         samples_per_sec_median=40.0, foreign_load_cpus=0.1,
+        runs.append(dict(schedule=s, seed=seed, final_valid_loss=end, final_train_loss=5.2, steps=10, seconds=1.0,
+                         wall_seconds=5.0, samples_per_sec_median=40.0, foreign_load_cpus=0.1,
                          time_to_loss={"target": 5.46, "step": 7, "seconds": 0.7},
                          curve={"step": list(range(1, 11)), "seconds": [0.1 * i for i in range(1, 11)],
                                 "train_loss": losses, "train_loss_smoothed": losses},
                          valid={"step": [5, 10], "loss": [5.5, end], "seconds": [0.5, 1.0]}))
     (d / "convergence.json").write_text(json.dumps({
         "lr_sweep": [{"lr": lr, "min_lr": lr / 10, "valid_loss_ratio_2bw_over_flush": 1.01,
-                      "runs": [dict(r, curve={"step": r["curve"]["step"], "train_loss_smoothed": r["curve"]["train_loss"]})
+                      "runs": [dict(r, curve={"step": r["curve"]["step"],
+                                              "train_loss_smoothed": r["curve"]["train_loss"]})
                                for r in runs[:2]]} for lr in (1e-3, 2e-3)],
         "runs": runs, "valid_loss_ratio_2bw_over_flush": 1.01, "valid_loss_ratio_per_seed": [1.01, 1.01],
         "flush_seed_spread": 0.1 / 5.05,
         "seed_noise": {"seeds": [1234, 5678], "valid_loss_ratio_mean": 1.01, "ratio_spread": 0.0,
-                       "per_seed": [{"seed": 1234, "final_valid_loss": {"2bw": 5.05, "flush": 5.0}, "valid_loss_ratio_2bw_over_flush": 1.01},
-                                    {"seed": 5678, "final_valid_loss": {"2bw": 5.151, "flush": 5.1}, "valid_loss_ratio_2bw_over_flush": 1.01}],
+                       "per_seed": [{"seed": 1234, "final_valid_loss": {"2bw": 5.05, "flush": 5.0},
+                                     "valid_loss_ratio_2bw_over_flush": 1.01},
+                                    {"seed": 5678, "final_valid_loss": {"2bw": 5.151, "flush": 5.1},
+                                     "valid_loss_ratio_2bw_over_flush": 1.01}],
                        "mean_final_valid_loss": {"2bw": 5.1005, "flush": 5.05}, "flush_seed_spread": 0.1 / 5.05,
                        "2bw_seed_spread": 0.101 / 5.1005, "gap_above_noise": False},
-        "exploration": [{"label": "fake short warm-up", "global_batch": 4, "iters": 10, "warmup": 1, "lr": 2e-3, "seed": 1234,
-                         "valid_sequences": 8, "valid_2bw": 5.3, "valid_flush": 5.0, "note": "fake miss"}],
+        "exploration": [{"label": "fake short warm-up", "global_batch": 4, "iters": 10, "warmup": 1, "lr": 2e-3,
+                         "seed": 1234, "valid_sequences": 8, "valid_2bw": 5.3, "valid_flush": 5.0,
+                         "note": "fake miss"}],
         "train_time_speedup_2bw_vs_flush": 1.2,
         "time_to_loss_speedup_2bw_vs_flush": 1.1, "machine": machine,
         "config": {"preset": "gpt-tiny", "seq": 32, "micro_batch": 2, "m": 2, "global_batch": 4, "iters": 10,
                    "eval_interval": 5, "eval_iters": 2, "log_interval": 5, "lr": 2e-3, "min_lr": 2e-4, "warmup": 2,
-                   "weight_decay": 0.01, "clip_grad": 1.0, "precision": "fp32", "seed": 1234, "data": "x", "vocab": 500,
-                   "smooth_window": 3, "target_factor": 1.05, "quick": True, "seeds": [1234, 5678], "valid_sequences": 8}}))
+                   "weight_decay": 0.01, "clip_grad": 1.0, "precision": "fp32", "seed": 1234, "data": "x",
+                   "vocab": 500, "smooth_window": 3, "target_factor": 1.05, "quick": True, "seeds": [1234, 5678],
+                   "valid_sequences": 8}}))
     (d / "gpu.json").write_text(json.dumps({
         "skipped": False, "machine": dict(machine, device="NVIDIA H200", peak_bf16_flops=989e12),
         "config": {"m": 4, "steps": 8, "warmup": 3, "kernels": "torch", "flops_per_token": "6N + 12 L s h"},
-        "results": [dict(model="gpt-355m", system="plain", params=355_000_000, micro_batch=8, m=4, seq=512, dtype="bf16",
-                         tokens_per_sec=60000.0, model_tflops_per_sec=140.0, mfu=0.14, peak_memory_GiB=20.0),
+        "results": [dict(model="gpt-355m", system="plain", params=355_000_000, micro_batch=8, m=4, seq=512,
+                         dtype="bf16", tokens_per_sec=60000.0, model_tflops_per_sec=140.0, mfu=0.14,
+                         peak_memory_GiB=20.0),
                     dict(model="gpt-1.3b", system="plain", error="out of memory: fake")]}))
 
 
@@ -186,7 +196,8 @@ def test_report_from_json_missing_pieces(tmp_path):
     _fake_jsons(jd)
     os.remove(jd / "throughput.json")
     os.remove(jd / "gpu.json")
-    (jd / "status.json").write_text(json.dumps({"throughput": {"ok": False, "error": "exit status 1: boom", "log": "x.log"}}))
+    (jd / "status.json").write_text(json.dumps({"throughput": {"ok": False, "error": "exit status 1: boom",
+                                                               "log": "x.log"}}))
     doc = tmp_path / "bench.md"
     _run([sys.executable, os.path.join(BENCH, "report.py"), "--from-json", str(jd), "--doc", str(doc)], timeout=60)
     text = doc.read_text()

@@ -6,6 +6,7 @@ without prefetch hands out, bitwise, in every request order the executor makes."
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -138,7 +139,7 @@ def test_engine_losses_bitwise_with_prefetch():
         runs = []
         for prefetch in (False, True):
             spec = ModelSpec(cfg, TPGroup(), 1234)
-            stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
+            stage = build_stage(functools.partial(spec.build_stage, 1, 0), spec.loss_fn(), ParallelState.single(),
                                 PipelineConfig(schedule, b, m), OptimizerConfig("adam", lr=1e-3),
                                 (b, cfg.seq_length, cfg.hidden_size))
             provider = MicrobatchProvider(data, spec.make_batch, global_batch=b * m, micro_batch=b, m=m, w=1,

@@ -134,7 +134,8 @@ def bert_data(tmp_path):
 
 
 def bert(indexed, vocab, n=2000, seed=5, seq=64, **kw) -> BertDataset:
-    return BertDataset(indexed, np.arange(60), seq, n, seed, cls=CLS, sep=SEP, mask=MASK, pad=PAD, vocab_size=vocab, **kw)
+    return BertDataset(indexed, np.arange(60), seq, n, seed, cls=CLS, sep=SEP, mask=MASK, pad=PAD, vocab_size=vocab,
+                       **kw)
 
 
 def test_bert_sample_structure(bert_data):
@@ -146,8 +147,10 @@ def test_bert_sample_structure(bert_data):
     ds = bert(indexed, vocab, n=400)
     for i in range(len(ds)):
         s = ds[i]
-        tokens, types, labels, loss_mask, pad_mask = s["tokens"], s["token_types"], s["labels"], s["loss_mask"], s["padding_mask"]
-        assert all(v.shape == (64,) for v in (tokens, types, labels, loss_mask, pad_mask)) and s["sop_label"].shape == ()
+        tokens, types, labels = s["tokens"], s["token_types"], s["labels"]
+        loss_mask, pad_mask = s["loss_mask"], s["padding_mask"]
+        assert all(v.shape == (64,) for v in (tokens, types, labels, loss_mask, pad_mask))
+        assert s["sop_label"].shape == ()
         assert loss_mask.dtype == np.float32 and tokens.dtype == types.dtype == labels.dtype == np.int64
         n = int(pad_mask.sum())
         assert pad_mask[:n].all() and (tokens[n:] == PAD).all() and (types[n:] == 0).all()

@@ -79,7 +79,8 @@ def test_training_end_to_end(case, request, corpus, tmp_path):  # noqa: F811
     by_type: dict[str, list[dict]] = {}
     for r in records:
         by_type.setdefault(r["type"], []).append(r)
-    assert set(by_type) == {"start", "train", "eval", "stages", "checkpoint", "end"} - (set() if save else {"checkpoint"})
+    assert set(by_type) == ({"start", "train", "eval", "stages", "checkpoint", "end"}
+                            - (set() if save else {"checkpoint"}))
     for typ, rows in by_type.items():
         for r in rows:
             missing = per_type[typ] - set(r)

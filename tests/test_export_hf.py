@@ -137,6 +137,7 @@ def test_loader_hf_bert_round_trip(tmp_path):
     # and the HF weights are laid out as its own q/k/v (checked through its output, not our names)
     batch = bert_batch(ex.cfg)
     with torch.no_grad():
-        o = hf.eval()(input_ids=batch["tokens"], token_type_ids=batch["token_types"], attention_mask=batch["pad"].long())
+        o = hf.eval()(input_ids=batch["tokens"], token_type_ids=batch["token_types"],
+                      attention_mask=batch["pad"].long())
     lm, _ = bert_outputs(load_full(build_full_model(back.cfg), back.cfg, back.weights).eval(), batch, ex.cfg.vocab_size)
     assert max_err(o.prediction_logits[batch["pad"]], lm[batch["pad"]]) < 1e-5

@@ -112,10 +112,13 @@ def test_mcore_layout_matches_hf_llama_gqa_and_converts_back(tmp_path):
             assert torch.equal(m[pre + "self_attention.linear_qkv.weight"], torch.cat(rows))
             gate, up = sd[f"{hfp}mlp.gate_proj.weight"], sd[f"{hfp}mlp.up_proj.weight"]
             f = gate.shape[0] // t
-            assert torch.equal(m[pre + "mlp.linear_fc1.weight"], torch.cat([gate[r * f:(r + 1) * f], up[r * f:(r + 1) * f]]))
+            assert torch.equal(m[pre + "mlp.linear_fc1.weight"],
+                               torch.cat([gate[r * f:(r + 1) * f], up[r * f:(r + 1) * f]]))
             assert torch.equal(m[pre + "mlp.linear_fc2.weight"], sd[f"{hfp}mlp.down_proj.weight"].chunk(t, 1)[r])
-            assert torch.equal(m[pre + "self_attention.linear_proj.weight"], sd[f"{hfp}self_attn.o_proj.weight"].chunk(t, 1)[r])
-            assert torch.equal(m[pre + "self_attention.linear_qkv.layer_norm_weight"], sd[f"{hfp}input_layernorm.weight"])
+            assert torch.equal(m[pre + "self_attention.linear_proj.weight"],
+                               sd[f"{hfp}self_attn.o_proj.weight"].chunk(t, 1)[r])
+            assert torch.equal(m[pre + "self_attention.linear_qkv.layer_norm_weight"],
+                               sd[f"{hfp}input_layernorm.weight"])
             assert torch.equal(m[pre + "mlp.linear_fc1.layer_norm_weight"], sd[f"{hfp}post_attention_layernorm.weight"])
         assert torch.equal(m["decoder.final_layernorm.weight"], sd["model.norm.weight"])
         word = torch.cat([sd["model.embed_tokens.weight"], torch.zeros(56, 48)])  # 200 rows padded to 128 * t
@@ -146,7 +149,8 @@ def test_mcore_reshard_and_legacy_loader_refuses(tmp_path, capsys):
     assert "decoder.layers.3.input_layernorm.weight" in model and "decoder.layers.3.pre_mlp_layernorm.weight" in model
     back, _ = load_checkpoint(str(tmp_path / "b"))
     assert all(torch.equal(back.weights[n], ex.weights[n]) for n in ex.weights)
-    assert util.main(["--load-dir", str(tmp_path / "b"), "--save-dir", str(tmp_path / "c"), "--loader", "megatron"]) == 2
+    assert util.main(["--load-dir", str(tmp_path / "b"), "--save-dir", str(tmp_path / "c"),
+                      "--loader", "megatron"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not a Megatron-LM checkpoint" in err and err.count("\n") == 1
     save_checkpoint(ex, str(tmp_path / "leg"), "megatron")

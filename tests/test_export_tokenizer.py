@@ -86,7 +86,8 @@ def test_sentencepiece_exports_keep_their_spaces(family, tmp_path, tmp_path_fact
 
 def test_gpt2_bpe_export(gpt2_files, tmp_path):
     vocab, merges = gpt2_files
-    out, tok = _export(tmp_path, "gpt", {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges})
+    out, tok = _export(tmp_path, "gpt",
+                       {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges})
     _same_ids(out, tok, specials_added=False)
 
 
@@ -99,7 +100,8 @@ def test_bert_wordpiece_export(kind, bert_vocab, tmp_path):
 def test_gpt2_bpe_with_a_llama_model(gpt2_files, tmp_path):
     """A Llama-style model trained with GPT-2 BPE: the tokenizer class is written, not taken from the model type."""
     vocab, merges = gpt2_files
-    out, tok = _export(tmp_path, "gpt", {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges},
+    out, tok = _export(tmp_path, "gpt",
+                       {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges},
                        position_embedding_type="rope", swiglu=True, normalization="RMSNorm")
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["model_type"] == "llama"

@@ -61,7 +61,8 @@ def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path):
     # the optimizer state is dropped and said so (an HF model never holds it; issue 19), not refused
     dropped = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "x"), "--saver", "hf"])
     assert dropped.returncode == 0 and "the optimizer state was left out" in dropped.stdout, dropped.describe()
-    res = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "hf"), "--saver", "hf", "--no-optimizer"])
+    res = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "hf"), "--saver", "hf",
+               "--no-optimizer"])
     assert res.returncode == 0, res.describe()
     assert "with its SentencePieceTokenizer tokenizer" in res.stdout, res.describe()
     import sentencepiece as spm

@@ -10,7 +10,8 @@ from megatron_2bw.optimizer.loss_scaler import LossScaler
 def _reference(kind, w0, grads, n_decay, lr=1e-2, wd=0.1):
     a, b = torch.nn.Parameter(w0[:n_decay].clone()), torch.nn.Parameter(w0[n_decay:].clone())
     groups = [{"params": [a], "weight_decay": wd}, {"params": [b], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-8) if kind == "adam" else torch.optim.SGD(groups, lr=lr)
+    opt = (torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), eps=1e-8) if kind == "adam"
+           else torch.optim.SGD(groups, lr=lr))
     for g in grads:
         a.grad, b.grad = g[:n_decay].clone(), g[n_decay:].clone()
         opt.step()

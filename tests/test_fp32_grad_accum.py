@@ -231,7 +231,7 @@ def test_every_schedule_matches_the_single_process_and_is_closer_to_fp32():
                         assert (g - want[k]).norm() < 2**-8 * want[k].norm(), (schedule, dtype, step)
                     else:
                         torch.testing.assert_close(g, want[k], rtol=1e-5, atol=1e-5 * float(want[k].abs().max()),
-                                                   msg=lambda m: f"{schedule} {dtype} {k}: {m}")
+                                                   msg=lambda m, s=schedule, dt=dtype, k=k: f"{s} {dt} {k}: {m}")
             last = next(r for r in ranks if r["last"])
             torch.testing.assert_close(torch.tensor(last["losses"]), torch.tensor(one["losses"]), rtol=0, atol=2e-4)
         if schedule in ORDERED:  # bf16 accumulation adds its rounding to the bf16 arithmetic both runs share

@@ -77,7 +77,8 @@ def test_generate_tool_streams_transformers_greedy_text(tmp_path, tmp_path_facto
     spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(root, "tools", "generate.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    rc = tool.main(["--load", str(tmp_path / "ckpt"), "--prompt", prompts[0], "--prompt-file", str(tmp_path / "prompts.txt"),
+    rc = tool.main(["--load", str(tmp_path / "ckpt"), "--prompt", prompts[0],
+                    "--prompt-file", str(tmp_path / "prompts.txt"),
                     "--max-new-tokens", "20", "--temperature", "0", "--device", "cpu"])
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()

@@ -72,7 +72,8 @@ def _gather_nccl_path() -> dict:
         shard = torch.arange(layout.size, dtype=torch.float32) + 100 * rank
         out = gather_full(shard, layout, dist.group.WORLD, everywhere=False)
     finally:
-        zero._gloo, dist.send, dist.recv, dist.batch_isend_irecv, zero.GATHER_CHUNK = zero_gloo, send, recv, batch, chunk
+        zero._gloo, dist.send, dist.recv = zero_gloo, send, recv
+        dist.batch_isend_irecv, zero.GATHER_CHUNK = batch, chunk
     return {"out": out, "calls": calls, "size": layout.size}
 
 

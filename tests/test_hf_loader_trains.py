@@ -31,8 +31,9 @@ def test_hf_model_loads_and_trains(corpus, tmp_path):  # noqa: F811
 
 def test_weights_only_checkpoint_needs_finetune(corpus, tmp_path):  # noqa: F811
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=4, n_head=4, n_inner=256,
-                               activation_function="gelu_new", layer_norm_epsilon=1e-5)).save_pretrained(tmp_path / "hf")
+    hf_cfg = GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=4, n_head=4, n_inner=256,
+                        activation_function="gelu_new", layer_norm_epsilon=1e-5)
+    GPT2LMHeadModel(hf_cfg).save_pretrained(tmp_path / "hf")
     conv = run([PY, f"{REPO}/tools/checkpoint_util.py", "--loader", "hf", "--load-dir", str(tmp_path / "hf"),
                 "--save-dir", str(tmp_path / "ck")], timeout=180)
     assert conv.returncode == 0, conv.describe()

@@ -110,7 +110,8 @@ CORRUPTIONS = {
     "bad magic": (lambda p: _patch(p + ".idx", 0, b"XXXXX"), ".idx", "bad magic"),
     "bad version": (lambda p: _patch(p + ".idx", 9, struct.pack("<Q", 2)), ".idx", "version 2"),
     "unknown dtype": (lambda p: _patch(p + ".idx", 17, bytes([42])), ".idx", "unknown dtype code 42"),
-    "short header": (lambda p: open(p + ".idx", "wb").write(b"MMIDIDX\x00\x00\x01"), ".idx", "shorter than the 34-byte header"),
+    "short header": (lambda p: open(p + ".idx", "wb").write(b"MMIDIDX\x00\x00\x01"), ".idx",
+                     "shorter than the 34-byte header"),
     "truncated arrays": (lambda p: _truncate(p + ".idx", 8), ".idx", "truncated: header claims 4 sequences"),
     "trailing bytes": (lambda p: open(p + ".idx", "ab").write(b"\x00" * 3), ".idx", "3 unexpected trailing bytes"),
     "count too large": (lambda p: _patch(p + ".idx", 18, struct.pack("<Q", 10**12)), ".idx", "truncated"),
@@ -119,11 +120,15 @@ CORRUPTIONS = {
     "negative size": (lambda p: _patch(p + ".idx", SIZES_AT, struct.pack("<i", -5)), ".idx", "negative size"),
     "bad doc_idx": (lambda p: _patch(p + ".idx", POINTERS_AT + 32, struct.pack("<q", 9)), ".idx", "document index"),
     # The dtype byte changed from uint16 (8) to uint8 (1): every pointer is then twice the running size sum.
-    "dtype uint16 -> uint8": (lambda p: _patch(p + ".idx", 17, bytes([1])), ".idx", "sequence 1 starts at byte 6 but the sizes before it give byte 3 for dtype uint8"),
-    "dtype uint16 -> int32": (lambda p: _patch(p + ".idx", 17, bytes([4])), ".idx", "sequence 1 starts at byte 6 but the sizes before it give byte 12 for dtype int32"),
-    "pointer gap": (lambda p: _patch(p + ".idx", POINTERS_AT + 24, struct.pack("<q", 18)), ".idx", "sequence 3 starts at byte 18"),
+    "dtype uint16 -> uint8": (lambda p: _patch(p + ".idx", 17, bytes([1])), ".idx",
+                              "sequence 1 starts at byte 6 but the sizes before it give byte 3 for dtype uint8"),
+    "dtype uint16 -> int32": (lambda p: _patch(p + ".idx", 17, bytes([4])), ".idx",
+                              "sequence 1 starts at byte 6 but the sizes before it give byte 12 for dtype int32"),
+    "pointer gap": (lambda p: _patch(p + ".idx", POINTERS_AT + 24, struct.pack("<q", 18)), ".idx",
+                    "sequence 3 starts at byte 18"),
     "longer bin": (lambda p: open(p + ".bin", "ab").write(b"\x00" * 4), ".bin", "has 24 bytes but index file"),
-    "doc_idx short of the sequences": (lambda p: _patch(p + ".idx", POINTERS_AT + 32 + 24, struct.pack("<q", 3)), ".idx", "rise from 0 to the 4 sequences"),
+    "doc_idx short of the sequences": (lambda p: _patch(p + ".idx", POINTERS_AT + 32 + 24, struct.pack("<q", 3)),
+                                       ".idx", "rise from 0 to the 4 sequences"),
 }
 
 

@@ -174,7 +174,8 @@ def test_the_flag_chooses_the_path_and_reaches_the_stage():
     from megatron_2bw.cli import build_config, parse_args
 
     argv = ["--model-preset", "gpt-tiny", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
-            "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--device", "cpu"]
+            "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--device", "cpu"]
     assert build_config(parse_args(argv, "gpt"), "gpt", 1).system.use_cpu_initialization is False  # Megatron's default
     assert build_config(parse_args([*argv, "--use-cpu-initialization"], "gpt"), "gpt", 1).system.use_cpu_initialization
 

@@ -52,7 +52,7 @@ def _ours_and_theirs(cfg: ModelConfig, dtype: torch.dtype, monkeypatch):
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     a = run_layers(list(ours), batch)[..., :cfg.vocab_size]
     b = theirs(batch["tokens"]).logits
-    for logits, model in ((a, ours), (b, theirs)):
+    for logits in (a, b):
         F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch["labels"].reshape(-1)).backward()
     ours_grads = to_hf_llama(cfg, {n: p.grad for n, p in ours.named_parameters()})
     theirs_grads = {n: p.grad for n, p in theirs.named_parameters()}
@@ -106,17 +106,20 @@ def test_flags_build_the_llama_config():
 
 
 @pytest.mark.parametrize("kw,t,msg", [
-    (dict(group_query_attention=True, num_query_groups=3), 1, "--num-query-groups 3 does not divide --num-attention-heads 4"),
+    (dict(group_query_attention=True, num_query_groups=3), 1,
+     "--num-query-groups 3 does not divide --num-attention-heads 4"),
     (dict(group_query_attention=True), 1, "--group-query-attention needs --num-query-groups"),
     (dict(num_query_groups=2), 1, "--num-query-groups needs --group-query-attention"),
-    (dict(group_query_attention=True, num_query_groups=1), 2, "--num-query-groups 1 is not divisible by --tensor-model"),
+    (dict(group_query_attention=True, num_query_groups=1), 2,
+     "--num-query-groups 1 is not divisible by --tensor-model"),
     (dict(position_embedding_type="alibi"), 1, "--position-embedding-type must be one of"),
     (dict(normalization="BatchNorm"), 1, "--normalization must be one of"),
     (dict(rotary_percent=0.0), 1, "--rotary-percent must be in (0, 1]"),
     (dict(kind="bert", swiglu=True), 1, "--swiglu is implemented for GPT models only"),
     (dict(kind="bert", sequence_parallel=True), 2, "--sequence-parallel is implemented for GPT models only"),
     (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-    (dict(sequence_parallel=True, seq_length=18), 4, "--seq-length 18 is not divisible by --tensor-model-parallel-size 4"),
+    (dict(sequence_parallel=True, seq_length=18), 4,
+     "--seq-length 18 is not divisible by --tensor-model-parallel-size 4"),
 ])
 def test_bad_llama_options_are_one_line_errors(kw, t, msg):
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16)

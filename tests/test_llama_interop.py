@@ -57,7 +57,8 @@ def test_loader_hf_reshard_saver_hf_round_trip(tmp_path):
     layer = last["encoder"]
     assert layer["layers.0.mlp.dense_h_to_4h.weight"].shape == (80, 48)  # this rank's [gate; up]: 2 x 80 / 2
     assert layer["layers.0.self_attention.query_key_value.weight"].shape == ((2 + 2) * 12, 48)  # 1 group: 2 q, k, v
-    assert "final_layernorm.bias" not in layer and "position_embeddings" not in files[(0, 0)]["model"]["language_model"]["embedding"]
+    assert "final_layernorm.bias" not in layer
+    assert "position_embeddings" not in files[(0, 0)]["model"]["language_model"]["embedding"]
     ex = read_megatron_dir(str(tmp_path / "ckpt"))
     cfg = ex.cfg
     assert (cfg.query_groups, cfg.swiglu, cfg.normalization, cfg.tied_output, cfg.add_bias_linear) == (
@@ -125,8 +126,9 @@ def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
     save, hf_dir = str(out / "ckpt"), str(out / "hf")
     res = torchrun("pretrain_gpt.py", [
         "--model-preset", "llama-tiny", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--pipeline-schedule", "2bw", "--sequence-parallel", *corpus.data_args("98,1,1"), "--train-iters", "3", "--global-batch-size", "4",
-        "--micro-batch-size", "1", "--lr", "1e-2", "--eval-iters", "0", "--device", "cpu", "--save", save], nproc=4)
+        "--pipeline-schedule", "2bw", "--sequence-parallel", *corpus.data_args("98,1,1"), "--train-iters", "3",
+        "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2", "--eval-iters", "0", "--device", "cpu",
+        "--save", save], nproc=4)
     assert res.returncode == 0, res.describe()
     tool = os.path.join(REPO, "tools", "checkpoint_util.py")
     res = run([PY, tool, "--load-dir", save, "--save-dir", hf_dir, "--saver", "hf", "--no-optimizer"])

@@ -3,6 +3,8 @@ built modules, GEMM FLOPs against torch's FLOP counter, Megatron's closed form a
 sums, and the SwiGLU/GQA stash terms against the tensors autograd saves."""
 
 
+import functools
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -110,10 +112,10 @@ def test_swiglu_and_gqa_stash_terms_match_saved_tensors():
         x = torch.randn(b, s, h, requires_grad=True)
         mlp = ParallelMLP(cfg, TPGroup(), 1, "m")
         mlp_term = (4 if cfg.swiglu else 2) * b * s * f * e
-        assert _saved_bytes(lambda: mlp(x), mlp) == b * s * h * e + mlp_term
+        assert _saved_bytes(functools.partial(mlp, x), mlp) == b * s * h * e + mlp_term
         attn = ParallelAttention(cfg, TPGroup(), 1, "a", True, None)
         attn.core = lambda q, k, v, mask: _KeepQKV.apply(q, k, v)  # what the kernel saves, minus any s^2 tensor
-        got = _saved_bytes(lambda: attn(x), attn)
+        got = _saved_bytes(functools.partial(attn, x), attn)
         tables = 2 * s * cfg.rotary_dim * e  # RoPE's cos and sin (0 without RoPE)
         assert got == b * s * h * e + (2 * h + 2 * cfg.query_groups * cfg.head_dim) * b * s * e + tables
     # the formula's split part counts the same Q/K/V/projection-input and MLP bytes

@@ -49,7 +49,8 @@ def _cut_failures(lag: int, first: int = 1, steps: int = 8) -> list[tuple]:
         for d in (1, 2, 3, 4):
             for m in sorted({d, 2 * d}):
                 try:
-                    validate_pipeline(schedule, d, m, post_validation=pv)  # its own rules: m >= d, interleaved's m % d, zb-v's 2d - 1
+                    # its own rules: m >= d, interleaved's m % d, zb-v's 2d - 1
+                    validate_pipeline(schedule, d, m, post_validation=pv)
                 except ConfigError:
                     continue
                 for r in range(d):
@@ -63,7 +64,8 @@ def _cut_failures(lag: int, first: int = 1, steps: int = 8) -> list[tuple]:
                         except RuntimeError:
                             bad.append((schedule, d, m, r, a.step, "prefix"))
                             continue
-                        if full[:i + 1] + rest != stage_actions(schedule, d, r, m, first, end - first, post_validation=pv):
+                        if full[:i + 1] + rest != stage_actions(schedule, d, r, m, first, end - first,
+                                                                post_validation=pv):
                             bad.append((schedule, d, m, r, a.step, "rest"))
                         if any(p.step >= end for p in _maybe_posted(full, i)):
                             bad.append((schedule, d, m, r, a.step, "posted"))
@@ -96,7 +98,8 @@ def _trainer(argv: list[str], faults=None):
     from megatron_2bw.training import launch, loop, signals
 
     prep, _ = launch.configure("gpt", argv)
-    prep.exit_handler = signals.ExitSignalHandler((), handle_sigint=False, rank=dist.get_rank(), announce=lambda _: None)
+    prep.exit_handler = signals.ExitSignalHandler((), handle_sigint=False, rank=dist.get_rank(),
+                                                  announce=lambda _: None)
     prep.exit_duration = signals.ExitDuration(None)
     state = parallel_state.initialize(prep.cfg.parallel, backend="gloo", device="cpu")
     return loop.Trainer(prep, state, faults)

@@ -90,7 +90,8 @@ def _mcore_to_ours(kind: str, t: int, root: str) -> dict:
     ours = load_full(build_full_model(ex.cfg), ex.cfg, ex.weights).eval()
     vocab = cfg.padded_vocab_size(t)
     return {"iteration": ex.iteration, "err": max_err(gpt_logits(ours, tokens, vocab), theirs[..., :vocab]),
-            "vocab": ex.cfg.vocab_size, "groups": ex.cfg.num_query_groups, "untied": ex.cfg.untie_embeddings_and_output_weights}
+            "vocab": ex.cfg.vocab_size, "groups": ex.cfg.num_query_groups,
+           "untied": ex.cfg.untie_embeddings_and_output_weights}
 
 
 def _both_ways(root: str) -> dict:

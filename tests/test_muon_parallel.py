@@ -157,7 +157,7 @@ def test_engine_at_t2_trains_like_one_process(cases):
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
         for name, p in got["params"].items():
             want = matching_shard(ref["params"][name], p, got["coords"][0], 2)
-            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_low_precision_and_skipped_steps():
@@ -187,7 +187,8 @@ def test_trainer_resume_is_bitwise_with_muon_ef_and_the_distributed_optimizer(tm
     shutil.copytree(ckpt.iteration_dir(saved.save, 2), ckpt.iteration_dir(load, 2))
     ckpt.write_tracker(load, 2)
     metrics = str(tmp_path / "resumed.jsonl")
-    res = ckpt_runs.train([*ckpt_runs.gpt_args(iters=4, extra=extra), "--load", load, "--metrics-file", metrics], nproc=2)
+    res = ckpt_runs.train([*ckpt_runs.gpt_args(iters=4, extra=extra), "--load", load, "--metrics-file", metrics],
+                          nproc=2)
     assert res.returncode == 0, res.describe()
     resumed = train_losses(read_metrics(metrics))
     assert sorted(resumed) == [2, 3] and resumed == {k: straight[k] for k in resumed}

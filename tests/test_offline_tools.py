@@ -86,7 +86,8 @@ def test_hf_export_into_another_runs_training_directory_is_refused(tmp_path, cap
 def test_reshard_into_another_runs_save_never_moves_its_pointer(tmp_path, capsys):
     """Bad case: resharding into another run's --save moved its pointer from 10 to 60."""
     src, run_dir = _tiny_ckpt(tmp_path / "src", 60), _tiny_ckpt(tmp_path / "other_run", 10)
-    code = tool("checkpoint_util").main(["--load-dir", src, "--save-dir", run_dir, "--target-tensor-parallel-size", "2"])
+    code = tool("checkpoint_util").main(["--load-dir", src, "--save-dir", run_dir,
+                                         "--target-tensor-parallel-size", "2"])
     one_error(capsys, code, f"error: --save-dir {run_dir} holds another run's checkpoints")
     assert open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")).read().strip() == "10"
     # its own earlier output is replaced whole by the same command
@@ -195,7 +196,8 @@ def test_benchmark_outputs_replace_only_their_own(tmp_path, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit):
         common.out_dir(run_dir, "convergence")
-    one_error(capsys, 2, f"error: --out-dir {run_dir} is not empty (latest_checkpointed_iteration.txt names iteration 10)")
+    one_error(capsys, 2, f"error: --out-dir {run_dir} is not empty "
+                         "(latest_checkpointed_iteration.txt names iteration 10)")
     with pytest.raises(SystemExit):
         common.out_dir(out, "log_interval")  # another benchmark's directory
     one_error(capsys, 2, f"error: --out-dir {out} is not empty (")
@@ -204,7 +206,8 @@ def test_benchmark_outputs_replace_only_their_own(tmp_path, capsys):
 def test_build_demo_corpus_replaces_only_its_own_corpus(tmp_path, capsys):
     build = tool("build_demo_corpus")
     out = str(tmp_path / "corpus.jsonl")
-    assert build.main(["--output", out, "--max-mb", "0.02"]) == 0 and build.main(["--output", out, "--max-mb", "0.02"]) == 0
+    assert build.main(["--output", out, "--max-mb", "0.02"]) == 0
+    assert build.main(["--output", out, "--max-mb", "0.02"]) == 0
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"text": "a corpus of my own"}\n')
     capsys.readouterr()

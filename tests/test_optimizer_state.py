@@ -81,7 +81,8 @@ def test_torch_dist_restores_every_state_family(tmp_path, optimizer):
     """The review's N10 repro (gpt-tiny, flush, 3 steps): after a torch_dist save and restore into a fresh stage,
     every span the updater states (master, moments, momentum) and the step count equal the saved ones."""
     saved, spec, config = _stage(optimizer, "bf16")
-    data = torch.randint(0, spec.cfg.vocab_size, (8, spec.cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    data = torch.randint(0, spec.cfg.vocab_size, (8, spec.cfg.seq_length + 1),
+                         generator=torch.Generator().manual_seed(0))
     saved.train(3, lambda mb: spec.make_batch(data[mb % 8:mb % 8 + 1]), lambda t: 1e-2)
     common = dc.common_state(saved, iteration=3, config=config, args={}, consumed_samples=12, global_batch=4)
     dc.save(str(tmp_path), 3, saved, saved.rng, common)

@@ -59,7 +59,8 @@ def test_data_parallel_allreduce_inside_vs_across_servers():
     # t = 1, w = 8: 4 replicas per server, 2 servers; NVLink ring, then the NIC carries one group.
     assert data_parallel_allreduce_time(100, 1, 8, TOY) == pytest.approx(2 * 3 / 4 * 100 / 100 + 2 * 1 / 2 * 100 / 10)
     # t = 2, w = 4: 2 replicas per server, 2 servers, 2 groups (one per tensor rank) share the NIC.
-    assert data_parallel_allreduce_time(100, 2, 4, TOY) == pytest.approx(2 * 1 / 2 * 100 / 100 + 2 * (2 * 1 / 2 * 100 / 10))
+    assert data_parallel_allreduce_time(100, 2, 4, TOY) == pytest.approx(2 * 1 / 2 * 100 / 100
+                                                                         + 2 * (2 * 1 / 2 * 100 / 10))
     assert data_parallel_allreduce_time(100, 2, 1, TOY) == 0.0
 
 
@@ -107,7 +108,8 @@ def test_stage_terms_and_batch_time_by_schedule():
 
 def test_allreduce_overlaps_2bw_but_not_flush():
     # w = 8, t = 1, d = 2 on 4-GPU servers: large cross-server all-reduce.
-    cand = dict(tensor_parallel=1, pipeline_parallel=2, data_parallel=8, micro_batch_size=1, num_micro_batches=2, recompute=False)
+    cand = dict(tensor_parallel=1, pipeline_parallel=2, data_parallel=8, micro_batch_size=1, num_micro_batches=2,
+                recompute=False)
     flush = predict(COSTS, Candidate(**cand, schedule="flush"), L, TOY)
     twobw = predict(COSTS, Candidate(**cand, schedule="2bw"), L, TOY)
     ar = max(s.allreduce_s for s in flush.stages)

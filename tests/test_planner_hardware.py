@@ -53,7 +53,8 @@ def test_bad_cluster_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not readable JSON"):
         load_cluster(str(bad))
-    bad.write_text(json.dumps({"name": "x", "peak_TFLOPs": {"fp16": 1}, "efficiency": {"max_fraction_of_peak": 0.5, "half_work_elements": 1}}))
+    bad.write_text(json.dumps({"name": "x", "peak_TFLOPs": {"fp16": 1},
+                               "efficiency": {"max_fraction_of_peak": 0.5, "half_work_elements": 1}}))
     with pytest.raises(ConfigError, match="missing key 'device_memory_GiB'"):
         load_cluster(str(bad))
 

@@ -91,7 +91,8 @@ def test_profile_round_trip(tmp_path):
     ({"format": "other"}, "format"),
     ({"format": "megatron_2bw-profile-v1", "entries": []}, "non-empty"),
     ({"format": "megatron_2bw-profile-v1", "entries": [{"tensor_parallel": 1}]}, "micro_batch_size"),
-    ({"format": "megatron_2bw-profile-v1", "entries": [{"tensor_parallel": 1, "micro_batch_size": 1, "layer": {"forward_s": 1}}]}, "missing"),
+    ({"format": "megatron_2bw-profile-v1",
+      "entries": [{"tensor_parallel": 1, "micro_batch_size": 1, "layer": {"forward_s": 1}}]}, "missing"),
 ])
 def test_bad_profiles(data, match):
     with pytest.raises(ConfigError, match=match):

@@ -45,7 +45,8 @@ def test_pretrain_flags(result_2p2b):
     assert argv[0] == "pretrain_gpt.py"
     args = parse_args([*argv[1:], "--train-iters", "1", "--lr", "1e-3"], "gpt")  # the trainer's parser
     c = best.candidate
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (c.tensor_parallel, c.pipeline_parallel)
+    assert ((args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+            == (c.tensor_parallel, c.pipeline_parallel))
     assert (args.micro_batch_size, args.global_batch_size) == (c.micro_batch_size, 512)
     assert args.pipeline_schedule == c.schedule and args.recompute_activations == c.recompute and args.fp16
     m = model_config(args, "gpt")  # the trainer's model of these flags: the paper's, dropout 0.1 included
@@ -90,7 +91,8 @@ def test_max_model_grows_with_depth_and_matches_the_paper():
 
 
 def test_cli_table_and_json(capsys):
-    assert plan.main(["--model-preset", "gpt-2.2b", "--num-gpus", "64", "--global-batch-size", "512", "--top", "3"]) == 0
+    assert plan.main(["--model-preset", "gpt-2.2b", "--num-gpus", "64", "--global-batch-size", "512",
+                      "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "analytic estimate" in out and "pretrain_gpt.py" in out and "--pipeline-schedule" in out
     assert plan.main(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
@@ -113,8 +115,10 @@ def test_cli_profile(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--model-preset", "nope", "--num-gpus", "8", "--global-batch-size", "8"], "unknown --model-preset"),
-    (["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "8", "--cluster", "nope"], "unknown --cluster"),
-    (["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "8", "--profile", "/no/file.json"], "does not exist"),
+    (["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "8", "--cluster", "nope"],
+     "unknown --cluster"),
+    (["--model-preset", "gpt-355m", "--num-gpus", "8", "--global-batch-size", "8", "--profile", "/no/file.json"],
+     "does not exist"),
     (["--model-preset", "gpt-355m", "--num-gpus", "0", "--global-batch-size", "8"], "must be positive"),
     (["--model-preset", "gpt-3.8b", "--num-gpus", "1", "--global-batch-size", "8"], "nothing fits"),
     (["--model-preset", "gpt-355m", "--num-gpus", "8"], "--global-batch-size is required"),

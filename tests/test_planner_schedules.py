@@ -140,7 +140,8 @@ def _request(cluster, schedules):
 
 
 @pytest.mark.parametrize("cluster, order", [
-    (TOY, ["zbh1-like", "flush", "interleaved-like"]),   # slow links: two chunks' transfers cost more than half the bubble
+    # slow links: two chunks' transfers cost more than half the bubble
+    (TOY, ["zbh1-like", "flush", "interleaved-like"]),
     (FAST, ["zbh1-like", "interleaved-like", "flush"]),  # free links: half the bubble wins
 ])
 def test_search_ranks_by_the_formulas(fake_schedules, cluster, order):

@@ -109,7 +109,8 @@ def test_paper_planner_choices(name, layout):
     best, paper = result.best, _paper_choice(result, *layout)
     rank = result.ranked.index(paper) + 1
     print(f"\n{name}: best {best.candidate} {best.samples_per_sec:.1f}/s; paper's (t,d,w)={layout} with "
-          f"recomputation: rank {rank}, {paper.samples_per_sec:.1f}/s = {paper.samples_per_sec / best.samples_per_sec:.3f} of best")
+          f"recomputation: rank {rank}, {paper.samples_per_sec:.1f}/s = "
+          f"{paper.samples_per_sec / best.samples_per_sec:.3f} of best")
     assert paper.samples_per_sec >= 0.9 * best.samples_per_sec
     # Recomputation is what the paper's layouts need: it beats not recomputing on that layout.
     no_rc = [e for e in result.ranked if (e.candidate.tensor_parallel, e.candidate.pipeline_parallel,
@@ -135,6 +136,7 @@ def test_search_stays_small(gpus, most):
     start = time.process_time()
     result = search(request, require_fit=False, top=10)  # what tools/plan.py runs (test_planner_pruning.py)
     elapsed = time.process_time() - start
-    print(f"\nsearch over {gpus} GPUs: {result.considered} candidates, {result.priced} priced, in {elapsed * 1e3:.0f} ms")
+    print(f"\nsearch over {gpus} GPUs: {result.considered} candidates, {result.priced} priced, "
+          f"in {elapsed * 1e3:.0f} ms")
     assert 0 < result.considered <= most and result.priced <= result.considered
     assert elapsed < 120.0

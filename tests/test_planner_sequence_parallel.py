@@ -47,7 +47,8 @@ def test_sp_chosen_at_t8_when_memory_bound_and_stash_is_korthikantis():
     best = result.best.candidate
     assert (best.tensor_parallel, best.pipeline_parallel, best.sequence_parallel) == (8, 1, True)
     off = evaluate(replace(best, sequence_parallel=False), costs, req)
-    assert off.prediction is None and off.memory_bytes_per_gpu > req.memory_limit_bytes >= result.best.memory_bytes_per_gpu
+    assert off.prediction is None
+    assert off.memory_bytes_per_gpu > req.memory_limit_bytes >= result.best.memory_bytes_per_gpu
     # one stage, one microbatch: the activations differ by L layers' stash, the embedding's dropout
     # mask (1 byte) and the head's two norm tensors (fp16), each sharded by t with SP
     sbh, t = S * H, 8
@@ -55,7 +56,8 @@ def test_sp_chosen_at_t8_when_memory_bound_and_stash_is_korthikantis():
         + 2 * 2 * (sbh - sbh // t)
     assert off.memory[0].activations - result.best.memory[0].activations == saved
     # same parameters, optimizer and weights either way
-    assert off.memory[0].weights == result.best.memory[0].weights and off.memory[0].params == result.best.memory[0].params
+    assert off.memory[0].weights == result.best.memory[0].weights
+    assert off.memory[0].params == result.best.memory[0].params
 
 
 def test_sp_moves_the_all_reduce_volume_and_an_eighth_of_the_p2p():

@@ -86,13 +86,15 @@ def test_the_column_reads_the_mode_and_optimizer_a_candidate_trains_with():
     """auto resolves as the trainer does: Muon -> muon/ef; Adam in bf16 -> predict, but none with the distributed
     optimizer (which refuses predict) and in fp32; a mode never measured with Muon shows Muon's plain 2BW."""
     table = {r: v["valid_loss_ratio_vs_flush"] for r, v in measured()["regimes"].items()}
-    two, zero = Candidate(1, 4, 1, 1, 8, False, "2bw"), Candidate(1, 4, 2, 1, 8, False, "2bw", distributed_optimizer=True)
+    two = Candidate(1, 4, 1, 1, 8, False, "2bw")
+    zero = Candidate(1, 4, 2, 1, 8, False, "2bw", distributed_optimizer=True)
 
     def ratios(c, *args):
         return staleness(c, *args).valid_loss_ratio
 
     assert ratios(two, "auto", "muon", "bf16") == {r: t["muon/ef"] for r, t in table.items()}
     assert ratios(two, "auto", "adam", "bf16") == {r: t["predict"] for r, t in table.items()}
-    assert ratios(zero, "auto", "adam", "bf16") == ratios(two, "auto", "adam", "fp32") == {r: t["none"] for r, t in table.items()}
+    assert (ratios(zero, "auto", "adam", "bf16") == ratios(two, "auto", "adam", "fp32")
+            == {r: t["none"] for r, t in table.items()})
     assert ratios(two, "predict", "muon") == {r: t["muon/none"] for r, t in table.items()}
     assert staleness(Candidate(1, 4, 1, 1, 8, False, "flush"), "auto", "muon").text == "none"

@@ -39,7 +39,8 @@ def tok(sp_model):  # noqa: F811
 def test_round_trip_exact_ids(tmp_path, tok, append_eod):
     src = write_jsonl(tmp_path / "in.jsonl", DOCS)
     result = preprocess_jsonl(src, str(tmp_path / "out" / "ds"), tok, ("text", "title"), append_eod=append_eod)
-    assert result.prefixes == {"text": str(tmp_path / "out" / "ds_text_document"), "title": str(tmp_path / "out" / "ds_title_document")}
+    assert result.prefixes == {"text": str(tmp_path / "out" / "ds_text_document"),
+                               "title": str(tmp_path / "out" / "ds_title_document")}
     for key in ("text", "title"):
         expected = [tok.tokenize(d[key]) + ([tok.eod] if append_eod else []) for d in DOCS if d[key]]
         ds = IndexedDataset(result.prefixes[key])
@@ -94,7 +95,8 @@ def test_missing_input_and_eod_less_tokenizer(tmp_path, tok):
 
 
 def test_build_demo_corpus_is_deterministic(tmp_path):
-    spec = importlib.util.spec_from_file_location("build_demo_corpus", os.path.join(REPO, "tools", "build_demo_corpus.py"))
+    spec = importlib.util.spec_from_file_location("build_demo_corpus",
+                                                  os.path.join(REPO, "tools", "build_demo_corpus.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

@@ -198,7 +198,8 @@ def _plan_in_job(path: str) -> tuple:
     from megatron_2bw.planner.auto_plan import auto_plan_on_rank0
 
     cfg = get_preset("gpt-tiny")
-    choice = auto_plan_on_rank0(cfg, 4, 16, None, path, "cpu", precision="fp32", max_micro_batch_size=2, warmup=0, reps=1)
+    choice = auto_plan_on_rank0(cfg, 4, 16, None, path, "cpu", precision="fp32", max_micro_batch_size=2, warmup=0,
+                                reps=1)
     try:
         auto_plan_on_rank0(cfg, 7, 16, None, path, "cpu", precision="fp32")  # 7 GPUs: no t, w or 4-layer split fits
         failed = None

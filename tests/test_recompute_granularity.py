@@ -119,7 +119,8 @@ def test_stash_follows_the_memory_model():
 @pytest.mark.parametrize("kw, message", [
     (dict(recompute_method="uniform"), "needs --recompute-granularity full"),
     (dict(recompute_granularity="full"), "needs --recompute-method"),
-    (dict(recompute_granularity="selective", recompute_method="block", recompute_num_layers=1), "needs --recompute-granularity full"),
+    (dict(recompute_granularity="selective", recompute_method="block", recompute_num_layers=1),
+     "needs --recompute-granularity full"),
     (dict(recompute=True, recompute_granularity="selective"), "either --recompute-activations"),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0), "must be >= 1"),
     (dict(recompute_num_layers=2), "needs --recompute-method"),

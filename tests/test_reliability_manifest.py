@@ -74,7 +74,8 @@ def test_checksum_writer_matches_an_independent_crc(tmp_path):
 def test_complete_checkpoint_verifies(tmp_path):
     idir = _save_iteration(str(tmp_path), 10)
     doc = verify(idir, _expected(10))
-    assert sorted(doc["files"]) == [f"mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt" for tp in range(T) for pp in range(D)]
+    assert sorted(doc["files"]) == [f"mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt"
+                                    for tp in range(T) for pp in range(D)]
     assert doc["files"]["mp_rank_01_000/model_optim_rng.pt"]["identity"]["tp_rank"] == 1
     assert [n for n in os.listdir(idir) if ".tmp." in n] == []
 
@@ -224,8 +225,8 @@ def test_missing_tracker_resumes_from_the_newest_complete_iteration(tmp_path):
     _save_iteration(root, 30, with_manifest=False)  # killed before its manifest: incomplete
     it, warning = recover_missing_tracker(root, root)
     assert it == 20
-    assert warning == (f"{os.path.join(root, checkpointing.TRACKER)} is missing: resuming from iteration 20, the newest "
-                       "checkpoint whose manifest.json shows it complete")
+    assert warning == (f"{os.path.join(root, checkpointing.TRACKER)} is missing: resuming from iteration 20, "
+                       "the newest checkpoint whose manifest.json shows it complete")
     os.remove(os.path.join(root, "iter_0000020", "mp_rank_01_001", "model_optim_rng.pt"))  # now 20 is incomplete
     assert recover_missing_tracker(root, root)[0] == 10
     assert recover_missing_tracker(root, str(tmp_path / "elsewhere")) == (None, None)

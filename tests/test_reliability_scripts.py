@@ -17,8 +17,9 @@ from e2e import REPO, clean_env
 SBATCH = ["slurm_gpt_2bw.sbatch", "slurm_gpt_flush.sbatch", "slurm_bert_2bw.sbatch"]
 
 # A stand-in interpreter: "-m torch.distributed.run --help" prints $FAKE_TORCHRUN_HELP (torchrun's flags;
-# a flag it does not list is refused when passed); --help prints $FAKE_HELP; "--validate-only" fails when $FAKE_INVALID is set;
-# "-m torch.distributed.run" plays the trainer ($FAKE_TRAIN: ok | crash | wait_signal). Every call is logged.
+# a flag it does not list is refused when passed); --help prints $FAKE_HELP; "--validate-only" fails when
+# $FAKE_INVALID is set; "-m torch.distributed.run" plays the trainer ($FAKE_TRAIN: ok | crash | wait_signal).
+# Every call is logged.
 _FAKE_PY = r"""#!/usr/bin/env bash
 if [[ "$*" == "-m torch.distributed.run --help" ]]; then printf '%s\n' "$FAKE_TORCHRUN_HELP"; exit 0; fi
 printf '%s\0' "$@" >> "$FAKE_DIR/calls"; printf '\n' >> "$FAKE_DIR/calls"
@@ -34,7 +35,10 @@ if [[ "$1" == -m ]]; then
     ok) exit 0 ;;
     crash) echo "error: rank 1: training failed" >&2; exit 1 ;;
     wait_signal)
-      on_signal() { echo "trainer: got $1" >&2; echo "$FAKE_SAVED_ITER" > "$FAKE_SAVE/latest_checkpointed_iteration.txt"; exit "${FAKE_SIGNAL_RC:-1}"; }
+      on_signal() {
+        echo "trainer: got $1" >&2; echo "$FAKE_SAVED_ITER" > "$FAKE_SAVE/latest_checkpointed_iteration.txt"
+        exit "${FAKE_SIGNAL_RC:-1}"
+      }
       trap 'on_signal USR1' USR1; trap 'on_signal TERM' TERM
       echo $$ > "$FAKE_DIR/trainer.pid"
       for _ in $(seq 600); do sleep 0.1; done; exit 9 ;;
@@ -282,7 +286,8 @@ def test_slurm_job_with_an_older_torchrun_passes_only_the_flags_it_has(fake):
     tr = _torchrun(d)
     assert "SIGUSR1" in tr[tr.index("--signals-to-handle") + 1].split(",") and "--shutdown-timeout" not in tr
     assert "slurm_launch: this torchrun has no --shutdown-timeout" in res.stderr
-    assert tr[tr.index("pretrain_gpt.py") - 1] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # the flags come before the script
+    # the flags come before the script
+    assert tr[tr.index("pretrain_gpt.py") - 1] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 # ------------------------------------------------------------------ gloo's interface (review C6)

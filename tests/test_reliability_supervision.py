@@ -121,7 +121,8 @@ def _read_only_dir(tmp_path) -> str:
 
 def test_read_only_save_dir(tmp_path):
     ro = _read_only_dir(tmp_path)
-    with pytest.raises(ConfigError, match=f"^--save {ro} is not writable \\((Permission denied|Read-only file system)\\)$"):
+    with pytest.raises(ConfigError,
+                       match=f"^--save {ro} is not writable \\((Permission denied|Read-only file system)\\)$"):
         check_save_dir(ro)
 
 

@@ -35,8 +35,8 @@ Same layout: the same arithmetic on the same state, so the losses are compared w
 tensor parallelism splits the matrix products' sums and w = 1 sums all 8 microbatches' gradients on one
 rank instead of 2 x 4, so the fp32 sums are reassociated (relative error ~1e-7 per sum); over the two
 resumed steps the loss (about 5.7) moved by at most 4.8e-7 (two fp32 ulps at 5.7; measured on every
-"other" cell), so the bound is ten times that, ``OTHER_TOL`` = 5e-6: far below the ~1e-2 a lost optimizer state causes (gpu-review-2 N10:
-Adam's second moment reset makes the first resumed steps about 30x too large).
+"other" cell), so the bound is ten times that, ``OTHER_TOL`` = 5e-6: far below the ~1e-2 a lost optimizer
+state causes (gpu-review-2 N10: Adam's second moment reset makes the first resumed steps about 30x too large).
 """
 
 from __future__ import annotations

@@ -187,7 +187,8 @@ def test_two_jobs_on_one_save(tmp_path):
     """Job A trains; job B on the same --save is refused with one line (through run_local.sh's validation and
     directly), and A finishes with every checkpoint verified against its manifest."""
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "a.jsonl")
-    a_args = [*gpt_args(iters=100000), "--save", save, "--load", save, "--save-interval", "50", "--metrics-file", metrics]
+    a_args = [*gpt_args(iters=100000), "--save", save, "--load", save, "--save-interval", "50",
+              "--metrics-file", metrics]
     job_a = start([PY, SCRIPT, *a_args])
     job_a.wait_for("successfully saved checkpoint from iteration")
     b_args = [*gpt_args(iters=100000), "--save", save, "--load", save, "--save-interval", "50"]

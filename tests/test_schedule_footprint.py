@@ -50,7 +50,7 @@ def test_inflight_equals_the_closed_forms():
 
 
 def test_without_a_split_backward_nothing_is_deferred():
-    for name, spec, d, m in _cases():
+    for _name, spec, d, m in _cases():
         if not spec.split_backward:
             for r in range(d):
                 assert spec.deferred_weight_grads(d, r, m) == 0

@@ -40,10 +40,10 @@ def test_newest_run_per_schedule_against_its_own_flush(tmp_path):
         ["`gpipe`", "2", "4", "1", "9.00", "0.900", "1.010", "-", "-", "-", "throughput.json (2026-11-01)"],
         # m = 4 from the newer run, m = 16 from the only run that measured it, each against its own flush and
         # 2BW (the median of the same-round ratios where the run recorded it, else the ratio of the medians)
-        ["`zb-h1`", "2", "4", "1", "25.00", "1.250", "-", "0.980 (torch_interleaved_zb)", "0.951 (0.962)", "0.23 / 0.09 (0.062)",
-         "throughput_new.json (2026-12-01)"],
-        ["`zb-h1`", "2", "16", "1", "20.00", "1.250", "-", "1.050 (torch_interleaved_zb)", "0.800", "0.10 / 0.05 (0.020)",
-         "throughput.json (2026-11-01)"],
+        ["`zb-h1`", "2", "4", "1", "25.00", "1.250", "-", "0.980 (torch_interleaved_zb)", "0.951 (0.962)",
+         "0.23 / 0.09 (0.062)", "throughput_new.json (2026-12-01)"],
+        ["`zb-h1`", "2", "16", "1", "20.00", "1.250", "-", "1.050 (torch_interleaved_zb)", "0.800",
+         "0.10 / 0.05 (0.020)", "throughput.json (2026-11-01)"],
         ["`zb-v`", "-", "-", "-", "not measured yet", "-", "-", "-", "-", "-", "-"],
     ]
 

@@ -105,7 +105,8 @@ def test_refuses_what_the_engine_refuses():
         StageCosts(-1.0, 1.0)
     from megatron_2bw.schedule.actions import parse_actions
 
-    bad = [parse_actions("F0v0 SA0 F1v0 SA1 RG1 B1v0 RG0 B0v0 R0 U0", 2), parse_actions("RA0 F0v0 B0v0 SG0 RA1 F1v0 B1v0 SG1 R0 U0", 2)]
+    bad = [parse_actions("F0v0 SA0 F1v0 SA1 RG1 B1v0 RG0 B0v0 R0 U0", 2),
+           parse_actions("RA0 F0v0 B0v0 SG0 RA1 F1v0 B1v0 SG1 R0 U0", 2)]
     with pytest.raises(SimulationError, match="microbatch"):
         simulate("flush", 2, 2, uniform(2), num_steps=1, actions=bad)
 
@@ -196,7 +197,8 @@ def test_cli_simulate_warns_of_stages_over_device_memory(capsys):
              "14336", "--seq-length", "4096", "--vocab-size", "128256", "--cluster", "dgx-h200", "--precision", "bf16"]
     assert tool.main(["--schedule", "2bw", "--d", "4", "--m", "32", "--b", "8", *shape]) == 0
     lines = capsys.readouterr().out.splitlines()
-    peaks = [float(x) for x in next(ln for ln in lines if ln.startswith("peak memory per stage")).split(": ")[1].split()]
+    peak_line = next(ln for ln in lines if ln.startswith("peak memory per stage"))
+    peaks = [float(x) for x in peak_line.split(": ")[1].split()]
     usable = load_cluster("dgx-h200").usable_memory_bytes / 2**30
     over = [i for i, p in enumerate(peaks) if p > usable]
     assert over == [0]

@@ -135,8 +135,9 @@ def _workers_of(job: int, node_rank: int) -> list[int]:
 
 def test_worker_kill_and_preemption_resume_exactly(slurm_cluster, corpus, reference, tmp_path):  # noqa: F811
     """One 2-node job: kill -9 of a worker on the second node -> torchrun restarts both nodes from the last
-    checkpoint (every 10 iterations); then scancel --signal=USR1 --batch (what --signal=B:USR1@300 does) -> a checkpoint at
-    the signalled step, the job requeues itself and resumes there. Every loss equals the uninterrupted job's."""
+    checkpoint (every 10 iterations); then scancel --signal=USR1 --batch (what --signal=B:USR1@300 does) -> a
+    checkpoint at the signalled step, the job requeues itself and resumes there. Every loss equals the
+    uninterrupted job's."""
     save = tmp_path / "ckpt"
     job = slurm_cluster.sbatch("slurm_gpt_2bw.sbatch", "--nodes=2", *out_opts(tmp_path),
                                env=job_env(corpus, save, SAVE_INTERVAL="10"))
@@ -162,7 +163,8 @@ def test_worker_kill_and_preemption_resume_exactly(slurm_cluster, corpus, refere
     assert seen < step < ITERS and step in _saved_iterations(log), log[-4000:]
     assert f"slurm_launch: checkpoint at iteration {step} of {ITERS}: requeueing job {job}" in log
     assert f"resuming from iteration {step}" in log  # the requeued job's validation pass
-    assert its[back[0]:] == list(range(resumed, ITERS))  # after the restart each step once: stopped at step, resumed there
+    # after the restart each step once: stopped at step, resumed there
+    assert its[back[0]:] == list(range(resumed, ITERS))
     ref = train_losses(train_records(reference[3]))
     assert all(r["loss"] == ref[r["iteration"]] for r in train_records(save))
     assert_clean(log)

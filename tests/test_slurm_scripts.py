@@ -12,7 +12,8 @@ import stat
 import pytest
 from e2e import PY, REPO, clean_env, run
 
-SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh")) + glob.glob(os.path.join(REPO, "scripts", "*.sbatch")))
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh"))
+                 + glob.glob(os.path.join(REPO, "scripts", "*.sbatch")))
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[os.path.basename(p) for p in SCRIPTS])

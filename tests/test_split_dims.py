@@ -15,7 +15,8 @@ from megatron_2bw.tensor_parallel.group import TPGroup
 
 
 def _model(cfg, rank: int, size: int) -> dict[str, torch.Tensor]:
-    return dict(nn.ModuleList(ModelSpec(cfg, TPGroup(None, rank, size), 7).build(0, cfg.num_layers + 2)).named_parameters())
+    layers = ModelSpec(cfg, TPGroup(None, rank, size), 7).build(0, cfg.num_layers + 2)
+    return dict(nn.ModuleList(layers).named_parameters())
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny", "bert-tiny"])

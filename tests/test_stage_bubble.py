@@ -79,7 +79,7 @@ def _worker() -> list[dict]:
         stage.train(1, get_batch, lambda t: 1e-4)  # warm-up (allocator, first receives)
         rows = []
         stage.train(steps, get_batch, lambda t: 1e-4,
-                    on_update=lambda r: rows.append(stage_row(stage.stats)))
+                    on_update=lambda r, rows=rows, stage=stage: rows.append(stage_row(stage.stats)))
         out.append(rows)
     return out
 
@@ -153,7 +153,9 @@ def test_the_log_line_carries_and_parses_the_bubble(measured):
 
 
 def test_window_bubble_is_idle_over_time_in_train():
-    base = [dict(train_s=1.0, recv_wait_s=0.1, update_wait_s=0.0), dict(train_s=1.0, recv_wait_s=0.0, update_wait_s=0.2)]
-    now = [dict(train_s=3.0, recv_wait_s=0.5, update_wait_s=0.1), dict(train_s=1.0, recv_wait_s=0.0, update_wait_s=0.2)]
+    base = [dict(train_s=1.0, recv_wait_s=0.1, update_wait_s=0.0),
+            dict(train_s=1.0, recv_wait_s=0.0, update_wait_s=0.2)]
+    now = [dict(train_s=3.0, recv_wait_s=0.5, update_wait_s=0.1),
+           dict(train_s=1.0, recv_wait_s=0.0, update_wait_s=0.2)]
     assert window_bubble(now, base) == [pytest.approx(0.25), None]  # (0.4 + 0.1) / 2; no time passed on stage 1
     assert window_bubble(now) == [pytest.approx(0.6 / 3.0), pytest.approx(0.2)]  # from the start

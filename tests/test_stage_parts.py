@@ -4,6 +4,7 @@ RNG snapshots and the fault injector."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -89,7 +90,7 @@ def test_global_names_are_the_full_models_names(kind):
     seen: dict[str, torch.Size] = {}
     for r in range(d):
         start, _ = stage_range(cfg.num_layers, d, r)
-        w = RankWeights(lambda: spec.build_stage(d, r), num_versions=1, dtype=torch.float32,
+        w = RankWeights(functools.partial(spec.build_stage, d, r), num_versions=1, dtype=torch.float32,
                          device=torch.device("cpu"), names=GlobalNames(start, tied=WORD))
         views = w.state_views(w.flat[0])
         assert len(views) == len(w.names)
@@ -133,7 +134,8 @@ def test_fault_injector_poisons_only_its_rank_and_step():
     faults.poison(1, 3, grad)
     assert grad[0] == float("inf") and torch.isfinite(grad[1:]).all()
     assert FaultInjector.from_env({}) is None
-    assert FaultInjector.from_env({KILL_RANK_ENV: "2", KILL_ITER_ENV: "5"}) == FaultInjector(kill_rank=2, kill_iteration=5)
+    assert (FaultInjector.from_env({KILL_RANK_ENV: "2", KILL_ITER_ENV: "5"})
+            == FaultInjector(kill_rank=2, kill_iteration=5))
 
 
 def test_fault_injector_kills_the_chosen_rank():

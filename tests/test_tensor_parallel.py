@@ -61,7 +61,8 @@ def _row_and_embedding_errors(tp: TPGroup, one: TPGroup, errs: dict) -> int:
     errs["row"] = (ya - yb).abs().max().item()
     # Vocab-parallel embedding (vocab 300 padded to 128 * t).
     pad = 128 * tp.size * 3
-    emb, ref = VocabParallelEmbedding(300, pad, 8, tp, seed=9, name="e", std=0.5), VocabParallelEmbedding(300, pad, 8, one, seed=9, name="e", std=0.5)
+    emb = VocabParallelEmbedding(300, pad, 8, tp, seed=9, name="e", std=0.5)
+    ref = VocabParallelEmbedding(300, pad, 8, one, seed=9, name="e", std=0.5)
     ids = torch.randint(0, 300, (4, 7), generator=torch.Generator().manual_seed(3))
     ya, yb = emb(ids), ref(ids)
     torch.testing.assert_close(ya, yb, **TOL)
@@ -123,8 +124,10 @@ def _model_outputs(kind: str, tp: TPGroup):
         pad = torch.ones(2, s)
         pad[1, s - 3:] = 0
         batch = spec.make_batch(dict(
-            tokens=torch.randint(0, cfg.vocab_size, (2, s), generator=g), token_types=(torch.arange(s) >= s // 2).long().expand(2, s),
-            labels=torch.randint(0, cfg.vocab_size, (2, s), generator=g), loss_mask=(torch.rand(2, s, generator=g) < 0.3).float(),
+            tokens=torch.randint(0, cfg.vocab_size, (2, s), generator=g),
+            token_types=(torch.arange(s) >= s // 2).long().expand(2, s),
+            labels=torch.randint(0, cfg.vocab_size, (2, s), generator=g),
+            loss_mask=(torch.rand(2, s, generator=g) < 0.3).float(),
             padding_mask=pad, sop_label=torch.tensor([0, 1]),
         ))
     out = run_layers(layers, batch)
@@ -146,7 +149,7 @@ def _model_worker(kind: str) -> float:
     worst = 0.0
     for (name, p), (_, ref) in zip(params, ref_params):
         want = _matching_shard(ref.grad, p, tp)
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         worst = max(worst, (p.grad - want).abs().max().item())
     return worst
 

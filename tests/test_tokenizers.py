@@ -46,7 +46,8 @@ def sp_model(demo_corpus, tmp_path_factory) -> str:
     prefix = tmp_path_factory.getbasetemp() / "shared_data" / "sp1000"
     model = str(prefix) + ".model"
     if not os.path.exists(model):
-        proc = run_tool("train_tokenizer.py", "--input", demo_corpus, "--vocab-size", "1000", "--model-prefix", str(prefix))
+        proc = run_tool("train_tokenizer.py", "--input", demo_corpus, "--vocab-size", "1000",
+                        "--model-prefix", str(prefix))
         assert proc.returncode == 0, proc.stderr
         assert os.path.exists(str(prefix) + ".vocab")
     return model
@@ -61,7 +62,8 @@ def gpt2_files(tmp_path_factory) -> tuple[str, str]:
     if not (d / "vocab.json").exists():
         d.mkdir(exist_ok=True)
         bpe = ByteLevelBPETokenizer()
-        bpe.train_from_iterator(SAMPLES * 20, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"], show_progress=False)
+        bpe.train_from_iterator(SAMPLES * 20, vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"],
+                                show_progress=False)
         bpe.save_model(str(d))
     return str(d / "vocab.json"), str(d / "merges.txt")
 
@@ -113,7 +115,8 @@ def test_tokenizer_pickles_by_construction_args(sp_model):
 
 
 def test_train_tokenizer_refuses_tiny_vocab(demo_corpus, tmp_path):
-    proc = run_tool("train_tokenizer.py", "--input", demo_corpus, "--vocab-size", "100", "--model-prefix", str(tmp_path / "t"))
+    proc = run_tool("train_tokenizer.py", "--input", demo_corpus, "--vocab-size", "100",
+                    "--model-prefix", str(tmp_path / "t"))
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --vocab-size 100") and proc.stderr.count("\n") == 1
 
@@ -160,8 +163,10 @@ def test_huggingface_directory(gpt2_files, tmp_path):
     "kwargs, expected",
     [
         (dict(tokenizer_type="SentencePieceTokenizer"), "needs --tokenizer-model"),
-        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nope/x.model"), "--tokenizer-model /nope/x.model does not exist"),
-        (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/nope/vocab.json", merge_file="/nope/m.txt"), "--vocab-file /nope/vocab.json does not exist"),
+        (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nope/x.model"),
+         "--tokenizer-model /nope/x.model does not exist"),
+        (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/nope/vocab.json", merge_file="/nope/m.txt"),
+         "--vocab-file /nope/vocab.json does not exist"),
         (dict(tokenizer_type="BertWordPieceCase"), "needs --vocab-file"),
         (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="gpt2"), "does not exist (only local"),
         (dict(tokenizer_type="Llama"), "unknown --tokenizer-type 'Llama'"),

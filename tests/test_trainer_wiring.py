@@ -89,7 +89,8 @@ def straight(corpus, tmp_path_factory):  # noqa: F811
 def interrupt_and_resume(corpus, tmp_path, sig: signal.Signals, straight):  # noqa: F811
     """Send ``sig`` after iteration 10 is logged; the job must save, exit 0, and a relaunch end as ``straight``."""
     save, m1, m2 = str(tmp_path / "ckpt"), str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
-    job = start([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--metrics-file", m1, "--exit-signal-handler"])
+    job = start([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--metrics-file", m1,
+                 "--exit-signal-handler"])
     job.wait_for("iteration       10/")
     os.kill(job.pid, sig)
     res = job.finish()
@@ -99,7 +100,8 @@ def interrupt_and_resume(corpus, tmp_path, sig: signal.Signals, straight):  # no
     assert re.search(rf"exiting at iteration {stopped} after {sig.name}", res.stderr), res.describe()
     end = [r for r in read_metrics(m1) if r["type"] == "end"]
     assert end[0]["reason"] == "signal" and end[0]["completed_iterations"] == stopped
-    again = run([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--load", save, "--metrics-file", m2])
+    again = run([PY, SCRIPT, *gpt_args(corpus, ITERS, *SAVE_EVERY_40), "--save", save, "--load", save,
+                 "--metrics-file", m2])
     assert again.returncode == 0, again.describe()
     assert f"resumed from iteration {stopped}" in again.stderr
     ref_res, ref_metrics, ref_save = straight

@@ -62,7 +62,8 @@ def megatron_offsets(L: int, d: int, first=None, last=None, emb=False, loss=Fals
 MEGATRON_CASES = [
     (8, 4, dict(first=2)), (8, 4, dict(last=5)), (10, 4, dict(first=3, last=3)), (10, 4, dict(first=4, last=2)),
     (7, 2, dict(first=3)), (6, 2, dict(first=2, last=4)), (30, 8, dict(emb=True, loss=True)),
-    (31, 8, dict(emb=True)), (31, 8, dict(loss=True)), (6, 8, dict(emb=True, loss=True)), (4, 1, dict(emb=True, loss=True)),
+    (31, 8, dict(emb=True)), (31, 8, dict(loss=True)), (6, 8, dict(emb=True, loss=True)),
+    (4, 1, dict(emb=True, loss=True)),
 ]
 
 
