@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, OptimizerConfig
+from ..config.precision import precision_of
 from ..errors import ConfigError
 from ..models.bert import random_samples
 from ..models.presets import get_preset
@@ -223,7 +224,7 @@ def profile_model(
         from ..fused import select_kernels  # noqa: PLC0415
 
         kernels = select_kernels("auto", dev.type)
-    spec = ModelSpec(cfg, tp, seed, kernels=kernels)
+    spec = ModelSpec(cfg, tp, seed, kernels=kernels, precision=precision_of(dtype))
     torch.manual_seed(seed)
     blocks = build_blocks(spec, dev, tdtype, chain_layers)
     prof = Profile(cfg)
