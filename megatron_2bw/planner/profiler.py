@@ -64,7 +64,7 @@ from .profile_file import (  # noqa: F401 - re-exported: the profiler's public n
 def sample_batch(spec: ModelSpec, b: int, device: torch.device, generator: torch.Generator) -> dict:
     """A random microbatch of ``b`` samples in the layout ``ModelSpec.make_batch`` produces."""
     cfg = spec.cfg
-    if cfg.kind == "gpt":
+    if cfg.kind == "gpt":  # stays: the sample format is the dataset's (data/build.py), chosen by kind
         sample = torch.randint(0, cfg.vocab_size, (b, cfg.seq_length + 1), generator=generator)
     else:
         sample = random_samples(b, cfg.seq_length, cfg.vocab_size, generator)

@@ -78,7 +78,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, tp: TPGroup, *, seed: int, name: str, std: float,
-        bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False, recipe: Precision | None = None,
+        bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+        recipe: Precision | None = None,
     ) -> None:
         super().__init__()
         if out_features % tp.size:
