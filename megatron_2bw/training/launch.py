@@ -364,12 +364,13 @@ def under_launcher() -> bool:
 
 def summary(prep: Prepared) -> str:
     """The one line ``--validate-only`` prints: what the run would do."""
+    from .report import model_name
     cfg, tc, pc = prep.cfg, prep.cfg.training, prep.cfg.pipeline
     par = cfg.parallel
     resume = "starting from scratch" if prep.resumed_from is None else f"resuming from iteration {prep.resumed_from}"
     train = len(prep.train_ds) if prep.train_ds is not None else 0
     return (
-        f"config OK: {cfg.kind.upper()} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout {par.describe()}, "
+        f"config OK: {model_name(cfg.model)} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout {par.describe()}, "
         f"{cfg.system.backend} on {cfg.system.device}) | "
         f"schedule {pc.schedule}, b={pc.micro_batch_size} m={pc.num_microbatches} B={tc.global_batch_size} | "
         f"{tc.train_iters} iterations, {train} training samples | precision {cfg.optimizer.dtype} | {resume}"
