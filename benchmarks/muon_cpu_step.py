@@ -5,10 +5,11 @@ preset's vocabulary, one torch thread), each ``--steps`` steps: ``--optimizer ad
 with the Newton-Schulz precision the trainer picks on the CPU (fp32: ``optimizer/muon.py``'s ``ns_dtype``)
 and ``--optimizer muon`` with bf16 Newton-Schulz (torch.optim.Muon's precision, what the CPU ran before
 issue 45). Each run's time per step is the median of the metrics file's ``step_time_s`` without the first
-step (warm-up); the ratios are over AdamW's. Timings on a shared machine are upper bounds: run it on a
+step (warm-up); ``--rounds`` repeats the three runs, in a rotated order each round, and the result of a
+configuration is the median over its rounds (the ratio of each round is kept too); the ratios are over AdamW's. Timings on a shared machine are upper bounds: run it on a
 quiet one (``nice`` keeps it from disturbing others, not others from disturbing it).
 
-    python benchmarks/muon_cpu_step.py [--steps 6] [--json benchmarks/results/muon_cpu_step.json]
+    python benchmarks/muon_cpu_step.py [--steps 6] [--rounds 3] [--json benchmarks/results/muon_cpu_step.json]
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt-demo")
     p.add_argument("--steps", type=int, default=6, help="steps per run (the first is not timed)")
+    p.add_argument("--rounds", type=int, default=3, help="repeats of the three runs (rotated order)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--json", help="write the results here")
@@ -67,15 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is not timed)")
     torch.set_num_threads(1)
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: _one(args, name, opt, ns, tmp) for name, opt, ns in RUNS}
+        for r in range(args.rounds):
+            order = RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]
+            rounds.append({name: _one(args, name, opt, ns, tmp) for name, opt, ns in order})
+    runs = {name: {**rounds[0][name], "step_s": common.median(rd[name]["step_s"] for rd in rounds),
+                   "step_s_per_round": [rd[name]["step_s"] for rd in rounds]} for name, _, _ in RUNS}
+    for run in runs.values():
+        del run["step_times_s"]
     adam = runs["adam"]["step_s"]
     ratios = {name: r["step_s"] / adam for name, r in runs.items() if name != "adam"}
+    per_round = {name: [rd[name]["step_s"] / rd["adam"]["step_s"] for rd in rounds] for name in ratios}
     for name, r in runs.items():
         print(f"{name:26s} {r['newton_schulz_dtype'] or '-':9s} {r['step_s']:.3f} s/step"
               + (f"  x{ratios[name]:.2f} AdamW" if name in ratios else ""))
     common.write_json(args.json, {"benchmark": "muon_cpu_step", "machine": common.machine_info(),
-                                  "settings": vars(args), "runs": runs, "ratio_to_adam": ratios})
+                                  "settings": vars(args), "runs": runs, "ratio_to_adam": ratios,
+                                  "ratio_to_adam_per_round": per_round})
     return 0
 
 
