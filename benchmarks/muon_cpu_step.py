@@ -1,10 +1,10 @@
 """Muon's training step on the CPU against AdamW's: the real trainer, one process, ``--preset`` (gpt-demo).
 
 Three runs of ``pretrain_gpt.py`` in this process (Flush, d = 1, mock data with a NullTokenizer of the
-preset's vocabulary, one torch thread), each ``--steps`` steps: ``--optimizer adam``, ``--optimizer muon``
-with the Newton-Schulz precision the trainer picks on the CPU (fp32: ``optimizer/muon.py``'s ``ns_dtype``)
-and ``--optimizer muon`` with bf16 Newton-Schulz (torch.optim.Muon's precision, what the CPU ran before
-issue 45). Each run's time per step is the median of the metrics file's ``step_time_s`` without the first
+preset's vocabulary, one torch thread), each ``--steps`` steps: ``--optimizer adam``, and ``--optimizer muon``
+with fp32 and with bf16 Newton-Schulz (torch.optim.Muon's precision, what every CPU ran before issue 45). The
+trainer picks bf16 on CPUs with bf16 matrix instructions and fp32 on others (``optimizer/muon.py``'s
+``ns_dtype``); ``trainer_picks`` names its choice on this machine, ``muon`` in ``ratio_to_adam`` is that run. Each run's time per step is the median of the metrics file's ``step_time_s`` without the first
 step (warm-up); ``--rounds`` repeats the three runs, in a rotated order each round, and the result of a
 configuration is the median over its rounds (the ratio of each round is kept too); the ratios are over AdamW's. Timings on a shared machine are upper bounds: run it on a
 quiet one (``nice`` keeps it from disturbing others, not others from disturbing it).
@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import common
 import torch
@@ -29,7 +30,8 @@ from megatron_2bw.models.presets import get_preset
 from megatron_2bw.optimizer import muon
 from megatron_2bw.training.launch import main as train_main
 
-RUNS = (("adam", "adam", None), ("muon", "muon", None), ("muon_bf16_newton_schulz", "muon", torch.bfloat16))
+RUNS = (("adam", "adam", None), ("muon_fp32_newton_schulz", "muon", torch.float32),
+        ("muon_bf16_newton_schulz", "muon", torch.bfloat16))
 
 
 def _argv(args: argparse.Namespace, optimizer: str, metrics: str) -> list[str]:
@@ -57,6 +59,21 @@ def _one(args: argparse.Namespace, name: str, optimizer: str, ns: torch.dtype | 
             else None, "step_s": common.median(times[1:] or times), "step_times_s": times}
 
 
+def newton_schulz_seconds(preset: str, reps: int = 5) -> dict:
+    """Seconds of one 5-step Newton-Schulz of the preset's MLP matrix (ffn x hidden), per dtype: the matmuls
+    the choice of dtype is about, without the rest of the step."""
+    cfg = get_preset(preset)
+    g = torch.randn(cfg.ffn_hidden_size, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        muon.zeropower_via_newtonschulz(g, 5, dtype=dtype)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            muon.zeropower_via_newtonschulz(g, 5, dtype=dtype)
+        out[str(dtype).replace("torch.", "")] = (time.perf_counter() - t0) / reps
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt-demo")
@@ -81,11 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     adam = runs["adam"]["step_s"]
     ratios = {name: r["step_s"] / adam for name, r in runs.items() if name != "adam"}
     per_round = {name: [rd[name]["step_s"] / rd["adam"]["step_s"] for rd in rounds] for name in ratios}
+    picks = str(muon.ns_dtype("cpu")).replace("torch.", "")
+    ratios["muon"] = ratios[f"muon_{'bf16' if picks == 'bfloat16' else 'fp32'}_newton_schulz"]
+    ns = newton_schulz_seconds(args.preset)
+    print(f"the trainer's Newton-Schulz on this CPU: {picks}; one of the MLP matrix: "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ns.items()))
     for name, r in runs.items():
         print(f"{name:26s} {r['newton_schulz_dtype'] or '-':9s} {r['step_s']:.3f} s/step"
               + (f"  x{ratios[name]:.2f} AdamW" if name in ratios else ""))
     common.write_json(args.json, {"benchmark": "muon_cpu_step", "machine": common.machine_info(),
-                                  "settings": vars(args), "runs": runs, "ratio_to_adam": ratios,
+                                  "settings": vars(args), "runs": runs, "trainer_picks": picks, "newton_schulz_s": ns, "ratio_to_adam": ratios,
                                   "ratio_to_adam_per_round": per_round})
     return 0
 
