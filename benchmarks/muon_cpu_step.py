@@ -2,12 +2,14 @@
 
 Three runs of ``pretrain_gpt.py`` in this process (Flush, d = 1, mock data with a NullTokenizer of the
 preset's vocabulary, one torch thread), each ``--steps`` steps: ``--optimizer adam``, and ``--optimizer muon``
-with fp32 and with bf16 Newton-Schulz (torch.optim.Muon's precision, what every CPU ran before issue 45). The
-trainer picks bf16 on CPUs with bf16 matrix instructions and fp32 on others (``optimizer/muon.py``'s
-``ns_dtype``); ``trainer_picks`` names its choice on this machine, ``muon`` in ``ratio_to_adam`` is that run. Each run's time per step is the median of the metrics file's ``step_time_s`` without the first
-step (warm-up); ``--rounds`` repeats the three runs, in a rotated order each round, and the result of a
-configuration is the median over its rounds (the ratio of each round is kept too); the ratios are over AdamW's. Timings on a shared machine are upper bounds: run it on a
-quiet one (``nice`` keeps it from disturbing others, not others from disturbing it).
+with fp32 and with bf16 Newton-Schulz (torch.optim.Muon's precision, what every CPU ran before issue 45).
+The trainer picks bf16 on CPUs with bf16 matrix instructions and fp32 on others (``optimizer/muon.py``'s
+``ns_dtype``); ``trainer_picks`` names its choice on this machine, ``muon`` in ``ratio_to_adam`` is that
+run. Each run's time per step is the median of the metrics file's ``step_time_s`` without the first step
+(warm-up); ``--rounds`` repeats the three runs, in a rotated order each round, and the result of a
+configuration is the median over its rounds (each round's ratio is kept too); the ratios are over AdamW's.
+Timings on a shared machine are upper bounds: run it on a quiet one (``nice`` keeps it from disturbing
+others, not others from disturbing it).
 
     python benchmarks/muon_cpu_step.py [--steps 6] [--rounds 3] [--json benchmarks/results/muon_cpu_step.json]
 """
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:26s} {r['newton_schulz_dtype'] or '-':9s} {r['step_s']:.3f} s/step"
               + (f"  x{ratios[name]:.2f} AdamW" if name in ratios else ""))
     common.write_json(args.json, {"benchmark": "muon_cpu_step", "machine": common.machine_info(),
-                                  "settings": vars(args), "runs": runs, "trainer_picks": picks, "newton_schulz_s": ns, "ratio_to_adam": ratios,
+                                  "settings": vars(args), "runs": runs, "trainer_picks": picks,
+                                  "newton_schulz_s": ns, "ratio_to_adam": ratios,
                                   "ratio_to_adam_per_round": per_round})
     return 0
 

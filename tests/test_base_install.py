@@ -55,6 +55,9 @@ def test_every_user_facing_path_runs_without_the_extras(child):
     failed = {k: v[2][-2000:] for k, v in steps.items() if k not in EXTRA_STEPS and v[0] != 0}
     assert not failed, failed
     assert "resumed from iteration 2" in steps["resume_gpt_sp"][2]
+    # the start-up line calls a RoPE + SwiGLU + RMSNorm GPT what its export is (issue 45: it said "GPT")
+    assert re.search(r"^Llama \d+\.\d\dM parameters \|", steps["train_llama_sp"][2], re.M), steps["train_llama_sp"][2]
+    assert re.search(r"^GPT \d+\.\d\dM parameters \|", steps["train_gpt_sp"][2], re.M)
     assert child["imported_extras"] == []  # the hook held: no extra was imported on any path
 
 

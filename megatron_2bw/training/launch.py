@@ -262,12 +262,13 @@ def _ckpt_step(load: str, step: int) -> int:
 def _check_finetune_tokenizer(prep: Prepared, sd: dict, where: str) -> None:
     """--finetune from a checkpoint trained with another tokenizer: its embedding rows mean other pieces, so it
     is refused in one line, or (--finetune-ignore-tokenizer) loaded with a warning naming both tokenizers."""
-    from ..data.fingerprint import changed_fingerprints
+    from ..data.fingerprint import changed_fingerprints, recorded_tokenizer
 
-    saved = sd.get("fingerprints") if isinstance(sd.get("fingerprints"), dict) else None
-    if prep.fingerprints is None or saved is None or "tokenizer" not in saved:
+    # torch files record "fingerprints", torch_dist's arguments the tokenizer's
+    saved = recorded_tokenizer(sd.get("args"), sd.get("fingerprints")).get("fingerprint")
+    if prep.fingerprints is None or saved is None:
         return
-    changes = changed_fingerprints({"tokenizer": saved["tokenizer"]}, {**prep.fingerprints, "data": []})
+    changes = changed_fingerprints({"tokenizer": saved}, {**prep.fingerprints, "data": []})
     if not changes:
         return
     if not prep.cfg.training.finetune_ignore_tokenizer:
