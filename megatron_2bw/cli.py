@@ -269,7 +269,7 @@ _DATA_SWITCHES = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask",
 
 def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConfig:
     given = ("override_resumed_settings", "exit_signal_handler", "finetune", "no_load_optim", "no_load_rng",
-             "skip_train", "async_save")
+             "skip_train", "async_save", "finetune_ignore_tokenizer")
     switches = {t: bool(_switched(args, f"training.{t}")) for t in given}
     switches.update(exit_signal_handler=exit_signal_handler_of(args),
                     overwrite_save=bool(getattr(args, "overwrite_save", False)))
@@ -280,7 +280,8 @@ def training_config(args: argparse.Namespace, global_batch: int) -> TrainingConf
 
 def data_config(args: argparse.Namespace) -> DataConfig:
     switches = {t: bool(_switched(args, f"data.{t}")) for t in _DATA_SWITCHES}
-    _require(bool(args.data_path) or switches["mock_data"],
+    per_split = any(getattr(args, f"{s}_data_path", None) for s in ("train", "valid", "test"))
+    _require(bool(args.data_path) or switches["mock_data"] or per_split,
              "--data-path is required (an indexed dataset prefix from tools/preprocess_data.py), or --mock-data")
     _require(not (args.data_path and switches["mock_data"]), "give --data-path or --mock-data, not both")
     _require(bool(args.tokenizer_type),
@@ -314,6 +315,7 @@ def build_config(
     ``layout``: the planner's choice (``--auto-plan``) instead of the layout flags.
     """
     model = model_config(args, kind)
+    check_megatron_meaning(args, model)
     if layout is None:
         layout = replace(layout_of(args), layer_split=split_from_args(args, model.num_layers))
         layout = replace(layout, virtual_stages=virtual_stages(
@@ -334,6 +336,17 @@ def build_config(
                     system_config(args, cuda_available))
     refuse_unwired_moe(cfg.model)  # after every check of the flags: a bad MoE flag still names itself
     return cfg
+
+
+def check_megatron_meaning(args: argparse.Namespace, model: ModelConfig) -> None:
+    """Megatron flags accepted only where their meaning is what the models here build (issue 45)."""
+    kv = getattr(args, "kv_channels", None)
+    if kv is not None:
+        head = model.hidden_size // model.num_attention_heads
+        _require(kv == head and model.hidden_size % model.num_attention_heads == 0,
+                 f"--kv-channels {kv} is not --hidden-size {model.hidden_size} / --num-attention-heads "
+                 f"{model.num_attention_heads}: Megatron flag not supported by megatron_2bw with another head size "
+                 "(the models here build heads of hidden / heads channels)")
 
 
 def env_world() -> tuple[int, int]:

@@ -48,6 +48,17 @@ def find_os_error(e: BaseException) -> OSError | None:
     return None
 
 
+def file_size_limit() -> int | None:
+    """This process's RLIMIT_FSIZE in bytes (``ulimit -f``), or None when unlimited or unknown."""
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def describe_save_failure(e: BaseException, path: str, writer_error: OSError | None = None) -> str:
     """One line for a failed checkpoint or metrics write: the file and the errno text when there is one.
 
@@ -63,5 +74,13 @@ def describe_save_failure(e: BaseException, path: str, writer_error: OSError | N
             return f"writing {path} failed: No space left on device (ENOSPC; {st.f_bavail * st.f_frsize} bytes free)"
     except OSError:
         pass
+    limit = file_size_limit()
+    try:
+        at_limit = limit is not None and os.path.getsize(path) >= limit
+    except OSError:
+        at_limit = False
+    if at_limit:
+        return (f"writing {path} failed: File too large (EFBIG: the file size limit of this process, ulimit -f, "
+                f"is {limit} bytes)")
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"writing {path} failed: {type(e).__name__}: {first}"

@@ -384,6 +384,21 @@ FLAGS: tuple[Flag, ...] = (
          help="accepted (Megatron): scaled_dot_product_attention picks flash attention on CUDA where it applies"),
     Flag("--num-workers", None, SYS, int,
          help="accepted (Megatron): batches are read in the training process (memory-mapped), no loader workers"),
+    # ---- Megatron-LM flags a newcomer's scripts passed (issue 45), with Megatron's meaning
+    Flag("--ckpt-step", "training.ckpt_step", CKPT, int,
+         help="load this iteration of --load instead of the one latest_checkpointed_iteration.txt names (Megatron)"),
+    Flag("--train-data-path", "data.train_data_path", DATA, nargs="+",
+         help="the training split's own PREFIX or blend (W1 PREFIX1 ...), all of its documents; instead of "
+              "--data-path and --split (Megatron)"),
+    Flag("--valid-data-path", "data.valid_data_path", DATA, nargs="+",
+         help="the validation split's own data, as --train-data-path (Megatron)"),
+    Flag("--test-data-path", "data.test_data_path", DATA, nargs="+",
+         help="the test split's own data, as --train-data-path (Megatron)"),
+    Flag("--finetune-ignore-tokenizer", "training.finetune_ignore_tokenizer", CKPT, const=True,
+         help="--finetune from a checkpoint trained with another tokenizer (refused without it): a warning names both"),
+    Flag("--kv-channels", None, MODEL, int,
+         help="channels per attention head (Megatron): accepted when it is --hidden-size / --num-attention-heads, "
+              "the only head size the models here build"),
 )
 # What the tools (planner, profiler, simulator) take beyond the trainer's model flags: the trainer
 # gets the kind from its script's name and the vocabulary from its tokenizer.

@@ -30,6 +30,32 @@ MEGATRON_UNSUPPORTED = {
     "--fp8-format": "FP8 training; use --bf16 or --fp16",
     "--rampup-batch-size": "batch-size ramp-up; the global batch is fixed",
     "--dataloader-type": "data loader types; batches come from the indexed dataset in order",
+    # issue 45: flags of ported Megatron-LM scripts whose meaning the models or checkpoints here cannot build
+    "--qk-layernorm": "a norm on each head's queries and keys; the attention here has none",
+    "--no-save-optim": "checkpoints without the optimizer state; every save holds it, and --no-load-optim or "
+                       "--finetune leave it out on load",
+    "--no-save-rng": "checkpoints without the RNG states; every save holds them (--no-load-rng leaves them out)",
+    "--fp8": "FP8 training; use --bf16 or --fp16",
+    "--fp8-recipe": "FP8 training; use --bf16 or --fp16",
+    "--tp-comm-overlap": "Transformer Engine's userbuffer overlap of tensor-parallel communication",
+    "--use-legacy-models": "Megatron's legacy models; the models are this project's own",
+    "--spec": "Megatron-Core layer specs; the models are this project's own",
+    "--no-gradient-accumulation-fusion": "a fused weight-gradient kernel; the gradients are accumulated by torch",
+    "--apply-query-key-layer-scaling": "fp16 query-key layer scaling; the softmax runs in fp32",
+    "--distribute-saved-activations": "--distribute-saved-activations; see --recompute-granularity and "
+                                      "--sequence-parallel",
+    "--decoupled-lr": "a separate learning rate for the embedding and output layer",
+    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer",
+    "--manual-gc": "manual garbage collection; Python's collector runs as usual",
+    "--tokenizer-prompt-format": "chat-template tokenizers",
+    "--multi-latent-attention": "multi-latent attention",
+    "--hybrid-override-pattern": "hybrid Mamba models",
+    "--use-torch-fsdp2": "FSDP2; use --use-distributed-optimizer (ZeRO-1)",
+    "--ckpt-fully-parallel-save": "torch_dist saves are written by every rank already",
+    "--ckpt-fully-parallel-load": "torch_dist loads read each rank's part already",
+    "--num-dataset-builder-threads": "dataset building threads; the indices are built in the training process",
+    "--s3-cache-path": "object-store data; give local indexed datasets",
+    "--object-storage-cache-path": "object-store data; give local indexed datasets",
 }
 
 
@@ -98,6 +124,21 @@ def _find_yaml_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def _unique_keys_loader(yaml):
+    """PyYAML's SafeLoader refusing a key given twice in one mapping (it would keep the last silently)."""
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+            dup = next((i for i, k in enumerate(keys) if k in keys[:i]), None)
+            if dup is not None:
+                raise yaml.constructor.ConstructorError(None, None, f"key {keys[dup]!r} given twice",
+                                                        node.value[dup][0].start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeys
+
+
 def load_yaml_cfg(path: str) -> Mapping:
     """The file's mapping (an empty file is an empty mapping); any other content is a one-line error."""
     import yaml
@@ -106,7 +147,7 @@ def load_yaml_cfg(path: str) -> Mapping:
         raise ConfigError(f"{YAML_FLAG} {path}: no such file")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_unique_keys_loader(yaml))  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -160,7 +201,12 @@ def expand_yaml_cfg(argv: list[str], parser: argparse.ArgumentParser) -> list[st
     if path is None:
         return list(argv)
     expanded: list[str] = []
+    seen: dict[str, object] = {}
     for key, value in load_yaml_cfg(path).items():
+        flag = "--" + key.lstrip("-").replace("_", "-") if isinstance(key, str) else None
+        if flag in seen:  # Y06: train_iters and train-iters both given; the last would win silently
+            raise ConfigError(f"{YAML_FLAG} {path}: {seen[flag]!r} and {key!r} both set {flag}: give it once")
+        seen[flag] = key
         expanded += _tokens(path, key, value, parser)
     keep = [f"{YAML_FLAG}={path}"] if YAML_FLAG in _long_flags(parser) else []
     return keep + expanded + rest

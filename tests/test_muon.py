@@ -6,6 +6,7 @@ import torch
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.optimizer.build import build_optimizer
+from megatron_2bw.optimizer import muon as muon_module
 from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
 
 SHAPES = [(24, 16), (16, 40), (32, 32)]  # tall, wide, square: both branches of NS and of the shape scale
@@ -28,7 +29,8 @@ def _layout():
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("out_of_place", [False, True])
-def test_flat_muon_equals_torch_muon_for_50_steps(nesterov, adjust, out_of_place):
+def test_flat_muon_equals_torch_muon_for_50_steps(nesterov, adjust, out_of_place, monkeypatch):
+    monkeypatch.setattr(muon_module, "NS_DTYPE", torch.bfloat16)  # torch.optim.Muon's precision on every device
     g = torch.Generator().manual_seed(0)
     lr, wd, mu = 2e-2, 0.1, 0.9
     offsets, n_mat, n_decay, n = _layout()

@@ -92,6 +92,17 @@ def _with_fingerprint(saved: dict) -> dict:
         return saved
 
 
+def check_positions(encoded: list[list[int]], max_new_tokens: int, positions: int) -> None:
+    """Every prompt plus --max-new-tokens fits the model's positions, checked before anything is printed
+    (G05: not after streaming part of the answer; G09: the line names the prompt by number, not by its text)."""
+    for i, ids in enumerate(encoded, start=1):
+        if len(ids) + max_new_tokens > positions:
+            which = f"prompt {i} of {len(encoded)}" if len(encoded) > 1 else "the prompt"
+            raise ConfigError(f"{which} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                              f"{len(ids) + max_new_tokens} positions, more than the model's {positions}: shorten "
+                              "it or lower --max-new-tokens")
+
+
 def run(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.max_new_tokens < 1:
@@ -102,9 +113,10 @@ def run(argv: list[str]) -> int:
     tok = tokenizer_for(args, ex.tokenizer)
     if tok.vocab_size > ex.cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {ex.cfg.vocab_size}")
+    encoded = [tok.tokenize(p) for p in prompts]
+    check_positions(encoded, args.max_new_tokens, ex.cfg.max_position_embeddings)
     model = CachedGPT(ex.cfg, ex.weights, device=args.device)
-    for i, prompt in enumerate(prompts):
-        ids = tok.tokenize(prompt)
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         print(prompt, end="", flush=True)
         done = list(ids)
 

@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokenizer-model", help="SentencePiece .model file or local HuggingFace tokenizer directory")
     p.add_argument("--vocab-file", help="GPT-2 vocab.json or BERT vocab.txt")
     p.add_argument("--merge-file", help="GPT-2 merges.txt")
+    p.add_argument("--vocab-size", type=int, help="--tokenizer-type NullTokenizer: ids 0..N-1 and eod N (Megatron)")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: no pool)")
     p.add_argument("--overwrite", action="store_true",
@@ -68,7 +69,10 @@ def run(argv: list[str]) -> str:
     """Preprocess and return the summary (one line per JSON key)."""
     args = parse_args(argv)
     check_outputs(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        raise ConfigError(f"--vocab-size is NullTokenizer's; {args.tokenizer_type} takes its vocabulary from its files")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                args.vocab_size)
     try:
         result = preprocess_jsonl(args.input, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.workers)
     except OSError as e:  # a full disk or an unwritable directory: name the file and the errno text

@@ -94,6 +94,11 @@ def run(argv: list[str]) -> str:
     for k in ("d", "m", "t", "w", "steps"):
         if getattr(args, k) < 1:
             raise ConfigError(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if args.png:  # the plot extra: say so before any work, not as a traceback after it
+        try:
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError:
+            raise ConfigError("--png needs matplotlib, an optional extra: pip install -e '.[plot]'") from None
     cluster = load_cluster(args.cluster)
     loaded = load_full_profile(args.profile) if args.profile else None
     model = model_from_args(args, loaded.model if loaded else None)

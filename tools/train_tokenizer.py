@@ -112,7 +112,19 @@ def run(argv: list[str]) -> str:
     check_files([args.model_prefix + ".model", args.model_prefix + ".vocab"], overwrite=args.overwrite,
                 flag="--model-prefix", is_own=lambda: is_own_model(args.model_prefix), tool="train_tokenizer.py")
     model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys, args.input_sentence_size, args.num_threads)
-    return f"wrote {model} and {args.model_prefix}.vocab"
+    return f"wrote {model} and {args.model_prefix}.vocab ({pieces_note(model, args.vocab_size)})"
+
+
+def pieces_note(model: str, asked: int) -> str:
+    """How many pieces the model has, and why when fewer than ``--vocab-size`` (K01: SentencePiece stops when
+    the corpus has no more merges, hard_vocab_limit off, and said nothing)."""
+    import sentencepiece as spm
+
+    n = spm.SentencePieceProcessor(model_file=model).get_piece_size()
+    if n >= asked:
+        return f"{n} pieces"
+    return (f"{n} pieces, fewer than --vocab-size {asked}: the corpus has no more merges to learn; "
+            f"preprocess and train with this tokenizer (the model's vocabulary is {n}), or give more text")
 
 
 def main(argv: list[str] | None = None) -> int:

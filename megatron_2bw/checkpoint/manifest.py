@@ -23,7 +23,7 @@ import re
 import zlib
 from typing import BinaryIO, Callable, Iterator
 
-from ..errors import ConfigError, os_error_line
+from ..errors import ConfigError, describe_save_failure, find_os_error, os_error_line
 from .layout import FILENAME, ITER_DIR_RE, RANK_DIR_RE, TRACKER, iteration_dir
 
 MANIFEST = "manifest.json"
@@ -165,11 +165,20 @@ def atomic_file(path: str, mode: str = "wb") -> Iterator:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        line = describe_save_failure(e, tmp) if _disk_failure(e) else None
         if os.path.exists(tmp):
             os.remove(tmp)
+        if line is not None:  # a full disk or the file size limit: one line naming the file (F02-F05)
+            raise ConfigError(line.replace(tmp, path)) from None
         raise
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def _disk_failure(e: BaseException) -> bool:
+    """A write that failed on the disk: an OSError behind it, or torch's zip writer's ``unexpected pos``."""
+    return not isinstance(e, ConfigError) and isinstance(e, Exception) and (
+        find_os_error(e) is not None or "unexpected pos" in str(e))
 
 
 def write_manifest(iter_dir: str, iteration: int, entries: dict[str, dict]) -> str:

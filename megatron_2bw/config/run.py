@@ -74,8 +74,13 @@ class TrainingConfig:
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: tuple[int, ...] | None = None
+    ckpt_step: int | None = None  # --ckpt-step: load this iteration of --load, not the pointer file's (Megatron)
+    finetune_ignore_tokenizer: bool = False  # --finetune from a checkpoint of another tokenizer, with a warning
 
     def __post_init__(self) -> None:
+        _require(self.ckpt_step is None or self.load is not None, "--ckpt-step needs --load DIR")
+        _require(self.ckpt_step is None or self.ckpt_step >= 0, f"--ckpt-step must be >= 0, got {self.ckpt_step}")
+        _require(not self.finetune_ignore_tokenizer or self.finetune, "--finetune-ignore-tokenizer needs --finetune")
         _require(self.tensorboard_log_interval >= 1,
                  f"--tensorboard-log-interval must be >= 1, got {self.tensorboard_log_interval}")
         _require(self.empty_unused_memory_level in (0, 1, 2),
@@ -130,6 +135,30 @@ class DataConfig:
     mock_data: bool = False  # synthetic documents (data/mock.py) instead of --data-path
     vocab_size: int | None = None  # --tokenizer-type NullTokenizer: ids 0..N-1, eod N
     data_cache_path: str | None = None  # where the GPT sample indices are cached (default: not cached)
+    # Megatron's per-split data (--train-data-path, ...): each split reads all documents of its own prefixes
+    train_data_path: tuple[str, ...] | None = None
+    valid_data_path: tuple[str, ...] | None = None
+    test_data_path: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("train_data_path", "valid_data_path", "test_data_path"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, tuple(v))
+        _require(not (self.data_path and self.split_paths), "give --data-path with --split, or --train-data-path / "
+                 "--valid-data-path / --test-data-path, not both")
+        _require(not (self.mock_data and self.split_paths), "give --mock-data or per-split data paths, not both")
+
+    @property
+    def split_paths(self) -> tuple[tuple[str, ...] | None, ...] | None:
+        """(train, valid, test) data of --train-data-path and its kin, or None when none is given."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return paths if any(paths) else None
+
+    @property
+    def all_data_paths(self) -> tuple[str, ...]:
+        """Every --data-path-style token of this run (--data-path, or the per-split paths one after another)."""
+        return self.data_path or tuple(t for p in (self.split_paths or ()) if p for t in p)
 
 
 # Megatron's --attention-backend: auto (torch's scaled_dot_product_attention picks its kernel), flash and fused

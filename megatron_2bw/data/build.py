@@ -165,6 +165,7 @@ def build_datasets(
     short_seq_prob: float = 0.1,
     mock_data: bool = False,
     cache_dir: str | None = None,
+    split_paths: Sequence[Sequence[str] | None] | None = None,
 ) -> tuple:
     """(train, valid, test); a split asked for 0 samples, or with 0 documents, is None.
 
@@ -174,6 +175,13 @@ def build_datasets(
     """
     _check_request(kind, tokenizer, num_samples)
     parse_split(split)
+    build = partial(
+        _build_one, kind, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
+        masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, cache_dir=cache_dir,
+    )
+    if split_paths is not None:
+        return tuple(_own_split(build, split_paths[s], s, name, int(num_samples[s]), tokenizer)
+                     for s, name in enumerate(SPLIT_NAMES))
     if mock_data:
         if kind != "gpt" or tokenizer is None:  # stays: mock documents are GPT's stream (data/mock.py)
             raise ConfigError("--mock-data makes GPT documents and needs the tokenizer's vocabulary")
@@ -185,11 +193,23 @@ def build_datasets(
         for ds in indexed:
             check_vocab(ds, tokenizer.vocab_size)
     ranges = [split_document_ranges(split, ds.num_documents) for ds in indexed]
-    build = partial(
-        _build_one, kind, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
-        masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, cache_dir=cache_dir,
-    )
 
     return tuple(_split(build, indexed, weights, ranges, s, name, int(num_samples[s]))
                  for s, name in enumerate(SPLIT_NAMES))
 
+
+
+def _own_split(build: Callable, paths: Sequence[str] | None, s: int, name: str, n: int, tokenizer):
+    """Split ``s`` from its own data (``--train-data-path`` and its kin, Megatron's): every document of its
+    prefixes (or blend); None when it has no data or is asked for nothing."""
+    if not paths or n == 0:
+        return None
+    prefixes, weights = parse_data_path(paths)
+    indexed = [_open(p) for p in prefixes]
+    if tokenizer is not None:
+        for ds in indexed:
+            check_vocab(ds, tokenizer.vocab_size)
+    ranges = [[(0, 0)] * 3 for _ in indexed]
+    for r, ds in zip(ranges, indexed):
+        r[s] = (0, ds.num_documents)
+    return _split(build, indexed, weights, ranges, s, name, n)

@@ -100,6 +100,21 @@ def data_fingerprint(prefix: str) -> dict[str, Any]:
     return {"prefix": prefix, "bin_bytes": os.path.getsize(binf), "idx_sha256": h.hexdigest()}
 
 
+def check_data_unchanged(fingerprints: Sequence[dict[str, Any]]) -> None:
+    """Refuse data whose ``.idx`` or ``.bin`` changed since ``preprocess_data.py`` wrote it (its sidecar records
+    both since issue 45): a bit flip that keeps the index consistent (a document boundary moved within range)
+    would otherwise train on silently. ``fingerprints``: :func:`data_fingerprint` of each prefix."""
+    for fp in fingerprints:
+        made = read_sidecar(fp["prefix"])
+        if made is None or "idx_sha256" not in made:
+            continue
+        if (made.get("bin_bytes"), made["idx_sha256"]) != (fp["bin_bytes"], fp["idx_sha256"]):
+            raise ConfigError(
+                f"data {fp['prefix']} changed since tools/preprocess_data.py wrote it (.bin {made.get('bin_bytes')} -> "
+                f"{fp['bin_bytes']} bytes, .idx sha256 {str(made['idx_sha256'])[:12]} -> {fp['idx_sha256'][:12]}): "
+                "a damaged or replaced file; preprocess it again")
+
+
 def run_fingerprints(prefixes: Sequence[str], tokenizer) -> dict[str, Any]:
     """What a checkpoint records of its data and tokenizer."""
     return {"tokenizer": tokenizer_fingerprint(tokenizer), "data": [data_fingerprint(p) for p in prefixes]}

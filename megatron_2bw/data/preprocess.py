@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
-from .fingerprint import sidecar_path, tokenizer_fingerprint, write_sidecar
+from .fingerprint import data_fingerprint, sidecar_path, tokenizer_fingerprint, write_sidecar
 from .tokenizers import Tokenizer
 
 BATCH_DOCS = 64
@@ -34,10 +34,24 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, dict[str, str]]]:
-    """Yield (line number, bytes read, {key: text}) per non-blank line; bad input is a ConfigError."""
+def _sidecar(made_with: dict, input_path: str, prefix: str) -> dict:
+    """The sidecar's record: the tokenizer, the input, and the files as written (D04: the trainer compares)."""
+    data = data_fingerprint(prefix)
+    return {**made_with, "input": os.path.realpath(input_path), "bin_bytes": data["bin_bytes"],
+            "idx_sha256": data["idx_sha256"]}
+
+
+def check_input_file(path: str) -> None:
+    """``--input`` is a JSONL file (P19: a directory is named as one, not as missing)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--input {path} is a directory: give one JSONL file (concatenate several with cat)")
     if not os.path.isfile(path):
         raise ConfigError(f"--input {path} does not exist")
+
+
+def read_jsonl(path: str, json_keys: Sequence[str]) -> Iterator[tuple[int, int, dict[str, str]]]:
+    """Yield (line number, bytes read, {key: text}) per non-blank line; bad input is a ConfigError."""
+    check_input_file(path)
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -163,8 +177,7 @@ def preprocess_jsonl(
         raise ConfigError("--json-keys needs at least one key")
     if append_eod and tokenizer.eod is None:
         raise ConfigError(f"--append-eod: tokenizer {tokenizer!r} has no end-of-document token")
-    if not os.path.isfile(input_path):
-        raise ConfigError(f"--input {input_path} does not exist")
+    check_input_file(input_path)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
 
@@ -196,7 +209,7 @@ def preprocess_jsonl(
                 os.remove(sidecar_path(prefixes[key]))  # never an old tokenizer's record beside the new data
             builder.finalize(index_file_path(prefixes[key]))
             if made_with is not None:  # with the input it was made from (preprocess_data.py's own earlier output)
-                write_sidecar(prefixes[key], {**made_with, "input": os.path.realpath(input_path)})
+                write_sidecar(prefixes[key], _sidecar(made_with, input_path, prefixes[key]))
     finally:
         for builder in builders.values():
             builder.close()  # removes the temporary files of a failed run; existing datasets stay

@@ -10,11 +10,12 @@ HF vocabularies are the real (unpadded) size. Our GELU is the tanh approximation
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 from ..config import ModelConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, os_error_line
 from ..checkpoint.megatron_format import Exported
 from ..checkpoint.names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index
 from ..checkpoint.reshard import pad_vocab
@@ -324,7 +325,14 @@ def save_hf_dir(path: str, ex: Exported) -> str:
     note, eod = write_tokenizer(path, ex.tokenizer)
     if eod is not None and ex.cfg.family.causal:  # GPT-2's convention: <|endoftext|> is both
         model.config.eos_token_id = model.config.bos_token_id = int(eod)
-    model.save_pretrained(path)
+    try:
+        model.save_pretrained(path)
+    except Exception as e:  # safetensors removes its partial file and names no file: say which (F05)
+        m = re.search(r"os error (\d+)", str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise ConfigError(os_error_line(OSError(code, os.strerror(code)), os.path.join(path, "model.safetensors")))
     return note
 
 

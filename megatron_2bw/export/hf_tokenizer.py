@@ -100,6 +100,11 @@ def _write_sentencepiece(path: str, model_file: str, tokenizer) -> None:
     """``tokenizer.model`` and transformers' ``LlamaTokenizer`` converted from it (see the module's docstring)."""
     from transformers import LlamaTokenizer  # noqa: PLC0415
 
+    try:  # transformers reads the model's settings through protobuf; without it it tries tiktoken and fails
+        import google.protobuf  # noqa: F401, PLC0415
+    except ImportError:
+        raise ConfigError("the SentencePiece tokenizer's export to transformers needs protobuf, a dependency of "
+                          "megatron_2bw: pip install 'protobuf>=3.20' (or pip install -e . again)") from None
     pieces = tokenizer.pieces()
     special = {name: pieces[i] for name, i in (("eos_token", tokenizer.eod), ("pad_token", tokenizer.pad))
                if i is not None}

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import ConfigError
+from ..errors import ConfigError, describe_save_failure, file_size_limit, find_os_error, os_error_line
 from ..checkpoint.layout import TRACKER
 
 MARKER = ".megatron_2bw_output.json"
@@ -98,11 +99,20 @@ def staged_dir(path: str, request: dict) -> Iterator[str]:
     except OSError as e:
         raise ConfigError(f"{path}: cannot create ({e.strerror or e})") from None
     try:
-        yield tmp
+        try:
+            yield tmp
+        except ConfigError as e:  # named as the files will be, not by the temporary folder
+            raise ConfigError(str(e).replace(tmp, final)) from None
+        except Exception as e:  # noqa: BLE001 - a failed write: one line naming the file (F05), else as it was
+            line = _write_failure(e, tmp)
+            if line is None:
+                raise
+            raise ConfigError(line.replace(tmp, final)) from None
         entries = sorted(os.listdir(tmp))
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump({"tool": request.get("tool"), "request": request, "entries": entries}, f, indent=1)
             f.write("\n")
+        apply_umask(tmp)
         old = None
         if os.path.lexists(final):
             old = f"{final}.old.tmp.{os.getpid()}"
@@ -115,6 +125,51 @@ def staged_dir(path: str, request: dict) -> Iterator[str]:
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_failure(e: BaseException, tmp: str) -> str | None:
+    """One line for a write into ``tmp`` that failed on the disk (full, or the file size limit): the file
+    written last and the errno text; None for any other failure. safetensors and torch's zip writer hide the
+    OSError (``I/O error: ... (os error 28)``, ``unexpected pos``): the errno is read from their text."""
+    files = [os.path.join(top, n) for top, _, names in os.walk(tmp) for n in names]
+    limit = file_size_limit()
+
+    def last_written(p: str) -> tuple:  # the file at the size limit, else the one written last
+        st = os.stat(p)
+        return limit is not None and st.st_size >= limit, st.st_mtime_ns, st.st_size
+
+    path = max(files, key=last_written) if files else tmp
+    oe = find_os_error(e)
+    if oe is None and (m := re.search(r"os error (\d+)", str(e))):
+        oe = OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    if oe is not None:
+        return os_error_line(oe, path)
+    if "unexpected pos" in str(e):
+        return describe_save_failure(e, path)
+    return None
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: there is no getter before Python 3.13)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: str) -> None:
+    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would under the user's umask.
+
+    ``mkdtemp`` makes its folder ``drwx------`` and some writers (safetensors) their files ``-rw-------``:
+    renamed into place as they are, an export on a shared file system would be unreadable to teammates."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for top, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(top, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(top, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def check_files(paths: Sequence[str], *, overwrite: bool, flag: str, is_own: Callable[[], bool], tool: str) -> None:

@@ -6,12 +6,12 @@ and output, MLP fc1 and fc2), with gradient G, momentum mu, learning rate lr and
 
     B  <- B.lerp(G, 1 - mu)                      (B = mu * B + (1 - mu) * G)
     U  <- G.lerp(B, mu) if nesterov else B
-    O  <- NS_k(U)                                 k = --muon-ns-steps Newton-Schulz steps in bf16
+    O  <- NS_k(U)                                 k = --muon-ns-steps Newton-Schulz steps (bf16; fp32 on CPUs without bf16)
     W  <- W * (1 - lr * wd) - lr * s(A, B) * O
 
 ``NS_k`` is the quintic iteration with the standard coefficients (3.4445, -4.7750, 2.0315) on
 U / max(|U|_F, 1e-7), transposed when it has more rows than columns, in bfloat16 exactly as torch
-computes it; ``s`` is torch's shape scale of the *whole* matrix of A rows and B columns:
+computes it (in fp32 on CPUs without bf16 matrix instructions, where bf16 is slow: :func:`ns_dtype`); ``s`` is torch's shape scale of the *whole* matrix of A rows and B columns:
 ``sqrt(max(1, A / B))`` ("original", torch's default) or ``0.2 * sqrt(max(A, B))``
 ("match_rms_adamw", Moonshot's, under which AdamW's learning rate carries over). The matrices'
 learning rate is ``--muon-lr`` (default ``--lr``), following ``--lr``'s schedule in proportion.
@@ -48,6 +48,7 @@ fp32 buffer of the (shard's) size for U, plus the gathered copies when matrices 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -59,10 +60,35 @@ from .state import FlatState, Span, fused_adamw_available
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
-# torch.optim.Muon's precision. bf16 rounding of U makes NS amplify last-bit differences of the
-# gradient (another summation order) into ~1e-3 weight differences within a few steps (measured on
-# the tiny GPT), so tests that compare across code paths set fp32 on both sides.
-NS_DTYPE = torch.bfloat16
+# The Newton-Schulz precision: None picks per device (:func:`ns_dtype`): bf16 on CUDA, torch.optim.Muon's
+# precision, and on the CPU bf16 only where it has bf16 matrix instructions (AVX512-BF16, AMX), else fp32: an
+# AVX2 CPU emulates bf16 matmuls 7.5x slower than fp32 ones, which made Muon's step 10x AdamW's (issue 45),
+# while an AVX512-BF16 one runs them 3-4x faster than fp32. A dtype here overrides the choice. bf16 rounding of U
+# makes NS amplify last-bit differences of the gradient (another summation order) into ~1e-3 weight
+# differences within a few steps (measured on the tiny GPT), so tests that compare across code paths set
+# fp32 on both sides, and the test against torch.optim.Muon sets bf16.
+NS_DTYPE: torch.dtype | None = None
+
+
+def ns_dtype(device: torch.device | str) -> torch.dtype:
+    """The Newton-Schulz dtype on ``device``: ``NS_DTYPE``, else bf16 on CUDA and on CPUs with bf16 matrix
+    instructions, fp32 on other CPUs (the same on every rank of a machine: replicas stay equal)."""
+    if NS_DTYPE is not None:
+        return NS_DTYPE
+    if torch.device(device).type == "cuda" or cpu_has_bf16_matmul():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (the ``avx512_bf16`` or ``amx_bf16`` flag; Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -88,10 +114,10 @@ class MuonMatrix:
 
 def zeropower_via_newtonschulz(g: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS, eps: float = NS_EPS,
                                dtype: torch.dtype | None = None):
-    """The approximate orthogonalization of ``g``, operation for operation torch.optim.Muon's (in bf16;
-    ``dtype``: another precision, default ``NS_DTYPE``)."""
+    """The approximate orthogonalization of ``g``, operation for operation torch.optim.Muon's (``dtype``: its
+    precision, default :func:`ns_dtype` of ``g``'s device: bf16 as torch.optim.Muon, fp32 on a CPU without bf16)."""
     a, b, c = coefficients
-    x = g.to(dtype or NS_DTYPE, copy=True)
+    x = g.to(dtype or ns_dtype(g.device), copy=True)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T

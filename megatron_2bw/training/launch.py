@@ -30,7 +30,8 @@ from .auto_layout import plan_layout
 from ..checkpoint.checkpoint_args import apply_checkpoint_args
 from .launcher_errors import report_under_torchrun, torchrun_parent
 from ..checkpoint.manifest import clean_stale_temporaries
-from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir
+from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir, logged_changes
+from .startup_checks import check_output_paths
 from .tb_writer import require_tensorboard
 from .wandb_writer import require_wandb, wandb_settings
 
@@ -101,12 +102,10 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
         tokenizer = build_tokenizer(dc.tokenizer_type, dc.tokenizer_model, dc.vocab_file, dc.merge_file, dc.vocab_size)
     cfg = cfg.with_vocab(tokenizer.vocab_size)
     cfg.model.check_tensor_parallel(cfg.parallel.tensor)
-    fingerprints = _fingerprints(dc, tokenizer)
-
-    prep = Prepared(cfg, rank, None, tokenizer, None, None, None)
-    prep.fingerprints = fingerprints
+    prep = Prepared(cfg, rank, None, tokenizer, None, None, None, fingerprints=_fingerprints(dc, tokenizer))
     holder.append(prep)
     tc = cfg.training
+    check_output_paths(tc)
     if tc.save:
         check_save_dir(tc.save)
         if rank == 0:
@@ -125,6 +124,7 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
         _find_resume(prep)
     if tc.save and not tc.skip_train:
         resumes = prep.resumed_from is not None and save_guard.same_dir(tc.save, tc.load)
+        _note_overwrite_ignored(prep, resumes)
         if save_guard.check_fresh_start(tc.save, tc.load, resumes, tc.overwrite_save) and rank == 0 \
                 and not validate_only:
             save_guard.clear_checkpoints(tc.save)
@@ -132,11 +132,10 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
     sizes = dataset_sizes(cfg, prep.start_step, prep.start_sample)
     check_index_memory(cfg, sizes)
     extra = {"masked_lm_prob": dc.mask_prob, "short_seq_prob": dc.short_seq_prob} if cfg.kind == "bert" else {}
-    extra.update(mock_data=dc.mock_data, cache_dir=dc.data_cache_path)
+    extra.update(mock_data=dc.mock_data, cache_dir=dc.data_cache_path, split_paths=dc.split_paths)
     _check_eod(cfg, tokenizer)
     prep.train_ds, prep.valid_ds, prep.test_ds = build_datasets(
-        cfg.kind, list(dc.data_path), dc.split, cfg.model.seq_length, sizes, tc.seed, tokenizer, **extra,
-    )
+        cfg.kind, list(dc.data_path), dc.split, cfg.model.seq_length, sizes, tc.seed, tokenizer, **extra)
     if prep.train_ds is None and tc.train_iters > prep.start_step:
         raise ConfigError(f"--split {dc.split!r} leaves no training documents")
     if tc.eval_iters > 0 and prep.valid_ds is None:
@@ -152,6 +151,14 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
     return prep
 
 
+def _note_overwrite_ignored(prep: Prepared, resumes: bool) -> None:
+    """--overwrite-save with --load equal to --save resumes that run: say so, it is not an error."""
+    tc = prep.cfg.training
+    if resumes and tc.overwrite_save and prep.rank == 0:
+        log.warning(" --overwrite-save ignored: --load is --save, so this run resumes %s at iteration %d and "
+                    "keeps its checkpoints", tc.load, prep.resumed_from)
+
+
 def _fingerprints(dc, tokenizer) -> dict | None:
     """Refuse data made with another tokenizer (its sidecar); the fingerprints a checkpoint records."""
     from ..data import fingerprint
@@ -161,12 +168,15 @@ def _fingerprints(dc, tokenizer) -> dict | None:
         tok = fingerprint.tokenizer_fingerprint(tokenizer)
     except (NotImplementedError, AttributeError):
         return None
-    prefixes = parse_data_path(dc.data_path)[0] if dc.data_path else []  # no files: nothing to fingerprint
+    # no files (--mock-data): nothing to fingerprint; per-split paths: each split's prefixes in turn
+    prefixes = [p for paths in (dc.split_paths or (dc.data_path,)) if paths for p in parse_data_path(paths)[0]]
     fingerprint.check_data_tokenizer(prefixes, tok)
     try:
-        return {"tokenizer": tok, "data": [fingerprint.data_fingerprint(p) for p in prefixes]}
+        data = [fingerprint.data_fingerprint(p) for p in prefixes]
     except OSError:
         return None  # a missing file: build_datasets names it
+    fingerprint.check_data_unchanged(data)
+    return {"tokenizer": tok, "data": data}
 
 
 def _check_fingerprints(prep: Prepared, sd: dict, where: str) -> None:
@@ -200,7 +210,7 @@ def _find_resume(prep: Prepared) -> None:
     from ..checkpoint import checkpointing, formats
 
     cfg, tc = prep.cfg, prep.cfg.training
-    it = checkpointing.find_checkpoint(tc.load, tc.save)
+    it = checkpointing.find_checkpoint(tc.load, tc.save) if tc.ckpt_step is None else _ckpt_step(tc.load, tc.ckpt_step)
     if it is None:
         log.info(" no checkpoint in %s yet: starting from scratch", tc.load)
         return
@@ -210,11 +220,16 @@ def _find_resume(prep: Prepared) -> None:
     sd = fmt.read_before_init(tc.load, it, prep.rank, cfg)
     fmt.check_compatible(sd, cfg, weights_only=tc.finetune or tc.no_load_optim)
     if tc.finetune:  # the weights only: a new run from iteration 0 on this run's data and settings
+        _check_finetune_tokenizer(prep, sd, f"{tc.load} at iteration {it}")
         log.info(" --finetune: starting from the weights of %s at iteration %d", tc.load, it)
         prep.checkpoint = sd
         return
     start_step = checkpointing.saved_step(sd)  # a weights-only file is refused here (it needs --finetune)
     changes = check_resume(sd.get("args") or {}, cfg, f"{tc.load} at iteration {it}")
+    applied = logged_changes(sd.get("args") or {}, cfg)
+    if applied and prep.rank == 0:
+        log.warning(" resuming %s at iteration %d with %s: applied from the first resumed step", tc.load, it,
+                    "; ".join(applied))
     saved_args = sd.get("args") or {}
     saved_args = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
     old_eval = saved_args.get("eval_interval") if isinstance(saved_args, dict) else None
@@ -230,6 +245,39 @@ def _find_resume(prep: Prepared) -> None:
     if sd["layout"]["w"] != w:
         log.info(" checkpoint was written with data-parallel size %d; this run uses %d (replicas are identical)",
                  sd["layout"]["w"], w)
+
+
+def _ckpt_step(load: str, step: int) -> int:
+    """``--ckpt-step``: that iteration of ``--load``, which must hold a complete checkpoint of it."""
+    from ..checkpoint import manifest
+
+    held = manifest.list_checkpoints(load) if os.path.isdir(load) else []
+    if step not in held:
+        shown = ", ".join(map(str, held[-5:])) or "none"
+        raise ConfigError(f"--ckpt-step {step}: --load {load} holds no checkpoint of iteration {step} (it holds "
+                          f"{shown})")
+    return step
+
+
+def _check_finetune_tokenizer(prep: Prepared, sd: dict, where: str) -> None:
+    """--finetune from a checkpoint trained with another tokenizer: its embedding rows mean other pieces, so it
+    is refused in one line, or (--finetune-ignore-tokenizer) loaded with a warning naming both tokenizers."""
+    from ..data.fingerprint import changed_fingerprints, recorded_tokenizer
+
+    # torch files record "fingerprints", torch_dist's arguments the tokenizer's
+    saved = recorded_tokenizer(sd.get("args"), sd.get("fingerprints")).get("fingerprint")
+    if prep.fingerprints is None or saved is None:
+        return
+    changes = changed_fingerprints({"tokenizer": saved}, {**prep.fingerprints, "data": []})
+    if not changes:
+        return
+    if not prep.cfg.training.finetune_ignore_tokenizer:
+        raise ConfigError(f"--finetune from {where}: {changes[0]} (the checkpoint's embedding rows mean other "
+                          "pieces): give the checkpoint's tokenizer, or --finetune-ignore-tokenizer to fine-tune "
+                          "anyway")
+    if prep.rank == 0:
+        log.warning(" --finetune-ignore-tokenizer: fine-tuning %s, trained with another tokenizer: %s", where,
+                    changes[0])
 
 
 def configure(kind: str, argv: list[str]) -> tuple[Prepared, argparse.Namespace]:
@@ -317,12 +365,13 @@ def under_launcher() -> bool:
 
 def summary(prep: Prepared) -> str:
     """The one line ``--validate-only`` prints: what the run would do."""
+    from .report import model_name
     cfg, tc, pc = prep.cfg, prep.cfg.training, prep.cfg.pipeline
     par = cfg.parallel
     resume = "starting from scratch" if prep.resumed_from is None else f"resuming from iteration {prep.resumed_from}"
     train = len(prep.train_ds) if prep.train_ds is not None else 0
     return (
-        f"config OK: {cfg.kind.upper()} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout {par.describe()}, "
+        f"config OK: {model_name(cfg.model)} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout {par.describe()}, "
         f"{cfg.system.backend} on {cfg.system.device}) | "
         f"schedule {pc.schedule}, b={pc.micro_batch_size} m={pc.num_microbatches} B={tc.global_batch_size} | "
         f"{tc.train_iters} iterations, {train} training samples | precision {cfg.optimizer.dtype} | {resume}"

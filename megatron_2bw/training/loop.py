@@ -124,6 +124,11 @@ class Trainer:
             formats.of_file(prep.checkpoint).restore(prep.checkpoint, self.stage, self.tracker, state.device,
                                                      **checkpointing.load_options(tc))
             prep.checkpoint = None  # free the CPU copy
+            if state.rank == 0:  # Megatron's line: which checkpoint, and what of it
+                what = "weights only (--finetune)" if tc.finetune else \
+                    "weights and iteration (--no-load-optim)" if tc.no_load_optim else "full state"
+                log.info("  successfully loaded checkpoint from %s at iteration %d: %s", tc.load,
+                         prep.loaded_iteration, what)
         self.loss_keys: tuple[str, ...] = tuple(getattr(self.stage.loss_fn, "components", ()))
         self.m = cfg.pipeline.num_microbatches
         self.B = tc.global_batch_size

@@ -28,6 +28,14 @@ HOST_CLOCK_NOTE = ("note: on CUDA the bubble column and the update wait are host
                    "of the GPU), so they read low; profile with --profile for device times")
 
 
+
+def model_name(model) -> str:
+    """What the start-up lines call the model: ``Llama`` for a GPT with RoPE, SwiGLU and RMSNorm (the options
+    transformers' LlamaForCausalLM implements, what ``--saver hf`` exports it as), else ``GPT`` or ``BERT``."""
+    llama = model.kind == "gpt" and model.position_embedding_type == "rope" and model.swiglu \
+        and model.normalization == "RMSNorm"
+    return "Llama" if llama else model.kind.upper()
+
 class StepReport:
     """What rank 0 writes about a run (``metrics``: its metrics file and writers)."""
 
@@ -53,7 +61,7 @@ class StepReport:
         log.info(
             "%s %.2fM parameters | layout %s, %s on %s) | b=%d m=%d B=%d%s | "
             "%s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
-            cfg.kind.upper(), params / 1e6, cfg.parallel.describe(), cfg.system.backend, cfg.system.device,
+            model_name(cfg.model), params / 1e6, cfg.parallel.describe(), cfg.system.backend, cfg.system.device,
             cfg.pipeline.micro_batch_size, self.m, self.B,
             " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), kernels.describe(),
             mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,

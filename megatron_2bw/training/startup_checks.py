@@ -42,7 +42,14 @@ RESUME_SETTINGS = (
 # (not vocab_size: Megatron's args name the model's vocabulary so; the model shape check compares it)
 RESUME_SETTINGS += ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "mock_data",
                     "lr_wsd_decay_style", "lr_wsd_decay_iters")
-_PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file")
+# Megatron's per-split data paths (issue 45)
+RESUME_SETTINGS += ("train_data_path", "valid_data_path", "test_data_path")
+_PATH_SETTINGS = ("data_path", "tokenizer_model", "vocab_file", "merge_file", "train_data_path", "valid_data_path",
+                  "test_data_path")
+# Settings a resume takes from this run with one log line (R13): they change the updates from here on, not
+# the data order or the batches (Megatron applies them silently).
+LOGGED_SETTINGS = ("weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
+                   "hidden_dropout", "attention_dropout", "muon_momentum", "muon_lr", "muon_ns_steps")
 
 
 # --------------------------------------------------------------------------- directories
@@ -61,6 +68,22 @@ def check_load_path(load: str) -> None:
     """``--load`` names a checkpoint directory, not a file (a missing one is a first run: ``--load`` = ``--save``)."""
     if os.path.exists(load) or _file_above(load) is not None:
         supervision.check_load_path(load)
+
+
+def check_output_paths(tc) -> None:
+    """--metrics-file, --tensorboard-dir and --wandb-save-dir can be written where they point (S06, S17): a
+    mistake is one line at start-up and under --validate-only, not a traceback after the model is built."""
+    if tc.metrics_file:
+        if os.path.isdir(tc.metrics_file):
+            raise ConfigError(f"--metrics-file {tc.metrics_file} is a directory: give a file path")
+        above = _file_above(os.path.dirname(os.path.abspath(tc.metrics_file)))
+        if above is not None:
+            raise ConfigError(f"--metrics-file {tc.metrics_file}: {above} is a file, not a directory")
+    for flag, path in (("--tensorboard-dir", tc.tensorboard_dir), ("--wandb-save-dir", tc.wandb_save_dir)):
+        above = _file_above(path) if path else None
+        if above is not None:
+            where = "is a file" if os.path.abspath(above) == os.path.abspath(path) else f"is under the file {above}"
+            raise ConfigError(f"{flag} {path} {where}: give a directory path")
 
 
 # --------------------------------------------------------------------------- data index memory
@@ -100,7 +123,7 @@ def _same(name: str, old: Any, new: Any) -> bool:
     if old == new:
         return True
     if name in _PATH_SETTINGS and old is not None and new is not None:
-        olds, news = (old, new) if name == "data_path" else ([old], [new])
+        olds, news = (old, new) if name.endswith("data_path") else ([old], [new])
         return len(olds) == len(news) and all(os.path.realpath(str(a)) == os.path.realpath(str(b))
                                               for a, b in zip(olds, news))
     return False
@@ -121,6 +144,17 @@ def changed_settings(saved_args: Mapping[str, Any] | argparse.Namespace, cfg: Ru
     now = megatron_args(cfg)
     return [("--" + n.replace("_", "-"), saved[n], now[n]) for n in RESUME_SETTINGS
             if n in saved and n in now and not _same(n, saved[n], now[n])]
+
+
+def logged_changes(saved_args: Mapping[str, Any] | argparse.Namespace, cfg: RunConfig) -> list[str]:
+    """``"--flag old -> new"`` of each optimizer or dropout setting this resume changes (they apply from the
+    first resumed step on; the caller logs them in one line)."""
+    saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
+    if not isinstance(saved, Mapping):
+        return []
+    now = megatron_args(cfg)
+    return [f"--{n.replace('_', '-')} {_text(saved[n])} -> {_text(now[n])}" for n in LOGGED_SETTINGS
+            if n in saved and n in now and saved[n] is not None and saved[n] != now[n]]
 
 
 def _warmup_follows(sw: int, sd: int, nw: int, nd: int) -> bool:

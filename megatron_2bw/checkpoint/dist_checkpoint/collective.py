@@ -5,12 +5,13 @@ DCP's ``CheckpointException`` carries every rank's traceback; a run reports the 
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from ...errors import os_error_line
+from ...errors import describe_save_failure, find_os_error, os_error_line
 from ...parallel_state import group_timeout
 
 _GROUP: list = []  # the gloo group of checkpoint collectives (made on first use, by every rank at once)
@@ -51,3 +52,26 @@ def config_error(e: BaseException) -> ConfigError:
     if isinstance(cause, OSError):
         return ConfigError(os_error_line(cause))
     return ConfigError(first_line(cause))
+
+
+def write_error(e: BaseException, tmp: str, rank: int) -> ConfigError:
+    """A failed DCP write as one line naming this rank's file and the cause (F02-F05): torch's zip writer
+    reports a full disk or the file size limit as ``unexpected pos N vs M``; the errno is found behind it, or
+    the cause recognised from the disk's free space and ``ulimit -f`` (``errors.describe_save_failure``)."""
+    names = sorted(n for n in (os.listdir(tmp) if os.path.isdir(tmp) else []) if n.startswith(f"__{rank}_"))
+    path = os.path.join(tmp, names[0]) if names else tmp
+    oe = os_error_in(e)
+    if oe is not None:
+        return ConfigError(os_error_line(oe, path))
+    if "unexpected pos" in str(e):
+        return ConfigError(describe_save_failure(RuntimeError(first_line(e)), path))
+    return config_error(e)
+
+
+def os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind a DCP failure (its CheckpointException lists each rank's exception), or None."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        e = cause[0] if isinstance(cause, tuple) else cause
+    return find_os_error(e)

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ...errors import ConfigError
 from ...tensor_parallel.recompute import RNGSnapshot
@@ -23,7 +24,7 @@ from ..compat import stage_model
 from ..layout import iteration_dir
 from ..manifest import write_tracker
 from ...errors import os_error_line
-from .collective import checkpoint_group, config_error, global_rank
+from .collective import checkpoint_group, global_rank, write_error
 from .files import COMMON, DATA_RE, FORMAT, METADATA, rng_key
 from .planners import SavePlanner
 from .shard_map import Chunk, save_chunks
@@ -79,8 +80,8 @@ def write_and_publish(root: str, iteration: int, chunks: list[Chunk], objects: d
         faults.before_publish(iteration)
     except OSError as e:
         error, entries = ConfigError(os_error_line(e, tmp, "writing")), None
-    except Exception as e:  # noqa: BLE001 - DCP's CheckpointException carries each rank's failure
-        error, entries = config_error(e), None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's (a BaseException) carries each rank's failure
+        error, entries = write_error(e, tmp, rank), None
     gathered = [entries if error is None else str(error)]  # each rank's files, or its failure
     if group is not None:
         gathered = [None] * dist.get_world_size(group)
