@@ -10,6 +10,8 @@ paths, so the losses agree to the last bit; the comparison allows 1e-6.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import shutil
 
@@ -94,28 +96,53 @@ def test_same_layout_resume_is_bitwise(saved, tmp_path):
     assert (ca["step"], ca["scaler"], ca["optimizer"]) == (cb["step"], cb["scaler"], cb["optimizer"])
 
 
+@functools.cache
+def _tool():
+    """tools/checkpoint_util.py loaded once into this process: the reference conversions run its ``main`` here
+    (the same code as its command line, without an interpreter start and imports per conversion)."""
+    spec = importlib.util.spec_from_file_location("checkpoint_util", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _util(*args: str) -> None:
+    assert _tool().main(list(args)) == 0, args
+
+
 def _offline(src: str, dst: str, t: int, d: int, *flags: str) -> str:
-    res = run([PY, TOOL, "--load-dir", src, "--save-dir", dst, "--target-tensor-parallel-size", str(t),
-               "--target-pipeline-parallel-size", str(d), *flags], timeout=180)
-    assert res.returncode == 0, res.describe()
+    _util("--load-dir", src, "--save-dir", dst, "--target-tensor-parallel-size", str(t),
+          "--target-pipeline-parallel-size", str(d), *flags)
     return dst
 
 
-def test_resharded_resume_trains_like_offline_reshard(saved, tmp_path):
-    """The losses (t=1 d=4 w=2); the other layouts are compared state for state below (cheaper)."""
+TARGETS = [(1, 4, 2, True), (2, 1, 4, True), (2, 2, 2, False), (1, 1, 8, False)]  # t, d, w, distributed optimizer
+
+
+@pytest.fixture(scope="module")
+@once
+def resharded(saved, tmp_path_factory) -> tuple[str, dict]:
+    """The saved run's checkpoint at START, and tools/checkpoint_util.py's offline reshard of it to every (t, d) of
+    TARGETS (shared by the state comparison and the resumed losses: one tool launch per layout)."""
+    out = tmp_path_factory.mktemp("resharded")
+    src = _at_start(saved, out)
+    layouts = sorted({(t, d) for t, d, _, _ in TARGETS})
+    return src, {(t, d): _offline(src, str(out / f"t{t}d{d}"), t, d) for t, d in layouts}
+
+
+def test_resharded_resume_trains_like_offline_reshard(resharded, saved, tmp_path):
+    """The losses at t=1 d=4 w=1 (t, d and w all changed; 4 processes per launch), the distributed optimizer's
+    shards of both w = 2 replicas gathered; the other layouts are compared state for state below (cheaper)."""
     t, d, extra = 1, 4, ZERO
-    src = _at_start(saved, tmp_path)
-    online = _launch([*_args(t=t, d=d, extra=extra), "--load", src], 8, str(tmp_path / "online.jsonl"))
-    offline_dir = _offline(src, str(tmp_path / "offline"), t, d)
+    src, offline_dirs = resharded
+    online = _launch([*_args(t=t, d=d, extra=extra), "--load", src], 4, str(tmp_path / "online.jsonl"))
+    offline_dir = offline_dirs[(t, d)]
     assert not dc.is_dist_checkpoint(ck.iteration_dir(offline_dir, START))  # the torch format
-    offline = _launch([*_args(t=t, d=d, extra=extra), "--load", offline_dir], 8, str(tmp_path / "offline.jsonl"))
+    offline = _launch([*_args(t=t, d=d, extra=extra), "--load", offline_dir], 4, str(tmp_path / "offline.jsonl"))
     assert sorted(online) == sorted(offline) == [START]
     assert abs(online[START] - offline[START]) <= TOL, (online, offline)
     # the state moved: the loss is that of the saved run's step (bf16 across layouts: a loose bound)
     assert abs(online[START] - saved[1][START]) < 0.05, (online, saved[1])
-
-
-TARGETS = [(1, 4, 2, True), (2, 1, 4, True), (2, 2, 2, False), (1, 1, 8, False)]  # t, d, w, distributed optimizer
 
 
 def _stage(common: dict, t: int, d: int, w: int, zero: bool) -> tuple[PipelineRank, RNGTracker]:
@@ -156,12 +183,11 @@ def _state_case(src: str, offline: dict) -> list[str]:
     return bad
 
 
-def test_resharded_state_equals_offline_reshard(saved, tmp_path):
+def test_resharded_state_equals_offline_reshard(resharded):
     """t=1 d=4 w=2, t=2 d=1 w=4, t=2 d=2 w=2 without and t=1 d=1 w=8 without the distributed optimizer:
     every rank's weights (both versions), fp32 master, Adam moments, step and loss scale as DCP loads
     them at that layout are bitwise those that tools/checkpoint_util.py's offline reshard restores."""
-    src = _at_start(saved, tmp_path)
-    offline = {(t, d): _offline(src, str(tmp_path / f"t{t}d{d}"), t, d) for t, d in {(t, d) for t, d, _, _ in TARGETS}}
+    src, offline = resharded
     bad = [line for rank in run_workers(_state_case, 8, src, offline, timeout=600) for line in rank]
     assert not bad, bad
 
@@ -242,9 +268,7 @@ def test_checkpoint_util_converts_torch_to_torch_dist_and_back(one_rank_run, tmp
     from megatron_2bw.checkpoint.trainer_reshard import read_dist_checkpoint, read_trainer_checkpoint
 
     dist_dir = str(tmp_path / "dist")
-    res = run([PY, TOOL, "--load-dir", one_rank_run.save, "--save-dir", dist_dir, "--ckpt-format", "torch_dist"],
-              timeout=180)
-    assert res.returncode == 0, res.describe()
+    _util("--load-dir", one_rank_run.save, "--save-dir", dist_dir, "--ckpt-format", "torch_dist")
     assert dc.is_dist_checkpoint(ck.iteration_dir(dist_dir, 4)) and ck.read_tracker(dist_dir) == 4
     back = _offline(dist_dir, str(tmp_path / "back"), 2, 1)
     src, mid, end = (read_trainer_checkpoint(one_rank_run.save), read_dist_checkpoint(dist_dir),

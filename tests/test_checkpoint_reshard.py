@@ -4,13 +4,15 @@ loss and continues training with the same losses as the run that was never resha
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import shutil
 
 import pytest
 import torch
 from ckpt_runs import _ckpt_data, gpt_args, tp2_pp2_run, train  # noqa: F401
-from e2e import PY, REPO, read_metrics, run, train_losses
+from e2e import REPO, read_metrics, train_losses
 
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint.trainer_reshard import read_trainer_checkpoint
@@ -27,9 +29,17 @@ def _at_start(tp2_pp2_run, tmp_path) -> str:  # noqa: F811
     return src
 
 
+@functools.cache
+def _tool():
+    """tools/checkpoint_util.py loaded once into this process; its ``main`` runs the command line's code."""
+    spec = importlib.util.spec_from_file_location("checkpoint_util", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _reshard(src: str, dst: str, *flags: str) -> None:
-    res = run([PY, TOOL, "--load-dir", src, "--save-dir", dst, *flags], timeout=180)
-    assert res.returncode == 0, res.describe()
+    assert _tool().main(["--load-dir", src, "--save-dir", dst, *flags]) == 0, (src, dst, flags)
 
 
 def _valid_loss(load: str, t: int, d: int, tmp_path, name: str) -> float:
@@ -48,8 +58,16 @@ def _continue(load: str, t: int, d: int, tmp_path, name: str) -> dict[int, float
     return train_losses(read_metrics(metrics))
 
 
+@pytest.fixture(scope="module")
+def valid_before(tp2_pp2_run, tmp_path_factory) -> float:  # noqa: F811
+    """The validation loss of the original checkpoint at START (t=2, d=2): one launch for both targets."""
+    tmp = tmp_path_factory.mktemp("valid_before")
+    return _valid_loss(_at_start(tp2_pp2_run, tmp), 2, 2, tmp, "valid_before")
+
+
 @pytest.mark.parametrize("t,d", [(1, 1), (1, 4)])
-def test_resharded_checkpoint_evaluates_and_trains_like_the_original(tp2_pp2_run, tmp_path, t, d):  # noqa: F811
+def test_resharded_checkpoint_evaluates_and_trains_like_the_original(tp2_pp2_run, valid_before,  # noqa: F811
+                                                                     tmp_path, t, d):
     src = _at_start(tp2_pp2_run, tmp_path)
     dst = str(tmp_path / f"t{t}d{d}")
     _reshard(src, dst, "--target-tensor-parallel-size", str(t), "--target-pipeline-parallel-size", str(d))
@@ -60,8 +78,7 @@ def test_resharded_checkpoint_evaluates_and_trains_like_the_original(tp2_pp2_run
     for fam, full in before.families.items():  # every per-parameter tensor moved exactly
         assert all(torch.equal(full[n], after.families[fam][n]) for n in full), fam
     assert float(before.families["optimizer.exp_avg_sq"]["3.attn.qkv.weight"].abs().sum()) > 0
-    valid_after, valid_before = (_valid_loss(dst, t, d, tmp_path, "valid_after"),
-                                 _valid_loss(src, 2, 2, tmp_path, "valid_before"))
+    valid_after = _valid_loss(dst, t, d, tmp_path, "valid_after")
     straight = train_losses(tp2_pp2_run.metrics)
     resumed = _continue(dst, t, d, tmp_path, "continued")
     assert sorted(resumed) == list(range(START, END))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
 import pytest
 import torch
-from e2e import PY, REPO, run, shared_corpus, torchrun
+from e2e import REPO, shared_corpus, torchrun
 from export_helpers import max_err
 
 from megatron_2bw.checkpoint.megatron_format import read_rank_files
@@ -53,18 +54,33 @@ def _stage_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
     return x[..., : cfg.vocab_size]
 
 
-def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path):
+def _tool(name: str):
+    """``tools/<name>.py`` loaded into this process: its ``main`` runs the command line's code without an
+    interpreter start that imports torch and transformers again."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(REPO, "tools", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _main(capsys, name: str, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = _tool(name).main(list(argv))
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path, capsys):
     from transformers import GPT2LMHeadModel
 
-    py = PY
-    tool = os.path.join(REPO, "tools", "checkpoint_util.py")
     # the optimizer state is dropped and said so (an HF model never holds it; issue 19), not refused
-    dropped = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "x"), "--saver", "hf"])
-    assert dropped.returncode == 0 and "the optimizer state was left out" in dropped.stdout, dropped.describe()
-    res = run([py, tool, "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "hf"), "--saver", "hf",
-               "--no-optimizer"])
-    assert res.returncode == 0, res.describe()
-    assert "with its SentencePieceTokenizer tokenizer" in res.stdout, res.describe()
+    code, out, err = _main(capsys, "checkpoint_util", "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "x"),
+                           "--saver", "hf")
+    assert code == 0 and "the optimizer state was left out" in out, (code, out, err)
+    code, out, err = _main(capsys, "checkpoint_util", "--load-dir", trainer_ckpt, "--save-dir", str(tmp_path / "hf"),
+                           "--saver", "hf", "--no-optimizer")
+    assert code == 0, (out, err)
+    assert "with its SentencePieceTokenizer tokenizer" in out, (out, err)
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "hf" / "tokenizer.model"))
@@ -75,10 +91,10 @@ def test_trainer_checkpoint_to_hf_and_generate(trainer_ckpt, tmp_path):
     with torch.no_grad():
         theirs = hf(tokens).logits
     assert max_err(theirs, _stage_logits(trainer_ckpt, tokens)) < 1e-5
-    gen = run([py, os.path.join(REPO, "tools", "generate.py"), "--load", trainer_ckpt, "--prompt", "The story",
-               "--max-new-tokens", "5", "--temperature", "0", "--device", "cpu"])
-    assert gen.returncode == 0, gen.describe()
-    assert gen.stdout.startswith("The story") and len(gen.stdout.strip()) > len("The story")
+    code, out, err = _main(capsys, "generate", "--load", trainer_ckpt, "--prompt", "The story", "--max-new-tokens", "5",
+                           "--temperature", "0", "--device", "cpu")
+    assert code == 0, (out, err)
+    assert out.startswith("The story") and len(out.strip()) > len("The story")
 
 
 def test_trainer_files_with_megatron_contents_load(tmp_path):

@@ -2,22 +2,30 @@
 
 import math
 
+import pytest
 import torch
 from e2e import PY, REPO, corpus, read_metrics, run, train_args, train_losses  # noqa: F401
 from transformers import GPT2Config, GPT2LMHeadModel
 
 
-def test_hf_model_loads_and_trains(corpus, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> str:
+    """A random GPT2LMHeadModel converted once by ``checkpoint_util.py --loader hf`` (both tests read it)."""
+    out = tmp_path_factory.mktemp("hf_loader")
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=4, n_head=4, n_inner=256,
                                     activation_function="gelu_new", layer_norm_epsilon=1e-5))
-    hf.save_pretrained(tmp_path / "hf")
-    conv = run([PY, f"{REPO}/tools/checkpoint_util.py", "--loader", "hf", "--load-dir", str(tmp_path / "hf"),
-                "--save-dir", str(tmp_path / "ck")], timeout=180)
+    hf.save_pretrained(out / "hf")
+    conv = run([PY, f"{REPO}/tools/checkpoint_util.py", "--loader", "hf", "--load-dir", str(out / "hf"),
+                "--save-dir", str(out / "ck")], timeout=180)
     assert conv.returncode == 0, conv.describe()
+    return str(out / "ck")
+
+
+def test_hf_model_loads_and_trains(corpus, hf_checkpoint, tmp_path):  # noqa: F811
     metrics = str(tmp_path / "m.jsonl")
     args = [*train_args(corpus, preset="gpt-tiny", schedule="flush", iters=12, micro=2, global_batch=4, lr=3e-3),
-            "--load", str(tmp_path / "ck"), "--finetune", "--log-interval", "1", "--eval-iters", "0",
+            "--load", hf_checkpoint, "--finetune", "--log-interval", "1", "--eval-iters", "0",
             "--metrics-file", metrics]
     res = run([PY, f"{REPO}/pretrain_gpt.py", *args], timeout=240)
     assert res.returncode == 0, res.describe()
@@ -29,17 +37,10 @@ def test_hf_model_loads_and_trains(corpus, tmp_path):  # noqa: F811
     assert last < first - 0.3, losses
 
 
-def test_weights_only_checkpoint_needs_finetune(corpus, tmp_path):  # noqa: F811
-    torch.manual_seed(0)
-    hf_cfg = GPT2Config(vocab_size=512, n_positions=16, n_embd=64, n_layer=4, n_head=4, n_inner=256,
-                        activation_function="gelu_new", layer_norm_epsilon=1e-5)
-    GPT2LMHeadModel(hf_cfg).save_pretrained(tmp_path / "hf")
-    conv = run([PY, f"{REPO}/tools/checkpoint_util.py", "--loader", "hf", "--load-dir", str(tmp_path / "hf"),
-                "--save-dir", str(tmp_path / "ck")], timeout=180)
-    assert conv.returncode == 0, conv.describe()
+def test_weights_only_checkpoint_needs_finetune(corpus, hf_checkpoint):  # noqa: F811
     for extra in ((), ("--no-load-optim",)):
         args = [*train_args(corpus, preset="gpt-tiny", schedule="flush", iters=4, micro=2, global_batch=4),
-                "--load", str(tmp_path / "ck"), *extra]
+                "--load", hf_checkpoint, *extra]
         res = run([PY, f"{REPO}/pretrain_gpt.py", *args], timeout=180)
         errors = [x for x in res.stderr.splitlines() if x.startswith("error:")]
         assert res.returncode == 2 and len(errors) == 1 and errors[0].endswith(

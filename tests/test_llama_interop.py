@@ -111,12 +111,12 @@ def test_saver_hf_refuses_what_llama_cannot_hold(tmp_path, capsys):
         hf_model(Exported(cfg, global_state_dict(build_full_model(cfg))))
 
 
-def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
+def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory, capsys):
     """pretrain_gpt.py trains llama-tiny at t = 2, d = 2 (2BW, sequence parallel), checkpoint_util writes
     LlamaForCausalLM, and
     tools/generate.py prints the same greedy text from the trainer checkpoint and from the HF directory,
     which is transformers' own greedy continuation."""
-    from e2e import PY, REPO, run, shared_corpus, torchrun
+    from e2e import shared_corpus, torchrun
     from transformers import LlamaForCausalLM
 
     from megatron_2bw.data.tokenizers import build_tokenizer
@@ -130,9 +130,9 @@ def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
         "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "1e-2", "--eval-iters", "0", "--device", "cpu",
         "--save", save], nproc=4)
     assert res.returncode == 0, res.describe()
-    tool = os.path.join(REPO, "tools", "checkpoint_util.py")
-    res = run([PY, tool, "--load-dir", save, "--save-dir", hf_dir, "--saver", "hf", "--no-optimizer"])
-    assert res.returncode == 0, res.describe()
+    # the tools in this process (their main, as their command lines run it): no interpreter and imports per call
+    assert _tool("checkpoint_util").main(["--load-dir", save, "--save-dir", hf_dir, "--saver", "hf",
+                                          "--no-optimizer"]) == 0
     hf = LlamaForCausalLM.from_pretrained(hf_dir).eval()
     ex, _ = load_checkpoint(save)
     assert ex.iteration == 3 and not ex.cfg.tied_output and ex.cfg.query_groups == 2
@@ -143,11 +143,13 @@ def test_trainer_llama_run_to_hf_and_generate(tmp_path_factory):
     tok = build_tokenizer("SentencePieceTokenizer", corpus.model)
     texts = []
     for load in (save, hf_dir):
-        gen = run([PY, os.path.join(REPO, "tools", "generate.py"), "--load", load, "--prompt", "The story",
-                   "--max-new-tokens", "8", "--temperature", "0", "--device", "cpu",
-                   "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", corpus.model])
-        assert gen.returncode == 0, gen.describe()
-        texts.append(gen.stdout)
+        capsys.readouterr()
+        code = _tool("generate").main(["--load", load, "--prompt", "The story", "--max-new-tokens", "8",
+                                       "--temperature", "0", "--device", "cpu", "--tokenizer-type",
+                                       "SentencePieceTokenizer", "--tokenizer-model", corpus.model])
+        got = capsys.readouterr()
+        assert code == 0, got.err
+        texts.append(got.out)
     ids = tok.tokenize("The story")
     theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=tok.eod,
                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
