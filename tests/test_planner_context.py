@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from dataclasses import replace
 
 import pytest
@@ -92,7 +94,7 @@ def _saved_worker() -> list[int]:
             if comm == "p2p":
                 o = ring_attention(cp, q, k, v, None, 0.0, causal)
             else:
-                o = all_gather_attention(cp, lambda *x: attention(backend, *x[:4], 0.0, x[4]), q, k, v, None, causal)
+                o = all_gather_attention(cp, backend, partial(attention, backend), q, k, v, None, 0.0, causal)
         o.float().sum().backward()
         out.append(saved.bytes)
     return out

@@ -39,6 +39,7 @@ from typing import Iterable
 
 from ..config import ModelConfig
 from ..config.arith import core_forward_flops
+from ..config.context import P2P, PLANNED_CP_COMM_TYPES as PLANNED
 from .hardware import Cluster
 from .layer_costs import (SCORE_PASSES, BlockCost, LayerCosts, MicrobatchCosts, activation_bytes, analytic_microbatch_costs,
                           attention_kernel, core_stash_bytes, dropout_mask_bytes)
@@ -53,8 +54,8 @@ INDEX_BYTES = 8  # the gather's int64 index into sequence order (kept by index_s
 MIN_TOKENS_PER_RANK = 4096
 
 
-# the exchanges the planner prices; --cp-comm-type a2a trains but is not priced yet
-PLANNED_CP_COMM_TYPES = ("p2p", "all_gather")
+# the exchanges the planner prices (config/context.py's table): --cp-comm-type a2a trains but is not priced yet
+PLANNED_CP_COMM_TYPES = PLANNED
 
 
 def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
@@ -112,7 +113,7 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
                        comm: str, causal: bool) -> int:
     """The core's bytes per layer at context size ``c`` by ``comm`` (the ring's include Q, K and V)."""
     e = activation_bytes(precision)
-    if comm == "p2p":
+    if comm == P2P:
         return ring_core_bytes(model, b, t, c, e, causal)
     grouped = model.query_groups != model.num_attention_heads
     return gather_core_bytes(model, b, t, c, e, attention_kernel(cluster, model), dropout_mask_bytes(cluster, e),
@@ -125,7 +126,7 @@ def keeps_layer_qkv(model: ModelConfig, cluster: Cluster, comm: str) -> bool:
     grouped heads (Q is a regrouped copy) nor in the unfused core (each chunk's Q, regrouped for its GEMM, is a
     copy): those keep Q's copy alone, and K and V are the gathered ones."""
     grouped = model.query_groups != model.num_attention_heads
-    return comm == "p2p" or not grouped and attention_kernel(cluster, model) != "unfused"
+    return comm == P2P or not grouped and attention_kernel(cluster, model) != "unfused"
 
 
 def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
@@ -133,7 +134,7 @@ def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
     rate, the all-gather at the collective's bus rate), else the server's NIC shared by all its GPUs."""
     G = cluster.devices_per_server
     if t * c <= G and G % (t * c) == 0:
-        return cluster.intra_server_p2p_bandwidth if comm == "p2p" else cluster.intra_server_allreduce_bandwidth
+        return cluster.intra_server_p2p_bandwidth if comm == P2P else cluster.intra_server_allreduce_bandwidth
     return cluster.inter_server_bandwidth / G
 
 
@@ -142,7 +143,7 @@ def _core_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: int, 
     """The core's forward on one rank: the ring's fp32 blocks, or 1/c of the whole sequence's core."""
     s, local = model.seq_length, model.seq_length // c
     eff = cluster.efficiency.layer_fraction(b, local, model.hidden_size, t)
-    if comm == "p2p":
+    if comm == P2P:
         n = s // (2 * c)
         elems = sum(ring_blocks(c, causal)) * n * n
         flops = 4 * b * elems * model.hidden_size / t
@@ -173,9 +174,9 @@ def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: st
     stash = lay.stash_bytes - lay.core_stash_bytes + core - (0 if keeps_layer_qkv(model, cluster, comm) else kv)
     core_s = _core_seconds(model, cluster, precision, t, b, c, comm, causal)
     hop = _exchange_seconds(model, cluster, precision, t, b, c, comm)
-    fwd_comm = max(0.0, hop - core_s) if comm == "p2p" else hop
+    fwd_comm = max(0.0, hop - core_s) if comm == P2P else hop
     forward = lay.forward_s - lay.core_forward_s + core_s + fwd_comm
-    redo = core_s if comm == "p2p" else 0.0  # the ring's backward re-runs each block's forward
+    redo = core_s if comm == P2P else 0.0  # the ring's backward re-runs each block's forward
     backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + redo + hop
     layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
                     core_stash_bytes=core, stash_bytes=stash, workspace_bytes=stash)
