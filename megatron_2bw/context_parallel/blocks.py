@@ -99,7 +99,10 @@ def tile_rows(nq: int) -> int:
 
 def _bias(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean keep-mask as the additive mask the kernels take (their query's dtype)."""
-    return None if keep is None else torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, MASKED)
+    if keep is None:
+        return None
+    return torch.where(keep, torch.zeros((), dtype=dtype, device=keep.device),
+                       torch.full((), MASKED, dtype=dtype, device=keep.device))
 
 
 def _grouped(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -136,6 +139,7 @@ def block_forward(q, k, v, mask: BlockMask, p: float, kernel: str):
             o, lt, state = _written_forward(q[:, :, lo:hi], k, v, keep, p)
             states.append(state)
         out[:, :, lo:hi], lse[:, :, lo:hi] = o, lt
+        del o, lt, keep
     return out, lse, states
 
 
@@ -171,6 +175,7 @@ def block_backward(dout, q, k, v, out, lse, mask: BlockMask, p: float, kernel: s
         dq[:, :, rows] = gq
         dk += gk
         dv += gv
+        del gq, gk, gv  # not alive beside the next tile's
     return dq, dk, dv
 
 

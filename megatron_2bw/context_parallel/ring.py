@@ -45,9 +45,12 @@ def _exchange(cp: CPGroup, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], 
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+def _wait(*works: list) -> None:
+    """Settle the transfers and drop their handles (a handle keeps its tensors alive until released)."""
+    for group in works:
+        for work in group:
+            work.wait()
+        group.clear()
 
 
 def _visible(cp: CPGroup, step: int, mask, causal: bool, n: int):
@@ -104,8 +107,9 @@ def _ring_backward(cp: CPGroup, q, k, v, out, lse, dout, mask, p: float, causal:
             dq[:, :, rows] += gq
             dkv[0][:, :, cols] += gk
             dkv[1][:, :, cols] += gv
+            del gq, gk, gv  # not alive beside the hop's receive buffer
         (dkv,), works = _exchange(cp, dkv)  # the last hop brings each rank its own keys' and values' gradients
-        _wait(kv_works + works)
+        _wait(kv_works, works)
         kv = nxt[0]
     return dq, dkv[0], dkv[1]
 

@@ -62,13 +62,10 @@ def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     takes that as torch's bottom-right causal bias, which its fused kernels run without a mask tensor."""
     if backend in ("unfused", "local"):
         return unfused_attention(q, k, v, mask, p, causal)
-    if causal and q.shape[2] != k.shape[2]:
+    if causal and q.shape[2] != k.shape[2]:  # grouped heads too: torch's bias passes enable_gqa to its kernels
         from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415 - torch >= 2.3
 
-        if q.shape[1] != k.shape[1]:  # its flash path takes no grouped heads: the mask, materialized
-            mask, causal = prefix_causal_keep(q.shape[2], k.shape[2], q.device), False
-        else:
-            mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
+        mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     if backend == "auto":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
