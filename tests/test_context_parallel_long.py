@@ -205,3 +205,32 @@ def test_ring_peak_memory_is_the_planners():
                                     written=backend == "unfused", dropout=p > 0)
         for fwd, bwd in (r[i] for r in ranks):
             assert abs(max(fwd, bwd) - plan) <= 0.05 * plan, (PEAK_CASES[i], fwd, bwd, plan)
+
+
+def test_grouped_prefix_uses_the_bottom_right_causal_bias():
+    """Review 3 G2: with grouped heads and more keys than queries (all_gather's chunk against its prefix) the core
+    passes torch's bottom-right causal bias with ``enable_gqa`` (which its flash kernel takes without a mask),
+    not a materialized boolean mask; the result equals the unfused core (fp32, 1e-6)."""
+    from torch.nn.attention.bias import CausalBias
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_2bw.models import attention_core
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                seen.append((type(kwargs.get("attn_mask")), kwargs.get("enable_gqa")))
+            return func(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 16, 32, generator=g)
+    k, v = torch.randn(1, 2, 48, 32, generator=g), torch.randn(1, 2, 48, 32, generator=g)
+    for backend in ("auto", "fused"):
+        with Spy():
+            out = attention_core.attention(backend, q, k, v, None, 0.0, True)
+        ref = attention_core.unfused_attention(q, k, v, None, 0.0, True)
+        assert (out - ref).abs().max().item() < 1e-6
+    assert seen[0] == (CausalBias, True) and seen.count(seen[0]) == 2 and len(set(seen)) == 1, seen
