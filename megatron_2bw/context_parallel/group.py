@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config.context import P2P
+
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "token_types", "position_ids")  # [b, s] tensors cut along s
 
 
@@ -26,14 +28,14 @@ class CPGroup:
     group: object | None = None
     rank: int = 0
     size: int = 1
-    comm_type: str = "p2p"
+    comm_type: str = P2P
     ranks: tuple[int, ...] = (0,)
 
     def __deepcopy__(self, memo) -> CPGroup:
         return self  # a handle to a process group: copies of a model share it
 
     @classmethod
-    def from_state(cls, state, comm_type: str = "p2p") -> CPGroup:
+    def from_state(cls, state, comm_type: str = P2P) -> CPGroup:
         return cls(state.cp_group, state.cp_rank, state.c, comm_type, tuple(state.cp_ranks))
 
     def chunks_of(self, rank: int) -> tuple[int, int]:
