@@ -395,40 +395,54 @@ def _setup(args) -> dict:
 
 
 def _sections(env: dict, deadline: float):
-    """Every check, in order of what it tells per second; each yields its rows (written as they come)."""
+    """Every check, in order of what it tells per second: each yields (its name, a call returning its rows), so
+    ``main`` guards each (an exception is one FAIL row, review 3 G12) and skips the ones past the deadline."""
     import gpu_probe
+    import gpu_probe_cp as cp
     import gpu_probe_overlap as overlap
     import gpu_probe_sdpa
 
     from megatron_2bw.training.log_format import peak_tflops_of
 
     device, kernels = env["device"], env["kernels"]
-    yield [gpu_probe.environment_row(device), check_kernels(device)]
-    yield gpu_probe.queue_rows(device)
-    yield overlap.alloc_sync_rows(device)
-    yield overlap.prefetch_rows(device)
-    yield [overlap.sm_share_row(device)]
-    yield gpu_probe_sdpa.sdpa_rows(device)
-    yield [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
-    yield gpu_probe.split_backward_rows(device)
-    yield [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
-    yield check_checkpoint_memory(device, "bf16", kernels)
-    yield [overlap.update_wait_row(device, deadline)]
-    yield gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
+    small = device.type != "cuda"
+    yield "environment", lambda: [gpu_probe.environment_row(device), check_kernels(device)]
+    yield "queue probe", lambda: gpu_probe.queue_rows(device)
+    yield "allocator retry sync", lambda: overlap.alloc_sync_rows(device)
+    yield "prefetch", lambda: overlap.prefetch_rows(device)
+    yield "compute on fewer SMs", lambda: [overlap.sm_share_row(device)]
+    yield "sdpa", lambda: gpu_probe_sdpa.sdpa_rows(device)
+    yield "cp core", lambda: cp.cp_core_rows(device, small)
+    yield "cp prefix", lambda: cp.prefix_rows(device, small)
+    yield "fp16 large gradient, staging", lambda: [check_fp16_large_gradient(device), gpu_probe.staging_row(device)]
+    yield "split backward", lambda: gpu_probe.split_backward_rows(device)
+    yield "recompute replay", lambda: [check_recompute_replay(device, dtype, kernels) for dtype in env["dtypes"]]
+    yield "checkpoint memory", lambda: check_checkpoint_memory(device, "bf16", kernels)
+    yield "update wait", lambda: [overlap.update_wait_row(device, deadline)]
+    yield "trainer stage", lambda: gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
     if env["cuda"] or env["cpu_trainer"]:
-        yield [gpu_probe.trainer_resume_row(device, deadline)]
+        yield "trainer resume", lambda: [gpu_probe.trainer_resume_row(device, deadline)]
     else:
-        yield [_row("trainer torch_dist async save and resume", "info",
-                    "not run in the CPU form (two trainer processes, about 40 s); --cpu-trainer runs it")]
+        yield "trainer resume", lambda: [_row("trainer torch_dist async save and resume", "info",
+                                              "not run in the CPU form (two trainer processes, about 40 s); "
+                                              "--cpu-trainer runs it")]
     for model in env["models"]:
         for dtype in env["dtypes"]:
-            if time.perf_counter() > deadline:
-                yield [_row(f"train {model} {dtype}", "info", "skipped: the script's time budget is spent")]
-                continue
-            yield check_training(model, dtype, device, env["steps"], env["warmup"], env["m"], kernels,
-                                 peak_tflops_of(env["name"], dtype))
-    yield check_d2(env["n_gpus"])
-    yield [overlap.tied_d2_row(env["n_gpus"], deadline)]
+            peak = peak_tflops_of(env["name"], dtype)
+            yield f"train {model} {dtype}", lambda model=model, dtype=dtype, peak=peak: check_training(
+                model, dtype, device, env["steps"], env["warmup"], env["m"], kernels, peak)
+    yield "d=2", lambda: check_d2(env["n_gpus"])
+    yield "tied embedding d=2", lambda: [overlap.tied_d2_row(env["n_gpus"], deadline)]
+
+
+def _run_section(name: str, call, deadline: float) -> list[dict]:
+    """A section's rows; one FAIL row if it raised; one info row if the budget was spent before it."""
+    if time.perf_counter() > deadline:
+        return [_row(name, "info", "skipped: the script's time budget is spent")]
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - an OOM or an API drift fails this section, not the later ones
+        return [_row(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,8 +480,9 @@ def main(argv: list[str] | None = None) -> int:
             "checks": rows,
         })
 
-    for section in _sections(env, t_start + args.budget_s):
-        rows += section
+    deadline = t_start + args.budget_s
+    for name, call in _sections(env, deadline):
+        rows += _run_section(name, call, deadline)
         record(False)
     record(True)
     _report(rows, env, time.perf_counter() - t_start)

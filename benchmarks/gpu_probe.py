@@ -35,6 +35,7 @@ import time
 
 PASS, FAIL, NEEDS_GPU, INFO = "pass", "FAIL", "needs GPU", "info"
 SLEEP_S = 0.5  # the blocking kernel's length in the queue probe
+RESUME_RTOL = 1e-2  # losses after the first past a resume: bf16 rounding of nondeterministic attention backward
 
 
 def _row(name: str, status: str, detail: str = "", **numbers) -> dict:
@@ -378,11 +379,14 @@ def trainer_resume_row(device, deadline: float) -> dict:
         return _row(name, FAIL, _first_line(e))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    # the first loss after the resume is a forward on the restored weights: bitwise; later ones went through
+    # backward passes whose flash/efficient kernels use atomics (not deterministic): a bf16 tolerance (G10)
     after = {i: v for i, v in first.items() if i > half}
-    same = bool(after) and all(second.get(i) == v for i, v in after.items())
-    return _row(name, PASS if same else FAIL, f"losses {half + 1}-{n} after the resume "
-                + ("equal the uninterrupted run's (bitwise)" if same else f"differ: {after} vs {second}"),
-                run_s=s1, resume_s=s2)
+    first_ok = bool(after) and second.get(min(after)) == after[min(after)]
+    same = first_ok and all(i in second and abs(second[i] - v) <= RESUME_RTOL * abs(v) for i, v in after.items())
+    return _row(name, PASS if same else FAIL, f"loss {half + 1} after the resume "
+                + ("equals the uninterrupted run's bitwise, the later ones within "
+                   f"{RESUME_RTOL:g}" if same else f"differ: {after} vs {second}"), run_s=s1, resume_s=s2)
 
 
 # ------------------------------------------------------------------ async-save staging

@@ -59,9 +59,10 @@ def apex_unusable_reason() -> str | None:
 
 
 def _probe_device() -> torch.device:
-    """This process's GPU (``LOCAL_RANK``'s, as the trainer will pick it): the probe must not make a CUDA
-    context on GPU 0 from every local rank before ``set_device``."""
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+    """This process's GPU (``LOCAL_RANK``'s, else ``SLURM_LOCALID``'s under ``srun``, as the trainer will pick it):
+    the probe must not make a CUDA context on GPU 0 from every local rank before ``set_device``."""
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    return torch.device("cuda", int(local) % max(torch.cuda.device_count(), 1))
 
 
 def _apex_kernel_problem(fused_layer_norm: type, device: torch.device) -> str | None:

@@ -4,10 +4,15 @@ Each rank draws the same whole-sequence q, k, v (and mask), keeps its two chunks
 order, runs the context-parallel core and back-propagates a fixed random output gradient; its outputs
 and its chunks' gradients of q, k and v must equal the dense core's (fp32, within 1e-5 of rounding):
 causal (GPT), grouped-query heads (Llama), non-causal with a padding mask (BERT) and a document mask
-(--reset-attention-mask), each with every communication type (p2p, all_gather, a2a).
+(--reset-attention-mask), each with every communication type (p2p, all_gather, a2a). Documents also
+travel as their ids ``[b, s]`` (what the trainer sends under context parallelism), each with the fused
+kernel (``auto``: torch's CPU flash kernel, which returns the log-sum-exp) and the written-out core
+(``unfused``), in tiles of 3 query rows so that every block is cut into several tiles and a partial one.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -31,14 +36,15 @@ def _inputs(heads: int, groups: int, mask_kind: str | None):
         pad = torch.ones(B, S, dtype=torch.bool)
         pad[1, -5:] = False
         mask = pad[:, None, None, :]
-    elif mask_kind == "documents":  # GPT --reset-attention-mask: documents of 5, 6 and 5 tokens
-        doc = torch.tensor([0] * 5 + [1] * 6 + [2] * 5)
-        mask = ((doc[:, None] == doc[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()).expand(B, 1, S, S)
+    elif mask_kind in ("documents", "document-ids"):  # GPT --reset-attention-mask: documents of 5, 6, 5 tokens
+        doc = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 2 + [1] * 14])
+        mask = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(S, S, dtype=torch.bool).tril())[:, None]
+        mask = doc if mask_kind == "document-ids" else mask
     return q, k, v, dout, mask
 
 
 def _dense(heads, groups, causal, mask_kind, backend):
-    q, k, v, dout, mask = _inputs(heads, groups, mask_kind)
+    q, k, v, dout, mask = _inputs(heads, groups, "documents" if mask_kind == "document-ids" else mask_kind)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = attention(backend, q, k, v, mask, 0.0, causal and mask is None)
     out.backward(dout)
@@ -50,6 +56,9 @@ def _cp_worker(heads, groups, causal, mask_kind, comm, backend):
     from megatron_2bw.context_parallel.a2a import a2a_attention  # noqa: PLC0415
     from megatron_2bw.context_parallel.attention import all_gather_attention, ring_attention  # noqa: PLC0415
 
+    from megatron_2bw.context_parallel import blocks  # noqa: PLC0415
+
+    blocks.TILE_ROWS = 3  # several tiles per block (n = 4), the last one partial
     c, rank = dist.get_world_size(), dist.get_rank()
     cp = CPGroup(dist.new_group(list(range(c))), rank, c, comm, tuple(range(c)))
     q, k, v, dout, mask = _inputs(heads, groups, mask_kind)
@@ -59,10 +68,10 @@ def _cp_worker(heads, groups, causal, mask_kind, comm, backend):
     local = [x.index_select(2, idx).clone().requires_grad_() for x in (q, k, v)]
     m = batch.get("attention_mask")
     if comm == "p2p":
-        out = ring_attention(cp, *local, m, 0.0, causal)
+        out = ring_attention(cp, *local, m, 0.0, causal, backend)
     else:
         exchange = a2a_attention if comm == "a2a" else all_gather_attention
-        out = exchange(cp, lambda *a: attention(backend, *a[:4], 0.0, a[4]), *local, m, causal)
+        out = exchange(cp, backend, partial(attention, backend), *local, m, 0.0, causal)
     out.backward(dout.index_select(2, idx))
     assert ParallelAttention is not None
     return idx, out.detach(), *(x.grad for x in local)
@@ -73,18 +82,26 @@ CASES = {  # id: (heads, key/value groups, causal, mask)
     "llama-gqa": (4, 2, True, None),
     "bert-padding": (4, 4, False, "padding"),
     "gpt-documents": (4, 4, True, "documents"),
+    "gpt-document-ids": (4, 4, True, "document-ids"),
+    "llama-document-ids": (4, 2, True, "document-ids"),
 }
+BACKENDS = {"gpt-document-ids": ("auto", "unfused"), "llama-document-ids": ("auto", "unfused"),
+            "bert-padding": ("auto", "unfused")}
 
 
-COMBOS = [(case, comm) for case in CASES for comm in ("p2p", "all_gather", "a2a")]
+def _backends(case: str) -> tuple[str, ...]:
+    return BACKENDS.get(case, ("unfused",) if CASES[case][3] else ("auto",))
+
+
+COMBOS = [(case, comm, backend) for case in CASES for comm in ("p2p", "all_gather", "a2a") for backend in _backends(case)]
 
 
 def _all_cases_worker():
     """Every (case, communication type) on one set of processes (one spawn for the whole table)."""
     out = []
-    for case, comm in COMBOS:
+    for case, comm, backend in COMBOS:
         heads, groups, causal, mask_kind = CASES[case]
-        out.append(_cp_worker(heads, groups, causal, mask_kind, comm, "unfused" if mask_kind else "auto"))
+        out.append(_cp_worker(heads, groups, causal, mask_kind, comm, backend))
     return out
 
 
@@ -93,11 +110,11 @@ def cp_runs():
     return run_workers(_all_cases_worker, 2, timeout=180)
 
 
-@pytest.mark.parametrize("case, comm", COMBOS)
-def test_context_parallel_core_equals_dense(cp_runs, case, comm):
+@pytest.mark.parametrize("case, comm, backend", COMBOS)
+def test_context_parallel_core_equals_dense(cp_runs, case, comm, backend):
     heads, groups, causal, mask_kind = CASES[case]
     ref = _dense(heads, groups, causal, mask_kind, "unfused" if mask_kind else "auto")
-    k = COMBOS.index((case, comm))
+    k = COMBOS.index((case, comm, backend))
     for idx, *got in (rank[k] for rank in cp_runs):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             err = (a - b.index_select(2, idx)).abs().max().item()

@@ -149,6 +149,45 @@ def test_start_up_grace_then_hang_before_first_progress():
     assert exits and "no rank made progress" in lines[0]
 
 
+def _microbatches(dogs, clock, count: int, seconds: int) -> None:
+    """``count`` microbatches of ``seconds`` each on every rank: progress at each one's start."""
+    for _ in range(count):
+        _advance(dogs, clock, 1, progress=range(len(dogs)))
+        _advance(dogs, clock, seconds - 1, progress=())
+
+
+def test_slow_microbatches_are_not_a_hang_but_a_hang_after_them_is():
+    """Issue 44: a long sequence's microbatch (25 s here) takes longer than --stall-timeout-s (10 s). The first
+    is covered by the start-up grace (40 s); from the second on, the limit is 3 x the longest gap measured
+    (75 s); a rank that then stops progressing is named once that limit has passed, and not before."""
+    dogs, clock, exits, lines = _ring(3, timeout=10.0)
+    _microbatches(dogs, clock, 6, 25)
+    assert exits == [], lines
+    assert all(d.limit() == 75.0 for d in dogs), [d.limit() for d in dogs]
+    _advance(dogs, clock, 1, progress={0, 2})  # rank 1 hangs at a microbatch's start
+    _advance(dogs, clock, 73, progress=())
+    assert exits == [], lines
+    _advance(dogs, clock, 3, progress=())
+    assert exits and "scaled to 75 s by the slowest unit of work measured" in lines[0], lines
+    assert "the oldest progress is on rank 1 (host" in lines[0]
+
+
+def test_the_slow_limit_needs_a_measured_gap_and_has_a_ceiling():
+    """Without a second progress call nothing is scaled (the grace covers the first microbatch, then the
+    plain timeout holds); the scaled limit never exceeds the pause limit."""
+    dogs, clock, exits, lines = _ring(2, timeout=5.0)
+    _advance(dogs, clock, 1, progress=range(2))
+    _advance(dogs, clock, 18, progress=())  # one progress each: within the 20 s grace
+    assert exits == [] and dogs[0].limit() == 5.0
+    _advance(dogs, clock, 3, progress=())
+    assert exits and "no rank made progress" in lines[0] and "scaled" not in lines[0]
+    dog = _ring(1, timeout=5.0)[0][0]
+    dog.progress()
+    dog.clock.t += 10_000.0
+    dog.progress()
+    assert dog.limit() == dog.pause_limit == 600.0
+
+
 def test_store_that_stops_answering_is_reported():
     class DeadStore:
         def __getattr__(self, name):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .arith import num_parameters
+from .context import CONTEXT_TYPES, P2P
 from .families import FAMILIES, Family
 from .moe import MoEConfig, moe_config_of
 from .rules import _require, _require_finite
@@ -107,15 +108,11 @@ class ModelConfig:
                      f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size {t} "
                      "(--sequence-parallel shards the sequence)")
 
-    def check_context_parallel(self, c: int, t: int, comm_type: str = "p2p") -> None:
+    def check_context_parallel(self, c: int, t: int, comm_type: str = P2P) -> None:
         """--context-parallel-size c cuts each sequence into 2c chunks (two per rank, for causal balance);
         under --sequence-parallel a rank's 2 chunks are then sharded over t; --cp-comm-type a2a scatters a
         tensor rank's heads and key/value groups over the c ranks."""
-        if c > 1 and comm_type == "a2a":
-            heads, groups = self.num_attention_heads // t, max(1, self.query_groups // t)
-            _require(heads % c == 0 and groups % c == 0,
-                     f"--cp-comm-type a2a scatters attention heads over --context-parallel-size {c}: a tensor rank's "
-                     f"{heads} heads and {groups} key/value groups must both be divisible by {c} (use p2p or all_gather)")
+        CONTEXT_TYPES[comm_type].check(c, t, self.num_attention_heads, self.query_groups)
         if c > 1:
             _require(self.seq_length % (2 * c) == 0,
                      f"--seq-length {self.seq_length} is not divisible by 2 x --context-parallel-size {c} "

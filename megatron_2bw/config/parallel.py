@@ -7,11 +7,9 @@ from dataclasses import dataclass
 
 from ..schedule.recompute_policy import check_recompute
 from ..schedule.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule
+from .context import CP_COMM_TYPES, P2P
 from .rules import _require
 from .optim import AUTO_COMPENSATION, COMPENSATIONS
-
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # Megatron's --cp-comm-type (its hierarchical a2a+p2p is not built)
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class ParallelConfig:
     pipeline: int = 1
     data: int | None = None  # None: derived from the world size
     context: int = 1
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str = P2P
 
     def __post_init__(self) -> None:
         _require(self.tensor >= 1, f"--tensor-model-parallel-size must be >= 1, got {self.tensor}")

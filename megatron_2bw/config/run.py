@@ -9,6 +9,7 @@ from typing import Any
 from ..schedule.stages import canonical_split, check_virtual_split, layers_per_stage
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import parse_schedule_id
+from .context import ALL_GATHER, P2P
 from .rules import MAX_SEED, _require
 from .model import ModelConfig
 from .moe import check_expert_parallel
@@ -218,7 +219,7 @@ class Layout:
     recompute_policy: RecomputePolicy | None = None
     virtual_stages: int | None = None  # model chunks per rank (--virtual-pipeline-model-parallel-size)
     context: int = 1  # --context-parallel-size
-    cp_comm_type: str = "p2p"  # --cp-comm-type
+    cp_comm_type: str = P2P  # --cp-comm-type
 
 
 def layout_configs(
@@ -326,7 +327,7 @@ class RunConfig:
         masked = "BERT's padding mask" if self.model.family.padding_mask else \
             "--reset-attention-mask's mask" if self.data.reset_attention_mask else \
             "--cp-comm-type all_gather's causal prefix mask" if self.parallel.context > 1 and \
-            self.parallel.cp_comm_type == "all_gather" else None
+            self.parallel.cp_comm_type == ALL_GATHER else None
         _require(not (self.system.attention_backend == "flash" and masked),
                  f"--attention-backend flash takes no attention mask ({masked}): use fused, auto or unfused")
         problem = gqa_kernel_problem(self.system.attention_backend, self.system.device,

@@ -6,7 +6,9 @@ over the whole sequence (keys and values likewise, by key/value group), so the o
 kernels included, runs once on the whole sequence with the plain causal mask; a second all-to-all brings
 each rank its chunks of every head's output. Backward is the same exchanges reversed (an all-to-all is its
 own adjoint). Needs the heads and key/value groups of a tensor rank divisible by c (checked at start-up,
-``ModelConfig.check_context_parallel``). A mask's query rows are gathered (it is not differentiated).
+``ModelConfig.check_context_parallel``). Documents (ids ``[b, s]``, whole on every rank) need no exchange:
+the head group's core runs as one block of ``blocks.py``, whose tiles build the mask a few rows at a time;
+another per-query mask's rows are gathered (it is not differentiated).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .group import CPGroup, rank_order
+from .blocks import BlockMask, block_attention
+from .group import CPGroup, is_document_ids, rank_order
 
 __all__ = ["a2a_attention"]
 
@@ -65,13 +68,16 @@ def _gather_rows(mask: torch.Tensor, cp: CPGroup, to_seq: torch.Tensor) -> torch
     return torch.cat(parts, dim=-2).index_select(-2, to_seq).to(mask.dtype)
 
 
-def a2a_attention(cp: CPGroup, core, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """``core(q, k, v, mask, causal)`` (the model's attention core) over the whole sequence for ``1/c`` of the
-    heads; ``mask`` (which holds causality itself when given) keeps its columns whole and gets its rows."""
+def a2a_attention(cp: CPGroup, backend: str, dense, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None, p: float, causal: bool) -> torch.Tensor:
+    """``dense(q, k, v, mask, p, causal)`` (the model's attention core) over the whole sequence for ``1/c`` of
+    the heads; ``mask``: documents' ids, or a mask that holds causality itself and keeps its columns whole."""
     to_ranks = rank_order(cp.size, q.shape[2] // 2, q.device)
     to_seq = to_ranks.argsort()
     qf, kf, vf = (_to_sequence(x, cp, to_seq) for x in (q, k, v))
+    if is_document_ids(mask):
+        out = block_attention(qf, kf, vf, BlockMask(causal, q_doc=mask, k_doc=mask), p, backend)
+        return _to_chunks(out, cp, to_ranks)
     if mask is not None and mask.shape[-2] > 1:
         mask = _gather_rows(mask, cp, to_seq)
-    return _to_chunks(core(qf, kf, vf, mask, causal and mask is None), cp, to_ranks)
+    return _to_chunks(dense(qf, kf, vf, mask, p, causal and mask is None), cp, to_ranks)

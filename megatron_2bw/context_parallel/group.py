@@ -4,7 +4,9 @@ A sequence of ``s`` tokens is cut into ``2c`` chunks of ``L = s / 2c``; rank ``r
 ``2c - 1 - r`` (Megatron's order), so under causal attention every rank has the same work: an early chunk
 sees few keys, its late partner many. Every rank reads the whole microbatch and keeps its two chunks
 (:func:`shard_batch`); masks keep their rows for the local queries and all their columns (the keys of
-every rank, in sequence order), so any mask works with either communication type.
+every rank, in sequence order), so any mask works with every communication type. Documents
+(``--reset-attention-mask``) travel as their ids ``[b, s]`` (:func:`is_document_ids`), kept whole: each
+core builds only the mask rows and columns it needs from them, tile by tile (``blocks.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..config.context import P2P
 
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "token_types", "position_ids")  # [b, s] tensors cut along s
 
@@ -24,14 +28,14 @@ class CPGroup:
     group: object | None = None
     rank: int = 0
     size: int = 1
-    comm_type: str = "p2p"
+    comm_type: str = P2P
     ranks: tuple[int, ...] = (0,)
 
-    def __deepcopy__(self, memo) -> "CPGroup":
+    def __deepcopy__(self, memo) -> CPGroup:
         return self  # a handle to a process group: copies of a model share it
 
     @classmethod
-    def from_state(cls, state, comm_type: str = "p2p") -> "CPGroup":
+    def from_state(cls, state, comm_type: str = P2P) -> CPGroup:
         return cls(state.cp_group, state.cp_rank, state.c, comm_type, tuple(state.cp_ranks))
 
     def chunks_of(self, rank: int) -> tuple[int, int]:
@@ -72,6 +76,12 @@ def mask_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | Non
     return mask if mask is None or mask.shape[-2] == 1 else mask[..., lo:hi, :]
 
 
+def is_document_ids(mask: torch.Tensor | None) -> bool:
+    """Whether an attention mask is documents' ids ``[b, s]`` (a query sees the keys of its own document at
+    or before it) rather than a boolean mask ``[b, 1, rows, s]``."""
+    return mask is not None and mask.dim() == 2
+
+
 def rank_order(c: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The global position of each token of every rank's two chunks (``n`` tokens each) concatenated in rank
     order; indexing a sequence-ordered tensor with it gives the rank order."""
@@ -98,6 +108,6 @@ def shard_batch(batch: dict, cp: CPGroup) -> dict:
     if "position_ids" not in batch:
         out["position_ids"] = idx.expand(batch["tokens"].shape[0], -1)
     mask = batch.get("attention_mask")
-    if mask is not None and mask.shape[-2] == s:  # [b, 1, s, s]: rows are queries
+    if mask is not None and mask.dim() == 4 and mask.shape[-2] == s:  # [b, 1, s, s]: rows are queries
         out["attention_mask"] = mask.index_select(-2, idx)
     return out

@@ -17,6 +17,7 @@ V per query head.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -55,6 +56,21 @@ def prefix_causal_keep(s: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(s, device=device)[:, None] + (n - s) >= torch.arange(n, device=device)[None, :]
 
 
+_WARNED: list[bool] = []
+
+
+def _warn_math_once() -> None:
+    """``auto`` with grouped heads and a mask tensor (``--reset-attention-mask`` at c = 1): flash takes no mask and
+    torch's memory-efficient kernel no grouped heads before pytorch#191085, so SDPA may run its math kernel (three
+    fp32 ``[b, a, s, s]`` tensors), which the planner does not count: said once per process (review 2, N8)."""
+    if not _WARNED:
+        _WARNED.append(True)
+        logging.getLogger(__name__).warning(
+            "--attention-backend auto with grouped-query heads and an attention mask: torch may run its math "
+            "attention kernel (s^2 fp32 tensors, not counted by the planner); --context-parallel-size > 1 runs "
+            "documents without a mask tensor")
+
+
 def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
               causal: bool) -> torch.Tensor:
     """The core by ``backend`` (module docstring); ``p`` the dropout probability (0 in eval). With more keys
@@ -62,14 +78,13 @@ def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     takes that as torch's bottom-right causal bias, which its fused kernels run without a mask tensor."""
     if backend in ("unfused", "local"):
         return unfused_attention(q, k, v, mask, p, causal)
-    if causal and q.shape[2] != k.shape[2]:
+    if causal and q.shape[2] != k.shape[2]:  # grouped heads too: torch's bias passes enable_gqa to its kernels
         from torch.nn.attention.bias import causal_lower_right  # noqa: PLC0415 - torch >= 2.3
 
-        if q.shape[1] != k.shape[1]:  # its flash path takes no grouped heads: the mask, materialized
-            mask, causal = prefix_causal_keep(q.shape[2], k.shape[2], q.device), False
-        else:
-            mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
+        mask, causal = causal_lower_right(q.shape[2], k.shape[2]), False
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if backend == "auto" and gqa and isinstance(mask, torch.Tensor) and q.is_cuda:
+        _warn_math_once()
     if backend == "auto":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, **gqa)
     if backend not in _FUSED:

@@ -60,6 +60,7 @@ class DocumentMasks:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    document_ids: bool = False  # context parallelism: the mask as documents' ids [b, s] (context_parallel/blocks.py)
 
     @classmethod
     def from_config(cls, data, eod: int | None) -> "DocumentMasks | None":
@@ -75,7 +76,8 @@ def ltor_masks_and_position_ids(tokens: torch.Tensor, opts: DocumentMasks) -> di
     with ``reset_position_ids`` a position counts from the token after the last eod before it (the eod
     itself ends its document); with ``reset_attention_mask`` a query attends to keys of its own
     document at or before it. The mask is boolean ``[b, 1, s, s]``, True = attend (torch's convention;
-    Megatron's is the negation). Absent keys mean Megatron's defaults (all ones, ``arange``, causal).
+    Megatron's is the negation); with ``opts.document_ids`` each token's document number ``[b, s]``.
+    Absent keys mean Megatron's defaults (all ones, ``arange``, causal).
     """
     b, s = tokens.shape
     dev = tokens.device  # built where the tokens are (on the GPU, no [b, s, s] host-to-device copy)
@@ -93,8 +95,11 @@ def ltor_masks_and_position_ids(tokens: torch.Tensor, opts: DocumentMasks) -> di
     if opts.reset_attention_mask:
         e = is_eod.long()
         doc = torch.cumsum(e, dim=1) - e  # document number: eods strictly before the position
-        causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
-        out["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+        if opts.document_ids:  # each context-parallel core builds the rows and columns it needs
+            out["attention_mask"] = doc
+        else:
+            causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+            out["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
     return out
 
 

@@ -5,7 +5,7 @@ The pipeline never imports GPT or BERT; it takes a ``ModelSpec``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -105,8 +105,10 @@ class ModelSpec:
     def make_batch(self, sample) -> dict:
         """Tensors of one microbatch from stacked samples (GPT: ``[b, s+1]`` tokens; BERT: dict), this
         context rank's part of the sequence under context parallelism."""
-        batch = FAMILIES[self.cfg.kind].make_batch(sample, self.masks)
-        return batch if self.cp is None else shard_batch(batch, self.cp)
+        if self.cp is None:
+            return FAMILIES[self.cfg.kind].make_batch(sample, self.masks)
+        masks = self.masks and replace(self.masks, document_ids=True)  # no rank builds the whole [s, s] mask
+        return shard_batch(FAMILIES[self.cfg.kind].make_batch(sample, masks), self.cp)
 
 
 def run_layers(layers: list[nn.Module], batch: dict, x=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -20,15 +21,14 @@ from torch import nn
 from ..config import ModelConfig
 from ..config import blocks as arith
 from ..config.precision import Precision
-from ..context_parallel.a2a import a2a_attention
-from ..context_parallel.attention import all_gather_attention, ring_attention
+from ..context_parallel.cores import context_core
 from ..context_parallel.group import CPGroup
 from ..fused import Kernels
+from ..schedule.recompute_policy import RecomputePolicy
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
-from ..tensor_parallel.recompute import checkpointed
-from ..schedule.recompute_policy import RecomputePolicy
 from ..tensor_parallel.random import RNGTracker
+from ..tensor_parallel.recompute import checkpointed
 from .attention_core import attention
 from .norms import norm
 from .rope import RotaryEmbedding, apply_rotary
@@ -74,14 +74,8 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               p: float) -> torch.Tensor:
-        causal = self.causal and mask is None  # --reset-attention-mask: the mask holds causality too
-        # the context-parallel cores by comm type (context_parallel/ will state them as a table)
-        if self.cp is None:
-            return attention(self.backend, q, k, v, mask, p, causal)
-        if self.cp.comm_type == "p2p":  # the model's causality skips the key blocks in a query's future
-            return ring_attention(self.cp, q, k, v, mask, p, self.causal)
-        exchange = a2a_attention if self.cp.comm_type == "a2a" else all_gather_attention
-        return exchange(self.cp, lambda *a: attention(self.backend, *a[:4], p, a[4]), q, k, v, mask, self.causal)
+        dense = partial(attention, self.backend)  # --reset-attention-mask: a given mask holds causality too
+        return context_core(self.cp).run(self.cp, self.backend, dense, q, k, v, mask, p, self.causal)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[b, s, rows]`` -> q ``[b, heads, s, hd]``, k and v ``[b, groups, s, hd]`` (this rank's)."""

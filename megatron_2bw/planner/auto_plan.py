@@ -39,6 +39,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..config import Layout, ModelConfig
+from ..config.context import P2P
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import SCHEDULE_NAMES
@@ -79,7 +80,7 @@ class PlanChoice(NamedTuple):
     distributed_optimizer: bool = False
     recompute_policy: RecomputePolicy | None = None
     context: int = 1  # --context-parallel-size (w is the data width: the world is t * c * w * d)
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str = P2P
 
     @property
     def layout(self) -> Layout:

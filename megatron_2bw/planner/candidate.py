@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import fp32_grads_for, resolve_compensation
+from ..config.context import P2P
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
@@ -45,7 +46,7 @@ class Candidate:
     # --context-parallel-size c and --cp-comm-type: every sequence sharded over c weight replicas (module
     # docstring); its costs are ``LayerCosts.at(..., context=(c, cp_comm_type))``'s (planner/context_costs.py)
     context_parallel: int = 1
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str = P2P
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:

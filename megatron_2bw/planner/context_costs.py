@@ -39,9 +39,20 @@ from typing import Iterable
 
 from ..config import ModelConfig
 from ..config.arith import core_forward_flops
+from ..config.context import P2P
+from ..config.context import PLANNED_CP_COMM_TYPES as PLANNED
 from .hardware import Cluster
-from .layer_costs import (SCORE_PASSES, BlockCost, LayerCosts, MicrobatchCosts, activation_bytes, analytic_microbatch_costs,
-                          attention_kernel, core_stash_bytes, dropout_mask_bytes)
+from .layer_costs import (
+    SCORE_PASSES,
+    BlockCost,
+    LayerCosts,
+    MicrobatchCosts,
+    activation_bytes,
+    analytic_microbatch_costs,
+    attention_kernel,
+    core_stash_bytes,
+    dropout_mask_bytes,
+)
 
 FP32 = 4
 INDEX_BYTES = 8  # the gather's int64 index into sequence order (kept by index_select, K and V)
@@ -53,8 +64,8 @@ INDEX_BYTES = 8  # the gather's int64 index into sequence order (kept by index_s
 MIN_TOKENS_PER_RANK = 4096
 
 
-# the exchanges the planner prices; --cp-comm-type a2a trains but is not priced yet
-PLANNED_CP_COMM_TYPES = ("p2p", "all_gather")
+# the exchanges the planner prices (config/context.py's table): --cp-comm-type a2a trains but is not priced yet
+PLANNED_CP_COMM_TYPES = PLANNED
 
 
 def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
@@ -66,6 +77,12 @@ def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
             out.append(c)
         c *= 2
     return tuple(out)
+
+
+def ring_written(model: ModelConfig, cluster: Cluster) -> bool:
+    """Whether the ring's blocks run the written-out fp32 core (``context_parallel/blocks.block_kernel``): the
+    unfused backend, or the CPU with attention dropout (its flash kernel takes none); else a fused kernel."""
+    return attention_kernel(cluster, model) in ("unfused", "math")
 
 
 def ring_blocks(c: int, causal: bool) -> tuple[int, int]:
@@ -87,6 +104,54 @@ def ring_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, causal: 
     rows = a * b * model.seq_length // c  # this rank's query rows, every head
     grouped = model.query_groups != model.num_attention_heads
     return rows * hd * e * (2 if grouped else 1) + FP32 * rows
+
+
+RING_TILE_ROWS = 512  # context_parallel/blocks.py's TILE_ROWS: query rows per tile of a masked block
+
+
+# The written-out core's fp32 score-sized tiles [b, a, TILE_ROWS, n] alive at its fullest moment (forward,
+# backward), without and with dropout: counted by the live-tensor test (tests/test_context_parallel_long.py),
+# e.g. the scores, their logsumexp's temporary and, with dropout, its draw and the dropped probabilities.
+WRITTEN_TILES = {False: (1.125, 2.125), True: (4.0625, 4.0625)}
+
+
+def ring_workspace_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, tiled: bool = False,
+                         written: bool = False, dropout: bool = False) -> int:
+    """The ``p2p`` core's peak while it runs, beyond its inputs (Q, K, V), on one rank: the larger of its forward
+    and its backward, each at its fullest moment (``context_parallel/ring.py``, ``blocks.py``; checked against a
+    live-tensor count in ``tests/test_context_parallel_long.py``). ``tiled``: blocks with a mask the kernel takes
+    in tiles (documents, padding): each tile's additive mask and boolean rows ``[b, TILE_ROWS, n]``, and the
+    block's fp32 accumulators. ``written``: the written-out core (``--attention-backend unfused``, the CPU with
+    dropout, a CUDA block with a mask): its fp32 score tiles (:data:`WRITTEN_TILES`).
+
+    Forward: K and V stacked and the next hop's receive buffer, the two chunks' fp32 outputs being merged, one
+    block's output (fp32; with a 2-byte dtype also the kernel's own) and a few log-sum-exp rows; at the end the
+    fp32 output and its copy in the activations' dtype. Backward: dQ in fp32, K and V with their receive buffer,
+    dK and dV in fp32, and either one block's gradients or dK and dV's receive buffer."""
+    a, g, hd = _per_gpu(model, t)
+    L = model.seq_length // c
+    n = L // 2
+    rows = min(n, RING_TILE_ROWS)
+    kv, dkv = 2 * b * g * L * hd * e, 2 * b * g * L * hd * FP32
+    out32, lse_n = FP32 * b * a * L * hd, FP32 * b * a * n
+    half = e != FP32
+    block_out = b * a * n * hd * (FP32 + (e if half else 0))
+    grads = b * n * hd * (a + 2 * g) * e
+    fwd_tile = 0
+    if written:  # a tile's boolean rows (masked) and its fp32 score-sized tensors; the block's fp32 accumulators
+        block_out, tiles = FP32 * b * a * n * hd, FP32 * b * a * rows * n
+        keep = b * rows * n if tiled else 0
+        fwd_tile = keep + round(WRITTEN_TILES[dropout][0] * tiles)
+        grads = FP32 * b * n * hd * (a + 2 * g) + keep + round(WRITTEN_TILES[dropout][1] * tiles)
+    elif tiled:  # the kernel: a tile's additive mask and boolean rows, its gradients; the block's fp32 accumulators
+        block_out = FP32 * b * a * n * hd
+        fwd_tile = b * rows * n * (e + 1)
+        tile_grads = b * hd * (rows * a + 2 * n * g) * (e + (FP32 if half else 0))  # 2-byte: and fp32 copies
+        grads = FP32 * b * n * hd * (a + 2 * g) + fwd_tile + tile_grads
+    forward = max(2 * kv + out32 + block_out + fwd_tile + 4 * lse_n, kv + 2 * out32,
+                  out32 + (b * a * L * hd * e if half else 0))
+    backward = out32 + 2 * kv + dkv + max(dkv, grads)  # a block's gradients, or dK and dV's hop
+    return max(forward, backward)
 
 
 def gather_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, kernel: str, mask_bytes: int,
@@ -112,7 +177,7 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
                        comm: str, causal: bool) -> int:
     """The core's bytes per layer at context size ``c`` by ``comm`` (the ring's include Q, K and V)."""
     e = activation_bytes(precision)
-    if comm == "p2p":
+    if comm == P2P:
         return ring_core_bytes(model, b, t, c, e, causal)
     grouped = model.query_groups != model.num_attention_heads
     return gather_core_bytes(model, b, t, c, e, attention_kernel(cluster, model), dropout_mask_bytes(cluster, e),
@@ -125,7 +190,7 @@ def keeps_layer_qkv(model: ModelConfig, cluster: Cluster, comm: str) -> bool:
     grouped heads (Q is a regrouped copy) nor in the unfused core (each chunk's Q, regrouped for its GEMM, is a
     copy): those keep Q's copy alone, and K and V are the gathered ones."""
     grouped = model.query_groups != model.num_attention_heads
-    return comm == "p2p" or not grouped and attention_kernel(cluster, model) != "unfused"
+    return comm == P2P or not grouped and attention_kernel(cluster, model) != "unfused"
 
 
 def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
@@ -133,7 +198,7 @@ def context_bandwidth(t: int, c: int, comm: str, cluster: Cluster) -> float:
     rate, the all-gather at the collective's bus rate), else the server's NIC shared by all its GPUs."""
     G = cluster.devices_per_server
     if t * c <= G and G % (t * c) == 0:
-        return cluster.intra_server_p2p_bandwidth if comm == "p2p" else cluster.intra_server_allreduce_bandwidth
+        return cluster.intra_server_p2p_bandwidth if comm == P2P else cluster.intra_server_allreduce_bandwidth
     return cluster.inter_server_bandwidth / G
 
 
@@ -142,10 +207,12 @@ def _core_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: int, 
     """The core's forward on one rank: the ring's fp32 blocks, or 1/c of the whole sequence's core."""
     s, local = model.seq_length, model.seq_length // c
     eff = cluster.efficiency.layer_fraction(b, local, model.hidden_size, t)
-    if comm == "p2p":
+    if comm == P2P:
         n = s // (2 * c)
         elems = sum(ring_blocks(c, causal)) * n * n
         flops = 4 * b * elems * model.hidden_size / t
+        if not ring_written(model, cluster):  # the blocks on a fused kernel at the precision's speed
+            return flops / (cluster.peak(precision) * eff)
         moved = SCORE_PASSES * FP32 * b * (model.num_attention_heads // t) * elems
         return flops / (cluster.peak("fp32") * eff) + moved / cluster.memory_bandwidth
     flops = core_forward_flops(model, b, t) / c
@@ -173,12 +240,17 @@ def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: st
     stash = lay.stash_bytes - lay.core_stash_bytes + core - (0 if keeps_layer_qkv(model, cluster, comm) else kv)
     core_s = _core_seconds(model, cluster, precision, t, b, c, comm, causal)
     hop = _exchange_seconds(model, cluster, precision, t, b, c, comm)
-    fwd_comm = max(0.0, hop - core_s) if comm == "p2p" else hop
+    fwd_comm = max(0.0, hop - core_s) if comm == P2P else hop
     forward = lay.forward_s - lay.core_forward_s + core_s + fwd_comm
-    redo = core_s if comm == "p2p" else 0.0  # the ring's backward re-runs each block's forward
+    redo = core_s if comm == P2P else 0.0  # the ring's backward re-runs each block's forward
     backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + redo + hop
+    workspace = stash
+    if comm == P2P:  # the ring's own peak while it runs in place of its kept part (ring_workspace_bytes)
+        ring = ring_workspace_bytes(model, b, t, c, activation_bytes(precision), tiled=not causal,
+                                    written=ring_written(model, cluster), dropout=model.attention_dropout > 0)
+        workspace = max(stash, stash - core + ring)
     layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
-                    core_stash_bytes=core, stash_bytes=stash, workspace_bytes=stash)
+                    core_stash_bytes=core, stash_bytes=stash, workspace_bytes=workspace)
     return replace(base, layer=layer)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 from ..argv import pretrain_argv, render
 from ..config import Layout, ModelConfig
+from ..config.context import ALL_GATHER, P2P
 from ..errors import ConfigError
 from ..config.presets import get_preset
 from ..schedule.stages import format_split
@@ -139,7 +140,7 @@ def recompute_text(c: Candidate) -> str:
 
 def context_text(c: Candidate) -> str:
     """The context-parallel size and its communication (``4 ag``: all_gather, ``2 p2p``), or ``1``."""
-    return "1" if c.context_parallel == 1 else f"{c.context_parallel} {'ag' if c.cp_comm_type == 'all_gather' else 'p2p'}"
+    return "1" if c.context_parallel == 1 else f"{c.context_parallel} {'ag' if c.cp_comm_type == ALL_GATHER else P2P}"
 
 
 def split_text(c: Candidate) -> str:

@@ -34,7 +34,8 @@ class RNGTracker:
     def _make_state(self, seed: int) -> torch.Tensor:
         if self.device.type == "cuda":
             saved = torch.cuda.get_rng_state(self.device)
-            torch.cuda.manual_seed(seed)
+            with torch.cuda.device(self.device):  # manual_seed seeds the current device: make it this one
+                torch.cuda.manual_seed(seed)
             state = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(saved, self.device)
             return state

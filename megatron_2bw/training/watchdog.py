@@ -15,8 +15,16 @@ one daemon thread that, every ``interval_s``:
   2. the store itself has not answered for ``stall_timeout_s``: its host (rank 0, or the
      launcher under torchrun) stopped responding;
   3. (ranks that watch everyone) every rank publishes but none has called :meth:`progress`
-     for ``stall_timeout_s`` and none is paused: a hang; name the rank(s) whose last
+     for the progress limit and none is paused: a hang; name the rank(s) whose last
      progress is oldest (the one that got stuck first).
+
+The progress limit, for a slow microbatch: a rank's progress comes once per microbatch, and a long
+sequence's microbatch can legitimately take longer than ``stall_timeout_s`` (a 16k-token context-parallel
+microbatch on a CPU: about a minute). So each rank measures the longest gap between two of its progress
+calls (pauses excluded) and publishes it; the limit is ``max(stall_timeout_s, SLOW_FACTOR x the longest
+gap any rank measured)``, at most the pause limit. Until every rank has measured one gap (two progress
+calls) the start-up grace (``4 x stall_timeout_s``, from the end of start-up) stands in for it. A true
+hang is still named: once no rank progresses for ``SLOW_FACTOR`` times the slowest unit of work seen.
 
 The first detector (by an atomic ``add`` on the store) prints one line; every detector
 exits with ``EXIT_STALLED`` through ``os._exit``, so the launcher tears the job down (and
@@ -46,6 +54,7 @@ DEFAULT_FANOUT = 16
 BLIND_INTERVALS = 3  # a store round that succeeds this many intervals after the last: the watchdog was blind
 PAUSE_LIMIT_FACTOR = 20  # a save may pause the no-progress rule for this many stall timeouts ...
 MIN_PAUSE_LIMIT_S = 600.0  # ... and at least this long (a large checkpoint on a slow file system)
+SLOW_FACTOR = 3.0  # no progress for this many times the slowest unit of work measured is a hang (docstring)
 
 
 def watched_ranks(rank: int, world: int, fanout: int = DEFAULT_FANOUT) -> list[int]:
@@ -88,6 +97,7 @@ class Watchdog:
         self.started = clock()
         self._count = 0
         self._last_progress = self.started
+        self._longest_gap = 0.0  # the longest time between two progress calls (a microbatch's, at least)
         self._paused = 0
         self._paused_since = self.started
         self._seq = 0
@@ -100,9 +110,18 @@ class Watchdog:
 
     # ------------------------------------------------------------------ called by the training loop
     def progress(self) -> None:
-        """Cheap (two attribute stores): this rank completed a unit of work (a microbatch, a step)."""
+        """Cheap (a few attribute stores): this rank completed a unit of work (a microbatch, a step)."""
+        now = self.clock()
+        if self._count:
+            self._longest_gap = max(self._longest_gap, now - self._last_progress)
         self._count += 1
-        self._last_progress = self.clock()
+        self._last_progress = now
+
+    def limit(self) -> float:
+        """Seconds without progress on every rank that make a hang (module docstring): the stall timeout,
+        scaled to ``SLOW_FACTOR`` times the slowest unit of work any rank measured."""
+        gaps = [self._longest_gap] + [p["info"].get("gap", 0.0) for p in self._peers.values()]
+        return max(self.timeout, min(SLOW_FACTOR * max(gaps), self.pause_limit))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -175,7 +194,7 @@ class Watchdog:
 
     def _publish(self, now: float) -> None:
         self._seq += 1
-        info = {"seq": self._seq, "count": self._count, "idle": now - self._last_progress,
+        info = {"seq": self._seq, "count": self._count, "idle": now - self._last_progress, "gap": self._longest_gap,
                 "paused": self._paused > 0, "paused_s": now - self._paused_since if self._paused else 0.0,
                 "host": self.host, "pid": self.pid}
         self.store.set(str(self.rank), json.dumps(info))
@@ -239,17 +258,18 @@ class Watchdog:
         return idle
 
     def _judge_progress(self, now: float) -> str | None:
-        idle = self._idle(now)
-        if idle is None or min(idle.values()) <= self.timeout:
+        idle, limit = self._idle(now), self.limit()
+        if idle is None or min(idle.values()) <= limit:
             return None
         counts = {r: (self._count if r == self.rank else self._peers[r]["info"]["count"]) for r in idle}
-        if min(counts.values()) == 0 and now - self.started <= self.startup_grace:
-            return None  # some rank has not finished its first unit of work yet: start-up is slower
+        if min(counts.values()) < 2 and now - self.started <= self.startup_grace:
+            return None  # some rank has not measured one unit of work yet: start-up, or a first slow microbatch
         oldest = max(idle.values())
         worst = sorted(r for r, v in idle.items() if v >= oldest - max(1.0, self.interval))
         who = ", ".join(self._name(r) if r != self.rank else f"rank {r} (host {self.host}, pid {self.pid})"
                         for r in worst)
-        return (f"no rank made progress for {min(idle.values()):.0f} s (--stall-timeout-s {self.timeout:g}); "
+        scaled = f", scaled to {limit:.0f} s by the slowest unit of work measured" if limit > self.timeout else ""
+        return (f"no rank made progress for {min(idle.values()):.0f} s (--stall-timeout-s {self.timeout:g}{scaled}); "
                 f"the oldest progress is on {who}, {oldest:.0f} s ago (hung in a collective?)")
 
     def _report(self, verdict: str) -> None:
