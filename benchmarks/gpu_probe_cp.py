@@ -62,7 +62,7 @@ def _cp_core_worker(n: int, heads: int, hd: int) -> dict:
 
 def cp_core_rows(device, small: bool) -> list[dict]:
     """The ``cp core`` row (module docstring); ``small``: the CPU form's shapes."""
-    from megatron_2bw.testing.local_workers import run_workers
+    from megatron_2bw.local_workers import run_workers
 
     n, heads, hd = (64, 2, 16) if small else (4096, 16, 128)
     try:
