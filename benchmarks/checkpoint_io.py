@@ -146,7 +146,7 @@ def _checksums(stage) -> list[float]:
 
     from megatron_2bw.checkpoint.dist_checkpoint import shard_map
 
-    return [sum(float(t.sum(dtype=torch.float64)) for _, t in spans) for _, spans, _ in shard_map.families(stage)]
+    return [sum(float(t.sum(dtype=torch.float64)) for _, t in f.spans) for f in shard_map.families(stage)]
 
 
 def _config(cfg, opt) -> dict:

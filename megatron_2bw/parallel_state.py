@@ -21,6 +21,12 @@ Worked example, 8 processes with t = 2, d = 2, w = 2 (two servers of four GPUs):
     model groups     [0, 1, 4, 5] [2, 3, 6, 7]       one full model: grad norm, overflow flag
 
 Only the point-to-point activation traffic crosses servers, as PipeDream-2BW wants.
+
+Expert parallelism (size e, Megatron-Core's folding of EP inside the data x context group): of the w
+ranks of a data group, position j holds expert piece ``j % e`` (the e ranks of an expert group are
+adjacent, ``j // e`` equal) and its expert weights are replicas over the w / e ranks with the same
+``j % e``, the expert-data group. Parameters name the group they are reduced over (their reduction
+domain, ``tensor_parallel.init.Init.domain``); :meth:`ParallelState.domains` resolves the names.
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ def coords_of(rank: int, t: int, w: int) -> tuple[int, int, int]:
     return rank % t, (rank // t) % w, rank // (t * w)
 
 
-def layout_groups(t: int, d: int, w: int, c: int = 1) -> dict[str, list[list[int]]]:
+def layout_groups(t: int, d: int, w: int, c: int = 1, e: int = 1) -> dict[str, list[list[int]]]:
     """All process groups of a layout as lists of global ranks (pure; used by tests and set-up); ``w``
-    counts the weight replicas (data width x ``c``), ``c`` the context ranks among them."""
+    counts the weight replicas (data width x ``c``), ``c`` the context ranks among them, ``e`` the
+    expert-parallel size folded inside them (``expert``: adjacent positions; ``expert_data``: strided)."""
     tensor = [[rank_of(t, w, i, dp, pp) for i in range(t)] for pp in range(d) for dp in range(w)]
     data = [[rank_of(t, w, tp, j, pp) for j in range(w)] for pp in range(d) for tp in range(t)]
     pipeline = [[rank_of(t, w, tp, dp, k) for k in range(d)] for dp in range(w) for tp in range(t)]
@@ -61,7 +68,29 @@ def layout_groups(t: int, d: int, w: int, c: int = 1) -> dict[str, list[list[int
     if c > 1:
         groups["context"] = [[rank_of(t, w, tp, r * c + k, pp) for k in range(c)]
                              for pp in range(d) for r in range(w // c) for tp in range(t)]
+    if e > 1:
+        groups["expert"] = [[rank_of(t, w, tp, r * e + k, pp) for k in range(e)]
+                            for pp in range(d) for r in range(w // e) for tp in range(t)]
+        groups["expert_data"] = [[rank_of(t, w, tp, r * e + k, pp) for r in range(w // e)]
+                                 for pp in range(d) for k in range(e) for tp in range(t)]
     return groups
+
+
+EXPERT_DATA = "edp"  # the reduction domain of expert weights: the expert-data group
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A reduction domain resolved: the group a parameter's gradient is reduced (and its distributed
+    optimizer state sharded) over, and the group across which its values are distinct copies (an
+    expert's other pieces: its norm is summed over it; None: the domain's ranks hold every value)."""
+
+    name: str
+    group: object | None  # None: a group of one
+    size: int
+    rank: int
+    copies: object | None = None
+    copies_size: int = 1
 
 
 @dataclass
@@ -90,6 +119,22 @@ class ParallelState:
     cp_rank: int = 0
     cp_group: object | None = None
     cp_ranks: tuple[int, ...] = (0,)  # the context group's global ranks, in context order
+    e: int = 1  # expert-parallel size, folded inside the w ranks of the data group
+    ep_group: object | None = None
+    edp_group: object | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's expert piece."""
+        return self.dp_rank % self.e
+
+    def domains(self) -> dict[str, Domain]:
+        """Every reduction domain by name (``init.DATA`` = ``"dp"``: the whole data group; ``"edp"``: the
+        expert-data group, whose ranks' expert pieces differ across the expert group)."""
+        dp = Domain("dp", self.dp_group, self.w, self.dp_rank)
+        edp = Domain(EXPERT_DATA, self.edp_group if self.e > 1 else self.dp_group, self.w // self.e,
+                     self.dp_rank // self.e, self.ep_group, self.e)
+        return {dp.name: dp, edp.name: edp}
 
     @property
     def data_width(self) -> int:
@@ -251,7 +296,7 @@ def group_timeout() -> datetime.timedelta | None:
 
 
 def build_state(t: int, d: int, w: int, device: torch.device, *,
-                timeout: datetime.timedelta | None = None, c: int = 1) -> ParallelState:
+                timeout: datetime.timedelta | None = None, c: int = 1, e: int = 1) -> ParallelState:
     """Create every group of the layout (all ranks call ``new_group`` in the same order).
 
     ``timeout`` (``--distributed-timeout-minutes``) applies to every group: ``new_group`` does not
@@ -266,8 +311,10 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
         raise ConfigError(f"layout t={t} x d={d} x w={w} does not match world size {world}")
     if w % c:
         raise ConfigError(f"weight replicas w={w} are not a multiple of the context-parallel size {c}")
+    if w % e:
+        raise ConfigError(f"weight replicas w={w} are not a multiple of the expert-parallel size {e}")
     tp_rank, dp_rank, pp_rank = coords_of(rank, t, w)
-    groups = layout_groups(t, d, w, c)
+    groups = layout_groups(t, d, w, c, e)
     mine: dict[str, object | None] = {}
     for name, lists in groups.items():
         mine[name] = None
@@ -284,4 +331,5 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
         tp_group=mine["tensor"], dp_group=mine["data"],
         embedding_group=mine["embedding"], model_group=mine["model"], device=device, timeout=timeout,
         c=c, cp_rank=dp_rank % c, cp_group=mine.get("context"), cp_ranks=cp_ranks,
+        e=e, ep_group=mine.get("expert"), edp_group=mine.get("expert_data"),
     )

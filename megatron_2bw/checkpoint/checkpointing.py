@@ -300,6 +300,10 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     CPU buffers, or of one host copy of device buffers (nothing is copied on the device); the file must
     be written before training goes on."""
     state, w = stage.state, stage.weights
+    if state.e > 1:  # the same on every rank: every rank refuses before any collective of the save
+        raise ConfigError("--ckpt-format torch cannot hold expert-parallel parameters yet (its files are one per "
+                          "tensor and pipeline rank; an expert's pieces differ across the data group): use "
+                          "--ckpt-format torch_dist, whose tensors are global")
     if state.dp_rank != 0:
         if stage.updater.shard is not None:
             stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
@@ -380,13 +384,14 @@ def _engine_dict(sd: dict, stage) -> dict:
         return sd["stage"]
     w = stage.weights
     return trainer_format.engine_state(sd, model_config(sd["config"]), w.global_names, w.sizes, w.names,
-                                       len(w.flat))
+                                       len(w.flat), w.offsets)
 
 
 def _weights_only_engine_dict(sd: dict, stage) -> dict:
     w, lay, cfg = stage.weights, sd["layout"], sd["megatron_config"]
     named = megatron_format.rank_weights(sd, cfg, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split"))
-    newest = trainer_format.flatten(named, w.global_names, w.sizes, "the weights", sd["path"]).to(w.flat[0].dtype)
+    newest = trainer_format.flatten(named, w.global_names, w.sizes, "the weights", sd["path"],
+                                    w.offsets).to(w.flat[0].dtype)
     return {"step": 0, "schedule": stage.pipe.schedule, "names": w.names, "versions": [newest] * len(w.flat),
             **_FRESH_OPTIMIZER}
 

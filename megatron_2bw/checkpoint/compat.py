@@ -23,6 +23,12 @@ def model_config(config: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
 
 
+def stage_model(config: dict) -> ModelConfig | None:
+    """:func:`model_config`, or None for a run whose ``config`` records no model (a test model built by hand,
+    whose parameters state their splits themselves: ``dist_checkpoint.shard_map.stage_params``)."""
+    return model_config(config) if config.get("model") else None
+
+
 def check_model(path: str, saved: dict, model: dict) -> None:
     """Every format: the saved model's shape equals this run's (dropout and sequence length may change)."""
     for field in (f for f in SHAPE_FIELDS if f in saved["model"]):

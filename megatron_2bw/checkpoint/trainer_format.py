@@ -77,8 +77,11 @@ def newest_weights(sd: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
     return rank_weights(sd, model, t=lay["t"], d=lay["d"], pp=lay["pp_rank"], split=lay.get("split"))
 
 
-def flatten(named: dict[str, torch.Tensor], order: list[str], sizes: list[int], what: str, path: str) -> torch.Tensor:
-    """One flat buffer in ``order`` from a per-name dict (a one-line error naming the file when it does not fit)."""
+def flatten(named: dict[str, torch.Tensor], order: list[str], sizes: list[int], what: str, path: str,
+            offsets: list[int] | None = None) -> torch.Tensor:
+    """One flat buffer in ``order`` from a per-name dict (a one-line error naming the file when it does not fit);
+    ``offsets`` (each parameter's, then the buffer's length): where a stage cut into segments has padding
+    between them, the parameters go there and the padding is zeros."""
     missing = [n for n in order if n not in named]
     if missing:
         raise ConfigError(f"checkpoint file {path} lacks {what} of parameter {missing[0]} (another model or layout?)")
@@ -87,6 +90,11 @@ def flatten(named: dict[str, torch.Tensor], order: list[str], sizes: list[int], 
             raise ConfigError(f"checkpoint file {path} has {named[n].numel()} values of {what} {n} but this stage "
                               f"has {size} (another model or layout?)")
     parts = [named[n] for n in order]
+    if offsets is not None and any(o + n != nxt for o, n, nxt in zip(offsets, sizes, offsets[1:])):
+        out = parts[0].new_zeros(offsets[-1])
+        for o, n, t in zip(offsets, sizes, parts):
+            out[o:o + n].copy_(t.reshape(-1))
+        return out
     view = _flat_view(parts)
     return view if view is not None else torch.cat([t.reshape(-1) for t in parts])
 
@@ -107,20 +115,22 @@ def _flat_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def engine_state(sd: dict, model: ModelConfig, order: list[str], sizes: list[int], local_names: list[str],
-                 num_versions: int) -> dict:
-    """The engine's flat state dict (``PipelineRank.load_state_dict``) from a format-3 file.
+                 num_versions: int, offsets: list[int] | None = None) -> dict:
+    """The engine's flat state dict (``PipelineRank.load_state_dict``) from a format-3 file (``offsets``: as
+    :func:`flatten`'s, for a stage cut into segments).
 
     A file without 2BW's older version (a flush schedule's, or converted) starts both versions equal.
     """
     path, st = sd.get("path", "?"), sd["stage"]
-    newest = flatten(newest_weights(sd, model), order, sizes, "the weights", path)
-    older = flatten(st["older"], order, sizes, "the older weight version", path) if st.get("older") else newest
+    newest = flatten(newest_weights(sd, model), order, sizes, "the weights", path, offsets)
+    older = flatten(st["older"], order, sizes, "the older weight version", path, offsets) if st.get("older") \
+        else newest
     step = int(st["step"])
     versions = [newest] if num_versions == 1 else [newest, older] if step % 2 == 0 else [older, newest]
-    numel = sum(sizes)
-    opt = {k: flatten(v, order, sizes, f"optimizer state {k}", path) if isinstance(v, dict) else v
+    numel = sum(sizes) if offsets is None else offsets[-1]
+    opt = {k: flatten(v, order, sizes, f"optimizer state {k}", path, offsets) if isinstance(v, dict) else v
            for k, v in st["optimizer"].items()}
-    master = flatten(st["master"], order, sizes, "the fp32 master copy", path) if st.get("master") else None
+    master = flatten(st["master"], order, sizes, "the fp32 master copy", path, offsets) if st.get("master") else None
     if master is not None and master.numel() != numel:
         raise ConfigError(f"checkpoint file {path} has a master copy of another size")
     return {"step": step, "schedule": st["schedule"], "names": local_names, "versions": versions,

@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from ..config import OptimizerConfig, PipelineConfig
+from ..errors import ConfigError
 from ..parallel_state import ParallelState
 from ..schedule.placement import Placement, group_key
 from ..tensor_parallel.random import RNGTracker
 from .accounting import StageStats
 from .executor import PipelineRank
 from .parts import RankParts
-from .grad_reducer import GradReducer
+from .grad_reducer import GradReducer, SegmentReduction
 from .transport import Transport
 from .updater import Updater
 from .weights import GlobalNames, RankWeights
@@ -43,7 +44,8 @@ def _weights(build: Callable, state: ParallelState, opt: OptimizerConfig, pipe: 
     weights = RankWeights(
         build, num_versions=spec.weight_versions, num_grad_buffers=spec.grad_buffers, dtype=opt.torch_dtype,
         device=state.device, tp_rank=state.tp_rank, count_shared_in_norm=state.is_first_stage, names=names,
-        grad_dtype=opt.torch_grad_dtype, shards=state.w if opt.use_distributed_optimizer else 1,
+        grad_dtype=opt.torch_grad_dtype,
+        shards={n: dom.size for n, dom in state.domains().items()} if opt.use_distributed_optimizer else 1,
         cpu_init=cpu_init,  # the layout-independent CPU path unless the trainer asks for per-partition
     )
     return weights, bounds
@@ -56,6 +58,20 @@ def _transport(state: ParallelState, pipe: PipelineConfig, place: Placement, act
         return Transport(None, None, act_shape, dtype, state.device, mode=pipe.p2p_mode,
                          peer_of=lambda a: ranks[place.peer(r, a)], group_key=group_key(place))
     return Transport(state.prev_rank, state.next_rank, act_shape, dtype, state.device, mode=pipe.p2p_mode)
+
+
+def reductions(weights: RankWeights, state: ParallelState, sharded: bool) -> list[SegmentReduction]:
+    """How each segment of ``weights`` is reduced: over its domain's group (``state.domains()``), sharded by
+    the distributed optimizer (``sharded``) over it; the last segment's range runs to the storage's end."""
+    domains, out = state.domains(), []
+    for k, seg in enumerate(weights.segments):
+        if seg.domain not in domains:
+            raise ConfigError(f"a parameter names reduction domain {seg.domain!r}; this layout has {sorted(domains)}")
+        dom = domains[seg.domain]
+        hi = None if k == len(weights.segments) - 1 else seg.start + seg.padded
+        shard = ShardLayout(seg.numel, dom.size, dom.rank) if sharded else None
+        out.append(SegmentReduction(seg.start, hi, dom.group, dom.size, shard, dom.copies))
+    return out
 
 
 def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt: OptimizerConfig,
@@ -74,7 +90,7 @@ def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt
         dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
         w=state.w, shared_range=weights.shared_range, bucket_numel=bucket,
         has_embedding_group=state.d > 1 and state.embedding_group is not None and tied_apart, device=state.device,
-        shard=ShardLayout(weights.numel, state.w, state.dp_rank) if opt.use_distributed_optimizer else None,
+        segments=reductions(weights, state, opt.use_distributed_optimizer),
     )
     # while the reducer has links to run, no stream wait on an unmatched transfer sits ahead of them (its busy())
     transport.settle_while, reducer.before_issue = reducer.busy, transport.quiesce

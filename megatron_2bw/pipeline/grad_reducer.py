@@ -50,6 +50,12 @@ APPLY_UPDATE(t) waits until every stage has run REDUCE_GRADS(t). The distributed
 all-gather of updated shards (:meth:`GradReducer.gather`) goes through the same worker, since two
 issuers on the data-parallel group would race; it is waited for only by the first reader of the
 weights it writes (:meth:`wait_slot`, :meth:`wait_all`).
+
+A stage's buffers are cut into segments by reduction domain (:mod:`.segments`): link (2) runs per segment
+over its domain's group (:class:`SegmentReduction`), in segment order, and the norm counts each parameter
+once: a segment whose values differ across another group (an expert's pieces across the expert group) has
+its part of the squared norm summed over that group too (with the distributed optimizer every part is a
+shard's, summed over its domain's group and that one). One segment over the data group is the chain above.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -96,6 +103,34 @@ def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack(norms).square().sum().reshape(1)
 
 
+@dataclass(frozen=True)
+class SegmentReduction:
+    """How one segment ``[lo, hi)`` of the padded gradient storage is reduced: over ``group`` (``w`` ranks),
+    reduce-scattered by ``shard`` (the distributed optimizer's layout of the segment; None: all-reduced),
+    and ``copies``: the group across which its values are distinct (None: replicas)."""
+
+    lo: int
+    hi: int | None  # None: to the end of the storage
+    group: object | None
+    w: int
+    shard: ShardLayout | None = None
+    copies: object | None = None
+
+    def of(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad[self.lo:self.hi] if self.lo or self.hi is not None else grad
+
+    def views(self, grad: torch.Tensor, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``views`` (of ``grad``) inside the segment."""
+        if not self.lo and self.hi is None:
+            return views
+        base, esize, hi = grad.data_ptr(), grad.element_size(), grad.numel() if self.hi is None else self.hi
+        return [v for v in views if self.lo <= (v.data_ptr() - base) // esize < hi]
+
+    def norm_groups(self) -> tuple:
+        """The groups its part of the squared norm is summed over, so that each value counts once."""
+        return tuple(g for g in ((self.group,) if self.shard is not None else ()) + (self.copies,) if g is not None)
+
+
 class _Job:
     """One piece of work for the worker: done when ``event`` is set (``error`` if it failed)."""
 
@@ -115,11 +150,17 @@ class _Job:
 class GradReducer:
     def __init__(self, *, dp_group, embedding_group, model_group, w: int, shared_range: tuple[int, int] | None,
                  bucket_numel: int, has_embedding_group: bool, device: torch.device | None = None,
-                 shard: ShardLayout | None = None) -> None:
+                 shard: ShardLayout | None = None, segments: list[SegmentReduction] | None = None) -> None:
+        """``dp_group``/``w``: the whole data group (the norm's broadcast); ``segments``: each segment's
+        reduction (None: one segment, the whole storage, over ``dp_group`` with the layout ``shard``)."""
         self.dp_group, self.embedding_group, self.model_group = dp_group, embedding_group, model_group
         self.w, self.shared_range, self.bucket_numel = w, shared_range, max(int(bucket_numel), 1)
         self.use_emb = has_embedding_group and shared_range is not None
-        self.shard = shard if shard is not None and w > 1 else None  # the distributed optimizer's layout
+        if segments is None:
+            segments = [SegmentReduction(0, None, dp_group, w, shard)]
+        self.segments = [SegmentReduction(r.lo, r.hi, r.group, r.w, r.shard if r.w > 1 else None, r.copies)
+                         for r in segments]
+        self.shard = self.segments[0].shard  # the first (default domain's) segment's layout, None: unsharded
         self.cuda = device is not None and device.type == "cuda"
         if self.cuda and device.index is None:  # the worker thread must know which device (its own default is 0)
             device = torch.device("cuda", torch.cuda.current_device())
@@ -130,7 +171,7 @@ class GradReducer:
         self._pending: deque[_Job] = deque()  # gradient jobs (with their norm jobs), in step order
         self._emb_early: dict[int, _Job] = {}  # by step: the tied embedding's link, issued ahead of its chain
         self._gathers: dict[int, _Job] = {}  # by weight buffer: its pending all-gather
-        self._scratch: torch.Tensor | None = None  # the reduce-scatter's output (chains run one at a time)
+        self._scratch: dict[int, torch.Tensor] = {}  # by segment: the reduce-scatter's output (one chain at a time)
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._thread: threading.Thread | None = None
@@ -145,28 +186,39 @@ class GradReducer:
         lo, hi = self.shared_range
         self._settle(dist.all_reduce(grad[lo:hi], group=self.embedding_group, async_op=True))
 
-    def _gradient(self, grad: torch.Tensor, norm_views: list[torch.Tensor], embedding: bool) -> torch.Tensor:
-        """Links (1) and (2), each settled before the next; this rank's part of the squared norm (the stage's
-        with the distributed optimizer: its shard's, summed over the data-parallel group)."""
+    def _gradient(self, grad: torch.Tensor, norm_views: list[torch.Tensor], embedding: bool
+                  ) -> list[tuple[tuple, torch.Tensor]]:
+        """Links (1) and (2), each settled before the next; this rank's parts of the squared norm, each with
+        the groups it is summed over (a segment's part is its shard's with the distributed optimizer)."""
         if embedding and self.use_emb:
             self._embedding(grad)
-        if self.shard is not None:
-            if self._scratch is None:
-                self._scratch = grad.new_empty(self.shard.size)
-            reduce_scatter(grad, self.shard, self.dp_group, self._scratch, self._settle)
-            return grad_sumsq(self.shard.counted_views(grad, norm_views), grad.device)
-        # every bucket issued back to back (one group, the same order on every rank, so NCCL pipelines them),
-        # then each settled in order: no link of another group starts before all have completed
-        works = [dist.all_reduce(grad[i:i + self.bucket_numel], group=self.dp_group, async_op=True)
-                 for i in (range(0, grad.numel(), self.bucket_numel) if self.w > 1 else ())]
-        for work in works:
-            self._settle(work)
-        return grad_sumsq(norm_views, grad.device)
+        parts: dict[tuple, torch.Tensor] = {}
+        for k, r in enumerate(self.segments):
+            piece, views = r.of(grad), r.views(grad, norm_views)
+            if r.shard is not None:
+                if k not in self._scratch:
+                    self._scratch[k] = grad.new_empty(r.shard.size)
+                reduce_scatter(piece, r.shard, r.group, self._scratch[k], self._settle)
+                views = r.shard.counted_views(piece, views)
+            else:
+                # every bucket issued back to back (one group, the same order on every rank, so NCCL pipelines
+                # them), then each settled in order: no link of another group starts before all have completed
+                works = [dist.all_reduce(piece[i:i + self.bucket_numel], group=r.group, async_op=True)
+                         for i in (range(0, piece.numel(), self.bucket_numel) if r.w > 1 else ())]
+                for work in works:
+                    self._settle(work)
+            s = grad_sumsq(views, grad.device)
+            key = r.norm_groups()
+            parts[key] = s if key not in parts else parts[key] + s
+        return list(parts.items())
 
-    def _norm(self, sumsq: torch.Tensor) -> float:
-        """Link (3): the global squared norm from this rank's part."""
-        if self.shard is not None:
-            self._settle(dist.all_reduce(sumsq, group=self.dp_group, async_op=True))
+    def _norm(self, parts: list[tuple[tuple, torch.Tensor]]) -> float:
+        """Link (3): the global squared norm from this rank's parts."""
+        sumsq = None
+        for groups, s in parts:
+            for g in groups:
+                self._settle(dist.all_reduce(s, group=g, async_op=True))
+            sumsq = s if sumsq is None else sumsq + s
         if self.model_group is not None:
             self._settle(dist.all_reduce(sumsq, group=self.model_group, async_op=True))
             if self.w > 1:  # every replica takes replica 0's bits (see the module docstring)
@@ -289,20 +341,26 @@ class GradReducer:
         self._wait(job)
         return self._wait(job.norm)
 
+    def _gather_segments(self, padded: torch.Tensor) -> None:
+        for r in self.segments:
+            if r.shard is not None:
+                all_gather(r.of(padded), r.shard, r.group, self._settle)
+
     def gather(self, slot: int, padded: torch.Tensor) -> None:
         """Start filling every other rank's range of weight buffer ``slot`` (``padded``, the whole padded
         storage) from its own range, which must already hold this rank's shard; waited for by :meth:`wait_slot`."""
         self.wait_slot(slot)  # never two writers of one buffer
-        job = _Job(-1, lambda: all_gather(padded, self.shard, self.dp_group, self._settle), self._ready())
+        job = _Job(-1, lambda: self._gather_segments(padded), self._ready())
         self._gathers[slot] = job
         self._issue(job)
 
-    def gather_shards(self, pieces: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        """``--optimizer muon``: the ``sum(recv)`` elements the data-parallel ranks send this one (``recv[r]``
-        from rank r, in rank order) for its ``pieces`` (``send[r]`` elements for rank r, concatenated): one
-        all-to-all over the data-parallel group issued on the ordered channel and waited for."""
+    def gather_shards(self, pieces: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
+        """``--optimizer muon``: the ``sum(recv)`` elements the ranks of ``group`` (a segment's domain; None:
+        the data-parallel group) send this one (``recv[r]`` from rank r, in rank order) for its ``pieces``
+        (``send[r]`` elements for rank r, concatenated): one all-to-all issued on the ordered channel and waited for."""
         out = pieces.new_empty(sum(recv))
-        job = _Job(-1, lambda: self._settle(dist.all_to_all_single(out, pieces, recv, send, group=self.dp_group,
+        group = self.dp_group if group is None else group
+        job = _Job(-1, lambda: self._settle(dist.all_to_all_single(out, pieces, recv, send, group=group,
                                                                    async_op=True)), self._ready())
         self._issue(job)
         self._wait(job)

@@ -24,6 +24,10 @@ step later; the executor waits before the first forward on it). ``state_dict`` g
 into the unsharded format (a collective over the data-parallel group); ``load_state_dict`` takes
 this rank's shard of an unsharded state, so checkpoints load at any width, sharded or not.
 ``predict`` is refused with it: its prediction buffers would need an all-gather at every drain.
+
+Each segment of the stage (:mod:`.segments`, one per reduction domain) has its own optimizer, master and
+shard (:class:`~.segment_update.SegmentUpdate`), sharded over its own domain's group; the scale, the skip
+and the clip factor are the stage's, one for all. With one segment this is the single-buffer update.
 """
 
 from __future__ import annotations
@@ -35,24 +39,15 @@ import torch
 
 from ..config import OptimizerConfig
 from ..errors import ConfigError
-from ..optimizer.build import build_optimizer
 from ..optimizer.loss_scaler import build_scaler
-from ..optimizer.muon import MuonMatrix
-from ..optimizer.state import Span, load_whole, whole
+from ..optimizer.state import Span
 from .compensation import check_compensation, dc_correct, ef_apply, extrapolate_correct, predict
 from .grad_reducer import GradReducer, grad_sumsq
+from .segment_update import EXTRAPOLATE, OPT, SegmentUpdate, cut, host, place
 from .weights import RankWeights
-from .zero import gather_full
 
-
-OPT = "optimizer."  # checkpoint names of the optimizer's state: optimizer.exp_avg, ...
-EXTRAPOLATE, EXTRAPOLATE_HAS = "extrapolate_prev_grad", "extrapolate_has_prev"  # --2bw-compensation extrapolate's
-
-
-def host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
-    """``t`` in host memory without a device-side copy: copied straight to the CPU, or (``copy`` False)
-    ``t`` itself when it is there already."""
-    return t.to("cpu", copy=copy)
+__all__ = ["EXTRAPOLATE", "EXTRAPOLATE_HAS", "OPT", "Update", "Updater", "host"]
+EXTRAPOLATE_HAS = "extrapolate_has_prev"  # --2bw-compensation extrapolate's flag
 
 
 @dataclass(frozen=True)
@@ -71,44 +66,32 @@ class Updater:
                  dc_lambda: float = 0.0, reducer: GradReducer | None = None,
                  tp: tuple[object, int, int] = (None, 0, 1), ef_scale: float = 1.0) -> None:
         self.weights, self.opt = weights, opt
-        # the distributed optimizer: the reducer's shard layout and ordered channel (None: unsharded)
-        self.reducer = reducer if reducer is not None and reducer.shard is not None else None
-        self.shard = self.reducer.shard if self.reducer is not None else None
-        if self.shard is not None and compensation == "predict":
+        # one part per segment (:mod:`.segment_update`), each sharded as the reducer reduces its segment
+        reds = reducer.segments if reducer is not None else [None] * len(weights.segments)
+        if len(reds) != len(weights.segments):
+            raise ValueError(f"the reducer reduces {len(reds)} segments, the weights have {len(weights.segments)}")
+        sharded = any(r is not None and r.shard is not None for r in reds)
+        # the distributed optimizer: the reducer's ordered channel (None: unsharded)
+        self.reducer = reducer if sharded else None
+        if sharded and compensation == "predict":
             raise ConfigError("--2bw-compensation predict cannot be combined with --use-distributed-optimizer")
-        numel, n_decay = (self.shard.size, self.shard.decay_prefix(weights.n_decay)) if self.shard is not None \
-            else (weights.numel, weights.n_decay)
-        self.optimizer = build_optimizer(opt, numel, n_decay, weights.device,
-                                         muon=self._muon_layout(tp) if opt.optimizer == "muon" else None)
+        self.parts = [SegmentUpdate(weights, seg, r, reducer, opt, compensation, tp)
+                      for seg, r in zip(weights.segments, reds)]
         check_compensation(compensation, self.optimizer)
+        if compensation == "predict" and len(self.parts) > 1:
+            raise ConfigError("--2bw-compensation predict needs the stage's parameters in one reduction domain")
         self.compensation, self.dc_lambda, self.ef_scale = compensation, dc_lambda, ef_scale
-        # extrapolate: the previous applied step's unscaled, clipped gradient (this rank's shard), fp32
-        self.ef_prev = torch.zeros(numel, dtype=torch.float32, device=weights.device) \
-            if compensation == "extrapolate" else None
         self.ef_has_prev = False
         self.scaler = build_scaler(opt)
-        # fp32 master copy of the newest weights (of this rank's shard) when they are kept in lower
-        # precision, or when the version buffers hold predicted (predict) or corrected (ef) weights
-        keep = weights.dtype != torch.float32 or compensation in ("predict", "ef")
-        self.master = self._weights(0).to(torch.float32, copy=True) if keep else None
-        # ef: the scratch y(t+1) is written into before the correction (fp32 uses the free version buffer)
-        self.ef_next = torch.empty(numel, dtype=torch.float32, device=weights.device) \
-            if compensation == "ef" and weights.dtype != torch.float32 else None
         self._scales: dict[int, float] = {}  # the loss scale of each step whose backward has begun
-        self._backup: tuple[int, torch.Tensor, dict] | None = None  # a speculative update's (step, weights, state)
+        self._backup: tuple | None = None  # a speculative update's (step, kept, state): see :meth:`speculate`
 
-    def _muon_layout(self, tp: tuple[object, int, int]) -> dict:
-        """What :class:`~..optimizer.muon.FlatMuon` needs to know about the stage: its matrices (in
-        stage coordinates), the tensor-parallel group, and this rank's shard and its gather."""
-        w = self.weights
-        matrices = [MuonMatrix(o, tuple(shape), dim if split and tp[2] > 1 else None)
-                    for o, shape, dim, split in zip(w.offsets, w.shapes, w.partition_dims, w.tp_split)
-                    if dim is not None]
-        kw = {"matrices": matrices, "total": w.numel, "tp": tp, "n_decay": w.n_decay}
-        if self.shard is not None:
-            kw.update(lo=self.shard.lo, gather=self.reducer.gather_shards,
-                      bounds=[self.shard.bounds(r) for r in range(self.shard.w)])
-        return kw
+    # the first (default domain's) segment's state: the whole stage's when there is one segment
+    optimizer = property(lambda self: self.parts[0].optimizer)
+    master = property(lambda self: self.parts[0].master)
+    shard = property(lambda self: self.parts[0].shard)
+    ef_prev = property(lambda self: self.parts[0].ef_prev)
+    ef_next = property(lambda self: self.parts[0].ef_next)
 
     def loss_scale(self, step: int) -> float:
         """The loss scale of ``step``: fixed at the first call for that step, until it is applied."""
@@ -126,13 +109,13 @@ class Updater:
         overflow = not math.isfinite(sumsq)
         norm = math.sqrt(sumsq) / scale if not overflow else float("inf")
         buf, src, dst = w.grad_buffer(step), w.slot(step), w.slot(step + 1)
-        grad, w_src, w_dst = self._grad(buf), self._weights(src), self._weights(dst)
         if overflow:
             if src != dst and self.compensation != "predict":  # W(t+1) = W(t)
-                w_dst.copy_(w_src)
+                for p in self.parts:
+                    p.weights_of(dst).copy_(p.weights_of(src))
         else:
-            self._step(grad, w_src, w_dst, src != dst, self._multiplier(scale, norm), lr)
-        if self.shard is not None and (src != dst or not overflow):  # the other ranks' shards of W(t+1)
+            self._step(buf, src, dst, self._multiplier(scale, norm), lr)
+        if self.reducer is not None and (src != dst or not overflow):  # the other ranks' shards of W(t+1)
             self.reducer.gather(dst, w.padded_flat[dst])
         if self.compensation == "predict":
             self.write_prediction(dst, lr if next_lr is None else next_lr)
@@ -141,6 +124,28 @@ class Updater:
         return Update(norm, overflow, scale)
 
     # ------------------------------------------------------------------ post-validation
+    def _hold(self, slot: int) -> list:
+        """Copies of what a speculative update overwrites, per part (the master or the weights, and the
+        optimizer state), in buffers reused from one speculated step to the next (12 B/parameter each step
+        would otherwise be allocated anew): the first speculation allocates them, later ones copy into them."""
+        held = getattr(self, "_held", None)
+
+        def fits(kept: torch.Tensor, st: dict, p) -> bool:
+            shapes = {n: [t.shape for _, t in sp] for n, sp in p.optimizer.state_spans().items()}
+            held_shapes = {n: [t.shape for t in sp] for n, sp in st["spans"].items()}
+            return kept.shape == p.kept(slot).shape and shapes == held_shapes
+
+        if held is not None and all(fits(k, st, p) for (k, st), p in zip(held, self.parts)):
+            for (k, st), p in zip(held, self.parts):
+                k.copy_(p.kept(slot))
+                for n, sp in p.optimizer.state_spans().items():  # restore_snapshot's inverse
+                    for (_, t), into in zip(sp, st["spans"][n]):
+                        into.copy_(t)
+                st["scalars"] = dict(p.optimizer.state_scalars())
+            return held
+        held = self._held = [(p.kept(slot).clone(), p.optimizer.snapshot()) for p in self.parts]
+        return held
+
     def speculate(self, step: int, lr: float) -> None:
         """Apply step ``step``'s update as :meth:`apply` would if the global norm neither overflows nor clips,
         before that norm is known (optimizer post-validation), keeping a copy of what it overwrites: the
@@ -151,26 +156,12 @@ class Updater:
         src, dst = w.slot(step), w.slot(step + 1)
         if src != dst:
             raise RuntimeError("a speculative update needs a one-version schedule")
-        kept = self.master if self.master is not None else self._weights(src)
-        # the copies are kept in buffers reused from one speculated step to the next (12 B/parameter each step
-        # would otherwise be allocated anew): the first speculation allocates them, later ones copy into them
-        held, spans = getattr(self, "_held", None), self.optimizer.state_spans()
-        if held is None or held[0].shape != kept.shape or {k: [t.shape for _, t in s] for k, s in spans.items()} \
-                != {k: [t.shape for t in s] for k, s in held[1]["spans"].items()}:
-            held = self._held = (kept.clone(), self.optimizer.snapshot())
-        else:
-            held[0].copy_(kept)
-            for k, s in spans.items():  # restore_snapshot's inverse
-                for (_, t), into in zip(s, held[1]["spans"][k]):
-                    into.copy_(t)
-            held[1]["scalars"] = dict(self.optimizer.state_scalars())
-        self._backup = (step, *held)
+        held = self._hold(src)
+        # (step, kept, state): one segment's copies, or with several a list of each
+        self._backup = (step, *held[0]) if len(held) == 1 else (step, [k for k, _ in held], [st for _, st in held])
         scale = self._scales.get(step, self.scaler.scale)
-        grad = self._grad(w.grad_buffer(step))
-        if scale != 1.0 and grad.dtype == torch.float32:  # _step unscales in place: keep the gradient as it was
-            grad = grad.clone()
-        self._step(grad, self._weights(src), self._weights(dst), False, 1.0 / scale, lr)
-        if self.shard is not None:
+        self._step(w.grad_buffer(step), src, dst, 1.0 / scale, lr, keep_grad=scale != 1.0)
+        if self.reducer is not None:
             self.reducer.gather(dst, w.padded_flat[dst])
 
     @property
@@ -185,6 +176,7 @@ class Updater:
         if self.speculating != step:
             raise RuntimeError(f"validating step {step} but the speculative update is of step {self.speculating}")
         _, kept, state = self._backup
+        held = [(kept, state)] if len(self.parts) == 1 else list(zip(kept, state))
         self._backup = None
         scale = self._scales.get(step, self.scaler.scale)
         overflow = not math.isfinite(sumsq)
@@ -195,13 +187,14 @@ class Updater:
             self.weights.grad_flat[self.weights.grad_buffer(step)].zero_()
             return Update(norm, False, scale), False
         src = self.weights.slot(step)
-        if self.master is not None:  # the model-dtype weights are the master's rounding (the invariant apply keeps)
-            self.master.copy_(kept)
-            self._weights(src).copy_(self.master)
-        else:
-            self._weights(src).copy_(kept)
-        self.optimizer.restore_snapshot(state)
-        if self.shard is not None and overflow:  # apply re-gathers after a step it takes; a skipped one restores
+        for p, (kept, state) in zip(self.parts, held):
+            if p.master is not None:  # the model-dtype weights are the master's rounding (the invariant apply keeps)
+                p.master.copy_(kept)
+                p.weights_of(src).copy_(p.master)
+            else:
+                p.weights_of(src).copy_(kept)
+            p.optimizer.restore_snapshot(state)
+        if self.reducer is not None and overflow:  # apply re-gathers after a step it takes; a skipped one restores
             self.reducer.gather(src, self.weights.padded_flat[src])
         return self.apply(step, sumsq, lr), True
 
@@ -216,47 +209,50 @@ class Updater:
             mult *= self.opt.clip_grad / (norm + 1e-6)
         return mult
 
-    def _step(self, grad: torch.Tensor, w_src: torch.Tensor, w_dst: torch.Tensor, two_versions: bool, mult: float,
-              lr: float) -> None:
-        """``w_dst`` = the optimizer's update of ``w_src`` with ``grad`` (this rank's range of each with the
-        distributed optimizer, the whole buffers otherwise; ``w_dst`` may be ``w_src``)."""
+    def _step(self, buf: int, src: int, dst: int, mult: float, lr: float, keep_grad: bool = False) -> None:
+        """Every segment's weights in buffer ``dst`` = the optimizer's update of buffer ``src``'s with gradient
+        buffer ``buf`` times ``mult`` (this rank's range of each with the distributed optimizer; ``dst`` may be
+        ``src``). ``keep_grad``: an fp32 gradient is not unscaled in place (a speculative update's)."""
+        has_prev = self.ef_has_prev
+        for p in self.parts:
+            grad = p.grad_of(buf)
+            if keep_grad and grad.dtype == torch.float32:
+                grad = grad.clone()
+            self._step_part(p, grad, p.weights_of(src), p.weights_of(dst), src != dst, mult, lr, has_prev)
+        if self.ef_prev is not None:
+            self.ef_has_prev = True
+
+    def _step_part(self, p, grad: torch.Tensor, w_src: torch.Tensor, w_dst: torch.Tensor, two_versions: bool,
+                   mult: float, lr: float, has_prev: bool) -> None:
+        """One segment's update (see :meth:`_step`)."""
         g32 = grad.float() if grad.dtype != torch.float32 else grad
         g32.mul_(mult)
         if self.compensation == "dc" and two_versions:  # w_dst still holds W(t-1)
             dc_correct(g32, w_src, w_dst, self.dc_lambda)
-        if self.ef_prev is not None:
-            extrapolate_correct(g32, self.ef_prev, self.ef_has_prev, self.ef_scale)
-            self.ef_has_prev = True
+        if p.ef_prev is not None:
+            extrapolate_correct(g32, p.ef_prev, has_prev, self.ef_scale)
         if self.compensation == "ef":  # y(t+1) into the scratch, then x(t+1) and the master from it
-            new = self.ef_next if self.ef_next is not None else w_dst
-            first = self.optimizer.steps == 0  # the first update is applied uncorrected
-            self.optimizer.update(self.master, new, g32, lr)
-            ef_apply(self.master, new, w_dst, self.ef_scale, first)
-        elif self.master is not None:
-            self.optimizer.update(self.master, self.master, g32, lr)
+            new = p.ef_next if p.ef_next is not None else w_dst
+            first = p.optimizer.steps == 0  # the first update is applied uncorrected
+            p.optimizer.update(p.master, new, g32, lr)
+            ef_apply(p.master, new, w_dst, self.ef_scale, first)
+        elif p.master is not None:
+            p.optimizer.update(p.master, p.master, g32, lr)
             if self.compensation != "predict":
-                w_dst.copy_(self.master)
+                w_dst.copy_(p.master)
         else:
-            self.optimizer.update(w_src, w_dst, g32, lr)
-
-    def _weights(self, slot: int) -> torch.Tensor:
-        """Weight buffer ``slot``: this rank's range of it with the distributed optimizer (a view)."""
-        w = self.weights
-        return w.flat[slot] if self.shard is None else self.shard.own(w.padded_flat[slot])
-
-    def _grad(self, buf: int) -> torch.Tensor:
-        """Gradient buffer ``buf``: this rank's (reduce-scattered) range of it with the distributed optimizer."""
-        w = self.weights
-        return w.grad_flat[buf] if self.shard is None else self.shard.own(w.padded_grad[buf])
+            p.optimizer.update(w_src, w_dst, g32, lr)
 
     def write_prediction(self, slot: int, lr: float) -> None:
         """Buffer ``slot`` = P(newest weights), the optimizer's predicted next step (:mod:`.compensation`)."""
-        predict(self.optimizer, self.master, self.weights.flat[slot], lr)
+        p = self.parts[0]  # predict runs on stages of one segment (refused otherwise)
+        predict(p.optimizer, p.master, p.weights_of(slot), lr)
 
     def write_newest(self, slot: int) -> None:
         """Buffer ``slot`` = the newest weights (the master's), for evaluation and checkpoints."""
-        if self.master is not None:
-            self.weights.flat[slot].copy_(self.master)
+        for p in self.parts:
+            if p.master is not None:
+                p.weights_of(slot).copy_(p.master)
 
     def step_alone(self, step: int, lr: float) -> Update:
         """The whole update of one process without reductions: this stage's gradient norm, then :meth:`apply`."""
@@ -269,13 +265,9 @@ class Updater:
         """Every per-parameter state this rank checkpoints, by its checkpoint name, as live spans in the
         optimizer's coordinates (this rank's shard with the distributed optimizer): ``master`` (the fp32
         master: the newest weights, or ``ef``'s iterate y), ``optimizer.KEY`` (the optimizer's own
-        :meth:`~..optimizer.state.FlatState.state_spans`) and ``optimizer.extrapolate_prev_grad``. The one
-        description both checkpoint formats (and :attr:`state_bytes`) read."""
-        out = {"master": [(0, self.master)]} if self.master is not None else {}
-        out.update({f"{OPT}{k}": s for k, s in self.optimizer.state_spans().items()})
-        if self.ef_prev is not None:  # extrapolate's previous gradient: per parameter, kept by name too
-            out[f"{OPT}{EXTRAPOLATE}"] = [(0, self.ef_prev)]
-        return out
+        :meth:`~..optimizer.state.FlatState.state_spans`) and ``optimizer.extrapolate_prev_grad``; of the
+        first segment (:attr:`parts` states each segment's: the one description both checkpoint formats read)."""
+        return self.parts[0].state_spans()
 
     def state_scalars(self) -> dict:
         """The optimizer's scalars (``steps``) and whether ``extrapolate`` holds a previous gradient."""
@@ -285,7 +277,8 @@ class Updater:
         return out
 
     def load_scalars(self, sd: dict) -> None:
-        self.optimizer.load_scalars(sd)
+        for p in self.parts:
+            p.optimizer.load_scalars(sd)
         if self.ef_prev is not None:  # a state without it (another compensation's) starts afresh
             self.ef_has_prev = bool(sd.get(EXTRAPOLATE_HAS, False))
 
@@ -293,30 +286,30 @@ class Updater:
     def state_bytes(self) -> int:
         """Bytes of optimizer state (the master copy not included), with ``extrapolate``'s previous gradient
         and ``ef``'s scratch buffer (in fp32 ``ef``'s extra buffer is the master: :attr:`master_bytes`)."""
-        ef = self.ef_next.numel() * 4 if self.ef_next is not None else 0
-        return ef + sum(t.numel() * t.element_size() for k, s in self.state_spans().items() if k != "master" for _, t in s)
+        def part(p) -> int:
+            ef = p.ef_next.numel() * 4 if p.ef_next is not None else 0
+            spans = [t for k, s in p.state_spans().items() if k != "master" for _, t in s]
+            return ef + sum(t.numel() * t.element_size() for t in spans)
+
+        return sum(part(p) for p in self.parts)
 
     @property
     def master_bytes(self) -> int:
         """Bytes of the fp32 master copy (this rank's shard with the distributed optimizer)."""
-        return self.master.numel() * self.master.element_size() if self.master is not None else 0
-
-    def _full(self, t: torch.Tensor, everywhere: bool, copy: bool) -> torch.Tensor | None:
-        """The whole-buffer ``t`` in host memory: gathered from every rank's shard (a collective) when
-        sharded; otherwise a host copy, or (``copy`` False) ``t`` itself when it is on the CPU already."""
-        return host(t, copy) if self.shard is None else gather_full(t, self.shard, self.reducer.dp_group, everywhere)
+        return sum(p.master.numel() * p.master.element_size() for p in self.parts if p.master is not None)
 
     def state_dict(self, everywhere: bool = True, copy: bool = True) -> dict:
         """The master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``) on the CPU, in
-        the unsharded layout; with the distributed optimizer every data-parallel rank must call it, and
-        with ``everywhere`` False only data-parallel rank 0 receives the gathered tensors (None elsewhere).
+        the unsharded layout (whole stage tensors, zeros between segments); with the distributed optimizer
+        every rank of each segment's domain must call it, and with ``everywhere`` False only data-parallel
+        rank 0 receives the gathered tensors (None elsewhere).
 
         ``copy`` True: a snapshot. ``copy`` False (a save that writes before training goes on): the live
         tensors where they are on the CPU already. Never a copy on the device (gpu-review C4)."""
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
-        n, spans = self.optimizer.numel, self.state_spans()
-        full = {k: self._full(whole(s, n), everywhere, copy) for k, s in spans.items()}
+        fulls = [p.full(everywhere, copy) for p in self.parts]
+        full = {k: place(self.parts, [f[k] for f in fulls], self.weights.numel) for k in fulls[0]}
         return {
             "master": full.get("master"),
             "optimizer": {**{k[len(OPT):]: v for k, v in full.items() if k.startswith(OPT)}, **self.state_scalars()},
@@ -326,16 +319,16 @@ class Updater:
     def load_state_dict(self, sd: dict) -> None:
         """Load an unsharded state (this rank's shard of it when sharded); a None ``optimizer`` or ``scaler``
         keeps the current (fresh) one."""
-        take = (lambda t: t) if self.shard is None else (lambda t: self.shard.take(t, torch.float32))
-        spans = self.state_spans()
         if self.master is not None and sd.get("master") is not None:
-            load_whole(spans["master"], take(sd["master"]))
+            for p, piece in zip(self.parts, cut(self.parts, sd["master"])):
+                p.load("master", piece)
         if sd.get("optimizer") is not None:
             state = sd["optimizer"]
-            for name, s in spans.items():
+            for name in self.state_spans():
                 key = name[len(OPT):]
                 if name.startswith(OPT) and not (key == EXTRAPOLATE and state.get(key) is None):
-                    load_whole(s, take(state[key]))
+                    for p, piece in zip(self.parts, cut(self.parts, state[key])):
+                        p.load(name, piece)
             self.load_scalars(state)
             if self.ef_prev is not None and state.get(EXTRAPOLATE) is None:
                 self.ef_has_prev = False
@@ -344,5 +337,6 @@ class Updater:
 
     def master_from(self, slot: int) -> None:
         """Set the master (if any) from weight buffer ``slot`` (this rank's range of it when sharded)."""
-        if self.master is not None:
-            self.master.copy_(self._weights(slot))
+        for p in self.parts:
+            if p.master is not None:
+                p.master.copy_(p.weights_of(slot))

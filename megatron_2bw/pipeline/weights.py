@@ -16,6 +16,10 @@ parameter carries ``main_grad``, a view of the current fp32 buffer, and a post-a
 hook adds each backward's model-dtype ``.grad`` into it and frees it (``.grad = None``), so
 the sum over microbatches is rounded once per addition in fp32 instead of in the model dtype.
 
+The storage is cut into segments, one per (gradient dtype, reduction domain) (:mod:`.segments`): each
+parameter's domain names the ranks its gradient is reduced over. With the default domain alone there
+is one segment, the whole buffer.
+
 Parameters carry two names: the local one (``"1.attn.qkv.weight"``: index in this stage's layer
 list) that checkpoints use to match a stage's buffers, and the global one, the name the
 parameter has in the full single-stage model (``"5.attn.qkv.weight"``), that checkpoint
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 
 from ..tensor_parallel import init
+from . import segments as seg
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
@@ -91,27 +96,29 @@ class RankWeights:
         self, build: Callable[[], list[nn.Module]], *, num_versions: int, dtype: torch.dtype,
         device: torch.device, tp_rank: int = 0, count_shared_in_norm: bool = True,
         names: GlobalNames = GlobalNames(), num_grad_buffers: int | None = None,
-        grad_dtype: torch.dtype | None = None, shards: int = 1, cpu_init: bool = True,
+        grad_dtype: torch.dtype | None = None, shards: int | dict[str, int] = 1, cpu_init: bool = True,
     ) -> None:
         with init.deferred():
             first = nn.ModuleList(build())
         _to(first, device, dtype)
         named = _unique_params(first)
-        # decayed matrices first, then vectors (biases, norms): weight decay is one slice
-        order = sorted(range(len(named)), key=lambda i: named[i][1].dim() < 2)
+        # by segment (:mod:`.segments`), and in each decayed matrices first, then vectors (biases, norms):
+        # a segment's weight decay is one slice. ``shards`` (per domain, or one count for all): the
+        # distributed optimizer's equal ranges tile each segment's padded storage, so its reduce-scatter and
+        # all-gather run on the buffers themselves (``flat`` is the view up to the last parameter)
+        self.grad_dtype = dtype if grad_dtype is None else grad_dtype
+        order, self.segments, offsets = seg.plan([p for _, p in named], self.grad_dtype, shards)
         named = [named[i] for i in order]
         self.names = [n for n, _ in named]
         self.global_names = names.of(first, [p for _, p in named])
         self.shapes = [p.shape for _, p in named]
         self.sizes = [p.numel() for _, p in named]
-        self.offsets = [0]
-        for n in self.sizes:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = self.offsets[-1]
-        # the distributed optimizer's ``shards`` equal ranges tile the padded storage, so its
-        # reduce-scatter and all-gather run on the buffers themselves (``flat`` is the unpadded view)
-        self.padded_numel = -(-self.numel // shards) * shards
-        self.n_decay = sum(n for (_, p), n in zip(named, self.sizes) if p.dim() >= 2)
+        self.offsets = offsets + [self.segments[-1].end]
+        self.numel = self.segments[-1].end
+        self.padded_numel = self.segments[-1].start + self.segments[-1].padded
+        # the stage's decayed prefix (one segment; with several, each segment states its own)
+        self.n_decay = self.segments[0].n_decay if len(self.segments) == 1 else None
+        self.inits = [getattr(p, "init", None) for _, p in named]  # each parameter's shards and domain
         # per parameter: the split dimension of a tensor-parallel linear weight (Megatron's
         # ``partition_dim``; None elsewhere) and whether it is split here (``--optimizer muon``)
         self.partition_dims = [getattr(p, "partition_dim", None) if p.dim() == 2 else None for _, p in named]
@@ -132,7 +139,6 @@ class RankWeights:
 
     def _add_grads(self, num_grad: int, grad_dtype: torch.dtype | None, tp_rank: int, count_shared_in_norm: bool) -> None:
         """The gradient buffers (``num_grad`` of them, in ``grad_dtype``) and what a model-wide norm counts."""
-        self.grad_dtype = self.dtype if grad_dtype is None else grad_dtype
         self.padded_grad = [torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
                             for _ in range(num_grad)]
         self.grad_flat = [g[:self.numel] for g in self.padded_grad]
@@ -169,6 +175,8 @@ class RankWeights:
             else:
                 padded[self.numel:].zero_()
             flat = padded[:self.numel]
+            for s in self.segments[:-1]:  # the padding between segments (zero weights)
+                padded[s.end:s.start + s.padded].zero_()
             adopted = {}
             for p, view in zip(ps, self._views(flat)):
                 if not p.is_meta:

@@ -49,11 +49,29 @@ def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return full.chunk(size, dim=dim)[rank].contiguous() if size > 1 else full
 
 
+DATA = "dp"  # the default reduction domain: the whole data (x context) group, whose ranks hold replicas
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One split of a parameter's full tensor: along ``dim``, this rank's ``rank``-th of ``size`` pieces."""
+
+    axis: str  # "tensor" or "expert"
+    dim: int
+    rank: int
+    size: int
+
+
 @dataclass(frozen=True)
 class Init:
     """How one parameter is made: the full tensor (``full_shape``; N(0, std^2) in its first ``rows``
     rows, zero elsewhere, or all ``value`` when ``std`` is None: zeros, a norm's ones) and this rank's
-    slice of it along ``dim`` (``rank`` of ``size``; ``dim`` None: the whole tensor, replicated)."""
+    slice of it along ``dim`` (``rank`` of ``size``; ``dim`` None: the whole tensor, replicated).
+
+    ``expert`` (dim, rank, size) splits the full tensor along an expert axis first (the tensor split then
+    applies to that piece). ``domain`` names the ranks its gradient is reduced and its optimizer state
+    sharded over (:data:`DATA`: the whole data group; expert weights: the expert-data subgroup), which
+    the stage's weight store keys its flat segments by (``pipeline.segments``)."""
 
     name: str
     seed: int
@@ -64,18 +82,31 @@ class Init:
     size: int = 1
     rows: int | None = None  # drawn rows (the real vocabulary of a padded embedding); None: all
     value: float = 0.0  # every element when ``std`` is None
+    domain: str = DATA
+    expert: tuple[int, int, int] | None = None  # (dim, rank, size) of the expert axis; None: not split
 
     @property
     def split(self) -> bool:
         return self.dim is not None and self.size > 1
 
     @property
+    def shards(self) -> tuple[Shard, ...]:
+        """Every split of the full tensor this rank's piece is cut by, outermost (expert) first."""
+        out = [Shard("expert", *self.expert)] if self.expert is not None and self.expert[2] > 1 else []
+        return tuple(out + ([Shard("tensor", self.dim, self.rank, self.size)] if self.split else []))
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """This rank's shape."""
         s = list(self.full_shape)
-        if self.split:
-            s[self.dim] //= self.size
+        for sh in self.shards:
+            s[sh.dim] //= sh.size
         return tuple(s)
+
+    def _expert_piece(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` cut to this rank's expert piece (itself when there is no expert split)."""
+        e = self.expert
+        return shard(full, e[0], e[1], e[2]) if e is not None and e[2] > 1 else full
 
     def full(self) -> torch.Tensor:
         """The full fp32 tensor on the CPU (the layout-independent path)."""
@@ -89,12 +120,16 @@ class Init:
 
     def cpu_shard(self) -> torch.Tensor:
         """This rank's slice of :meth:`full` (``--use-cpu-initialization``)."""
-        return shard(self.full(), self.dim, self.rank, self.size) if self.split else self.full()
+        full = self._expert_piece(self.full())
+        return shard(full, self.dim, self.rank, self.size) if self.split else full
 
     def fill_shard(self, out: torch.Tensor) -> None:
         """Write this rank's values into ``out`` (on any device, any dtype) drawing only them (per partition)."""
         if self.std is None:
             out.fill_(self.value)
+            return
+        if self.expert is not None and self.expert[2] > 1:  # drawn as the CPU path (room for a per-expert stream)
+            out.copy_(self.cpu_shard())
             return
         out.zero_()
         drawn = out
@@ -158,3 +193,14 @@ def materialize(p: nn.Parameter, out: torch.Tensor, *, cpu: bool) -> None:
         out.copy_(init.cpu_shard())
     else:
         init.fill_shard(out)
+
+
+def domain_of(p: torch.Tensor) -> str:
+    """The reduction domain ``p`` states through its :class:`Init` (:data:`DATA` where it has none)."""
+    return getattr(getattr(p, "init", None), "domain", DATA)
+
+
+def shards_of(p: torch.Tensor) -> tuple[Shard, ...]:
+    """The splits ``p``'s :class:`Init` states (none: a replicated parameter without one, as a plain norm)."""
+    i = getattr(p, "init", None)
+    return i.shards if i is not None else ()

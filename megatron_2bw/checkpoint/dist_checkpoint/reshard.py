@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from ...errors import ConfigError
 from ...tensor_parallel.recompute import RNGSnapshot
-from ..compat import model_config
+from ..compat import stage_model
 from .collective import checkpoint_group, config_error
 from .planners import LoadPlanner
 from .shard_map import EF_PREV, MASTER, MODEL, OLDER, Param, families, span_chunks, stage_params
@@ -46,14 +46,14 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     w, u, st = stage.weights, stage.updater, stage.state
     stage.reducer.wait_all()
     stage.step = 0 if finetune else int(common["step"])
-    params = stage_params(w, model_config(sd["config"]), st.t, st.tp_rank, st.pp_rank)
+    params = stage_params(w, stage_model(sd["config"]), st.t, st.tp_rank, st.pp_rank)
     with_optim = load_optim and not finetune
     chunks, read = [], set()
-    for family, spans, sharded in families(stage):
+    for fam in families(stage):
+        family, spans, base, lo, hi = fam.name, fam.spans, fam.base, fam.lo, fam.hi
         if family != MODEL and (family == OLDER and (finetune or f"{OLDER}/{params[0].name}" not in keys)
                                 or family != OLDER and (not with_optim or f"{family}/{params[0].name}" not in keys)):
             continue
-        base, lo, hi = (u.shard.lo, u.shard.lo, u.shard.hi) if sharded else (0, 0, w.numel)
         for start, buf in spans:  # straight into the live tensors the updater states (gpu-review-2 N10)
             _zero_cut_rows(buf, base + start, max(lo, base + start), min(hi, base + start + buf.numel()), params)
         chunks += span_chunks(family, spans, base, lo, hi, params, writing=False)

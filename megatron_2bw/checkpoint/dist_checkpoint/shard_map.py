@@ -4,6 +4,11 @@ Every per-parameter buffer of a stage (both 2BW versions, the fp32 master, the o
 is stored as the t = 1 model's tensor under ``FAMILY/GLOBAL_NAME``; a rank's flat range of a
 buffer is cut per parameter into at most three rectangles of its tensor-parallel shard, placed by
 the shard's offset. The writer offers these chunks, the resharding load asks for them.
+
+The shards are read from each parameter (``tensor_parallel.init.Init``: its tensor split and its expert
+piece), and the buffers are walked segment by segment (``pipeline.segments``): the ranks of a segment's
+reduction domain hold replicas of it, so they split its writing among themselves, and with the
+distributed optimizer each holds its shard of the segment over that domain.
 """
 
 from __future__ import annotations
@@ -48,21 +53,38 @@ class Param:
         return n
 
 
-def stage_params(weights, cfg: ModelConfig, t: int, tp: int, pp: int) -> list[Param]:
-    """The stage's parameters in flat-buffer order with their global placement."""
+def _placed(shape: tuple[int, ...], init, dim: int | None, t: int, tp: int) -> tuple[list[int], list[int]]:
+    """(global shape, global offset of the local tensor): the tensor split ``dim`` of ``t`` (rank ``tp``) inside
+    the expert piece ``init.expert`` states, if any (the expert axis is the outer split)."""
+    g, o = list(shape), [0] * len(shape)
+    if dim is not None and t > 1:
+        g[dim], o[dim] = shape[dim] * t, shape[dim] * tp
+    e = getattr(init, "expert", None)
+    if e is not None and e[2] > 1:
+        edim, erank, esize = e
+        if edim >= len(shape):
+            raise ValueError(f"parameter {init.name} of shape {shape} has an expert axis along dimension {edim}")
+        o[edim] += g[edim] * erank
+        g[edim] *= esize
+    return g, o
+
+
+def stage_params(weights, cfg: ModelConfig | None, t: int, tp: int, pp: int) -> list[Param]:
+    """The stage's parameters in flat-buffer order with their global placement (``cfg`` None: a model without
+    a padded vocabulary, as a test model)."""
     out = []
-    for name, off, shape in zip(weights.global_names, weights.offsets, weights.shapes):
+    inits = getattr(weights, "inits", None) or [None] * len(weights.shapes)
+    for name, off, shape, init in zip(weights.global_names, weights.offsets, weights.shapes, inits):
         shape = tuple(shape)
         if len(shape) > 2:
             shape = (shape[0], int(torch.Size(shape[1:]).numel()))
-        dim = split_dim(cfg, name)
+        # the split the parameter states (its Init); one without an Init is replicated
+        dim = init.dim if init is not None else split_dim(cfg, name) if cfg is not None else None
         if dim is not None and dim >= len(shape):
             raise ValueError(f"parameter {name} of shape {shape} is split along dimension {dim}")
-        g, o = list(shape), [0] * len(shape)
-        if dim is not None and t > 1:
-            g[dim], o[dim] = shape[dim] * t, shape[dim] * tp
+        g, o = _placed(shape, init, dim, t, tp)
         rows = shape[0]
-        if is_vocab(cfg, name):  # the t = 1 model's padded rows
+        if cfg is not None and is_vocab(cfg, name):  # the t = 1 model's padded rows
             g[0] = cfg.padded_vocab_size(1)
             rows = max(0, min(shape[0], g[0] - o[0]))
         writes = (dim is not None or tp == 0) and (name != WORD or pp == 0)
@@ -142,26 +164,41 @@ def bounded(chunks: list[Chunk], max_bytes: int | None = None) -> list[Chunk]:
     return out
 
 
-def families(stage) -> list[tuple[str, list[tuple[int, torch.Tensor]], bool]]:
-    """(family, spans, sharded) of every per-parameter buffer: the two versions, then the updater's
-    checkpointed state as it states it (``Updater.state_spans``: master, optimizer, compensation), each a
-    list of (first element, live tensor) in the buffer's coordinates (this rank's shard when sharded)."""
-    w, u = stage.weights, stage.updater
-    out = [(MODEL, [(0, w.flat[w.slot(stage.step)])], False)]
+@dataclass(frozen=True)
+class Family:
+    """One segment's part of a per-parameter buffer on this rank: ``spans`` (first element, live tensor) with
+    element 0 at stage flat index ``base``; ``[lo, hi)`` the flat range it holds (the segment, or this rank's
+    shard of it), ``write`` the part of that this rank writes (replicas over the domain split the writing)."""
+
+    name: str
+    spans: list[tuple[int, torch.Tensor]]
+    base: int
+    lo: int
+    hi: int
+    write: tuple[int, int]
+
+
+def families(stage) -> list[Family]:
+    """Every per-parameter buffer, segment by segment: the two versions, then the updater's checkpointed
+    state as each segment states it (``SegmentUpdate.state_spans``: master, optimizer, compensation)."""
+    w, u, domains = stage.weights, stage.updater, stage.state.domains()
+
+    def replicated(name: str, seg, spans) -> Family:
+        dom = domains[seg.domain]
+        lo, hi = ShardLayout(seg.numel, dom.size, dom.rank).bounds(dom.rank)
+        return Family(name, spans, seg.start, seg.start, seg.end, (seg.start + lo, seg.start + hi))
+
+    out = [replicated(MODEL, seg, [(0, seg.of(w.flat[w.slot(stage.step)]))]) for seg in w.segments]
     if w.num_versions > 1:
-        out.append((OLDER, [(0, w.flat[w.slot(stage.step + 1)])], False))
-    sharded = u.shard is not None
-    out += [(name, spans, sharded) for name, spans in u.state_spans().items()]
+        out += [replicated(OLDER, seg, [(0, seg.of(w.flat[w.slot(stage.step + 1)]))]) for seg in w.segments]
+    for part in u.parts:
+        for name, spans in part.state_spans().items():
+            if part.shard is None:
+                out.append(replicated(name, part.seg, spans))
+            else:
+                lo, hi = part.base, part.seg.start + part.shard.hi
+                out.append(Family(name, spans, lo, lo, hi, (lo, hi)))
     return out
-
-
-def write_range(stage, sharded: bool) -> tuple[int, int, int]:
-    """(base, lo, hi): a buffer's first flat index and the range this rank writes."""
-    st, u, n = stage.state, stage.updater, stage.weights.numel
-    if sharded:
-        return u.shard.lo, u.shard.lo, u.shard.hi
-    lo, hi = ShardLayout(n, st.w, st.dp_rank).bounds(st.dp_rank)
-    return 0, lo, hi
 
 
 def span_chunks(family: str, spans: list[tuple[int, torch.Tensor]], base: int, lo: int, hi: int,
@@ -187,7 +224,6 @@ def save_chunks(stage, cfg: ModelConfig) -> list[Chunk]:
     st = stage.state
     params = stage_params(stage.weights, cfg, st.t, st.tp_rank, st.pp_rank)
     out = []
-    for family, spans, sharded in families(stage):
-        base, lo, hi = write_range(stage, sharded)
-        out += span_chunks(family, spans, base, lo, hi, params, writing=True)
+    for fam in families(stage):
+        out += span_chunks(fam.name, fam.spans, fam.base, *fam.write, params, writing=True)
     return out

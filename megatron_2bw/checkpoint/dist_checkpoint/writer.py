@@ -19,7 +19,7 @@ from ...errors import ConfigError
 from ...tensor_parallel.recompute import RNGSnapshot
 from ...testing import faults
 from .. import manifest, trainer_format
-from ..compat import model_config
+from ..compat import stage_model
 from ..layout import iteration_dir
 from ..manifest import write_tracker
 from ...errors import os_error_line
@@ -148,7 +148,7 @@ def save(root: str, iteration: int, stage, tracker, common: dict, writer: Backgr
     """
 
     stage.reducer.wait_all()  # no all-gather may still write the weight buffers
-    chunks = save_chunks(stage, model_config(common["config"]))
+    chunks = save_chunks(stage, stage_model(common["config"]))
     objects = _objects(stage, tracker, common)
     group = checkpoint_group()
     try:
