@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..config import ModelConfig
+from ..config.blocks import DENSE_MLP, layer_params
+from ..config.families import FAMILIES
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 
@@ -22,48 +24,29 @@ WORD = "0.word.weight"
 POSITION = "0.position"
 TOKENTYPE = "0.tokentype"
 
-# our per-layer module path -> Megatron's (ParallelTransformerLayer in v2.x)
-LAYER_MODULES = {
-    "ln1": "input_layernorm",
-    "attn.qkv": "self_attention.query_key_value",
-    "attn.proj": "self_attention.dense",
-    "ln2": "post_attention_layernorm",
-    "mlp.fc1": "mlp.dense_h_to_4h",
-    "mlp.fc2": "mlp.dense_4h_to_h",
-}
-LAYER_SUFFIXES = [f"{m}.{p}" for m in LAYER_MODULES for p in ("weight", "bias")]
 # SwiGLU's column-parallel pair; Megatron keeps both in ``dense_h_to_4h`` ([gate; up] rows per tensor rank)
-SWIGLU_MODULES = ("mlp.gate", "mlp.up")
+SWIGLU_MODULES = tuple(f"mlp.{m}" for m in DENSE_MLP.fused_pair)
 OUTPUT = "output_layer.weight"  # the head's untied output layer (``{L+1}.output_layer.weight``)
 
 
 def layer_suffixes(cfg: ModelConfig) -> list[str]:
-    """A transformer layer's parameter names (module path . weight/bias) for ``cfg``'s options:
-    no biases with --disable-bias-linear, RMSNorm without one, SwiGLU's gate and up for fc1."""
-    out = []
-    for m in LAYER_MODULES:
-        for mod in (SWIGLU_MODULES if m == "mlp.fc1" and cfg.swiglu else (m,)):
-            has_bias = cfg.normalization == "LayerNorm" if m.startswith("ln") else cfg.add_bias_linear
-            out += [f"{mod}.weight"] + ([f"{mod}.bias"] if has_bias else [])
-    return out
+    """A transformer layer's parameter names (module path . weight/bias) for ``cfg``'s options: its blocks'
+    parameter lists (``config/blocks.py``; no biases with --disable-bias-linear, RMSNorm without one,
+    SwiGLU's gate and up for fc1)."""
+    return [p.name for p in layer_params(cfg)]
+
+
+def _layer_megatron(cfg: ModelConfig) -> dict[str, str]:
+    """Our per-layer parameter name -> Megatron's (ParallelTransformerLayer in v2.x), from the blocks."""
+    return {p.name: f"{p.megatron}.{p.name.rsplit('.', 1)[1]}" for p in layer_params(cfg)}
 
 
 def head_norm_names(cfg: ModelConfig) -> list[str]:
     h = head_index(cfg)
     return [f"{h}.ln.weight"] + ([f"{h}.ln.bias"] if cfg.normalization == "LayerNorm" else [])
 
-# BERT head: our module path -> Megatron path (lm_head and binary_head sit beside language_model)
-BERT_HEAD = {
-    "lm_dense.weight": ("lm_head", "dense.weight"),
-    "lm_dense.bias": ("lm_head", "dense.bias"),
-    "lm_ln.weight": ("lm_head", "layernorm.weight"),
-    "lm_ln.bias": ("lm_head", "layernorm.bias"),
-    "lm_bias": ("lm_head", "bias"),
-    "pooler.weight": ("language_model", "pooler", "dense.weight"),
-    "pooler.bias": ("language_model", "pooler", "dense.bias"),
-    "sop.weight": ("binary_head", "weight"),
-    "sop.bias": ("binary_head", "bias"),
-}
+# BERT head: our module path -> Megatron path (its family's head, ``config/families.py``)
+BERT_HEAD = FAMILIES["bert"].head.megatron
 
 EMBEDDING_PATHS = {
     WORD: ("language_model", "embedding", "word_embeddings", "weight"),
@@ -101,8 +84,7 @@ def full_names(cfg: ModelConfig) -> list[str]:
     names += head_norm_names(cfg)
     if not cfg.tied_output:
         names.append(f"{h}.{OUTPUT}")
-    if cfg.kind == "bert":
-        names += [f"{h}.{s}" for s in BERT_HEAD]
+    names += [f"{h}.{s}" for s in cfg.family.head.megatron]  # the family's head beyond norm and output layer
     return names
 
 
@@ -144,17 +126,15 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
         return HEAD_WORD_PATH
     if idx == 0 and name in EMBEDDING_PATHS:
         return EMBEDDING_PATHS[name]
-    if 1 <= idx <= cfg.num_layers:
-        module, param = rest.rsplit(".", 1)
-        local = idx - max(start, 1)
-        module = "mlp.fc1" if module in SWIGLU_MODULES else module  # one fused tensor (fused_swiglu_parts)
-        return ("language_model", "encoder", f"layers.{local}.{LAYER_MODULES[module]}.{param}")
+    if 1 <= idx <= cfg.num_layers and rest in (layer := _layer_megatron(cfg)):
+        local = idx - max(start, 1)  # SwiGLU's gate and up: one fused tensor (fused_swiglu_parts)
+        return ("language_model", "encoder", f"layers.{local}.{layer[rest]}")
     if idx == h and rest == OUTPUT:
         return OUTPUT_PATH
     if idx == h and rest.startswith("ln."):
         return ("language_model", "encoder", f"final_layernorm.{rest[3:]}")
-    if idx == h and cfg.kind == "bert" and rest in BERT_HEAD:
-        return BERT_HEAD[rest]
+    if idx == h and rest in cfg.family.head.megatron:
+        return cfg.family.head.megatron[rest]
     raise ConfigError(f"no Megatron name for parameter {name!r}")
 
 

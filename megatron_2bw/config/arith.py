@@ -18,34 +18,29 @@ core, which Megatron does not count either. It counts the matrix multiplies only
 BERT (BERT's small heads are left out): a *model* FLOP estimate, not what a profiler would measure.
 
 The functions take a ``ModelConfig`` (duck-typed: this module sits below ``config/model.py``, whose
-``num_parameters`` reads :func:`num_parameters`).
+``num_parameters`` reads :func:`num_parameters`). The per-block terms are the blocks' own (``blocks.py``), the
+family's head beyond the norm and the output layer its own (``families.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from . import blocks
+
 Model = Any  # a ModelConfig
 
 
 def layer_params(model: Model, t: int) -> int:
-    """Parameters of one transformer layer on one GPU (Megatron split; row-parallel biases replicated).
+    """Parameters of one transformer layer on one GPU (Megatron split; row-parallel biases replicated): the
+    sum over its blocks' parameter lists (``blocks.py``).
 
     GPT-2 style: ``(4h^2 + 3h + 2hf + f) / t + 2h + 4h``. The Llama options change the terms: QKV
     has ``(a + 2g) * head_dim`` outputs with ``g`` query groups, SwiGLU doubles the first MLP GEMM
     (gate and up), --disable-bias-linear drops the biases and RMSNorm has no bias.
     """
-    h, f = model.hidden_size, model.ffn_hidden_size
-    qkv, mlp_in, bias, norm = _llama_terms(model)
-    return (h * qkv + qkv * bias + h * h + h * mlp_in + mlp_in * bias + f * h) // t + 2 * h * bias + 2 * norm
-
-
-def _llama_terms(model: Model) -> tuple[int, int, int, int]:
-    """(QKV outputs, first-MLP-GEMM outputs, 1 with linear biases else 0, parameters of one norm)."""
-    qkv = (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
-    mlp_in = 2 * model.ffn_hidden_size if model.swiglu else model.ffn_hidden_size
-    norm = model.hidden_size if model.normalization == "RMSNorm" else 2 * model.hidden_size
-    return qkv, mlp_in, int(model.add_bias_linear), norm
+    terms = blocks.layer_terms(model, "param_terms")
+    return terms.split // t + terms.full
 
 
 def tied_params(model: Model, t: int) -> int:
@@ -65,35 +60,31 @@ def embedding_params(model: Model, t: int) -> int:
 
 
 def head_params(model: Model, t: int) -> int:
-    """Final norm, the output layer (the tied embedding's copy or its own), and BERT's LM transform, bias,
-    pooler, NSP head."""
-    h = model.hidden_size
-    n = _llama_terms(model)[3] + word_params(model, t)
-    if model.kind == "bert":
-        n += (h * h + h + 2 * h) + model.padded_vocab_size(t) // t + (h * h + h) + (2 * h + 2)
-    return n
+    """Final norm, the output layer (the tied embedding's copy or its own), and the family's head beyond them
+    (BERT's LM transform, bias, pooler, NSP head: ``families.py``)."""
+    extra = model.family.head.extra_params(model, model.padded_vocab_size(t), t)
+    return blocks.NORM.param_terms(model).full + word_params(model, t) + extra
 
 
 def layer_forward_flops(model: Model, b: int, t: int) -> float:
     """``2bs(h * qkv + h^2 + h * mlp_in + f h) + 4bs^2h`` over ``t``: QKV (``(a + 2g) head_dim`` outputs with
     grouped-query attention), projection, the MLP GEMMs (three with SwiGLU) and the attention core (its
-    query heads are all ``a``, so GQA leaves it unchanged). GPT-2 style: ``2bs(4h^2 + 2hf) + 4bs^2h``."""
-    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
-    qkv, mlp_in, _, _ = _llama_terms(model)
-    return (2 * b * s * (h * qkv + h * h + h * mlp_in + f * h) + 4 * b * s * s * h) / t
+    query heads are all ``a``, so GQA leaves it unchanged). GPT-2 style: ``2bs(4h^2 + 2hf) + 4bs^2h``.
+    The blocks' GEMMs (``blocks.layer_macs``) and the core (``SelfAttentionArith.core_flops``)."""
+    s, h = model.seq_length, model.hidden_size
+    return (2 * b * s * blocks.layer_macs(model) + 4 * b * s * s * h) / t
 
 
 def head_forward_flops(model: Model, b: int, t: int) -> float:
     s, h = model.seq_length, model.hidden_size
     flops = 2 * b * s * h * model.padded_vocab_size(t) / t
-    if model.kind == "bert":
-        flops += 2 * b * s * h * h  # LM transform (replicated)
-    return flops
+    extra = model.family.head.extra_macs(model)  # replicated (BERT's LM transform)
+    return flops + 2 * b * s * extra if extra else flops
 
 
 def core_forward_flops(model: Model, b: int, t: int) -> float:
     """The attention core's two batched GEMMs (QK^T and times V) on one GPU."""
-    return 4 * b * model.seq_length ** 2 * model.hidden_size / t
+    return blocks.SELF_ATTENTION.core_flops(model, b, t)
 
 
 def linear_forward_flops(model: Model, b: int, t: int) -> float:
@@ -107,9 +98,8 @@ def num_parameters(model: Model) -> int:
     h, V = model.hidden_size, model.vocab_size
     positions = model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0
     emb = V * h + positions + model.num_tokentypes * h
-    head = _llama_terms(model)[3] + (0 if model.tied_output else V * h)
-    if model.kind == "bert":  # LM transform and its norm, output bias, pooler, sentence-order head
-        head += (h * h + h + 2 * h) + V + (h * h + h) + (2 * h + 2)
+    head = blocks.NORM.param_terms(model).full + (0 if model.tied_output else V * h)
+    head += model.family.head.extra_params(model, V, 1)  # BERT: LM transform, output bias, pooler, SOP head
     return model.num_layers * layer_params(model, 1) + emb + head
 
 

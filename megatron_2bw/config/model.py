@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .arith import num_parameters
+from .families import FAMILIES, Family
 from .moe import MoEConfig, moe_config_of
 from .rules import _require, _require_finite
 
@@ -46,7 +47,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(self.make_vocab_size_divisible_by >= 1,
                  f"--make-vocab-size-divisible-by must be >= 1, got {self.make_vocab_size_divisible_by}")
-        _require(self.kind in ("gpt", "bert"), f"model kind must be 'gpt' or 'bert', got {self.kind!r}")
+        _require(self.kind in FAMILIES, f"model kind must be {' or '.join(map(repr, FAMILIES))}, got {self.kind!r}")
         self._check_llama_fields()
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -90,7 +91,7 @@ class ModelConfig:
             _require(g > 0, f"--num-query-groups must be positive, got {g}")
             _require(self.num_attention_heads % g == 0,
                      f"--num-query-groups {g} does not divide --num-attention-heads {self.num_attention_heads}")
-        if self.kind == "bert":
+        if not self.family.gpt_options:
             llama = [f for f, v in (("--sequence-parallel", self.sequence_parallel),
                                     ("--position-embedding-type rope", self.position_embedding_type == "rope"),
                                     ("--swiglu", self.swiglu), ("--group-query-attention", self.group_query_attention),
@@ -129,6 +130,16 @@ class ModelConfig:
         s = self.seq_length // c
         s = s // t if self.sequence_parallel else s
         return (micro_batch, s, self.hidden_size)
+
+    @property
+    def family(self) -> Family:
+        """The family's facts (``families.py``): what the config, arithmetic, planner and names ask of ``kind``."""
+        return FAMILIES[self.kind]
+
+    @property
+    def mlp_block(self) -> str:
+        """The MLP block the layers are built with (``blocks.MLP_BLOCKS``, ``models/transformer.py:MLPS``)."""
+        return "dense"
 
     @property
     def query_groups(self) -> int:

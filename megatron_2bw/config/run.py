@@ -294,7 +294,7 @@ class RunConfig:
                  f"--attention-backend {self.system.attention_backend} with --attention-dropout "
                  f"{self.model.attention_dropout} on the CPU: torch's CPU flash kernel has no dropout (use auto, "
                  "unfused or --attention-dropout 0)")
-        masked = "BERT's padding mask" if self.kind == "bert" else \
+        masked = "BERT's padding mask" if self.model.family.padding_mask else \
             "--reset-attention-mask's mask" if self.data.reset_attention_mask else \
             "--cp-comm-type all_gather's causal prefix mask" if self.parallel.context > 1 and \
             self.parallel.cp_comm_type == "all_gather" else None

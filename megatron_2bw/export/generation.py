@@ -56,7 +56,7 @@ class CachedGPT:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
-        if cfg.kind != "gpt":
+        if not cfg.family.causal:
             raise ConfigError(f"generation needs a GPT model, this checkpoint holds a {cfg.kind} model")
         self.cfg = cfg
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}

@@ -176,7 +176,8 @@ _LLAMA_LAYER = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "at
 
 def is_llama(cfg: ModelConfig) -> bool:
     """The options ``LlamaForCausalLM`` implements (everything else is a GPT-2-style model or refused)."""
-    return cfg.kind == "gpt" and cfg.position_embedding_type == "rope" and cfg.swiglu and cfg.normalization == "RMSNorm"
+    return (cfg.family.gpt_options and cfg.position_embedding_type == "rope" and cfg.swiglu
+            and cfg.normalization == "RMSNorm")
 
 
 def _check_llama(cfg: ModelConfig) -> None:
@@ -299,6 +300,7 @@ def hf_model(ex: Exported):
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, MegatronBertForPreTraining  # noqa: PLC0415
 
     _quiet()
+    # the HF model class per family stays here: it is the export's table, not the model's
     if ex.cfg.kind == "gpt" and ex.cfg.llama_style:
         model, sd = LlamaForCausalLM(llama_config(ex.cfg)), to_hf_llama(ex.cfg, ex.weights)
     else:
@@ -320,7 +322,7 @@ def save_hf_dir(path: str, ex: Exported) -> str:
     os.makedirs(path, exist_ok=True)
     model = hf_model(ex)
     note, eod = write_tokenizer(path, ex.tokenizer)
-    if eod is not None and ex.cfg.kind == "gpt":  # GPT-2's convention: <|endoftext|> is both
+    if eod is not None and ex.cfg.family.causal:  # GPT-2's convention: <|endoftext|> is both
         model.config.eos_token_id = model.config.bos_token_id = int(eod)
     model.save_pretrained(path)
     return note

@@ -55,7 +55,7 @@ assert set(_BERT_HEAD) == set(BERT_HEAD)
 
 def block_key(cfg: ModelConfig) -> str:
     """Megatron-Core's transformer block: ``decoder`` in GPTModel, ``encoder`` in BertModel."""
-    return "encoder" if cfg.kind == "bert" else "decoder"
+    return cfg.family.megatron_stack
 
 
 def _check_impl(impl: str) -> None:
@@ -85,7 +85,7 @@ def mcore_key(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Split 
         return "output_layer.weight"
     if idx == h and rest.startswith("ln."):
         return f"{block_key(cfg)}.final_layernorm.{rest[3:]}"
-    if idx == h and cfg.kind == "bert" and rest in _BERT_HEAD:
+    if idx == h and rest in cfg.family.head.megatron:  # the family's head beyond norm and output layer
         return _BERT_HEAD[rest]
     raise ConfigError(f"no Megatron-Core name for parameter {name!r}")
 

@@ -7,43 +7,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.precision import Precision
 from ..context_parallel.group import CPGroup
 from ..context_parallel.loss import first_token_only, masked_mean
 from ..fused import Kernels, layer_norm
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import Init, parameter
+from ..tensor_parallel.layers import ReplicatedLinear
 from .embedding import tied_logits, word_embedding
-
-
-def _linear(cfg: ModelConfig, seed: int, name: str, out_f: int, in_f: int) -> nn.Linear:
-    """A replicated (not tensor-parallel) linear, its weight and bias made like the parallel layers'."""
-    lin = nn.Linear(in_f, out_f, device="meta")
-    lin.weight = parameter(Init(name, seed, (out_f, in_f), cfg.init_method_std))
-    lin.bias = parameter(Init(f"{name}.bias", seed, (out_f,)))
-    return lin
 
 
 class BertHead(nn.Module):
     """Final LayerNorm; masked-LM transform + tied logits (+ vocab-parallel bias); SOP pooler + classifier."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None,
+                 recipe: Precision | None = None):
         super().__init__()
-        self.tp = tp
-        h = cfg.hidden_size
+        self.tp, self.recipe = tp, recipe
+        h, std = cfg.hidden_size, cfg.init_method_std
         self.ln = layer_norm(h, cfg.layernorm_epsilon, kernels)
-        self.lm_dense = _linear(cfg, seed, "head.lm_dense", h, h)
+        self.lm_dense = ReplicatedLinear(h, h, seed=seed, name="head.lm_dense", std=std, recipe=recipe)
         self.lm_ln = layer_norm(h, cfg.layernorm_epsilon, kernels)
         self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
         self.lm_bias = parameter(Init("head.lm_bias", seed, (cfg.padded_vocab_size(tp.size),), None, 0, tp.rank, tp.size))
         self.lm_bias.tensor_parallel = tp.size > 1
-        self.pooler = _linear(cfg, seed, "head.pooler", h, h)
-        self.sop = _linear(cfg, seed, "head.sop", 2, h)
+        self.pooler = ReplicatedLinear(h, h, seed=seed, name="head.pooler", std=std, recipe=recipe)
+        self.sop = ReplicatedLinear(h, 2, seed=seed, name="head.sop", std=std, recipe=recipe)
 
     def forward(self, x: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.ln(x)
         lm = self.lm_ln(F.gelu(self.lm_dense(x), approximate="tanh"))
-        logits = tied_logits(lm, self.word_weight, self.tp, self.lm_bias)
+        logits = tied_logits(lm, self.word_weight, self.tp, self.lm_bias, recipe=self.recipe)
         sop = self.sop(torch.tanh(self.pooler(x[:, 0])))
         return logits, sop
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.precision import Precision
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.init import Init, parameter
 from ..tensor_parallel.layers import VocabParallelEmbedding, column_parallel
@@ -73,10 +74,10 @@ class Embedding(nn.Module):
 
 
 def tied_logits(x: torch.Tensor, word_weight: torch.Tensor, tp: TPGroup, bias: torch.Tensor | None = None,
-                sequence_parallel: bool = False) -> torch.Tensor:
+                sequence_parallel: bool = False, recipe: Precision | None = None) -> torch.Tensor:
     """This rank's slice of the output logits, ``[..., padded_vocab / t]``, from the tied weight
     (under sequence parallelism, of the whole sequence: the shards are all-gathered first)."""
-    return column_parallel(x, tp, [word_weight], [bias], sequence_parallel)[0]
+    return column_parallel(x, tp, [word_weight], [bias], sequence_parallel, recipe)[0]
 
 
 class OutputLayer(nn.Module):
@@ -84,13 +85,13 @@ class OutputLayer(nn.Module):
     its own on the last stage, shaped like the word embedding (padded rows zero) but never all-reduced
     with it (Megatron-Core's ``output_layer``)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, recipe: Precision | None = None):
         super().__init__()
-        self.tp, self.sequence_parallel = tp, cfg.sequence_parallel
+        self.tp, self.sequence_parallel, self.recipe = tp, cfg.sequence_parallel, recipe
         self.weight = VocabParallelEmbedding(
             cfg.vocab_size, cfg.padded_vocab_size(tp.size), cfg.hidden_size, tp,
             seed=seed, name=OUTPUT_LAYER, std=cfg.init_method_std,
         ).weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tied_logits(x, self.weight, self.tp, sequence_parallel=self.sequence_parallel)
+        return tied_logits(x, self.weight, self.tp, sequence_parallel=self.sequence_parallel, recipe=self.recipe)

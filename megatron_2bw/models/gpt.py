@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.precision import Precision
 from ..context_parallel.group import CPGroup
 from ..context_parallel.loss import masked_mean
 from ..fused import Kernels
@@ -21,20 +22,22 @@ class GPTHead(nn.Module):
     """Final norm and the logits (this rank's vocab slice) through the tied word embedding, or through
     a separate output layer with ``--untie-embeddings-and-output-weights``."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None,
+                 recipe: Precision | None = None):
         super().__init__()
-        self.tp, self.sequence_parallel = tp, cfg.sequence_parallel
+        self.tp, self.sequence_parallel, self.recipe = tp, cfg.sequence_parallel, recipe
         self.ln = norm(cfg, kernels, tp)
         if cfg.tied_output:
             # Same stage as the embedding: share its Parameter. Otherwise build the identical copy.
             self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
         else:
-            self.output_layer = OutputLayer(cfg, tp, seed)
+            self.output_layer = OutputLayer(cfg, tp, seed, recipe)
 
     def forward(self, x: torch.Tensor, batch: dict) -> torch.Tensor:
         if hasattr(self, "output_layer"):
             return self.output_layer(self.ln(x))
-        return tied_logits(self.ln(x), self.word_weight, self.tp, sequence_parallel=self.sequence_parallel)
+        return tied_logits(self.ln(x), self.word_weight, self.tp, sequence_parallel=self.sequence_parallel,
+                           recipe=self.recipe)
 
 
 class GPTLoss:

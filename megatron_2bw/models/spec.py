@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.precision import Precision
 from ..context_parallel.group import CPGroup, shard_batch
 from ..fused import Kernels
 from ..tensor_parallel.group import TPGroup
@@ -33,9 +34,10 @@ class ModelSpec:
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
     split: tuple[int, ...] | None = None  # layers per stage (schedule/stages.py); None: even
-    recompute: RecomputePolicy | None = None  # recomputation inside the stage (pipeline/recompute.py)
+    recompute: RecomputePolicy | None = None  # recomputation inside the stage (tensor_parallel/recompute.py)
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
     cp: CPGroup | None = None  # context parallelism: each microbatch's sequence sharded over its ranks
+    precision: Precision | None = None  # the GEMM recipe (config/precision.py); None: the weights' dtype
 
     @property
     def num_items(self) -> int:
@@ -50,6 +52,7 @@ class ModelSpec:
         tied by the pipeline).
         """
         cfg, family = self.cfg, FAMILIES[self.cfg.kind]
+        blocks = family.layer(cfg)
         layers: list[nn.Module] = []
         emb = None
         for i in range(start, end):
@@ -58,9 +61,10 @@ class ModelSpec:
                 layers.append(emb)
             elif i <= cfg.num_layers:
                 layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=family.causal, rng=self.rng,
-                                               kernels=self.kernels, cp=self.cp))
+                                               kernels=self.kernels, cp=self.cp, recipe=self.precision, spec=blocks))
             else:
-                layers.append(family.head(cfg, self.tp, self.seed, self.kernels, emb.word.weight if emb is not None else word))
+                layers.append(family.head(cfg, self.tp, self.seed, self.kernels,
+                                          emb.word.weight if emb is not None else word, recipe=self.precision))
         apply_recompute(layers, self.recompute)
         return layers
 

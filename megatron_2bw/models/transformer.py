@@ -1,14 +1,25 @@
-"""A pre-LayerNorm transformer layer (causal or bidirectional) built from tensor-parallel layers."""
+"""A pre-LayerNorm transformer layer (causal or bidirectional) built from tensor-parallel layers.
+
+The layer is made of blocks (attention, MLP, norm) that it takes from a :class:`LayerSpec` (the family table's,
+``families.py``; Megatron-Core's ``ModuleSpec`` without its dynamic imports). Each :class:`Block` pairs a
+builder with its arithmetic (``config/blocks.py``: the parameter list with shapes and split, FLOPs and the
+activation stash), which ``config/arith.py``, the planner's costs and ``checkpoint/names.py`` read; another
+MLP (mixture of experts) is one more ``MLPS`` entry, chosen by ``ModelConfig.mlp_block``.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..config import blocks as arith
+from ..config.precision import Precision
 from ..context_parallel.a2a import a2a_attention
 from ..context_parallel.attention import all_gather_attention, ring_attention
 from ..context_parallel.group import CPGroup
@@ -25,7 +36,7 @@ from .rope import RotaryEmbedding, apply_rotary
 
 class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str, causal: bool, rng: RNGTracker | None,
-                 backend: str = "auto", cp: CPGroup | None = None):
+                 backend: str = "auto", cp: CPGroup | None = None, recipe: Precision | None = None):
         super().__init__()
         cfg.check_tensor_parallel(tp.size)
         self.cp = cp if cp is not None and cp.size > 1 else None  # context parallelism (context_parallel/)
@@ -46,10 +57,10 @@ class ParallelAttention(nn.Module):
         # row blocks give each tensor rank whole groups
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_out, tp, seed=seed, name=f"{prefix}.qkv", std=cfg.init_method_std,
-            bias=cfg.add_bias_linear, sequence_parallel=sp,
+            bias=cfg.add_bias_linear, sequence_parallel=sp, recipe=recipe,
         )
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std,
-                                      bias=cfg.add_bias_linear, sequence_parallel=sp)
+                                      bias=cfg.add_bias_linear, sequence_parallel=sp, recipe=recipe)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(QK^T) with dropout, times V: what selective recomputation re-runs.
@@ -64,6 +75,7 @@ class ParallelAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               p: float) -> torch.Tensor:
         causal = self.causal and mask is None  # --reset-attention-mask: the mask holds causality too
+        # the context-parallel cores by comm type (context_parallel/ will state them as a table)
         if self.cp is None:
             return attention(self.backend, q, k, v, mask, p, causal)
         if self.cp.comm_type == "p2p":  # the model's causality skips the key blocks in a query's future
@@ -99,7 +111,7 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """fc2(gelu(fc1(x))), or with SwiGLU fc2(silu(gate(x)) * up(x)): gate and up a column-parallel pair."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, prefix: str, recipe: Precision | None = None):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         h, f, bias, std = cfg.hidden_size, cfg.ffn_hidden_size, cfg.add_bias_linear, cfg.init_method_std
@@ -107,37 +119,99 @@ class ParallelMLP(nn.Module):
         self.swiglu = cfg.swiglu
         if self.swiglu:
             self.gate = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.gate", std=std, bias=bias,
-                                             sequence_parallel=sp)
+                                             sequence_parallel=sp, recipe=recipe)
             self.up = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.up", std=std, bias=bias,
-                                           sequence_parallel=sp)
+                                           sequence_parallel=sp, recipe=recipe)
         else:
             self.fc1 = ColumnParallelLinear(h, f, tp, seed=seed, name=f"{prefix}.fc1", std=std, bias=bias,
-                                            sequence_parallel=sp)
+                                            sequence_parallel=sp, recipe=recipe)
         self.fc2 = RowParallelLinear(f, h, tp, seed=seed, name=f"{prefix}.fc2", std=out_std, bias=bias,
-                                     sequence_parallel=sp)
+                                     sequence_parallel=sp, recipe=recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = column_parallel(x, self.gate.tp, [self.gate.weight, self.up.weight],
-                                       [self.gate.bias, self.up.bias], self.gate.sequence_parallel)
+                                       [self.gate.bias, self.up.bias], self.gate.sequence_parallel, self.gate.recipe)
             return self.fc2(F.silu(gate) * up)
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    """What every block builder of a layer is given besides the config: the groups, seeds and kernels."""
+
+    tp: TPGroup
+    seed: int
+    causal: bool
+    rng: RNGTracker | None = None
+    kernels: Kernels | None = None
+    cp: CPGroup | None = None
+    recipe: Precision | None = None  # the GEMM recipe (config/precision.py); None: the operands' dtype
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block builder, ``build(cfg, ctx, prefix)``, and its arithmetic (``config/blocks.py``)."""
+
+    build: Callable[[ModelConfig, BlockContext, str], nn.Module]
+    arith: arith.BlockArith
+
+
+def _attention(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> ParallelAttention:
+    backend = ctx.kernels.attention if ctx.kernels is not None else "auto"
+    return ParallelAttention(cfg, ctx.tp, ctx.seed, prefix, ctx.causal, ctx.rng, backend, ctx.cp, recipe=ctx.recipe)
+
+
+def _dense_mlp(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> ParallelMLP:
+    return ParallelMLP(cfg, ctx.tp, ctx.seed, prefix, recipe=ctx.recipe)
+
+
+def _norm(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> nn.Module:
+    return norm(cfg, ctx.kernels, ctx.tp)
+
+
+SELF_ATTENTION = Block(_attention, arith.SELF_ATTENTION)
+NORM = Block(_norm, arith.NORM)
+MLPS: dict[str, Block] = {"dense": Block(_dense_mlp, arith.DENSE_MLP)}  # by ModelConfig.mlp_block
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The blocks of a transformer layer, by kind (``arith.LAYER_SLOTS`` places them: ln1, attn, ln2, mlp)."""
+
+    attention: Block = SELF_ATTENTION
+    mlp: Block = MLPS["dense"]
+    norm: Block = NORM
+
+    def slots(self) -> dict[str, Block]:
+        """The layer's module path of each block -> the block, in the layer's order (what
+        ``arith.layer_blocks`` states torch-free)."""
+        return {slot: getattr(self, kind) for slot, kind, _ in arith.LAYER_SLOTS}
+
+
+def layer_spec(cfg: ModelConfig) -> LayerSpec:
+    """The blocks ``cfg`` selects (the family table's ``layer``)."""
+    return LayerSpec(mlp=MLPS[cfg.mlp_block])
 
 
 class TransformerLayer(nn.Module):
     """x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x))). Pipeline signature: forward(x, batch)."""
 
+    ln1: nn.Module  # the blocks, built from the layer spec's builders in this order
+    attn: nn.Module
+    ln2: nn.Module
+    mlp: nn.Module
+
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, seed: int, index: int, *, causal: bool,
         rng: RNGTracker | None = None, kernels: Kernels | None = None, cp: CPGroup | None = None,
+        recipe: Precision | None = None, spec: LayerSpec | None = None,
     ):
         super().__init__()
         prefix = f"layers.{index}"
-        self.ln1 = norm(cfg, kernels, tp)
-        self.attn = ParallelAttention(cfg, tp, seed, f"{prefix}.attn", causal, rng,
-                                      kernels.attention if kernels is not None else "auto", cp)
-        self.ln2 = norm(cfg, kernels, tp)
-        self.mlp = ParallelMLP(cfg, tp, seed, f"{prefix}.mlp")
+        ctx = BlockContext(tp, seed, causal, rng, kernels, cp, recipe)
+        for slot, block in (spec or layer_spec(cfg)).slots().items():  # ln1, attn, ln2, mlp
+            setattr(self, slot, block.build(cfg, ctx, f"{prefix}.{slot}"))
         self.hidden_dropout = cfg.hidden_dropout
         self.rng = rng
         # sequence parallelism: each rank holds other positions, so hidden dropout draws per rank

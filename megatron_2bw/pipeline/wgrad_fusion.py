@@ -5,13 +5,14 @@ each call walks the graph below its first-use node, makes a fresh ``dW`` (and, f
 transpose), and the result is then added into the gradient buffer. For the nodes a transformer's
 weights enter, the weight side is one known kernel over the tensors the node saved, so it runs here
 and accumulates in place:
-- a linear's ``addmm`` or ``mm``: ``grad += dY^T X``, inside the GEMM for fp32 gradients (Megatron's
-  gradient-accumulation fusion);
+- a linear layer's GEMM (the seam's node, ``tensor_parallel/gemm.py:SEAM_NODE``): ``grad += dY^T X`` by
+  the seam's ``wgrad`` in the layer's precision recipe, inside the GEMM for fp32 gradients (Megatron's
+  gradient-accumulation fusion), and its bias ``db = sum dY``;
 - a layer norm: ``native_layer_norm_backward`` with only its weight outputs asked for;
 - RMSNorm's elementwise scale: ``dY * x_normed`` summed to the weight's shape;
 - a bias added after a row-parallel reduction: ``dY`` summed to its shape.
 
-These are autograd's own formulas for those nodes. On one CPU core, W of two gpt-4x256 layers went from
+These are the formulas the nodes' own backwards run. On one CPU core, W of two gpt-4x256 layers went from
 17.4 to 16.2 ms. Any other node (a custom Function, a parameter used at several nodes, a node computing
 in another dtype than its weights, a saved-tensor layout not recognised here) returns False and goes
 the engine's way; so does every group where what is handled here is not exactly the group's parameters.
@@ -23,6 +24,8 @@ from collections import Counter
 
 import torch
 from torch.autograd.graph import Node
+
+from ..tensor_parallel import gemm
 
 _aten = torch.ops.aten
 
@@ -45,37 +48,22 @@ def _add(target: torch.Tensor, dw: torch.Tensor) -> None:
     target.add_(dw.view_as(target) if dw.shape != target.shape else dw)
 
 
-def _gemm_into(target: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    """``target += dy^T @ x``: in the GEMM for fp32 gradients; for gradients in the model's 16-bit dtype
-    (or wider main grads) the product is rounded first and then added, as autograd's path rounds it, so
-    that a split backward's gradients match a whole backward's (an fp16 step's overflow check sees the same
-    values)."""
-    if target.dtype == dy.dtype == x.dtype == torch.float32 and target.is_contiguous():
-        torch.addmm(target, dy.t(), x, out=target)  # addmm_ itself, as the aten.addmm FLOP counters see it
-    else:
-        target.add_(dy.t().mm(x))
-
-
 def _linear(node: Node, dy: torch.Tensor, params: set[Node], target: dict[Node, torch.Tensor]) -> bool:
-    """A linear layer's GEMM (``addmm`` with its bias, or ``mm``): dW = dY^T X into the target, db = sum dY."""
-    name, nf = type(node).__name__, node.next_functions
-    weight, transposed = _param_below(nf[-1][0])
-    bias = _param_below(nf[0][0])[0] if name == "AddmmBackward0" else None
-    if weight is None or not transposed or {weight, bias} - {None} != params or dy.dim() != 2:
+    """A linear layer's GEMM through the seam (``gemm.linear``: inputs x, weight, bias, recipe): dW = dY^T X
+    into the target by ``gemm.wgrad``, db = sum dY."""
+    nf = node.next_functions
+    weight, transposed = _param_below(nf[1][0])
+    bias = _param_below(nf[2][0])[0] if node.has_bias else None
+    if weight is None or transposed or {weight, bias} - {None} != params:
         return False
-    if name == "AddmmBackward0":
-        if node._saved_alpha != 1 or node._saved_beta != 1:
-            return False
-        x = node._saved_mat1
-    else:
-        x = node._saved_self
-    if x is None or x.dim() != 2 or target[weight].shape != (dy.shape[1], x.shape[1]):
+    x = node.saved_tensors[0]
+    if x is None or target[weight].shape != (dy.shape[-1], x.shape[-1]) or x.shape[:-1] != dy.shape[:-1]:
         return False
-    if bias is not None and target[bias].numel() != dy.shape[1]:
+    if bias is not None and target[bias].numel() != dy.shape[-1]:
         return False
-    _gemm_into(target[weight], dy, x)
+    gemm.wgrad(dy, x, target[weight], node.recipe)
     if bias is not None:
-        _add(target[bias], dy.sum(0))
+        _add(target[bias], dy.reshape(-1, dy.shape[-1]).sum(0))
     return True
 
 
@@ -128,7 +116,7 @@ def _bias(node: Node, dy: torch.Tensor, params: set[Node], target: dict[Node, to
 
 
 # what each first-use node type's weight gradient is computed by (other nodes: autograd)
-_FUSED = {"AddmmBackward0": _linear, "MmBackward0": _linear, "NativeLayerNormBackward0": _layer_norm,
+_FUSED = {gemm.SEAM_NODE: _linear, "NativeLayerNormBackward0": _layer_norm,
           "MulBackward0": _scale, "AddBackward0": _bias}
 
 

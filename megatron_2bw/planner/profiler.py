@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, OptimizerConfig
+from ..config.precision import precision_of
 from ..errors import ConfigError
 from ..models.bert import random_samples
 from ..models.presets import get_preset
@@ -63,7 +64,7 @@ from .profile_file import (  # noqa: F401 - re-exported: the profiler's public n
 def sample_batch(spec: ModelSpec, b: int, device: torch.device, generator: torch.Generator) -> dict:
     """A random microbatch of ``b`` samples in the layout ``ModelSpec.make_batch`` produces."""
     cfg = spec.cfg
-    if cfg.kind == "gpt":
+    if cfg.kind == "gpt":  # stays: the sample format is the dataset's (data/build.py), chosen by kind
         sample = torch.randint(0, cfg.vocab_size, (b, cfg.seq_length + 1), generator=generator)
     else:
         sample = random_samples(b, cfg.seq_length, cfg.vocab_size, generator)
@@ -223,7 +224,7 @@ def profile_model(
         from ..fused import select_kernels  # noqa: PLC0415
 
         kernels = select_kernels("auto", dev.type)
-    spec = ModelSpec(cfg, tp, seed, kernels=kernels)
+    spec = ModelSpec(cfg, tp, seed, kernels=kernels, precision=precision_of(dtype))
     torch.manual_seed(seed)
     blocks = build_blocks(spec, dev, tdtype, chain_layers)
     prof = Profile(cfg)

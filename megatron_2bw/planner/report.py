@@ -62,7 +62,7 @@ def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     """The ``pretrain_gpt.py`` (or ``pretrain_bert.py``) command line that runs ``ev``."""
     c = ev.candidate
     model = request.model
-    if model.kind == "gpt" and model.sequence_parallel != c.sequence_parallel:  # the search's choice
+    if model.family.gpt_options and model.sequence_parallel != c.sequence_parallel:  # the search's choice
         model = replace(model, sequence_parallel=c.sequence_parallel)
     layout = candidate_layout(c)
     argv = pretrain_argv(model, layout, c.global_batch_size, request.precision, fp32_grads_flag(request))

@@ -40,6 +40,7 @@ from .. import parallel_state
 from ..cli import describe, megatron_args
 from ..checkpoint.names import WORD
 from ..context_parallel.group import CPGroup
+from ..config.precision import precision_of
 from ..models.gpt import DocumentMasks
 from ..models.spec import ModelSpec
 from ..pipeline.build import build_stage
@@ -107,7 +108,8 @@ class Trainer:
         spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
                          split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline),
                          masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)),
-                         cp=CPGroup.from_state(state, cfg.parallel.cp_comm_type) if state.c > 1 else None)
+                         cp=CPGroup.from_state(state, cfg.parallel.cp_comm_type) if state.c > 1 else None,
+                         precision=precision_of(oc.dtype))
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
         place = cfg.pipeline.spec.placement(state.d)
