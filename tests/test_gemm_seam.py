@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,6 +21,8 @@ from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
 from megatron_2bw.tensor_parallel import gemm
 from megatron_2bw.tensor_parallel.group import TPGroup
+from megatron_2bw.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
+from multiproc import run_workers
 from pipeline_harness import _dataset
 
 
@@ -35,8 +38,12 @@ class _Seam:
 
     def __init__(self, monkeypatch, wscale: float = 1.0) -> None:
         self.fwd: list[torch.Tensor] = []
-        self.wgrads = self.fused = 0
-        real_fwd, real_w = gemm.forward_gemm, gemm.wgrad
+        self.wgrads = self.fused = self.dgrads = 0
+        real_fwd, real_w, real_d = gemm.forward_gemm, gemm.wgrad, gemm.dgrad
+
+        def dgrad(dy, w, recipe):
+            self.dgrads += 1
+            return real_d(dy, w, recipe)
 
         def forward_gemm(x, w, b, recipe):
             self.fwd.append(w)
@@ -49,8 +56,8 @@ class _Seam:
             self.fused += 1
             return target.add_(real_w(dy, x, None, recipe) * wscale)
 
-        monkeypatch.setattr(gemm, "forward_gemm", forward_gemm)
-        monkeypatch.setattr(gemm, "wgrad", wgrad)
+        for name, fn in (("forward_gemm", forward_gemm), ("wgrad", wgrad), ("dgrad", dgrad)):
+            monkeypatch.setattr(gemm, name, fn)
 
 
 def _layer(kind: str) -> tuple[TransformerLayer, torch.Tensor]:
@@ -71,7 +78,7 @@ def test_every_gemm_of_a_layer_goes_through_the_seam(kind, monkeypatch):
     layer.zero_grad()
     seam = _Seam(monkeypatch, wscale=2.0)
     layer(x, {}).square().sum().backward()
-    assert sorted(map(id, seam.fwd)) == sorted(map(id, matrices)) and seam.wgrads == len(matrices)
+    assert sorted(map(id, seam.fwd)) == sorted(map(id, matrices)) and seam.wgrads == seam.dgrads == len(matrices)
     for n, p in layer.named_parameters():
         want = 2 * plain[n] if p.dim() == 2 else plain[n]
         assert torch.equal(p.grad, want), n
@@ -108,6 +115,42 @@ def test_split_backward_weight_gemms_go_through_the_seam(kind, d, r, monkeypatch
         grads.append([p.grad.clone() for p in params])
     for p, a, b in zip(params, *grads):
         assert torch.equal(b, 2 * a if p.dim() == 2 else a), p.shape
+
+
+class _Patch:
+    """``monkeypatch.setattr`` in a worker process (discarded afterwards)."""
+
+    setattr = staticmethod(setattr)
+
+
+def _sequence_parallel_worker() -> dict:
+    """SwiGLU-shaped gate/up (one sequence-parallel column Function) and a sequence-parallel row GEMM at t = 2:
+    the seam's calls, and whether exactly the weights' gradients double with its weight GEMM doubled."""
+    tp = TPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    h, f = 8, 16
+    gate, up = (ColumnParallelLinear(h, f, tp, seed=1, name=n, std=0.1, sequence_parallel=True) for n in "gu")
+    down = RowParallelLinear(f, h, tp, seed=1, name="d", std=0.1, sequence_parallel=True)
+    mods = nn.ModuleList([gate, up, down])
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, h).chunk(tp.size, 1)[tp.rank].clone().requires_grad_()
+
+    def step() -> dict[str, torch.Tensor]:
+        mods.zero_grad()
+        a, b = column_parallel(x, tp, [gate.weight, up.weight], [gate.bias, up.bias], True)
+        down(F.silu(a) * b).square().sum().backward()
+        return {n: p.grad.clone() for n, p in mods.named_parameters()}
+
+    plain = step()
+    seam = _Seam(_Patch, wscale=2.0)
+    doubled = step()
+    exact = all(torch.equal(doubled[n], 2 * g if g.dim() == 2 else g) for n, g in plain.items())
+    return {"fwd": len(seam.fwd), "wgrad": seam.wgrads, "dgrad": seam.dgrads, "exact": exact}
+
+
+def test_sequence_parallel_gemms_go_through_the_seam():
+    """The hand-written sequence-parallel backward's GEMMs are the seam's too (2 processes)."""
+    for out in run_workers(_sequence_parallel_worker, 2):
+        assert out == {"fwd": 3, "wgrad": 3, "dgrad": 3, "exact": True}
 
 
 def test_the_seam_equals_torchs_linear():

@@ -18,9 +18,11 @@ parallelism inside the data group). One launch of four gloo processes runs every
   group is now two ranks, a real subgroup reduction): every rank's weights, master and Adam moments equal
   its piece of the checkpoint's global tensors, and one flush SGD step from there equals the hand reference.
 - gpt-tiny at d = 2, w = 2 with its MLP parameters in a second domain that spans the data group (e = 1), with
-  the distributed optimizer: two segments, each padded and sharded on its own; the losses equal the
-  one-domain run's within 1e-6 (shard boundaries move the fused AdamW's vector tail: the module docstring of
-  test_distributed_optimizer.py), and a torch-format save and resume replays bitwise.
+  and without the distributed optimizer: two segments, each with its own optimizer (and shard); the losses
+  equal the one-domain run's within 1e-6 (each segment is its own fused AdamW call, which moves the kernel's
+  vector tail: the module docstring of test_distributed_optimizer.py), and a torch-format save and resume
+  replays bitwise; zb-h2 with optimizer post-validation (every segment speculated, kept or rolled back) ends
+  with the exact run's weights, bitwise.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.parallel_state import EXPERT_DATA, build_state
-from megatron_2bw.pipeline.build import build_stage
-from megatron_2bw.pipeline.weights import GlobalNames
+from megatron_2bw.parallel_state import EXPERT_DATA, ParallelState, build_state
+from megatron_2bw.pipeline.build import build_stage, reductions
+from megatron_2bw.pipeline.weights import GlobalNames, RankWeights
 from megatron_2bw.schedule.stages import stage_range
+from megatron_2bw.tensor_parallel import init as tp_init
 from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.init import Init, parameter
 from megatron_2bw.tensor_parallel.random import RNGTracker
@@ -291,7 +294,7 @@ def _mlp_in_edp(build):
     return built
 
 
-def _gpt(two: bool, distributed: bool) -> tuple:
+def _gpt(two: bool, distributed: bool, schedule: str = "2bw", post_validation: bool = False) -> tuple:
     """gpt-tiny at d=2, w=2 (e=1), 2BW and Adam; ``two``: its MLP parameters in a second domain."""
     cfg = get_preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     state = build_state(1, 2, 2, CPU)
@@ -301,9 +304,10 @@ def _gpt(two: bool, distributed: bool) -> tuple:
     opt = OptimizerConfig("adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed)
     start, _ = stage_range(cfg.num_layers, 2, state.pp_rank)
     build = lambda: spec.build_stage(2, state.pp_rank)
-    stage = build_stage(_mlp_in_edp(build) if two else build, spec.loss_fn(), state, PipelineConfig("2bw", 1, m), opt,
+    pipe = PipelineConfig(schedule, 1, m, post_validation=post_validation)
+    stage = build_stage(_mlp_in_edp(build) if two else build, spec.loss_fn(), state, pipe, opt,
                         cfg.stage_activation_shape(1, 1, 1), rng_tracker=tracker, names=GlobalNames(start, tied=WORD))
-    data = torch.randint(0, cfg.vocab_size, (B * 3, cfg.seq_length + 1), generator=torch.Generator().manual_seed(9))
+    data = torch.randint(0, cfg.vocab_size, (B * 4, cfg.seq_length + 1), generator=torch.Generator().manual_seed(9))
 
     def get_batch(mb: int) -> dict:
         step, i = divmod(mb, m)
@@ -335,8 +339,20 @@ def _gpt_cell(root: str, distributed: bool) -> dict:
             "weights_equal": all(torch.equal(a, b) for a, b in zip(two.weights.flat, again.weights.flat))}
 
 
+def _post_validation_cell() -> dict:
+    """gpt-tiny in two segments, zb-h2 with optimizer post-validation (each segment's update speculated, then kept
+    or rolled back) against the exact updates, with the distributed optimizer: the same weights, bitwise."""
+    stages = []
+    for pv in (False, True):
+        stage, get_batch, _, _ = _gpt(True, True, "zb-h2", pv)
+        stage.train(4, get_batch, lambda s: 1e-3)
+        stages.append(stage)
+    return {"speculated": stages[1].speculated,
+            "equal": all(torch.equal(a, b) for a, b in zip(stages[0].weights.flat, stages[1].weights.flat))}
+
+
 def _cells(root: str) -> dict:
-    out = {}
+    out = {"post_validation": _post_validation_cell()}
     for distributed in (False, True):
         run = _toy((1, 2, 2), 2, "flush", _sgd(distributed, 0.05), 2)
         out["reference", distributed] = _check_reference(run, _full_params(), 2, 2, 2, 0.2, 0.05)
@@ -398,3 +414,32 @@ def test_two_segments_train_as_one_and_resume_in_the_torch_format(cells, distrib
         assert r["resumed"] == r["two"]  # same-path replay: bitwise
         for a, b in zip(r["two"], r["one"]):
             assert abs(a - b) <= 1e-6 * abs(b), (r["two"], r["one"])
+
+
+def test_post_validation_speculates_every_segment_bitwise(cells):
+    for rank in cells:
+        assert rank["post_validation"]["speculated"] >= 1 and rank["post_validation"]["equal"]
+
+
+def test_one_domain_is_the_single_buffer():
+    """Every parameter in the default domain: the store is the one flat buffer of before segments (fb23088), so
+    the views and shard ranges every checkpoint format reads are those it wrote: one segment, the parameters
+    back to back from 0 in the same order (decayed matrices first, otherwise as the modules list them), padded
+    for the distributed optimizer to ceil(N / w) * w, and one reduction over the whole storage."""
+    cfg = get_preset("gpt-tiny")
+    spec = ModelSpec(cfg, TPGroup(), 1234)
+    w = RankWeights(lambda: spec.build_stage(2, 1), num_versions=2, dtype=torch.float32, device=CPU, shards=3)
+    with tp_init.deferred():
+        seen, named = set(), []
+        for name, p in nn.ModuleList(spec.build_stage(2, 1)).named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p.numel(), p.dim()))
+    named = sorted(named, key=lambda n: n[2] < 2)
+    offsets = [sum(n for _, n, _ in named[:i]) for i in range(len(named) + 1)]
+    assert w.names == [n for n, _, _ in named] and w.offsets == offsets and w.numel == offsets[-1]
+    assert w.padded_numel == -(-w.numel // 3) * 3 and w.padded_numel > w.numel  # a tail to pad: 3 does not divide
+    assert [(s.domain, s.start, s.numel, s.padded) for s in w.segments] == [("dp", 0, w.numel, w.padded_numel)]
+    assert w.n_decay == sum(n for _, n, dim in named if dim >= 2)
+    (red,) = reductions(w, ParallelState.single(), sharded=False)
+    assert (red.lo, red.hi, red.shard, red.copies) == (0, None, None, None)

@@ -166,8 +166,10 @@ class GradReducer:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self.poll = self.cuda  # NCCL: settle a collective by polling its completion (see :func:`settle`)
-        # replica 0's rank in the data-parallel group: the source of the norm's broadcast
-        self._dp_root = dist.get_global_rank(dp_group, 0) if w > 1 and model_group is not None else None
+        # replica 0's rank in the data-parallel group: the source of the norm's broadcast (also without a model
+        # group where a segment's part was summed over a group of copies: those groups differ between replicas)
+        self._broadcast = w > 1 and (model_group is not None or any(r.copies is not None for r in self.segments))
+        self._dp_root = dist.get_global_rank(dp_group, 0) if self._broadcast else None
         self._pending: deque[_Job] = deque()  # gradient jobs (with their norm jobs), in step order
         self._emb_early: dict[int, _Job] = {}  # by step: the tied embedding's link, issued ahead of its chain
         self._gathers: dict[int, _Job] = {}  # by weight buffer: its pending all-gather
@@ -221,8 +223,8 @@ class GradReducer:
             sumsq = s if sumsq is None else sumsq + s
         if self.model_group is not None:
             self._settle(dist.all_reduce(sumsq, group=self.model_group, async_op=True))
-            if self.w > 1:  # every replica takes replica 0's bits (see the module docstring)
-                self._settle(dist.broadcast(sumsq, src=self._dp_root, group=self.dp_group, async_op=True))
+        if self._broadcast:  # every replica takes replica 0's bits (see the module docstring)
+            self._settle(dist.broadcast(sumsq, src=self._dp_root, group=self.dp_group, async_op=True))
         return float(sumsq.item())  # on CUDA: synchronizes the side stream only
 
     def _settle(self, work) -> None:

@@ -19,6 +19,9 @@ rank r's range is the r-th of w equal pieces of the padded storage and the colle
 buffers themselves: the all-gather in place, the reduce-scatter into an ``s``-element scratch that
 is copied into the rank's own range (gloo's in-place reduce-scatter is wrong for w > 2). On gloo
 both are all-reduces of the whole buffer instead, which gloo runs several times faster.
+
+A stage cut into segments by reduction domain (:mod:`.segments`) has one layout per segment, over its
+domain's group: the ranges above are then of the segment, and its padding is its own.
 """
 
 from __future__ import annotations
