@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from multiproc import run_workers
+from pipeline_harness import _dataset
 from torch import nn
 
 from megatron_2bw.config.precision import RECIPES, Precision, precision_of
@@ -18,12 +20,18 @@ from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.transformer import TransformerLayer
-from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
+from megatron_2bw.pipeline.split_backward import (
+    accumulator,
+    backward_input,
+    backward_weight,
+)
 from megatron_2bw.tensor_parallel import gemm
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
-from multiproc import run_workers
-from pipeline_harness import _dataset
+from megatron_2bw.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    column_parallel,
+)
 
 
 def _matrices(module: nn.Module) -> list[nn.Parameter]:
@@ -113,7 +121,7 @@ def test_split_backward_weight_gemms_go_through_the_seam(kind, d, r, monkeypatch
         backward_weight(deferred, params, index, main_grads=False)
         assert seam.fused == seam.wgrads == len(_matrices(layers))  # each weight once, in place
         grads.append([p.grad.clone() for p in params])
-    for p, a, b in zip(params, *grads):
+    for p, a, b in zip(params, *grads, strict=True):
         assert torch.equal(b, 2 * a if p.dim() == 2 else a), p.shape
 
 
@@ -163,7 +171,7 @@ def test_the_seam_equals_torchs_linear():
     ref_grads = torch.autograd.grad(ref, (x, w, b), g)
     out = gemm.linear(x, w, b, precision_of("fp32"))
     assert torch.equal(out, ref)
-    for a, r in zip(torch.autograd.grad(out, (x, w, b), g), ref_grads):
+    for a, r in zip(torch.autograd.grad(out, (x, w, b), g), ref_grads, strict=True):
         assert torch.allclose(a, r, rtol=0, atol=1e-5 * r.abs().max().item())
 
 

@@ -102,6 +102,7 @@ def _build_one(
     documents = np.arange(docs[0], docs[1], dtype=np.int64)
     where = f"the {split_name} split of {indexed.prefix} (documents [{docs[0]}, {docs[1]}))"
     tokens = int(indexed.document_sizes()[docs[0] : docs[1]].sum())
+    # the kind stays here: which dataset a family reads is data/'s own choice (GPTDataset, BertDataset)
     need = seq_length + 1 if kind == "gpt" else 2
     if tokens < need:
         if split_name == "test":  # small corpora: Megatron's default 969,30,1 leaves a sliver for test
@@ -123,7 +124,7 @@ def _build_one(
 def _check_request(kind: str, tokenizer, num_samples: tuple[int, int, int]) -> None:
     if kind not in ("gpt", "bert"):
         raise ConfigError(f"dataset kind must be 'gpt' or 'bert', got {kind!r}")
-    if kind == "bert" and tokenizer is None:
+    if kind == "bert" and tokenizer is None:  # stays: BertDataset's own need (data/ picks datasets by kind)
         raise ConfigError("BERT datasets need a tokenizer for the [CLS]/[SEP]/[MASK]/[PAD] ids")
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise ConfigError(f"num_samples must be three non-negative counts (train, valid, test), got {num_samples}")
@@ -174,7 +175,7 @@ def build_datasets(
     _check_request(kind, tokenizer, num_samples)
     parse_split(split)
     if mock_data:
-        if kind != "gpt" or tokenizer is None:
+        if kind != "gpt" or tokenizer is None:  # stays: mock documents are GPT's stream (data/mock.py)
             raise ConfigError("--mock-data makes GPT documents and needs the tokenizer's vocabulary")
         indexed, weights = [MockDocuments(tokenizer.vocab_size, tokenizer.eod)], [1.0]
     else:

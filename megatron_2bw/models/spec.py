@@ -35,7 +35,7 @@ class ModelSpec:
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
     split: tuple[int, ...] | None = None  # layers per stage (schedule/stages.py); None: even
-    recompute: RecomputePolicy | None = None  # recomputation inside the stage (tensor_parallel/recompute.py)
+    recompute: RecomputePolicy | None = None  # recomputation inside the stage (schedule/recompute_policy.py)
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
     cp: CPGroup | None = None  # context parallelism: each microbatch's sequence sharded over its ranks
     precision: Precision | None = None  # the GEMM recipe (config/precision.py); None: the weights' dtype

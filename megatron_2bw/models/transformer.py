@@ -51,7 +51,7 @@ class ParallelAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base) if cfg.rotary_dim else None
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        qkv_out = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        qkv_out = arith.qkv_outputs(cfg)  # the block arithmetic's statement of the QKV rows
         sp = cfg.sequence_parallel
         # QKV rows grouped per query group: the group's query heads, its key, its value (without
         # grouped-query attention a group is one head: q, k, v of head 0, then head 1, ...; with it,

@@ -25,10 +25,10 @@ Per block: ``forward_s``/``backward_s`` are seconds for one microbatch on one GP
 ``backward_s``, what a split backward's W runs; absent: half the backward) and
 ``weight_grad_stash_bytes`` (the gradients a split backward's input-gradient pass catches at the weight
 GEMMs and norms for W; absent: the whole stash again) and ``weight_grad_input_bytes`` (what W reads of
-the stash, kept after I frees the rest: the weight GEMMs' and norms' inputs; absent: the whole stash); ``params`` are parameters held by one GPU; ``stash_bytes`` what the
-forward keeps for the backward, including the block's input; ``input_bytes``/``output_bytes`` the
-tensors crossing its boundaries; ``workspace_bytes`` the extra peak while it runs. The search only
-considers the (t, b) pairs a profile has.
+the stash, kept after I frees the rest: the weight GEMMs' and norms' inputs; absent: the whole stash);
+``params`` are parameters held by one GPU; ``stash_bytes`` what the forward keeps for the backward,
+including the block's input; ``input_bytes``/``output_bytes`` the tensors crossing its boundaries;
+``workspace_bytes`` the extra peak while it runs. The search only considers the (t, b) pairs a profile has.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ last. Costs come from one of two places, in the same ``LayerCosts`` table:
 
 - ``analytic_layer_costs``: FLOPs and bytes counted from the model shape, timed with the device's
   peak FLOP/s times the efficiency curve of ``efficiency.py``. Stated as an estimate in the output.
-- ``load_profile``: a JSON file a profiler wrote from measurements (schema below).
+- ``load_profile``: a JSON file a profiler wrote from measurements (its schema and reader: ``cost_table.py``).
 
 Counting rules of the analytic estimate (Megatron GPT/BERT layer, pre-LayerNorm, ``f`` = FFN size):
 

@@ -198,9 +198,3 @@ def materialize(p: nn.Parameter, out: torch.Tensor, *, cpu: bool) -> None:
 def domain_of(p: torch.Tensor) -> str:
     """The reduction domain ``p`` states through its :class:`Init` (:data:`DATA` where it has none)."""
     return getattr(getattr(p, "init", None), "domain", DATA)
-
-
-def shards_of(p: torch.Tensor) -> tuple[Shard, ...]:
-    """The splits ``p``'s :class:`Init` states (none: a replicated parameter without one, as a plain norm)."""
-    i = getattr(p, "init", None)
-    return i.shards if i is not None else ()
