@@ -1,15 +1,16 @@
 """The arithmetic of the mixture-of-experts MLP block (``models/moe_block.py``), as ``blocks.py`` states the
 dense blocks': its parameters (full shapes, none split over the tensor group: expert tensor parallelism is 1),
 the active multiply-adds per token (the router, k routed experts, the shared experts), and the per-layer mean
-MLP width the model's FLOPs count. Not in ``blocks.MLP_BLOCKS``: the model's parameter count stays the
-dense layer's, and ``moe_presets.parameter_counts`` adds the experts (total and active). Torch-free.
+MLP width the model's FLOPs count. It enters ``blocks.MLP_BLOCKS`` as ``"moe"`` (the models' ``MLPS`` key), but
+``ModelConfig.mlp_block`` stays ``"dense"``: the model's parameter count is the dense layer's, and
+``moe_presets.parameter_counts`` adds the experts (total and active). Torch-free.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .blocks import BlockArith, Param
+from .blocks import MLP_BLOCKS, BlockArith, Param
 
 Model = Any  # a ModelConfig with ``moe`` set
 
@@ -57,3 +58,4 @@ def mean_mlp_width(model: Model) -> float:
 
 
 MOE_MLP = MoEMLPArith()
+MLP_BLOCKS["moe"] = MOE_MLP  # the table of MLP blocks (blocks.py), which the models' MLPS mirrors
