@@ -256,10 +256,12 @@ def initialize(
     backend: str | None = None,
     device: str | None = None,
     timeout_minutes: float = 10.0,
+    expert: int = 1,
 ) -> ParallelState:
     """Start ``torch.distributed`` (if the world has more than one process) and build all groups.
 
-    The layout is checked against the world size before any group or collective exists.
+    The layout is checked against the world size before any group or collective exists. ``expert``: the
+    expert-parallel size (``--expert-model-parallel-size``), folded inside the data x context ranks.
     """
     env = distributed_env()
     world = int(env["world_size"])
@@ -284,7 +286,7 @@ def initialize(
             # NCCL: create the communicators now, so a first batch_isend_irecv among a subset of ranks is legal
             device_id=dev if dev.type == "cuda" else None,
         )
-    return build_state(t, d, w * c, dev, timeout=datetime.timedelta(minutes=timeout_minutes), c=c)
+    return build_state(t, d, w * c, dev, timeout=datetime.timedelta(minutes=timeout_minutes), c=c, e=expert)
 
 
 _TIMEOUT: list[datetime.timedelta | None] = [None]  # the last build_state's group timeout

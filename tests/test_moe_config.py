@@ -110,13 +110,14 @@ def test_every_flag_reaches_the_config_and_comes_back():
     assert ModelConfig(**asdict(cfg.model)) == cfg.model  # a checkpoint's JSON (moe as a dict) reads back
 
 
-def test_dense_is_unchanged_and_moe_training_refused_in_one_line():
+def test_dense_is_unchanged_and_unwired_moe_refused_in_one_line():
     dense = build_config(parse_args(BASE, "gpt"), "gpt", 1)
     assert dense.model.moe is None and not any(a.startswith(("--moe", "--num-experts", "--expert-"))
                                                for a in to_argv(dense))
     assert megatron_args(dense)["num_experts"] is None and megatron_args(dense)["moe_grouped_gemm"] is False
-    with pytest.raises(ConfigError, match="MoE training is not wired into the trainer yet") as e:
-        build_config(parse_args([*BASE, "--num-experts", "4"], "gpt"), "gpt", 1)
+    assert build_config(parse_args([*BASE, "--num-experts", "4"], "gpt"), "gpt", 1).model.moe.num_experts == 4
+    with pytest.raises(ConfigError, match="MoE checkpoints are written in --ckpt-format torch_dist only") as e:
+        build_config(parse_args([*BASE, "--num-experts", "4", "--save", "/tmp/x"], "gpt"), "gpt", 1)
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="--moe-router-topk needs --num-experts"):
         model_config(parse_args([*BASE, "--moe-router-topk", "2"], "gpt"), "gpt")
@@ -170,7 +171,7 @@ WORLD2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127
 
 
 @pytest.mark.parametrize("extra, env, line", [
-    (["--num-experts", "4"], {}, "error: --num-experts: MoE training is not wired into the trainer yet"),
+    (["--num-experts", "4", "--save", "/nonexistent"], {}, "error: --num-experts --save: MoE checkpoints are written"),
     (["--num-experts", "4", "--moe-router-topk", "5"], {}, "error: --moe-router-topk 5 must be between 1 and "
                                                            "--num-experts 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], WORLD2,  # a rank of 2: no peer, no hang

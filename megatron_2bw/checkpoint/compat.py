@@ -35,6 +35,27 @@ def check_model(path: str, saved: dict, model: dict) -> None:
         a, b = saved["model"][field], model.get(field)
         if a != b:
             raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
+    check_moe(path, saved["model"].get("moe"), model.get("moe"))
+
+
+# MoE fields that shape the weights (config/moe.py): the experts, their width, which layers hold them
+MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+                    "moe_shared_expert_gate")
+
+
+def _plain(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def check_moe(path: str, saved: dict | None, model: dict | None) -> None:
+    """An MoE checkpoint is loaded into an MoE model of the same experts (the expert-parallel size may change)."""
+    if (saved is None) != (model is None):
+        what = lambda m: "a dense model" if m is None else f"an MoE model ({m['num_experts']} experts)"  # noqa: E731
+        raise ConfigError(f"checkpoint {path} holds {what(saved)} but this run builds {what(model)}")
+    for field in MOE_SHAPE_FIELDS if saved is not None else ():
+        a, b = _plain(saved.get(field)), _plain(model.get(field))
+        if a != b:
+            raise ConfigError(f"checkpoint {path} has {field}={a} but this run has {field}={b}")
 
 
 def check_optimizer(path: str, saved: dict, optimizer: dict) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import blocks
+from .moe_arith import mean_mlp_width
 
 Model = Any  # a ModelConfig
 
@@ -104,9 +105,10 @@ def num_parameters(model: Model) -> int:
 
 
 def flops_per_step(model: Model, global_batch: int, recompute: bool = False, tensor_parallel: int = 1) -> float:
-    """Model FLOPs of one training step: the module docstring's closed form, padded for ``tensor_parallel``."""
+    """Model FLOPs of one training step: the module docstring's closed form, padded for ``tensor_parallel``;
+    with experts the MLP width is the active one (``moe_arith.mean_mlp_width``), the router left out."""
     L, h, s, V = model.num_layers, model.hidden_size, model.seq_length, model.padded_vocab_size(tensor_parallel)
-    a, g, d, f = model.num_attention_heads, model.query_groups, model.head_dim, model.ffn_hidden_size
+    a, g, d, f = model.num_attention_heads, model.query_groups, model.head_dim, mean_mlp_width(model)
     gated = 1.5 if model.swiglu else 1.0
     layers = (1 + g / a + s / h) * (a * d / h) + (f / h) * gated
     return 12.0 * global_batch * s * L * h * h * (layers * (4 / 3 if recompute else 1.0) + V / (2 * L * h))

@@ -20,6 +20,7 @@ from ..tensor_parallel.random import RNGTracker
 from . import gpt
 from .embedding import Embedding
 from .families import FAMILIES
+from .moe_block import MoEGroups
 from ..schedule.placement import Placement
 from ..schedule.recompute_policy import RecomputePolicy
 from .transformer import TransformerLayer, apply_recompute
@@ -38,6 +39,7 @@ class ModelSpec:
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
     cp: CPGroup | None = None  # context parallelism: each microbatch's sequence sharded over its ranks
     precision: Precision | None = None  # the GEMM recipe (config/precision.py); None: the weights' dtype
+    moe: MoEGroups | None = None  # an MoE model's expert-parallel and statistics groups (moe_block.py)
 
     @property
     def num_items(self) -> int:
@@ -61,7 +63,8 @@ class ModelSpec:
                 layers.append(emb)
             elif i <= cfg.num_layers:
                 layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=family.causal, rng=self.rng,
-                                               kernels=self.kernels, cp=self.cp, recipe=self.precision, spec=blocks))
+                                               kernels=self.kernels, cp=self.cp, recipe=self.precision, spec=blocks,
+                                               moe=self.moe))
             else:
                 layers.append(family.head(cfg, self.tp, self.seed, self.kernels,
                                           emb.word.weight if emb is not None else word, recipe=self.precision))

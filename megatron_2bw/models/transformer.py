@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..config import blocks as arith
+from ..config.moe_arith import MOE_MLP
 from ..config.precision import Precision
 from ..context_parallel.cores import context_core
 from ..context_parallel.group import CPGroup
@@ -30,6 +31,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, co
 from ..tensor_parallel.random import RNGTracker
 from ..tensor_parallel.recompute import checkpointed
 from .attention_core import attention
+from .moe_block import MoEGroups, MoEMLP, is_moe_layer
 from .norms import norm
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -141,6 +143,7 @@ class BlockContext:
     kernels: Kernels | None = None
     cp: CPGroup | None = None
     recipe: Precision | None = None  # the GEMM recipe (config/precision.py); None: the operands' dtype
+    moe: MoEGroups | None = None  # the expert-parallel and statistics groups of an MoE MLP (moe_block.py)
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,15 @@ def _norm(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> nn.Module:
 
 SELF_ATTENTION = Block(_attention, arith.SELF_ATTENTION)
 NORM = Block(_norm, arith.NORM)
-MLPS: dict[str, Block] = {"dense": Block(_dense_mlp, arith.DENSE_MLP)}  # by ModelConfig.mlp_block
+def _moe_mlp(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> nn.Module:
+    """The MoE MLP in the layers ``--moe-layer-freq`` picks, the dense one in the others."""
+    if not is_moe_layer(cfg, prefix):
+        return _dense_mlp(cfg, ctx, prefix)
+    return MoEMLP(cfg, ctx.tp, ctx.seed, prefix, ctx.moe or MoEGroups())
+
+
+# by ModelConfig.mlp_block; "moe" by ``layer_spec`` for a model with experts (its arithmetic: config/moe_arith.py)
+MLPS: dict[str, Block] = {"dense": Block(_dense_mlp, arith.DENSE_MLP), "moe": Block(_moe_mlp, MOE_MLP)}
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,7 @@ class LayerSpec:
 
 def layer_spec(cfg: ModelConfig) -> LayerSpec:
     """The blocks ``cfg`` selects (the family table's ``layer``)."""
-    return LayerSpec(mlp=MLPS[cfg.mlp_block])
+    return LayerSpec(mlp=MLPS["moe" if cfg.moe is not None else cfg.mlp_block])
 
 
 class TransformerLayer(nn.Module):
@@ -199,11 +210,11 @@ class TransformerLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, tp: TPGroup, seed: int, index: int, *, causal: bool,
         rng: RNGTracker | None = None, kernels: Kernels | None = None, cp: CPGroup | None = None,
-        recipe: Precision | None = None, spec: LayerSpec | None = None,
+        recipe: Precision | None = None, spec: LayerSpec | None = None, moe: MoEGroups | None = None,
     ):
         super().__init__()
         prefix = f"layers.{index}"
-        ctx = BlockContext(tp, seed, causal, rng, kernels, cp, recipe)
+        ctx = BlockContext(tp, seed, causal, rng, kernels, cp, recipe, moe)
         for slot, block in (spec or layer_spec(cfg)).slots().items():  # ln1, attn, ln2, mlp
             setattr(self, slot, block.build(cfg, ctx, f"{prefix}.{slot}"))
         self.hidden_dropout = cfg.hidden_dropout

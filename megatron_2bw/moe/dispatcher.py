@@ -30,6 +30,9 @@ class _Handle:
 
 
 class _Dispatcher:
+    def __deepcopy__(self, memo) -> "_Dispatcher":
+        return self  # stateless but for a process group: the copies of a model (2BW's versions) share it
+
     def __init__(self, num_experts: int, group=None) -> None:
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)

@@ -51,6 +51,16 @@ def _reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+class _Shared:
+    """A process-group handle that copies of the model (2BW's weight versions) share: a group cannot be copied."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo) -> "_Shared":
+        return self
+
+
 class Router(nn.Module):
     """Top-k router of one MoE layer. ``stats_group``: the ranks that hold parts of the same sequences (tensor
     x context with sequence or context parallelism), over which the balancing losses count tokens."""
@@ -58,7 +68,7 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, hidden_size: int, *, init_std: float = 0.02, stats_group=None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.cfg, self.stats_group = cfg, stats_group
+        self.cfg, self._stats = cfg, _Shared(stats_group)
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype))
         with torch.no_grad():
             self.weight.normal_(0.0, init_std)
@@ -69,6 +79,10 @@ class Router(nn.Module):
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         self.aux_loss_scale = 1.0  # the gradient the losses receive: 1 / microbatches x the loss scale
+
+    @property
+    def stats_group(self):
+        return self._stats.group
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _ROUTER_DTYPES[self.cfg.moe_router_dtype] or x.dtype

@@ -110,6 +110,9 @@ class PipelineRank(PostValidation):
         self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
         self.weights, self.transport, self.reducer = parts.weights, parts.transport, parts.reducer
         self.updater, self.stats = parts.updater, parts.stats
+        # called with a chunk's layers and the step before each forward (MoE: the balancing losses' gradient
+        # scale, the expert-bias update at a step's first forward); None: nothing
+        self.before_forward: Callable[[nn.ModuleList, int], None] | None = None
         # Several model chunks per rank (interleaved, V): the weights are one flat buffer over all of them and
         # each chunk's layers run on their own. Chunk c's virtual stage says whether it holds the embedding or
         # the loss; where a neighbouring virtual stage is on this rank (a V's turn), the chunk hands over by
@@ -243,6 +246,8 @@ class PipelineRank(PostValidation):
             self.faults.before_forward(self.state.rank, a.step)
         self.reducer.wait_slot(self.weights.slot(a.version))  # the distributed optimizer's all-gather of W(v)
         layers = self._chunk_layers[self.weights.slot(a.version)][a.chunk]
+        if self.before_forward is not None:
+            self.before_forward(layers, a.step)
         batch = get_batch(a.mb)
         src = self._local_in[a.chunk]
         x = self._received((Op.RECV_ACT, a.chunk, a.mb), None) if src is None else \

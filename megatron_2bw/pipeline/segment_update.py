@@ -62,6 +62,9 @@ class SegmentUpdate:
         matrices = [MuonMatrix(w.offsets[i] - seg.start, tuple(w.shapes[i]),
                                w.partition_dims[i] if w.tp_split[i] and tp[2] > 1 else None)
                     for i in seg.params if w.partition_dims[i] is not None]
+        matrices += [MuonMatrix(w.offsets[i] - seg.start + k * (w.sizes[i] // w.stacks[i]), tuple(w.shapes[i][1:]))
+                     for i in seg.params if w.stacks[i] for k in range(w.stacks[i])]  # one per expert
+        matrices.sort(key=lambda mat: mat.offset)
         kw = {"matrices": matrices, "total": seg.numel, "tp": tp, "n_decay": seg.n_decay}
         if self.shard is not None:
             kw.update(lo=self.shard.lo, gather=functools.partial(reducer.gather_shards, group=self.group),

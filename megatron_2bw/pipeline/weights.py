@@ -123,6 +123,8 @@ class RankWeights:
         # ``partition_dim``; None elsewhere) and whether it is split here (``--optimizer muon``)
         self.partition_dims = [getattr(p, "partition_dim", None) if p.dim() == 2 else None for _, p in named]
         self.tp_split = [bool(getattr(p, "tensor_parallel", False)) for _, p in named]
+        # experts of a 3-D stack ``[E_local, out, in]`` (MoE): Muon orthogonalises each expert's matrix alone
+        self.stacks = [p.shape[0] if getattr(p, "expert_stack", False) and p.dim() == 3 else 0 for _, p in named]
         self.dtype, self.device, self.num_versions = dtype, device, num_versions
         self.cpu_init = cpu_init
 

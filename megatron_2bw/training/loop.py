@@ -42,6 +42,7 @@ from ..checkpoint.names import WORD
 from ..context_parallel.group import CPGroup
 from ..config.precision import precision_of
 from ..models.gpt import DocumentMasks
+from ..models.moe_block import MoEGroups
 from ..models.spec import ModelSpec
 from ..pipeline.build import build_stage
 from ..schedule.recompute_policy import RecomputePolicy
@@ -60,6 +61,7 @@ from .log_format import (
 from .lr_schedule import lr_at
 from .params_norm import params_sumsq
 from .metrics import Metrics
+from .moe_hooks import MoEHooks
 from .report import StepReport
 from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
 from .wandb_writer import wandb_settings
@@ -109,7 +111,8 @@ class Trainer:
                          split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline),
                          masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)),
                          cp=CPGroup.from_state(state, cfg.parallel.cp_comm_type) if state.c > 1 else None,
-                         precision=precision_of(oc.dtype))
+                         precision=precision_of(oc.dtype),
+                         moe=MoEGroups.from_state(state) if cfg.model.moe is not None else None)
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
         place = cfg.pipeline.spec.placement(state.d)
@@ -129,6 +132,9 @@ class Trainer:
                     "weights and iteration (--no-load-optim)" if tc.no_load_optim else "full state"
                 log.info("  successfully loaded checkpoint from %s at iteration %d: %s", tc.load,
                          prep.loaded_iteration, what)
+        if cfg.model.moe is not None:  # aux-loss scale, expert-bias update, MoE log (moe_hooks.py)
+            self.stage.before_forward = MoEHooks(self.stage, state, cfg.model.num_layers,
+                                                 cfg.pipeline.num_microbatches, tc.log_interval)
         self.loss_keys: tuple[str, ...] = tuple(getattr(self.stage.loss_fn, "components", ()))
         self.m = cfg.pipeline.num_microbatches
         self.B = tc.global_batch_size

@@ -13,6 +13,7 @@ import torch
 from ..argv import describe
 from ..config import RunConfig
 from ..config.arith import counts_recompute, tflops_per_device
+from ..config.moe_presets import parameter_counts
 from ..parallel_state import ParallelState
 from .log_format import (
     cuda_memory, eta_line, math_choices, memory_report_line, peak_tflops_of, window_line,
@@ -56,12 +57,13 @@ class StepReport:
         """The start-up line (every choice that changes the math) and the ``start`` record."""
         cfg, s = self.cfg, self.state
         mb = lambda key: "/".join(f"{st[key] / 2**20:.1f}" for st in stages)  # noqa: E731
-        params = cfg.model.num_parameters()
+        total, active = parameter_counts(cfg.model)  # the same number twice for a dense model
+        params = f"{total / 1e6:.2f}M" + (f" ({active / 1e6:.2f}M active)" if active != total else "")
         resumed = f" | resumed from iteration {step}" if resumed_from is not None else ""
         log.info(
-            "%s %.2fM parameters | layout %s, %s on %s) | b=%d m=%d B=%d%s | "
+            "%s %s parameters | layout %s, %s on %s) | b=%d m=%d B=%d%s | "
             "%s | kernels %s | per-stage MB weights %s grads %s optimizer %s%s",
-            model_name(cfg.model), params / 1e6, cfg.parallel.describe(), cfg.system.backend, cfg.system.device,
+            model_name(cfg.model), params, cfg.parallel.describe(), cfg.system.backend, cfg.system.device,
             cfg.pipeline.micro_batch_size, self.m, self.B,
             " +recompute" if cfg.pipeline.recompute else "", math_choices(cfg), kernels.describe(),
             mb("weight_bytes"), mb("grad_bytes"), mb("optimizer_bytes"), resumed,
@@ -72,7 +74,7 @@ class StepReport:
             "type": "start", "time": time.time(), "world_size": s.world_size,
             "layout": {"t": s.t, "d": s.d, "w": s.data_width, "c": s.c}, "schedule": cfg.pipeline.schedule,
             "micro_batch_size": cfg.pipeline.micro_batch_size, "num_microbatches": self.m, "global_batch_size": self.B,
-            "precision": cfg.optimizer.dtype, "kernels": asdict(kernels), "parameters": params,
+            "precision": cfg.optimizer.dtype, "kernels": asdict(kernels), "parameters": total,
             "resumed_from": resumed_from, "stages": stages, "config": describe(cfg),
         })
 

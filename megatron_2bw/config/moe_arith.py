@@ -1,0 +1,61 @@
+"""The arithmetic of the mixture-of-experts MLP block (``models/moe_block.py``), as ``blocks.py`` states the
+dense blocks': its parameters (full shapes, none split over the tensor group: expert tensor parallelism is 1),
+the active multiply-adds per token (the router, k routed experts, the shared experts), and the per-layer mean
+MLP width the model's FLOPs count. It enters ``blocks.MLP_BLOCKS`` as ``"moe"`` (the models' ``MLPS`` key), but
+``ModelConfig.mlp_block`` stays ``"dense"``: the model's parameter count is the dense layer's, and
+``moe_presets.parameter_counts`` adds the experts (total and active). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .blocks import MLP_BLOCKS, BlockArith, Param
+
+Model = Any  # a ModelConfig with ``moe`` set
+
+
+class MoEMLPArith(BlockArith):
+    """``MoEMLP``: ``moe.router.weight [E, h]``, ``moe.experts.linear_fc1 [E, 2F|F, h]`` and ``linear_fc2
+    [E, h, F]``, the shared experts' two linears and their gate."""
+
+    def params(self, model: Model) -> list[Param]:
+        moe, h = model.moe, model.hidden_size
+        e, f = moe.num_experts, moe.moe_ffn_hidden_size
+        fc1 = 2 * f if model.swiglu else f
+        out = [Param("moe.router.weight", (e, h), None, "mlp.router"),
+               Param("moe.experts.linear_fc1", (e, fc1, h), None, "mlp.experts.linear_fc1"),
+               Param("moe.experts.linear_fc2", (e, h, f), None, "mlp.experts.linear_fc2")]
+        s = moe.moe_shared_expert_intermediate_size
+        if s:
+            out += [Param("moe.shared_experts.linear_fc1.weight", ((2 if model.swiglu else 1) * s, h), None,
+                          "mlp.shared_experts.linear_fc1"),
+                    Param("moe.shared_experts.linear_fc2.weight", (h, s), None, "mlp.shared_experts.linear_fc2")]
+            out += [Param("moe.shared_experts.gate_weight", (1, h), None, "mlp.shared_experts.gate_weight")] \
+                if moe.moe_shared_expert_gate else []
+        return out
+
+    def macs(self, model: Model) -> int:
+        moe, h = model.moe, model.hidden_size
+        return moe.num_experts * h + active_width(model, moe_layer=True) * h * (3 if model.swiglu else 2)
+
+
+def active_width(model: Model, moe_layer: bool) -> int:
+    """The MLP hidden width a token goes through in one layer: k routed experts plus the shared ones in an MoE
+    layer (Megatron's FLOPs count), the dense ``ffn_hidden_size`` elsewhere."""
+    moe = model.moe
+    if moe is None or not moe_layer:
+        return model.ffn_hidden_size
+    return moe.moe_router_topk * moe.moe_ffn_hidden_size + (moe.moe_shared_expert_intermediate_size or 0)
+
+
+def mean_mlp_width(model: Model) -> float:
+    """:func:`active_width` averaged over the layers (``--moe-layer-freq`` leaves some dense)."""
+    if getattr(model, "moe", None) is None:
+        return model.ffn_hidden_size
+    layers = model.moe.moe_layers(model.num_layers)
+    return sum(active_width(model, m) for m in layers) / model.num_layers
+
+
+MOE_MLP = MoEMLPArith()
+MLP_BLOCKS["moe"] = MOE_MLP  # the table of MLP blocks (blocks.py), which the models' MLPS mirrors
