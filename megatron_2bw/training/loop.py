@@ -124,14 +124,7 @@ class Trainer:
             cpu_init=cfg.system.use_cpu_initialization,  # off: each rank draws its own shards on its device
         )
         if prep.checkpoint is not None:
-            formats.of_file(prep.checkpoint).restore(prep.checkpoint, self.stage, self.tracker, state.device,
-                                                     **checkpointing.load_options(tc))
-            prep.checkpoint = None  # free the CPU copy
-            if state.rank == 0:  # Megatron's line: which checkpoint, and what of it
-                what = "weights only (--finetune)" if tc.finetune else \
-                    "weights and iteration (--no-load-optim)" if tc.no_load_optim else "full state"
-                log.info("  successfully loaded checkpoint from %s at iteration %d: %s", tc.load,
-                         prep.loaded_iteration, what)
+            self._restore(prep, state)
         if cfg.model.moe is not None:  # aux-loss scale, expert-bias update, MoE log (moe_hooks.py)
             self.stage.before_forward = MoEHooks(self.stage, state, cfg.model.num_layers,
                                                  cfg.pipeline.num_microbatches, tc.log_interval)
@@ -160,6 +153,18 @@ class Trainer:
         self._results: dict = {}  # StepResults whose reduced numbers have not arrived yet, by step
         self._times: dict[int, float] = {}  # seconds between this rank's updates, by step
         self._t_last = 0.0
+
+    def _restore(self, prep, state: parallel_state.ParallelState) -> None:
+        """Restore the checkpoint read before the groups existed, and say so in Megatron's line."""
+        tc = self.cfg.training
+        formats.of_file(prep.checkpoint).restore(prep.checkpoint, self.stage, self.tracker, state.device,
+                                                 **checkpointing.load_options(tc))
+        prep.checkpoint = None  # free the CPU copy
+        if state.rank == 0:  # Megatron's line: which checkpoint, and what of it
+            what = "weights only (--finetune)" if tc.finetune else \
+                "weights and iteration (--no-load-optim)" if tc.no_load_optim else "full state"
+            log.info("  successfully loaded checkpoint from %s at iteration %d: %s", tc.load,
+                     prep.loaded_iteration, what)
 
     def _progressing(self, provider: Callable[[int], dict]) -> Callable[[int], dict]:
         """``provider`` that also tells the watchdog this rank makes progress (every stage fetches each microbatch)."""
