@@ -28,7 +28,6 @@ exceeds the machine's available memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -101,8 +100,8 @@ def _opt(conf: dict):
 def _build(conf: dict):
     import torch
 
-    from megatron_2bw.config import ModelConfig, PipelineConfig
     from megatron_2bw.checkpoint.names import WORD
+    from megatron_2bw.config import ModelConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import build_state
     from megatron_2bw.pipeline.build import build_stage
@@ -211,8 +210,8 @@ def resume_worker(conf: dict, fmt: str) -> dict:
     import torch.distributed as dist
 
     from megatron_2bw.checkpoint import checkpointing as ck
-    from megatron_2bw.checkpoint import formats
     from megatron_2bw.checkpoint import dist_checkpoint as dc
+    from megatron_2bw.checkpoint import formats
 
     stage, tracker, cfg, opt, state, batch, runtime = _build(conf)
     root = os.path.join(conf["dir"], fmt)

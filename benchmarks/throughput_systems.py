@@ -7,11 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package beside benchmarks/
-from megatron_2bw.schedule.schedules import (  # noqa: E402  (pure data: no torch.distributed)
-    PLANNED_SCHEDULES,
-    SCHEDULES,
-    spec_of,
-)
+from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, SCHEDULES, spec_of  # noqa: E402  (pure data: no torch.distributed)
 
 # every schedule of our registry, and the ids the planner prices (``zb-h2+pv``: with post-validation): a new
 # entry is measured with no change here

@@ -11,14 +11,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ATTENTION_BACKENDS, CP_COMM_TYPES
-from .config import (CKPT_FORMATS, COMPENSATIONS, DECAY_STYLES, MUON_ADJUST_LR_FNS, NORMALIZATIONS, OPTIMIZERS,
-                     P2P_MODES, POSITION_EMBEDDING_TYPES)
-from .config.moe import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES, ROUTER_DTYPES, SCORE_FUNCTIONS,
-                         format_moe_layer_freq, parse_moe_layer_freq)
+from .config import (
+    ATTENTION_BACKENDS,
+    CKPT_FORMATS,
+    COMPENSATIONS,
+    CP_COMM_TYPES,
+    DECAY_STYLES,
+    MUON_ADJUST_LR_FNS,
+    NORMALIZATIONS,
+    OPTIMIZERS,
+    P2P_MODES,
+    POSITION_EMBEDDING_TYPES,
+)
+from .config.moe import (
+    DISPATCHER_TYPES,
+    DROP_POLICIES,
+    LOAD_BALANCING_TYPES,
+    ROUTER_DTYPES,
+    SCORE_FUNCTIONS,
+    format_moe_layer_freq,
+    parse_moe_layer_freq,
+)
 from .config.presets import GPT2_VOCAB, PRESETS
-from .schedule.stages import format_split, parse_split
 from .schedule.schedules import SCHEDULE_NAMES
+from .schedule.stages import format_split, parse_split
 from .yaml_cfg import YAML_FLAG
 
 DEVICES = ("auto", "cpu", "cuda")

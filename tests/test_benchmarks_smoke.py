@@ -21,6 +21,7 @@ import memory  # noqa: E402
 import pipeline_throughput  # noqa: E402
 import throughput_summary  # noqa: E402
 import throughput_systems  # noqa: E402
+
 from megatron_2bw.tensor_parallel.gemm import SEAM_NODE  # noqa: E402
 
 
@@ -91,8 +92,8 @@ def test_gpu_skips_or_runs_tiny(tmp_path):
     rows = _load(out)["results"]
     assert {r["system"] for r in rows} == {"engine_flush_d1", "engine_2bw_d1", "plain"}
     assert all(r["tokens_per_sec"] > 0 for r in rows)
-    from megatron_2bw.config.presets import get_preset
     from megatron_2bw.config.arith import flops_per_step
+    from megatron_2bw.config.presets import get_preset
 
     for r in rows:  # the trainer's FLOP formula (review S3/B1)
         fps = flops_per_step(get_preset(r["model"]), r["micro_batch"] * r["m"])
@@ -102,8 +103,8 @@ def test_gpu_skips_or_runs_tiny(tmp_path):
 def test_stale_rule_reference_quick(tmp_path):
     """The plain-PyTorch 1-stale reference runs on any indexed dataset; the two rules start identical."""
     import numpy as np
-
     import stale_rule_reference
+
     from megatron_2bw.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
 
     prefix = str(tmp_path / "toks")
@@ -165,9 +166,8 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     import gpu_check
     import torch
 
-    from megatron_2bw.config.presets import get_preset
-
     from megatron_2bw.config.arith import flops_per_step
+    from megatron_2bw.config.presets import get_preset
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: gpu_check.py runs its GPU form there (by hand, not in CI)")

@@ -15,9 +15,9 @@ from torch import nn
 from megatron_2bw.checkpoint import names
 from megatron_2bw.config import ModelConfig, arith, blocks
 from megatron_2bw.config.families import FAMILIES
+from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models import families as model_families
 from megatron_2bw.models import transformer
-from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.planner import layer_costs
 from megatron_2bw.tensor_parallel.group import TPGroup

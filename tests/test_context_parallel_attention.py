@@ -17,8 +17,8 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-
 from multiproc import run_workers
+
 from megatron_2bw.context_parallel.group import CPGroup, positions_of, shard_batch
 from megatron_2bw.models.attention_core import attention
 
@@ -52,11 +52,10 @@ def _dense(heads, groups, causal, mask_kind, backend):
 
 
 def _cp_worker(heads, groups, causal, mask_kind, comm, backend):
-    from megatron_2bw.models.transformer import ParallelAttention  # noqa: PLC0415
+    from megatron_2bw.context_parallel import blocks  # noqa: PLC0415
     from megatron_2bw.context_parallel.a2a import a2a_attention  # noqa: PLC0415
     from megatron_2bw.context_parallel.attention import all_gather_attention, ring_attention  # noqa: PLC0415
-
-    from megatron_2bw.context_parallel import blocks  # noqa: PLC0415
+    from megatron_2bw.models.transformer import ParallelAttention  # noqa: PLC0415
 
     blocks.TILE_ROWS = 3  # several tiles per block (n = 4), the last one partial
     c, rank = dist.get_world_size(), dist.get_rank()

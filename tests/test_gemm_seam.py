@@ -16,22 +16,14 @@ from pipeline_harness import _dataset
 from torch import nn
 
 from megatron_2bw.config.precision import RECIPES, Precision, precision_of
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.transformer import TransformerLayer
-from megatron_2bw.pipeline.split_backward import (
-    accumulator,
-    backward_input,
-    backward_weight,
-)
+from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
 from megatron_2bw.tensor_parallel import gemm
 from megatron_2bw.tensor_parallel.group import TPGroup
-from megatron_2bw.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    column_parallel,
-)
+from megatron_2bw.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel
 
 
 def _matrices(module: nn.Module) -> list[nn.Parameter]:

@@ -277,6 +277,7 @@ def test_a_ported_megatron_script_trains_on_mock_data(tmp_path):
     the norm of the weights it saved (replicas and the tied embedding counted once; checked by hand at t = 2 too),
     and the lr follows Megatron's WSD."""
     from e2e import read_metrics, torchrun
+
     from megatron_2bw.export.checkpoints import load_checkpoint
 
     save, metrics, cache = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "cache"

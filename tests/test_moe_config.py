@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields, replace
 
+import mcore_reference as mref
 import pytest
 
-import mcore_reference as mref
 from megatron_2bw.argv import megatron_args, to_argv
 from megatron_2bw.cli import build_config, model_config, parse_args
 from megatron_2bw.config import ModelConfig

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-
 from multiproc import run_workers
+
 from megatron_2bw.config.moe import MoEConfig
 from megatron_2bw.moe import MoELayer
 

@@ -4,10 +4,10 @@ losses give the gradient of Megatron's losses added to the main loss; capacity a
 
 from __future__ import annotations
 
+import mcore_reference as mref
 import pytest
 import torch
 
-import mcore_reference as mref
 from megatron_2bw.config.moe import MoEConfig
 from megatron_2bw.moe.capacity import drop_tokens, expert_capacity
 from megatron_2bw.moe.losses import sequence_aux_loss, switch_aux_loss, z_loss

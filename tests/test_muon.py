@@ -5,8 +5,8 @@ import torch
 
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.optimizer.build import build_optimizer
 from megatron_2bw.optimizer import muon as muon_module
+from megatron_2bw.optimizer.build import build_optimizer
 from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
 
 SHAPES = [(24, 16), (16, 40), (32, 32)]  # tall, wide, square: both branches of NS and of the shape scale

@@ -10,18 +10,17 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from multiproc import run_workers
+
 from megatron_2bw.config import ModelConfig, layout_configs
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.auto_plan import PlanChoice
 from megatron_2bw.planner.context_costs import context_microbatch_costs, gather_core_bytes, ring_core_bytes
 from megatron_2bw.planner.hardware import load_cluster

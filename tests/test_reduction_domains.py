@@ -40,8 +40,8 @@ from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.dist_checkpoint.reader import read_whole
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
-from megatron_2bw.errors import ConfigError
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import EXPERT_DATA, ParallelState, build_state
 from megatron_2bw.pipeline.build import build_stage, reductions

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch.distributed as dist
+from multiproc import run_workers
 
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.training.watchdog import EXIT_STALLED, Watchdog, check_stall_timeout, start_watchdog, watched_ranks
-from multiproc import run_workers
 
 
 class Clock:

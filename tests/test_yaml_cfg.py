@@ -6,7 +6,11 @@ import pytest
 
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.yaml_cfg import (
-    MEGATRON_UNSUPPORTED, add_yaml_cfg_argument, expand_yaml_cfg, explain_unrecognized, nearest_flag,
+    MEGATRON_UNSUPPORTED,
+    add_yaml_cfg_argument,
+    expand_yaml_cfg,
+    explain_unrecognized,
+    nearest_flag,
 )
 
 try:  # the parser builder may move to megatron_2bw.cli

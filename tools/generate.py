@@ -20,12 +20,12 @@ import sys
 import torch
 
 from megatron_2bw.cli import OneLineParser, run_cli
+from megatron_2bw.data.fingerprint import tokenizer_fingerprint
 from megatron_2bw.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.data.fingerprint import tokenizer_fingerprint
 from megatron_2bw.export.checkpoints import load_checkpoint
-from megatron_2bw.export.hf_tokenizer import changed_since
 from megatron_2bw.export.generation import CachedGPT, Sampling, generate
+from megatron_2bw.export.hf_tokenizer import changed_since
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -15,23 +15,23 @@ Open the trace in chrome://tracing or https://ui.perfetto.dev. Bad input: one ``
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import json
 import sys
+from dataclasses import replace
 
 from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.schedule.schedules import SCHEDULE_NAMES
 from megatron_2bw.planner.cost_model import predict
 from megatron_2bw.planner.hardware import GiB, load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs, read_profile_json
-from megatron_2bw.schedule.stages import canonical_split, format_split, parse_split
 from megatron_2bw.planner.memory_model import Candidate, ParamBytes
-from megatron_2bw.planner.split import balanced_split
 from megatron_2bw.planner.profile_check import check_profile_fits
 from megatron_2bw.planner.profiler import load_full_profile
 from megatron_2bw.planner.simulator import RECOMPUTE_SCOPES, simulate_plan
+from megatron_2bw.planner.split import balanced_split
+from megatron_2bw.schedule.schedules import SCHEDULE_NAMES
+from megatron_2bw.schedule.stages import canonical_split, format_split, parse_split
 
 DEFAULT_CLUSTER = "aws-p3.16xlarge"
 

@@ -38,17 +38,24 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
 from ..checkpoint import megatron_format, trainer_format
+from ..errors import ConfigError, describe_save_failure, os_error_line
 from ..schedule.stages import layers_per_stage
 from ..tensor_parallel.recompute import RNGSnapshot
 from . import manifest, save_guard
-from .compat import SHAPE_FIELDS as _SHAPE_FIELDS, check_model, check_optimizer, model_config  # noqa: F401
-from .manifest import write_tracker  # noqa: F401 - re-exported
+from .compat import SHAPE_FIELDS as _SHAPE_FIELDS  # noqa: F401
+from .compat import check_model, check_optimizer, model_config
 from .layout import (
-    FILENAME, RANK_DIR_RE, TRACKER, checkpoint_path, iteration_dir, iteration_name, rank_dir_name, read_tracker,
+    FILENAME,
+    RANK_DIR_RE,
+    TRACKER,
+    checkpoint_path,
+    iteration_dir,
+    iteration_name,
+    rank_dir_name,
+    read_tracker,
 )  # noqa: F401 - re-exported
-from ..errors import describe_save_failure, os_error_line
+from .manifest import write_tracker  # noqa: F401 - re-exported
 
 log = logging.getLogger("megatron_2bw")
 

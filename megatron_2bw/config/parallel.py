@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from ..schedule.recompute_policy import check_recompute
 from ..schedule.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule
 from .context import CP_COMM_TYPES, P2P
-from .rules import _require
 from .optim import AUTO_COMPENSATION, COMPENSATIONS
+from .rules import _require
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,15 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..schedule.stages import canonical_split, check_virtual_split, layers_per_stage
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import parse_schedule_id
+from ..schedule.stages import canonical_split, check_virtual_split, layers_per_stage
 from .context import ALL_GATHER, P2P
-from .rules import MAX_SEED, _require
 from .model import ModelConfig
 from .moe import check_expert_parallel
 from .optim import AUTO_COMPENSATION, LRConfig, OptimizerConfig, resolve_compensation
 from .parallel import ParallelConfig, PipelineConfig
-
+from .rules import MAX_SEED, _require
 
 CKPT_FORMATS = ("torch", "torch_dist")  # --ckpt-format (Megatron-LM's names; checkpoint/dist_checkpoint/)
 # elements per message when the distributed optimizer's state is gathered for a torch-format save: the

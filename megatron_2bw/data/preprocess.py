@@ -21,8 +21,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from .indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
 from .fingerprint import data_fingerprint, sidecar_path, tokenizer_fingerprint, write_sidecar
+from .indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path
 from .tokenizers import Tokenizer
 
 BATCH_DOCS = 64

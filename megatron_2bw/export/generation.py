@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint.names import OUTPUT, POSITION, WORD, head_index
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.norms import norm_functional
 from ..models.rope import apply_rotary, rotary_tables
-from ..checkpoint.names import OUTPUT, POSITION, WORD, head_index
 
 
 @dataclass

@@ -14,11 +14,11 @@ import re
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import ConfigError, os_error_line
 from ..checkpoint.megatron_format import Exported
 from ..checkpoint.names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index
 from ..checkpoint.reshard import pad_vocab
+from ..config import ModelConfig
+from ..errors import ConfigError, os_error_line
 
 TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 _GPT_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}

@@ -21,18 +21,32 @@ import argparse
 
 import torch
 
+from ..checkpoint.megatron_format import (
+    CHECKPOINT_VERSION,
+    Exported,
+    config_from_args,
+    find_iteration_dir,
+    megatron_args,
+    read_rank_files,
+    write_rank_files,
+)
+from ..checkpoint.names import (
+    BERT_HEAD,
+    OUTPUT,
+    POSITION,
+    SWIGLU_MODULES,
+    TOKENTYPE,
+    WORD,
+    Split,
+    head_index,
+    stage_names,
+    swiglu_part,
+)
+from ..checkpoint.reshard import reshard, unshard
 from ..config import ModelConfig
 from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
-from ..checkpoint.megatron_format import (
-    CHECKPOINT_VERSION, Exported, config_from_args, find_iteration_dir, megatron_args, read_rank_files,
-    write_rank_files,
-)
-from ..checkpoint.names import (
-    BERT_HEAD, OUTPUT, POSITION, SWIGLU_MODULES, TOKENTYPE, WORD, Split, head_index, stage_names, swiglu_part,
-)
-from ..checkpoint.reshard import reshard, unshard
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 

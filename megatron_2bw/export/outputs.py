@@ -26,8 +26,8 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from ..errors import ConfigError, describe_save_failure, file_size_limit, find_os_error, os_error_line
 from ..checkpoint.layout import TRACKER
+from ..errors import ConfigError, describe_save_failure, file_size_limit, find_os_error, os_error_line
 
 MARKER = ".megatron_2bw_output.json"
 OVERWRITE_HELP = "replace a non-empty target that is not this tool's earlier output (never another run's checkpoints)"

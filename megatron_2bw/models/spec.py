@@ -15,16 +15,16 @@ from ..config import ModelConfig
 from ..config.precision import Precision
 from ..context_parallel.group import CPGroup, shard_batch
 from ..fused import Kernels
+from ..schedule.placement import Placement
+from ..schedule.recompute_policy import RecomputePolicy
+from ..schedule.stages import chunk_ranges, stage_range
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
 from . import gpt
 from .embedding import Embedding
 from .families import FAMILIES
 from .moe_block import MoEGroups
-from ..schedule.placement import Placement
-from ..schedule.recompute_policy import RecomputePolicy
 from .transformer import TransformerLayer, apply_recompute
-from ..schedule.stages import chunk_ranges, stage_range
 
 
 @dataclass

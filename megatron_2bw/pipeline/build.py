@@ -16,8 +16,8 @@ from ..schedule.placement import Placement, group_key
 from ..tensor_parallel.random import RNGTracker
 from .accounting import StageStats
 from .executor import PipelineRank
-from .parts import RankParts
 from .grad_reducer import GradReducer, SegmentReduction
+from .parts import RankParts
 from .transport import Transport
 from .updater import Updater
 from .weights import GlobalNames, RankWeights

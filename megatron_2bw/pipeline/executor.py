@@ -33,17 +33,17 @@ from torch import nn
 
 from ..config import OptimizerConfig, PipelineConfig
 from ..parallel_state import ParallelState
-from ..tensor_parallel.random import RNGTracker
-from .accounting import SavedBytes, clock_units
 from ..schedule.actions import Action, Op
-from ..tensor_parallel.recompute import RNGSnapshot
 from ..schedule.evaluation import evaluation_program
 from ..schedule.schedules import cut_program, program
-from .saved_release import BoxedSaves, release_unread
-from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight, take_groups
+from ..tensor_parallel.random import RNGTracker
+from ..tensor_parallel.recompute import RNGSnapshot
+from .accounting import SavedBytes, clock_units
 from .losses import _HostCopy, _loss_row, loss_parts  # noqa: F401 - loss_parts re-exported
 from .parts import RankParts
+from .saved_release import BoxedSaves, release_unread
 from .speculation import PostValidation
+from .split_backward import DeferredWeightGrad, accumulator, backward_input, backward_weight, take_groups
 from .transport import SEND_OPS, Incoming
 from .updater import host
 

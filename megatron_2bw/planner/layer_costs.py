@@ -56,16 +56,28 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from ..config import ModelConfig
-from ..config import blocks
+from ..config import ModelConfig, blocks
 from ..config.arith import (  # noqa: F401 - re-exported: the planner's counts are the one arithmetic
-    core_forward_flops, embedding_params, head_forward_flops, head_params, layer_forward_flops, layer_params,
-    linear_forward_flops, tied_params, word_params,
+    core_forward_flops,
+    embedding_params,
+    head_forward_flops,
+    head_params,
+    layer_forward_flops,
+    layer_params,
+    linear_forward_flops,
+    tied_params,
+    word_params,
 )
 from ..config.blocks import ATTENTION_KERNELS, MATH_BYTES  # noqa: F401 - re-exported
 from ..errors import ConfigError
 from .cost_table import (  # noqa: F401 - re-exported: the table's home before the split
-    PROFILE_FORMAT, BlockCost, LayerCosts, MicrobatchCosts, layer_costs_from_json, load_profile, read_profile_json,
+    PROFILE_FORMAT,
+    BlockCost,
+    LayerCosts,
+    MicrobatchCosts,
+    layer_costs_from_json,
+    load_profile,
+    read_profile_json,
 )
 from .hardware import Cluster
 

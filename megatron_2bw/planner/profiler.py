@@ -48,16 +48,20 @@ from torch import nn
 
 from ..config import ModelConfig, OptimizerConfig
 from ..config.precision import precision_of
+from ..config.presets import get_preset
 from ..errors import ConfigError
 from ..models.bert import random_samples
-from ..config.presets import get_preset
 from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
-from .block_timing import (  # noqa: F401 - re-exported: the profiler's public names
-    BlockMeasurement, measure_chain, median, resolve_device, synchronize, unique_params,
-)
+from .block_timing import BlockMeasurement, measure_chain, median, resolve_device, synchronize, unique_params  # noqa: F401 - re-exported: the profiler's public names
 from .profile_file import (  # noqa: F401 - re-exported: the profiler's public names
-    BLOCKS, LoadedProfile, MicrobatchProfile, OptimizerCost, Profile, load_full_profile, merge_profiles,
+    BLOCKS,
+    LoadedProfile,
+    MicrobatchProfile,
+    OptimizerCost,
+    Profile,
+    load_full_profile,
+    merge_profiles,
 )
 
 

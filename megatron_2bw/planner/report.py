@@ -13,13 +13,13 @@ from typing import Any, Callable, Iterable
 
 from ..argv import pretrain_argv, render
 from ..config import Layout, ModelConfig
-from ..config.context import ALL_GATHER, P2P
-from ..errors import ConfigError
-from ..config.presets import get_preset
-from ..schedule.stages import format_split
-from ..schedule.schedules import SCHEDULE_NAMES
 from ..config.arith import flops_per_step
-from .hardware import GiB, Cluster, load_cluster
+from ..config.context import ALL_GATHER, P2P
+from ..config.presets import get_preset
+from ..errors import ConfigError
+from ..schedule.schedules import SCHEDULE_NAMES
+from ..schedule.stages import format_split
+from .hardware import Cluster, GiB, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate, fp32_grads_for
 from .search import Evaluated, PlanRequest, SearchResult, default_costs, evaluate, search

@@ -21,17 +21,23 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
+from ..checkpoint import save_guard
+from ..checkpoint.checkpoint_args import apply_checkpoint_args
+from ..checkpoint.manifest import clean_stale_temporaries
 from ..cli import build_config, env_world, parse_args, run_cli, schedule_note
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..checkpoint import save_guard
 from . import signals, supervision
 from .auto_layout import plan_layout
-from ..checkpoint.checkpoint_args import apply_checkpoint_args
 from .launcher_errors import report_under_torchrun, torchrun_parent
-from ..checkpoint.manifest import clean_stale_temporaries
-from .startup_checks import check_index_memory, check_load_path, check_resume, check_save_dir, logged_changes
-from .startup_checks import check_output_paths
+from .startup_checks import (
+    check_index_memory,
+    check_load_path,
+    check_output_paths,
+    check_resume,
+    check_save_dir,
+    logged_changes,
+)
 from .tb_writer import require_tensorboard
 from .wandb_writer import require_wandb, wandb_settings
 

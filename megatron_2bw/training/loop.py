@@ -38,30 +38,28 @@ import torch.distributed as dist
 
 from .. import parallel_state
 from ..argv import describe, megatron_args
+from ..checkpoint import checkpointing, dist_checkpoint, formats
+from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
 from ..checkpoint.names import WORD
-from ..context_parallel.group import CPGroup
 from ..config.precision import precision_of
+from ..context_parallel.group import CPGroup
+from ..faults import Faults
 from ..models.gpt import DocumentMasks
 from ..models.moe_block import MoEGroups
 from ..models.spec import ModelSpec
 from ..pipeline.build import build_stage
+from ..pipeline.weights import GlobalNames
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import STOP_LAG
-from ..pipeline.weights import GlobalNames
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
-from ..faults import Faults
-from ..checkpoint import checkpointing, dist_checkpoint, formats
-from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
 from . import health, signals, watchdog
 from .data_iter import MicrobatchProvider
-from .log_format import (
-    iteration_of_step, saved_checkpoint_line,
-)
+from .log_format import iteration_of_step, saved_checkpoint_line
 from .lr_schedule import lr_at
-from .params_norm import params_sumsq
 from .metrics import Metrics
 from .moe_hooks import MoEHooks
+from .params_norm import params_sumsq
 from .report import StepReport
 from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
 from .wandb_writer import wandb_settings

@@ -15,9 +15,7 @@ from ..config import RunConfig
 from ..config.arith import counts_recompute, tflops_per_device
 from ..config.moe_presets import parameter_counts
 from ..parallel_state import ParallelState
-from .log_format import (
-    cuda_memory, eta_line, math_choices, memory_report_line, peak_tflops_of, window_line,
-)
+from .log_format import cuda_memory, eta_line, math_choices, memory_report_line, peak_tflops_of, window_line
 from .metrics import Metrics, step_record
 from .params_norm import with_params_norm
 from .step_stats import StepStats, window_bubble

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from ..checkpoint import checkpointing
 from ..errors import ConfigError
 from ..faults import FaultInjector, Faults
-from ..checkpoint import checkpointing
 from . import signals, supervision, watchdog
 from .loop import Trainer
 from .metrics import MetricsWriteError

@@ -10,8 +10,7 @@ import re
 
 import torch.distributed as dist
 
-from ...errors import ConfigError
-from ...errors import describe_save_failure, find_os_error, os_error_line
+from ...errors import ConfigError, describe_save_failure, find_os_error, os_error_line
 from ...parallel_state import group_timeout
 
 _GROUP: list = []  # the gloo group of checkpoint collectives (made on first use, by every rank at once)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import ModelConfig
 from ...checkpoint.names import WORD
 from ...checkpoint.reshard import is_vocab, split_dim
+from ...config import ModelConfig
 from ...optimizer.state import holes
 from ...pipeline.zero import ShardLayout
 

@@ -16,14 +16,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ...errors import ConfigError
-from ...tensor_parallel.recompute import RNGSnapshot
 from ... import faults
+from ...errors import ConfigError, os_error_line
+from ...tensor_parallel.recompute import RNGSnapshot
 from .. import manifest, trainer_format
 from ..compat import stage_model
 from ..layout import iteration_dir
 from ..manifest import write_tracker
-from ...errors import os_error_line
 from .collective import checkpoint_group, global_rank, write_error
 from .files import COMMON, DATA_RE, FORMAT, METADATA, rng_key
 from .planners import SavePlanner
