@@ -38,7 +38,8 @@ import time
 import common
 
 FORMATS = ("torch", "torch_dist", "torch_dist_async")
-RUNTIME_BYTES = 700 << 20  # a rank's Python, torch and gloo and the step's activations (measured: ~0.2 GiB before the build)
+# a rank's Python, torch and gloo and the step's activations (measured: ~0.2 GiB before the build)
+RUNTIME_BYTES = 700 << 20
 MARGIN_BYTES = 1 << 30  # left to the machine's other processes
 # a step's transient beyond the buffers: each parameter's gradient as autograd makes it and the activations
 # (measured: 0.39-0.40 GiB per rank at 405M parameters with Adam; SGD's weight decay took 4 B/param more
@@ -181,8 +182,9 @@ def save_worker(conf: dict) -> dict:
         with Peak() as p:
             t0 = time.perf_counter()
             if fmt == "torch":
-                ck.save(root, it, state, lambda: ck.payload(stage, iteration=it, tracker=tracker, consumed_samples=0,
-                                                            global_batch=conf["d"], config=config, args={}))
+                ck.save(root, it, state, lambda it=it: ck.payload(stage, iteration=it, tracker=tracker,
+                                                                  consumed_samples=0, global_batch=conf["d"],
+                                                                  config=config, args={}))
             else:
                 common_ = dc.common_state(stage, iteration=it, config=config, args={}, consumed_samples=0,
                                           global_batch=1)

@@ -1,4 +1,5 @@
-"""The one table of the trainer's flags: Megatron-LM's names, argparse types, defaults, help, and the config field each sets.
+"""The one table of the trainer's flags: Megatron-LM's names, argparse types, defaults, help, and the config field
+each sets.
 
 ``megatron_2bw.cli`` derives the parser, the flags -> config mapping and the printed commands from
 ``FLAGS``; nothing else lists a flag. Plain data: no torch, no process group.
@@ -88,7 +89,8 @@ _DROPOUT_HELP = f"default {MEGATRON_DROPOUT} (a preset's value with --model-pres
 _EXIT_HELP = "on SIGTERM or --exit-signal: save (with --save) at the next step boundary and exit 0"
 _DURATION_HELP = "save (with --save) and exit 0 at the first step boundary after this many minutes"
 _SKIP_HELP = "exit 3 after more consecutive skipped steps (default: fp16 20, constant --loss-scale 5, else 0)"
-_WANDB_HELP = "turns wandb logging on (offline unless WANDB_MODE/WANDB_API_KEY say otherwise; pip install -e '.[wandb]')"
+_WANDB_HELP = ("turns wandb logging on (offline unless WANDB_MODE/WANDB_API_KEY say otherwise; "
+               "pip install -e '.[wandb]')")
 
 # ---- Mixture of experts (issue 42): Megatron-Core's flags; every default is MoEConfig's (config/moe.py), so a flag
 # not given is None here and --num-experts absent is the dense model. Values Megatron has that are not built here
@@ -160,10 +162,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--rotary-base", "model.rotary_base", MODEL, int, help="RoPE base (default 10000; Llama 3: 500000)"),
     Flag("--rotary-percent", "model.rotary_percent", MODEL, float, help="fraction of each head rotated (default 1.0)"),
     Flag("--swiglu", "model.swiglu", MODEL, const=True, help="SiLU-gated MLP (ffn default: 2/3 of 4h, multiple of 64)"),
-    Flag("--normalization", "model.normalization", MODEL, choices=NORMALIZATIONS, help="LayerNorm (default) or RMSNorm"),
+    Flag("--normalization", "model.normalization", MODEL, choices=NORMALIZATIONS,
+         help="LayerNorm (default) or RMSNorm"),
     Flag("--group-query-attention", "model.group_query_attention", MODEL, const=True,
          help="grouped-query attention (with --num-query-groups)"),
-    Flag("--num-query-groups", "model.num_query_groups", MODEL, int, help="key/value heads with --group-query-attention"),
+    Flag("--num-query-groups", "model.num_query_groups", MODEL, int,
+         help="key/value heads with --group-query-attention"),
     Flag("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights", MODEL, const=True,
          help="a separate output layer instead of the word embedding"),
     Flag("--disable-bias-linear", "model.add_bias_linear", MODEL, const=False, help="no biases in the linear layers"),
@@ -195,19 +199,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--virtual-pipeline-model-parallel-size", "pipeline.virtual_stages", PAR, int,
          help="model chunks per rank (Megatron; interleaved-1f1b, default 2 there)"),
     Flag("--enable-optimizer-post-validation", "pipeline.post_validation", PAR, const=True,
-         help="zb-h1 / zb-h2 / zb-v: apply each update speculatively (as if it neither clips nor overflows) so the next "
-              "step's warm-up overlaps this step's tail, check it against the global norm a few forwards later, and "
-              "roll back and redo the warm-up where it was wrong (Qi et al. 2024; the Zero Bubble fork's flag)"),
+         help="zb-h1 / zb-h2 / zb-v: apply each update speculatively (as if it neither clips nor overflows) so the "
+              "next step's warm-up overlaps this step's tail, check it against the global norm a few forwards later, "
+              "and roll back and redo the warm-up where it was wrong (Qi et al. 2024; the Zero Bubble fork's flag)"),
     Flag("--p2p-mode", "pipeline.p2p_mode", PAR, choices=P2P_MODES, default="auto",
          help="stage-to-stage transfers: prefetch (receives posted ahead; gloo), grouped (batch_isend_irecv "
               "per peer, as NCCL requires) or auto (grouped except on gloo)"),
     Flag("--2bw-compensation", "pipeline.compensation", PAR, choices=COMPENSATIONS + ("auto",), default="auto",
          help="2BW's stale gradient: auto (default: ef with Muon, predict with Adam/SGD-momentum in bf16/fp16 "
-              "without the distributed optimizer, else none; config.resolve_compensation), none, predict (run on predicted weights; fp32: +1 weight copy), dc (DC-ASGD), "
+              "without the distributed optimizer, else none; config.resolve_compensation), none, predict (run on "
+              "predicted weights; fp32: +1 weight copy), dc (DC-ASGD), "
               "ef (Zmushko et al. 2026's error feedback on the updates, D_t + gamma * (D_t - D_{t-1}); any "
               "optimizer; +4 bytes per parameter) or extrapolate (g_t + gamma * (g_t - g_{t-1}); +4 bytes)"),
     Flag("--2bw-dc-lambda", "pipeline.dc_lambda", PAR, float, 0.04, help="dc: g + lambda * g * g * (W(t) - W(t-1))"),
-    Flag("--2bw-ef-scale", "pipeline.ef_scale", PAR, float, 1.0, help="gamma of ef (D_t + gamma * (D_t - D_{t-1})) and of extrapolate"),
+    Flag("--2bw-ef-scale", "pipeline.ef_scale", PAR, float, 1.0,
+         help="gamma of ef (D_t + gamma * (D_t - D_{t-1})) and of extrapolate"),
     Flag("--pipeline-no-flushes", "pipeline.schedule", PAR, const="2bw", alias=True,
          help="2021 spelling of --pipeline-schedule 2bw"),
     Flag("--gpipe", "pipeline.schedule", PAR, const="gpipe", alias=True,
@@ -226,7 +232,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--recompute-granularity", "pipeline.recompute_granularity", PAR, choices=("full", "selective"),
          help="recompute inside stages: full layers (with --recompute-method) or the attention core only"),
     Flag("--recompute-method", "pipeline.recompute_method", PAR, choices=("uniform", "block")),
-    Flag("--recompute-num-layers", "pipeline.recompute_num_layers", PAR, int, help="uniform: chunk size; block: layers"),
+    Flag("--recompute-num-layers", "pipeline.recompute_num_layers", PAR, int,
+         help="uniform: chunk size; block: layers"),
     Flag("--train-iters", "training.train_iters", TRAIN, int, help="required unless --train-samples"),
     Flag("--train-samples", "training.train_samples", TRAIN, int,
          help="train on this many samples instead: --train-samples // --global-batch-size iterations (Megatron)"),
@@ -247,7 +254,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--lr-decay-iters", "lr.decay_iters", OPT, int, help="default: --train-iters"),
     Flag("--lr-warmup-iters", "lr.warmup_iters", OPT, int, 0),
     Flag("--lr-warmup-fraction", None, OPT, float, help="warm-up as a fraction of --lr-decay-iters"),
-    Flag("--lr-decay-samples", None, OPT, int, help="with --train-samples: decay over this many samples (default: all)"),
+    Flag("--lr-decay-samples", None, OPT, int,
+         help="with --train-samples: decay over this many samples (default: all)"),
     Flag("--lr-warmup-samples", None, OPT, int, help="with --train-samples: warm up over this many samples"),
     Flag("--weight-decay", "optimizer.weight_decay", OPT, float, 0.01),
     Flag("--clip-grad", "optimizer.clip_grad", OPT, float, 1.0),
@@ -311,10 +319,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-interval", "training.eval_interval", LOG, int, 1000),
     Flag("--eval-iters", "training.eval_iters", LOG, int, 100),
     Flag("--metrics-file", "training.metrics_file", LOG, help="append one JSON object per line (see docs/training.md)"),
-    Flag("--tensorboard-dir", "training.tensorboard_dir", LOG, help="TensorBoard events (pip install -e '.[tensorboard]')"),
+    Flag("--tensorboard-dir", "training.tensorboard_dir", LOG,
+         help="TensorBoard events (pip install -e '.[tensorboard]')"),
     Flag("--wandb-project", "training.wandb_project", LOG, help=_WANDB_HELP),
-    Flag("--wandb-exp-name", "training.wandb_exp_name", LOG, help="the wandb run's name (required with --wandb-project)"),
-    Flag("--wandb-save-dir", "training.wandb_save_dir", LOG, help="where wandb writes the run (default: <--save>/wandb)"),
+    Flag("--wandb-exp-name", "training.wandb_exp_name", LOG,
+         help="the wandb run's name (required with --wandb-project)"),
+    Flag("--wandb-save-dir", "training.wandb_save_dir", LOG,
+         help="where wandb writes the run (default: <--save>/wandb)"),
     Flag("--device", "system.device", SYS, choices=DEVICES, default="auto"),
     Flag("--distributed-backend", "system.backend", SYS, choices=BACKENDS, help="default: nccl on CUDA, gloo on CPU"),
     Flag("--distributed-timeout-minutes", "system.timeout_minutes", SYS, float, 10.0),
@@ -323,9 +334,10 @@ FLAGS: tuple[Flag, ...] = (
          help="attention kernel (Megatron's): auto lets scaled_dot_product_attention pick; flash, fused: only its "
               "fused kernels (no s^2 tensor kept); unfused, local: softmax(QK^T) and dropout written out (the "
               "planner's memory model follows the choice)"),
-    Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0, help="exit 4 naming a rank stalled this long (0: off)"),
-    Flag(YAML_FLAG, None, SYS, metavar="FILE", help="YAML mapping of flag names (train_iters or train-iters) to values; "
-                                    "flags on the command line win"),
+    Flag("--stall-timeout-s", "system.stall_timeout_s", SYS, float, 45.0,
+         help="exit 4 naming a rank stalled this long (0: off)"),
+    Flag(YAML_FLAG, None, SYS, metavar="FILE",
+         help="YAML mapping of flag names (train_iters or train-iters) to values; flags on the command line win"),
     Flag("--validate-only", None, SYS, const=True,
          help="check the flags, tokenizer, data and checkpoint to resume as every rank would, print one line "
               "(config OK: ... or error: ...) and exit 0 or 2 without starting a process group"),

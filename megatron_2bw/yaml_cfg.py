@@ -69,7 +69,8 @@ HINT_CUTOFF = 0.75
 
 
 def nearest_flag(name: str, parser: argparse.ArgumentParser) -> str | None:
-    """The parser's long flag closest to ``name`` (``--foo``, ``foo`` or ``foo_bar``) if its spelling is close, or None."""
+    """The parser's long flag closest to ``name`` (``--foo``, ``foo`` or ``foo_bar``) if its spelling is close, or
+    None."""
     flag = "--" + name.lstrip("-").replace("_", "-")
     close = difflib.get_close_matches(flag, list(_long_flags(parser)), n=1, cutoff=HINT_CUTOFF)
     return close[0] if close else None

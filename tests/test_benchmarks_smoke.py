@@ -69,7 +69,8 @@ def test_memory_quick(tmp_path):
     out = tmp_path / "memory.json"
     assert memory.main(["--quick", "--json", str(out)]) == 0
     rows = _load(out)["results"]
-    assert {(r["schedule"], r["recompute"]) for r in rows} == {(s, rc) for s in memory.SCHEDULES for rc in (False, True)}
+    want = {(s, rc) for s in memory.SCHEDULES for rc in (False, True)}
+    assert {(r["schedule"], r["recompute"]) for r in rows} == want
     for r in rows:
         assert r["d"] == 2 and r["stage"] in (0, 1)
         assert r["weight_versions"] == (2 if r["schedule"] == "2bw" else 1)
@@ -115,7 +116,8 @@ def test_stale_rule_reference_quick(tmp_path):
             b.end_document()
         b.finalize(index_file_path(prefix))
     out = tmp_path / "stale.json"
-    assert stale_rule_reference.main(["--quick", "--data", prefix, "--vocab", "100", "--lr", "1e-3", "--json", str(out)]) == 0
+    args = ["--quick", "--data", prefix, "--vocab", "100", "--lr", "1e-3", "--json", str(out)]
+    assert stale_rule_reference.main(args) == 0
     (row,) = _load(out)["results"]
     assert row["lr"] == 1e-3
     plain, stale = row["plain"]["final_valid_loss"], row["stale"]["final_valid_loss"]

@@ -92,7 +92,8 @@ def _backends(case: str) -> tuple[str, ...]:
     return BACKENDS.get(case, ("unfused",) if CASES[case][3] else ("auto",))
 
 
-COMBOS = [(case, comm, backend) for case in CASES for comm in ("p2p", "all_gather", "a2a") for backend in _backends(case)]
+COMBOS = [(case, comm, backend) for case in CASES for comm in ("p2p", "all_gather", "a2a")
+          for backend in _backends(case)]
 
 
 def _all_cases_worker():

@@ -397,11 +397,13 @@ def test_hf_export_writes_the_tokenizer_files(tmp_path):
     (tmp_path / "v.txt").write_text("\n".join(vocab) + "\n")
     out = tmp_path / "bert"
     out.mkdir()
-    note, eod = write_tokenizer(str(out), {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": str(tmp_path / "v.txt")})
+    note, eod = write_tokenizer(str(out), {"tokenizer_type": "BertWordPieceLowerCase",
+                                           "vocab_file": str(tmp_path / "v.txt")})
     assert note == "with its BertWordPieceLowerCase tokenizer" and eod == 3  # [SEP] is BERT's eod
     assert (out / "vocab.txt").read_text().split() == vocab
     assert _json.loads((out / "tokenizer_config.json").read_text())["do_lower_case"] is True
-    note, eod = write_tokenizer(str(out), {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "no.json"),
+    note, eod = write_tokenizer(str(out), {"tokenizer_type": "GPT2BPETokenizer",
+                                           "vocab_file": str(tmp_path / "no.json"),
                                            "merge_file": str(tmp_path / "no.txt")})
     assert note.startswith("tokenizer not written (--vocab-file") and eod is None
     assert write_tokenizer(str(out), {})[1] is None

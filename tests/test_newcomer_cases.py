@@ -134,7 +134,8 @@ def test_torchrun_start_up_errors_are_one_line_and_never_restarted(corpus, tmp_p
     assert "Megatron flag not supported by megatron_2bw: --qk-layernorm" in errors(refused)[0]
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=3",
            os.path.join(REPO, "pretrain_gpt.py"), "--model-preset", "gpt-tiny", "--micro-batch-size", "2",
-           "--train-iters", "1", "--lr", "1e-3", "--device", "cpu", *corpus.data_args(), "--metrics-file", str(tmp_path)]
+           "--train-iters", "1", "--lr", "1e-3", "--device", "cpu", *corpus.data_args(),
+           "--metrics-file", str(tmp_path)]
     res = run(cmd, timeout=120)
     assert len(errors(res)) == 1 and "--metrics-file" in errors(res)[0] and "restart" not in res.output.lower(), \
         res.describe()
@@ -194,7 +195,8 @@ def test_exports_are_readable_under_umask_022(base_ckpt, tmp_path, saver):
     modes = {os.path.relpath(os.path.join(top, n), out): os.stat(os.path.join(top, n)).st_mode & 0o777
              for top, dirs, files in os.walk(out) for n in dirs + files}
     assert os.stat(out).st_mode & 0o777 == 0o755
-    assert modes and all(m == (0o755 if os.path.isdir(os.path.join(out, p)) else 0o644) for p, m in modes.items()), modes
+    assert modes and all(m == (0o755 if os.path.isdir(os.path.join(out, p)) else 0o644)
+                         for p, m in modes.items()), modes
 
 
 # ---------------------------------------------------------------- R13, --overwrite-save with --load = --save
@@ -218,7 +220,8 @@ def test_a_resume_logs_changed_optimizer_settings_and_an_ignored_overwrite(corpu
 def test_yaml_with_one_flag_twice_is_refused(tmp_path):
     base = ["--model-preset", "gpt-tiny", "--lr", "1e-3"]
     for text, want in (("train_iters: 5\ntrain-iters: 7\n", "'train_iters' and 'train-iters' both set --train-iters"),
-                       ("train_iters: 5\nlr: 1\ntrain_iters: 7\n", "line 3: invalid YAML: key 'train_iters' given twice")):
+                       ("train_iters: 5\nlr: 1\ntrain_iters: 7\n",
+                        "line 3: invalid YAML: key 'train_iters' given twice")):
         (tmp_path / "c.yaml").write_text(text)
         with pytest.raises(ConfigError, match=want):
             parse_args([*base, "--yaml-cfg", str(tmp_path / "c.yaml")], "gpt")

@@ -120,7 +120,7 @@ def run(argv: list[str]) -> int:
         print(prompt, end="", flush=True)
         done = list(ids)
 
-        def stream(token: int) -> None:  # print the text the new token adds (decoded in context)
+        def stream(token: int, done: list[int] = done) -> None:  # print the text the new token adds (in context)
             before = tok.detokenize(done)
             done.append(token)
             print(tok.detokenize(done)[len(before):], end="", flush=True)

@@ -74,7 +74,8 @@ def run(argv: list[str]) -> str:
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
                                 args.vocab_size)
     try:
-        result = preprocess_jsonl(args.input, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.workers)
+        result = preprocess_jsonl(args.input, args.output_prefix, tokenizer, args.json_keys, args.append_eod,
+                                  args.workers)
     except OSError as e:  # a full disk or an unwritable directory: name the file and the errno text
         raise ConfigError(f"{e.filename or args.output_prefix}: {e.strerror or e}") from None
     return "\n".join(

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pipeline-layer-split", type=_split_arg, metavar="N,N,...",
                    help="transformer layers of each stage (default: even; 'balanced': the planner's split)")
     s.add_argument("--recompute-scope", choices=RECOMPUTE_SCOPES, default="stage",
-                   help="stage: our engine re-runs the whole stage; layers: Megatron re-runs only the transformer layers")
+                   help="stage: our engine re-runs the whole stage; layers: Megatron re-runs only the transformer "
+                        "layers")
     s.add_argument("--steps", type=int, default=6, help="steps in the simulated segment (>= 3 for a steady state)")
     add_model_flags(p)
     m = p.add_argument_group("costs")
@@ -109,7 +110,8 @@ def run(argv: list[str]) -> str:
         check_profile_fits(args.profile, read_profile_json(args.profile), model, precision, cluster.device)
         sizes = loaded.costs.micro_batch_sizes(args.t)
         if not sizes:
-            raise ConfigError(f"profile {args.profile} has no entries for t={args.t} (has t in {loaded.costs.tensor_sizes()})")
+            raise ConfigError(f"profile {args.profile} has no entries for t={args.t} "
+                              f"(has t in {loaded.costs.tensor_sizes()})")
         b = args.b or sizes[0]
         costs = loaded.costs.at(args.t, b)
         if costs is None:
@@ -127,7 +129,8 @@ def run(argv: list[str]) -> str:
     res = simulate_plan(costs, cand, model.num_layers, cluster, num_steps=args.steps, param_bytes=pb,
                         recompute_scope=args.recompute_scope, forward_nograd_s=nograd, optimizer=optimizer)
     pred = predict(costs, cand, model.num_layers, cluster, pb)
-    title = f"{args.schedule} d={args.d} m={args.m} b={b} t={args.t} w={args.w}" + (" recompute" if args.recompute else "")
+    title = f"{args.schedule} d={args.d} m={args.m} b={b} t={args.t} w={args.w}"
+    title += " recompute" if args.recompute else ""
     if cand.layer_split:
         title += f" layers {format_split(cand.layer_split)}"
     if args.trace:
@@ -157,7 +160,8 @@ def run(argv: list[str]) -> str:
     if over:
         lines.append(
             f"warning: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
-            f"({', '.join(f'{res.peak_bytes[i] / GiB:.2f}' for i in over)} GiB) exceed{'' if len(over) > 1 else 's'} the "
+            f"({', '.join(f'{res.peak_bytes[i] / GiB:.2f}' for i in over)} GiB) "
+            f"exceed{'' if len(over) > 1 else 's'} the "
             f"{cluster.usable_memory_bytes / GiB:.1f} GiB usable of a {cluster.device_memory_bytes / GiB:.1f} GiB "
             f"{cluster.device}: this plan does not fit (raise --d or --t, recompute, or lower --b)")
     if args.trace:

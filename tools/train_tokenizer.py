@@ -43,7 +43,8 @@ def train(
     import sentencepiece as spm
 
     if vocab_size < MIN_VOCAB:
-        raise ConfigError(f"--vocab-size {vocab_size} is too small: byte fallback alone needs 256 pieces (use >= {MIN_VOCAB})")
+        raise ConfigError(f"--vocab-size {vocab_size} is too small: byte fallback alone needs 256 pieces "
+                          f"(use >= {MIN_VOCAB})")
     # Read (and validate) the whole input before training starts, so a bad line is a clean error.
     corpus = list(sentences(input_path, json_keys))
     if not corpus:
@@ -111,7 +112,8 @@ def run(argv: list[str]) -> str:
     args = p.parse_args(argv)
     check_files([args.model_prefix + ".model", args.model_prefix + ".vocab"], overwrite=args.overwrite,
                 flag="--model-prefix", is_own=lambda: is_own_model(args.model_prefix), tool="train_tokenizer.py")
-    model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys, args.input_sentence_size, args.num_threads)
+    model = train(args.input, args.vocab_size, args.model_prefix, args.json_keys, args.input_sentence_size,
+                  args.num_threads)
     return f"wrote {model} and {args.model_prefix}.vocab ({pieces_note(model, args.vocab_size)})"
 
 

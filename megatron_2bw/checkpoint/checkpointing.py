@@ -1,4 +1,5 @@
-"""Checkpoints in Megatron's layout and contents, written atomically, verified on load, holding everything a bitwise resume needs.
+"""Checkpoints in Megatron's layout and contents, written atomically, verified on load, holding everything a
+bitwise resume needs.
 
 Layout (as Megatron-LM)::
 
@@ -169,9 +170,9 @@ def require_manifest(path: str, sd: dict, has_manifest: bool) -> None:
     """Format 3 always writes a manifest: a format-3 file without one is an unfinished save or a removed file."""
     if not has_manifest and isinstance(sd, dict) and sd.get("format") == FORMAT:
         idir = os.path.dirname(os.path.dirname(path))
-        raise ConfigError(f"checkpoint {idir} has no {manifest.MANIFEST} but its files are format {FORMAT}, which always "
-                          "writes one: the save did not finish or the manifest was removed, so its files cannot be "
-                          "verified")
+        raise ConfigError(f"checkpoint {idir} has no {manifest.MANIFEST} but its files are format {FORMAT}, "
+                          "which always writes one: the save did not finish or the manifest was removed, so its files "
+                          "cannot be verified")
 
 
 def load_rank_file(load: str, iteration: int, t: int, d: int, tp: int, pp: int) -> dict:
@@ -235,7 +236,8 @@ def _megatron_weights_file(sd: dict, path: str, tp: int, pp: int) -> dict:
 
 def saved_step(sd: dict) -> int:
     if sd["stage"] is None:
-        raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
+        raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): "
+                          "load it with --finetune")
     return int(sd["stage"]["step"])
 
 
@@ -260,12 +262,14 @@ def check_compatible(sd: dict, model: dict, schedule: str, optimizer: dict, *, w
     saved = sd["config"]
     check_model(path, saved, model)
     _check_split(path, sd["layout"], model["num_layers"], split)
-    saved_chunks = megatron_format.chunks_of(sd) if sd.get("format") == MEGATRON_WEIGHTS else sd["layout"].get("chunks", 1)
+    mega = sd.get("format") == MEGATRON_WEIGHTS
+    saved_chunks = megatron_format.chunks_of(sd) if mega else sd["layout"].get("chunks", 1)
     if saved_chunks != chunks:
         raise ConfigError(
             f"checkpoint {path} holds {saved_chunks} model chunk(s) per pipeline rank but this run uses {chunks} "
-            "(--virtual-pipeline-model-parallel-size): each rank's layers differ; convert it with tools/checkpoint_util.py "
-            f"--target-schedule {schedule}" + (f" --target-virtual-pipeline-parallel-size {chunks}" if chunks > 1 else ""))
+            "(--virtual-pipeline-model-parallel-size): each rank's layers differ; convert it with "
+            f"tools/checkpoint_util.py --target-schedule {schedule}"
+            + (f" --target-virtual-pipeline-parallel-size {chunks}" if chunks > 1 else ""))
     if sd.get("format") == MEGATRON_WEIGHTS and not weights_only:
         saved_step(sd)  # weights only: a resume needs --finetune (--no-load-optim is refused in saved_step)
     if weights_only:
@@ -316,7 +320,8 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
             stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
         return None
     model = model_config(config)
-    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False), w.state_views, w.numel, w.slot(stage.step))
+    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False), w.state_views,
+                                                      w.numel, w.slot(stage.step))
     schedule = stage.pipe.schedule
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None
@@ -412,7 +417,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     in every version, at step 0 (``--finetune``; implies no optimizer and no RNG state).
     """
     if sd.get("format") == MEGATRON_WEIGHTS and not finetune:
-        raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): load it with --finetune")
+        raise ConfigError(f"checkpoint {sd['path']} holds weights only (a Megatron-LM checkpoint): "
+                          "load it with --finetune")
     esd = _engine_dict(sd, stage)
     if finetune or not load_optim:
         esd = {**esd, **_FRESH_OPTIMIZER}
@@ -422,7 +428,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
     try:
         stage.load_state_dict(esd)
     except (ValueError, RuntimeError, KeyError) as e:
-        raise ConfigError(f"checkpoint {sd['path']} does not match this stage's parameters ({_first_line(e)})") from None
+        raise ConfigError(f"checkpoint {sd['path']} does not match this stage's parameters "
+                          f"({_first_line(e)})") from None
     if finetune or not load_optim:
         stage.updater.master_from(stage.weights.slot(stage.step))
     if load_rng and not finetune and sd.get("rng") is not None:

@@ -257,7 +257,8 @@ def verify(iter_dir: str, expected_identity_fn: IdentityFn | None = None, *, onl
     doc = read_manifest(iter_dir)
     if doc is None:
         if require:
-            raise ConfigError(f"checkpoint {iter_dir} has no {MANIFEST}: the save did not finish (or the file was removed)")
+            raise ConfigError(f"checkpoint {iter_dir} has no {MANIFEST}: the save did not finish "
+                              "(or the file was removed)")
         return None
     files = doc["files"]
     if only is None:

@@ -69,7 +69,8 @@ def moe_layer_params(model: ModelConfig) -> tuple[int, int]:
     expert = _mlp_params(h, moe.moe_ffn_hidden_size, model.swiglu, 0)
     shared = 0
     if moe.moe_shared_expert_intermediate_size:
-        shared = _mlp_params(h, moe.moe_shared_expert_intermediate_size, model.swiglu, 0) + h * moe.moe_shared_expert_gate
+        shared = (_mlp_params(h, moe.moe_shared_expert_intermediate_size, model.swiglu, 0)
+                  + h * moe.moe_shared_expert_gate)
     router = moe.num_experts * h
     return router + moe.num_experts * expert + shared, router + moe.moe_router_topk * expert + shared
 

@@ -80,7 +80,8 @@ class PipelineConfig:
     p2p_mode: str = "auto"
     compensation: str = "none"  # 2BW only: none, predict, dc, ef or extrapolate (pipeline/compensation.py)
     dc_lambda: float = 0.04  # lambda of compensation "dc"
-    ef_scale: float = 1.0  # gamma of "ef" (applied D_t + gamma (D_t - D_{t-1})) and of "extrapolate" (g_t + gamma (g_t - g_{t-1}))
+    # gamma of "ef" (applied D_t + gamma (D_t - D_{t-1})) and of "extrapolate" (g_t + gamma (g_t - g_{t-1}))
+    ef_scale: float = 1.0
     # transformer layers of each stage (schedule/stages.py); None: the even split
     layer_split: tuple[int, ...] | None = None
     # recomputation inside a stage (schedule/recompute_policy.py); ``recompute`` re-runs whole stages

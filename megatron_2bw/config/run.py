@@ -28,7 +28,8 @@ def train_iters_of(train_iters: int | None, train_samples: int | None, global_ba
         _require(train_iters is not None, "the following arguments are required: --train-iters (or --train-samples)")
         return train_iters
     _require(train_iters is None, "give --train-iters or --train-samples, not both")
-    _require(train_samples >= global_batch, f"--train-samples {train_samples} is less than one global batch ({global_batch})")
+    _require(train_samples >= global_batch,
+             f"--train-samples {train_samples} is less than one global batch ({global_batch})")
     return train_samples // global_batch
 
 
@@ -50,7 +51,8 @@ class TrainingConfig:
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
     override_resumed_settings: bool = False  # resume although data or schedule settings changed
-    exit_signal_handler: bool = True  # SIGTERM/SIGHUP/exit_signal: save at the next boundary, exit 0 (--no-exit-signal-handler: off)
+    # SIGTERM/SIGHUP/exit_signal: save at the next boundary, exit 0 (--no-exit-signal-handler: off)
+    exit_signal_handler: bool = True
     exit_signal: str = "SIGUSR1"  # the extra signal handled like SIGTERM (SLURM's --signal warning)
     exit_duration_in_mins: float | None = None  # save and exit 0 after this long
     max_skipped_steps: int | None = None  # None: the precision's default (training/health.py)

@@ -43,7 +43,8 @@ def _exchange(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
 
 
 def _to_sequence(x: torch.Tensor, cp: CPGroup, to_seq: torch.Tensor) -> torch.Tensor:
-    """``[b, n, 2L, d]`` (all ``n`` heads, local chunks) -> ``[b, n/c, s, d]`` (this rank's heads, in sequence order)."""
+    """``[b, n, 2L, d]`` (all ``n`` heads, local chunks) -> ``[b, n/c, s, d]`` (this rank's heads, in sequence
+    order)."""
     b, n, l2, d = x.shape
     c = cp.size
     blocks = x.reshape(b, c, n // c, l2, d).transpose(0, 1)  # block i: head group i, for rank i

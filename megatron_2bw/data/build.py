@@ -75,7 +75,8 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int, max_tokens: int = VOCA
     if lo < 0:
         raise ConfigError(f"data {indexed.prefix} has negative token id {lo}")
     if hi >= vocab_size:
-        raise ConfigError(f"data {indexed.prefix} has token id {hi} but the tokenizer's vocabulary has {vocab_size} entries")
+        raise ConfigError(f"data {indexed.prefix} has token id {hi} but the tokenizer's vocabulary has "
+                          f"{vocab_size} entries")
 
 
 def _windows(stream: np.ndarray, max_tokens: int, count: int = 64) -> list[np.ndarray]:
@@ -145,7 +146,8 @@ def _split(build: Callable, indexed: list, weights: list[float], ranges: list, s
         lo, hi = ranges[d][s]
         if counts[d] and hi == lo:
             raise ConfigError(
-                f"the {name} split of {ds.prefix} has no documents but its --data-path weight asks for {counts[d]} samples"
+                f"the {name} split of {ds.prefix} has no documents but its --data-path weight asks for "
+                f"{counts[d]} samples"
             )
         parts.append(build(ds, name, (lo, hi), int(counts[d])) if counts[d] else None)
     dropped = any(p is None for d, p in enumerate(parts) if counts[d])

@@ -252,7 +252,8 @@ def _refuse_empty(input_path: str, result: PreprocessResult, tokenizer: Tokenize
             )
 
 
-def _write(encoded: Iterator[Encoded], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult, bar) -> None:
+def _write(encoded: Iterator[Encoded], builders: dict[str, IndexedDatasetBuilder], result: PreprocessResult,
+           bar) -> None:
     for docs, nbytes in encoded:
         bar.update(nbytes)
         for doc in docs:

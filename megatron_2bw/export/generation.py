@@ -91,7 +91,8 @@ class CachedGPT:
         if past == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         else:  # new position j may see every cached position and new positions up to j
-            mask = torch.arange(past + s, device=x.device)[None, :] <= (past + torch.arange(s, device=x.device))[:, None]
+            new_pos = past + torch.arange(s, device=x.device)
+            mask = torch.arange(past + s, device=x.device)[None, :] <= new_pos[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         return self._lin(out.transpose(1, 2).reshape(b, s, h), f"{i + 1}.attn.proj")
 

@@ -25,7 +25,8 @@ _GPT_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc1
 _BERT_LAYER = {"ln1": "attention.ln", "ln2": "ln", "attn.proj": "attention.output.dense",
                "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
 _BERT_HEAD = {"ln": "bert.encoder.ln", "lm_dense": "cls.predictions.transform.dense",
-              "lm_ln": "cls.predictions.transform.LayerNorm", "pooler": "bert.pooler.dense", "sop": "cls.seq_relationship"}
+              "lm_ln": "cls.predictions.transform.LayerNorm", "pooler": "bert.pooler.dense",
+              "sop": "cls.seq_relationship"}
 
 
 def qkv_to_hf(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -148,8 +149,9 @@ def config_from_megatron_bert(c) -> ModelConfig:
     if c.hidden_act not in TANH_GELUS:
         raise ConfigError(f"Megatron-BERT activation {c.hidden_act!r} is not the tanh GELU this model implements")
     return ModelConfig(
-        kind="bert", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+        kind="bert", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads, seq_length=c.max_position_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
         vocab_size=c.vocab_size, ffn_hidden_size=c.intermediate_size, hidden_dropout=c.hidden_dropout_prob,
         attention_dropout=c.attention_probs_dropout_prob, layernorm_epsilon=c.layer_norm_eps,
         init_method_std=c.initializer_range, num_tokentypes=c.type_vocab_size,
@@ -183,10 +185,11 @@ def is_llama(cfg: ModelConfig) -> bool:
 
 def _check_llama(cfg: ModelConfig) -> None:
     if not is_llama(cfg):
-        raise ConfigError("a Hugging Face export needs a GPT-2-style model or a Llama-style one (--position-embedding-type "
-                          "rope --swiglu --normalization RMSNorm); this model mixes them")
+        raise ConfigError("a Hugging Face export needs a GPT-2-style model or a Llama-style one "
+                          "(--position-embedding-type rope --swiglu --normalization RMSNorm); this model mixes them")
     if cfg.rotary_percent != 1.0:
-        raise ConfigError(f"LlamaForCausalLM rotates whole heads; --rotary-percent {cfg.rotary_percent} cannot be exported")
+        raise ConfigError(f"LlamaForCausalLM rotates whole heads; --rotary-percent {cfg.rotary_percent} "
+                          "cannot be exported")
 
 
 def llama_config(cfg: ModelConfig):
@@ -252,7 +255,8 @@ def config_from_llama(c) -> ModelConfig:
         raise ConfigError(f"Llama activation {c.hidden_act!r} is not the SiLU this model's SwiGLU implements")
     rope = c.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not implemented (only the default rotary embedding)")
+        raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not implemented "
+                          "(only the default rotary embedding)")
     if bool(c.attention_bias) != bool(c.mlp_bias):
         raise ConfigError("attention_bias and mlp_bias differ; --disable-bias-linear covers both")
     if c.head_dim != c.hidden_size // c.num_attention_heads:
@@ -260,8 +264,9 @@ def config_from_llama(c) -> ModelConfig:
     groups = c.num_key_value_heads or c.num_attention_heads
     theta = float(rope.get("rope_theta", 10000.0))
     return ModelConfig(
-        kind="gpt", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        seq_length=c.max_position_embeddings, max_position_embeddings=c.max_position_embeddings,
+        kind="gpt", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads, seq_length=c.max_position_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
         vocab_size=c.vocab_size, ffn_hidden_size=c.intermediate_size, hidden_dropout=0.0,
         attention_dropout=float(c.attention_dropout or 0.0), layernorm_epsilon=c.rms_norm_eps,
         init_method_std=c.initializer_range, position_embedding_type="rope",
@@ -297,7 +302,8 @@ def _quiet() -> None:
 
 
 def hf_model(ex: Exported):
-    """The HF model object holding ``ex``'s weights (GPT2LMHeadModel, MegatronBertForPreTraining or LlamaForCausalLM)."""
+    """The HF model object holding ``ex``'s weights (GPT2LMHeadModel, MegatronBertForPreTraining or
+    LlamaForCausalLM)."""
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, MegatronBertForPreTraining  # noqa: PLC0415
 
     _quiet()
@@ -306,7 +312,8 @@ def hf_model(ex: Exported):
         model, sd = LlamaForCausalLM(llama_config(ex.cfg)), to_hf_llama(ex.cfg, ex.weights)
     else:
         gpt = ex.cfg.kind == "gpt"
-        model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)((gpt2_config if gpt else megatron_bert_config)(ex.cfg))
+        config = (gpt2_config if gpt else megatron_bert_config)(ex.cfg)
+        model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)(config)
         sd = (to_hf_gpt2 if gpt else to_hf_megatron_bert)(ex.cfg, ex.weights)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "position_ids"))]
@@ -332,7 +339,8 @@ def save_hf_dir(path: str, ex: Exported) -> str:
         if m is None:
             raise
         code = int(m.group(1))
-        raise ConfigError(os_error_line(OSError(code, os.strerror(code)), os.path.join(path, "model.safetensors")))
+        err = OSError(code, os.strerror(code))
+        raise ConfigError(os_error_line(err, os.path.join(path, "model.safetensors"))) from None
     return note
 
 

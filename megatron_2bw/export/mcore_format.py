@@ -164,8 +164,9 @@ def write_mcore_dir(root: str, ex: Exported, t: int = 1, d: int = 1, split: Spli
                     impl: str = "transformer_engine") -> str:
     """Write ``ex`` under ``root`` as Megatron-Core's torch format (pointer file last); returns the iteration dir."""
     _check_impl(impl)
-    files = ((key, {"model": mcore_model(ex.cfg, part, d, key[1], split, impl), "args": mcore_args(ex, t, d, impl, split),
-                    "checkpoint_version": CHECKPOINT_VERSION, "iteration": ex.iteration})
+    files = ((key, {"model": mcore_model(ex.cfg, part, d, key[1], split, impl),
+                    "args": mcore_args(ex, t, d, impl, split), "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": ex.iteration})
              for key, part in reshard(ex.cfg, ex.weights, t, d, split).items())
     return write_rank_files(root, ex.iteration, d, files)
 

@@ -84,7 +84,8 @@ def check_dir(path: str, request: dict, *, overwrite: bool, flag: str) -> None:
                           f"{request['tool']} never moves another run's pointer; give a new or empty directory")
     if not overwrite:
         raise ConfigError(f"{flag} {path} is not empty ({_sample(entries)}) and is not an earlier output of this "
-                          f"{request['tool']} command: give a new or empty directory, or --overwrite to replace it whole")
+                          f"{request['tool']} command: give a new or empty directory, or --overwrite to replace "
+                          "it whole")
 
 
 @contextmanager
@@ -173,7 +174,8 @@ def apply_umask(root: str) -> None:
 
 
 def check_files(paths: Sequence[str], *, overwrite: bool, flag: str, is_own: Callable[[], bool], tool: str) -> None:
-    """Refuse to replace existing ``paths`` unless they are this tool's earlier output (``is_own``) or ``--overwrite``."""
+    """Refuse to replace existing ``paths`` unless they are this tool's earlier output (``is_own``) or
+    ``--overwrite``."""
     existing = [p for p in paths if os.path.lexists(p)]
     if not existing or overwrite or is_own():
         return

@@ -21,8 +21,8 @@ from .embedding import tied_logits, word_embedding
 class BertHead(nn.Module):
     """Final LayerNorm; masked-LM transform + tied logits (+ vocab-parallel bias); SOP pooler + classifier."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None,
-                 recipe: Precision | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None,
+                 word_weight: nn.Parameter | None, recipe: Precision | None = None):
         super().__init__()
         self.tp, self.recipe = tp, recipe
         h, std = cfg.hidden_size, cfg.init_method_std
@@ -30,7 +30,8 @@ class BertHead(nn.Module):
         self.lm_dense = ReplicatedLinear(h, h, seed=seed, name="head.lm_dense", std=std, recipe=recipe)
         self.lm_ln = layer_norm(h, cfg.layernorm_epsilon, kernels)
         self.word_weight = word_weight if word_weight is not None else word_embedding(cfg, tp, seed).weight
-        self.lm_bias = parameter(Init("head.lm_bias", seed, (cfg.padded_vocab_size(tp.size),), None, 0, tp.rank, tp.size))
+        self.lm_bias = parameter(Init("head.lm_bias", seed, (cfg.padded_vocab_size(tp.size),), None, 0, tp.rank,
+                                      tp.size))
         self.lm_bias.tensor_parallel = tp.size > 1
         self.pooler = ReplicatedLinear(h, h, seed=seed, name="head.pooler", std=std, recipe=recipe)
         self.sop = ReplicatedLinear(h, 2, seed=seed, name="head.sop", std=std, recipe=recipe)
@@ -55,7 +56,8 @@ class BertLoss:
     def __init__(self, cfg: ModelConfig, tp: TPGroup, cp: CPGroup | None = None):
         self.vocab_size, self.tp, self.cp = cfg.vocab_size, tp, cp
 
-    def parts(self, output: tuple[torch.Tensor, torch.Tensor], batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def parts(self, output: tuple[torch.Tensor, torch.Tensor],
+              batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the total for backward, {"lm_loss": MLM, "sop_loss": SOP} detached)."""
         logits, sop = output
         losses = vocab_parallel_cross_entropy(logits, batch["labels"], self.vocab_size, self.tp)

@@ -22,8 +22,8 @@ class GPTHead(nn.Module):
     """Final norm and the logits (this rank's vocab slice) through the tied word embedding, or through
     a separate output layer with ``--untie-embeddings-and-output-weights``."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None, word_weight: nn.Parameter | None,
-                 recipe: Precision | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, seed: int, kernels: Kernels | None,
+                 word_weight: nn.Parameter | None, recipe: Precision | None = None):
         super().__init__()
         self.tp, self.sequence_parallel, self.recipe = tp, cfg.sequence_parallel, recipe
         self.ln = norm(cfg, kernels, tp)

@@ -88,7 +88,8 @@ class ModelSpec:
             parts = [built[r] if r in built else next(it) for r in ranges]
         return parts
 
-    def rank_build(self, d: int, r: int, place: Placement | None = None) -> tuple[Callable[[], list], list[tuple[int, int]]]:
+    def rank_build(self, d: int, r: int,
+                   place: Placement | None = None) -> tuple[Callable[[], list], list[tuple[int, int]]]:
         """(builder, layer-list ranges by chunk) of pipeline rank ``r``: one chunk, its stage under this spec's
         split; several (``place``), its virtual stages of the ``place.num_stages`` even ones (interleaved:
         ``c * d + r``; V: ``r`` and ``2d - 1 - r``), the builder returning one layer list per chunk (what

@@ -61,8 +61,8 @@ class ParallelAttention(nn.Module):
             cfg.hidden_size, qkv_out, tp, seed=seed, name=f"{prefix}.qkv", std=cfg.init_method_std,
             bias=cfg.add_bias_linear, sequence_parallel=sp, recipe=recipe,
         )
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj", std=out_std,
-                                      bias=cfg.add_bias_linear, sequence_parallel=sp, recipe=recipe)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=seed, name=f"{prefix}.proj",
+                                      std=out_std, bias=cfg.add_bias_linear, sequence_parallel=sp, recipe=recipe)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """softmax(QK^T) with dropout, times V: what selective recomputation re-runs.

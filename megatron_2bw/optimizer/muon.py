@@ -6,12 +6,14 @@ and output, MLP fc1 and fc2), with gradient G, momentum mu, learning rate lr and
 
     B  <- B.lerp(G, 1 - mu)                      (B = mu * B + (1 - mu) * G)
     U  <- G.lerp(B, mu) if nesterov else B
-    O  <- NS_k(U)                                 k = --muon-ns-steps Newton-Schulz steps (bf16; fp32 on CPUs without bf16)
+    O  <- NS_k(U)                                 k = --muon-ns-steps Newton-Schulz steps
+                                                  (bf16; fp32 on CPUs without bf16)
     W  <- W * (1 - lr * wd) - lr * s(A, B) * O
 
 ``NS_k`` is the quintic iteration with the standard coefficients (3.4445, -4.7750, 2.0315) on
 U / max(|U|_F, 1e-7), transposed when it has more rows than columns, in bfloat16 exactly as torch
-computes it (in fp32 on CPUs without bf16 matrix instructions, where bf16 is slow: :func:`ns_dtype`); ``s`` is torch's shape scale of the *whole* matrix of A rows and B columns:
+computes it (in fp32 on CPUs without bf16 matrix instructions, where bf16 is slow: :func:`ns_dtype`); ``s`` is
+torch's shape scale of the *whole* matrix of A rows and B columns:
 ``sqrt(max(1, A / B))`` ("original", torch's default) or ``0.2 * sqrt(max(A, B))``
 ("match_rms_adamw", Moonshot's, under which AdamW's learning rate carries over). The matrices'
 learning rate is ``--muon-lr`` (default ``--lr``), following ``--lr``'s schedule in proportion.

@@ -26,6 +26,8 @@ from .zero import ShardLayout
 if TYPE_CHECKING:
     from ..faults import Faults
 
+NO_NAMES = GlobalNames()  # the default: a single stage's own names (frozen, so one shared instance)
+
 
 def _weights(build: Callable, state: ParallelState, opt: OptimizerConfig, pipe: PipelineConfig, chunks: int,
              names: GlobalNames, cpu_init: bool) -> tuple[RankWeights, list[int]]:
@@ -75,7 +77,7 @@ def reductions(weights: RankWeights, state: ParallelState, sharded: bool) -> lis
 
 
 def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt: OptimizerConfig,
-                act_shape: tuple[int, ...], *, names: GlobalNames = GlobalNames(), cpu_init: bool = True,
+                act_shape: tuple[int, ...], *, names: GlobalNames = NO_NAMES, cpu_init: bool = True,
                 transport: Transport | None = None) -> RankParts:
     """Every collaborator of a rank's engine, built for this rank of ``state``'s layout."""
     pipe.check_depth(state.d)
@@ -104,7 +106,7 @@ def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt
 
 def build_stage(build: Callable[[], list[nn.Module]], loss_fn: Callable, state: ParallelState,
                 pipe: PipelineConfig, opt: OptimizerConfig, act_shape: tuple[int, ...], *,
-                rng_tracker: RNGTracker | None = None, names: GlobalNames = GlobalNames(),
+                rng_tracker: RNGTracker | None = None, names: GlobalNames = NO_NAMES,
                 faults: "Faults | None" = None, cpu_init: bool = True,
                 transport: Transport | None = None) -> PipelineRank:
     """This rank's engine: ``build()`` gives its layers (one list per model chunk where the schedule runs

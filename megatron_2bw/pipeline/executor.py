@@ -107,9 +107,9 @@ class PipelineRank(PostValidation):
     def __init__(self, parts: RankParts, loss_fn: Callable, state: ParallelState, pipe: PipelineConfig,
                  opt: OptimizerConfig, *, rng_tracker: RNGTracker | None = None,
                  faults: Faults | None = None) -> None:
-        self.state, self.pipe, self.opt, self.loss_fn, self.rng, self.faults = state, pipe, opt, loss_fn, rng_tracker, faults
+        self.state, self.pipe, self.opt, self.loss_fn, self.rng = state, pipe, opt, loss_fn, rng_tracker
         self.weights, self.transport, self.reducer = parts.weights, parts.transport, parts.reducer
-        self.updater, self.stats = parts.updater, parts.stats
+        self.updater, self.stats, self.faults = parts.updater, parts.stats, faults
         # called with a chunk's layers and the step before each forward (MoE: the balancing losses' gradient
         # scale, the expert-bias update at a step's first forward); None: nothing
         self.before_forward: Callable[[nn.ModuleList, int], None] | None = None
@@ -124,9 +124,9 @@ class PipelineRank(PostValidation):
         mine = {place.stage(r, c): c for c in range(self.chunks)}
         self._local_in = [None if self._first[c] else mine.get(place.stage(r, c) - 1) for c in range(self.chunks)]
         self._local_out = [None if self._last[c] else mine.get(place.stage(r, c) + 1) for c in range(self.chunks)]
-        b = parts.bounds
-        self._chunk_layers = [[slot] if self.chunks == 1 else  # per weight buffer, per chunk: views of one list
-                              [nn.ModuleList(list(slot)[lo:hi]) for lo, hi in zip(b, b[1:])] for slot in self.weights.slots]
+        pairs = list(zip(parts.bounds, parts.bounds[1:]))  # each chunk's [lo, hi) in the rank's layer list
+        self._chunk_layers = [[slot] if self.chunks == 1 else [nn.ModuleList(list(slot)[lo:hi]) for lo, hi in pairs]
+                              for slot in self.weights.slots]  # per weight buffer, per chunk: views of one list
         self.saved = SavedBytes(self.weights.storages)
         # a split backward frees at I what W does not read (saved_release), unless torch checkpoint regions
         # (layer-level recomputation) hold those tensors; the boxes also count the stash's bytes
@@ -274,8 +274,8 @@ class PipelineRank(PostValidation):
                 self._losses[a.step] = _HostCopy(self._losses[a.step])  # the step's sum is complete
         else:
             self._mail[(Op.SEND_ACT, a.chunk, a.mb)] = out
-        self._stash[(a.chunk, a.mb)] = StashEntry(x, None if recompute else (loss if last else out), batch, snap, nbytes,
-                                                  a.version, a.chunk, boxes=boxes)
+        self._stash[(a.chunk, a.mb)] = StashEntry(x, None if recompute else (loss if last else out), batch, snap,
+                                                  nbytes, a.version, a.chunk, boxes=boxes)
         self._account()
 
     def _account(self) -> None:
@@ -322,7 +322,8 @@ class PipelineRank(PostValidation):
     def _output_grad(self, a: Action) -> torch.Tensor:
         """The gradient of chunk ``a.chunk``'s output: received, or handed over by the next chunk on this rank."""
         dst = self._local_out[a.chunk]
-        return self._received((Op.RECV_GRAD, a.chunk, a.mb)) if dst is None else self._mail.pop((Op.SEND_GRAD, dst, a.mb))
+        return (self._received((Op.RECV_GRAD, a.chunk, a.mb)) if dst is None
+                else self._mail.pop((Op.SEND_GRAD, dst, a.mb)))
 
     def _loss_factor(self, step: int) -> float:
         """What the last stage's loss is scaled by for backward: the step's loss scale (one for the whole
@@ -391,7 +392,8 @@ class PipelineRank(PostValidation):
         if self.faults is not None:
             self.faults.poison(self.state.rank, t, self.weights.grad_flat[buf])
         # a step validated later issues its norm's link at its update (after a speculative update's all-gather)
-        self.reducer.start(t, self.weights.padded_grad[buf], self.weights.norm_views[buf], norm=t not in self._validated)
+        self.reducer.start(t, self.weights.padded_grad[buf], self.weights.norm_views[buf],
+                           norm=t not in self._validated)
 
     def _apply(self, t: int, lr: float, next_lr: float | None = None, at: int = 0) -> StepResult | None:
         """APPLY_UPDATE(t): exact, or speculative where the program validates t later and the step before

@@ -23,8 +23,8 @@ chain is issued in two jobs: the gradient's links (1) and (2) at REDUCE_GRADS(t)
 APPLY_UPDATE(t), which may apply a speculative update as soon as the first job is done
 (:meth:`GradReducer.wait_grad`: the distributed optimizer's all-gather of that update then goes ahead
 of the norm on the ordered worker); VALIDATE(t) waits for the norm. The last stage may issue the tied
-embedding's link on its own earlier (:meth:`GradReducer.start_embedding`, REDUCE_EMBEDDING(t)). The whole chain is handed at
-once to a daemon worker thread, never advanced by polling from the training loop: another
+embedding's link on its own earlier (:meth:`GradReducer.start_embedding`, REDUCE_EMBEDDING(t)). The whole chain is
+handed at once to a daemon worker thread, never advanced by polling from the training loop: another
 stage's update may be waiting for this rank's part of the chain while this rank's loop is
 blocked in a transfer that the other stage only serves after its update. Polling from the loop
 deadlocks there.

@@ -139,7 +139,8 @@ class RankWeights:
                         count_shared_in_norm)
         self.storages = {f.untyped_storage().data_ptr() for f in self.flat + self.grad_flat}
 
-    def _add_grads(self, num_grad: int, grad_dtype: torch.dtype | None, tp_rank: int, count_shared_in_norm: bool) -> None:
+    def _add_grads(self, num_grad: int, grad_dtype: torch.dtype | None, tp_rank: int,
+                   count_shared_in_norm: bool) -> None:
         """The gradient buffers (``num_grad`` of them, in ``grad_dtype``) and what a model-wide norm counts."""
         self.padded_grad = [torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
                             for _ in range(num_grad)]
@@ -161,7 +162,8 @@ class RankWeights:
         self.norm_views = [[v for v, c in zip(views, counted) if c] for views in self.grad_views]
         self.counted = counted  # parameters this rank counts in a model-wide norm (no tensor or tied duplicates)
         self.shared_range = next(
-            ((self.offsets[i], self.offsets[i + 1]) for i, p in enumerate(ref) if getattr(p, "shared_embedding", False)),
+            ((self.offsets[i], self.offsets[i + 1]) for i, p in enumerate(ref)
+             if getattr(p, "shared_embedding", False)),
             None,
         )
 

@@ -143,6 +143,7 @@ def _fused_weight_grad(node: Node, caught: tuple[torch.Tensor | None, ...] | Non
     dy, handler = caught[0], _FUSED.get(type(node).__name__)
     # autograd rounds a weight's gradient to the weight's dtype before accumulating it: where the node
     # computed in another (an fp32 norm over fp16 weights), leave it to autograd
-    if handler is None or any(getattr(acc, "variable", None) is None or acc.variable.dtype != dy.dtype for acc in params):
+    if handler is None or any(getattr(acc, "variable", None) is None or acc.variable.dtype != dy.dtype
+                              for acc in params):
         return False
     return handler(node, dy, params, target)

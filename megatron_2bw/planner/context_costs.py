@@ -168,9 +168,11 @@ def gather_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, kernel
     mask = (2 * c + 1) * n * n if causal else 0  # a rank's two prefixes, [n, end] each
     gathered = 2 * b * g * s * hd * e + 2 * INDEX_BYTES * s
     if kernel == "fused":
-        return gathered + FP32 * a * b * local + (mask * e if mask_tensor else 0) + (a * b * local * hd * e if cpu else 0)
+        return (gathered + FP32 * a * b * local + (mask * e if mask_tensor else 0)
+                + (a * b * local * hd * e if cpu else 0))
     # the unfused (or CPU math) core's s^2 tensors over these elements, and the bool mask it keeps
-    return gathered + round(core_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask_bytes) * elems / (s * s)) + mask
+    core = core_stash_bytes(model, b, t, e, kernel=kernel, mask_bytes=mask_bytes)
+    return gathered + round(core * elems / (s * s)) + mask
 
 
 def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int,
@@ -217,7 +219,8 @@ def _core_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: int, 
         return flops / (cluster.peak("fp32") * eff) + moved / cluster.memory_bandwidth
     flops = core_forward_flops(model, b, t) / c
     flash = attention_kernel(cluster, model) == "fused"
-    moved = 0.0 if flash else SCORE_PASSES * b * model.num_attention_heads * s * s * activation_bytes(precision) / (t * c)
+    moved = 0.0 if flash else (SCORE_PASSES * b * model.num_attention_heads * s * s * activation_bytes(precision)
+                               / (t * c))
     return flops / (cluster.peak(precision) * eff) + moved / cluster.memory_bandwidth
 
 
@@ -259,7 +262,8 @@ def dominates(x: MicrobatchCosts, y: MicrobatchCosts) -> bool:
     the layer's attention (times, its stash, and what selective recomputation keeps and re-runs)."""
     a, b = x.layer, y.layer
     return (a.forward_s <= b.forward_s and a.backward_s <= b.backward_s and a.core_forward_s <= b.core_forward_s
-            and a.stash_bytes <= b.stash_bytes and a.stash_bytes - a.core_stash_bytes <= b.stash_bytes - b.core_stash_bytes)
+            and a.stash_bytes <= b.stash_bytes
+            and a.stash_bytes - a.core_stash_bytes <= b.stash_bytes - b.core_stash_bytes)
 
 
 def context_table(model: ModelConfig, cluster: Cluster, precision: str, keys: Iterable[tuple[int, int, bool, int]],

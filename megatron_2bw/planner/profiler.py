@@ -156,7 +156,8 @@ def _fit_linear(num_params: Sequence[int], times: Sequence[float]) -> OptimizerC
     return OptimizerCost(fixed_s=max(s0 - per * n0, 0.0), per_param_s=per)
 
 
-def _check_request(dtype: str, micro_batch_sizes: Iterable[int], warmup: int, reps: int) -> tuple[torch.dtype, list[int]]:
+def _check_request(dtype: str, micro_batch_sizes: Iterable[int], warmup: int,
+                   reps: int) -> tuple[torch.dtype, list[int]]:
     """The torch dtype and the sorted distinct microbatch sizes of a request; ConfigError if it is invalid."""
     tdtype = OptimizerConfig(dtype=dtype).torch_dtype
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
@@ -236,8 +237,8 @@ def profile_model(
                    warmup=warmup, reps=reps, seed=seed, chain_layers=chain_layers)
     if optimizer:
         layer_params = next(iter(prof.entries.values())).layer.params
-        prof.optimizer = profile_optimizer((max(layer_params // 4, 1 << 12), max(2 * layer_params, 1 << 14)), dev, dtype,
-                                           warmup=warmup, reps=reps)
+        shapes = (max(layer_params // 4, 1 << 12), max(2 * layer_params, 1 << 14))
+        prof.optimizer = profile_optimizer(shapes, dev, dtype, warmup=warmup, reps=reps)
     _describe_run(prof, dev, dtype, tp, kernels, len(blocks[0]) - 1, warmup, reps, source)
     return prof
 

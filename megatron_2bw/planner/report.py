@@ -161,13 +161,14 @@ def format_table(result: SearchResult, top: int = 10) -> str:
         f"seq {m.seq_length}, vocab {m.vocab_size} ({m.num_parameters() / 1e9:.2f}B parameters), {req.precision}, "
         f"gradients accumulated in {'fp32' if req.accumulates_in_fp32 else req.precision}",
         f"cluster: {cl.name}: {req.num_gpus} x {cl.device}, {cl.devices_per_server} per server, "
-        f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU{_plan_margin(req)}; global batch {req.global_batch_size}",
+        f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU{_plan_margin(req)}; "
+        f"global batch {req.global_batch_size}",
         f"costs: {result.costs_source}",
         f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms: priced {result.priced} "
         f"({result.num_fit} fit, {result.too_big} do not fit in memory), {result.pruned} pruned",
         "",
-        f"{'rank':>4} {'t':>3} {'c':>7} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} {'dist-opt':>8} "
-        f"{'seq-par':>7} "
+        f"{'rank':>4} {'t':>3} {'c':>7} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} "
+        f"{'dist-opt':>8} {'seq-par':>7} "
         f"{'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
     host, base = req.async_save, len(lines[-1])  # --async-save: a column of its host copy, after the device memory
@@ -399,7 +400,8 @@ def max_model_size(template: ModelConfig, cluster: Cluster, num_gpus: int, depth
             continue
         model = replace(template, num_layers=lo * d)
         ev = fits(lo * d)
-        rows.append(MaxModelRow(d, schedule, lo * d, model.num_parameters(), ev.memory_bytes_per_gpu, distributed_optimizer))
+        rows.append(MaxModelRow(d, schedule, lo * d, model.num_parameters(), ev.memory_bytes_per_gpu,
+                                distributed_optimizer))
     return rows
 
 
@@ -418,5 +420,6 @@ def format_max_model(rows: list[MaxModelRow], template: ModelConfig, cluster: Cl
             r = by.get((d, sched))
             cells.append(f"{(f'{r.num_layers}, {r.num_parameters / 1e9:.1f}B' if r and r.num_layers else 'none'):>14}")
         lines.append(f"{d:>4}" + "".join(cells))
-    lines += ["", f"paper: about {PAPER_MAX_MODEL_PARAMETERS / 1e9:.0f}B parameters fit at d = {PAPER_MAX_MODEL_DEPTH} with 2BW"]
+    lines += ["", f"paper: about {PAPER_MAX_MODEL_PARAMETERS / 1e9:.0f}B parameters fit at d = "
+                  f"{PAPER_MAX_MODEL_DEPTH} with 2BW"]
     return "\n".join(lines)

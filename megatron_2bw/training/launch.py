@@ -377,7 +377,8 @@ def summary(prep: Prepared) -> str:
     resume = "starting from scratch" if prep.resumed_from is None else f"resuming from iteration {prep.resumed_from}"
     train = len(prep.train_ds) if prep.train_ds is not None else 0
     return (
-        f"config OK: {model_name(cfg.model)} {cfg.model.num_parameters() / 1e6:.2f}M parameters | layout {par.describe()}, "
+        f"config OK: {model_name(cfg.model)} {cfg.model.num_parameters() / 1e6:.2f}M parameters | "
+        f"layout {par.describe()}, "
         f"{cfg.system.backend} on {cfg.system.device}) | "
         f"schedule {pc.schedule}, b={pc.micro_batch_size} m={pc.num_microbatches} B={tc.global_batch_size} | "
         f"{tc.train_iters} iterations, {train} training samples | precision {cfg.optimizer.dtype} | {resume}"

@@ -118,7 +118,8 @@ class Trainer:
         self.stage = build_stage(
             build, spec.loss_fn(), state, cfg.pipeline, cfg.optimizer,
             cfg.model.stage_activation_shape(b, state.t, state.c), rng_tracker=self.tracker, faults=faults,
-            names=GlobalNames(ranges[0][0], tied=WORD) if len(ranges) == 1 else GlobalNames.of_chunks(ranges, tied=WORD),
+            names=(GlobalNames(ranges[0][0], tied=WORD) if len(ranges) == 1
+                   else GlobalNames.of_chunks(ranges, tied=WORD)),
             cpu_init=cfg.system.use_cpu_initialization,  # off: each rank draws its own shards on its device
         )
         if prep.checkpoint is not None:
@@ -237,7 +238,8 @@ class Trainer:
             return checkpointing.payload(
                 self.stage, iteration=completed, tracker=self.tracker,
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B,
-                config=describe(self.cfg), args=self._checkpoint_args(), fingerprints=getattr(self.prep, "fingerprints", None),
+                config=describe(self.cfg), args=self._checkpoint_args(),
+                fingerprints=getattr(self.prep, "fingerprints", None),
             )
 
         def common() -> dict:

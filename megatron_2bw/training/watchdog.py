@@ -42,9 +42,12 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..config.rules import check_stall_timeout  # noqa: F401 - one implementation, below the config floor
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 EXIT_STALLED = 4
 DEFAULT_STALL_TIMEOUT_S = 45.0
@@ -252,7 +255,8 @@ class Watchdog:
             peer = self._peers.get(r)
             if peer is None:
                 return None
-            if peer["info"]["paused"] and peer["info"].get("paused_s", 0.0) + (now - peer["seen_at"]) <= self.pause_limit:
+            paused_s = peer["info"].get("paused_s", 0.0) + (now - peer["seen_at"])
+            if peer["info"]["paused"] and paused_s <= self.pause_limit:
                 return None
             idle[r] = peer["info"]["idle"] + (now - peer["seen_at"])
         return idle
@@ -286,7 +290,7 @@ class Watchdog:
         self.exit_fn(EXIT_STALLED)
 
 
-def _watchdog_store(op_timeout_s: float) -> "dist.PrefixStore":
+def _watchdog_store(op_timeout_s: float) -> dist.PrefixStore:
     """A private client of the default process group's store, with its own short timeout, under a fresh prefix."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d

@@ -24,7 +24,8 @@ from ...optimizer.state import holes
 from ...pipeline.zero import ShardLayout
 
 MODEL, OLDER, MASTER = "model", "older", "master"
-EF_PREV = "optimizer.extrapolate_prev_grad"  # --2bw-compensation extrapolate's previous gradient (pipeline/compensation.py)
+# --2bw-compensation extrapolate's previous gradient (pipeline/compensation.py)
+EF_PREV = "optimizer.extrapolate_prev_grad"
 # The most bytes a save writes as one DCP item. DCP's reader loads every item a request overlaps
 # whole before copying it into place (the item's bytes, then a tensor of them: 2x the item,
 # measured), so this bounds what a resume allocates beyond the live buffers to about 32 MiB
