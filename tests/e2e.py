@@ -203,8 +203,9 @@ def torchrun(script: str, args: list[str], *, nproc: int = 4, env: dict[str, str
              timeout: float = LAUNCH_TIMEOUT, real: bool = False) -> Result:
     """``script args`` on ``nproc`` ranks: forked from the preloaded server (tests/inproc.py) unless ``real``
     (the launcher, its statuses, signals, restarts or a fault injected through the environment are the test's
-    subject), a fault variable is set, or $E2E_REAL_TORCHRUN is 1. An in-process run that fails is run again under the real torchrun,
-    whose Result is returned (a status other than 0 is torchrun's to give), with a warning."""
+    subject), a fault variable is set, or $E2E_REAL_TORCHRUN is 1. An in-process run that fails is run again
+    under the real torchrun, whose Result is returned (a status other than 0 is torchrun's to give), with a
+    warning."""
     cmd = torchrun_cmd(script, args, nproc=nproc)
     env = env if env is not None else clean_env()
     if real or any(k in env for k in FAULT_ENVS) or os.environ.get(REAL_ENV) == "1":

@@ -22,9 +22,8 @@ import tempfile
 import time
 import uuid
 
-import pytest
-
 import multiproc
+import pytest
 
 # what the trainer's start-up imports beyond the test helpers' preload (imported once, in the server)
 PRELOAD = (*multiproc.PRELOAD, "megatron_2bw.training.launch", "megatron_2bw.training.session",
