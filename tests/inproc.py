@@ -25,10 +25,6 @@ import uuid
 import multiproc
 import pytest
 
-# what the trainer's start-up imports beyond the test helpers' preload (imported once, in the server)
-PRELOAD = (*multiproc.PRELOAD, "megatron_2bw.training.launch", "megatron_2bw.training.session",
-           "megatron_2bw.data", "megatron_2bw.cli")
-
 
 def agent_env(rank: int, nproc: int, port: int, run_id: str, err_dir: str) -> dict[str, str]:
     """The variables torchrun's agent (one node, ``--standalone``, no restarts) sets for worker ``rank``."""
@@ -115,7 +111,7 @@ def launch(script: str, args: list[str], *, nproc: int, env: dict[str, str], tim
     from e2e import REPO, Result
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # the first launch of the session (server) decides
+    ctx.set_forkserver_preload(list(multiproc.PRELOAD))  # the first launch of the session (server) decides
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)  # torchrun's agent store
     run_id, t0 = uuid.uuid4().hex[:12], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="inproc_") as tmp:
@@ -141,6 +137,9 @@ def _wait(procs, tail: _Tail, deadline: float) -> bool:
     """Tail the output until every rank ended (False) or the deadline passed (True: all killed)."""
     while any(p.is_alive() for p in procs):
         if time.monotonic() > deadline:
+            from e2e import _kill, descendants
+
+            _kill([d for p in procs if p.pid is not None for d in descendants(p.pid)])  # what a rank started
             for p in procs:
                 if p.is_alive():
                     p.kill()
