@@ -2,8 +2,9 @@
 
 ``run(cmd, timeout=...)`` starts a command in its own process group and, if it outlives
 ``timeout``, kills the group and every descendant (torchrun gives each worker its own session):
-a hang fails the test, it never blocks CI. ``torchrun(...)`` runs an
-entry point under ``python -m torch.distributed.run --standalone`` on CPU (gloo).
+a hang fails the test, it never blocks CI. ``torchrun(...)`` runs an entry point's ranks on CPU
+(gloo), forked from the tests' preloaded server with torchrun's environment (tests/inproc.py), or
+with ``real=True`` under ``python -m torch.distributed.run --standalone`` itself.
 
 Session fixtures (import them into a test module to use them):
 - ``corpus``: a ~0.1 MB corpus from tools/build_demo_corpus.py, a 512-piece SentencePiece
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -193,9 +195,29 @@ def torchrun_cmd(script: str, args: list[str], *, nproc: int = 4, launcher: tupl
             *args]
 
 
+REAL_ENV = "E2E_REAL_TORCHRUN"  # 1: every launch under the real torchrun (to compare, or to rule the launcher out)
+FAULT_ENVS = (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV, POISON_ENV)
+
+
 def torchrun(script: str, args: list[str], *, nproc: int = 4, env: dict[str, str] | None = None,
-             timeout: float = LAUNCH_TIMEOUT) -> Result:
-    return run(torchrun_cmd(script, args, nproc=nproc), env=env, timeout=timeout)
+             timeout: float = LAUNCH_TIMEOUT, real: bool = False) -> Result:
+    """``script args`` on ``nproc`` ranks: forked from the preloaded server (tests/inproc.py) unless ``real``
+    (the launcher, its statuses, signals, restarts or a fault injected through the environment are the test's
+    subject), a fault variable is set, or $E2E_REAL_TORCHRUN is 1. An in-process run that fails is run again
+    under the real torchrun, whose Result is returned (a status other than 0 is torchrun's to give), with a
+    warning."""
+    cmd = torchrun_cmd(script, args, nproc=nproc)
+    env = env if env is not None else clean_env()
+    if real or any(k in env for k in FAULT_ENVS) or os.environ.get(REAL_ENV) == "1":
+        return run(cmd, env=env, timeout=timeout)
+    import inproc
+
+    res = inproc.launch(script, args, nproc=nproc, env=env, timeout=timeout, cmd=cmd)
+    if res.returncode == 0:
+        return res
+    warnings.warn(f"in-process launch exited {res.returncode}; running it under torchrun:\n{res.output[-2000:]}",
+                  stacklevel=2)
+    return run(cmd, env=env, timeout=timeout)
 
 
 def free_port() -> int:
@@ -336,10 +358,10 @@ def gpt_2bw_killed(corpus, gpt_2bw_run, tmp_path_factory) -> KilledRun:
     save = str(out / "ckpt")
     env = clean_env(**{KILL_RANK_ENV: str(KILL_RANK), KILL_ITER_ENV: str(KILL_ITER)})
     killed = torchrun(gpt_2bw_run.script, [*gpt_2bw_run.args, "--save", save, "--save-interval", "10",
-                                           "--metrics-file", str(out / "killed.jsonl")], env=env)
+                                           "--metrics-file", str(out / "killed.jsonl")], env=env, real=True)
     stragglers = processes_with(str(out))
     _kill(stragglers)
     metrics = str(out / "restarted.jsonl")
     restarted = torchrun(gpt_2bw_run.script, [*gpt_2bw_run.args, "--save", save, "--load", save,
-                                              "--save-interval", "10", "--metrics-file", metrics])
+                                              "--save-interval", "10", "--metrics-file", metrics], real=True)
     return KilledRun(killed, restarted, read_metrics(metrics) if os.path.exists(metrics) else [], save, stragglers)

@@ -13,7 +13,9 @@ from megatron_2bw.local_workers import free_port  # noqa: F401
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "megatron_2bw.training.loop",
            "megatron_2bw.pipeline.build", "megatron_2bw.checkpoint.dist_checkpoint.writer",
-           "megatron_2bw.checkpoint.dist_checkpoint.reshard", "megatron_2bw.models.spec")
+           "megatron_2bw.checkpoint.dist_checkpoint.reshard", "megatron_2bw.models.spec",
+           # the trainer's entry (tests/inproc.py forks whole ranks of pretrain_*.py from this server too)
+           "megatron_2bw.training.launch", "megatron_2bw.training.session", "megatron_2bw.data", "megatron_2bw.cli")
 
 
 def run_workers(fn: Callable, world: int, *args: Any, **kwargs: Any) -> list[Any]:

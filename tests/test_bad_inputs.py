@@ -134,7 +134,7 @@ def test_torchrun_every_rank_refuses_before_init(corpus):  # noqa: F811
     """4 processes, d = 2, B = 4: m = 1 < d on every rank; all exit 2 at once, nobody waits for a peer."""
     res = torchrun("pretrain_gpt.py",
                    base(corpus) + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"],
-                   nproc=4, timeout=TIMEOUT)
+                   nproc=4, timeout=TIMEOUT, real=True)
     assert res.returncode != 0, res.describe()
     # one line for the 4 ranks, and torchrun ended before its ChildFailedError traceback (issue 19)
     assert res.stderr.count("error: PipeDream-2BW needs at least d microbatches per step: m=1 < d=2") == 1
@@ -145,7 +145,7 @@ def test_torchrun_every_rank_refuses_before_init(corpus):  # noqa: F811
 def test_torchrun_missing_data(corpus, tmp_path):  # noqa: F811
     res = torchrun("pretrain_bert.py", ["--model-preset", "bert-tiny", "--micro-batch-size", "2", "--train-iters", "5",
                                         "--lr", "1e-3", "--device", "cpu", *corpus.data_args(),
-                                        "--data-path", str(tmp_path / "missing")], nproc=2, timeout=TIMEOUT)
+                                        "--data-path", str(tmp_path / "missing")], nproc=2, timeout=TIMEOUT, real=True)
     assert res.returncode != 0, res.describe()
     assert "error: --data-path" in res.stderr and "missing.idx" in res.stderr, res.describe()
     assert "megatron_2bw/" not in res.stderr, res.describe()

@@ -104,7 +104,7 @@ def test_a_one_chunk_run_refuses_an_interleaved_checkpoint_in_one_line(straight)
     args = [a if a != "interleaved-1f1b" else "flush" for a in ARGS[:i] + ARGS[i + 2:]]
     res = torchrun("pretrain_gpt.py", [*args, "--load", save, "--no-load-optim",
                                        "--data-cache-path", str(tmp / "cache"), "--save", str(tmp / "refused")],
-                   nproc=2)
+                   nproc=2, real=True)
     assert res.returncode != 0
     assert "holds 2 model chunk(s) per pipeline rank but this run uses 1" in res.output, res.describe()
 

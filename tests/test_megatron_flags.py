@@ -355,7 +355,7 @@ def test_a_typo_under_plain_torchrun_is_one_line():
     """Not one line per rank plus torchrun's ChildFailedError traceback and failure table."""
     from e2e import torchrun
 
-    res = torchrun("pretrain_gpt.py", ["--micro-batch-szie", "2", "--lr", "1e-3"], nproc=4)
+    res = torchrun("pretrain_gpt.py", ["--micro-batch-szie", "2", "--lr", "1e-3"], nproc=4, real=True)
     lines = [ln for ln in res.output.splitlines() if ln.strip() and "OMP_NUM_THREADS" not in ln and set(ln) != {"*"}]
     assert res.returncode != 0 and lines == [
         "error: unrecognized argument --micro-batch-szie (did you mean --micro-batch-size?)"], res.describe()

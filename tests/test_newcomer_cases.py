@@ -128,7 +128,7 @@ def test_torchrun_start_up_errors_are_one_line_and_never_restarted(corpus, tmp_p
     cannot be made to exit 2 by a worker; docs/training.md, Exit status), no traceback; a start-up error under
     ``--max-restarts 3`` is not retried."""
     refused = torchrun("pretrain_gpt.py", ["--model-preset", "gpt-tiny", "--lr", "1e-3", "--qk-layernorm"], nproc=2,
-                       timeout=120)
+                       timeout=120, real=True)
     assert refused.returncode == -signal.SIGUSR2 and len(errors(refused)) == 1 and "Traceback" not in refused.output, \
         refused.describe()
     assert "Megatron flag not supported by megatron_2bw: --qk-layernorm" in errors(refused)[0]
