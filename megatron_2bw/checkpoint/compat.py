@@ -65,6 +65,6 @@ def check_optimizer(path: str, saved: dict, optimizer: dict) -> None:
         if a != b:
             raise ConfigError(f"checkpoint {path} has {field} {a} but this run uses {b} (--no-load-optim loads "
                               "the weights only)")
-    momentum_differs = (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0)
-    if optimizer["optimizer"] == "sgd" and momentum_differs:
+    sgd = optimizer["optimizer"] == "sgd"  # only SGD's records carry sgd_momentum
+    if sgd and (saved["optimizer"]["sgd_momentum"] == 0) != (optimizer["sgd_momentum"] == 0):
         raise ConfigError(f"checkpoint {path} and this run disagree on whether SGD uses momentum")
