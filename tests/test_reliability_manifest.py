@@ -178,7 +178,8 @@ def test_manifest_write_is_atomic(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(manifest.json, "dump", boom)
-    with pytest.raises(OSError):
+    # a full disk is one line naming the file (issue 45, F02-F05), and no partial manifest stays behind
+    with pytest.raises(ConfigError, match=r"manifest\.json failed: No space left on device"):
         write_manifest(idir, 10, {})
     assert [n for n in os.listdir(idir) if n.startswith("manifest")] == []
 
