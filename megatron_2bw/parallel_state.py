@@ -73,6 +73,10 @@ def layout_groups(t: int, d: int, w: int, c: int = 1, e: int = 1) -> dict[str, l
                             for pp in range(d) for r in range(w // e) for tp in range(t)]
         groups["expert_data"] = [[rank_of(t, w, tp, r * e + k, pp) for r in range(w // e)]
                                  for pp in range(d) for k in range(e) for tp in range(t)]
+        # the expert group's ranks again, for the gradient reducer's thread (the sum of an expert norm over
+        # its pieces): a group is one ordered stream of collectives, and under 2BW the reducer runs while the
+        # training thread dispatches tokens over ``expert``
+        groups["expert_copies"] = [list(g) for g in groups["expert"]]
     return groups
 
 
@@ -120,8 +124,9 @@ class ParallelState:
     cp_group: object | None = None
     cp_ranks: tuple[int, ...] = (0,)  # the context group's global ranks, in context order
     e: int = 1  # expert-parallel size, folded inside the w ranks of the data group
-    ep_group: object | None = None
+    ep_group: object | None = None  # token dispatch (the training thread)
     edp_group: object | None = None
+    ep_copies_group: object | None = None  # the same ranks as ep_group, for the reducer's thread
 
     @property
     def ep_rank(self) -> int:
@@ -133,7 +138,7 @@ class ParallelState:
         expert-data group, whose ranks' expert pieces differ across the expert group)."""
         dp = Domain("dp", self.dp_group, self.w, self.dp_rank)
         edp = Domain(EXPERT_DATA, self.edp_group if self.e > 1 else self.dp_group, self.w // self.e,
-                     self.dp_rank // self.e, self.ep_group, self.e)
+                     self.dp_rank // self.e, self.ep_copies_group, self.e)
         return {dp.name: dp, edp.name: edp}
 
     @property
@@ -333,5 +338,5 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
         tp_group=mine["tensor"], dp_group=mine["data"],
         embedding_group=mine["embedding"], model_group=mine["model"], device=device, timeout=timeout,
         c=c, cp_rank=dp_rank % c, cp_group=mine.get("context"), cp_ranks=cp_ranks,
-        e=e, ep_group=mine.get("expert"), edp_group=mine.get("expert_data"),
+        e=e, ep_group=mine.get("expert"), edp_group=mine.get("expert_data"), ep_copies_group=mine.get("expert_copies"),
     )
