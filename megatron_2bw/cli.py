@@ -165,17 +165,18 @@ def moe_config(args: argparse.Namespace) -> MoEConfig | None:
 def refuse_unwired_moe(cfg: RunConfig) -> None:
     """An MoE run with what is not wired for experts yet stops here in one line, never runs silently wrong:
     the torch checkpoint format (one file per tensor and pipeline rank cannot hold a global expert axis;
-    torch_dist's shards carry it); expert parallelism across pipeline stages under a schedule other than Flush
-    (2BW there hangs in a receive: not diagnosed yet)."""
-    if cfg.model.moe is None:
+    torch_dist's shards carry it); the aux-loss-free expert bias with a checkpoint (its two versions are not
+    saved yet: a resume would route with a reset bias)."""
+    moe = cfg.model.moe
+    if moe is None:
         return
-    tc, e, d = cfg.training, cfg.model.moe.expert_model_parallel_size, cfg.parallel.pipeline
-    _require(e == 1 or d == 1 or cfg.pipeline.schedule == "flush",
-             f"--expert-model-parallel-size {e} with {d} pipeline stages runs under --pipeline-schedule flush only "
-             f"for now ({cfg.pipeline.schedule} is not wired for expert parallelism yet)")
+    tc = cfg.training
     _require(tc.save is None or tc.ckpt_format == "torch_dist",
              "--num-experts --save: MoE checkpoints are written in --ckpt-format torch_dist only (torch is not wired "
              "for experts yet)")
+    _require(not moe.moe_router_enable_expert_bias or (tc.save is None and tc.load is None),
+             "--moe-router-enable-expert-bias with --save/--load: the expert bias is not in checkpoints yet (a "
+             "resume would route with a reset bias)")
 
 
 def default_schedule(d: int) -> tuple[str, str]:

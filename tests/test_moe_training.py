@@ -8,8 +8,8 @@ References: the single process under Flush for the flushing schedules, under 2BW
 one stage). Cells of one world size share one set of processes, every cell one CLI session in them.
 
 Cells (t, d, w, c, EP): expert parallelism 1 and 2 (alltoall and allgather dispatchers), t = 2 with sequence
-parallelism, pipelines Flush, 2BW and zb-h1 (EP = 2 across pipeline stages under Flush only: the CLI refuses
-the others for now), context parallelism 2 with EP folded inside it, Adam and Muon
+parallelism, pipelines Flush, 2BW and zb-h1 (EP = 2 across pipeline stages under every schedule:
+test_moe_2bw.py), context parallelism 2 with EP folded inside it, Adam and Muon
 (each expert's matrix orthogonalised alone), with and without the distributed optimizer.
 """
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.moe import MoEConfig
-from ..tensor_parallel.recompute import checkpointed
+from ..tensor_parallel.recompute import checkpointed, replaying
 from .dispatcher import make_dispatcher
 from .experts import GroupedExperts
 from .router import Router
@@ -104,7 +104,7 @@ class MoELayer(nn.Module):
         y = self.dispatcher.combine(self.experts(rows, counts), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
-        if record:
+        if record and torch.is_grad_enabled() and not replaying("checkpoint"):  # once per microbatch
             self.last_stats = MoEStats(route.losses, route.tokens_per_expert.detach(), route.dropped)
         return y.view(s, b, h).to(x.dtype)
 

@@ -3,8 +3,9 @@ aux-loss-free expert bias as explicit, versionable state.
 
 State a caller may version (2BW keeps two weight versions; a microbatch's forward, recomputation and backward
 must route alike): ``expert_bias`` (a buffer, never trained; ``forward(..., expert_bias=...)`` takes another
-version's) and ``local_tokens_per_expert`` (the counts the next bias update reads, accumulated in forwards that
-record gradients, as Megatron-Core; ``count_tokens=False`` skips a recomputation). The update,
+version's) and ``local_tokens_per_expert`` (the counts the next bias update reads, accumulated once per microbatch
+in training: in its first forward, with gradients or not (a pipeline that recomputes runs it without), never in a
+replay (:func:`~..tensor_parallel.recompute.replaying`) or with ``count_tokens=False``). The update,
 ``bias += rate * sign(mean_count - count)``, is :func:`updated_expert_bias`, applied once per optimizer step.
 """
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.moe import MoEConfig
+from ..tensor_parallel.recompute import replaying
 from .capacity import drop_tokens
 from .losses import inject_loss, sequence_aux_loss, switch_aux_loss, z_loss
 from .routing import dense_routing, scores_for_aux_loss, topk_routing
@@ -115,7 +117,7 @@ class Router(nn.Module):
         if with_losses and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
             probs = self._balancing_loss(probs, logits, seq_length, batch, losses)
         counts = routing_map.sum(dim=0)
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled() and count_tokens:
+        if self.local_tokens_per_expert is not None and self.training and count_tokens and not replaying():
             with torch.no_grad():
                 self.local_tokens_per_expert += counts.to(self.local_tokens_per_expert.dtype)
         return Routing(probs, routing_map, logits, counts, dropped, losses)

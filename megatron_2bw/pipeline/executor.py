@@ -37,7 +37,7 @@ from ..schedule.actions import Action, Op
 from ..schedule.evaluation import evaluation_program
 from ..schedule.schedules import cut_program, program
 from ..tensor_parallel.random import RNGTracker
-from ..tensor_parallel.recompute import RNGSnapshot
+from ..tensor_parallel.recompute import RNGSnapshot, replaying_forward
 from .accounting import SavedBytes, clock_units
 from .losses import _HostCopy, _loss_row, loss_parts  # noqa: F401 - loss_parts re-exported
 from .parts import RankParts
@@ -110,9 +110,9 @@ class PipelineRank(PostValidation):
         self.state, self.pipe, self.opt, self.loss_fn, self.rng = state, pipe, opt, loss_fn, rng_tracker
         self.weights, self.transport, self.reducer = parts.weights, parts.transport, parts.reducer
         self.updater, self.stats, self.faults = parts.updater, parts.stats, faults
-        # called with a chunk's layers and the step before each forward (MoE: the balancing losses' gradient
+        # called with a chunk's layers and its action before each forward (MoE: the balancing losses' gradient
         # scale, the expert-bias update at a step's first forward); None: nothing
-        self.before_forward: Callable[[nn.ModuleList, int], None] | None = None
+        self.before_forward: Callable[[nn.ModuleList, Action], None] | None = None
         # Several model chunks per rank (interleaved, V): the weights are one flat buffer over all of them and
         # each chunk's layers run on their own. Chunk c's virtual stage says whether it holds the embedding or
         # the loss; where a neighbouring virtual stage is on this rank (a V's turn), the chunk hands over by
@@ -247,7 +247,7 @@ class PipelineRank(PostValidation):
         self.reducer.wait_slot(self.weights.slot(a.version))  # the distributed optimizer's all-gather of W(v)
         layers = self._chunk_layers[self.weights.slot(a.version)][a.chunk]
         if self.before_forward is not None:
-            self.before_forward(layers, a.step)
+            self.before_forward(layers, a)
         batch = get_batch(a.mb)
         src = self._local_in[a.chunk]
         x = self._received((Op.RECV_ACT, a.chunk, a.mb), None) if src is None else \
@@ -293,7 +293,7 @@ class PipelineRank(PostValidation):
         x = entry.input.detach().requires_grad_(True) if entry.input is not None else None
         # an I re-runs its forward into boxes, so that it can free what its W will not read
         saver = self._boxed if self._boxed is not None and split else self.saved if self.pipe.track_memory else None
-        with saver.measure() if saver is not None else contextlib.nullcontext():
+        with saver.measure() if saver is not None else contextlib.nullcontext(), replaying_forward("stash"):
             out = _run(self._chunk_layers[self.weights.slot(entry.version)][entry.chunk], entry.batch, x)
             if self._last[entry.chunk]:
                 out = loss_parts(self.loss_fn, out, entry.batch)[0]

@@ -9,7 +9,9 @@ random stream exactly.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -65,6 +67,27 @@ class RNGSnapshot:
 
 # ---- recomputation inside a stage: Megatron's --recompute-granularity/-method/-num-layers --------
 
+_REPLAYS = {"stash": 0, "checkpoint": 0}  # the replays enclosing the running code, by kind (they nest)
+
+
+@contextlib.contextmanager
+def replaying_forward(kind: str = "checkpoint") -> Iterator[None]:
+    """Marks a forward that recomputes one already run: ``"checkpoint"``, a checkpoint's replay in backward
+    (the second forward that records gradients); ``"stash"``, the pipeline's replay of a stashed input (the
+    first forward with gradients, after one without). What a forward counts once per microbatch (an MoE
+    router's tokens per expert) is not counted again inside either."""
+    _REPLAYS[kind] += 1
+    try:
+        yield
+    finally:
+        _REPLAYS[kind] -= 1
+
+
+def replaying(kind: str | None = None) -> bool:
+    """Whether the running forward is a replay (of ``kind``; None: of either)."""
+    return _REPLAYS[kind] > 0 if kind is not None else any(_REPLAYS.values())
+
+
 class _Keep(torch.autograd.Function):
     """Identity that saves its input, so the stash accounting sees what a checkpoint holds."""
 
@@ -97,7 +120,8 @@ def checkpointed(fn: Callable[..., Any], *args: Any, tracker: RNGTracker | None)
         now = RNGSnapshot.capture(device, tracker)
         snap.restore(device, tracker)
         try:
-            return fn(*a)
+            with replaying_forward():
+                return fn(*a)
         finally:
             now.restore(device, tracker)
 

@@ -210,6 +210,8 @@ class Trainer:
             m=self.m, w=s.data_width, dp_rank=s.data_rank, device=s.device, start_step=0,
             start_sample=round_index * tc.eval_iters * self.B, vocab_size=self.cfg.model.vocab_size,
         )
+        if isinstance(self.stage.before_forward, MoEHooks):  # the expert bias of the newest weights
+            self.stage.before_forward.before_evaluation()
         return self.stage.evaluate_components(tc.eval_iters * self.m, self._progressing(provider))
 
     def evaluate_and_allreduce(self, dataset, round_index: int) -> BoundaryStats:

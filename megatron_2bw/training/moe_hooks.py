@@ -1,15 +1,19 @@
 """What the trainer does for a mixture-of-experts model beside the pipeline (``PipelineRank.before_forward``).
 
-Before each forward of a chunk:
+Before each forward of a chunk (the action: its step, microbatch and weight version):
 
 - the balancing losses' gradient scale of its MoE layers becomes the main loss's for that step, the step's loss
   scale over the microbatches and data ranks that average it (the executor's loss factor), so the injected
   gradient is right whatever the schedule;
-- at the first forward of a new step, once per optimizer step, each router's expert bias moves by the tokens
-  its experts took in the step before (``Router.update_expert_bias``): the counts of every weight version's copy
-  of the layer, summed over the stage's data x context x tensor ranks, the new bias written into every copy.
-  Every rank of a stage runs the same program, so this collective is at the same point on each. A step's
-  forwards all come before the next step's first one under every schedule, so the counts are one step's;
+- the aux-loss-free expert bias is versioned like the weights: B(0) as built, and once per optimizer step
+  ``B(s) = B(s-1) + rate * sign(mean - counts(s-1))`` from the tokens step s-1 sent to each expert (the counts of
+  every weight version's copy of the layer, summed over the stage's data x context x tensor ranks; computed at
+  the first forward of step s, when every forward of step s-1 has run under every schedule). A forward on
+  weight version v routes with B(v), written into that version's copy of the router: under Flush v = s, under
+  2BW v = s - 1, so a microbatch's forward, its recomputation and its backward route with one bias, as they
+  run on one weight version (a version's copy is rewritten only when a new version enters its buffer, after
+  every microbatch of the old one has finished). Token counts are taken once per microbatch (never in a
+  replay); the warm-up forwards that optimizer post-validation discards and re-runs are counted once;
 - the previous call's statistics are added up (detached tensors: no synchronisation) for the log; at the
   first forward of a step that ends a ``--log-interval``, the first data and tensor rank of each stage prints
   one ``moe:`` line of its layers (:meth:`MoEHooks.log_values`): Megatron's names per layer averaged over the
@@ -26,6 +30,7 @@ from torch import nn
 
 from ..models.moe_block import MoEMLP
 from ..moe.layer import MoELayer
+from ..moe.router import updated_expert_bias
 
 LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
@@ -56,38 +61,88 @@ class MoEHooks:
         self.log_interval = log_interval if state.dp_rank == 0 and state.tp_rank == 0 else None
         self.norm = microbatches * state.data_width
         self.copies = [_moe_layers(slot) for slot in stage.weights.slots]  # per weight version
-        bias = any(layer.router.expert_bias is not None for _, layer in self.copies[0])
-        self.group = stage_group(state) if bias else None
-        self.bias = bias
+        self.index_of = {id(m): i for c in self.copies for i, m in c}
+        self.bias = any(layer.router.expert_bias is not None for _, layer in self.copies[0])
+        self.group = stage_group(state) if self.bias else None
         self.last_step = stage.step
+        # B(v) of each MoE layer (by global index) for the versions a forward may still run on
+        self.history: dict[int, dict[int, torch.Tensor]] = {}
+        if self.bias:
+            self.history[stage.step] = {i: m.router.expert_bias.clone() for i, m in self.copies[0]}
+        self.first: tuple[int, int, int] | None = None  # (step, chunk, microbatch) of the step's first forward
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.calls: dict[int, int] = {}
+        self._kept: tuple[dict, dict] = ({}, {})  # the statistics at the step's first forward
 
-    def __call__(self, layers: nn.ModuleList, step: int) -> None:
+    def __call__(self, layers: nn.ModuleList, action) -> None:
+        step, key = action.step, (action.step, action.chunk, action.mb)
         if step > self.last_step:
-            if self.bias:
-                self.update_expert_bias()
-            self.last_step = step
-            if self.log_interval and step % self.log_interval == 0 and self.copies[0]:
-                line = self.log_line(step)
-                if line:
-                    print(line, flush=True)
+            self.advance(step)
+            self.first = key
+            self._kept = ({k: dict(v) for k, v in self.sums.items()}, dict(self.calls))
+        elif key == self.first:  # post-validation re-runs the step's warm-up: what it counted is void
+            self._discard_step()
         scale = self.stage.updater.loss_scale(step) / self.norm
         for _, layer in _moe_layers(layers):
             layer.set_aux_loss_scale(scale)
+            if self.bias:
+                self._route_with(layer, action.version)
         self._collect()
 
+    def advance(self, step: int) -> None:
+        """Step ``step`` begins: B(step) from the counts of the step before, and the log line if it is due."""
+        if self.bias:
+            self.history[step] = self.updated_expert_bias()
+            self.history = {v: b for v, b in self.history.items() if v >= step - 1}
+        self.last_step = step
+        if self.log_interval and step % self.log_interval == 0 and self.copies[0]:
+            line = self.log_line(step)
+            if line:
+                print(line, flush=True)
+
+    def before_evaluation(self) -> None:
+        """An evaluation after ``stage.step`` steps runs on the newest weights W(step): with B(step) (its counts
+        are complete at the drain before an evaluation; the step's first forward then finds it made)."""
+        step = self.stage.step
+        if step > self.last_step:
+            self.advance(step)
+        if self.bias:
+            for _, layer in _moe_layers(self.stage.weights.layers(step)):
+                self._route_with(layer, step)
+
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
-        """Every MoE layer's bias from the counts of all its copies, summed over the stage's ranks."""
-        for i, (_, first) in enumerate(self.copies[0]):
-            routers = [copies[i][1].router for copies in self.copies]
-            counts = sum(r.local_tokens_per_expert for r in routers)
-            first.router.local_tokens_per_expert.copy_(counts)
-            first.router.update_expert_bias(self.group)
-            for r in routers[1:]:
-                r.expert_bias.copy_(first.router.expert_bias)
-                r.local_tokens_per_expert.zero_()
+    def updated_expert_bias(self) -> dict[int, torch.Tensor]:
+        """Every MoE layer's next bias from the counts of all its copies, summed over the stage's ranks (one
+        collective for all layers); the counts restart."""
+        firsts = self.copies[0]
+        counts = torch.stack([sum(c[i][1].router.local_tokens_per_expert for c in self.copies)
+                              for i in range(len(firsts))])
+        if self.group is not None:
+            dist.all_reduce(counts, group=self.group)
+        for copies in self.copies:
+            for _, layer in copies:
+                layer.router.local_tokens_per_expert.zero_()
+        latest = self.history[max(self.history)]
+        rate = firsts[0][1].router.cfg.moe_router_bias_update_rate
+        return {index: updated_expert_bias(counts[i], latest[index], rate) for i, (index, _) in enumerate(firsts)}
+
+    @torch.no_grad()
+    def _route_with(self, layer: MoELayer, version: int) -> None:
+        """Make ``layer``'s router (one weight version's copy) hold B(version); a copy only when it changes."""
+        router = layer.router
+        if getattr(router, "bias_version", None) != version:
+            router.expert_bias.copy_(self.history[version][self.index_of[id(layer)]])
+            router.bias_version = version
+
+    def _discard_step(self) -> None:
+        """The forwards of this step so far are re-run: forget their token counts and statistics."""
+        for copies in self.copies:
+            for _, layer in copies:
+                layer.last_stats = None
+                if layer.router.local_tokens_per_expert is not None:
+                    layer.router.local_tokens_per_expert.zero_()
+        sums, calls = self._kept
+        self.sums, self.calls = {k: dict(v) for k, v in sums.items()}, dict(calls)
 
     def _collect(self) -> None:
         """Add up the statistics of the calls made since the last collection (detached: no sync)."""
