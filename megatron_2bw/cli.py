@@ -165,8 +165,7 @@ def moe_config(args: argparse.Namespace) -> MoEConfig | None:
 def refuse_unwired_moe(cfg: RunConfig) -> None:
     """An MoE run with what is not wired for experts yet stops here in one line, never runs silently wrong:
     the torch checkpoint format (one file per tensor and pipeline rank cannot hold a global expert axis;
-    torch_dist's shards carry it); the aux-loss-free expert bias with a checkpoint (its two versions are not
-    saved yet: a resume would route with a reset bias)."""
+    torch_dist's shards carry it)."""
     moe = cfg.model.moe
     if moe is None:
         return
@@ -174,9 +173,6 @@ def refuse_unwired_moe(cfg: RunConfig) -> None:
     _require(tc.save is None or tc.ckpt_format == "torch_dist",
              "--num-experts --save: MoE checkpoints are written in --ckpt-format torch_dist only (torch is not wired "
              "for experts yet)")
-    _require(not moe.moe_router_enable_expert_bias or (tc.save is None and tc.load is None),
-             "--moe-router-enable-expert-bias with --save/--load: the expert bias is not in checkpoints yet (a "
-             "resume would route with a reset bias)")
 
 
 def default_schedule(d: int) -> tuple[str, str]:

@@ -17,7 +17,19 @@ ITERS = ["--train-iters", "4"]
 SAVE = ["--ckpt-format", "torch_dist", "--save-interval", "2"]
 EP2 = ["--expert-model-parallel-size", "2", "--pipeline-schedule", "flush", "--moe-token-dispatcher-type", "alltoall"]
 FLUSH = ["--pipeline-schedule", "flush"]
-OPTIMIZERS = {"adam": [], "muon": ["--optimizer", "muon"]}
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+        "0.2", "--moe-aux-loss-coeff", "0"]
+# per variant: its flags, and its schedule for the saving run (EP 2) and the resume at EP 1. ``bias-2bw``: the
+# aux-loss-free expert bias under 2BW, whose two versions B(step) and B(step - 1) the checkpoint carries (a
+# resume that reset them, or kept one, routes differently: the losses part at once at rate 0.2)
+OPTIMIZERS = {"adam": [], "muon": ["--optimizer", "muon"], "bias-2bw": BIAS}
+SCHEDULE = {"bias-2bw": "2bw"}
+
+
+def _on(opt: str, flags: list[str]) -> list[str]:
+    """``flags`` with the variant's schedule."""
+    i = flags.index("--pipeline-schedule")
+    return [*flags[:i + 1], SCHEDULE.get(opt, flags[i + 1]), *flags[i + 2:]]
 
 
 def _args(extra: list[str]) -> list[str]:
@@ -39,19 +51,20 @@ def _session(runs: list[tuple[str, list[str]]], root: str) -> list[list[float] |
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
-    """Per optimizer: the uninterrupted EP = 2 run (saving at 2 and 4), its resume at EP = 2 from iteration 2."""
+    """Per variant: the uninterrupted EP = 2 run (saving at 2 and 4), its resume at EP = 2 from iteration 2."""
     root = str(tmp_path_factory.mktemp("moe_ckpt"))
     runs, resumes = [], []
     for opt, flags in OPTIMIZERS.items():
         ck = os.path.join(root, opt)
-        runs.append((f"{opt}-full", [*EP2, *flags, *SAVE, "--save", ck]))
-        resumes.append((f"{opt}-same", [*EP2, *flags, "--load", os.path.join(root, opt)]))
+        runs.append((f"{opt}-full", [*_on(opt, EP2), *flags, *SAVE, "--save", ck]))
+        resumes.append((f"{opt}-same", [*_on(opt, EP2), *flags, "--load", os.path.join(root, opt)]))
     (full, _) = run_workers(_session, 2, runs, root, timeout=600)
     for opt in OPTIMIZERS:  # resume from iteration 2: point the tracker back
         with open(os.path.join(root, opt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("2")
     (same, _) = run_workers(_session, 2, resumes, root, timeout=600)
-    one = [(f"{opt}-ep1", [*FLUSH, *flags, "--load", os.path.join(root, opt)]) for opt, flags in OPTIMIZERS.items()]
+    one = [(f"{opt}-ep1", [*_on(opt, FLUSH), *flags, "--load", os.path.join(root, opt)])
+           for opt, flags in OPTIMIZERS.items()]
     (ep1,) = run_workers(_session, 1, one, root, timeout=600)
     return {"root": root, "full": dict(zip(OPTIMIZERS, full)), "same": dict(zip(OPTIMIZERS, same)),
             "ep1": dict(zip(OPTIMIZERS, ep1))}

@@ -250,6 +250,8 @@ class Trainer:
                 args=dist_checkpoint.megatron_namespace(self.stage, self.cfg, self._checkpoint_args(), completed),
                 consumed_samples=self.provider.consumed_samples(completed), global_batch=self.B)
 
+        if isinstance(self.stage.before_forward, MoEHooks):  # the expert bias's two versions
+            self.stage.before_forward.before_save()
         with self._paused():
             path = formats.get_format(tc.ckpt_format).save(formats.SaveRequest(
                 tc.save, completed, self.stage, s, self.tracker, make_payload, common, self.async_writer))

@@ -69,6 +69,7 @@ class MoEHooks:
         self.history: dict[int, dict[int, torch.Tensor]] = {}
         if self.bias:
             self.history[stage.step] = {i: m.router.expert_bias.clone() for i, m in self.copies[0]}
+            self._resume(getattr(stage, "moe_router_state", None) or {})
         self.first: tuple[int, int, int] | None = None  # (step, chunk, microbatch) of the step's first forward
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
         self.calls: dict[int, int] = {}
@@ -99,6 +100,26 @@ class MoEHooks:
             line = self.log_line(step)
             if line:
                 print(line, flush=True)
+
+    def _resume(self, loaded: dict[int, torch.Tensor]) -> None:
+        """B(step) and B(step - 1) of the layers a checkpoint held them for (``[2, E]`` each: router_state.py)."""
+        step = self.stage.step
+        for i, _ in self.copies[0]:
+            if i in loaded:
+                self.history[step][i] = loaded[i][0].clone()
+                if step > 0:
+                    self.history.setdefault(step - 1, {})[i] = loaded[i][1].clone()
+        if step > 0 and len(self.history.get(step - 1, {})) < len(self.copies[0]):  # none saved: as B(step)
+            self.history[step - 1] = {i: b.clone() for i, b in self.history[step].items()}
+
+    def before_save(self) -> None:
+        """Hand the stage the router state a checkpoint after ``stage.step`` steps holds: B(step), B(step - 1)."""
+        step = self.stage.step
+        if step > self.last_step:
+            self.advance(step)
+        if self.bias:
+            prev = self.history.get(step - 1, self.history[step])
+            self.stage.moe_router_state = {i: torch.stack([b, prev[i]]) for i, b in self.history[step].items()}
 
     def before_evaluation(self) -> None:
         """An evaluation after ``stage.step`` steps runs on the newest weights W(step): with B(step) (its counts

@@ -17,6 +17,7 @@ from ...tensor_parallel.recompute import RNGSnapshot
 from ..compat import stage_model
 from .collective import checkpoint_group, config_error
 from .planners import LoadPlanner
+from .router_state import load_router_chunks
 from .shard_map import EF_PREV, MASTER, MODEL, OLDER, Param, families, span_chunks, stage_params
 
 log = logging.getLogger("megatron_2bw")
@@ -58,13 +59,17 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
             _zero_cut_rows(buf, base + start, max(lo, base + start), min(hi, base + start + buf.numel()), params)
         chunks += span_chunks(family, spans, base, lo, hi, params, writing=False)
         read.add(family)
+    moe = stage_model(sd["config"]).moe
+    router_chunks, router = load_router_chunks(keys, moe.num_experts) if moe is not None else ([], {})
     try:
-        dcp.load({}, storage_reader=dcp.FileSystemReader(sd["path"]), planner=LoadPlanner(chunks, [], sd["path"]),
+        dcp.load({}, storage_reader=dcp.FileSystemReader(sd["path"]),
+                 planner=LoadPlanner(chunks + router_chunks, [], sd["path"]),
                  process_group=checkpoint_group(), no_dist=not dist.is_initialized())
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - every rank sees every rank's failure
         raise ConfigError(f"checkpoint {sd['path']} could not be loaded: {config_error(e)}") from None
+    stage.moe_router_state = router  # the trainer's MoE hooks take it (router_state.py)
     newest = w.slot(stage.step)
     if w.num_versions > 1 and OLDER not in read:  # a flush checkpoint (or --finetune): both versions equal
         w.flat[w.slot(stage.step + 1)].copy_(w.flat[newest])

@@ -26,6 +26,7 @@ from ..manifest import write_tracker
 from .collective import checkpoint_group, global_rank, write_error
 from .files import COMMON, DATA_RE, FORMAT, METADATA, rng_key
 from .planners import SavePlanner
+from .router_state import save_router_chunks
 from .shard_map import Chunk, save_chunks
 
 
@@ -148,7 +149,7 @@ def save(root: str, iteration: int, stage, tracker, common: dict, writer: Backgr
     """
 
     stage.reducer.wait_all()  # no all-gather may still write the weight buffers
-    chunks = save_chunks(stage, stage_model(common["config"]))
+    chunks = save_chunks(stage, stage_model(common["config"])) + save_router_chunks(stage)
     objects = _objects(stage, tracker, common)
     group = checkpoint_group()
     try:
