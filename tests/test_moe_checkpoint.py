@@ -1,8 +1,8 @@
 """MoE checkpoints in ``--ckpt-format torch_dist`` through the CLI (issue 42): the expert stacks are saved on the
 global expert axis (each rank's experts at their offsets), so a run saved at EP = 2 (two data ranks) resumes at
-EP = 1 in one process, with its Adam or Muon state, and its losses equal the uninterrupted run's within 1e-6; a
-resume at the saving layout replays it bitwise. Bad input is one line and exit 2: an MoE checkpoint loaded into a
-dense model and the reverse, a changed --num-experts, the torch format.
+EP = 1 in one process and at EP = 4 on four, with its Adam or Muon state, and its losses equal the uninterrupted
+run's within 1e-6; a resume at the saving layout replays it bitwise. Bad input is one line and exit 2: an MoE
+checkpoint loaded into a dense model and the reverse, a changed --num-experts, the torch format.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ def saved(tmp_path_factory) -> dict:
     one = [(f"{opt}-ep1", [*_on(opt, FLUSH), *flags, "--load", os.path.join(root, opt)])
            for opt, flags in OPTIMIZERS.items()]
     (ep1,) = run_workers(_session, 1, one, root, timeout=600)
+    ep4 = [("adam-ep4", [*EP2[:1], "4", *EP2[2:], "--use-distributed-optimizer", "--load", os.path.join(root, "adam")])]
+    ep4_losses = run_workers(_session, 4, ep4, root, timeout=600)[0][0]
     return {"root": root, "full": dict(zip(OPTIMIZERS, full)), "same": dict(zip(OPTIMIZERS, same)),
-            "ep1": dict(zip(OPTIMIZERS, ep1))}
+            "ep1": dict(zip(OPTIMIZERS, ep1)), "ep4": ep4_losses}
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
@@ -76,6 +78,13 @@ def test_resume_at_another_expert_layout(saved, opt):
     assert len(full) == 4 and len(same) == 2 and len(ep1) == 2, (full, same, ep1)
     assert same == full[2:], (same, full)  # the saving layout: bitwise
     assert max(abs(a - b) for a, b in zip(ep1, full[2:])) < 1e-6, (ep1, full)
+
+
+def test_resume_at_four_expert_ranks(saved):
+    """Saved at EP = 2 (two data ranks), resumed at EP = 4 (one expert per rank, the Adam state sharded over
+    four ranks by the distributed optimizer): the uninterrupted run's losses within 1e-6."""
+    full, ep4 = saved["full"]["adam"], saved["ep4"]
+    assert ep4 is not None and len(ep4) == 2 and max(abs(a - b) for a, b in zip(ep4, full[2:])) < 1e-6, (ep4, full)
 
 
 def _dense(argv: list[str]) -> list[str]:

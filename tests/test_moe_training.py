@@ -7,7 +7,7 @@ alike at t = 1 and 2 (padded logits enter the softmax) and --use-cpu-initializat
 References: the single process under Flush for the flushing schedules, under 2BW for 2BW (its own update rule at
 one stage). Cells of one world size share one set of processes, every cell one CLI session in them.
 
-Cells (t, d, w, c, EP): expert parallelism 1 and 2 (alltoall and allgather dispatchers), t = 2 with sequence
+Cells (t, d, w, c, EP): expert parallelism 1, 2 and 4 (alltoall and allgather dispatchers), t = 2 with sequence
 parallelism, pipelines Flush, 2BW and zb-h1 (EP = 2 across pipeline stages under every schedule:
 test_moe_2bw.py), context parallelism 2 with EP folded inside it, Adam and Muon
 (each expert's matrix orthogonalised alone), with and without the distributed optimizer.
@@ -46,6 +46,8 @@ CELLS = [
     ("ep2-c2-flush", "flush", ("--expert-model-parallel-size", "2", "--context-parallel-size", "2",
                                "--pipeline-schedule", "flush")),
     ("ep1-d2-zbh1", "flush", ("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1")),
+    ("ep4-w4-flush-zero", "flush", ("--expert-model-parallel-size", "4", "--pipeline-schedule", "flush",
+                                    "--use-distributed-optimizer", "--moe-token-dispatcher-type", "alltoall")),
 ]
 REFERENCES = {"flush": ("--pipeline-schedule", "flush"), "2bw": ("--pipeline-schedule", "2bw"),
               "flush-muon": ("--pipeline-schedule", "flush", *MUON)}
@@ -56,7 +58,8 @@ def _world(extra: tuple[str, ...]) -> int:
     for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
         if flag in extra:
             n *= int(extra[extra.index(flag) + 1])
-    return n * (2 if "--expert-model-parallel-size" in extra and "--context-parallel-size" not in extra else 1)
+    ep = int(extra[extra.index("--expert-model-parallel-size") + 1]) if "--expert-model-parallel-size" in extra else 1
+    return n * (ep if "--context-parallel-size" not in extra else 1)
 
 
 def _cli(argv: list[str], path: str) -> list[float] | None:
@@ -99,12 +102,14 @@ def references(tmp_path_factory) -> dict[str, list[float]]:
 
 
 def test_cells_cover_the_issue():
-    """EP 1 and 2, t 1 and 2 (with SP), Flush, 2BW and zb-h1, c 2, Adam and Muon, with and without ZeRO."""
+    """EP 1, 2 and 4, t 1 and 2 (with SP), Flush, 2BW and zb-h1, c 2, Adam and Muon, with and without ZeRO."""
     flags = [set(extra) for _, _, extra in CELLS]
     assert any("--expert-model-parallel-size" not in f for f in flags)
     assert any({"--expert-model-parallel-size", "--tensor-model-parallel-size"} <= f for f in flags)
     assert {e[e.index("--pipeline-schedule") + 1] for _, _, e in CELLS} >= {"flush", "2bw", "zb-h1"}
     assert any("--context-parallel-size" in f for f in flags) and any("muon" in f for f in flags)
+    ep = "--expert-model-parallel-size"
+    assert {e[e.index(ep) + 1] for _, _, e in CELLS if ep in e} == {"2", "4"}
     assert max(_world(e) for _, _, e in CELLS) <= 4
 
 
