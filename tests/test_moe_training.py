@@ -1,7 +1,7 @@
 """An MoE GPT trained through the CLI (pretrain_gpt.py's ``main``) equals the single process (issue 42).
 
 Each cell is the same tiny run (gpt-tiny, 2 layers, 4 experts top-2 with the aux and z losses, mock data, fp32,
-3 steps of a global batch of 4) at another layout; every step's loss equals the single process's within 1e-5
+10 steps of a global batch of 4) at another layout; every step's loss equals the single process's within 1e-5
 (the experts' sums in another order across expert ranks; nothing else differs). The vocabulary, 256, is padded
 alike at t = 1 and 2 (padded logits enter the softmax) and --use-cpu-initialization draws layout-free values.
 References: the single process under Flush for the flushing schedules, under 2BW for 2BW (its own update rule at
@@ -28,6 +28,7 @@ BASE = ["--model-preset", "gpt-tiny", "--num-layers", "2", "--micro-batch-size",
         "--seed", "1234", "--use-cpu-initialization",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
         "--attention-dropout", "0", "--hidden-dropout", "0"]
+STEPS = ("--train-iters", "10")  # the matrix's run length (BASE's 3 serve the other MoE tests)
 MUON = ("--optimizer", "muon")  # Newton-Schulz in fp32 in the workers (_runs): bf16 amplifies reordered sums
 # (name, reference schedule, extra flags); the world is t * d * w * c
 CELLS = [
@@ -97,7 +98,7 @@ def _runs(cells: list[tuple[str, tuple[str, ...]]], root: str) -> list[list[floa
 def references(tmp_path_factory) -> dict[str, list[float]]:
     root = str(tmp_path_factory.mktemp("moe_ref"))
     names = sorted({ref for _, ref, _ in CELLS})
-    (out,) = run_workers(_runs, 1, [(n, REFERENCES[n]) for n in names], root, timeout=600)
+    (out,) = run_workers(_runs, 1, [(n, (*REFERENCES[n], *STEPS)) for n in names], root, timeout=600)
     return dict(zip(names, out))
 
 
@@ -116,10 +117,11 @@ def test_cells_cover_the_issue():
 @pytest.mark.parametrize("world", sorted({_world(c[2]) for c in CELLS}))
 def test_moe_training_matches_single_process(world, references, tmp_path):
     cells = [c for c in CELLS if _world(c[2]) == world]
-    outs = run_workers(_runs, world, [(name, extra) for name, _, extra in cells], str(tmp_path), timeout=600)
+    outs = run_workers(_runs, world, [(name, (*extra, *STEPS)) for name, _, extra in cells], str(tmp_path),
+                       timeout=600)
     for k, (name, ref, _) in enumerate(cells):
         losses = outs[0][k]
         want = references[ref]
-        assert losses is not None and len(losses) == len(want) == 3, (name, losses, want)
+        assert losses is not None and len(losses) == len(want) == 10, (name, losses, want)
         diff = max(abs(a - b) for a, b in zip(losses, want))
         assert diff < TOL, (name, losses, want)
