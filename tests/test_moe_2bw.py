@@ -149,7 +149,7 @@ def test_the_bias_moves_and_a_shared_bias_would_reroute(tmp_path):
 
 
 def _schedule_runs(cells, root: str) -> list:
-    return base._runs(cells, root)
+    return [None if out is None else out[0] for out in base._runs(cells, root)]
 
 
 @pytest.fixture(scope="module")

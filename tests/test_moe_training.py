@@ -83,7 +83,16 @@ def _cli(argv: list[str], path: str) -> list[float] | None:
     return [r["loss"] for r in rows if r.get("type") == "train"]
 
 
-def _runs(cells: list[tuple[str, tuple[str, ...]]], root: str) -> list[list[float] | None]:
+def _moe_records(path: str) -> list[dict] | None:
+    """The ``moe`` statistics of every train record of a metrics file (None where there is no file)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [r.get("moe") for r in map(json.loads, f) if r.get("type") == "train"]
+
+
+def _runs(cells: list[tuple[str, tuple[str, ...]]], root: str) -> list[tuple | None]:
+    """Per cell on rank 0: (losses per step, the MoE statistics per step from the metrics file)."""
     import torch
     import torch.distributed as dist
 
@@ -91,7 +100,12 @@ def _runs(cells: list[tuple[str, tuple[str, ...]]], root: str) -> list[list[floa
 
     muon.NS_DTYPE = torch.float32
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return [_cli([*BASE, *extra], os.path.join(root, f"{name}.{rank}.jsonl")) for name, extra in cells]
+    out = []
+    for name, extra in cells:
+        path = os.path.join(root, f"{name}.{rank}.jsonl")
+        losses = _cli([*BASE, *extra], path)
+        out.append(None if losses is None else (losses, _moe_records(path)))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +133,22 @@ def test_moe_training_matches_single_process(world, references, tmp_path):
     cells = [c for c in CELLS if _world(c[2]) == world]
     outs = run_workers(_runs, world, [(name, (*extra, *STEPS)) for name, _, extra in cells], str(tmp_path),
                        timeout=600)
-    for k, (name, ref, _) in enumerate(cells):
-        losses = outs[0][k]
-        want = references[ref]
+    for k, (name, ref, extra) in enumerate(cells):
+        (losses, moe), (want, want_moe) = outs[0][k], references[ref]
         assert losses is not None and len(losses) == len(want) == 10, (name, losses, want)
         diff = max(abs(a - b) for a, b in zip(losses, want))
         assert diff < TOL, (name, losses, want)
+        _same_moe_statistics(name, extra, moe, want_moe)
+
+
+def _same_moe_statistics(name: str, extra: tuple[str, ...], got: list[dict], want: list[dict]) -> None:
+    """The metrics file's MoE statistics: every step's record names every MoE layer's, and they equal the single
+    process's (the same microbatches, averaged over calls and data ranks); with context parallelism each rank
+    routes half of each sequence, so only the names are compared there."""
+    assert len(got) == len(want) == 10 and all(g and set(g) == set(w) for g, w in zip(got, want)), (name, got)
+    assert {"load_balancing_loss layer 1", "z_loss layer 0", "tokens_per_expert_max_over_mean layer 1"} <= set(got[0])
+    if "--context-parallel-size" in extra:
+        return
+    for g, w in zip(got, want):
+        bad = {key: (g[key], w[key]) for key in w if abs(g[key] - w[key]) > 1e-4 * max(1.0, abs(w[key]))}
+        assert not bad, (name, bad)

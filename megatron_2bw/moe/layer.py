@@ -104,7 +104,7 @@ class MoELayer(nn.Module):
         y = self.dispatcher.combine(self.experts(rows, counts), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
-        if record and torch.is_grad_enabled() and not replaying("checkpoint"):  # once per microbatch
+        if record and self.training and not replaying():  # once per microbatch: its first forward
             self.last_stats = MoEStats(route.losses, route.tokens_per_expert.detach(), route.dropped)
         return y.view(s, b, h).to(x.dtype)
 

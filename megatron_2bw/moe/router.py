@@ -95,12 +95,15 @@ class Router(nn.Module):
         """Route ``x [s * b, H]`` (tokens ordered ``[s, b]``)."""
         c = self.cfg
         logits = self.gating(x)
-        with_losses = self.training and torch.is_grad_enabled()
+        # the losses' gradient goes in wherever gradients are recorded; their values are logged once per
+        # microbatch, in its first forward (which runs without gradients when the pipeline recomputes)
+        inject = self.training and torch.is_grad_enabled()
+        with_losses = inject or (self.training and not replaying())
         losses: dict[str, torch.Tensor] = {}
         if with_losses and c.moe_z_loss_coeff:
             coeff = c.moe_z_loss_coeff / self._group_size()
             zl = z_loss(logits, coeff)
-            logits = inject_loss(logits, zl, self.aux_loss_scale)
+            logits = inject_loss(logits, zl, self.aux_loss_scale) if inject else logits
             losses["z_loss"] = zl.detach() / coeff
         bias = self.expert_bias if expert_bias is None else expert_bias
         top_p, top_i = topk_routing(
@@ -115,7 +118,7 @@ class Router(nn.Module):
                                              c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity)
             dropped = (before & ~routing_map).sum()
         if with_losses and c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0:
-            probs = self._balancing_loss(probs, logits, seq_length, batch, losses)
+            probs = self._balancing_loss(probs, logits, seq_length, batch, losses, inject)
         counts = routing_map.sum(dim=0)
         if self.local_tokens_per_expert is not None and self.training and count_tokens and not replaying():
             with torch.no_grad():
@@ -126,7 +129,7 @@ class Router(nn.Module):
         return 1 if self.stats_group is None else dist.get_world_size(self.stats_group)
 
     def _balancing_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int, batch: int,
-                        losses: dict[str, torch.Tensor]) -> torch.Tensor:
+                        losses: dict[str, torch.Tensor], inject: bool = True) -> torch.Tensor:
         """The aux loss or the sequence aux loss on the balancing scores, injected into ``probs``."""
         c = self.cfg
         aux_map, scores = scores_for_aux_loss(logits, c.moe_router_topk, c.moe_router_score_function)
@@ -141,7 +144,7 @@ class Router(nn.Module):
                                      group_size=g, counts=counts)
             name = "seq_load_balancing_loss"
         losses[name] = loss.detach() / coeff
-        return inject_loss(probs, loss, self.aux_loss_scale)
+        return inject_loss(probs, loss, self.aux_loss_scale) if inject else probs
 
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:

@@ -53,7 +53,7 @@ from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import STOP_LAG
 from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
-from . import health, signals, watchdog
+from . import health, moe_metrics, signals, watchdog
 from .data_iter import MicrobatchProvider
 from .log_format import iteration_of_step, saved_checkpoint_line
 from .lr_schedule import lr_at
@@ -124,6 +124,7 @@ class Trainer:
         )
         if prep.checkpoint is not None:
             self._restore(prep, state)
+        self.moe_names = moe_metrics.slots(cfg.model.moe, cfg.model.num_layers) if cfg.model.moe else []
         if cfg.model.moe is not None:  # aux-loss scale, expert-bias update, MoE log (moe_hooks.py)
             self.stage.before_forward = MoEHooks(self.stage, state, cfg.model.num_layers,
                                                  cfg.pipeline.num_microbatches, tc.log_interval)
@@ -412,9 +413,11 @@ class Trainer:
         self._results[r.step] = r
         handler, duration = self.prep.exit_handler, self.prep.exit_duration
         self._between_steps(r.step)
+        hooks = self.stage.before_forward if isinstance(self.stage.before_forward, MoEHooks) else None
         self.step_stats.issue(r.step, r.loss, r.components, handler is not None and handler.should_exit(),
                               duration is not None and duration.expired(), self._stage_row(),
-                              params_sumsq(self.stage) if self._norm_step(r.step) else 0.0)
+                              params_sumsq(self.stage) if self._norm_step(r.step) else 0.0,
+                              hooks.step_vector(r.step, self.moe_names) if hooks is not None else ())
         for st in self.step_stats.ready(r.step - WAIT_LAG):
             self._arrived(st)
         if self._stop_at is None and (self.unhealthy is not None or self.exit_wanted):
@@ -446,7 +449,7 @@ class Trainer:
             self.unhealthy = self.health.check(iteration_of_step(st.step), st.loss, r.grad_norm, r.skipped)
         self.exit_wanted = self.exit_wanted or st.signal or st.duration
         if self.report is not None:
-            self.report.step(r, st, dt, self._norm_step(st.step))
+            self.report.step(r, st, dt, self._norm_step(st.step), moe_metrics.named(self.moe_names, st.tail))
 
     def _finish(self, done: int) -> None:
         """At ``--train-iters``: the last checkpoint, the final validation and the test evaluation."""

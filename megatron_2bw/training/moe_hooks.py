@@ -31,8 +31,7 @@ from torch import nn
 from ..models.moe_block import MoEMLP
 from ..moe.layer import MoELayer
 from ..moe.router import updated_expert_bias
-
-LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+from .moe_metrics import Sums, vector
 
 
 def _moe_layers(mods: nn.Module) -> list[tuple[int, MoELayer]]:
@@ -71,24 +70,27 @@ class MoEHooks:
             self.history[stage.step] = {i: m.router.expert_bias.clone() for i, m in self.copies[0]}
             self._resume(getattr(stage, "moe_router_state", None) or {})
         self.first: tuple[int, int, int] | None = None  # (step, chunk, microbatch) of the step's first forward
-        self.sums: dict[int, dict[str, torch.Tensor]] = {}
-        self.calls: dict[int, int] = {}
-        self._kept: tuple[dict, dict] = ({}, {})  # the statistics at the step's first forward
+        self.log_sums = Sums()  # since the last log line
+        self.step_sums: dict[int, Sums] = {}  # by the step of the forwards that made them (the metrics file's)
+        self._kept = Sums()  # the log's at the step's first forward
+        self._step_of_pending = stage.step  # the step of the forward whose statistics are not collected yet
 
     def __call__(self, layers: nn.ModuleList, action) -> None:
         step, key = action.step, (action.step, action.chunk, action.mb)
-        if step > self.last_step:
-            self.advance(step)
+        self._collect()  # the previous forward's statistics, of its step
+        if self.first is None or step > self.first[0]:  # the step's first forward
+            if step > self.last_step:  # (an evaluation or a save may have begun it)
+                self.advance(step)
             self.first = key
-            self._kept = ({k: dict(v) for k, v in self.sums.items()}, dict(self.calls))
+            self._kept = self.log_sums.copy()
         elif key == self.first:  # post-validation re-runs the step's warm-up: what it counted is void
-            self._discard_step()
+            self._discard_step(step)
         scale = self.stage.updater.loss_scale(step) / self.norm
         for _, layer in _moe_layers(layers):
             layer.set_aux_loss_scale(scale)
             if self.bias:
                 self._route_with(layer, action.version)
-        self._collect()
+        self._step_of_pending = step
 
     def advance(self, step: int) -> None:
         """Step ``step`` begins: B(step) from the counts of the step before, and the log line if it is due."""
@@ -155,15 +157,15 @@ class MoEHooks:
             router.expert_bias.copy_(self.history[version][self.index_of[id(layer)]])
             router.bias_version = version
 
-    def _discard_step(self) -> None:
+    def _discard_step(self, step: int) -> None:
         """The forwards of this step so far are re-run: forget their token counts and statistics."""
         for copies in self.copies:
             for _, layer in copies:
                 layer.last_stats = None
                 if layer.router.local_tokens_per_expert is not None:
                     layer.router.local_tokens_per_expert.zero_()
-        sums, calls = self._kept
-        self.sums, self.calls = {k: dict(v) for k, v in sums.items()}, dict(calls)
+        self.log_sums = self._kept.copy()
+        self.step_sums.pop(step, None)
 
     def _collect(self) -> None:
         """Add up the statistics of the calls made since the last collection (detached: no sync)."""
@@ -173,32 +175,27 @@ class MoEHooks:
                 if st is None:
                     continue
                 layer.last_stats = None
-                acc = self.sums.setdefault(index, {})
                 t = st.tokens_per_expert.float()
                 vals = dict(st.losses)
                 vals["max_over_mean"] = t.max() / t.mean().clamp_min(1e-9)
-                vals["dropped"] = st.dropped.float() if st.dropped is not None else torch.zeros(())
-                for k, v in vals.items():
-                    acc[k] = acc[k] + v.float() if k in acc else v.float().clone()
-                self.calls[index] = self.calls.get(index, 0) + 1
+                if st.dropped is not None:
+                    vals["dropped"] = st.dropped.float()
+                self.log_sums.add(index, vals)
+                self.step_sums.setdefault(self._step_of_pending, Sums()).add(index, vals)
 
     def log_values(self) -> dict[str, float]:
         """This rank's MoE log values since the last call, per layer averaged over its calls (a loss that was
         not computed is left out), and each loss averaged over the layers as Megatron's line shows it. Local:
         no collective (a stage's layers are on its own ranks; the losses already count whole sequences)."""
         self._collect()
-        out: dict[str, float] = {}
-        for index in sorted(self.sums):
-            acc, n = self.sums[index], self.calls[index]
-            for k, v in acc.items():
-                name = {"max_over_mean": "tokens_per_expert_max_over_mean", "dropped": "dropped_tokens"}.get(k, k)
-                out[f"{name} layer {index}"] = float(v) / (1 if k == "dropped" else n)
-        for k in LOSS_NAMES:
-            per = [v for n, v in out.items() if n.startswith(f"{k} layer ")]
-            if per:
-                out[k] = sum(per) / len(per)
-        self.sums, self.calls = {}, {}
-        return out
+        return self.log_sums.take()
+
+    def step_vector(self, step: int, names: list[str]) -> list[float]:
+        """This rank's part of step ``step``'s summed MoE vector (moe_metrics.py): the statistics of the step's
+        forwards (at its update every forward of it has run, on every stage and under every schedule)."""
+        self._collect()
+        values = self.step_sums.pop(step, Sums()).take()
+        return vector(names, values, 1.0 / self.state.w if self.state.tp_rank == 0 else 0.0)
 
     def log_line(self, iteration: int) -> str | None:
         """``moe: iteration N | name: value | ...`` for this rank's layers (None: nothing since the last)."""

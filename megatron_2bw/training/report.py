@@ -80,9 +80,9 @@ class StepReport:
         """Training starts (again) at ``step``: the ETA counts from here."""
         self.window, self.start_step, self.t_start = [], step, time.time()
 
-    def step(self, r, st: StepStats, dt: float, params_norm: bool) -> None:
-        """Step ``st.step``'s record once its numbers arrived (``r``: this rank's StepResult; ``dt``: its time);
-        the training line at a log step."""
+    def step(self, r, st: StepStats, dt: float, params_norm: bool, moe: dict[str, float] | None = None) -> None:
+        """Step ``st.step``'s record once its numbers arrived (``r``: this rank's StepResult; ``dt``: its time;
+        ``moe``: the MoE statistics by name, moe_metrics.py); the training line at a log step."""
         cfg, tc = self.cfg, self.cfg.training
         tfl = tflops_per_device(cfg.model, self.B, dt, self.state.world_size, counts_recompute(cfg.pipeline),
                                 cfg.parallel.tensor)
@@ -91,6 +91,8 @@ class StepReport:
                           components=st.components or None)
         if params_norm:
             rec["params_norm"] = st.params_norm
+        if moe:
+            rec["moe"] = moe
         self.stages_seen = st.stages
         log_step = (tc.log_interval and (st.step + 1) % tc.log_interval == 0) or st.step + 1 == tc.train_iters
         if log_step:  # the window's per-stage bubble, beside its TFLOP/s

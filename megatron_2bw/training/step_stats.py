@@ -68,12 +68,16 @@ def stage_dicts(vals: list[float], d: int) -> list[dict]:
     return out
 
 
-def pack(state: ParallelState, last: list[float | None], flags: list[float], row: list[float]) -> torch.Tensor:
+def pack(state: ParallelState, last: list[float | None], flags: list[float], row: list[float],
+         tail: list[float] = ()) -> torch.Tensor:
     """This rank's part of a SUM-reduced float64 vector: ``last`` (values of the last stage, tensor rank 0,
     divided by the data-parallel width, so the sum is the mean over replicas; None: NaN), then ``flags``
-    (every rank's), then one ``row`` per stage (its tensor and data rank 0; :func:`stage_row`)."""
+    (every rank's), then one ``row`` per stage (its tensor and data rank 0; :func:`stage_row`), then ``tail``
+    (every rank's share, as its owner computed it: the MoE statistics, ``moe_metrics.py``)."""
     s, e, f, k = state, len(last), len(flags), len(STAT_KEYS)
-    vec = torch.zeros(e + f + s.d * k, dtype=torch.float64)
+    vec = torch.zeros(e + f + s.d * k + len(tail), dtype=torch.float64)
+    if tail:
+        vec[e + f + s.d * k:] = torch.tensor(tail, dtype=torch.float64)
     if s.holds_loss and s.tp_rank == 0:
         vec[:e] = torch.tensor([v if v is not None else float("nan") for v in last], dtype=torch.float64) / s.w
     vec[e:e + f] = torch.tensor(flags, dtype=torch.float64)
@@ -94,6 +98,7 @@ class StepStats:
     duration: bool = False  # some rank's --exit-duration-in-mins had passed by then
     stages: list[dict] = field(default_factory=list)  # every stage's statistics at this step
     params_norm: float = 0.0  # --log-params-norm: the weights' L2 norm after this step (measured at log steps)
+    tail: list[float] = field(default_factory=list)  # the summed ``tail`` (MoE statistics), decoded by its owner
 
 
 class StepReducer:
@@ -107,16 +112,18 @@ class StepReducer:
         peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo", timeout=state.timeout) if peers else None
         self._pending: deque[tuple[int, torch.Tensor, object]] = deque()
+        self.tail = 0  # the length of the tail every rank packs (the same every step)
 
     def issue(self, step: int, loss: float | None, components: dict[str, float] | None, signal: bool,
-              duration: bool, row: list[float], params_sumsq: float = 0.0) -> None:
+              duration: bool, row: list[float], params_sumsq: float = 0.0, tail: list[float] = ()) -> None:
         """This rank's part of ``step``'s vector; every rank calls it once per step, in step order.
 
         ``params_sumsq``: this rank's share of the squared weight norm (``params_norm.py``; 0 where not
         measured: the caller knows at which steps every rank measures)."""
         parts = components or {}
         vec = pack(self.state, [loss, *(parts.get(key) for key in self.loss_keys)],
-                   [float(signal), float(duration), float(params_sumsq)], row)
+                   [float(signal), float(duration), float(params_sumsq)], row, tail)
+        self.tail = len(tail)
         work = dist.all_reduce(vec, group=self.group, async_op=True) if self.group is not None else None
         self._pending.append((step, vec, work))
 
@@ -138,5 +145,7 @@ class StepReducer:
         nk = len(self.loss_keys)
         comps = dict(zip(self.loss_keys, vals[1:1 + nk]))
         sq = vals[3 + nk]
+        n = len(vals) - self.tail
         return StepStats(step, vals[0], comps, vals[1 + nk] > 0, vals[2 + nk] > 0,
-                         stage_dicts(vals[4 + nk:], self.state.d), params_norm=max(sq, 0.0) ** 0.5)
+                         stage_dicts(vals[4 + nk:n], self.state.d), params_norm=max(sq, 0.0) ** 0.5,
+                         tail=vals[n:])
