@@ -50,15 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--d", type=int, nargs="+", default=[2, 4], help="pipeline depths")
     p.add_argument("--ep", type=int, nargs="+", default=[1, 2], help="expert-parallel sizes (= data ranks)")
     p.add_argument("--m", type=int, default=8, help="microbatches per step and data rank")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians of per-round ratios)")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds (medians of per-round ratios)")
     p.add_argument("--steps", type=int, default=0, help="steps K per pipeline segment (default: 2 + enough for "
                                                         "--window-microbatches); one process runs K-1")
-    p.add_argument("--window-microbatches", type=int, default=16)
+    p.add_argument("--window-microbatches", type=int, default=40, help="microbatches per data rank in a steady window")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--quiet-cpus", type=float, default=0.3, help="other jobs' load under which a segment is quiet")
     p.add_argument("--quick", action="store_true", help="the smallest cell (d = 2, EP = 1), one tiny round")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--from-json", metavar="JSON", help="summarize a saved run's records again (its flags); no run")
     p.add_argument("--markdown", metavar="JSON", help="print docs/benchmarks.md's table of a saved run; no run")
     return p
 
@@ -131,12 +132,13 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def _ceiling(balance: list[dict], variant: str) -> tuple[float | None, list[float]]:
-    """(sum over max of the stages' median forward+backward ms, those ms) for one variant."""
+def _ceiling(balance: list[dict], variant: str, pick=min) -> tuple[float | None, list[float]]:
+    """(sum over max of the stages' forward+backward ms per microbatch, those ms) for one variant: each stage's
+    ``pick`` over the rounds (``min``: the least-disturbed timing; other jobs only ever slow a stage down)."""
     per = [r[variant] for r in balance if variant in r]
     if not per:
         return None, []
-    ms = [common.median(x[i] for x in per) for i in range(len(per[0]))]
+    ms = [pick([x[i] for x in per]) for i in range(len(per[0]))]
     return sum(ms) / max(ms), ms
 
 
@@ -153,6 +155,7 @@ def summarize_cell(d: int, ep: int, conf: dict, out: dict, plan: dict | None) ->
     rows = []
     for v in VARIANTS:
         ceiling, stage_ms = _ceiling(out["balance_ms"], v)
+        ceiling_median = _ceiling(out["balance_ms"], v, common.median)[0]
         for s in conf["systems"]:
             rounds = [rnd for rnd in range(conf["rounds"]) if (rnd, s, v) in by]
             sps = [_sps(by[rnd, s, v], per_step) for rnd in rounds]
@@ -179,6 +182,7 @@ def summarize_cell(d: int, ep: int, conf: dict, out: dict, plan: dict | None) ->
                 "a2a_share_max": common.median(max(r["a2a_share"]) for r in recs if r.get("a2a_share")),
                 "a2a_ms_per_step": common.median(_mean(r.get("a2a_ms_per_step")) for r in recs),
                 "balance_ceiling": 1.0 if s == "single" else ceiling,
+                "balance_ceiling_median": 1.0 if s == "single" else ceiling_median,
                 "stage_compute_ms_per_microbatch": None if s == "single" else stage_ms,
                 "ideal_vs_single": _ideal(s, d, ep, m),
                 "ideal_vs_single_on_cores": min(_ideal(s, d, ep, m), conf["cpus"]),
@@ -186,7 +190,8 @@ def summarize_cell(d: int, ep: int, conf: dict, out: dict, plan: dict | None) ->
                 "compute_ms_per_microbatch_per_process": _per_process(recs, "compute_ms_per_microbatch", d * ep),
                 "foreign_load_cpus": common.median(r.get("foreign_cpus") for r in recs),
                 "planner_step_s": pred, "planner_speedup_vs_single": _ratio(pred_single, pred),
-                "planner_ratio_vs_flush": _ratio((plan or {}).get(f"flush d={d} ep={ep}"), pred),
+                "planner_ratio_vs_flush": None if s == "single" else _ratio((plan or {}).get(f"flush d={d} ep={ep}"),
+                                                                            pred),
                 "planner_tokens_per_sec": per_step * seq / pred if pred else None,
                 "planner_source": "dense model of the same active size (no expert axis in the planner on main)",
             })
@@ -239,13 +244,57 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _measure(args: argparse.Namespace) -> dict:
+    """Every cell in its own d x EP processes; the planner's steps first (in this process)."""
+    cells = [(d, ep) for d in args.d for ep in args.ep]
+    machine, t0 = common.machine_info(), time.time()
+    plan = planner_steps(args, cells)
+    per_cell = {}
+    for d, ep in cells:
+        outs = common.spawn(worker, d * ep, _conf(args, ep), timeout=1800)
+        per_cell[f"d={d} ep={ep}"] = {k: outs[0][k] for k in ("balance_ms", "records", "skipped")}
+        print(f"cell d={d} ep={ep} done ({time.time() - t0:.0f} s)", flush=True)
+    machine["elapsed_s"] = round(time.time() - t0, 1)
+    return {"machine": machine, "per_cell": per_cell, "planner_step_s": plan}
+
+
+def summarize(args: argparse.Namespace, data: dict) -> list[dict]:
+    """The results of a run's raw records (``--from-json``: of a saved run, with the code of today)."""
+    out = []
+    for cell, raw in data["per_cell"].items():
+        d, ep = (int(x.split("=")[1]) for x in cell.split())
+        out += summarize_cell(d, ep, {**_conf(args, ep), "cpus": data["machine"]["cpus_usable"]}, raw,
+                              data["planner_step_s"])
+    return out
+
+
+def _config(args: argparse.Namespace, argv: list[str]) -> dict:
+    return dict(argv=argv, models={f"ep={ep}": models(args, ep) for ep in args.ep}, d=args.d, ep=args.ep, m=args.m,
+                micro_batch=args.micro_batch, rounds=args.rounds, steps=args.steps or "auto",
+                window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
+                systems=list(args.systems), quick=args.quick, optimizer="adamw lr 1e-4 wd 0.01, clip 1, fp32",
+                throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1",
+                a2a="seconds inside all_to_all_single (the alltoall dispatcher's collectives) over each process's "
+                    "steady window",
+                ceiling="sum / max of the stages' forward+backward ms per microbatch, each stage's minimum over the "
+                        "rounds (balance_ceiling_median: the medians)",
+                order="each round: (system, variant) in order, reversed in odd rounds")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)))
         return 0
+    saved, out = None, args.json
+    if args.from_json:  # a saved run's records summarized again, under the flags it ran with
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        argv = saved["config"].get("argv", [])
+        args = p.parse_args(argv)
     if args.quick:
         args.d, args.ep, args.m, args.rounds, args.steps, args.warmup_steps = [2], [1], 2, 1, 3, 2
         args.layers, args.hidden, args.seq, args.moe_ffn_hidden_size = 2, 32, 16, 32
@@ -255,35 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     for ep in args.ep:
         if args.num_experts % ep:
             p.error(f"--num-experts {args.num_experts} is not divisible by EP {ep}")
-    cells = [(d, ep) for d in args.d for ep in args.ep]
-    machine, t0 = common.machine_info(), time.time()
-    plan = planner_steps(args, cells)
-    results, per_cell = [], {}
-    for d, ep in cells:
-        conf = _conf(args, ep)
-        outs = common.spawn(worker, d * ep, conf, timeout=1800)
-        results += summarize_cell(d, ep, conf, outs[0], plan)
-        per_cell[f"d={d} ep={ep}"] = {"balance_ms": outs[0]["balance_ms"], "records": outs[0]["records"],
-                                      "skipped": outs[0]["skipped"]}
-        print(f"cell d={d} ep={ep} done ({time.time() - t0:.0f} s)", flush=True)
-    machine["elapsed_s"] = round(time.time() - t0, 1)
+    data = saved or _measure(args)
+    data["results"] = summarize(args, data)
+    data["config"] = _config(args, argv)
     print(f"\nMoE GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, b {args.micro_batch}, "
           f"{args.num_experts} experts top-{args.moe_router_topk} (expert FFN {args.moe_ffn_hidden_size}, dense FFN "
           f"{args.moe_router_topk * args.moe_ffn_hidden_size}), m {args.m} per data rank; medians of {args.rounds} "
-          f"rounds; {machine['cpus_usable']} CPUs, 1 thread/process")
-    print(common.table(results, COLUMNS))
-    common.write_json(args.json, {
-        "results": results, "machine": machine, "per_cell": per_cell, "planner_step_s": plan,
-        "config": dict(models={f"ep={ep}": models(args, ep) for ep in args.ep}, d=args.d, ep=args.ep, m=args.m,
-                       micro_batch=args.micro_batch, rounds=args.rounds, steps=args.steps or "auto",
-                       window_microbatches=args.window_microbatches, warmup_steps=args.warmup_steps,
-                       systems=list(args.systems), quick=args.quick,
-                       optimizer="adamw lr 1e-4 wd 0.01, clip 1, fp32",
-                       throughput="steady state: stage 0, first forward of step 1 to first forward of step K-1",
-                       a2a="seconds inside all_to_all_single (the alltoall dispatcher's collectives) over each "
-                           "process's steady window",
-                       order="each round: (system, variant) in order, reversed in odd rounds"),
-    })
+          f"rounds; {data['machine']['cpus_usable']} CPUs, 1 thread/process")
+    print(common.table(data["results"], COLUMNS))
+    common.write_json(out, {k: data[k] for k in ("results", "machine", "per_cell", "planner_step_s", "config")})
     return 0
 
 

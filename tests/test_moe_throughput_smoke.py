@@ -54,6 +54,12 @@ def test_moe_throughput_quick(tmp_path):
     # the planner's speed-up is its single process's simulated step over the pipeline's, both from its profile
     plan = data["planner_step_s"]
     assert two["planner_speedup_vs_single"] == pytest.approx(plan["single ep=1"] / plan["2bw d=2 ep=1"])
+    assert two["ratio_vs_flush"] == pytest.approx(two["samples_per_sec"] / flush["samples_per_sec"])  # one round
+    # the results are a function of the saved records: summarized again, the same numbers
+    again = tmp_path / "again.json"
+    assert moe_throughput.main(["--from-json", str(out), "--json", str(again)]) == 0
+    with open(again) as f:
+        assert json.load(f)["results"] == rows
 
 
 def _clocked_dispatch(_):
