@@ -49,6 +49,7 @@ from megatron_2bw.export.checkpoints import (
     dist_exported,
     is_dist_path,
     load_checkpoint,
+    refuse_legacy_experts,
     save_checkpoint,
 )
 from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
@@ -127,6 +128,8 @@ def convert(args: argparse.Namespace, out: str) -> tuple[str, str]:
                    "only: the source keeps it)")
     elif has_optimizer and not args.no_optimizer:
         ckpt = ckpt if dist_source else read_trainer_checkpoint(args.load_dir)
+        if args.ckpt_format == "torch":
+            refuse_legacy_experts(ckpt.cfg)
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
         schedule = args.target_schedule or ckpt.first["layout"]["schedule"]
         if args.ckpt_format == "torch_dist":

@@ -24,16 +24,18 @@ from ..checkpoint.megatron_format import (
     read_megatron_dir,
     write_megatron_dir,
 )
-from ..checkpoint.names import WORD, Split
+from ..checkpoint.names import WORD, Split, is_moe_layer
 from ..checkpoint.reshard import unshard
 from ..checkpoint.trainer_format import verified_rank_files
 from ..checkpoint.trainer_reshard import TrainerCheckpoint, read_dist_checkpoint
 from ..config import ModelConfig
+from ..config.moe_arith import MOE_MLP
 from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
-from .hf_format import load_hf_dir, save_hf_dir
+from .hf_io import load_hf_dir, save_hf_dir
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
+from .model_io import whole_model_config
 
 LOADERS = ("auto", "megatron", "hf", "mcore", "core")
 SAVERS = ("megatron", "hf", "mcore", "core")
@@ -96,7 +98,16 @@ def dist_exported(ckpt: TrainerCheckpoint) -> Exported:
     """A torch_dist checkpoint's newest weights as a whole model, with the tokenizer it recorded."""
     tok = recorded_tokenizer(ckpt.first.get("args"), ckpt.first.get("fingerprints"))
     dtype = ckpt.first["config"].get("optimizer", {}).get("dtype", "fp32")
-    return Exported(ckpt.cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype)
+    cfg = whole_model_config(ckpt.cfg)
+    return Exported(cfg, expert_stacks(cfg, ckpt.families["model"]), int(ckpt.first["iteration"]), tok, dtype)
+
+
+def expert_stacks(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torch_dist stores each expert stack ``[E, out, in]`` as ``[E, out * in]`` (its shards are 2-D:
+    ``dist_checkpoint/shard_map.py``); back in the model's shape (``config/moe_arith.py``)."""
+    shapes = {f"{i + 1}.mlp.{p.name}": p.shape for i in range(cfg.num_layers) if is_moe_layer(cfg, i)
+              for p in MOE_MLP.params(cfg) if len(p.shape) > 2}
+    return {n: v.reshape(shapes[n]) if n in shapes else v for n, v in weights.items()}
 
 
 def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
@@ -120,6 +131,14 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
     return read_megatron_dir(path), has_optimizer
 
 
+def refuse_legacy_experts(cfg: ModelConfig) -> None:
+    """Megatron-LM v2.x's layout (and the trainer's torch format, which uses it) has no layer with experts."""
+    if cfg.moe is not None:
+        raise ConfigError(f"--saver megatron cannot write an MoE model ({cfg.moe.num_experts} experts): Megatron-LM "
+                          "v2.x's layout has no expert layers; use --saver mcore, --saver hf or --ckpt-format "
+                          "torch_dist")
+
+
 def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,
                     split: Split = None, transformer_impl: str = TRANSFORMER_IMPLS[0], chunks: int = 1) -> str:
     """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
@@ -129,6 +148,8 @@ def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int =
     if beyond and (saver in MCORE or saver == "hf"):
         raise ConfigError(f"--saver {saver} cannot write a model with {', '.join(beyond)} (no such layer in its "
                           "format); save it with --saver megatron (this trainer's layout) instead")
+    if saver == "megatron":
+        refuse_legacy_experts(ex.cfg)
     if saver in MCORE:
         if chunks > 1:
             raise ConfigError("--saver mcore writes one model chunk per rank: drop the virtual pipeline target")

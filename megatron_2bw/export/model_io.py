@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -13,9 +15,17 @@ from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
 
 
+def whole_model_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` as one process holds the whole model: every expert local (expert-parallel size 1; a checkpoint
+    records the size it was trained at)."""
+    if cfg.moe is None or cfg.moe.expert_model_parallel_size == 1:
+        return cfg
+    return replace(cfg, moe=replace(cfg.moe, expert_model_parallel_size=1))
+
+
 def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:
     """The whole model [embedding, layers, head] at t = 1 in one module list (head tied to the embedding)."""
-    return nn.ModuleList(ModelSpec(cfg, TPGroup(), seed).build(0, cfg.num_layers + 2))
+    return nn.ModuleList(ModelSpec(whole_model_config(cfg), TPGroup(), seed).build(0, cfg.num_layers + 2))
 
 
 def global_state_dict(model: nn.ModuleList) -> dict[str, torch.Tensor]:
