@@ -164,8 +164,9 @@ def moe_config(args: argparse.Namespace) -> MoEConfig | None:
 
 def refuse_unwired_moe(cfg: RunConfig) -> None:
     """An MoE run with what is not wired for experts yet stops here in one line, never runs silently wrong:
-    the torch checkpoint format (one file per tensor and pipeline rank cannot hold a global expert axis;
-    torch_dist's shards carry it); expert parallelism across pipeline stages under a schedule other than Flush
+    saving in the torch checkpoint format at EP > 1 (its files, written by data rank 0, hold the global expert axis
+    only when that rank holds every expert; torch_dist's shards carry it at any size); expert parallelism across
+    pipeline stages under a schedule other than Flush
     (2BW there hangs in a receive: not diagnosed yet)."""
     if cfg.model.moe is None:
         return
@@ -173,9 +174,10 @@ def refuse_unwired_moe(cfg: RunConfig) -> None:
     _require(e == 1 or d == 1 or cfg.pipeline.schedule == "flush",
              f"--expert-model-parallel-size {e} with {d} pipeline stages runs under --pipeline-schedule flush only "
              f"for now ({cfg.pipeline.schedule} is not wired for expert parallelism yet)")
-    _require(tc.save is None or tc.ckpt_format == "torch_dist",
-             "--num-experts --save: MoE checkpoints are written in --ckpt-format torch_dist only (torch is not wired "
-             "for experts yet)")
+    _require(tc.save is None or tc.ckpt_format == "torch_dist" or e == 1,
+             f"--num-experts --save with --expert-model-parallel-size {e}: --ckpt-format torch writes MoE checkpoints "
+             "at expert-parallel size 1 only (its files, one per tensor and pipeline rank, hold every expert; any "
+             "size resumes from them); use --ckpt-format torch_dist")
 
 
 def default_schedule(d: int) -> tuple[str, str]:

@@ -154,13 +154,16 @@ def test_saver_hf_refuses_routing_hf_does_not_implement(tmp_path, moe, words):
     assert not os.path.exists(tmp_path / "hf" / "config.json")
 
 
-def test_cli_refusals_are_one_line(exported, tmp_path, capsys):
-    """Through checkpoint_util: an MoE model to the Megatron-LM v2.x layout (weights only, and the trainer's torch
-    format with its optimizer state)."""
-    util = tool("checkpoint_util")
-    for extra in (["--no-optimizer"], []):
-        assert util.main(["--load-dir", os.path.join(exported, "mixtral"), "--save-dir", str(tmp_path / "out"),
-                          *extra]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1 and "Megatron-LM v2.x's layout has no" in err, err
-        assert not os.path.exists(tmp_path / "out")
+def test_cli_weights_only_megatron_refused_trainer_torch_format_kept(exported, tmp_path, capsys):
+    """Through checkpoint_util: an MoE model as Megatron-LM v2.x weights only is one line (that layout has no
+    experts); with its optimizer state it becomes a trainer checkpoint in the torch format, every expert kept."""
+    util, src = tool("checkpoint_util"), os.path.join(exported, "mixtral")
+    assert util.main(["--load-dir", src, "--save-dir", str(tmp_path / "out"), "--no-optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Megatron-LM v2.x's layout has no" in err, err
+    assert not os.path.exists(tmp_path / "out")
+    assert util.main(["--load-dir", src, "--save-dir", str(tmp_path / "torch"), "--target-tensor-parallel-size",
+                      "2"]) == 0
+    (a, _), (b, _) = load_checkpoint(src), load_checkpoint(str(tmp_path / "torch"))
+    assert b.cfg.moe == a.cfg.moe and set(b.weights) == set(a.weights)
+    assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)

@@ -20,7 +20,8 @@ Megatron-Core's torch format (``decoder.layers.N.self_attention.linear_qkv.weigh
 the linears for ``--saver-transformer-impl transformer_engine``, Megatron's default, or modules of their
 own for ``local``), weights only; ``--loader mcore`` reads it (also found by itself). A model with experts goes to
 and from ``--saver hf`` as MixtralForCausalLM or Qwen2MoeForCausalLM and ``--saver mcore`` as Megatron-Core's MoE
-layers; Megatron-LM v2.x's layout (``--saver megatron``, the trainer's torch format) has none and refuses it.
+layers; a trainer checkpoint keeps them in either format, whole (every expert: any expert-parallel size resumes);
+Megatron-LM v2.x's weights-only layout (``--saver megatron --no-optimizer``) has none and refuses it.
 
 Between the trainer's two formats: a ``--ckpt-format torch_dist`` source is read whole (its global
 tensors are the t = 1 model's) and written at the target layout in the torch format, or the other
@@ -51,7 +52,6 @@ from megatron_2bw.export.checkpoints import (
     dist_exported,
     is_dist_path,
     load_checkpoint,
-    refuse_legacy_experts,
     save_checkpoint,
 )
 from megatron_2bw.export.mcore_format import TRANSFORMER_IMPLS
@@ -130,8 +130,6 @@ def convert(args: argparse.Namespace, out: str) -> tuple[str, str]:
                    "only: the source keeps it)")
     elif has_optimizer and not args.no_optimizer:
         ckpt = ckpt if dist_source else read_trainer_checkpoint(args.load_dir)
-        if args.ckpt_format == "torch":
-            refuse_legacy_experts(ckpt.cfg)
         moved = ", ".join(n for n in sorted(ckpt.families) if n != "model")
         schedule = args.target_schedule or ckpt.first["layout"]["schedule"]
         if args.ckpt_format == "torch_dist":

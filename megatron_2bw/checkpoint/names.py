@@ -28,6 +28,11 @@ TOKENTYPE = "0.tokentype"
 # SwiGLU's column-parallel pair; Megatron keeps both in ``dense_h_to_4h`` ([gate; up] rows per tensor rank)
 SWIGLU_MODULES = tuple(f"mlp.{m}" for m in DENSE_MLP.fused_pair)
 OUTPUT = "output_layer.weight"  # the head's untied output layer (``{L+1}.output_layer.weight``)
+# An MoE layer's parameters (``mlp.moe.router.weight``, ``mlp.moe.experts.linear_fc1`` ...) sit in Megatron's
+# encoder as ``layers.N.mlp.router.weight``, ``layers.N.mlp.experts.linear_fc1`` (the whole [E, out, in] stack: a
+# global expert axis), ``layers.N.mlp.shared_experts.*``: names of this project (Megatron-LM v2.x has no experts)
+MOE_PREFIX = "mlp.moe."
+EXPERT_STACKS = ("mlp.moe.experts.linear_fc1", "mlp.moe.experts.linear_fc2")
 
 
 def layer_suffixes(cfg: ModelConfig, layer: int | None = None) -> list[str]:
@@ -45,6 +50,11 @@ def layer_suffixes(cfg: ModelConfig, layer: int | None = None) -> list[str]:
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether transformer layer ``layer`` (0-based) holds experts."""
     return cfg.moe is not None and cfg.moe.moe_layers(cfg.num_layers)[layer]
+
+
+def is_expert_stack(name: str) -> bool:
+    """Whether global ``name`` is an expert stack ``[E, out, in]`` (its first axis the experts)."""
+    return name.split(".", 1)[-1] in EXPERT_STACKS
 
 
 def _layer_megatron(cfg: ModelConfig) -> dict[str, str]:
@@ -136,6 +146,8 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
         return HEAD_WORD_PATH
     if idx == 0 and name in EMBEDDING_PATHS:
         return EMBEDDING_PATHS[name]
+    if 1 <= idx <= cfg.num_layers and rest.startswith(MOE_PREFIX) and is_moe_layer(cfg, idx - 1):
+        return ("language_model", "encoder", f"layers.{idx - max(start, 1)}.mlp.{rest[len(MOE_PREFIX):]}")
     if 1 <= idx <= cfg.num_layers and rest in (layer := _layer_megatron(cfg)):
         local = idx - max(start, 1)  # SwiGLU's gate and up: one fused tensor (fused_swiglu_parts)
         return ("language_model", "encoder", f"layers.{local}.{layer[rest]}")

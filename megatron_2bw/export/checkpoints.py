@@ -24,18 +24,16 @@ from ..checkpoint.megatron_format import (
     read_megatron_dir,
     write_megatron_dir,
 )
-from ..checkpoint.names import WORD, Split, is_moe_layer
-from ..checkpoint.reshard import unshard
+from ..checkpoint.names import WORD, Split
+from ..checkpoint.reshard import unshard, whole_model_config
 from ..checkpoint.trainer_format import verified_rank_files
 from ..checkpoint.trainer_reshard import TrainerCheckpoint, read_dist_checkpoint
 from ..config import ModelConfig
-from ..config.moe_arith import MOE_MLP
 from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 from .hf_io import load_hf_dir, save_hf_dir
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
-from .model_io import whole_model_config
 
 LOADERS = ("auto", "megatron", "hf", "mcore", "core")
 SAVERS = ("megatron", "hf", "mcore", "core")
@@ -79,7 +77,7 @@ def read_trainer_iteration(iter_dir: str, files: dict | None = None) -> tuple[Ex
     ``files``: its rank files already read by :func:`verified_rank_files`."""
     files = verified_rank_files(iter_dir) if files is None else files
     first = files[min(files)]
-    cfg = trainer_model_config(first["config"])
+    cfg = whole_model_config(trainer_model_config(first["config"]))
     parts = {k: _global_names(sd, cfg) for k, sd in files.items()}
     tok = recorded_tokenizer(first.get("args"), first.get("fingerprints"))
     dtype = first["config"].get("optimizer", {}).get("dtype", "fp32")
@@ -99,15 +97,7 @@ def dist_exported(ckpt: TrainerCheckpoint) -> Exported:
     tok = recorded_tokenizer(ckpt.first.get("args"), ckpt.first.get("fingerprints"))
     dtype = ckpt.first["config"].get("optimizer", {}).get("dtype", "fp32")
     cfg = whole_model_config(ckpt.cfg)
-    return Exported(cfg, expert_stacks(cfg, ckpt.families["model"]), int(ckpt.first["iteration"]), tok, dtype)
-
-
-def expert_stacks(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """torch_dist stores each expert stack ``[E, out, in]`` as ``[E, out * in]`` (its shards are 2-D:
-    ``dist_checkpoint/shard_map.py``); back in the model's shape (``config/moe_arith.py``)."""
-    shapes = {f"{i + 1}.mlp.{p.name}": p.shape for i in range(cfg.num_layers) if is_moe_layer(cfg, i)
-              for p in MOE_MLP.params(cfg) if len(p.shape) > 2}
-    return {n: v.reshape(shapes[n]) if n in shapes else v for n, v in weights.items()}
+    return Exported(cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype)
 
 
 def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
@@ -132,11 +122,12 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
 
 
 def refuse_legacy_experts(cfg: ModelConfig) -> None:
-    """Megatron-LM v2.x's layout (and the trainer's torch format, which uses it) has no layer with experts."""
+    """Megatron-LM v2.x's weights-only layout has no layer with experts (a trainer checkpoint keeps them under names
+    of this project, with the config that says so)."""
     if cfg.moe is not None:
-        raise ConfigError(f"--saver megatron cannot write an MoE model ({cfg.moe.num_experts} experts): Megatron-LM "
-                          "v2.x's layout has no expert layers; use --saver mcore, --saver hf or --ckpt-format "
-                          "torch_dist")
+        raise ConfigError(f"--saver megatron cannot write an MoE model ({cfg.moe.num_experts} experts) as weights "
+                          "only: Megatron-LM v2.x's layout has no expert layers; use --saver mcore, --saver hf, or "
+                          "keep the optimizer state (a trainer checkpoint)")
 
 
 def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
 from ..checkpoint.names import full_names
-from ..checkpoint.reshard import is_vocab, pad_vocab
+from ..checkpoint.reshard import is_vocab, pad_vocab, whole_model_config
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
-
-
-def whole_model_config(cfg: ModelConfig) -> ModelConfig:
-    """``cfg`` as one process holds the whole model: every expert local (expert-parallel size 1; a checkpoint
-    records the size it was trained at)."""
-    if cfg.moe is None or cfg.moe.expert_model_parallel_size == 1:
-        return cfg
-    return replace(cfg, moe=replace(cfg.moe, expert_model_parallel_size=1))
 
 
 def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:
