@@ -132,8 +132,9 @@ def test_hf_logits_generation_and_import_back(exported, name):
     assert torch.equal(gpt_logits(again, tokens, vocab), gpt_logits(ours, tokens, vocab))
 
 
-def _model(**moe) -> Exported:
-    cfg = get_moe_preset("mixtral-tiny", num_layers=2, moe=MoEConfig(4, moe_router_topk=2, **moe))
+def _model(bias: bool = False, **moe) -> Exported:
+    cfg = get_moe_preset("mixtral-tiny", num_layers=2, add_bias_linear=bias,
+                         moe=MoEConfig(4, moe_router_topk=2, **moe))
     return Exported(cfg, global_state_dict(build_full_model(cfg)))
 
 
@@ -145,13 +146,27 @@ def _model(**moe) -> Exported:
     ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
     ({"moe_shared_expert_intermediate_size": 32}, "a shared expert without --moe-shared-expert-gate"),
     ({"moe_layer_freq": 2}, "dense layers (--moe-layer-freq) without a shared expert"),
-], ids=["sigmoid-bias", "groups", "scaling", "capacity", "ungated-shared", "dense-layers"])
+    ({"bias": True}, "linear biases (no --disable-bias-linear)"),
+], ids=["sigmoid-bias", "groups", "scaling", "capacity", "ungated-shared", "dense-layers", "biases"])
 def test_saver_hf_refuses_routing_hf_does_not_implement(tmp_path, moe, words):
     with pytest.raises(ConfigError) as e:
         save_checkpoint(_model(**moe), str(tmp_path / "hf"), "hf")
     line = str(e.value)
     assert line.startswith("--saver hf cannot write this MoE model") and words in line and "\n" not in line
     assert not os.path.exists(tmp_path / "hf" / "config.json")
+
+
+def test_loader_hf_refuses_what_this_model_cannot_hold(tmp_path):
+    """A Mixtral whose head_dim is not hidden / heads, or with a sliding window: one line, not a shape error."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    base = dict(vocab_size=100, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4)
+    for name, extra, words in (("hd", {"head_dim": 4}, "head_dim 4 is not hidden_size / num_attention_heads"),
+                               ("sw", {"sliding_window": 8}, "sliding window (8) is not implemented")):
+        MixtralForCausalLM(MixtralConfig(**base, **extra)).save_pretrained(str(tmp_path / name))
+        with pytest.raises(ConfigError, match=words.replace("(", "\\(").replace(")", "\\)")):
+            load_checkpoint(str(tmp_path / name), "hf")
 
 
 def test_cli_weights_only_megatron_refused_trainer_torch_format_kept(exported, tmp_path, capsys):

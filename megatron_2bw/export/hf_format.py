@@ -260,8 +260,6 @@ def to_hf_llama(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
 def config_from_llama(c) -> ModelConfig:
     if bool(c.attention_bias) != bool(c.mlp_bias):
         raise ConfigError("attention_bias and mlp_bias differ; --disable-bias-linear covers both")
-    if c.head_dim != c.hidden_size // c.num_attention_heads:
-        raise ConfigError(f"head_dim {c.head_dim} is not hidden_size / num_attention_heads")
     return ModelConfig(**llama_fields(c), ffn_hidden_size=c.intermediate_size, add_bias_linear=bool(c.attention_bias))
 
 
@@ -274,6 +272,9 @@ def llama_fields(c) -> dict:
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not implemented "
                           "(only the default rotary embedding)")
+    head_dim = getattr(c, "head_dim", None)
+    if head_dim not in (None, c.hidden_size // c.num_attention_heads):
+        raise ConfigError(f"head_dim {head_dim} is not hidden_size / num_attention_heads")
     groups = c.num_key_value_heads or c.num_attention_heads
     theta = float(rope.get("rope_theta", 10000.0))
     return dict(

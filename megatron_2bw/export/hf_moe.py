@@ -41,7 +41,7 @@ def _refusal(cfg: ModelConfig) -> str | None:
         ("--moe-router-num-groups", m.moe_router_num_groups is not None),
         ("--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor is not None),
         ("--moe-expert-capacity-factor", m.moe_expert_capacity_factor is not None),
-        ("--add-bias-linear", cfg.add_bias_linear)) if on]
+        ("linear biases (no --disable-bias-linear)", cfg.add_bias_linear)) if on]
     if what:
         return (f"its {', '.join(what)} (Hugging Face's MixtralForCausalLM and Qwen2MoeForCausalLM route by "
                 "softmax top-k, dropless, without linear biases)")
@@ -131,8 +131,8 @@ def config_from_hf_moe(c) -> ModelConfig:
     if c.qkv_bias or c.use_sliding_window:
         raise ConfigError("Qwen2-MoE with qkv_bias or a sliding window is not implemented (--disable-bias-linear "
                           "and full attention only)")
-    n = c.num_hidden_layers
-    layers = tuple(int(i not in c.mlp_only_layers and (i + 1) % c.decoder_sparse_step == 0) for i in range(n))
+    n, dense, step = c.num_hidden_layers, c.mlp_only_layers or [], c.decoder_sparse_step or 1
+    layers = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(n))
     moe = MoEConfig(c.num_experts, moe_ffn_hidden_size=c.moe_intermediate_size,
                     moe_layer_freq=1 if all(layers) else layers,
                     moe_router_topk=c.num_experts_per_tok, moe_router_pre_softmax=not c.norm_topk_prob,
