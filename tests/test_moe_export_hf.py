@@ -182,3 +182,16 @@ def test_cli_weights_only_megatron_refused_trainer_torch_format_kept(exported, t
     (a, _), (b, _) = load_checkpoint(src), load_checkpoint(str(tmp_path / "torch"))
     assert b.cfg.moe == a.cfg.moe and set(b.weights) == set(a.weights)
     assert all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+
+
+def test_cli_saver_hf_refuses_deepseek_routing_in_one_line(tmp_path, capsys):
+    """checkpoint_util from a Megatron-Core checkpoint of a DeepSeek-style router (sigmoid, groups, scaling)."""
+    src = _model(moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1,
+                 moe_router_topk_scaling_factor=2.5)
+    save_checkpoint(src, str(tmp_path / "mc"), "mcore")
+    assert tool("checkpoint_util").main(["--load-dir", str(tmp_path / "mc"), "--save-dir", str(tmp_path / "hf"),
+                                         "--saver", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --saver hf cannot write this MoE model: its --moe-router-score-function sigmoid, "
+                          "--moe-router-num-groups, --moe-router-topk-scaling-factor") and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "hf")
