@@ -47,6 +47,10 @@ def setup(t: int) -> None:
     # the attention scratch buffer (GlobalMemoryBuffer) and RoPE's inv_freq go to torch.cuda.current_device()
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    # the router's GEMM: Transformer Engine's when its import succeeded, else torch's (the name is left unbound)
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
 
 
 def build(cfg, t: int, seed: int = 0):
@@ -64,15 +68,34 @@ def build(cfg, t: int, seed: int = 0):
         add_bias_linear=cfg.add_bias_linear, normalization=cfg.normalization, gated_linear_unit=cfg.swiglu,
         activation_func=F.silu if cfg.swiglu else openai_gelu, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        use_cpu_initialization=True, init_method_std=cfg.init_method_std)
+        use_cpu_initialization=True, init_method_std=cfg.init_method_std, **moe_fields(cfg))
     torch.manual_seed(seed)
-    model = GPTModel(conf, get_gpt_layer_local_spec(), vocab_size=cfg.padded_vocab_size(t),
+    spec = get_gpt_layer_local_spec() if cfg.moe is None else get_gpt_layer_local_spec(
+        num_experts=cfg.moe.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization)
+    model = GPTModel(conf, spec, vocab_size=cfg.padded_vocab_size(t),
                      max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type=cfg.position_embedding_type,
                      rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent,
                      share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
                      parallel_output=False)
     return model.eval()
+
+
+def moe_fields(cfg) -> dict:
+    """Megatron-Core's TransformerConfig fields for our MoE config (dropless, all-gather dispatch, no balancing
+    loss: the forward alone is compared; its permutation unfused, the fused one needs CUDA)."""
+    m = cfg.moe
+    if m is None:
+        return {}
+    return dict(num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+                moe_router_topk=m.moe_router_topk, moe_router_score_function=m.moe_router_score_function,
+                moe_router_pre_softmax=m.moe_router_pre_softmax, moe_router_num_groups=m.moe_router_num_groups,
+                moe_router_group_topk=m.moe_router_group_topk,
+                moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=m.moe_shared_expert_gate, moe_token_dispatcher_type="allgather",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_permute_fusion=False,
+                gradient_accumulation_fusion=False)
 
 
 def perturb(model) -> None:
@@ -105,7 +128,25 @@ def megatron_args(cfg, t: int, iteration: int) -> argparse.Namespace:
         bias_gelu_fusion=False, normalization=cfg.normalization, layernorm_epsilon=cfg.layernorm_epsilon,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         add_bias_linear=cfg.add_bias_linear, use_mcore_models=True, transformer_impl="local", ckpt_format="torch",
-        fp16=False, bf16=False, params_dtype=torch.float32, iteration=iteration, init_method_std=cfg.init_method_std)
+        fp16=False, bf16=False, params_dtype=torch.float32, iteration=iteration, init_method_std=cfg.init_method_std,
+        **moe_args(cfg))
+
+
+def moe_args(cfg) -> dict:
+    """Megatron-LM's MoE arguments (its flag names) of a Megatron-Core MoE model, as its trainer saves them."""
+    m = cfg.moe
+    if m is None:
+        return {"num_experts": None}
+    return dict(num_experts=m.num_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_layer_freq=1,
+                moe_router_topk=m.moe_router_topk, moe_router_score_function=m.moe_router_score_function,
+                moe_router_pre_softmax=m.moe_router_pre_softmax, moe_router_num_groups=m.moe_router_num_groups,
+                moe_router_group_topk=m.moe_router_group_topk,
+                moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=m.moe_shared_expert_gate, moe_grouped_gemm=False,
+                moe_router_enable_expert_bias=False, moe_token_dispatcher_type="allgather",
+                moe_aux_loss_coeff=[0.0], moe_router_load_balancing_type=["none"], expert_model_parallel_size=1,
+                expert_tensor_parallel_size=1, moe_router_dtype=None)
 
 
 def save_torch_format(model, cfg, root: str, t: int, iteration: int) -> None:

@@ -126,7 +126,7 @@ def test_bad_requests_are_one_line_errors(tmp_path, capsys):
 def test_loader_hf_bert_round_trip(tmp_path):
     from transformers import MegatronBertForPreTraining
 
-    from megatron_2bw.export.hf_format import load_hf_dir, save_hf_dir
+    from megatron_2bw.export.hf_io import load_hf_dir, save_hf_dir
 
     ex, model = tiny("bert")
     save_hf_dir(str(tmp_path / "hf"), ex)

@@ -6,7 +6,7 @@ import torch
 from export_helpers import gpt_logits, max_err, tiny
 
 from megatron_2bw.export.generation import CachedGPT, KVCache, Sampling, generate, next_token
-from megatron_2bw.export.hf_format import hf_model
+from megatron_2bw.export.hf_io import hf_model
 
 
 def test_cached_forward_equals_model_forward():

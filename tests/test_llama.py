@@ -17,7 +17,8 @@ from megatron_2bw.cli import model_config
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.export.hf_format import hf_model, to_hf_llama
+from megatron_2bw.export.hf_format import to_hf_llama
+from megatron_2bw.export.hf_io import hf_model
 from megatron_2bw.export.model_io import build_full_model, global_state_dict
 from megatron_2bw.flags import FLAGS
 from megatron_2bw.models.spec import ModelSpec, run_layers

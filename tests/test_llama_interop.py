@@ -15,7 +15,7 @@ from megatron_2bw.checkpoint.megatron_format import Exported, read_megatron_dir,
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.export.checkpoints import load_checkpoint
 from megatron_2bw.export.generation import CachedGPT, KVCache, generate
-from megatron_2bw.export.hf_format import hf_model
+from megatron_2bw.export.hf_io import hf_model
 from megatron_2bw.export.model_io import build_full_model, global_state_dict, load_full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

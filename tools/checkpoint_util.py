@@ -18,7 +18,10 @@ weights only (the output line says the optimizer state was left out) and, when t
 its tokenizer and the files are there, the tokenizer beside them. ``--saver mcore`` (or ``core``) writes
 Megatron-Core's torch format (``decoder.layers.N.self_attention.linear_qkv.weight``, ...; norms fused into
 the linears for ``--saver-transformer-impl transformer_engine``, Megatron's default, or modules of their
-own for ``local``), weights only; ``--loader mcore`` reads it (also found by itself).
+own for ``local``), weights only; ``--loader mcore`` reads it (also found by itself). A model with experts goes to
+and from ``--saver hf`` as MixtralForCausalLM or Qwen2MoeForCausalLM and ``--saver mcore`` as Megatron-Core's MoE
+layers; a trainer checkpoint keeps them in either format, whole (every expert: any expert-parallel size resumes);
+Megatron-LM v2.x's weights-only layout (``--saver megatron --no-optimizer``) has none and refuses it.
 
 Between the trainer's two formats: a ``--ckpt-format torch_dist`` source is read whole (its global
 tensors are the t = 1 model's) and written at the target layout in the torch format, or the other

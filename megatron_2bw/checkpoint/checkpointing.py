@@ -394,9 +394,9 @@ def _engine_dict(sd: dict, stage) -> dict:
         return _weights_only_engine_dict(sd, stage)
     if sd.get("format", 1) < 3:
         return sd["stage"]
-    w = stage.weights
+    w, st = stage.weights, stage.state
     return trainer_format.engine_state(sd, model_config(sd["config"]), w.global_names, w.sizes, w.names,
-                                       len(w.flat), w.offsets)
+                                       len(w.flat), w.offsets, experts=(st.ep_rank, st.e))
 
 
 def _weights_only_engine_dict(sd: dict, stage) -> dict:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from ..config import ModelConfig
 from ..config.blocks import DENSE_MLP, layer_params
 from ..config.families import FAMILIES
+from ..config.moe_arith import MOE_MLP
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
 
@@ -27,13 +28,33 @@ TOKENTYPE = "0.tokentype"
 # SwiGLU's column-parallel pair; Megatron keeps both in ``dense_h_to_4h`` ([gate; up] rows per tensor rank)
 SWIGLU_MODULES = tuple(f"mlp.{m}" for m in DENSE_MLP.fused_pair)
 OUTPUT = "output_layer.weight"  # the head's untied output layer (``{L+1}.output_layer.weight``)
+# An MoE layer's parameters (``mlp.moe.router.weight``, ``mlp.moe.experts.linear_fc1`` ...) sit in Megatron's
+# encoder as ``layers.N.mlp.router.weight``, ``layers.N.mlp.experts.linear_fc1`` (the whole [E, out, in] stack: a
+# global expert axis), ``layers.N.mlp.shared_experts.*``: names of this project (Megatron-LM v2.x has no experts)
+MOE_PREFIX = "mlp.moe."
+EXPERT_STACKS = ("mlp.moe.experts.linear_fc1", "mlp.moe.experts.linear_fc2")
 
 
-def layer_suffixes(cfg: ModelConfig) -> list[str]:
+def layer_suffixes(cfg: ModelConfig, layer: int | None = None) -> list[str]:
     """A transformer layer's parameter names (module path . weight/bias) for ``cfg``'s options: its blocks'
     parameter lists (``config/blocks.py``; no biases with --disable-bias-linear, RMSNorm without one,
-    SwiGLU's gate and up for fc1)."""
-    return [p.name for p in layer_params(cfg)]
+    SwiGLU's gate and up for fc1). ``layer`` (0-based) of an MoE model: where ``--moe-layer-freq`` puts experts,
+    the MoE block's (``config/moe_arith.py``: ``mlp.moe.router.weight``, ``mlp.moe.experts.linear_fc1``, ...)
+    replace the dense MLP's."""
+    names = [p.name for p in layer_params(cfg)]
+    if layer is None or not is_moe_layer(cfg, layer):
+        return names
+    return [n for n in names if not n.startswith("mlp.")] + [f"mlp.{p.name}" for p in MOE_MLP.params(cfg)]
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether transformer layer ``layer`` (0-based) holds experts."""
+    return cfg.moe is not None and cfg.moe.moe_layers(cfg.num_layers)[layer]
+
+
+def is_expert_stack(name: str) -> bool:
+    """Whether global ``name`` is an expert stack ``[E, out, in]`` (its first axis the experts)."""
+    return name.split(".", 1)[-1] in EXPERT_STACKS
 
 
 def _layer_megatron(cfg: ModelConfig) -> dict[str, str]:
@@ -77,9 +98,8 @@ def full_names(cfg: ModelConfig) -> list[str]:
     """Every global name of the full model, in layer-list order (tied word embedding once)."""
     names = [WORD] + ([POSITION] if cfg.position_embedding_type == "learned_absolute" else [])
     names += [TOKENTYPE] if cfg.num_tokentypes else []
-    suffixes = layer_suffixes(cfg)
     for i in range(1, cfg.num_layers + 1):
-        names += [f"{i}.{s}" for s in suffixes]
+        names += [f"{i}.{s}" for s in layer_suffixes(cfg, i - 1)]
     h = head_index(cfg)
     names += head_norm_names(cfg)
     if not cfg.tied_output:
@@ -126,6 +146,8 @@ def megatron_path(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Sp
         return HEAD_WORD_PATH
     if idx == 0 and name in EMBEDDING_PATHS:
         return EMBEDDING_PATHS[name]
+    if 1 <= idx <= cfg.num_layers and rest.startswith(MOE_PREFIX) and is_moe_layer(cfg, idx - 1):
+        return ("language_model", "encoder", f"layers.{idx - max(start, 1)}.mlp.{rest[len(MOE_PREFIX):]}")
     if 1 <= idx <= cfg.num_layers and rest in (layer := _layer_megatron(cfg)):
         local = idx - max(start, 1)  # SwiGLU's gate and up: one fused tensor (fused_swiglu_parts)
         return ("language_model", "encoder", f"layers.{local}.{layer[rest]}")

@@ -16,6 +16,7 @@ parameter's ``Init`` by :func:`split_dim`):
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -33,6 +34,14 @@ def is_vocab(cfg: ModelConfig, name: str) -> bool:
             or name == f"{head_index(cfg)}.{OUTPUT}")
 
 
+def whole_model_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` as one process holds the whole model: every expert local (expert-parallel size 1; a checkpoint
+    records the size it was trained at, which shapes neither its global tensors nor their tensor split)."""
+    if cfg.moe is None or cfg.moe.expert_model_parallel_size == 1:
+        return cfg
+    return replace(cfg, moe=replace(cfg.moe, expert_model_parallel_size=1))
+
+
 @functools.lru_cache(maxsize=16)
 def _split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     """Every global name's tensor-parallel split dimension, read off the parameters themselves: each carries
@@ -41,7 +50,7 @@ def _split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     Built once per model on the meta device, so resharding, checkpoint shards and export share the layers'
     own statement of it."""
     with init.deferred():
-        model = nn.ModuleList(ModelSpec(cfg, TPGroup(), 0).build(0, cfg.num_layers + 2))
+        model = nn.ModuleList(ModelSpec(whole_model_config(cfg), TPGroup(), 0).build(0, cfg.num_layers + 2))
     return {name: getattr(getattr(p, "init", None), "dim", None) for name, p in model.named_parameters()}
 
 

@@ -9,7 +9,9 @@ master copy, optimizer state, loss scaler), ``rng``, ``data``, ``layout``, ``con
 Every per-parameter tensor of ``stage`` is a dict keyed by global parameter name (the name in the
 full single-stage model), not the engine's flat buffer: a checkpoint is then resharded to another
 tensor x pipeline layout exactly like the weights (``checkpoint.reshard``), and a stage whose
-parameter order differs still loads it.
+parameter order differs still loads it. An MoE model's expert stacks ``[E, out, in]`` are saved whole, every
+expert (the global expert axis: written at expert-parallel size 1, where data rank 0 holds them all), and a rank
+takes its own experts of each at load, so any expert-parallel size resumes from the file.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from . import manifest
 from .megatron_format import Exported, megatron_args, rank_contents, rank_weights, read_rank_files
-from .names import Split
+from .names import Split, is_expert_stack
 
 FORMAT = 3
 Views = Callable[[torch.Tensor], dict[str, torch.Tensor]]
@@ -114,23 +116,35 @@ def _flat_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.as_strided(first, (offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
+def own_experts(named: dict[str, torch.Tensor], experts: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """``named`` with each expert stack (saved whole: the global expert axis) cut to expert-parallel rank ``r`` of
+    ``e``'s experts (``experts`` = (r, e); None: all of them)."""
+    if experts is None or experts[1] == 1:
+        return named
+    r, e = experts
+    return {n: v.chunk(e, 0)[r] if is_expert_stack(n) else v for n, v in named.items()}
+
+
 def engine_state(sd: dict, model: ModelConfig, order: list[str], sizes: list[int], local_names: list[str],
-                 num_versions: int, offsets: list[int] | None = None) -> dict:
+                 num_versions: int, offsets: list[int] | None = None, experts: tuple[int, int] | None = None) -> dict:
     """The engine's flat state dict (``PipelineRank.load_state_dict``) from a format-3 file (``offsets``: as
-    :func:`flatten`'s, for a stage cut into segments).
+    :func:`flatten`'s, for a stage cut into segments; ``experts``: this rank's (expert-parallel rank, size), whose
+    experts it takes of every expert stack).
 
     A file without 2BW's older version (a flush schedule's, or converted) starts both versions equal.
     """
     path, st = sd.get("path", "?"), sd["stage"]
-    newest = flatten(newest_weights(sd, model), order, sizes, "the weights", path, offsets)
-    older = flatten(st["older"], order, sizes, "the older weight version", path, offsets) if st.get("older") \
-        else newest
+
+    def flat(named: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+        return flatten(own_experts(named, experts), order, sizes, what, path, offsets)
+
+    newest = flat(newest_weights(sd, model), "the weights")
+    older = flat(st["older"], "the older weight version") if st.get("older") else newest
     step = int(st["step"])
     versions = [newest] if num_versions == 1 else [newest, older] if step % 2 == 0 else [older, newest]
     numel = sum(sizes) if offsets is None else offsets[-1]
-    opt = {k: flatten(v, order, sizes, f"optimizer state {k}", path, offsets) if isinstance(v, dict) else v
-           for k, v in st["optimizer"].items()}
-    master = flatten(st["master"], order, sizes, "the fp32 master copy", path, offsets) if st.get("master") else None
+    opt = {k: flat(v, f"optimizer state {k}") if isinstance(v, dict) else v for k, v in st["optimizer"].items()}
+    master = flat(st["master"], "the fp32 master copy") if st.get("master") else None
     if master is not None and master.numel() != numel:
         raise ConfigError(f"checkpoint file {path} has a master copy of another size")
     return {"step": step, "schedule": st["schedule"], "names": local_names, "versions": versions,

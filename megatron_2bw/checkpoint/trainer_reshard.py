@@ -22,6 +22,7 @@ import torch
 
 from ..checkpoint import manifest
 from ..config import ModelConfig
+from ..config.moe_arith import MOE_MLP
 from ..errors import ConfigError
 from ..schedule.schedules import get_schedule
 from ..schedule.stages import check_virtual_split
@@ -29,6 +30,7 @@ from . import trainer_format
 from .compat import model_config
 from .layout import iteration_dir
 from .megatron_format import FILENAME, TRACKER, find_iteration_dir, rank_dir
+from .names import is_moe_layer
 from .reshard import reshard, unshard
 
 MODEL = "model"
@@ -140,6 +142,14 @@ def write_trainer_checkpoint(root: str, ckpt: TrainerCheckpoint, *, t: int, d: i
 
 
 # --------------------------------------------------------------------------- the torch_dist format
+def expert_stacks(cfg: ModelConfig, named: dict[str, torch.Tensor], *, flat: bool) -> dict[str, torch.Tensor]:
+    """``named`` with each expert stack in the torch_dist format's 2-D shape ``[E, out * in]`` (``flat``; its
+    shards are 2-D: ``dist_checkpoint/shard_map.py``) or the model's ``[E, out, in]`` (every other family here)."""
+    shapes = {f"{i + 1}.mlp.{p.name}": p.shape for i in range(cfg.num_layers) if is_moe_layer(cfg, i)
+              for p in MOE_MLP.params(cfg) if len(p.shape) > 2}
+    return {n: v.reshape((shapes[n][0], -1) if flat else shapes[n]) if n in shapes else v for n, v in named.items()}
+
+
 def read_dist_checkpoint(path: str) -> TrainerCheckpoint:
     """A torch_dist checkpoint (root or iteration dir) as a :class:`TrainerCheckpoint`: its global
     tensors are already the full t = 1 families, its common state gives the (0, 0) file's keys."""
@@ -147,12 +157,14 @@ def read_dist_checkpoint(path: str) -> TrainerCheckpoint:
 
     idir = path if dc.is_dist_checkpoint(path) else find_iteration_dir(path)
     common, families = dc.read_whole(idir)
+    cfg = model_config(common["config"])
+    families = {f: expert_stacks(cfg, named, flat=False) for f, named in families.items()}
     opt_keys = {f.split(".", 1)[1]: {} for f in families if f.startswith("optimizer.")}
     first = {"args": common["args"], "config": common["config"], "data": common["data"],
              "iteration": common["iteration"], "layout": {**common["layout"], "tp_rank": 0, "pp_rank": 0},
              "stage": {"step": common["step"], "schedule": common["schedule"], "scaler": common["scaler"],
                        "optimizer": {**opt_keys, **common["optimizer"]}}}
-    return TrainerCheckpoint(model_config(common["config"]), families, first)
+    return TrainerCheckpoint(cfg, families, first)
 
 
 def write_dist_checkpoint(root: str, ckpt: TrainerCheckpoint, *, schedule: str | None) -> str:
@@ -161,7 +173,7 @@ def write_dist_checkpoint(root: str, ckpt: TrainerCheckpoint, *, schedule: str |
 
     first, st = ckpt.first, ckpt.first["stage"]
     schedule = schedule or first["layout"]["schedule"]
-    families = {n: f for n, f in ckpt.families.items()
+    families = {n: expert_stacks(ckpt.cfg, f, flat=True) for n, f in ckpt.families.items()
                 if n != "older" or get_schedule(schedule).weight_versions > 1}
     args = copy.deepcopy(first["args"])
     vars(args).update(pipeline_schedule=schedule)

@@ -177,7 +177,7 @@ class ModelConfig:
         """The flags of features this model has that no export format (Hugging Face, Megatron-Core) can
         write: an export of such a model is refused in one line rather than written as another model. A
         layer feature that the exporters do not map names itself here, beside its field."""
-        return ("--num-experts",) if self.moe is not None else ()
+        return ()  # experts: Hugging Face (Mixtral, Qwen2-MoE) and Megatron-Core map them, refusing what they cannot
 
     @property
     def tied_output(self) -> bool:

@@ -25,14 +25,14 @@ from ..checkpoint.megatron_format import (
     write_megatron_dir,
 )
 from ..checkpoint.names import WORD, Split
-from ..checkpoint.reshard import unshard
+from ..checkpoint.reshard import unshard, whole_model_config
 from ..checkpoint.trainer_format import verified_rank_files
 from ..checkpoint.trainer_reshard import TrainerCheckpoint, read_dist_checkpoint
 from ..config import ModelConfig
 from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
-from .hf_format import load_hf_dir, save_hf_dir
+from .hf_io import load_hf_dir, save_hf_dir
 from .mcore_format import TRANSFORMER_IMPLS, is_mcore_file, read_mcore_files, write_mcore_dir
 
 LOADERS = ("auto", "megatron", "hf", "mcore", "core")
@@ -77,7 +77,7 @@ def read_trainer_iteration(iter_dir: str, files: dict | None = None) -> tuple[Ex
     ``files``: its rank files already read by :func:`verified_rank_files`."""
     files = verified_rank_files(iter_dir) if files is None else files
     first = files[min(files)]
-    cfg = trainer_model_config(first["config"])
+    cfg = whole_model_config(trainer_model_config(first["config"]))
     parts = {k: _global_names(sd, cfg) for k, sd in files.items()}
     tok = recorded_tokenizer(first.get("args"), first.get("fingerprints"))
     dtype = first["config"].get("optimizer", {}).get("dtype", "fp32")
@@ -96,7 +96,8 @@ def dist_exported(ckpt: TrainerCheckpoint) -> Exported:
     """A torch_dist checkpoint's newest weights as a whole model, with the tokenizer it recorded."""
     tok = recorded_tokenizer(ckpt.first.get("args"), ckpt.first.get("fingerprints"))
     dtype = ckpt.first["config"].get("optimizer", {}).get("dtype", "fp32")
-    return Exported(ckpt.cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype)
+    cfg = whole_model_config(ckpt.cfg)
+    return Exported(cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype)
 
 
 def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
@@ -120,6 +121,15 @@ def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:
     return read_megatron_dir(path), has_optimizer
 
 
+def refuse_legacy_experts(cfg: ModelConfig) -> None:
+    """Megatron-LM v2.x's weights-only layout has no layer with experts (a trainer checkpoint keeps them under names
+    of this project, with the config that says so)."""
+    if cfg.moe is not None:
+        raise ConfigError(f"--saver megatron cannot write an MoE model ({cfg.moe.num_experts} experts) as weights "
+                          "only: Megatron-LM v2.x's layout has no expert layers; use --saver mcore, --saver hf, or "
+                          "keep the optimizer state (a trainer checkpoint)")
+
+
 def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int = 1, schedule: str | None = None,
                     split: Split = None, transformer_impl: str = TRANSFORMER_IMPLS[0], chunks: int = 1) -> str:
     """Write ``ex`` to ``path`` as ``saver`` says; returns what was written."""
@@ -129,6 +139,8 @@ def save_checkpoint(ex: Exported, path: str, saver: str, *, t: int = 1, d: int =
     if beyond and (saver in MCORE or saver == "hf"):
         raise ConfigError(f"--saver {saver} cannot write a model with {', '.join(beyond)} (no such layer in its "
                           "format); save it with --saver megatron (this trainer's layout) instead")
+    if saver == "megatron":
+        refuse_legacy_experts(ex.cfg)
     if saver in MCORE:
         if chunks > 1:
             raise ConfigError("--saver mcore writes one model chunk per rank: drop the virtual pipeline target")

@@ -3,23 +3,25 @@
 The forward pass here is a functional copy of the model's own (``models/gpt.py``,
 ``models/transformer.py``: pre-norm, QKV rows interleaved per head or per query group, tanh GELU
 or SwiGLU, learned positions or RoPE, tied or separate output layer) that also accepts cached keys
-and values of earlier positions, so each new token costs one position's work. Tests check it
-against the model's own forward.
+and values of earlier positions, so each new token costs one position's work. A layer with experts runs the
+model's own MoE layer (``moe/layer.py``, every expert local) on the new positions: routing is per token, so
+it needs no cache. Tests check it against the model's own forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.names import OUTPUT, POSITION, WORD, head_index
+from ..checkpoint.names import OUTPUT, POSITION, WORD, head_index, is_moe_layer
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.norms import norm_functional
 from ..models.rope import apply_rotary, rotary_tables
+from ..moe import MoELayer
 
 
 @dataclass
@@ -62,6 +64,17 @@ class CachedGPT:
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.w[WORD] = self.w[WORD][: cfg.vocab_size]
         self.out = self.w[WORD] if cfg.tied_output else self.w[f"{head_index(cfg)}.{OUTPUT}"][: cfg.vocab_size]
+        self.experts = {i: self._moe_layer(i) for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
+
+    def _moe_layer(self, i: int) -> MoELayer:
+        """Layer ``i``'s MoE MLP holding its weights (``{i+1}.mlp.moe.*``), all experts local, in eval mode."""
+        moe, prefix = replace(self.cfg.moe, expert_model_parallel_size=1), f"{i + 1}.mlp.moe."
+        w = next(iter(self.w.values()))
+        layer = MoELayer(moe, self.cfg.hidden_size, gated=self.cfg.swiglu, dtype=w.dtype).to(w.device).eval()
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(self.w[prefix + name])
+        return layer
 
     def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return norm_functional(self.cfg, x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
@@ -97,6 +110,8 @@ class CachedGPT:
         return self._lin(out.transpose(1, 2).reshape(b, s, h), f"{i + 1}.attn.proj")
 
     def _mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if i in self.experts:  # the MoE layer takes [s, b, h]
+            return self.experts[i](x.transpose(0, 1)).transpose(0, 1)
         if self.cfg.swiglu:
             hidden = F.silu(self._lin(x, f"{i + 1}.mlp.gate")) * self._lin(x, f"{i + 1}.mlp.up")
         else:

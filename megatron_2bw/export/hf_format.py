@@ -9,16 +9,12 @@ HF vocabularies are the real (unpadded) size. Our GELU is the tanh approximation
 
 from __future__ import annotations
 
-import os
-import re
-
 import torch
 
-from ..checkpoint.megatron_format import Exported
-from ..checkpoint.names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index
+from ..checkpoint.names import OUTPUT, POSITION, TOKENTYPE, WORD, head_index, is_moe_layer
 from ..checkpoint.reshard import pad_vocab
 from ..config import ModelConfig
-from ..errors import ConfigError, os_error_line
+from ..errors import ConfigError
 
 TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 _GPT_LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
@@ -173,8 +169,14 @@ def from_hf_megatron_bert(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict
 
 
 # --------------------------------------------------------------------------- Llama
-_LLAMA_LAYER = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
-                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}
+_LLAMA_LAYER = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj"}
+LLAMA_MLP = {"mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}
+
+
+def _layer_pairs(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """Layer ``i``'s modules beside the attention's q/k/v, ours -> HF's: the norms, the projection and, unless
+    the layer holds experts (export/hf_moe.py maps those), the dense SwiGLU MLP."""
+    return _LLAMA_LAYER if is_moe_layer(cfg, i) else {**_LLAMA_LAYER, **LLAMA_MLP}
 
 
 def is_llama(cfg: ModelConfig) -> bool:
@@ -192,20 +194,24 @@ def _check_llama(cfg: ModelConfig) -> None:
                           "cannot be exported")
 
 
-def llama_config(cfg: ModelConfig):
-    from transformers import LlamaConfig  # noqa: PLC0415
-
+def llama_common(cfg: ModelConfig) -> dict:
+    """The config fields Llama and its mixture-of-experts kin (Mixtral, Qwen2-MoE) share, from ``cfg``."""
     _check_llama(cfg)
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.query_groups, head_dim=cfg.head_dim, hidden_act="silu",
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups, hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.layernorm_epsilon,
         initializer_range=cfg.init_method_std, tie_word_embeddings=cfg.tied_output,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-        attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear, attention_dropout=cfg.attention_dropout,
-        bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"],
-    )
+        attention_dropout=cfg.attention_dropout, bos_token_id=None, eos_token_id=None)
+
+
+def llama_config(cfg: ModelConfig):
+    from transformers import LlamaConfig  # noqa: PLC0415
+
+    return LlamaConfig(**llama_common(cfg), intermediate_size=cfg.ffn_hidden_size, head_dim=cfg.head_dim,
+                       attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
+                       architectures=["LlamaForCausalLM"])
 
 
 def _qkv_split(cfg: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,7 +239,8 @@ def _llama_linears(cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def to_hf_llama(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM's state dict (``lm_head`` the word embedding when tied)."""
+    """LlamaForCausalLM's state dict (``lm_head`` the word embedding when tied); an MoE model's layers without
+    their experts."""
     _check_llama(cfg)
     hd = head_index(cfg)
     word = full[WORD][: cfg.vocab_size]
@@ -244,37 +251,42 @@ def to_hf_llama(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
         for p in _llama_linears(cfg):
             for part, x in zip("qkv", _qkv_split(cfg, full[f"{g}attn.qkv.{p}"])):
                 out[f"{h}self_attn.{part}_proj.{p}"] = x
-        for ours, theirs in _LLAMA_LAYER.items():
+        for ours, theirs in _layer_pairs(cfg, i).items():
             for p in ("weight",) if ours.startswith("ln") else _llama_linears(cfg):
                 out[f"{h}{theirs}.{p}"] = full[f"{g}{ours}.{p}"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def config_from_llama(c) -> ModelConfig:
+    if bool(c.attention_bias) != bool(c.mlp_bias):
+        raise ConfigError("attention_bias and mlp_bias differ; --disable-bias-linear covers both")
+    return ModelConfig(**llama_fields(c), ffn_hidden_size=c.intermediate_size, add_bias_linear=bool(c.attention_bias))
+
+
+def llama_fields(c) -> dict:
+    """Our ModelConfig fields from what an HF Llama-kin config shares (:func:`llama_common`); refused where this
+    model cannot hold it."""
     if c.hidden_act != "silu":
         raise ConfigError(f"Llama activation {c.hidden_act!r} is not the SiLU this model's SwiGLU implements")
     rope = c.rope_parameters or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"RoPE scaling {rope.get('rope_type')!r} is not implemented "
                           "(only the default rotary embedding)")
-    if bool(c.attention_bias) != bool(c.mlp_bias):
-        raise ConfigError("attention_bias and mlp_bias differ; --disable-bias-linear covers both")
-    if c.head_dim != c.hidden_size // c.num_attention_heads:
-        raise ConfigError(f"head_dim {c.head_dim} is not hidden_size / num_attention_heads")
+    head_dim = getattr(c, "head_dim", None)
+    if head_dim not in (None, c.hidden_size // c.num_attention_heads):
+        raise ConfigError(f"head_dim {head_dim} is not hidden_size / num_attention_heads")
     groups = c.num_key_value_heads or c.num_attention_heads
     theta = float(rope.get("rope_theta", 10000.0))
-    return ModelConfig(
+    return dict(
         kind="gpt", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads, seq_length=c.max_position_embeddings,
-        max_position_embeddings=c.max_position_embeddings,
-        vocab_size=c.vocab_size, ffn_hidden_size=c.intermediate_size, hidden_dropout=0.0,
+        max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size, hidden_dropout=0.0,
         attention_dropout=float(c.attention_dropout or 0.0), layernorm_epsilon=c.rms_norm_eps,
         init_method_std=c.initializer_range, position_embedding_type="rope",
         rotary_base=int(theta) if theta.is_integer() else theta, swiglu=True, normalization="RMSNorm",
         group_query_attention=groups != c.num_attention_heads,
         num_query_groups=groups if groups != c.num_attention_heads else None,
-        untie_embeddings_and_output_weights=not c.tie_word_embeddings, add_bias_linear=bool(c.attention_bias),
-    )
+        untie_embeddings_and_output_weights=not c.tie_word_embeddings)
 
 
 def from_hf_llama(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -287,94 +299,7 @@ def from_hf_llama(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, to
         g, h = f"{i + 1}.", f"model.layers.{i}."
         for p in _llama_linears(cfg):
             full[f"{g}attn.qkv.{p}"] = _qkv_join(cfg, *(sd[f"{h}self_attn.{x}_proj.{p}"] for x in "qkv"))
-        for ours, theirs in _LLAMA_LAYER.items():
+        for ours, theirs in _layer_pairs(cfg, i).items():
             for p in ("weight",) if ours.startswith("ln") else _llama_linears(cfg):
                 full[f"{g}{ours}.{p}"] = sd[f"{h}{theirs}.{p}"]
     return {k: v.detach().float().contiguous() for k, v in full.items()}
-
-
-# --------------------------------------------------------------------------- directories
-def _quiet() -> None:
-    """No progress bars from transformers: the tools print one summary line."""
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
-
-    hf_logging.disable_progress_bar()
-
-
-def hf_model(ex: Exported):
-    """The HF model object holding ``ex``'s weights (GPT2LMHeadModel, MegatronBertForPreTraining or
-    LlamaForCausalLM)."""
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MegatronBertForPreTraining  # noqa: PLC0415
-
-    _quiet()
-    # the HF model class per family stays here: it is the export's table, not the model's
-    if ex.cfg.kind == "gpt" and ex.cfg.llama_style:
-        model, sd = LlamaForCausalLM(llama_config(ex.cfg)), to_hf_llama(ex.cfg, ex.weights)
-    else:
-        gpt = ex.cfg.kind == "gpt"
-        config = (gpt2_config if gpt else megatron_bert_config)(ex.cfg)
-        model = (GPT2LMHeadModel if gpt else MegatronBertForPreTraining)(config)
-        sd = (to_hf_gpt2 if gpt else to_hf_megatron_bert)(ex.cfg, ex.weights)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.endswith(("attn.bias", "attn.masked_bias", "position_ids"))]
-    if missing or unexpected:
-        raise ConfigError(f"HF model does not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.eval()
-
-
-def save_hf_dir(path: str, ex: Exported) -> str:
-    """A directory ``from_pretrained`` loads (config.json + weights, and the run's tokenizer when its files
-    are there: export/hf_tokenizer.py); returns what was done with the tokenizer."""
-    from .hf_tokenizer import write_tokenizer  # noqa: PLC0415
-
-    os.makedirs(path, exist_ok=True)
-    model = hf_model(ex)
-    note, eod = write_tokenizer(path, ex.tokenizer)
-    if eod is not None and ex.cfg.family.causal:  # GPT-2's convention: <|endoftext|> is both
-        model.config.eos_token_id = model.config.bos_token_id = int(eod)
-    try:
-        model.save_pretrained(path)
-    except Exception as e:  # safetensors removes its partial file and names no file: say which (F05)
-        m = re.search(r"os error (\d+)", str(e))
-        if m is None:
-            raise
-        code = int(m.group(1))
-        err = OSError(code, os.strerror(code))
-        raise ConfigError(os_error_line(err, os.path.join(path, "model.safetensors"))) from None
-    return note
-
-
-def load_hf_dir(path: str) -> Exported:
-    """A GPT2LMHeadModel or MegatronBertForPreTraining directory as a whole model of ours."""
-    from transformers import AutoConfig, GPT2LMHeadModel, MegatronBertForPreTraining  # noqa: PLC0415
-
-    _quiet()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
-    conf = AutoConfig.from_pretrained(path, local_files_only=True)
-    if conf.model_type == "gpt2":
-        cfg = config_from_gpt2(conf)
-        sd = GPT2LMHeadModel.from_pretrained(path, local_files_only=True).state_dict()
-        return Exported(cfg, from_hf_gpt2(cfg, sd), tokenizer=exported_tokenizer(path))
-    if conf.model_type == "megatron-bert":
-        cfg = config_from_megatron_bert(conf)
-        sd = MegatronBertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
-        return Exported(cfg, from_hf_megatron_bert(cfg, sd), tokenizer=exported_tokenizer(path))
-    if conf.model_type == "llama":
-        from transformers import LlamaForCausalLM  # noqa: PLC0415
-
-        cfg = config_from_llama(conf)
-        sd = LlamaForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
-        return Exported(cfg, from_hf_llama(cfg, sd), tokenizer=exported_tokenizer(path))
-    raise ConfigError(f"{path}: model type {conf.model_type!r} is not supported (gpt2, megatron-bert or llama)")
-
-
-def exported_tokenizer(path: str) -> dict:
-    """The tokenizer of a Hugging Face directory: the one its export recorded (hf_tokenizer.RECORD: the training
-    run's flags and fingerprint), plus ``exported_dir`` when the directory holds transformers' tokenizer files."""
-    from .hf_tokenizer import read_record  # noqa: PLC0415
-
-    tok = read_record(path)
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        tok["exported_dir"] = path
-    return tok

@@ -12,7 +12,8 @@ the pipeline stage, as the torch format saves them.
 Tensor layouts need no permutation: Megatron-Core's ``linear_qkv`` rows are [query groups,
 heads/groups + 2, head_dim] (each group's queries, then its key and value; [heads, 3, head_dim]
 without grouped-query attention), which is our own order, and SwiGLU's ``linear_fc1`` holds each
-tensor rank's [gate; up] rows, as our legacy export does.
+tensor rank's [gate; up] rows, as our legacy export does. A model's experts (router, one ``SequentialMLP`` per
+expert, shared experts) are named in ``mcore_moe.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..checkpoint.names import (
     WORD,
     Split,
     head_index,
+    is_moe_layer,
     stage_names,
     swiglu_part,
 )
@@ -47,6 +49,7 @@ from ..config import ModelConfig
 from ..data.fingerprint import recorded_tokenizer
 from ..errors import ConfigError
 from ..schedule.stages import stage_range
+from . import mcore_moe
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
@@ -58,8 +61,8 @@ _LINEARS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attentio
 _NORMS = {"transformer_engine": {"ln1": "self_attention.linear_qkv.layer_norm_", "ln2": "mlp.linear_fc1.layer_norm_"},
           "local": {"ln1": "input_layernorm.", "ln2": "pre_mlp_layernorm."}}
 # Transformer Engine modules that save an ``_extra_state`` entry (fp8 metadata; None without fp8)
-_TE_EXTRA = ("self_attention.core_attention", "self_attention.linear_proj", "self_attention.linear_qkv",
-             "mlp.linear_fc1", "mlp.linear_fc2")
+_TE_EXTRA = ("self_attention.core_attention", "self_attention.linear_proj", "self_attention.linear_qkv")
+# (and the MLP's linears: mcore_moe.te_extra)
 _BERT_HEAD = {"lm_dense.weight": "lm_head.dense.weight", "lm_dense.bias": "lm_head.dense.bias",
               "lm_ln.weight": "lm_head.layer_norm.weight", "lm_ln.bias": "lm_head.layer_norm.bias",
               "lm_bias": "output_layer.bias", "pooler.weight": "pooler.dense.weight",
@@ -91,8 +94,10 @@ def mcore_key(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Split 
     if 1 <= idx <= cfg.num_layers:
         module, param = rest.rsplit(".", 1)
         prefix = f"{block_key(cfg)}.layers.{idx - max(start, 1)}."
-        if module in ("ln1", "ln2"):
-            return prefix + _NORMS[impl][module] + param
+        if module in ("ln1", "ln2"):  # an MoE layer's pre-MLP norm is a module of its own under either impl
+            return prefix + _NORMS["local" if module == "ln2" and is_moe_layer(cfg, idx - 1) else impl][module] + param
+        if rest.startswith("mlp.moe."):
+            return prefix + mcore_moe.moe_key(rest)
         module = "mlp.fc1" if module in SWIGLU_MODULES else module  # one fused [gate; up] tensor
         return f"{prefix}{_LINEARS[module]}.{param}"
     if idx == h and rest == OUTPUT:
@@ -113,11 +118,16 @@ def mcore_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: 
         if which == 1:
             continue  # written with the gate: this rank's [gate; up] rows in one tensor
         value = part[name] if which is None else torch.cat([part[name], part[name.replace(".gate.", ".up.")]], 0)
-        model[mcore_key(cfg, name, d, r, split, impl)] = value
+        key = mcore_key(cfg, name, d, r, split, impl)
+        rest = name.split(".", 1)[1]
+        if rest in mcore_moe.STACKS:  # one SequentialMLP per expert
+            model.update(mcore_moe.expert_entries(key[: -len(mcore_moe.moe_key(rest))], rest, value))
+        else:
+            model[key] = value
     if impl == "transformer_engine":
         start, end = stage_range(cfg.num_layers, d, r, split)
-        for local in range(len([i for i in range(start, end) if 1 <= i <= cfg.num_layers])):
-            for mod in _TE_EXTRA:
+        for local, i in enumerate(i for i in range(start, end) if 1 <= i <= cfg.num_layers):
+            for mod in _TE_EXTRA + mcore_moe.te_extra(cfg, i - 1):
                 model[f"{block_key(cfg)}.layers.{local}.{mod}._extra_state"] = None
     return model
 
@@ -129,6 +139,10 @@ def from_mcore_model(cfg: ModelConfig, model: dict, d: int = 1, r: int = 0,
     out = {}
     for name in stage_names(cfg, d, r, split):
         key = mcore_key(cfg, name, d, r, split, impl)
+        rest = name.split(".", 1)[1]
+        if rest in mcore_moe.STACKS:
+            out[name] = mcore_moe.read_stack(model, key[: -len(mcore_moe.moe_key(rest))], rest, cfg.moe.num_experts)
+            continue
         value = model.get(key)
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"Megatron-Core checkpoint lacks {key} (stage {r} of {d}, {impl} names)")
@@ -140,9 +154,9 @@ def from_mcore_model(cfg: ModelConfig, model: dict, d: int = 1, r: int = 0,
 
 def detect_impl(model: dict) -> str:
     """Which layer names a Megatron-Core state dict uses: norms fused into the linears (Transformer Engine)
-    or modules of their own (local). A stage without layers reads the same either way."""
-    return "local" if any(k.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight")) for k in model) \
-        else "transformer_engine"
+    or modules of their own (local; an MoE layer's pre-MLP norm is one under either). A stage without layers reads
+    the same either way."""
+    return "local" if any(k.endswith("input_layernorm.weight") for k in model) else "transformer_engine"
 
 
 def is_mcore_file(sd) -> bool:
@@ -157,6 +171,7 @@ def mcore_args(ex: Exported, t: int, d: int, impl: str, split: Split = None) -> 
     args = megatron_args(ex, t, d, None, split)
     args.use_mcore_models, args.use_legacy_models = True, False
     args.transformer_impl, args.ckpt_format = impl, "torch"
+    vars(args).update(mcore_moe.moe_args(ex.cfg))
     return args
 
 
@@ -164,6 +179,7 @@ def write_mcore_dir(root: str, ex: Exported, t: int = 1, d: int = 1, split: Spli
                     impl: str = "transformer_engine") -> str:
     """Write ``ex`` under ``root`` as Megatron-Core's torch format (pointer file last); returns the iteration dir."""
     _check_impl(impl)
+    mcore_moe.check_writable(ex.cfg, t)
     files = ((key, {"model": mcore_model(ex.cfg, part, d, key[1], split, impl),
                     "args": mcore_args(ex, t, d, impl, split), "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": ex.iteration})
@@ -182,7 +198,7 @@ def read_mcore_files(files: dict[tuple[int, int], dict], root: str) -> Exported:
     legacy = {"language_model": {"embedding": {"tokentype_embeddings": {"weight": model.get(_EMBEDDING[TOKENTYPE])}}}}
     if any(k.startswith(("encoder.", "binary_head.", "lm_head.")) for k in model):
         legacy["lm_head"] = {}
-    cfg = config_from_args(first["args"], legacy)
+    cfg = mcore_moe.with_moe(config_from_args(first["args"], legacy), first["args"])
     a = vars(first["args"])
     d = 1 + max(pp for _, pp in files)
     split = a.get("pipeline_split")

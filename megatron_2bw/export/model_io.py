@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.names import full_names
-from ..checkpoint.reshard import is_vocab, pad_vocab
+from ..checkpoint.reshard import is_vocab, pad_vocab, whole_model_config
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..models.spec import ModelSpec
@@ -15,7 +15,7 @@ from ..tensor_parallel.group import TPGroup
 
 def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:
     """The whole model [embedding, layers, head] at t = 1 in one module list (head tied to the embedding)."""
-    return nn.ModuleList(ModelSpec(cfg, TPGroup(), seed).build(0, cfg.num_layers + 2))
+    return nn.ModuleList(ModelSpec(whole_model_config(cfg), TPGroup(), seed).build(0, cfg.num_layers + 2))
 
 
 def global_state_dict(model: nn.ModuleList) -> dict[str, torch.Tensor]:
