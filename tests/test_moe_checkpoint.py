@@ -95,7 +95,9 @@ def _dense(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("change, line", [
     (_dense, "holds an MoE model (4 experts) but this run builds a dense model"),
     (lambda a: [*a, "--num-experts", "8"], "has num_experts=4 but this run has num_experts=8"),
-], ids=["moe-into-dense", "num-experts"])
+    (lambda a: [*a, "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"],
+     "the checkpoint holds no expert bias"),
+], ids=["moe-into-dense", "num-experts", "bias-missing"])
 def test_bad_resume_is_one_line(saved, change, line):
     from e2e import PY, REPO, clean_env, run
 
@@ -103,6 +105,25 @@ def test_bad_resume_is_one_line(saved, change, line):
     res = run([PY, f"{REPO}/pretrain_gpt.py", *argv], env=clean_env(), timeout=180)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.describe()
     assert line in [ln for ln in res.stderr.splitlines() if ln.strip()][-1], res.describe()
+
+
+def test_the_bias_reaches_generation(saved):
+    """A torch_dist checkpoint's expert bias (B of the newest weights) comes with its export: generation routes
+    with it (the logits differ from a zero bias's), and a model that needs it is refused without it."""
+    import torch
+
+    from megatron_2bw.errors import ConfigError
+    from megatron_2bw.export.checkpoints import load_checkpoint
+    from megatron_2bw.export.generation import CachedGPT
+
+    ex, _ = load_checkpoint(os.path.join(saved["root"], "bias-2bw"))
+    assert sorted(ex.router) == [0, 1] and all(b.abs().max() > 0.1 for b in ex.router.values())
+    tokens = torch.arange(1, 17).view(1, 16)
+    with_bias = CachedGPT(ex.cfg, ex.weights, router=ex.router).forward(tokens)
+    zero = CachedGPT(ex.cfg, ex.weights, router={i: torch.zeros_like(b) for i, b in ex.router.items()}).forward(tokens)
+    assert not torch.allclose(with_bias, zero)
+    with pytest.raises(ConfigError, match="routes with an expert bias the checkpoint does not hold"):
+        CachedGPT(ex.cfg, ex.weights)
 
 
 def test_dense_checkpoint_into_moe_is_refused():

@@ -115,7 +115,7 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {ex.cfg.vocab_size}")
     encoded = [tok.tokenize(p) for p in prompts]
     check_positions(encoded, args.max_new_tokens, ex.cfg.max_position_embeddings)
-    model = CachedGPT(ex.cfg, ex.weights, device=args.device)
+    model = CachedGPT(ex.cfg, ex.weights, device=args.device, router=ex.router)
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         print(prompt, end="", flush=True)
         done = list(ids)

@@ -40,6 +40,9 @@ class Exported:
     iteration: int = 0
     tokenizer: dict = field(default_factory=dict)  # tokenizer_type, tokenizer_model, vocab_file, merge_file
     dtype: str = "fp32"
+    # an MoE router's state beside the weights: transformer layer -> expert bias of the newest weights (a
+    # torch_dist trainer checkpoint's router_state; empty elsewhere)
+    router: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def megatron_args(ex: Exported, t: int, d: int, schedule: str | None = None, split: Split = None,

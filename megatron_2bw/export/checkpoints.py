@@ -97,7 +97,8 @@ def dist_exported(ckpt: TrainerCheckpoint) -> Exported:
     tok = recorded_tokenizer(ckpt.first.get("args"), ckpt.first.get("fingerprints"))
     dtype = ckpt.first["config"].get("optimizer", {}).get("dtype", "fp32")
     cfg = whole_model_config(ckpt.cfg)
-    return Exported(cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype)
+    router = {int(name.split(".")[0]): t[0] for name, t in ckpt.families.get("router_state", {}).items()}
+    return Exported(cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype, router)
 
 
 def load_checkpoint(path: str, loader: str = "auto") -> tuple[Exported, bool]:

@@ -57,12 +57,13 @@ class CachedGPT:
     """A GPT's forward over its full (t = 1) state dict, optionally extending a :class:`KVCache`."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, router: dict[int, torch.Tensor] | None = None) -> None:
         if not cfg.family.causal:
             raise ConfigError(f"generation needs a GPT model, this checkpoint holds a {cfg.kind} model")
         self.cfg = cfg
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.w[WORD] = self.w[WORD][: cfg.vocab_size]
+        self.router = router or {}  # layer -> expert bias (Exported.router)
         self.out = self.w[WORD] if cfg.tied_output else self.w[f"{head_index(cfg)}.{OUTPUT}"][: cfg.vocab_size]
         self.experts = {i: self._moe_layer(i) for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
 
@@ -74,6 +75,11 @@ class CachedGPT:
         with torch.no_grad():
             for name, p in layer.named_parameters():
                 p.copy_(self.w[prefix + name])
+            if layer.router.expert_bias is not None:  # routes with the bias the weights were trained with
+                if i not in self.router:
+                    raise ConfigError(f"layer {i} routes with an expert bias the checkpoint does not hold (only "
+                                      "torch_dist trainer checkpoints save it)")
+                layer.router.expert_bias.copy_(self.router[i])
         return layer
 
     def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:

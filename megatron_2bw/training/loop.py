@@ -43,6 +43,7 @@ from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
 from ..checkpoint.names import WORD
 from ..config.precision import precision_of
 from ..context_parallel.group import CPGroup
+from ..errors import ConfigError
 from ..faults import Faults
 from ..models.gpt import DocumentMasks
 from ..models.moe_block import MoEGroups
@@ -160,6 +161,10 @@ class Trainer:
         formats.of_file(prep.checkpoint).restore(prep.checkpoint, self.stage, self.tracker, state.device,
                                                  **checkpointing.load_options(tc))
         prep.checkpoint = None  # free the CPU copy
+        moe = self.cfg.model.moe
+        if moe is not None and moe.moe_router_enable_expert_bias and not getattr(self.stage, "moe_router_state", None):
+            raise ConfigError(f"--load {tc.load}: the checkpoint holds no expert bias (router_state), which "
+                              "--moe-router-enable-expert-bias routes with (a torch-format or bias-free checkpoint)")
         if state.rank == 0:  # Megatron's line: which checkpoint, and what of it
             what = "weights only (--finetune)" if tc.finetune else \
                 "weights and iteration (--no-load-optim)" if tc.no_load_optim else "full state"
