@@ -64,11 +64,13 @@ def plot_expert_load(data: dict, path: str) -> bool:
                 color, _ = PIPE_STYLE[pipe]
                 ax.plot(c["step"], c["layers"][str(ly)], OPT_STYLE[opt], color=color, lw=1.3,
                         label=f"{opt} {PIPE_TEXT[pipe]}")
-            ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+            ax.axhline(1.0, color="gray", lw=0.8, ls=":")  # balanced
+            m = data["config"]["model"]  # the ceiling: every token of the batch sends one of its k choices here
+            ax.axhline(m["num_experts"] / m["topk"], color="gray", lw=0.8, ls="--")
             ax.set_title(f"{g}: layer {ly}", fontsize=9)
             ax.set_xlabel("training step")
             ax.grid(alpha=0.3)
-        row[0].set_ylabel("max / mean tokens per expert")
+        row[0].set_ylabel("max / mean tokens per expert\n(dashed: the ceiling E / k)")
     axes[0][-1].legend(fontsize=7, ncol=2)
     m = data["config"]["model"]
     fig.suptitle(f"Expert load, {m['num_experts']} experts top-{m['topk']} (aux loss {m['aux_loss_coeff']:g}); "
@@ -154,7 +156,8 @@ def _setup(data: dict) -> str:
 
 def _aim_line(data: dict) -> str:
     a = data["aim"]
-    per = ", ".join(f"{g} {f(v, '.4f')} (per seed {' / '.join(f(x, '.4f') for x in a['ratio_per_seed'][g])})"
+    per = ", ".join(f"{g} {f(v, '.4f')} (per seed {' / '.join(f(x, '.4f') for x in a['ratio_per_seed'][g])}; "
+                    f"{len(a['ratio_per_seed'][g])} of {len(data['config']['seeds'])} seeds)"
                     for g, v in a["mean_ratio"].items())
     verdict = {True: "**met**", False: "**not met**", None: "not measured yet"}[a["met"]]
     every = {True: "every seed within it too", False: "not every seed within it", None: ""}[a["met_by_every_seed"]]
