@@ -12,7 +12,8 @@ MoE has 8 experts per layer of FFN size 128, top-2, the softmax router with Mega
 (``--moe-aux-loss-coeff 1e-2``), ``--moe-grouped-gemm``, dropless, no expert bias; the dense model's FFN is
 top-k x 128 = 256 (= 4 x hidden), so both have the same active parameters (the router's 8 x 64 per layer
 aside). Regimes (``MOE_REGIMES``): ``convergence_regimes.REGIMES``' batch, learning rates and 10% warm-up,
-with fewer steps (aggressive 300, paper 200) so one run takes 15-40 s on the shared 2-core machine.
+with fewer steps (aggressive 300, paper 200) so one run takes 17-40 s alone on 2 cores (the 48 runs of
+``docs/data/convergence_moe.json``: 17-145 s each, 41 min in all, with other work beside them).
 
 Output (``--json``, rewritten after every run, so a partial file is usable): ``{"rows": [{"model", "optimizer",
 "pipeline", "regime", "seed", "final_valid_loss", "flush_final_valid_loss", "valid_loss_ratio_vs_flush",
@@ -23,8 +24,8 @@ and regime: AdamW's and Muon's 2BW gap, the share of it ``ef`` recovers), "aim",
 layer N``, every ``--log-interval`` steps, averaged over the forward calls since the last line; the metrics file
 does not carry it).
 
-    python benchmarks/convergence_moe.py --json docs/data/convergence_moe.json     # the study, ~25 min
-    python benchmarks/report_moe.py --json docs/data/convergence_moe.json --doc docs/benchmarks.md
+    python benchmarks/convergence_moe.py --json docs/data/convergence_moe.json     # the study, 20-40 min
+    python benchmarks/report.py --from-json docs/data --convergence-only          # its part of docs/benchmarks.md
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The MoE + 2BW convergence study in ``docs/benchmarks.md`` (issue 43): the ratio table with the seed spread,
-the signs of Zmushko et al.'s gaps, the aim, and the figure of the expert load, from ``convergence_moe.py``'s JSON.
+the signs of Zmushko et al.'s gaps, the aim, and the figure of the expert load, from ``convergence_moe.py``'s JSON
+(``docs/data/convergence_moe.json``). ``report.py`` puts it at the end of section 3's generated part:
 
-    python benchmarks/report_moe.py --json docs/data/convergence_moe.json --doc docs/benchmarks.md \\
-        --png docs/img/convergence_moe_load.png
-
-The block is written between ``<!-- kept: moe-2bw -->`` and ``<!-- /kept -->`` at the end of section 3: it
-replaces an earlier one in place, and ``report.py`` carries it over when it rebuilds the document
-(``kept_notes.py``).
+    python benchmarks/report.py --from-json docs/data --convergence-only     # rebuild section 3 only
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from report_format import f, md_table, rel_link, save_figure
 
-import kept_notes
-from report_format import f, load_json, md_table, rel_link, save_figure
-
-NAME = "moe-2bw"
 PIPE_TEXT = {"flush": "Flush", "2bw": "2BW", "2bw-ef": "2BW + ef"}
 PIPE_STYLE = {"flush": ("tab:orange", "-"), "2bw": ("tab:blue", "-"), "2bw-ef": ("tab:purple", "-")}
 OPT_STYLE = {"adamw": "-", "muon": "--"}
@@ -165,10 +155,11 @@ def _aim_line(data: dict) -> str:
             f"Flush in both regimes (mean over seeds): {per}: {verdict}" + (f" ({every})." if every else "."))
 
 
-def section(data: dict, img: str | None, doc: str) -> str:
-    """The kept block: setup, ratio table, signs, aim, expert load."""
-    lines = [f"<!-- kept: {NAME} -->", "### MoE under 2BW: the convergence study (issue 43, `convergence_moe.py`)",
-             ""]
+def moe_section(data: dict | None, img: str | None, doc: str, json_path: str) -> list[str]:
+    """Setup, ratio table, signs, aim, expert load (nothing without the JSON)."""
+    if not data:
+        return []
+    lines = ["### MoE under 2BW: the convergence study (issue 43, `convergence_moe.py`)", ""]
     if not data.get("complete"):
         lines += [f"> **Partial**: {len(data['rows'])} runs finished when this was generated.", ""]
     lines += [_setup(data), "",
@@ -186,39 +177,6 @@ def section(data: dict, img: str | None, doc: str) -> str:
                        _load_rows(data)), ""]
     if img:
         lines += [f"![expert load over training]({rel_link(img, doc)})", ""]
-    js = rel_link(os.path.join(os.path.dirname(os.path.abspath(doc)), "data", "convergence_moe.json"), doc)
-    lines += [f"Data: [convergence_moe.json]({js}); `python benchmarks/convergence_moe.py --json "
-              "docs/data/convergence_moe.json`, then `python benchmarks/report_moe.py` (this block).", "<!-- /kept -->"]
-    return "\n".join(lines)
-
-
-def splice(text: str, block: str) -> str:
-    """``text`` with the kept block replaced in place, or added at the end of section 3 when absent."""
-    start = text.find(f"<!-- kept: {NAME} -->")
-    if start >= 0:
-        end = text.index(kept_notes.CLOSE, start) + len(kept_notes.CLOSE)
-        return text[:start] + block + text[end:]
-    return kept_notes.restore(text, [("3", NAME, block)])
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default="docs/data/convergence_moe.json")
-    p.add_argument("--doc", default="docs/benchmarks.md")
-    p.add_argument("--png", default="docs/img/convergence_moe_load.png")
-    args = p.parse_args(argv)
-    data = load_json(args.json)
-    if data is None:
-        print(f"error: no study JSON at {args.json}", file=sys.stderr)
-        return 2
-    img = args.png if plot_expert_load(data, args.png) else None
-    with open(args.doc) as fh:
-        text = fh.read()
-    with open(args.doc, "w") as fh:
-        fh.write(splice(text, section(data, img, args.doc)))
-    print(f"wrote {args.doc}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lines += [f"Data: [convergence_moe.json]({rel_link(json_path, doc)}); `python benchmarks/convergence_moe.py --json "
+              "docs/data/convergence_moe.json`.", ""]
+    return lines

@@ -64,8 +64,8 @@ def test_moe_study_two_steps(tmp_path):
     assert by["2bw"]["flush_final_valid_loss"] == flush
     assert by["2bw"]["valid_loss_ratio_vs_flush"] == pytest.approx(tbw / flush, rel=1e-12)
     assert by["flush"]["valid_loss_ratio_vs_flush"] == 1.0
-    # the report block builds from this JSON (a figure of the load, the ratio row)
-    block = report_moe.section(data, None, os.path.join(ROOT, "docs", "benchmarks.md"))
+    # report.py's section builds from this JSON (the ratio row, the figure of the load)
+    block = "\n".join(report_moe.moe_section(data, None, os.path.join(ROOT, "docs", "benchmarks.md"), str(js)))
     assert f"| aggressive | moe | adamw | 2BW | {tbw:.4f} | {tbw / flush:.4f} |" in block
     assert report_moe.plot_expert_load(data, str(tmp_path / "load.png"))
 
