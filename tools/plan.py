@@ -35,9 +35,11 @@ import json
 import sys
 from dataclasses import asdict, replace
 
-from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
+from megatron_2bw.cli import OneLineParser, add_flags, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ATTENTION_BACKENDS, ModelConfig
+from megatron_2bw.config.moe_presets import MOE_PRESETS, get_moe_preset
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.flags import FLAGS, MOE
 from megatron_2bw.planner.calibration import (
     calibration,
     calibration_json,
@@ -76,6 +78,8 @@ from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDU
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
+    add_flags(p, [f for f in FLAGS if f.group == MOE])
+    add_moe_plan_flags(p)
     r = p.add_argument_group("run")
     r.add_argument("--num-gpus", type=int)
     r.add_argument("--cluster", default=PAPER_CLUSTER, help=f"preset name or JSON file (default {PAPER_CLUSTER})")
@@ -127,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_moe_plan_flags(p: argparse.ArgumentParser) -> None:
+    """How a model with experts is planned: its experts' load (the expert-parallel size is searched unless
+    --expert-model-parallel-size fixes it)."""
+    g = p.add_argument_group("mixture of experts (planner)")
+    g.add_argument("--moe-router-force-load-balancing", dest="moe_force_balanced", action="store_true",
+                   help="Megatron-Core's benchmark mode: tokens spread evenly over the experts (how published MoE "
+                        "throughputs are taken); default: the busiest expert at --moe-expert-load x the mean")
+    g.add_argument("--moe-expert-load", type=float, default=None, metavar="MAX/MEAN",
+                   help="the busiest expert's tokens over the mean (the max/mean of tokens per expert the trainer "
+                        "logs); default 1.25, an assumption (docs/planner.md section 12)")
+
+
 def add_output_flags(p: argparse.ArgumentParser) -> None:
     """What to print: the ranked plans (how many, JSON, every plan) or one of the paper's and published tables."""
     o = p.add_argument_group("output")
@@ -175,8 +191,27 @@ def parse_margin(text: str) -> float:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The model of the flags, by the trainer's rule."""
-    return model_config(args)
+    """The model of the flags, by the trainer's rule; a planner-scale MoE preset (``--model-preset
+    mixtral-8x7b``, ``config/moe_presets.py``) takes the MoE flags given as overrides of its experts."""
+    preset = getattr(args, "model_preset", None)
+    if preset not in MOE_PRESETS:
+        return model_config(args)
+    base, given, rest = get_moe_preset(preset), {}, argparse.Namespace(**vars(args))
+    for f in (f for f in FLAGS if f.group == MOE):
+        value = getattr(args, f.dest, None)
+        if value is not None and value is not False:
+            given[f.targets[0].split(".")[1]] = f.const if f.const is not None else value
+        setattr(rest, f.dest, None)
+    rest.model_preset = None
+    moe = replace(base.moe, **given)
+    return model_config(rest, base=replace(base, moe=moe))
+
+
+def expert_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tuple[int, ...] | None:
+    """``--expert-model-parallel-size`` given: that size only; else None (searched, for a model with experts)."""
+    if getattr(args, "expert_model_parallel_size", None) is None:
+        return None
+    return (model.moe.expert_model_parallel_size,) if model.moe else (args.expert_model_parallel_size,)
 
 
 def _require(value, flag: str) -> None:
@@ -287,7 +322,9 @@ def plan_request(args: argparse.Namespace, model: ModelConfig, cluster) -> PlanR
                        sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
                        compensation=args.compensation, optimizer=args.optimizer, async_save=args.async_save,
                        context_parallel_options=context_parallel_options(args, model),
-                       cp_comm_types=PLANNED_CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,))
+                       cp_comm_types=PLANNED_CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,),
+                       expert_parallel_options=expert_parallel_options(args, model),
+                       moe_force_balanced=args.moe_force_balanced, moe_expert_load=args.moe_expert_load)
 
 
 def context_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tuple[int, ...] | None:

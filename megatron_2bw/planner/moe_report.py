@@ -1,0 +1,97 @@
+"""What the planner prints of a model with experts (``report.py`` calls these; nothing for a dense model).
+
+The header states the experts, the total and active parameters (``config/moe_presets.parameter_counts``) and
+the load the plan assumes (``moe_costs``); each plan its expert-parallel size ``e``, the all-to-all seconds per
+step and the routed experts' bytes per GPU (weights, gradients, master and optimizer state); the trainer's
+command its MoE flags with ``--expert-model-parallel-size e``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from ..argv import render
+from ..config import ModelConfig
+from ..config.moe import MoEConfig
+from ..config.moe_presets import parameter_counts
+from .hardware import GiB
+from .memory_model import Candidate
+from .moe_costs import DEFAULT_EXPERT_LOAD
+
+# the table's MoE columns (after seq-par), a dense model's table has none
+HEADER = f" {'e':>3} {'a2a s/step':>10} {'experts GiB':>11}"
+
+
+def header_lines(request: Any) -> list[str]:
+    """The experts, the parameters and the load the plan assumes (empty for a dense model)."""
+    m = request.model
+    if m.moe is None:
+        return []
+    moe, (total, active) = m.moe, parameter_counts(m)
+    layers = sum(moe.moe_layers(m.num_layers))
+    if request.moe_force_balanced:
+        load = "force-balanced (--moe-router-force-load-balancing: every expert gets the mean)"
+    elif request.moe_expert_load is None:
+        load = (f"the busiest expert at {DEFAULT_EXPERT_LOAD:g} x the mean tokens (assumed; --moe-expert-load "
+                "sets the max/mean the run's log shows)")
+    else:
+        load = f"the busiest expert at {request.moe_expert_load:g} x the mean tokens (--moe-expert-load)"
+    cap = moe.moe_expert_capacity_factor
+    cap_text = "dropless" if cap is None else f"capacity factor {cap:g}" + (
+        ", padded to capacity" if moe.moe_pad_expert_input_to_capacity else "")
+    shared = moe.moe_shared_expert_intermediate_size
+    return [f"experts: {moe.num_experts} per MoE layer ({layers} of {m.num_layers} layers), top-{moe.moe_router_topk}"
+            f"{f', shared experts {shared} wide' if shared else ''}"
+            f"; {total / 1e9:.2f}B parameters in all, {active / 1e9:.2f}B active per token (compute from the "
+            f"active, memory from the E/e experts each rank holds); {cap_text}; load: {load}"]
+
+
+def alltoall_per_step(ev: Any) -> float:
+    """All-to-all seconds of one step on the slowest stage: its ``m`` microbatches' (inside the step time)."""
+    p = ev.prediction
+    if p is None:
+        return 0.0
+    slowest = max(p.stages, key=lambda s: s.microbatch_s)
+    return ev.candidate.num_micro_batches * slowest.alltoall_s
+
+
+def expert_bytes(ev: Any) -> int:
+    """The routed experts' bytes on the GPU that holds the most of them."""
+    return max(s.experts for s in ev.memory)
+
+
+def cells(ev: Any, model: ModelConfig) -> str:
+    """The row's MoE columns (empty for a dense model)."""
+    if model.moe is None:
+        return ""
+    return f" {ev.candidate.expert_parallel:>3} {alltoall_per_step(ev):>10.3f} {expert_bytes(ev) / GiB:>11.2f}"
+
+
+def plan_fields(ev: Any, model: ModelConfig) -> dict[str, Any]:
+    """A plan's MoE JSON fields (none for a dense model)."""
+    if model.moe is None:
+        return {}
+    return {"expert_parallel": ev.candidate.expert_parallel,
+            "alltoall_seconds_per_step": round(alltoall_per_step(ev), 6),
+            "expert_bytes_by_stage": {str(s.stage): s.experts for s in ev.memory}}
+
+
+def model_fields(model: ModelConfig) -> dict[str, Any]:
+    """The model's MoE JSON fields: experts, top-k, total and active parameters (none for a dense model)."""
+    if model.moe is None:
+        return {}
+    total, active = parameter_counts(model)
+    return {"num_experts": model.moe.num_experts, "moe_router_topk": model.moe.moe_router_topk,
+            "total_parameters": total, "active_parameters": active}
+
+
+def moe_argv(model: ModelConfig, cand: Candidate) -> list[str]:
+    """The trainer's MoE flags of ``model`` (those off their defaults) with the plan's expert-parallel size."""
+    if model.moe is None:
+        return []
+    default = MoEConfig(model.moe.num_experts)
+    values = {f"moe.{f.name}": getattr(model.moe, f.name) for f in fields(MoEConfig)
+              if getattr(model.moe, f.name) != getattr(default, f.name) or f.name == "num_experts"}
+    values["moe.expert_model_parallel_size"] = cand.expert_parallel if cand.expert_parallel > 1 else None
+    return render(values, model.kind)
