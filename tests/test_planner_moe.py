@@ -16,7 +16,8 @@ from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs, linear_forward_flops
 from megatron_2bw.planner.memory_model import slice_memory
 from megatron_2bw.planner.moe_costs import alltoall_seconds, for_experts, rank_load
-from megatron_2bw.planner.search import PlanRequest, search
+from megatron_2bw.planner.moe_ranking import FAMILIES, format_moe_ranking, moe_ranking, moe_ranking_json
+from megatron_2bw.planner.search import FINER_RECOMPUTE, PlanRequest, search
 from megatron_2bw.schedule.stages import StageSlice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,3 +182,22 @@ def test_bad_expert_input_is_one_line(capsys, extra, words):
     assert plan.main(argv + extra) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and words in err
+
+
+def test_ranking_rows_hold_each_familys_best_plan():
+    """One search per (preset, GPUs) with a selector per family: each family's best is its own schedule's, no
+    faster plan of that family exists in the exhaustive ranking, and the ratios and the table follow from them."""
+    rows = moe_ranking(H100, presets=("mixtral-8x7b",), gpus=(32,), global_batch=64)
+    (row,) = rows
+    assert row.best["2BW"].candidate.schedule == "2bw" and row.best["Flush"].candidate.schedule == "flush"
+    assert row.best["zero-bubble"].candidate.schedule.startswith("zb-")
+    full = search(PlanRequest(MIXTRAL, H100, 32, 64, "bf16", recompute_policies=FINER_RECOMPUTE,
+                              memory_margin=0.1, sequence_parallel_options=(False, True)))
+    for name, pick in FAMILIES.items():
+        best = next(e for e in full.ranked if pick(e.candidate))
+        assert row.best[name].samples_per_sec == pytest.approx(best.samples_per_sec, rel=1e-12)
+    assert row.ratio("Flush") == row.best["2BW"].samples_per_sec / row.best["Flush"].samples_per_sec
+    table = format_moe_ranking(rows, "force-balanced")
+    assert f"| mixtral-8x7b | 32 | {row.best['2BW'].samples_per_sec:7.1f} (2bw, t" in table
+    assert moe_ranking_json(rows)[0]["fastest"] == row.winner
+    assert plan.main(["--moe-ranking", "--moe-expert-load", "0.5"]) == 2  # checked before any search

@@ -29,14 +29,7 @@ def header_lines(request: Any) -> list[str]:
     if m.moe is None:
         return []
     moe, (total, active) = m.moe, parameter_counts(m)
-    layers = sum(moe.moe_layers(m.num_layers))
-    if request.moe_force_balanced:
-        load = "force-balanced (--moe-router-force-load-balancing: every expert gets the mean)"
-    elif request.moe_expert_load is None:
-        load = (f"the busiest expert at {DEFAULT_EXPERT_LOAD:g} x the mean tokens (assumed; --moe-expert-load "
-                "sets the max/mean the run's log shows)")
-    else:
-        load = f"the busiest expert at {request.moe_expert_load:g} x the mean tokens (--moe-expert-load)"
+    layers, load = sum(moe.moe_layers(m.num_layers)), load_text(request)
     cap = moe.moe_expert_capacity_factor
     cap_text = "dropless" if cap is None else f"capacity factor {cap:g}" + (
         ", padded to capacity" if moe.moe_pad_expert_input_to_capacity else "")
@@ -47,13 +40,25 @@ def header_lines(request: Any) -> list[str]:
             f"active, memory from the E/e experts each rank holds); {cap_text}; load: {load}"]
 
 
+def load_text(request: Any) -> str:
+    """The expert load a plan assumes, in words."""
+    if request.moe_force_balanced:
+        return "force-balanced (--moe-router-force-load-balancing: every expert gets the mean)"
+    if request.moe_expert_load is None:
+        return (f"the busiest expert at {DEFAULT_EXPERT_LOAD:g} x the mean tokens (assumed; --moe-expert-load "
+                "sets the max/mean the run's log shows)")
+    return f"the busiest expert at {request.moe_expert_load:g} x the mean tokens (--moe-expert-load)"
+
+
 def alltoall_per_step(ev: Any) -> float:
-    """All-to-all seconds of one step on the slowest stage: its ``m`` microbatches' (inside the step time)."""
+    """All-to-all seconds on the critical path of one step: the slowest stage's ``m`` microbatches' and their
+    share of the schedule's bubble (a flushing schedule's fill and drain run them too; 2BW has none)."""
     p = ev.prediction
     if p is None:
         return 0.0
     slowest = max(p.stages, key=lambda s: s.microbatch_s)
-    return ev.candidate.num_micro_batches * slowest.alltoall_s
+    a = slowest.alltoall_s
+    return ev.candidate.num_micro_batches * a + (p.bubble_s * a / slowest.microbatch_s if a else 0.0)
 
 
 def expert_bytes(ev: Any) -> int:
