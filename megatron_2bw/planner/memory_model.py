@@ -198,8 +198,11 @@ def slice_params(costs: MicrobatchCosts, part: StageSlice) -> int:
 
 
 def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
-    """Parameters on one GPU of ``stage``: its layers, the embedding (first), the head (last)."""
-    return slice_params(costs, stage_slice(num_layers, d, stage, split))
+    """Parameters on one GPU of ``stage``: its layers (with experts, the ``E/e`` each holds at the costs'
+    expert-parallel size), the embedding (first), the head (last)."""
+    part = stage_slice(num_layers, d, stage, split)
+    experts = part.num_layers * (costs.moe.expert_params // costs.expert_parallel) if costs.moe else 0
+    return slice_params(costs, part) + experts
 
 
 def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:

@@ -16,7 +16,9 @@ global batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and
 needs more microbatches (``ScheduleSpec.min_microbatches``). Where ``t > 1``,
 ``sequence_parallel_options`` may add sequence parallelism on and off
 (``Candidate.sequence_parallel``; the analytic costs then hold both settings,
-``LayerCosts.sp_table``). A layout whose fullest GPU exceeds the device's usable memory is discarded;
+``LayerCosts.sp_table``). A model with experts adds the expert-parallel size ``e`` (every one dividing the
+experts and the layout's ``w * c`` replicas; ``moe_costs.py``). A layout whose fullest GPU exceeds the device's
+usable memory is discarded;
 the rest are ranked by predicted samples per second. The whole search is closed-form arithmetic over a
 few thousand candidates.
 
@@ -420,8 +422,8 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
     either mode (without a pipeline: every costlier one once one fits)."""
     start = time.perf_counter()
     if costs is not None and request.model.moe is not None and not any(c.moe for c in costs.table.values()):
-        raise ConfigError("a model with experts is planned from the analytic estimate only (a profile holds no "
-                          "expert terms yet): leave out --profile")
+        raise ConfigError("a model with experts is planned from the analytic estimate only (a measured profile "
+                          "holds no expert terms yet): plan it with tools/plan.py, without --profile")
     costs = costs or default_costs(request)
     keep = dict(keep or {})
     limits = None if top is None else Thresholds(top, keep)
