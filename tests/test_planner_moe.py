@@ -10,10 +10,11 @@ from dataclasses import replace
 import pytest
 
 from megatron_2bw.config.moe_presets import get_moe_preset, parameter_counts
+from megatron_2bw.errors import ConfigError
 from megatron_2bw.planner.candidate import Candidate, ParamBytes
 from megatron_2bw.planner.cost_model import predict, stage_time
 from megatron_2bw.planner.hardware import load_cluster
-from megatron_2bw.planner.layer_costs import analytic_microbatch_costs, linear_forward_flops
+from megatron_2bw.planner.layer_costs import LayerCosts, analytic_microbatch_costs, linear_forward_flops
 from megatron_2bw.planner.memory_model import slice_memory
 from megatron_2bw.planner.moe_costs import alltoall_seconds, for_experts, rank_load
 from megatron_2bw.planner.moe_ranking import FAMILIES, format_moe_ranking, moe_ranking, moe_ranking_json
@@ -201,3 +202,24 @@ def test_ranking_rows_hold_each_familys_best_plan():
     assert f"| mixtral-8x7b | 32 | {row.best['2BW'].samples_per_sec:7.1f} (2bw, t" in table
     assert moe_ranking_json(rows)[0]["fastest"] == row.winner
     assert plan.main(["--moe-ranking", "--moe-expert-load", "0.5"]) == 2  # checked before any search
+
+
+def test_capacity_caps_the_load_and_padding_fills_it():
+    """A capacity factor cuts the busiest expert at c x the mean; padding to capacity makes every expert send,
+    compute and keep exactly c x the mean (on every rank: no uneven share left)."""
+    def with_moe(**kw):
+        model = replace(MIXTRAL, moe=replace(MIXTRAL.moe, **kw))
+        return analytic_microbatch_costs(model, H100, "bf16", 1, 1)
+
+    plain = analytic_microbatch_costs(MIXTRAL, H100, "bf16", 1, 1)
+    assert rank_load(with_moe(moe_expert_capacity_factor=1.1), 8, 1.5) == pytest.approx(1.1, rel=1e-12)
+    padded = with_moe(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True)
+    assert padded.moe.alltoall_bytes == 1.5 * plain.moe.alltoall_bytes == 1.5 * S * K * H * 2
+    assert padded.moe.expert_forward_s == pytest.approx(1.5 * plain.moe.expert_forward_s, rel=1e-12)
+    assert rank_load(padded, 8, 1.5) == 1.0
+
+
+def test_a_measured_profile_without_expert_terms_is_refused():
+    dense = analytic_microbatch_costs(replace(MIXTRAL, moe=None), H100, "bf16", 1, 1)
+    with pytest.raises(ConfigError, match="analytic estimate only"):
+        search(PlanRequest(MIXTRAL, H100, 8, 8, "bf16"), LayerCosts("a profile", {(1, 1): dense}))
