@@ -73,7 +73,7 @@ def expert_bandwidth(t: int, e: int, cluster: Cluster) -> tuple[float, float]:
     G = cluster.devices_per_server
     if t * e <= G and G % (t * e) == 0:
         return 0.0, 1.0 / cluster.intra_server_p2p_bandwidth
-    local = max(1, G // t)  # members of the group on one server
+    local = min(e, max(1, G // t))  # members of the group on one server
     return (e - local) / (e - 1), G / cluster.inter_server_bandwidth
 
 
