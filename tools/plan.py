@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_moe_plan_flags(p)
     r = p.add_argument_group("run")
     r.add_argument("--num-gpus", type=int)
-    r.add_argument("--cluster", default=None,
+    r.add_argument("--cluster", default=PAPER_CLUSTER,
                    help=f"preset name or JSON file (default {PAPER_CLUSTER}; {MOE_RANKING_CLUSTER} for --moe-ranking)")
     r.add_argument("--global-batch-size", type=int)
     r.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
@@ -207,9 +207,9 @@ def parse_margin(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a fraction or percentage: {text!r}") from None
 
 
-def moe_ranking_text(args: argparse.Namespace) -> str:
+def moe_ranking_text(args: argparse.Namespace, cluster_name: str) -> str:
     """``--moe-ranking``: the table, or its JSON."""
-    cluster = load_cluster(args.cluster or MOE_RANKING_CLUSTER)
+    cluster = load_cluster(cluster_name)
     req = PlanRequest(get_moe_preset(MOE_RANKING_PRESETS[0]), cluster, 1, 1, moe_force_balanced=args.moe_force_balanced,
                       moe_expert_load=args.moe_expert_load)  # the flags checked once, before the searches
     rows = moe_ranking(cluster, args.moe_force_balanced, args.moe_expert_load)
@@ -261,8 +261,9 @@ def run(argv: list[str]) -> str:
         ratios = schedule_ratio_calibration()
         return json.dumps(schedule_ratios_json(ratios), indent=2) if args.json else format_schedule_ratios(ratios)
     if args.moe_ranking:
-        return moe_ranking_text(args)
-    cluster = load_cluster(args.cluster or PAPER_CLUSTER)
+        given = any(a == "--cluster" or a.startswith("--cluster=") for a in argv)
+        return moe_ranking_text(args, args.cluster if given else MOE_RANKING_CLUSTER)
+    cluster = load_cluster(args.cluster)
     if args.attention_backend is not None:
         cluster = replace(cluster, attention_backend=args.attention_backend)
     if args.new_options:
