@@ -158,7 +158,7 @@ def test_cli_plans_a_moe_preset(capsys):
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
     assert "experts: 8 per MoE layer (32 of 32 layers), top-2; 46.70B parameters in all, 12.88B active" in out
-    assert "   e a2a s/step experts GiB" in out and "--num-experts 8" in out
+    assert "   e a2a s/step experts GiB 0/1/last" in out and "--num-experts 8" in out
     assert plan.main(argv + ["--moe-router-force-load-balancing", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["model"]["total_parameters"], data["model"]["active_parameters"]) == parameter_counts(MIXTRAL)

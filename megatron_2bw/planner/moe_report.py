@@ -19,8 +19,9 @@ from .hardware import GiB
 from .memory_model import Candidate
 from .moe_costs import DEFAULT_EXPERT_LOAD
 
-# the table's MoE columns (after seq-par), a dense model's table has none
-HEADER = f" {'e':>3} {'a2a s/step':>10} {'experts GiB':>11}"
+# the table's MoE columns (after seq-par), a dense model's table has none; the experts' GiB per GPU of stage 0, the
+# fullest middle stage and the last, as the GiB column of the whole memory
+HEADER = f" {'e':>3} {'a2a s/step':>10} {'experts GiB 0/1/last':>20}"
 
 
 def header_lines(request: Any) -> list[str]:
@@ -61,16 +62,15 @@ def alltoall_per_step(ev: Any) -> float:
     return ev.candidate.num_micro_batches * a + (p.bubble_s * a / slowest.microbatch_s if a else 0.0)
 
 
-def expert_bytes(ev: Any) -> int:
-    """The routed experts' bytes on the GPU that holds the most of them."""
-    return max(s.experts for s in ev.memory)
-
-
 def cells(ev: Any, model: ModelConfig) -> str:
     """The row's MoE columns (empty for a dense model)."""
     if model.moe is None:
         return ""
-    return f" {ev.candidate.expert_parallel:>3} {alltoall_per_step(ev):>10.3f} {expert_bytes(ev) / GiB:>11.2f}"
+    mem = ev.memory
+    if len(mem) > 3:
+        mem = (mem[0], max(mem[1:-1], key=lambda s: s.experts), mem[-1])
+    per_stage = "/".join(f"{s.experts / GiB:.1f}" for s in mem)
+    return f" {ev.candidate.expert_parallel:>3} {alltoall_per_step(ev):>10.3f} {per_stage:>20}"
 
 
 def plan_fields(ev: Any, model: ModelConfig) -> dict[str, Any]:
