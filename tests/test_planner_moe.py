@@ -223,3 +223,33 @@ def test_a_measured_profile_without_expert_terms_is_refused():
     dense = analytic_microbatch_costs(replace(MIXTRAL, moe=None), H100, "bf16", 1, 1)
     with pytest.raises(ConfigError, match="analytic estimate only"):
         search(PlanRequest(MIXTRAL, H100, 8, 8, "bf16"), LayerCosts("a profile", {(1, 1): dense}))
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_moe_stash_is_what_autograd_keeps(name):
+    """The MoE block's stash (``MoEMLPArith.stash`` + ``router_stash_bytes``) against the tensors the trainer's
+    MoE layer saves for its backward (fp32, CPU, one rank: e = 1), each storage counted once, weights left out.
+    What the count leaves out is the router's small per-expert and per-group tensors (under 4% at these
+    64-wide shapes; nothing beside the rows' k x (3h + 4F) at planner scale)."""
+    import torch
+
+    from megatron_2bw.config.moe_arith import MOE_MLP, router_stash_bytes
+    from megatron_2bw.moe.layer import MoELayer
+
+    model = get_moe_preset(name)
+    torch.manual_seed(0)
+    layer = MoELayer(model.moe, model.hidden_size, gated=model.swiglu)
+    x = torch.randn(16, 4, model.hidden_size, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    tokens = 16 * 4
+    want = MOE_MLP.stash(model).full * tokens * 4 + router_stash_bytes(model) * tokens
+    assert 1.0 <= sum(seen.values()) / want < 1.05

@@ -53,13 +53,14 @@ class MoEMLPArith(BlockArith):
 
     def stash(self, model: Model) -> Terms:
         """Per token, every tensor rank's whole (experts are not split over the tensor group; under sequence
-        parallelism the block gathers its input): the block's input (router, shared experts, dispatch), the k
-        dispatched rows the experts read, their activations (SwiGLU: both halves, silu and product, ``4F``;
-        GeLU ``2F``) and the k output rows the combine weights by the routing probabilities; the shared
-        experts' activations. The router's fp32 scores are :func:`router_stash_bytes`."""
+        parallelism the block gathers its input): the block's input (router, shared experts, dispatch); per
+        routed row (k per token) the permuted row, the row the experts read, their activations (SwiGLU: both
+        halves, silu and product, ``4F``; GeLU ``2F``) and the output row the combine weights by the routing
+        probability; the shared experts' activations. The router's fp32 scores and the rows' indices are
+        :func:`router_stash_bytes`. ``tests/test_planner_moe.py`` checks this against what autograd keeps."""
         moe, h, act = model.moe, model.hidden_size, 4 if model.swiglu else 2
         k, s = moe.moe_router_topk, moe.moe_shared_expert_intermediate_size or 0
-        return Terms(full=h + k * (2 * h + act * moe.moe_ffn_hidden_size) + act * s)
+        return Terms(full=h + k * (3 * h + act * moe.moe_ffn_hidden_size) + act * s)
 
     def wgrad_stash(self, model: Model) -> Terms:
         """The output gradients of the experts' two GEMMs (``k (2F|F + h)``), the shared experts' and the
@@ -77,8 +78,9 @@ class MoEMLPArith(BlockArith):
 
 
 def router_stash_bytes(model: Model) -> int:
-    """Per token: the router's fp32 scores over the ``E`` experts and its routing map (one byte each)."""
-    return model.moe.num_experts * (4 + 1)
+    """Per token: the router's fp32 scores over the ``E`` experts and its routing map (one byte each), and per
+    routed row two int64 indices (the permutation and its inverse) and its fp32 probability."""
+    return model.moe.num_experts * (4 + 1) + model.moe.moe_router_topk * (2 * 8 + 4)
 
 
 def active_width(model: Model, moe_layer: bool) -> int:

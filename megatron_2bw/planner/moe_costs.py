@@ -132,7 +132,7 @@ def _moe_mlp(model: ModelConfig, b: int, e: int, speed: float, bandwidth: float,
     gemm = 2 * tokens * (MOE_MLP.macs(model) - MOE_MLP.routed_macs(model)) / speed + routed
     act = (3 if model.swiglu else 2) * f
     memory = e * tokens * k * pad * (MOE_ROW_PASSES * h + act) / bandwidth if bandwidth else 0.0
-    rows = tokens * k * (2 * h + (4 if model.swiglu else 2) * f) * e  # the routed part of the stash
+    rows = tokens * k * (3 * h + (4 if model.swiglu else 2) * f) * e  # the routed part of the stash
     stash = MOE_MLP.stash(model).full * tokens * e + round(rows * (pad - 1)) + router_stash_bytes(model) * tokens
     if moe.moe_layer_recompute:  # only the block's input is kept; the backward re-runs the forward
         stash, rows = tokens * h * e, 0
