@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from ..config.moe_presets import get_moe_preset
 from .hardware import Cluster
 from .moe_report import alltoall_per_step
+from .report import recompute_text
 from .search import DEFAULT_MEMORY_MARGIN, FINER_RECOMPUTE, Evaluated, PlanRequest, search
 
 PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3-class")
@@ -71,13 +72,15 @@ def _plan_text(ev: Evaluated | None) -> str:
     c = ev.candidate
     share = alltoall_per_step(ev) / ev.prediction.batch_s
     sched = c.schedule if c.schedule != "flush" or c.pipeline_parallel > 1 else "no pipeline"
+    redo = "" if not c.recompute and c.recompute_policy is None else f", recompute {recompute_text(c)}"
     return (f"{ev.samples_per_sec:7.1f} ({sched}, t{c.tensor_parallel} d{c.pipeline_parallel} "
-            f"w{c.data_parallel} e{c.expert_parallel} b{c.micro_batch_size}, a2a {100 * share:.0f}%)")
+            f"w{c.data_parallel} e{c.expert_parallel} b{c.micro_batch_size}{redo}, a2a {100 * share:.0f}%)")
 
 
 def format_moe_ranking(rows: list[RankingRow], load_text: str) -> str:
-    """The ranking as a markdown table (samples/s of each family's best plan, its layout, the all-to-all's
-    share of its step, 2BW's ratio to the others)."""
+    """The ranking as a markdown table (samples/s of each family's best plan, its layout and recomputation
+    (``yes``: whole stages; ``selective``, ``uniform1``: Megatron's), the all-to-all's share of its step, 2BW's
+    ratio to the others)."""
     out = [f"2BW vs Flush vs the best zero-bubble schedule, planner-scale MoE presets, {PRECISION}, global batch "
            f"{GLOBAL_BATCH} x 4096 tokens; load: {load_text}", "",
            "| model | GPUs | 2BW samples/s (plan) | Flush | best zero-bubble | 2BW/Flush | 2BW/ZB | fastest |",
@@ -96,7 +99,8 @@ def moe_ranking_json(rows: list[RankingRow]) -> list[dict[str, Any]]:
         c = ev.candidate
         return {"schedule": c.schedule, "tensor_parallel": c.tensor_parallel, "pipeline_parallel": c.pipeline_parallel,
                 "data_parallel": c.data_parallel, "expert_parallel": c.expert_parallel,
-                "micro_batch_size": c.micro_batch_size, "samples_per_sec": round(ev.samples_per_sec, 3),
+                "micro_batch_size": c.micro_batch_size, "recompute": recompute_text(c),
+                "samples_per_sec": round(ev.samples_per_sec, 3),
                 "batch_seconds": round(ev.prediction.batch_s, 6),
                 "alltoall_seconds_per_step": round(alltoall_per_step(ev), 6),
                 "memory_bytes_per_gpu": ev.memory_bytes_per_gpu}
