@@ -322,12 +322,14 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     tensor_comm = ring_allreduce_time(tp_bytes, t, tensor_bandwidth(t, cluster))
     # the forward's share: one forward pass, its all-reduces (the ring is linear in bytes), the activations' half of p2p
     forward = fwd + (tensor_comm * tp_forward / tp_bytes if tp_bytes else 0.0) + p2p / 2
-    params, experts = slice_params(costs, part), expert_numel(costs, part, cand)
-    allreduce = gradient_sync_time(params, cand, cluster, param_bytes) + expert_sync_time(experts, cand, cluster,
-                                                                                          param_bytes)
+    params = slice_params(costs, part)
+    allreduce, numel = gradient_sync_time(params, cand, cluster, param_bytes), optimizer_numel(params, cand)
+    if costs.moe is not None:  # a rank's E/e experts: reduced and sharded over their expert-data group
+        experts = expert_numel(costs, part, cand)
+        allreduce += expert_sync_time(experts, cand, cluster, param_bytes)
+        numel += expert_shard_numel(experts, cand)
     if part.embedding or part.head:
         allreduce += tied_embedding_sync_time(costs.tied_params * param_bytes.grad, t, w, d, cluster)
-    numel = optimizer_numel(params, cand) + expert_shard_numel(experts, cand)
     return StageTime(
         stage=stage,
         compute_s=compute,
@@ -337,7 +339,7 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
         optimizer_s=numel * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
         forward_s=forward,
         weight_grad_s=wgrad,
-        alltoall_s=stage_alltoall_s(costs, cand, part.num_layers),
+        alltoall_s=stage_alltoall_s(costs, cand, part.num_layers) if costs.moe is not None else 0.0,
     )
 
 
