@@ -17,7 +17,8 @@ system, same round); the all-to-all's share of a step (each process's seconds in
 over its steady window, the mean and the max over processes); the stage-balance ceiling (sum of the stages'
 forward+backward per microbatch over the largest, each stage timed alone at each round's start); the
 bubble-limited ideal; and the planner's prediction of the same run (its simulator on block times it profiles
-here). The planner on main has no expert axis: its prediction is the dense model of the same active size's
+here). The planner prices experts only from published hardware numbers (a measured profile has no expert terms,
+docs/planner.md section 12): on this CPU its prediction is the dense model of the same active size's
 (``planner_source``), printed beside both variants.
 
 The machine has 2 cores: d x EP processes above 2 share them (d = 4, EP = 2 is 8 processes), so the absolute
@@ -88,7 +89,8 @@ def _conf(args: argparse.Namespace, ep: int) -> dict:
 def planner_steps(args: argparse.Namespace, cells: list[tuple[int, int]]) -> dict:
     """The planner's simulated step seconds for every (system, d, EP) and the single process, from block times
     and an AdamW cost it profiles on this process (one thread): the dense model of the same active size (the
-    planner on main prices no experts); free transfers, no data-parallel reduction time."""
+    planner's expert costs are analytic, for GPU clusters; a measured profile has none); free transfers, no
+    data-parallel reduction time."""
     import torch
 
     from megatron_2bw.config import ModelConfig
@@ -193,7 +195,8 @@ def summarize_cell(d: int, ep: int, conf: dict, out: dict, plan: dict | None) ->
                 "planner_ratio_vs_flush": None if s == "single" else _ratio((plan or {}).get(f"flush d={d} ep={ep}"),
                                                                             pred),
                 "planner_tokens_per_sec": per_step * seq / pred if pred else None,
-                "planner_source": "dense model of the same active size (no expert axis in the planner on main)",
+                "planner_source": "dense model of the same active size (the planner's expert costs are for GPU "
+                                  "clusters: a measured profile has no expert terms)",
             })
     return rows
 

@@ -8,6 +8,9 @@
     python tools/plan.py --calibration [--json]
     python tools/plan.py --schedule-calibration [--json]
     python tools/plan.py --tensor-calibration [--json]
+    python tools/plan.py --model-preset mixtral-8x7b --num-gpus 64 --cluster dgx-h100 --precision bf16 \\
+        --global-batch-size 512 [--expert-model-parallel-size E] [--moe-router-force-load-balancing]
+    python tools/plan.py --moe-ranking [--moe-router-force-load-balancing | --moe-expert-load F] [--json]
 
 The search tries every schedule (``--schedules``) with no recomputation, the engine's whole-stage
 recomputation and Megatron's selective and per-layer ones (``--recompute-granularity selective``,
@@ -20,7 +23,13 @@ wherever there is more than one replica (``--use-distributed-optimizer``: only i
 column), and context parallelism at the sizes that leave each rank 4,096 tokens or more
 (``--context-parallel-size C``: only C; ``--cp-comm-type``: only that exchange). Gradients accumulate
 in the precision's default (fp32 for bf16, fp16 for fp16) unless ``--accumulate-allreduce-grads-in-fp32``
-or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer.
+or ``--grad-reduce-in-bf16`` says otherwise, as in the trainer. A model with experts (``--num-experts`` and
+Megatron-Core's ``--moe-*`` flags, or a planner-scale MoE preset: mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-class)
+is planned with the expert-parallel size searched (``--expert-model-parallel-size E``: only E), compute from
+its active parameters, memory from the E/e experts each rank holds, and the token all-to-all on each MoE
+layer's critical path (``planner/moe_costs.py``); ``--moe-router-force-load-balancing`` prices tokens spread
+evenly (how published MoE throughputs are taken), otherwise the busiest expert at ``--moe-expert-load`` times
+the mean (default 1.25, an assumption).
 
 Without ``--profile`` the per-layer times are an analytic estimate from FLOPs and bytes (the output
 says so); its activation memory follows ``--attention-backend`` (the trainer's flag: which attention
@@ -35,9 +44,12 @@ import json
 import sys
 from dataclasses import asdict, replace
 
-from megatron_2bw.cli import OneLineParser, add_model_flags, model_config, run_cli
+from megatron_2bw.cli import OneLineParser, add_flags, add_model_flags, model_config, run_cli
 from megatron_2bw.config import ATTENTION_BACKENDS, ModelConfig
+from megatron_2bw.config.moe_presets import MOE_PRESETS, get_moe_preset
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.flags import FLAGS, MOE
+from megatron_2bw.planner import moe_report
 from megatron_2bw.planner.calibration import (
     calibration,
     calibration_json,
@@ -55,6 +67,8 @@ from megatron_2bw.planner.calibration_tp import (
 )
 from megatron_2bw.planner.context_costs import PLANNED_CP_COMM_TYPES
 from megatron_2bw.planner.hardware import load_cluster
+from megatron_2bw.planner.moe_ranking import PRESETS as MOE_RANKING_PRESETS
+from megatron_2bw.planner.moe_ranking import format_moe_ranking, moe_ranking, moe_ranking_json
 from megatron_2bw.planner.options_report import format_options, options_comparison, options_json, options_max_model
 from megatron_2bw.planner.profile_check import load_checked_profile
 from megatron_2bw.planner.report import (
@@ -76,9 +90,12 @@ from megatron_2bw.schedule.schedules import PLANNED_SCHEDULES, PV_SUFFIX, SCHEDU
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
+    add_flags(p, [f for f in FLAGS if f.group == MOE])
+    add_moe_plan_flags(p)
     r = p.add_argument_group("run")
     r.add_argument("--num-gpus", type=int)
-    r.add_argument("--cluster", default=PAPER_CLUSTER, help=f"preset name or JSON file (default {PAPER_CLUSTER})")
+    r.add_argument("--cluster", default=PAPER_CLUSTER,
+                   help=f"preset name or JSON file (default {PAPER_CLUSTER}; {MOE_RANKING_CLUSTER} for --moe-ranking)")
     r.add_argument("--global-batch-size", type=int)
     r.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     r.add_argument("--optimizer", choices=("adam", "sgd", "muon"), default="adam",
@@ -127,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_moe_plan_flags(p: argparse.ArgumentParser) -> None:
+    """How a model with experts is planned: its experts' load (the expert-parallel size is searched unless
+    --expert-model-parallel-size fixes it)."""
+    g = p.add_argument_group("mixture of experts (planner)")
+    g.add_argument("--moe-router-force-load-balancing", dest="moe_force_balanced", action="store_true",
+                   help="Megatron-Core's benchmark mode: tokens spread evenly over the experts (how published MoE "
+                        "throughputs are taken); default: the busiest expert at --moe-expert-load x the mean")
+    g.add_argument("--moe-expert-load", type=float, default=None, metavar="MAX/MEAN",
+                   help="the busiest expert's tokens over the mean (the max/mean of tokens per expert the trainer "
+                        "logs); default 1.25, an assumption (docs/planner.md section 12)")
+
+
 def add_output_flags(p: argparse.ArgumentParser) -> None:
     """What to print: the ranked plans (how many, JSON, every plan) or one of the paper's and published tables."""
     o = p.add_argument_group("output")
@@ -147,6 +176,10 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--tensor-calibration", action="store_true",
                    help="tensor and sequence parallelism against published runs: Korthikanti et al. 2022, the "
                         "PipeDream-2BW paper's Figure 6a and its 64-GPU tensor-MP result (docs/planner.md 7.2)")
+    o.add_argument("--moe-ranking", action="store_true",
+                   help="2BW vs Flush vs the best zero-bubble schedule for the planner-scale MoE presets on 64 to "
+                        "1,024 GPUs (docs/planner.md section 12; --moe-router-force-load-balancing, --moe-expert-load "
+                        "apply)")
     o.add_argument("--schedule-calibration", action="store_true",
                    help="the Zero Bubble paper's ZB-1p/ZB-2p vs 1F1B throughput ratios (published.json "
                         "schedule_ratios), predicted vs published")
@@ -174,9 +207,39 @@ def parse_margin(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a fraction or percentage: {text!r}") from None
 
 
+def moe_ranking_text(args: argparse.Namespace, cluster_name: str) -> str:
+    """``--moe-ranking``: the table, or its JSON."""
+    cluster = load_cluster(cluster_name)
+    req = PlanRequest(get_moe_preset(MOE_RANKING_PRESETS[0]), cluster, 1, 1, moe_force_balanced=args.moe_force_balanced,
+                      moe_expert_load=args.moe_expert_load)  # the flags checked once, before the searches
+    rows = moe_ranking(cluster, args.moe_force_balanced, args.moe_expert_load)
+    if args.json:
+        return json.dumps(moe_ranking_json(rows), indent=2)
+    return format_moe_ranking(rows, moe_report.load_text(req))
+
+
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The model of the flags, by the trainer's rule."""
-    return model_config(args)
+    """The model of the flags, by the trainer's rule; a planner-scale MoE preset (``--model-preset
+    mixtral-8x7b``, ``config/moe_presets.py``) takes the MoE flags given as overrides of its experts."""
+    preset = getattr(args, "model_preset", None)
+    if preset not in MOE_PRESETS:
+        return model_config(args)
+    base, given, rest = get_moe_preset(preset), {}, argparse.Namespace(**vars(args))
+    for f in (f for f in FLAGS if f.group == MOE):
+        value = getattr(args, f.dest, None)
+        if value is not None and value is not False:
+            given[f.targets[0].split(".")[1]] = f.const if f.const is not None else value
+        setattr(rest, f.dest, None)
+    rest.model_preset = None
+    moe = replace(base.moe, **given)
+    return model_config(rest, base=replace(base, moe=moe))
+
+
+def expert_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tuple[int, ...] | None:
+    """``--expert-model-parallel-size`` given: that size only; else None (searched, for a model with experts)."""
+    if getattr(args, "expert_model_parallel_size", None) is None:
+        return None
+    return (model.moe.expert_model_parallel_size,) if model.moe else (args.expert_model_parallel_size,)
 
 
 def _require(value, flag: str) -> None:
@@ -197,6 +260,9 @@ def run(argv: list[str]) -> str:
     if args.schedule_calibration:
         ratios = schedule_ratio_calibration()
         return json.dumps(schedule_ratios_json(ratios), indent=2) if args.json else format_schedule_ratios(ratios)
+    if args.moe_ranking:
+        given = any(a == "--cluster" or a.startswith("--cluster=") for a in argv)
+        return moe_ranking_text(args, args.cluster if given else MOE_RANKING_CLUSTER)
     cluster = load_cluster(args.cluster)
     if args.attention_backend is not None:
         cluster = replace(cluster, attention_backend=args.attention_backend)
@@ -237,6 +303,8 @@ def run(argv: list[str]) -> str:
         return json.dumps({**plan_json(result), **paper_space_json(result)}, indent=2)
     return format_table(result, args.top) + "\n\n" + paper_space_text(result)
 
+
+MOE_RANKING_CLUSTER = "dgx-h100"  # the planner's H100 cluster description (planner/clusters)
 
 # The paper's planner searched t = 1 only (d, w, b and recomputation); the best plan there, beside the best overall,
 # shows what the extra axes (tensor and sequence parallelism, the later schedules, the distributed optimizer, finer
@@ -287,7 +355,9 @@ def plan_request(args: argparse.Namespace, model: ModelConfig, cluster) -> PlanR
                        sequence_parallel_options=sequence_parallel_options(model, args.sp_search),
                        compensation=args.compensation, optimizer=args.optimizer, async_save=args.async_save,
                        context_parallel_options=context_parallel_options(args, model),
-                       cp_comm_types=PLANNED_CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,))
+                       cp_comm_types=PLANNED_CP_COMM_TYPES if args.cp_comm_type is None else (args.cp_comm_type,),
+                       expert_parallel_options=expert_parallel_options(args, model),
+                       moe_force_balanced=args.moe_force_balanced, moe_expert_load=args.moe_expert_load)
 
 
 def context_parallel_options(args: argparse.Namespace, model: ModelConfig) -> tuple[int, ...] | None:

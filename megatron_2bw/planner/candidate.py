@@ -47,6 +47,9 @@ class Candidate:
     # docstring); its costs are ``LayerCosts.at(..., context=(c, cp_comm_type))``'s (planner/context_costs.py)
     context_parallel: int = 1
     cp_comm_type: str = P2P
+    # --expert-model-parallel-size e: a model's experts spread over e adjacent ranks of the w * c replicas (each
+    # holds E/e of them; planner/moe_costs.py); 1 for a dense model
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.layer_split is not None:
@@ -59,7 +62,7 @@ class Candidate:
             raise ConfigError(f"the planner prices --cp-comm-type {' and '.join(PLANNED_CP_COMM_TYPES)}, "
                               f"got {self.cp_comm_type!r}")
         for key in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size", "num_micro_batches",
-                    "context_parallel"):
+                    "context_parallel", "expert_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         name, pv = parse_schedule_id(self.schedule)
@@ -69,6 +72,9 @@ class Candidate:
             validate_pipeline(name, self.pipeline_parallel, self.num_micro_batches, post_validation=pv)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.replicas % self.expert_parallel:
+            raise ConfigError(f"--expert-model-parallel-size {self.expert_parallel} does not divide data-parallel "
+                              f"size {self.data_parallel} x --context-parallel-size {self.context_parallel}")
 
     @property
     def num_gpus(self) -> int:
@@ -78,6 +84,11 @@ class Candidate:
     def replicas(self) -> int:
         """Ranks holding the same weights: the data width times the context ranks (module docstring)."""
         return self.data_parallel * self.context_parallel
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (the expert-data group): the replicas over the expert-parallel size."""
+        return self.replicas // self.expert_parallel
 
     @property
     def context(self) -> tuple[int, str] | None:

@@ -18,6 +18,7 @@ from .candidate import SEQUENTIAL, Candidate
 from .cost_model import inner_recompute_cost
 from .hardware import Cluster
 from .layer_costs import LayerCosts, MicrobatchCosts
+from .moe_costs import expert_choices
 
 
 def tensor_sizes(model: ModelConfig, cluster: Cluster, num_gpus: int) -> tuple[int, ...]:
@@ -78,7 +79,8 @@ def candidates(request: Any, costs: LayerCosts) -> Iterator[Candidate]:
 
 def _layout_candidates(request: Any, costs: LayerCosts, t: int, c: int, d: int, w: int, B: int) -> Iterator[Candidate]:
     """The candidates of one ``(t, c, d, w)``: microbatches, schedules, sequence parallelism, the context's
-    communication type, the optimizer's sharding and recomputation, cheapest recomputation first (search())."""
+    communication type, the optimizer's sharding, the expert-parallel size (a model with experts: each ``e``
+    dividing the experts and the ``w * c`` replicas) and recomputation, cheapest recomputation first (search())."""
     schedules = ("flush",) if d == 1 else request.schedules  # one stage: Flush stands for every schedule
     for b in costs.micro_batch_sizes(t):
         if b > request.max_micro_batch_size or B % (b * w):
@@ -92,8 +94,10 @@ def _layout_candidates(request: Any, costs: LayerCosts, t: int, c: int, d: int, 
                 policies = sorted((p for p in request.recompute_policies if not _saves_nothing(p, mc)),
                                   key=lambda p: inner_recompute_cost(mc, request.model.num_layers, p)[0])
                 cp = dict(context_parallel=c, cp_comm_type=ctx[1]) if ctx else {}
-                for zero in distributed_optimizer_choices(request, w * c):
-                    kw = dict(distributed_optimizer=zero, sequence_parallel=sp, async_save=request.async_save, **cp)
+                for zero, e in ((z, e) for z in distributed_optimizer_choices(request, w * c)
+                                for e in expert_choices(request.model, w * c, request.expert_parallel_options)):
+                    kw = dict(distributed_optimizer=zero, sequence_parallel=sp, async_save=request.async_save,
+                              expert_parallel=e, **cp)
                     if False in request.recompute_options:
                         yield Candidate(t, d, w, b, m, False, schedule, **kw)
                     for policy in policies:

@@ -28,6 +28,10 @@ The paper (Algorithm 1): with pipelining, one microbatch leaves the pipeline eve
   bytes of the all-reduce, and with fp32 gradients of half-precision weights 3/4 of them.
 - ``optimizer``: the Adam step, memory-bound: ~32 bytes read/written per parameter over HBM (fp16
   gradients; 38 with fp32 ones); with the distributed optimizer only on this GPU's ``ceil(N/w)``.
+- With experts (``moe_costs.py``): the token all-to-alls are inside the layer's forward and backward (on the
+  critical path of every microbatch, every schedule: nothing overlaps them in this trainer); a rank's ``E/e``
+  routed experts reduce their gradients over the expert-data group (``expert_sync_time``) and shard their
+  optimizer state over it.
 
 Per batch of ``m`` microbatches, with ``t_mb`` the slowest stage's ``compute + tensor_comm + p2p``
 and the schedule's ideal bubble ``ScheduleSpec.bubble_time(d, m, f, b, w)``, priced from that stage's
@@ -69,7 +73,17 @@ from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.stages import StageSlice
 from .hardware import Cluster
 from .layer_costs import MicrobatchCosts
-from .memory_model import DEFAULT_PARAM_BYTES, SEQUENTIAL, Candidate, ParamBytes, rank_slice, shard_numel, slice_params
+from .memory_model import (
+    DEFAULT_PARAM_BYTES,
+    SEQUENTIAL,
+    Candidate,
+    ParamBytes,
+    expert_numel,
+    expert_shard_numel,
+    rank_slice,
+    shard_numel,
+    slice_params,
+)
 from .spec_cache import spec_of
 
 # Adam step traffic per parameter, in units of ParamBytes (see optimizer_traffic_bytes).
@@ -185,6 +199,18 @@ def gradient_sync_time(params: int, cand: Candidate, cluster: Cluster, pb: Param
     return scatter + gather
 
 
+def expert_sync_time(numel: int, cand: Candidate, cluster: Cluster, pb: ParamBytes) -> float:
+    """The routed experts' gradient traffic per batch: as :func:`gradient_sync_time`, over their expert-data
+    group (the ``w c / e`` ranks holding the same experts, ``t e`` ranks apart)."""
+    if not numel:
+        return 0.0
+    t, n = cand.tensor_parallel * cand.expert_parallel, cand.expert_replicas
+    if not cand.distributed_optimizer:
+        return data_parallel_allreduce_time(numel * pb.grad, t, n, cluster)
+    return (data_parallel_allreduce_time(numel * pb.grad, t, n, cluster)
+            + data_parallel_allreduce_time(numel * pb.weight, t, n, cluster)) / 2
+
+
 def tied_embedding_sync_time(nbytes: float, t: int, w: int, d: int, cluster: Cluster) -> float:
     """All-reduce of the word-embedding gradient between the first and the last stage."""
     if d <= 1 or nbytes <= 0:
@@ -211,6 +237,8 @@ class StageTime:
     # the forward (compute, its all-reduces, the activations' p2p) and the weight-gradient GEMMs
     forward_s: float = 0.0
     weight_grad_s: float = 0.0
+    # with experts: the token all-to-alls of one microbatch, a recomputed forward's included (inside compute_s)
+    alltoall_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
@@ -295,7 +323,11 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
     # the forward's share: one forward pass, its all-reduces (the ring is linear in bytes), the activations' half of p2p
     forward = fwd + (tensor_comm * tp_forward / tp_bytes if tp_bytes else 0.0) + p2p / 2
     params = slice_params(costs, part)
-    allreduce = gradient_sync_time(params, cand, cluster, param_bytes)
+    allreduce, numel = gradient_sync_time(params, cand, cluster, param_bytes), optimizer_numel(params, cand)
+    if costs.moe is not None:  # a rank's E/e experts: reduced and sharded over their expert-data group
+        experts = expert_numel(costs, part, cand)
+        allreduce += expert_sync_time(experts, cand, cluster, param_bytes)
+        numel += expert_shard_numel(experts, cand)
     if part.embedding or part.head:
         allreduce += tied_embedding_sync_time(costs.tied_params * param_bytes.grad, t, w, d, cluster)
     return StageTime(
@@ -304,10 +336,23 @@ def slice_time(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage:
         tensor_comm_s=tensor_comm,
         p2p_s=p2p,
         allreduce_s=allreduce,
-        optimizer_s=optimizer_numel(params, cand) * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
+        optimizer_s=numel * optimizer_traffic_bytes(param_bytes) / cluster.memory_bandwidth,
         forward_s=forward,
         weight_grad_s=wgrad,
+        alltoall_s=stage_alltoall_s(costs, cand, part.num_layers) if costs.moe is not None else 0.0,
     )
+
+
+def stage_alltoall_s(costs: MicrobatchCosts, cand: Candidate, num_layers: int) -> float:
+    """The all-to-all seconds of one microbatch through ``num_layers`` layers: forward, a recomputed forward
+    (whole stages, or the layers a ``full`` policy re-runs) and backward."""
+    fwd, bwd = costs.alltoall_s
+    if not fwd and not bwd:
+        return 0.0
+    p = cand.recompute_policy
+    redone = num_layers if cand.recompute else sum(n for _, n, rec in p.segments(num_layers) if rec) \
+        if p is not None and p.active and p.granularity == "full" else 0
+    return num_layers * (fwd + bwd) + redone * fwd
 
 
 def stage_times(costs: MicrobatchCosts, cand: Candidate, num_layers: int, cluster: Cluster,

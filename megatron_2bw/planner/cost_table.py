@@ -99,6 +99,26 @@ class BlockCost:
 
 
 @dataclass(frozen=True)
+class MoECosts:
+    """What the expert-parallel size ``e`` (a candidate's, not the table's) changes of a layer with experts
+    (``moe_costs.py``): one MoE layer's routed-expert parameters (all experts, whole: ``e`` ranks share them,
+    ``expert_params / e`` each), one all-to-all's bytes per rank (tokens x top-k x hidden x dtype), its count
+    per MoE layer and microbatch, the routed experts' forward and kept rows at a balanced load (what an uneven
+    load stretches on the busiest rank), the share of the layers that are MoE layers, and the capacity."""
+
+    num_experts: int
+    expert_params: int
+    alltoall_bytes: float
+    alltoalls: int  # per MoE layer and microbatch: dispatch + combine forward and backward (4; 6 recomputed)
+    forward_alltoalls: int  # of them, in a forward (2; with --moe-layer-recompute the backward re-runs 2 more)
+    moe_share: float  # MoE layers per layer (--moe-layer-freq): the times are the layers' mean
+    expert_forward_s: float  # the routed experts' GEMMs of one MoE layer, one microbatch, balanced
+    routed_stash_bytes: int  # the rows an MoE layer keeps for the routed experts, balanced
+    capacity: float | None = None  # --moe-expert-capacity-factor: an expert's tokens are cut at c x the mean
+    padded: bool = False  # --moe-pad-expert-input-to-capacity: every expert gets exactly its capacity
+
+
+@dataclass(frozen=True)
 class MicrobatchCosts:
     """The three block kinds at one (tensor-parallel size, microbatch size).
 
@@ -111,6 +131,11 @@ class MicrobatchCosts:
     embedding: BlockCost
     head: BlockCost
     tied_params: int = 0
+    # a model with experts (``moe_costs.py``): ``layer.params`` then excludes the routed experts, which a
+    # candidate's expert-parallel size shares out; None for a dense model
+    moe: MoECosts | None = None
+    expert_parallel: int = 1  # the e these costs were resolved for (``moe_costs.for_experts``)
+    alltoall_s: tuple[float, float] = (0.0, 0.0)  # (forward, backward) all-to-all seconds of a layer, inside its times
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ from .cost_table import (  # noqa: F401 - re-exported: the table's home before t
     read_profile_json,
 )
 from .hardware import Cluster
+from .moe_costs import with_experts
 
 ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 TOKEN_ID_BYTES = 8          # int64 token ids: the first stage's input
@@ -265,7 +266,9 @@ def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: s
     )
 
     head = _head_cost(model, cluster, b, t, e, speed, shard)
-    return MicrobatchCosts(layer, embedding, head, tied_params=tied_params(model, t))
+    costs = MicrobatchCosts(layer, embedding, head, tied_params=tied_params(model, t))
+    # a model with experts: the MoE layers' MLP replaced (planner/moe_costs.py), at expert-parallel size 1
+    return costs if model.moe is None else with_experts(costs, model, cluster, precision, e, t, b)
 
 
 def analytic_layer_costs(model: ModelConfig, cluster: Cluster, precision: str,

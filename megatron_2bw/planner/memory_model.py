@@ -105,6 +105,9 @@ class StageMemory:
     # optimizer post-validation: from a speculative update to its VALIDATE, the copy of the weights (the master
     # where there is one) and optimizer state it overwrote, beside the next step's warm-up stashes
     speculation: int = 0
+    # the routed experts' share of weights + second_weights + grads + optimizer (E/e experts per MoE layer; their
+    # master and optimizer state sharded over the expert-data group): already in the terms above, shown apart
+    experts: int = 0
 
     @property
     def optimizer(self) -> int:
@@ -123,13 +126,14 @@ def save_bytes(shard: int, cand: "Candidate") -> int:
     return 4 * min(shard, CKPT_GATHER_CHUNK) if cand.distributed_optimizer and cand.replicas > 1 else 0
 
 
-def async_save_host_bytes(params: int, cand: "Candidate", param_bytes: "ParamBytes") -> int:
-    """Host bytes of ``--async-save``'s buffers: every version, master and optimizer state of a 1/w range."""
+def async_save_host_bytes(params: int, cand: "Candidate", param_bytes: "ParamBytes", experts: int = 0) -> int:
+    """Host bytes of ``--async-save``'s buffers: every version, master and optimizer state of a 1/w range
+    (of the ``experts`` a rank holds, a 1/(w/e) range: their replicas are the expert-data group)."""
     if not cand.async_save:
         return 0
     per_param = (weight_versions(cand.schedule) * param_bytes.weight + param_bytes.master
                  + param_bytes.optimizer_state + _stale_correction(cand, param_bytes))
-    return -(-params // cand.replicas) * per_param
+    return (-(-params // cand.replicas) + -(-experts // cand.expert_replicas)) * per_param
 
 
 def weight_versions(schedule: str) -> int:
@@ -157,6 +161,18 @@ def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
 
 
 
+def expert_numel(costs: MicrobatchCosts, part: StageSlice, cand: Candidate) -> int:
+    """Routed-expert parameters on one GPU of a stage holding ``part``: ``E / e`` whole experts of each of its
+    layers (every layer counted as an MoE layer: ``moe_costs``); 0 for a dense model."""
+    return part.num_layers * (costs.moe.expert_params // cand.expert_parallel) if costs.moe else 0
+
+
+def expert_shard_numel(numel: int, cand: Candidate) -> int:
+    """The experts' elements whose master and optimizer state one GPU keeps: with the distributed optimizer
+    ``ceil(x / (w c / e))``, sharded over the expert-data group (their replicas), else all ``x``."""
+    return -(-numel // cand.expert_replicas) if cand.distributed_optimizer else numel
+
+
 def rank_units(count: int, chunks: int) -> float:
     """``count`` chunk-microbatches as whole-rank microbatches (the module docstring); exact for one chunk."""
     return count if chunks == 1 else count / chunks
@@ -182,8 +198,11 @@ def slice_params(costs: MicrobatchCosts, part: StageSlice) -> int:
 
 
 def stage_params(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
-    """Parameters on one GPU of ``stage``: its layers, the embedding (first), the head (last)."""
-    return slice_params(costs, stage_slice(num_layers, d, stage, split))
+    """Parameters on one GPU of ``stage``: its layers (with experts, the ``E/e`` each holds at the costs'
+    expert-parallel size), the embedding (first), the head (last)."""
+    part = stage_slice(num_layers, d, stage, split)
+    experts = part.num_layers * (costs.moe.expert_params // costs.expert_parallel) if costs.moe else 0
+    return slice_params(costs, part) + experts
 
 
 def layer_activation_bytes(costs: MicrobatchCosts, num_layers: int, d: int, stage: int, split: Split = None) -> int:
@@ -339,23 +358,29 @@ def _stale_correction(cand: Candidate, param_bytes: ParamBytes) -> int:
 
 def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stage: int,
                  param_bytes: ParamBytes = DEFAULT_PARAM_BYTES) -> StageMemory:
-    """Bytes per GPU of stage ``stage`` holding ``part``, term by term."""
-    p = slice_params(costs, part)
-    shard = shard_numel(p, cand)
+    """Bytes per GPU of stage ``stage`` holding ``part``, term by term (with experts: ``E / e`` routed experts
+    per layer beside the rest, their master and optimizer state sharded over the expert-data group)."""
+    x, dense = expert_numel(costs, part, cand), slice_params(costs, part)
+    xs = expert_shard_numel(x, cand) if x else 0
+    p, shard = dense + x, shard_numel(dense, cand) + xs
+    state = param_bytes.optimizer_state + _stale_correction(cand, param_bytes)
+    muon = param_bytes.muon_saving * (muon_matrix_numel(costs, part) + x) * shard // p if p else 0
+    versions, buffers = weight_versions(cand.schedule), grad_buffers(cand.schedule)
     return StageMemory(
         stage=stage,
         params=p,
         weights=p * param_bytes.weight,
-        second_weights=(weight_versions(cand.schedule) - 1) * p * param_bytes.weight,
-        grads=grad_buffers(cand.schedule) * p * param_bytes.grad,
+        second_weights=(versions - 1) * p * param_bytes.weight,
+        grads=buffers * p * param_bytes.grad,
         master=shard * param_bytes.master,
-        optimizer_state=shard * (param_bytes.optimizer_state + _stale_correction(cand, param_bytes))
-        - (param_bytes.muon_saving * muon_matrix_numel(costs, part) * shard // p if p else 0),
+        optimizer_state=shard * state - muon,
         activations=slice_activation_bytes(costs, cand, part, stage),
         workspace=_workspace(costs, part),
         save=save_bytes(shard, cand),
-        host_save=async_save_host_bytes(p, cand, param_bytes),
+        host_save=async_save_host_bytes(dense, cand, param_bytes, x),
         speculation=speculation_bytes(costs, cand, part, stage, shard, param_bytes),
+        experts=x * (versions * param_bytes.weight + buffers * param_bytes.grad) + xs * (
+            param_bytes.master + state - param_bytes.muon_saving),
     )
 
 

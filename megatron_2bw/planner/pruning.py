@@ -27,8 +27,9 @@ from typing import Callable, Mapping
 
 from ..schedule.schedules import spec_of
 from .hardware import Cluster
-from .layer_costs import LayerCosts
+from .layer_costs import LayerCosts, MicrobatchCosts
 from .memory_model import SEQUENTIAL, Candidate, ParamBytes
+from .moe_costs import for_experts
 from .split import stage_lines
 
 Selector = Callable[[Candidate], bool]
@@ -42,22 +43,34 @@ def chunks_of(cand: Candidate) -> int:
 def lines_key(cand: Candidate) -> tuple:
     """What ``split.stage_lines`` reads of a candidate: not the schedule's bubble, m, or the optimizer."""
     return (cand.tensor_parallel, cand.pipeline_parallel, cand.data_parallel, cand.micro_batch_size,
-            cand.sequence_parallel, cand.recompute, cand.recompute_policy, chunks_of(cand), cand.context)
+            cand.sequence_parallel, cand.recompute, cand.recompute_policy, chunks_of(cand), cand.context,
+            cand.expert_parallel)
 
 
 class StageLines:
-    """``split.stage_lines`` of a search's candidates, each distinct one computed once."""
+    """``split.stage_lines`` of a search's candidates, each distinct one computed once; and the costs of each
+    candidate's (t, b, sequence parallelism, context, expert-parallel size), each resolved once
+    (``moe_costs.for_experts``, the busiest expert at ``expert_load`` times the mean)."""
 
-    def __init__(self, costs: LayerCosts, cluster: Cluster, param_bytes: ParamBytes) -> None:
-        self.costs, self.cluster, self.param_bytes = costs, cluster, param_bytes
+    def __init__(self, costs: LayerCosts, cluster: Cluster, param_bytes: ParamBytes, expert_load: float = 1.0) -> None:
+        self.costs, self.cluster, self.param_bytes, self.expert_load = costs, cluster, param_bytes, expert_load
         self._lines: dict[tuple, tuple[list[float], list[float]]] = {}
+        self._costs: dict[tuple, MicrobatchCosts | None] = {}
+
+    def costs_of(self, cand: Candidate) -> MicrobatchCosts | None:
+        key = (cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel, cand.context, cand.expert_parallel)
+        if key not in self._costs:
+            c = self.costs.at(*key[:4])
+            if c is not None and c.moe is not None:
+                c = for_experts(c, cand.tensor_parallel, cand.expert_parallel, self.cluster, self.expert_load)
+            self._costs[key] = c
+        return self._costs[key]
 
     def __call__(self, cand: Candidate) -> tuple[list[float], list[float]]:
         key = lines_key(cand)
         lines = self._lines.get(key)
         if lines is None:
-            c = self.costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel, cand.context)
-            lines = self._lines[key] = stage_lines(c, cand, self.cluster, self.param_bytes)
+            lines = self._lines[key] = stage_lines(self.costs_of(cand), cand, self.cluster, self.param_bytes)
         return lines
 
 

@@ -15,10 +15,12 @@ from ..argv import pretrain_argv, render
 from ..config import Layout, ModelConfig
 from ..config.arith import flops_per_step
 from ..config.context import ALL_GATHER, P2P
+from ..config.moe_presets import parameter_counts
 from ..config.presets import get_preset
 from ..errors import ConfigError
 from ..schedule.schedules import SCHEDULE_NAMES
 from ..schedule.stages import format_split
+from . import moe_report
 from .hardware import Cluster, GiB, load_cluster
 from .layer_costs import LayerCosts, analytic_microbatch_costs
 from .memory_model import SEQUENTIAL, Candidate, fp32_grads_for
@@ -69,7 +71,7 @@ def pretrain_command(ev: Evaluated, request: PlanRequest) -> list[str]:
     argv = pretrain_argv(model, layout, c.global_batch_size, request.precision, fp32_grads_flag(request))
     backend = request.cluster.attention_backend  # the kernel the memory was counted for
     return argv + context_argv(layout, model.kind) + recompute_policy_argv(c, request.model.kind) + (
-        ["--attention-backend", backend] if backend != "auto" else [])
+        ["--attention-backend", backend] if backend != "auto" else []) + moe_report.moe_argv(model, c)
 
 
 def recompute_policy_argv(c: Candidate, kind: str) -> list[str]:
@@ -115,7 +117,7 @@ def describe(ev: Evaluated, req: PlanRequest | None = None) -> dict[str, Any]:
         "exposed_allreduce_seconds": round(p.exposed_allreduce_s, 6) if p else None,
         "recompute_policy": c.recompute_policy.label if c.recompute_policy else None,  # inside stages
         "staleness": (staleness(c, req.compensation, req.optimizer, req.precision) if req else staleness(c)).to_json(),
-        **rates,
+        **rates, **(moe_report.plan_fields(ev, req.model) if req else {}),
     }
 
 
@@ -158,17 +160,18 @@ def format_table(result: SearchResult, top: int = 10) -> str:
     cl, m = req.cluster, req.model
     lines = [
         f"model: {m.kind}, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-        f"seq {m.seq_length}, vocab {m.vocab_size} ({m.num_parameters() / 1e9:.2f}B parameters), {req.precision}, "
+        f"seq {m.seq_length}, vocab {m.vocab_size} ({parameter_counts(m)[0] / 1e9:.2f}B parameters), {req.precision}, "
         f"gradients accumulated in {'fp32' if req.accumulates_in_fp32 else req.precision}",
         f"cluster: {cl.name}: {req.num_gpus} x {cl.device}, {cl.devices_per_server} per server, "
         f"{cl.usable_memory_bytes / GiB:.1f} GiB usable per GPU{_plan_margin(req)}; "
         f"global batch {req.global_batch_size}",
+        *moe_report.header_lines(req),
         f"costs: {result.costs_source}",
         f"searched {result.considered} configurations in {result.seconds * 1e3:.0f} ms: priced {result.priced} "
         f"({result.num_fit} fit, {result.too_big} do not fit in memory), {result.pruned} pruned",
         "",
         f"{'rank':>4} {'t':>3} {'c':>7} {'d':>3} {'w':>4} {'b':>3} {'m':>4} {'recomp':>8} {'schedule':>8} "
-        f"{'dist-opt':>8} {'seq-par':>7} "
+        f"{'dist-opt':>8} {'seq-par':>7}{moe_report.HEADER if m.moe else ''} "
         f"{'samples/s':>10} {'tokens/s':>10} {'MFU':>6} {'GiB/GPU':>7}  {'layers/stage':<14} GiB: stage 0/1/last",
     ]
     host, base = req.async_save, len(lines[-1])  # --async-save: a column of its host copy, after the device memory
@@ -183,8 +186,8 @@ def format_table(result: SearchResult, top: int = 10) -> str:
             f"{i:>4} {c.tensor_parallel:>3} {context_text(c):>7} {c.pipeline_parallel:>3} {c.data_parallel:>4} "
             f"{c.micro_batch_size:>3} "
             f"{c.num_micro_batches:>4} {recompute_text(c):>8} {sched:>8} "
-            f"{'yes' if c.distributed_optimizer else 'no':>8} {'yes' if c.sequence_parallel else 'no':>7} "
-            f"{ev.samples_per_sec:>10.1f} "
+            f"{'yes' if c.distributed_optimizer else 'no':>8} {'yes' if c.sequence_parallel else 'no':>7}"
+            f"{moe_report.cells(ev, m)} {ev.samples_per_sec:>10.1f} "
             f"{tokens_per_sec(ev, req):>10.0f} {100 * mfu(ev, req):>5.1f}% "
             f"{ev.memory_bytes_per_gpu / GiB:>7.2f}  {split_text(c):<14} {_stage_memory_text(ev)}"
         )
@@ -209,7 +212,8 @@ def plan_json(result: SearchResult, top: int | None = None) -> dict[str, Any]:
     return {
         "model": {"kind": req.model.kind, "num_layers": req.model.num_layers, "hidden_size": req.model.hidden_size,
                   "num_attention_heads": req.model.num_attention_heads, "seq_length": req.model.seq_length,
-                  "vocab_size": req.model.vocab_size, "num_parameters": req.model.num_parameters()},
+                  "vocab_size": req.model.vocab_size, "num_parameters": req.model.num_parameters(),
+                  **moe_report.model_fields(req.model)},
         "cluster": req.cluster.name, "num_gpus": req.num_gpus, "global_batch_size": req.global_batch_size,
         "precision": req.precision, "fp32_grads": req.accumulates_in_fp32, "costs_source": result.costs_source,
         "considered": result.considered, "feasible": result.num_fit, "search_seconds": round(result.seconds, 4),

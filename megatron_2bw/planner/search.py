@@ -16,7 +16,9 @@ global batch, ``m = B / (b*w)``: a ``b`` that does not divide it is skipped, and
 needs more microbatches (``ScheduleSpec.min_microbatches``). Where ``t > 1``,
 ``sequence_parallel_options`` may add sequence parallelism on and off
 (``Candidate.sequence_parallel``; the analytic costs then hold both settings,
-``LayerCosts.sp_table``). A layout whose fullest GPU exceeds the device's usable memory is discarded;
+``LayerCosts.sp_table``). A model with experts adds the expert-parallel size ``e`` (every one dividing the
+experts and the layout's ``w * c`` replicas; ``moe_costs.py``). A layout whose fullest GPU exceeds the device's
+usable memory is discarded;
 the rest are ranked by predicted samples per second. The whole search is closed-form arithmetic over a
 few thousand candidates.
 
@@ -67,6 +69,7 @@ from .memory_model import (
     representative_stages,
     slice_memory,
 )
+from .moe_costs import expert_load, for_experts
 from .pruning import Selector, StageLines, Thresholds, above
 from .split import balanced_split, stage_lines
 
@@ -120,6 +123,12 @@ class PlanRequest:
     # sequence (context_costs.context_sizes); (1,): none. The --cp-comm-type values tried at c > 1.
     context_parallel_options: tuple[int, ...] | None = None
     cp_comm_types: tuple[str, ...] = PLANNED_CP_COMM_TYPES
+    # a model with experts: the --expert-model-parallel-size values searched (None: every one dividing the experts
+    # and a layout's replicas), --moe-router-force-load-balancing (tokens spread evenly, as published MoE
+    # throughputs are taken), else the busiest expert's tokens over the mean (None: moe_costs.DEFAULT_EXPERT_LOAD)
+    expert_parallel_options: tuple[int, ...] | None = None
+    moe_force_balanced: bool = False
+    moe_expert_load: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.memory_margin < 1.0:
@@ -134,11 +143,29 @@ class PlanRequest:
         if self.precision not in ACTIVATION_BYTES:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
         self.cluster.peak(self.precision)
+        self._check_experts()
         allowed = (*SCHEDULES, SEQUENTIAL)  # the registry as it is now (tests register schedules)
         bad = [s for s in self.schedules if parse_schedule_id(s)[0] not in allowed]
         if bad or not self.schedules:
             raise ConfigError(f"schedules must be among {', '.join(allowed)}, "
                               f"got {', '.join(self.schedules) or 'none'}")
+
+    def _check_experts(self) -> None:
+        moe, load = self.model.moe, self.moe_expert_load
+        if load is not None and not load >= 1.0:
+            raise ConfigError(f"--moe-expert-load is the busiest expert's tokens over the mean: >= 1, got {load}")
+        for e in self.expert_parallel_options or ():
+            if e < 1 or (moe is None and e != 1) or (moe is not None and moe.num_experts % e):
+                raise ConfigError(f"--expert-model-parallel-size {e} does not divide --num-experts "
+                                  f"{moe.num_experts if moe else 'absent (a dense model)'}")
+            if self.num_gpus % e:
+                raise ConfigError(f"--expert-model-parallel-size {e} does not divide --num-gpus {self.num_gpus} "
+                                  "(the experts are spread inside the data x context ranks)")
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest expert's tokens over the mean the plan assumes (``moe_costs.expert_load``)."""
+        return expert_load(self.moe_force_balanced, self.moe_expert_load)
 
     @property
     def context_choices(self) -> tuple[int, ...]:
@@ -277,7 +304,7 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
                                        and (p.method != "uniform" or p.num_layers != 1)):
         return 0.0
     d, m = cand.pipeline_parallel, cand.num_micro_batches
-    base, slope = lines(cand) if lines else stage_lines(candidate_costs(costs, cand), cand, request.cluster,
+    base, slope = lines(cand) if lines else stage_lines(candidate_costs(costs, cand, request), cand, request.cluster,
                                                         request.param_bytes)
     mean = (sum(base) + request.model.num_layers * min(slope)) / d
     spec = spec_of(cand.schedule)
@@ -288,12 +315,18 @@ def batch_time_lower_bound(cand: Candidate, costs: LayerCosts, request: PlanRequ
 def _group(c: Candidate) -> tuple:
     """Candidates that differ only in their recomputation."""
     return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule,
-            c.distributed_optimizer, c.sequence_parallel, c.context)
+            c.distributed_optimizer, c.sequence_parallel, c.context, c.expert_parallel)
 
 
-def candidate_costs(costs: LayerCosts, cand: Candidate) -> MicrobatchCosts | None:
-    """The costs of ``cand``'s (t, b) with its sequence-parallel setting and context parallelism."""
-    return costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel, cand.context)
+def candidate_costs(costs: LayerCosts, cand: Candidate, request: PlanRequest | None = None) -> MicrobatchCosts | None:
+    """The costs of ``cand``'s (t, b) with its sequence-parallel setting and context parallelism, at its
+    expert-parallel size (``moe_costs.for_experts``; ``request``: the expert load it assumes)."""
+    c = costs.at(cand.tensor_parallel, cand.micro_batch_size, cand.sequence_parallel, cand.context)
+    if c is None or c.moe is None:
+        return c
+    load = request.expert_load if request is not None else expert_load(False)
+    cluster = request.cluster if request is not None else None
+    return for_experts(c, cand.tensor_parallel, cand.expert_parallel, cluster, load) if cluster else c
 
 
 def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest, max_batch_s: float = math.inf,
@@ -301,7 +334,7 @@ def evaluate(cand: Candidate, costs: LayerCosts, request: PlanRequest, max_batch
     """Memory first; the time only for what fits (``prediction`` None), and, below ``max_batch_s``, only
     for what could take less (``Evaluated.over_limit``: it fits, its batch is longer; ``pruning.py``).
     ``probe``: a candidate a few stages prove too big is not split (``_stage_over``)."""
-    c = candidate_costs(costs, cand)
+    c = lines.costs_of(cand) if lines else candidate_costs(costs, cand, request)
     if c is None:
         raise ConfigError(f"no costs for t={cand.tensor_parallel}, b={cand.micro_batch_size}"
                           + (" with --sequence-parallel" if cand.sequence_parallel else "")
@@ -355,7 +388,7 @@ def _rank_key(e: Evaluated) -> tuple:
     c = e.candidate
     policy = c.recompute_policy.label if c.recompute_policy else ""
     return (-round(e.samples_per_sec, 9), e.memory_bytes_per_gpu, c.pipeline_parallel, c.recompute, policy,
-            c.distributed_optimizer, c.sequence_parallel, c.context_parallel, c.cp_comm_type)
+            c.distributed_optimizer, c.sequence_parallel, c.context_parallel, c.cp_comm_type, c.expert_parallel)
 
 
 def _layouts(cands: Iterator[Candidate]) -> list[list[Candidate]]:
@@ -388,10 +421,13 @@ def search(request: PlanRequest, costs: LayerCosts | None = None, *, require_fit
     Within a layout a recomputation whose bound exceeds a cheaper one's batch time that fits is skipped in
     either mode (without a pipeline: every costlier one once one fits)."""
     start = time.perf_counter()
+    if costs is not None and request.model.moe is not None and not any(c.moe for c in costs.table.values()):
+        raise ConfigError("a model with experts is planned from the analytic estimate only (a measured profile "
+                          "holds no expert terms yet): plan it with tools/plan.py, without --profile")
     costs = costs or default_costs(request)
     keep = dict(keep or {})
     limits = None if top is None else Thresholds(top, keep)
-    lines = StageLines(costs, request.cluster, request.param_bytes)
+    lines = StageLines(costs, request.cluster, request.param_bytes, request.expert_load)
     layouts = [(g, _bounds(g, costs, request, lines)) for g in _layouts(candidates(request, costs))]
     if limits:
         layouts.sort(key=lambda gb: min(gb[1]))
