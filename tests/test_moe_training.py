@@ -152,3 +152,23 @@ def _same_moe_statistics(name: str, extra: tuple[str, ...], got: list[dict], wan
     for g, w in zip(got, want):
         bad = {key: (g[key], w[key]) for key in w if abs(g[key] - w[key]) > 1e-4 * max(1.0, abs(w[key]))}
         assert not bad, (name, bad)
+
+
+def test_a_logged_record_holds_the_window_since_the_last():
+    """The metrics file's MoE values at a logged step are the means over every call since the last logged step
+    (moe_metrics.Sums.merge), dropped tokens summed; the losses averaged over the layers."""
+    import torch
+
+    from megatron_2bw.training.moe_metrics import Sums
+
+    steps = [Sums(), Sums()]
+    steps[0].add(0, {"z_loss": torch.tensor(1.0), "dropped": torch.tensor(2.0)})
+    steps[1].add(0, {"z_loss": torch.tensor(3.0), "dropped": torch.tensor(5.0)})
+    steps[1].add(0, {"z_loss": torch.tensor(8.0), "dropped": torch.tensor(1.0)})
+    steps[1].add(2, {"z_loss": torch.tensor(6.0)})
+    window = Sums()
+    for s in steps:
+        window.merge(s)
+    assert window.take() == {"z_loss layer 0": 4.0, "dropped_tokens layer 0": 8.0, "z_loss layer 2": 6.0,
+                             "z_loss": 5.0}
+    assert window.take() == {}  # the sums restart

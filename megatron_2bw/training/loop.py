@@ -61,7 +61,7 @@ from .lr_schedule import lr_at
 from .metrics import Metrics
 from .moe_hooks import MoEHooks
 from .params_norm import params_sumsq
-from .report import StepReport
+from .report import StepReport, is_log_step
 from .step_stats import WAIT_LAG, StepReducer, StepStats, pack, stage_dicts, stage_row
 from .wandb_writer import wandb_settings
 
@@ -419,10 +419,11 @@ class Trainer:
         handler, duration = self.prep.exit_handler, self.prep.exit_duration
         self._between_steps(r.step)
         hooks = self.stage.before_forward if isinstance(self.stage.before_forward, MoEHooks) else None
+        moe = hooks.step_vector(r.step, self.moe_names, is_log_step(self.cfg.training, r.step)) if hooks else ()
         self.step_stats.issue(r.step, r.loss, r.components, handler is not None and handler.should_exit(),
                               duration is not None and duration.expired(), self._stage_row(),
                               params_sumsq(self.stage) if self._norm_step(r.step) else 0.0,
-                              hooks.step_vector(r.step, self.moe_names) if hooks is not None else ())
+                              moe)
         for st in self.step_stats.ready(r.step - WAIT_LAG):
             self._arrived(st)
         if self._stop_at is None and (self.unhealthy is not None or self.exit_wanted):

@@ -190,12 +190,18 @@ class MoEHooks:
         self._collect()
         return self.log_sums.take()
 
-    def step_vector(self, step: int, names: list[str]) -> list[float]:
-        """This rank's part of step ``step``'s summed MoE vector (moe_metrics.py): the statistics of the step's
-        forwards (at its update every forward of it has run, on every stage and under every schedule)."""
+    def step_vector(self, step: int, names: list[str], due: bool) -> list[float]:
+        """This rank's part of step ``step``'s summed MoE vector (moe_metrics.py). At a step whose record is
+        logged (``due``): the statistics of the forwards of the steps since the last such step (at a step's update
+        every forward of it has run, on every stage and under every schedule); elsewhere zeros, read from nothing,
+        so no step but a logged one waits for the device."""
         self._collect()
-        values = self.step_sums.pop(step, Sums()).take()
-        return vector(names, values, 1.0 / self.state.w if self.state.tp_rank == 0 else 0.0)
+        if not due:
+            return [0.0] * len(names)
+        window = Sums()
+        for s in sorted(k for k in self.step_sums if k <= step):
+            window.merge(self.step_sums.pop(s))
+        return vector(names, window.take(), 1.0 / self.state.w if self.state.tp_rank == 0 else 0.0)
 
     def log_line(self, iteration: int) -> str | None:
         """``moe: iteration N | name: value | ...`` for this rank's layers (None: nothing since the last)."""

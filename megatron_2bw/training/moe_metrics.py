@@ -5,7 +5,8 @@ stage's layers into the metrics file's ``train`` records under ``"moe"``.
 Per MoE layer: the balancing losses the run computes (``load_balancing_loss`` or ``seq_load_balancing_loss``,
 ``z_loss``; without their coefficients), ``tokens_per_expert_max_over_mean`` and, with a capacity,
 ``dropped_tokens`` (a sum); the losses also averaged over the layers, as Megatron's line shows them. In the
-metrics file each value is the mean over the step's calls and over the stage's data ranks.
+metrics file, at the steps a ``--log-interval`` logs (and the last), each value is the mean over the calls of
+the steps since the last logged one and over the stage's data ranks (other steps read nothing from the device).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class Sums:
         for k, v in vals.items():
             acc[k] = acc[k] + v.float() if k in acc else v.float().clone()
         self.calls[index] = self.calls.get(index, 0) + 1
+
+    def merge(self, other: Sums) -> None:
+        """Add ``other``'s sums and calls into these."""
+        for index, acc in other.sums.items():
+            mine = self.sums.setdefault(index, {})
+            for k, v in acc.items():
+                mine[k] = mine[k] + v if k in mine else v
+            self.calls[index] = self.calls.get(index, 0) + other.calls[index]
 
     def copy(self) -> Sums:
         return Sums({k: dict(v) for k, v in self.sums.items()}, dict(self.calls))

@@ -35,6 +35,11 @@ def model_name(model) -> str:
         and model.normalization == "RMSNorm"
     return "Llama" if llama else model.kind.upper()
 
+
+def is_log_step(tc, step: int) -> bool:
+    """Whether step ``step`` (0-based) ends a ``--log-interval`` or the run: its record carries the window's values."""
+    return bool(tc.log_interval and (step + 1) % tc.log_interval == 0) or step + 1 == tc.train_iters
+
 class StepReport:
     """What rank 0 writes about a run (``metrics``: its metrics file and writers)."""
 
@@ -91,10 +96,10 @@ class StepReport:
                           components=st.components or None)
         if params_norm:
             rec["params_norm"] = st.params_norm
-        if moe:
-            rec["moe"] = moe
         self.stages_seen = st.stages
-        log_step = (tc.log_interval and (st.step + 1) % tc.log_interval == 0) or st.step + 1 == tc.train_iters
+        log_step = is_log_step(tc, st.step)
+        if moe and log_step:  # the steps since the last logged one (moe_hooks.step_vector)
+            rec["moe"] = moe
         if log_step:  # the window's per-stage bubble, beside its TFLOP/s
             rec["bubble"] = window_bubble(st.stages, self.stages_logged)
         self.metrics.train_step(rec)
