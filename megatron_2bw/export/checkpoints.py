@@ -17,6 +17,7 @@ from dataclasses import fields
 import torch
 
 from ..checkpoint.dist_checkpoint import is_dist_checkpoint
+from ..checkpoint.dist_checkpoint.router_state import newest_bias
 from ..checkpoint.megatron_format import (
     Exported,
     find_iteration_dir,
@@ -97,7 +98,7 @@ def dist_exported(ckpt: TrainerCheckpoint) -> Exported:
     tok = recorded_tokenizer(ckpt.first.get("args"), ckpt.first.get("fingerprints"))
     dtype = ckpt.first["config"].get("optimizer", {}).get("dtype", "fp32")
     cfg = whole_model_config(ckpt.cfg)
-    router = {int(name.split(".")[0]): t[0] for name, t in ckpt.families.get("router_state", {}).items()}
+    router = newest_bias(ckpt.families)
     return Exported(cfg, ckpt.families["model"], int(ckpt.first["iteration"]), tok, dtype, router)
 
 

@@ -21,6 +21,16 @@ def _fqn(layer: int) -> str:
     return f"{ROUTER}/{layer}.expert_bias"
 
 
+def _layer(name: str) -> int:
+    """The layer of a name in the family (``<layer>.expert_bias``)."""
+    return int(name.split(".")[0])
+
+
+def newest_bias(families: dict[str, dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Layer -> the expert bias of the newest weights (row 0) from a whole checkpoint's families (empty: none)."""
+    return {_layer(name): t[0] for name, t in families.get(ROUTER, {}).items()}
+
+
 def save_router_chunks(stage) -> list[Chunk]:
     """What this rank writes of the router state (nothing without MoE, or off the stage's first rank)."""
     state = getattr(stage, "moe_router_state", None)
@@ -34,6 +44,6 @@ def load_router_chunks(keys, experts: int) -> tuple[list[Chunk], dict[int, torch
     model's count, the same as this run's), and the tensors they fill (global layer -> ``[2, E]``): a few
     floats per layer, read on every rank whatever its stage."""
     prefix = f"{ROUTER}/"
-    tensors = {int(k[len(prefix):].split(".")[0]): torch.zeros(2, experts, dtype=torch.float32)
+    tensors = {_layer(k[len(prefix):]): torch.zeros(2, experts, dtype=torch.float32)
                for k in keys if k.startswith(prefix)}
     return [Chunk(_fqn(i), (0, 0), tuple(t.shape), t) for i, t in tensors.items()], tensors
