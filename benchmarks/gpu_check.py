@@ -210,14 +210,14 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    state = build_state(1, 2, w, device)
+    state = build_state(Axes(data=w, pipeline=2), device)
     cfg = get_preset(model)
     b, m = 2, 4
     tracker = RNGTracker(1234, state.tp_rank, device)

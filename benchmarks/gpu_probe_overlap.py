@@ -300,14 +300,14 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec, stage_range
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     device = torch.device("cuda", torch.cuda.current_device())
-    state = build_state(1, 2, 1, device)
+    state = build_state(Axes(pipeline=2), device)
     cfg = get_preset(model, untie_embeddings_and_output_weights=untie)
     b, m = 4, 8
     tracker = RNGTracker(1234, state.tp_rank, device)

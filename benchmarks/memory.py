@@ -57,12 +57,12 @@ def worker(conf: dict) -> list[dict]:
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
 
     d = dist.get_world_size()
-    state = build_state(1, d, 1, torch.device("cpu"))
+    state = build_state(Axes(pipeline=d), torch.device("cpu"))
     cfg = ModelConfig(**conf["model"])
     b = conf["micro_batch"]
     torch.manual_seed(1234)
@@ -181,13 +181,13 @@ def state_worker(conf: dict) -> list[dict]:
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
 
     d = conf["d"]
     w = dist.get_world_size() // d
-    state = build_state(1, d, w, torch.device("cpu"))
+    state = build_state(Axes(data=w, pipeline=d), torch.device("cpu"))
     cfg, b, m = ModelConfig(**conf["model"]), conf["micro_batch"], conf["m"]
     torch.manual_seed(1234)
     spec = ModelSpec(cfg, TPGroup(), 1234)

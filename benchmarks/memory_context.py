@@ -63,13 +63,13 @@ def cp_worker(conf: dict) -> list[dict]:
     from megatron_2bw.context_parallel.group import CPGroup
     from megatron_2bw.fused import Kernels
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
 
     c, comm = conf["c"], conf["comm"]
     d = dist.get_world_size() // c
-    state = build_state(1, d, c, torch.device("cpu"), c=c)
+    state = build_state(Axes(context=c, pipeline=d), torch.device("cpu"))
     cfg, b, m = ModelConfig(**conf["model"]), conf["micro_batch"], conf["m"]
     cp = CPGroup.from_state(state, comm) if c > 1 else None
     torch.manual_seed(1234)

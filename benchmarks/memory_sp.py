@@ -22,14 +22,14 @@ def sp_worker(conf: dict) -> list[dict]:
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     t = conf["t"]
     d = dist.get_world_size() // t
-    state = build_state(t, d, 1, torch.device("cpu"))
+    state = build_state(Axes(tensor=t, pipeline=d), torch.device("cpu"))
     b, m = conf["micro_batch"], conf["m"]
     out = []
     for sp in (False, True):

@@ -66,12 +66,12 @@ class _MoECtx:
         from megatron_2bw.config import ModelConfig
         from megatron_2bw.models.moe_block import MoEGroups
         from megatron_2bw.models.spec import ModelSpec
-        from megatron_2bw.parallel_state import build_state
+        from megatron_2bw.parallel_state import Axes, build_state
         from megatron_2bw.tensor_parallel.group import TPGroup
 
         e = conf["ep"]
         world = dist.get_world_size()
-        self.state = build_state(1, world // e, e, torch.device("cpu"), e=e)
+        self.state = build_state(Axes(expert=e, data=e, pipeline=world // e), torch.device("cpu"))
         self.rank, self.world, self.b = dist.get_rank(), world, conf["micro_batch"]
         torch.manual_seed(1234)
         self.views, self.single_views = {}, {}
@@ -132,7 +132,7 @@ class MoEWorker(_Worker):
         from megatron_2bw.schedule.schedules import validate_pipeline
         from megatron_2bw.training.moe_hooks import MoEHooks
 
-        st, w = self.ctx.state, self.ctx.state.w
+        st, w = self.ctx.state, self.ctx.state.replicas
         if s == "single":  # the whole model on rank 0, the same global batch (w x m microbatches)
             if self.rank != 0:
                 return None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.local_workers import run_workers
 from megatron_2bw.models.spec import ModelSpec
@@ -71,7 +72,7 @@ def update_times(preset: str, seq: int, reps: int) -> list[dict]:
 
 
 def _step_worker(preset: str, seq: int, b: int, m: int, steps: int) -> dict:
-    state = build_state(1, 2, 1, torch.device("cpu"))
+    state = build_state(Axes(pipeline=2), torch.device("cpu"))
     cfg = get_preset(preset, seq_length=seq, max_position_embeddings=seq)
     spec = ModelSpec(cfg, TPGroup(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (m, b, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -111,8 +112,8 @@ def _layer(h: int) -> list[tuple[tuple[int, int], int]]:
 
 
 def _tp_worker(h: int, reps: int) -> dict:
-    state: ParallelState = build_state(2, 1, 1, torch.device("cpu"))
-    g, r = state.tp_group, state.tp_rank
+    state: ParallelState = build_state(Axes(tensor=2), torch.device("cpu"))
+    g, r = state.groups.tp, state.tp_rank
     gen = torch.Generator().manual_seed(0)
     whole = [(torch.randn(*s, generator=gen), d) for s, d in _layer(h)]
     parts = [(x.chunk(2, dim=d)[r].contiguous(), d) for x, d in whole]

@@ -121,7 +121,7 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
     import torch.distributed as dist
 
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.planner.profiler import profile_model
     from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -131,7 +131,7 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
         # on one core while the other runs unrelated work)
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[dist.get_rank()]})
     cfg = ModelConfig(**model)
-    state = build_state(1, 2, 1, torch.device("cpu"))
+    state = build_state(Axes(pipeline=2), torch.device("cpu"))
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234)
     g = torch.Generator().manual_seed(5)
     pool = [spec.make_batch(torch.randint(0, cfg.vocab_size, (b, cfg.seq_length + 1), generator=g)) for _ in range(m)]

@@ -22,13 +22,13 @@ class _Ctx:
 
         from megatron_2bw.config import ModelConfig
         from megatron_2bw.models.spec import ModelSpec
-        from megatron_2bw.parallel_state import build_state
+        from megatron_2bw.parallel_state import Axes, build_state
         from megatron_2bw.tensor_parallel.group import TPGroup
 
         self.conf = conf
         self.d = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.state = build_state(1, self.d, 1, torch.device("cpu"))
+        self.state = build_state(Axes(pipeline=self.d), torch.device("cpu"))
         self.cfg = ModelConfig(**conf["model"])
         self.b = conf["micro_batch"]
         torch.manual_seed(1234)
@@ -269,10 +269,10 @@ class TorchRunner(Runner):
                 a.add_(b)
                 b.copy_(a)
             for p in self.shared:
-                dist.all_reduce(p.grad, group=st.embedding_group)
+                dist.all_reduce(p.grad, group=st.groups.embedding)
             grads = [p.grad for p in self.norm_params if p.grad is not None]
             sumsq = torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
-            dist.all_reduce(sumsq, group=st.model_group)
+            dist.all_reduce(sumsq, group=st.groups.model)
             coef = self.ctx.conf["clip"] / (math.sqrt(float(sumsq)) + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)

@@ -28,7 +28,7 @@ import torch
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.local_workers import run_workers
 from megatron_2bw.models.spec import ModelSpec
-from megatron_2bw.parallel_state import build_state
+from megatron_2bw.parallel_state import Axes, build_state
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -38,7 +38,7 @@ SCHEDULES = ("2bw", "flush", "gpipe")
 
 def _worker(model: dict, b: int, m: int, steps: int) -> dict:
     torch.set_num_threads(1)
-    state = build_state(1, 2, 1, torch.device("cpu"))
+    state = build_state(Axes(pipeline=2), torch.device("cpu"))
     cfg = ModelConfig(**model)
     spec = ModelSpec(cfg, TPGroup(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (m, b, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
@@ -63,7 +63,7 @@ def _zero_worker(model: dict, b: int, m: int, steps: int, rounds: int) -> list[d
     import torch.distributed as dist  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    state = build_state(1, 2, 2, torch.device("cpu"))
+    state = build_state(Axes(data=2, pipeline=2), torch.device("cpu"))
     cfg = ModelConfig(**model)
     spec = ModelSpec(cfg, TPGroup(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))

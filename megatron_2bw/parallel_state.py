@@ -41,43 +41,24 @@ import torch
 import torch.distributed as dist
 
 from .config import ParallelConfig
+from .config.axes import Axes
 from .errors import ConfigError
 
 
 def rank_of(t: int, w: int, tp: int, dp: int, pp: int) -> int:
-    return pp * (t * w) + dp * t + tp
+    """Global rank of (tensor, replica, pipeline) ranks with ``w`` weight replicas (:meth:`Axes.rank`)."""
+    return Axes(tensor=t, data=w).rank(tp, dp, pp)
 
 
 def coords_of(rank: int, t: int, w: int) -> tuple[int, int, int]:
-    """(tensor_rank, data_rank, pipeline_rank) of a global rank."""
-    return rank % t, (rank // t) % w, rank // (t * w)
+    """(tensor_rank, replica_rank, pipeline_rank) of a global rank (:meth:`Axes.coords`)."""
+    return Axes(tensor=t, data=w).coords(rank)
 
 
 def layout_groups(t: int, d: int, w: int, c: int = 1, e: int = 1) -> dict[str, list[list[int]]]:
-    """All process groups of a layout as lists of global ranks (pure; used by tests and set-up); ``w``
-    counts the weight replicas (data width x ``c``), ``c`` the context ranks among them, ``e`` the
-    expert-parallel size folded inside them (``expert``: adjacent positions; ``expert_data``: strided)."""
-    tensor = [[rank_of(t, w, i, dp, pp) for i in range(t)] for pp in range(d) for dp in range(w)]
-    data = [[rank_of(t, w, tp, j, pp) for j in range(w)] for pp in range(d) for tp in range(t)]
-    pipeline = [[rank_of(t, w, tp, dp, k) for k in range(d)] for dp in range(w) for tp in range(t)]
-    embedding = [sorted({p[0], p[-1]}) for p in pipeline]
-    model = [
-        sorted(rank_of(t, w, tp, dp, pp) for tp in range(t) for pp in range(d)) for dp in range(w)
-    ]
-    groups = {"tensor": tensor, "data": data, "pipeline": pipeline, "embedding": embedding, "model": model}
-    if c > 1:
-        groups["context"] = [[rank_of(t, w, tp, r * c + k, pp) for k in range(c)]
-                             for pp in range(d) for r in range(w // c) for tp in range(t)]
-    if e > 1:
-        groups["expert"] = [[rank_of(t, w, tp, r * e + k, pp) for k in range(e)]
-                            for pp in range(d) for r in range(w // e) for tp in range(t)]
-        groups["expert_data"] = [[rank_of(t, w, tp, r * e + k, pp) for r in range(w // e)]
-                                 for pp in range(d) for k in range(e) for tp in range(t)]
-        # the expert group's ranks again, for the gradient reducer's thread (the sum of an expert norm over
-        # its pieces): a group is one ordered stream of collectives, and under 2BW the reducer runs while the
-        # training thread dispatches tokens over ``expert``
-        groups["expert_copies"] = [list(g) for g in groups["expert"]]
-    return groups
+    """All process groups of a layout as lists of global ranks (:meth:`Axes.groups`); ``w`` counts the weight
+    replicas (data width x ``c``)."""
+    return Axes(tensor=t, context=c, expert=e, data=w // c, pipeline=d).groups()
 
 
 EXPERT_DATA = "edp"  # the reduction domain of expert weights: the expert-data group
@@ -97,36 +78,72 @@ class Domain:
     copies_size: int = 1
 
 
+@dataclass(frozen=True)
+class Groups:
+    """This process's groups of the layout, built once (None: a group of one): tensor, replicas (``dp``:
+    data x context, Megatron's data group with context parallel), context, expert (token dispatch, the training
+    thread), expert-data, the expert ranks again for the gradient reducer's thread, embedding (first and last
+    stage: tied embeddings) and model (one full model: norms, overflow). No pipeline group: transfers go over
+    the default group's communicator."""
+
+    tp: object | None = None
+    dp: object | None = None
+    cp: object | None = None
+    ep: object | None = None
+    edp: object | None = None
+    ep_copies: object | None = None
+    embedding: object | None = None
+    model: object | None = None
+
+
 @dataclass
 class ParallelState:
-    """This process's place in the layout and its process groups (None when the group is size 1)."""
+    """This process's place in the layout (its :class:`Axes` and coordinates) and its process groups."""
 
     rank: int
     world_size: int
-    t: int
-    d: int
-    w: int
+    axes: Axes
     tp_rank: int
-    dp_rank: int
+    dp_rank: int  # among the weight replicas (data x context)
     pp_rank: int
     pipeline_ranks: list[int]
-    tp_group: object | None = None
-    dp_group: object | None = None  # no pipeline group: p2p goes over the default group's communicator
-    embedding_group: object | None = None
-    model_group: object | None = None
+    groups: Groups = field(default_factory=Groups)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: datetime.timedelta | None = None  # --distributed-timeout-minutes, for groups made later (None: torch's)
     # the pipeline rank holding the model's last virtual stage, where the loss is (None: the last rank; a V
     # layout puts it on rank 0: the pipeline stage sets it from its placement)
     loss_stage: int | None = None
-    c: int = 1  # context-parallel size (the context group's ranks are among the w replicas)
-    cp_rank: int = 0
-    cp_group: object | None = None
     cp_ranks: tuple[int, ...] = (0,)  # the context group's global ranks, in context order
-    e: int = 1  # expert-parallel size, folded inside the w ranks of the data group
-    ep_group: object | None = None  # token dispatch (the training thread)
-    edp_group: object | None = None
-    ep_copies_group: object | None = None  # the same ranks as ep_group, for the reducer's thread
+
+    @property
+    def t(self) -> int:
+        """Tensor-parallel size."""
+        return self.axes.tensor
+
+    @property
+    def d(self) -> int:
+        """Pipeline depth."""
+        return self.axes.pipeline
+
+    @property
+    def c(self) -> int:
+        """Context-parallel size (the context group's ranks are among the replicas)."""
+        return self.axes.context
+
+    @property
+    def e(self) -> int:
+        """Expert-parallel size, folded inside the replicas."""
+        return self.axes.expert
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of this stage holding the same dense weights (data x context): what gradients are reduced
+        and the distributed optimizer's state sharded over."""
+        return self.axes.replicas
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dp_rank % self.c
 
     @property
     def ep_rank(self) -> int:
@@ -136,15 +153,16 @@ class ParallelState:
     def domains(self) -> dict[str, Domain]:
         """Every reduction domain by name (``init.DATA`` = ``"dp"``: the whole data group; ``"edp"``: the
         expert-data group, whose ranks' expert pieces differ across the expert group)."""
-        dp = Domain("dp", self.dp_group, self.w, self.dp_rank)
-        edp = Domain(EXPERT_DATA, self.edp_group if self.e > 1 else self.dp_group, self.w // self.e,
-                     self.dp_rank // self.e, self.ep_copies_group, self.e)
+        g = self.groups
+        dp = Domain("dp", g.dp, self.replicas, self.dp_rank)
+        edp = Domain(EXPERT_DATA, g.edp if self.e > 1 else g.dp, self.axes.expert_data,
+                     self.dp_rank // self.e, g.ep_copies, self.e)
         return {dp.name: dp, edp.name: edp}
 
     @property
     def data_width(self) -> int:
-        """Data-parallel width: the replicas that read different data (w / c)."""
-        return self.w // self.c
+        """Data-parallel width: the replicas that read different data (replicas / c)."""
+        return self.axes.data
 
     @property
     def data_rank(self) -> int:
@@ -175,7 +193,7 @@ class ParallelState:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelState":
         """The trivial layout of one process, with no process groups."""
-        return cls(0, 1, 1, 1, 1, 0, 0, 0, [0], device=torch.device(device))
+        return cls(0, 1, Axes(), 0, 0, 0, [0], device=torch.device(device))
 
 
 def _first_slurm_host() -> str:
@@ -277,7 +295,7 @@ def initialize(
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
-    t, d, w, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
+    axes = parallel.axes(expert=expert)
     rank = int(env["rank"])
     if world == 1 and not dist.is_initialized():
         return ParallelState.single(dev)
@@ -291,7 +309,7 @@ def initialize(
             # NCCL: create the communicators now, so a first batch_isend_irecv among a subset of ranks is legal
             device_id=dev if dev.type == "cuda" else None,
         )
-    return build_state(t, d, w * c, dev, timeout=datetime.timedelta(minutes=timeout_minutes), c=c, e=expert)
+    return build_state(axes, dev, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 _TIMEOUT: list[datetime.timedelta | None] = [None]  # the last build_state's group timeout
@@ -302,8 +320,7 @@ def group_timeout() -> datetime.timedelta | None:
     return _TIMEOUT[0]
 
 
-def build_state(t: int, d: int, w: int, device: torch.device, *,
-                timeout: datetime.timedelta | None = None, c: int = 1, e: int = 1) -> ParallelState:
+def build_state(axes: Axes, device: torch.device, *, timeout: datetime.timedelta | None = None) -> ParallelState:
     """Create every group of the layout (all ranks call ``new_group`` in the same order).
 
     ``timeout`` (``--distributed-timeout-minutes``) applies to every group: ``new_group`` does not
@@ -314,29 +331,23 @@ def build_state(t: int, d: int, w: int, device: torch.device, *,
     """
     _TIMEOUT[0] = timeout
     rank, world = dist.get_rank(), dist.get_world_size()
-    if t * d * w != world:
-        raise ConfigError(f"layout t={t} x d={d} x w={w} does not match world size {world}")
-    if w % c:
-        raise ConfigError(f"weight replicas w={w} are not a multiple of the context-parallel size {c}")
-    if w % e:
-        raise ConfigError(f"weight replicas w={w} are not a multiple of the expert-parallel size {e}")
-    tp_rank, dp_rank, pp_rank = coords_of(rank, t, w)
-    groups = layout_groups(t, d, w, c, e)
+    if axes.world != world:
+        raise ConfigError(f"layout {axes.describe()} needs {axes.world} processes, the world has {world}")
+    tp_rank, dp_rank, pp_rank = axes.coords(rank)
+    lists = axes.groups()
     mine: dict[str, object | None] = {}
-    for name, lists in groups.items():
+    for name, ranks_lists in lists.items():
         mine[name] = None
         if name == "pipeline":
             continue
-        for ranks in lists:
+        for ranks in ranks_lists:
             g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 mine[name] = g
-    pipeline_ranks = next(p for p in groups["pipeline"] if rank in p)
-    cp_ranks = next((tuple(g) for g in groups.get("context", ()) if rank in g), (rank,))
-    return ParallelState(
-        rank, world, t, d, w, tp_rank, dp_rank, pp_rank, pipeline_ranks,
-        tp_group=mine["tensor"], dp_group=mine["data"],
-        embedding_group=mine["embedding"], model_group=mine["model"], device=device, timeout=timeout,
-        c=c, cp_rank=dp_rank % c, cp_group=mine.get("context"), cp_ranks=cp_ranks,
-        e=e, ep_group=mine.get("expert"), edp_group=mine.get("expert_data"), ep_copies_group=mine.get("expert_copies"),
-    )
+    pipeline_ranks = next(p for p in lists["pipeline"] if rank in p)
+    cp_ranks = next((tuple(g) for g in lists.get("context", ()) if rank in g), (rank,))
+    groups = Groups(tp=mine["tensor"], dp=mine["data"], cp=mine.get("context"), ep=mine.get("expert"),
+                    edp=mine.get("expert_data"), ep_copies=mine.get("expert_copies"), embedding=mine["embedding"],
+                    model=mine["model"])
+    return ParallelState(rank, world, axes, tp_rank, dp_rank, pp_rank, pipeline_ranks, groups, device=device,
+                         timeout=timeout, cp_ranks=cp_ranks)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.context_parallel.group import CPGroup
 from megatron_2bw.faults import FaultInjector
@@ -77,7 +78,7 @@ def train_tiny(
     of a document (every sixth token)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         t, d, w = layout
-        state = build_state(t, d, w * context, torch.device("cpu"), c=context)
+        state = build_state(Axes(tensor=t, context=context, data=w, pipeline=d), torch.device("cpu"))
     else:
         state = ParallelState.single()
     t, d, w = state.t, state.d, state.data_width
@@ -134,14 +135,14 @@ def train_tiny(
     losses = [r.loss for r in results]
     keys = sorted(results[0].components or {}) if results else []
     comps = [[(r.components or {})[k] for k in keys] for r in results] if state.holds_loss else None
-    if state.holds_loss and state.w > 1:  # mean over the weight replicas (context ranks hold the same loss)
+    if state.holds_loss and state.replicas > 1:  # mean over the weight replicas (context ranks hold the same loss)
         x = torch.tensor(losses, dtype=torch.float64)
-        dist.all_reduce(x, group=state.dp_group)
-        losses = (x / state.w).tolist()
+        dist.all_reduce(x, group=state.groups.dp)
+        losses = (x / state.replicas).tolist()
         if keys:
             c = torch.tensor(comps, dtype=torch.float64)
-            dist.all_reduce(c, group=state.dp_group)
-            comps = (c / state.w).tolist()
+            dist.all_reduce(c, group=state.groups.dp)
+            comps = (c / state.replicas).tolist()
     params = {name: view.detach().float().clone() for name, view in stage.newest_state().items()}
     return {
         "coords": (state.tp_rank, state.dp_rank, state.pp_rank), "t": t, "last": state.holds_loss,

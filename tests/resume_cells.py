@@ -20,6 +20,7 @@ from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.checkpoint.trainer_reshard import read_trainer_checkpoint, write_trainer_checkpoint
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer import muon
@@ -72,7 +73,7 @@ class Run:
 def build(cell: Cell, layout: tuple[int, int, int]) -> Run:
     """A fresh stage of the tiny GPT at ``layout`` for ``cell`` (as ``pipeline_harness.train_tiny`` builds it)."""
     t, d, w = layout
-    state = build_state(t, d, w, CPU)
+    state = build_state(Axes(tensor=t, data=w, pipeline=d), CPU)
     cfg = get_preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(SEED)
     tracker = RNGTracker(SEED, state.tp_rank)
@@ -110,7 +111,7 @@ def train(run: Run, steps: int) -> list[float]:
     mine = [r.loss for r in results] if st.holds_loss and st.tp_rank == 0 else [0.0] * steps
     x = torch.tensor(mine, dtype=torch.float64)
     dist.all_reduce(x)
-    return (x / st.w).tolist()
+    return (x / st.replicas).tolist()
 
 
 def save(run: Run, fmt: str, root: str, writer) -> None:
@@ -130,7 +131,7 @@ def restore(run: Run, fmt: str, root: str) -> None:
     if fmt == "torch":
         ck.restore(ck.load_rank_file(root, CUT, st.t, st.d, st.tp_rank, st.pp_rank), run.stage, run.tracker, CPU)
         return
-    sd = dc.read_checkpoint(root, CUT, dist.get_rank(), dist.get_world_size(), (st.t, st.d, st.w, None))
+    sd = dc.read_checkpoint(root, CUT, dist.get_rank(), dist.get_world_size(), (st.t, st.d, st.replicas, None))
     dc.restore(sd, run.stage, run.tracker, CPU)
 
 

@@ -26,6 +26,7 @@ from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.faults import SAVE_FAULT_ENV
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state, coords_of
@@ -146,7 +147,7 @@ def test_resharded_resume_trains_like_offline_reshard(resharded, saved, tmp_path
 
 
 def _stage(common: dict, t: int, d: int, w: int, zero: bool) -> tuple[PipelineRank, RNGTracker]:
-    state = build_state(t, d, w, torch.device("cpu"))
+    state = build_state(Axes(tensor=t, data=w, pipeline=d), torch.device("cpu"))
     cfg = ck.model_config(common["config"])
     tracker = RNGTracker(1234 + 100 * state.pp_rank, state.tp_rank)
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)

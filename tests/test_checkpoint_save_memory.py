@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from megatron_2bw.checkpoint import checkpointing as ck
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
@@ -131,7 +132,7 @@ def test_a_torch_format_resume_reads_the_file_in_place(tmp_path):
 
 def _zero_case() -> dict:
     rank, w = dist.get_rank(), dist.get_world_size()
-    state = build_state(1, 1, w, CPU)
+    state = build_state(Axes(data=w), CPU)
     stage = _stage(state, zero=True)
     assert stage.updater.shard is not None
     reference = stage.updater.state_dict(everywhere=True)  # the all-gathered state, on every rank
@@ -152,7 +153,8 @@ def _zero_case() -> dict:
     zero.GATHER_CHUNK, chunk = 1000, zero.GATHER_CHUNK
     try:
         shard = stage.updater.optimizer.exp_avg_sq
-        small = gather_full(shard, ShardLayout(stage.weights.numel, w, state.dp_rank), state.dp_group, everywhere=False)
+        layout = ShardLayout(stage.weights.numel, w, state.dp_rank)
+        small = gather_full(shard, layout, state.groups.dp, everywhere=False)
     finally:
         zero.GATHER_CHUNK = chunk
     if small is not None:
@@ -286,7 +288,7 @@ def _bounded_d2_save(root: str) -> dict:
     from megatron_2bw.checkpoint.dist_checkpoint import shard_map
 
     shard_map.MAX_CHUNK_BYTES = 2048
-    state = build_state(1, 2, 1, CPU)
+    state = build_state(Axes(pipeline=2), CPU)
     cfg = get_preset("gpt-tiny")
     tracker = RNGTracker(7, 0)
     spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)

@@ -38,6 +38,7 @@ from multiproc import run_workers
 
 from megatron_2bw.checkpoint import checkpointing as ckpt
 from megatron_2bw.config import OptimizerConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.grad_reducer import GradReducer
 from megatron_2bw.pipeline.updater import Updater
@@ -121,8 +122,8 @@ def _run_updater(w: int, rank: int, group, optimizer: str) -> dict:
 
 def _updater_case() -> dict:
     rank, w = dist.get_rank(), dist.get_world_size()
-    state = build_state(1, 1, w, torch.device("cpu"))
-    return {o: {"sharded": _run_updater(w, state.dp_rank, state.dp_group, o),
+    state = build_state(Axes(data=w), torch.device("cpu"))
+    return {o: {"sharded": _run_updater(w, state.dp_rank, state.groups.dp, o),
                 "reference": _run_updater(w, rank, None, o)} for o in ("sgd", "adam")}
 
 

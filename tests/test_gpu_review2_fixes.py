@@ -12,6 +12,7 @@ from multiproc import run_workers
 
 from megatron_2bw import parallel_state as ps
 from megatron_2bw.checkpoint.dist_checkpoint import collective
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.local_workers import init_kwargs
 from megatron_2bw.parallel_state import build_state, group_timeout, layout_groups
 from megatron_2bw.pipeline import transport as tp
@@ -103,11 +104,11 @@ def test_no_pipeline_group_and_every_group_takes_the_timeout(monkeypatch) -> Non
     monkeypatch.setattr(collective, "_GROUP", [])
     monkeypatch.setattr(ps, "_TIMEOUT", [None])
     timeout = datetime.timedelta(minutes=3)
-    st = build_state(2, 2, 2, torch.device("cpu"), timeout=timeout)
+    st = build_state(Axes(tensor=2, data=2, pipeline=2), torch.device("cpu"), timeout=timeout)
     groups = layout_groups(2, 2, 2)
     expect = [tuple(r) for name in ("tensor", "data", "embedding", "model") for r in groups[name]]
     assert [m[0] for m in made] == expect and not hasattr(st, "pp_group")
-    assert st.pipeline_ranks == [0, 4] and st.model_group == "g"
+    assert st.pipeline_ranks == [0, 4] and st.groups.model == "g"
     assert group_timeout() == timeout and all(kw["timeout"] == timeout for _, kw in made)
     made.clear()
     collective.checkpoint_group()

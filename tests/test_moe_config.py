@@ -11,7 +11,8 @@ import pytest
 from megatron_2bw.argv import megatron_args, to_argv
 from megatron_2bw.cli import build_config, model_config, parse_args
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.config.moe import MoEConfig, check_expert_parallel, parse_moe_layer_freq
+from megatron_2bw.config.axes import Axes
+from megatron_2bw.config.moe import MoEConfig, parse_moe_layer_freq
 from megatron_2bw.config.moe_presets import MOE_PRESETS, get_moe_preset, moe_layer_params, parameter_counts
 from megatron_2bw.errors import ConfigError
 
@@ -66,12 +67,11 @@ def test_moe_layer_freq_forms():
 
 
 def test_expert_parallel_must_divide_data_times_context():
-    moe = MoEConfig(8, expert_model_parallel_size=4)
-    check_expert_parallel(moe, 2, 2)
-    check_expert_parallel(None, 3, 1)
+    assert Axes(expert=4, data=2, context=2).expert_data == 1
+    assert Axes(data=3).expert_data == 3
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 4 does not divide data-parallel size 2 x "
                                           "--context-parallel-size 1"):
-        check_expert_parallel(moe, 2, 1)
+        Axes(expert=4, data=2, context=1)
     args = parse_args([*BASE, "--num-experts", "8", "--expert-model-parallel-size", "4"], "gpt")
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 4 does not divide data-parallel size 2"):
         build_config(args, "gpt", 2)  # checked by the run config, before the not-wired refusal

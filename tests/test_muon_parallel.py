@@ -33,6 +33,7 @@ from pipeline_harness import matching_shard
 from test_2bw_semantics import MUON, fp32_newton_schulz
 
 from megatron_2bw.checkpoint import checkpointing as ckpt
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.zero import ShardLayout
@@ -104,12 +105,12 @@ def _with(**extra):
 def _cases() -> dict:
     rank = dist.get_rank()
     out = {}
-    tp = build_state(2, 1, 1, torch.device("cpu"))
+    tp = build_state(Axes(tensor=2), torch.device("cpu"))
     mats, grads = _problem(50)
-    dp = build_state(1, 1, 2, torch.device("cpu"))
+    dp = build_state(Axes(data=2), torch.device("cpu"))
     with fp32_newton_schulz():
-        out["tp_split"], out["tp_whole"] = _run(mats, grads, tp.tp_rank, 2, tp.tp_group), _run(mats, grads, None)
-        out["dp"] = _sharded(2, dp.dp_rank, dp.dp_group)
+        out["tp_split"], out["tp_whole"] = _run(mats, grads, tp.tp_rank, 2, tp.groups.tp), _run(mats, grads, None)
+        out["dp"] = _sharded(2, dp.dp_rank, dp.groups.dp)
         out["engine_t2"] = pipeline_harness.train_tiny("flush", layout=(2, 1, 1), **KW)
         out["engine_zero"] = [_with(use_distributed_optimizer=on)("2bw", layout=(1, 1, 2), compensation="ef")
                               for on in (False, True)]

@@ -11,7 +11,7 @@ from multiproc import run_workers
 
 from megatron_2bw.config import ParallelConfig
 from megatron_2bw.errors import ConfigError
-from megatron_2bw.parallel_state import build_state, distributed_env, is_peer_failure, layout_groups
+from megatron_2bw.parallel_state import Axes, build_state, distributed_env, is_peer_failure, layout_groups
 
 # The worked example in parallel_state.py's docstring, written out independently.
 DOCUMENTED_222 = {
@@ -37,10 +37,10 @@ def test_layout_groups_pure():
 
 
 def _groups_worker():
-    state = build_state(2, 2, 2, torch.device("cpu"))
+    state = build_state(Axes(tensor=2, data=2, pipeline=2), torch.device("cpu"))
     mine = {
-        "tensor": state.tp_group, "data": state.dp_group,
-        "embedding": state.embedding_group, "model": state.model_group,
+        "tensor": state.groups.tp, "data": state.groups.dp,
+        "embedding": state.groups.embedding, "model": state.groups.model,
     }  # no pipeline group (nothing reduces over it: gpu-review-2 N14); its ranks are pipeline_ranks
     ranks = {k: dist.get_process_group_ranks(g) for k, g in mine.items()}
     ranks["pipeline"] = state.pipeline_ranks
@@ -154,8 +154,8 @@ def _subgroup_timeout_worker() -> list[float | None]:
 
     from megatron_2bw.training.step_stats import StepReducer
 
-    state = build_state(2, 1, 1, torch.device("cpu"), timeout=datetime.timedelta(seconds=2))
-    groups = (state.tp_group, StepReducer(state, ()).group)
+    state = build_state(Axes(tensor=2), torch.device("cpu"), timeout=datetime.timedelta(seconds=2))
+    groups = (state.groups.tp, StepReducer(state, ()).group)
     if state.rank == 1:
         time.sleep(6)  # past both of rank 0's timeouts
         return []

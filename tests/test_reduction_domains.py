@@ -40,6 +40,7 @@ from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.dist_checkpoint.reader import read_whole
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.spec import ModelSpec
@@ -99,7 +100,7 @@ class _Run:
 
 def _toy(layout: tuple[int, int, int], e: int, schedule: str, opt: OptimizerConfig, steps: int) -> _Run:
     t, d, w = layout
-    state = build_state(t, d, w, CPU, e=e)
+    state = build_state(Axes(tensor=t, expert=e, data=w, pipeline=d), CPU)
     per = LAYERS // d
     first = state.pp_rank * per
     micro = 2
@@ -297,7 +298,7 @@ def _mlp_in_edp(build):
 def _gpt(two: bool, distributed: bool, schedule: str = "2bw", post_validation: bool = False) -> tuple:
     """gpt-tiny at d=2, w=2 (e=1), 2BW and Adam; ``two``: its MLP parameters in a second domain."""
     cfg = get_preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0)
-    state = build_state(1, 2, 2, CPU)
+    state = build_state(Axes(data=2, pipeline=2), CPU)
     tracker = RNGTracker(1234, 0)
     spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
     m = B // 2

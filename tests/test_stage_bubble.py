@@ -26,6 +26,7 @@ import torch
 from multiproc import run_workers
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+from megatron_2bw.config.axes import Axes
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.build import build_stage
@@ -66,7 +67,7 @@ class Delay(torch.nn.Module):
 
 def _worker() -> list[dict]:
     torch.set_num_threads(1)
-    state = build_state(1, 2, 1, torch.device("cpu"))
+    state = build_state(Axes(pipeline=2), torch.device("cpu"))
     cfg = ModelConfig(**MODEL)
     spec = ModelSpec(cfg, TPGroup(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (16, B, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))

@@ -335,7 +335,7 @@ def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_bat
     out = trainer_format.file_contents(
         model, newest, args=margs, iteration=iteration, t=state.t, pp=state.pp_rank, d=state.d, split=split,
         chunks=chunks,
-        layout={"t": state.t, "d": state.d, "w": state.w, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
+        layout={"t": state.t, "d": state.d, "w": state.replicas, "tp_rank": state.tp_rank, "pp_rank": state.pp_rank,
                 "schedule": schedule, "split": split, **({"chunks": chunks} if chunks > 1 else {})},
         stage=named,
         rng=RNGSnapshot.capture(state.device, tracker, host_libraries=True).as_dict(),

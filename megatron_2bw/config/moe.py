@@ -2,9 +2,9 @@
 
 ``MoEConfig`` is what ``--num-experts`` and the ``--moe-*`` flags fill (``flags.py``); ``None`` on the model
 config means a dense model. Megatron flags that are not built here (an expert-tensor-parallel size other than 1,
-the ``flex`` dispatcher, sinkhorn and global aux losses) are refused in one line rather than ignored. Checks that
-need the world (the expert-parallel size dividing data x context) are :func:`check_expert_parallel`, which the run
-config calls once the layout is resolved. Torch-free.
+the ``flex`` dispatcher, sinkhorn and global aux losses) are refused in one line rather than ignored. The check that
+needs the world (the expert-parallel size dividing data x context) is the layout's (``config/axes.py``), made
+once the run config resolves it. Torch-free.
 """
 
 from __future__ import annotations
@@ -156,16 +156,6 @@ def moe_config_of(value: MoEConfig | Mapping[str, Any] | None) -> MoEConfig | No
     unknown = sorted(set(value) - known)
     _require(not unknown, f"unknown MoE config field {unknown[0] if unknown else ''!r}")
     return MoEConfig(**value)
-
-
-def check_expert_parallel(moe: MoEConfig | None, data: int, context: int = 1) -> None:
-    """Experts are folded inside the data x context ranks (Megatron-Core): EP must divide their product."""
-    if moe is None:
-        return
-    ep = moe.expert_model_parallel_size
-    _require((data * context) % ep == 0,
-             f"--expert-model-parallel-size {ep} does not divide data-parallel size {data} x "
-             f"--context-parallel-size {context}")
 
 
 def parse_moe_layer_freq(text: str) -> int | tuple[int, ...]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..schedule.recompute_policy import check_recompute
 from ..schedule.schedules import SCHEDULE_NAMES, ScheduleSpec, get_schedule
+from .axes import Axes
 from .context import CP_COMM_TYPES, P2P
 from .optim import AUTO_COMPENSATION, COMPENSATIONS
 from .rules import _require
@@ -51,10 +52,16 @@ class ParallelConfig:
         )
         return ParallelConfig(self.tensor, self.pipeline, w, self.context, self.cp_comm_type)
 
+    def axes(self, expert: int = 1, virtual: int = 1) -> Axes:
+        """The resolved layout as its named axes (``expert`` and ``virtual`` come from the MoE and pipeline
+        sections)."""
+        _require(self.data is not None, "ParallelConfig.data is unresolved; call resolve(world_size)")
+        return Axes(tensor=self.tensor, context=self.context, expert=expert, data=self.data, pipeline=self.pipeline,
+                    virtual=virtual)
+
     @property
     def world_size(self) -> int:
-        _require(self.data is not None, "ParallelConfig.data is unresolved; call resolve(world_size)")
-        return self.tensor * self.pipeline * self.data * self.context
+        return self.axes().world
 
     def describe(self) -> str:
         """The layout as both start-up lines print it: ``t=1 d=2 w=1 c=2 (p2p) (4 processes``."""

@@ -9,9 +9,9 @@ from typing import Any
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import parse_schedule_id
 from ..schedule.stages import canonical_split, check_virtual_split, layers_per_stage
+from .axes import Axes
 from .context import ALL_GATHER, P2P
 from .model import ModelConfig
-from .moe import check_expert_parallel
 from .optim import AUTO_COMPENSATION, LRConfig, OptimizerConfig, resolve_compensation
 from .parallel import ParallelConfig, PipelineConfig
 from .rules import MAX_SEED, _require
@@ -297,7 +297,7 @@ class RunConfig:
         _require(self.optimizer.lr == self.lr.lr,
                  f"the optimizer's lr {self.optimizer.lr} and the schedule's lr {self.lr.lr} differ: --lr sets both "
                  "(a config file or a program must give them one value)")
-        check_expert_parallel(self.model.moe, self.parallel.data, self.parallel.context)
+        self.axes  # noqa: B018 - the named axes validate themselves (experts folded inside data x context)
         if self.pipeline.compensation == AUTO_COMPENSATION:  # the flag's default: what the measurements favour
             o = self.optimizer
             mode = resolve_compensation(AUTO_COMPENSATION, self.pipeline.spec.stale_steps, o.optimizer, o.dtype,
@@ -335,6 +335,12 @@ class RunConfig:
                                      self.model.query_groups != self.model.num_attention_heads, masked,
                                      self.optimizer.dtype)
         _require(problem is None, problem or "")
+
+    @property
+    def axes(self) -> Axes:
+        """The run's layout as its named axes: the parallel sizes, the experts' and the pipeline's chunks."""
+        moe = self.model.moe
+        return self.parallel.axes(moe.expert_model_parallel_size if moe is not None else 1, self.pipeline.chunks)
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

@@ -36,7 +36,7 @@ class CPGroup:
 
     @classmethod
     def from_state(cls, state, comm_type: str = P2P) -> CPGroup:
-        return cls(state.cp_group, state.cp_rank, state.c, comm_type, tuple(state.cp_ranks))
+        return cls(state.groups.cp, state.cp_rank, state.c, comm_type, tuple(state.cp_ranks))
 
     def chunks_of(self, rank: int) -> tuple[int, int]:
         """The two global chunk numbers (of ``2c``) that ``rank`` holds, early one first."""

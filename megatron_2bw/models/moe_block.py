@@ -48,8 +48,8 @@ class MoEGroups:
     @classmethod
     def from_state(cls, state) -> MoEGroups:
         """From a :class:`~..parallel_state.ParallelState` (its ``ep_group`` and context group)."""
-        return cls(state.ep_group if state.e > 1 else None, state.ep_rank, state.e,
-                   state.cp_group if state.c > 1 else None)
+        return cls(state.groups.ep if state.e > 1 else None, state.ep_rank, state.e,
+                   state.groups.cp if state.c > 1 else None)
 
 
 class _GatherSeqReplicated(torch.autograd.Function):

@@ -89,15 +89,15 @@ def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt
     tied_apart = place.rank(0) != place.rank(place.num_stages - 1)
     bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(weights.grad_dtype).bits * 8
     reducer = GradReducer(
-        dp_group=state.dp_group, embedding_group=state.embedding_group, model_group=state.model_group,
-        w=state.w, shared_range=weights.shared_range, bucket_numel=bucket,
-        has_embedding_group=state.d > 1 and state.embedding_group is not None and tied_apart, device=state.device,
+        dp_group=state.groups.dp, embedding_group=state.groups.embedding, model_group=state.groups.model,
+        w=state.replicas, shared_range=weights.shared_range, bucket_numel=bucket,
+        has_embedding_group=state.d > 1 and state.groups.embedding is not None and tied_apart, device=state.device,
         segments=reductions(weights, state, opt.use_distributed_optimizer),
     )
     # while the reducer has links to run, no stream wait on an unmatched transfer sits ahead of them (its busy())
     transport.settle_while, reducer.before_issue = reducer.busy, transport.quiesce
     updater = Updater(weights, opt, pipe.compensation, pipe.dc_lambda, reducer=reducer,
-                      tp=(state.tp_group, state.tp_rank, state.t), ef_scale=pipe.ef_scale)
+                      tp=(state.groups.tp, state.tp_rank, state.t), ef_scale=pipe.ef_scale)
     stats = StageStats(stage=state.pp_rank, weight_versions=weights.num_versions,
                        weight_bytes=weights.weight_bytes + updater.master_bytes,
                        grad_bytes=weights.grad_bytes, optimizer_bytes=updater.state_bytes)

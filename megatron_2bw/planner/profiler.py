@@ -249,7 +249,7 @@ def _tp_worker(device_type: str, threads: int, kwargs: dict) -> Profile | None:
     """One rank of a tensor-parallel profile (inside ``run_workers``); rank 0 returns the profile."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from ..parallel_state import build_state  # noqa: PLC0415
+    from ..parallel_state import Axes, build_state  # noqa: PLC0415
 
     rank, t = dist.get_rank(), dist.get_world_size()
     if device_type == "cuda":
@@ -257,7 +257,7 @@ def _tp_worker(device_type: str, threads: int, kwargs: dict) -> Profile | None:
     else:
         torch.set_num_threads(max(1, threads))
         device = torch.device("cpu")
-    state = build_state(t, 1, 1, device)
+    state = build_state(Axes(tensor=t), device)
     prof = profile_model(tp=TPGroup.from_state(state), device=device, **kwargs)
     return prof if rank == 0 else None
 

@@ -18,4 +18,4 @@ class TPGroup:
 
     @classmethod
     def from_state(cls, state) -> "TPGroup":
-        return cls(state.tp_group, state.tp_rank, state.t)
+        return cls(state.groups.tp, state.tp_rank, state.t)

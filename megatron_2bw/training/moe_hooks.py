@@ -41,11 +41,11 @@ def _moe_layers(mods: nn.Module) -> list[tuple[int, MoELayer]]:
 
 def stage_group(state) -> object | None:
     """The ranks of this rank's pipeline stage (data x context x tensor); every rank creates every stage's."""
-    if state.t * state.w == 1:
+    if state.t * state.replicas == 1:
         return None
     mine = None
     for pp in range(state.d):
-        ranks = [pp * state.t * state.w + i for i in range(state.t * state.w)]
+        ranks = [pp * state.t * state.replicas + i for i in range(state.t * state.replicas)]
         g = dist.new_group(ranks, timeout=state.timeout)
         mine = g if pp == state.pp_rank else mine
     return mine
@@ -201,7 +201,7 @@ class MoEHooks:
         window = Sums()
         for s in sorted(k for k in self.step_sums if k <= step):
             window.merge(self.step_sums.pop(s))
-        return vector(names, window.take(), 1.0 / self.state.w if self.state.tp_rank == 0 else 0.0)
+        return vector(names, window.take(), 1.0 / self.state.replicas if self.state.tp_rank == 0 else 0.0)
 
     def log_line(self, iteration: int) -> str | None:
         """``moe: iteration N | name: value | ...`` for this rank's layers (None: nothing since the last)."""

@@ -79,7 +79,7 @@ def pack(state: ParallelState, last: list[float | None], flags: list[float], row
     if tail:
         vec[e + f + s.d * k:] = torch.tensor(tail, dtype=torch.float64)
     if s.holds_loss and s.tp_rank == 0:
-        vec[:e] = torch.tensor([v if v is not None else float("nan") for v in last], dtype=torch.float64) / s.w
+        vec[:e] = torch.tensor([v if v is not None else float("nan") for v in last], dtype=torch.float64) / s.replicas
     vec[e:e + f] = torch.tensor(flags, dtype=torch.float64)
     if s.tp_rank == 0 and s.dp_rank == 0:
         lo = e + f + s.pp_rank * k

@@ -113,7 +113,7 @@ def common_state(stage, *, iteration: int, config: dict, args, consumed_samples:
     split = config.get("pipeline", {}).get("layer_split")
     return {
         "format": FORMAT, "iteration": int(iteration), "step": int(stage.step), "schedule": stage.pipe.schedule,
-        "layout": {"t": st.t, "d": st.d, "w": st.w, "schedule": stage.pipe.schedule,
+        "layout": {"t": st.t, "d": st.d, "w": st.replicas, "schedule": stage.pipe.schedule,
                    "split": list(split) if split else None, "distributed_optimizer": u.shard is not None,
                    "chunks": stage.chunks},  # model chunks per rank (interleaved); the tensors are global either way
         "config": config, "args": args,
