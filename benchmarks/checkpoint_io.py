@@ -103,18 +103,18 @@ def _build(conf: dict):
 
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.config import ModelConfig, PipelineConfig
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     d = conf["d"]
     state = build_state(Axes(pipeline=d), torch.device("cpu"))
     cfg = ModelConfig(**conf["model"])
     tracker = RNGTracker(1234, 0)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker)
     opt = _opt(conf)
     runtime = _status()["RssAnon"]
     stage = build_stage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,

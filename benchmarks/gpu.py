@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.fused import select_kernels
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of
 
     machine = common.machine_info()
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         cfg = get_preset(model)
         b = args.micro_batch or DEFAULT_MICRO.get(model, 2)
-        spec = ModelSpec(cfg, TPGroup(), 1234, kernels=kernels)
+        spec = ModelSpec(cfg, ModelGroups(), 1234, kernels=kernels)
         for system in args.systems:
             row = _measure(spec, model, system, b, args, (dtype_name, dtype), device, peak)
             results.append(row)

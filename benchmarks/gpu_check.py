@@ -94,8 +94,8 @@ def check_training(model: str, dtype: str, device, steps: int, warmup: int, m: i
     import torch
 
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     cfg = get_preset(model)
     b = gpu.DEFAULT_MICRO.get(model, 2)
@@ -104,7 +104,7 @@ def check_training(model: str, dtype: str, device, steps: int, warmup: int, m: i
     rows, plain_first = [], None
     for system in ("plain", "engine_flush_d1", "engine_2bw_d1"):
         name = f"train {model} {dtype} {system}"
-        spec = ModelSpec(cfg, TPGroup(), 1234, kernels=kernels)
+        spec = ModelSpec(cfg, ModelGroups(), 1234, kernels=kernels)
         try:
             if system == "plain":
                 r = gpu.run_plain(spec, cfg, b, m, steps, warmup, {"fp32": torch.float32, "bf16": torch.bfloat16,
@@ -148,15 +148,15 @@ def check_recompute_replay(device, dtype: str, kernels) -> dict:
     from torch import nn
 
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
     from megatron_2bw.tensor_parallel.recompute import checkpointed
 
     model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
     cfg = get_preset(model, hidden_dropout=0.1, attention_dropout=0.1)
     tracker = RNGTracker(1234, 0, device)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker, kernels=kernels)
+    spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker, kernels=kernels)
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     layers = nn.ModuleList(spec.build_stage(1, 0)).to(device=device, dtype=tdtype)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(3))
@@ -209,11 +209,11 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -221,7 +221,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     cfg = get_preset(model)
     b, m = 2, 4
     tracker = RNGTracker(1234, state.tp_rank, device)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups.of(state), 1234, rng=tracker)
 
     def layers():
         """The last stage's forward gets a 10 ms GPU sleep, so its host runs ahead of its stream (the case where

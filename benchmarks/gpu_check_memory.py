@@ -50,11 +50,11 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     model = "gpt-355m" if device.type == "cuda" else "gpt-tiny"
@@ -64,7 +64,7 @@ def check_checkpoint_memory(device, dtype: str, kernels) -> list[dict]:
 
     def build():
         tracker = RNGTracker(1234, 0, device)
-        spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker, kernels=kernels)
+        spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker, kernels=kernels)
         return build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
                            PipelineConfig("2bw", b, m, track_memory=False),
                            OptimizerConfig("adam", lr=1e-4, dtype=dtype), (b, cfg.seq_length, cfg.hidden_size),

@@ -216,8 +216,8 @@ def trainer_stage_rows(device, steps: int, warmup: int, deadline: float) -> list
 
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.fused import select_kernels
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.training.log_format import peak_tflops_of
 
     cuda = device.type == "cuda"
@@ -230,7 +230,7 @@ def trainer_stage_rows(device, steps: int, warmup: int, deadline: float) -> list
         if time.perf_counter() > deadline:
             rows.append(_row(name, INFO, "skipped: the script's time budget is spent"))
             continue
-        spec = ModelSpec(cfg, TPGroup(), 1234, kernels=select_kernels("auto", device.type))
+        spec = ModelSpec(cfg, ModelGroups(), 1234, kernels=select_kernels("auto", device.type))
         try:
             r = _trainer_stage(cfg, spec, b, m, steps, warmup, dtype, schedule, device)
         except Exception as e:  # noqa: BLE001 - out of memory or a crash is this row's failure
@@ -259,15 +259,15 @@ def _split_case(model: str, dtype: str, device) -> dict:
 
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.fused import select_kernels
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline import wgrad_fusion
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     cfg = get_preset(model)
     if cfg.seq_length > 2048:  # llama-1b's 8192: the node types, not the length, are the point
         cfg = get_preset(model, seq_length=2048)
-    spec = ModelSpec(cfg, TPGroup(), 1234, kernels=select_kernels("auto", device.type))
+    spec = ModelSpec(cfg, ModelGroups(), 1234, kernels=select_kernels("auto", device.type))
     tdt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     layers = torch.nn.ModuleList(spec.build_stage(1, 0)).to(device=device, dtype=tdt)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(3))

@@ -173,10 +173,10 @@ def update_wait_row(device, deadline: float) -> dict:
 
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     name = "update wait gpu backlog"
     cuda = device.type == "cuda"
@@ -185,7 +185,7 @@ def update_wait_row(device, deadline: float) -> dict:
     model, dtype, b, m, steps = ("gpt-355m", "bf16", 4, 4, 4) if cuda else ("gpt-tiny", "fp32", 2, 2, 2)
     backlogs = (0.0, 0.02) if cuda else (0.0,)  # seconds of GPU sleep per microbatch's forward
     cfg = get_preset(model)
-    spec = ModelSpec(cfg, TPGroup(), 1234)
+    spec = ModelSpec(cfg, ModelGroups(), 1234)
     sleep = {"cycles": 0}
 
     def layers():
@@ -299,11 +299,11 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
     from megatron_2bw.checkpoint.names import WORD
     from megatron_2bw.config import OptimizerConfig, PipelineConfig
     from megatron_2bw.config.presets import get_preset
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec, stage_range
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
     from megatron_2bw.pipeline.weights import GlobalNames
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -311,7 +311,7 @@ def _tied_worker(untie: bool, steps: int, model: str = "gpt-355m") -> float | No
     cfg = get_preset(model, untie_embeddings_and_output_weights=untie)
     b, m = 4, 8
     tracker = RNGTracker(1234, state.tp_rank, device)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups.of(state), 1234, rng=tracker)
     stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                         PipelineConfig("2bw", b, m), OptimizerConfig("adam", lr=1e-4, dtype="bf16"),
                         (b, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,

@@ -66,6 +66,7 @@ def build_case(model: dict, t: int, tp: int, d: int, pp: int, cpu_init: bool, de
     from torch import nn
 
     from megatron_2bw.config import ModelConfig
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline.weights import RankWeights
     from megatron_2bw.tensor_parallel import init
@@ -73,7 +74,7 @@ def build_case(model: dict, t: int, tp: int, d: int, pp: int, cpu_init: bool, de
 
     torch.set_num_threads(1)
     dev = torch.device(device)
-    spec = ModelSpec(ModelConfig(**model), TPGroup(None, tp, t), seed=1234)
+    spec = ModelSpec(ModelConfig(**model), ModelGroups(TPGroup(None, tp, t)), seed=1234)
     drawn: list[tuple[str, int]] = []  # weights_only: (parameter, peak RSS of its drawing beyond its own view)
     if weights_only:
         plain = init.materialize

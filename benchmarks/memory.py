@@ -56,17 +56,17 @@ def worker(conf: dict) -> list[dict]:
     import torch.distributed as dist
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     d = dist.get_world_size()
     state = build_state(Axes(pipeline=d), torch.device("cpu"))
     cfg = ModelConfig(**conf["model"])
     b = conf["micro_batch"]
     torch.manual_seed(1234)
-    spec = ModelSpec(cfg, TPGroup(), 1234)
+    spec = ModelSpec(cfg, ModelGroups(), 1234)
     tokens = common.token_pool(cfg, 32, b)
     batches = [spec.make_batch(t) for t in tokens]
     out = []
@@ -180,17 +180,17 @@ def state_worker(conf: dict) -> list[dict]:
     import torch.distributed as dist
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     d = conf["d"]
     w = dist.get_world_size() // d
     state = build_state(Axes(data=w, pipeline=d), torch.device("cpu"))
     cfg, b, m = ModelConfig(**conf["model"]), conf["micro_batch"], conf["m"]
     torch.manual_seed(1234)
-    spec = ModelSpec(cfg, TPGroup(), 1234)
+    spec = ModelSpec(cfg, ModelGroups(), 1234)
     batches = [spec.make_batch(t) for t in common.token_pool(cfg, 4, b)]
     out = []
     for precision in conf["precisions"]:

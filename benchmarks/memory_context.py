@@ -37,11 +37,11 @@ def _attention_bytes(cfg, cp, b: int, backend: str) -> int:
     import torch
 
     from megatron_2bw.fused import Kernels
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.transformer import TransformerLayer
     from megatron_2bw.pipeline.accounting import SavedBytes
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
-    layer = TransformerLayer(cfg, TPGroup(), 1234, 0, causal=True, cp=cp, kernels=Kernels(attention=backend))
+    layer = TransformerLayer(cfg, ModelGroups(cp=cp), 1234, 0, causal=True, kernels=Kernels(attention=backend))
     x = torch.randn(b, cfg.seq_length // (cp.size if cp else 1), cfg.hidden_size)
     with torch.no_grad():
         qkv = layer.attn.qkv(x)
@@ -62,10 +62,10 @@ def cp_worker(conf: dict) -> list[dict]:
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
     from megatron_2bw.context_parallel.group import CPGroup
     from megatron_2bw.fused import Kernels
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     c, comm = conf["c"], conf["comm"]
     d = dist.get_world_size() // c
@@ -73,7 +73,7 @@ def cp_worker(conf: dict) -> list[dict]:
     cfg, b, m = ModelConfig(**conf["model"]), conf["micro_batch"], conf["m"]
     cp = CPGroup.from_state(state, comm) if c > 1 else None
     torch.manual_seed(1234)
-    spec = ModelSpec(cfg, TPGroup(), 1234, cp=cp, kernels=Kernels(attention=conf["backend"]))
+    spec = ModelSpec(cfg, ModelGroups(cp=cp), 1234, kernels=Kernels(attention=conf["backend"]))
     batches = [spec.make_batch(x) for x in common.token_pool(cfg, 8, b)]
     pipe = PipelineConfig(SCHEDULE, b, m, track_memory=True)
     opt = OptimizerConfig("adam", lr=1e-4, dtype="fp32")

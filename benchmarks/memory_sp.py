@@ -21,10 +21,10 @@ def sp_worker(conf: dict) -> list[dict]:
     import torch.distributed as dist
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     t = conf["t"]
@@ -36,7 +36,7 @@ def sp_worker(conf: dict) -> list[dict]:
         cfg = replace(ModelConfig(**conf["model"]), sequence_parallel=sp)
         torch.manual_seed(1234)
         tracker = RNGTracker(1234, state.tp_rank)
-        spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+        spec = ModelSpec(cfg, ModelGroups.of(state), 1234, rng=tracker)
         batches = [spec.make_batch(x) for x in common.token_pool(cfg, 8, b)]
         pipe = PipelineConfig(SP_SCHEDULE, b, m, track_memory=True)
         opt = OptimizerConfig("adam", lr=1e-4, dtype="fp32")

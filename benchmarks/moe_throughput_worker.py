@@ -64,10 +64,10 @@ class _MoECtx:
         import torch.distributed as dist
 
         from megatron_2bw.config import ModelConfig
+        from megatron_2bw.models.groups import ModelGroups
         from megatron_2bw.models.moe_block import MoEGroups
         from megatron_2bw.models.spec import ModelSpec
         from megatron_2bw.parallel_state import Axes, build_state
-        from megatron_2bw.tensor_parallel.group import TPGroup
 
         e = conf["ep"]
         world = dist.get_world_size()
@@ -78,8 +78,8 @@ class _MoECtx:
         for v in VARIANTS:
             cfg, single_cfg = (ModelConfig(**conf["models"][v][k]) for k in ("pipeline", "single"))
             groups = MoEGroups.from_state(self.state) if cfg.moe is not None else None
-            spec = ModelSpec(cfg, TPGroup(), 1234, moe=groups)
-            single = ModelSpec(single_cfg, TPGroup(), 1234, moe=MoEGroups() if cfg.moe is not None else None)
+            spec = ModelSpec(cfg, ModelGroups(moe=groups), 1234)
+            single = ModelSpec(single_cfg, ModelGroups(moe=MoEGroups() if cfg.moe is not None else None), 1234)
             pool = [spec.make_batch(t) for t in common.token_pool(cfg, conf["pool"], self.b)]
             # each data rank its own microbatches (its own routing), the single process all of them
             shift = self.state.dp_rank * len(pool) // e

@@ -33,13 +33,13 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.local_workers import run_workers
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer.muon import NS_COEFFICIENTS, NS_EPS, zeropower_via_newtonschulz
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.updater import Updater
 from megatron_2bw.pipeline.weights import RankWeights
-from megatron_2bw.tensor_parallel.group import TPGroup
 
 OPTIMIZERS = ("adam", "muon")
 
@@ -50,7 +50,7 @@ def _opt(name: str) -> OptimizerConfig:
 
 def update_times(preset: str, seq: int, reps: int) -> list[dict]:
     cfg = get_preset(preset, seq_length=seq, max_position_embeddings=seq)
-    spec = ModelSpec(cfg, TPGroup(), 1)
+    spec = ModelSpec(cfg, ModelGroups(), 1)
     rows = []
     for stage in range(2):
         for name in OPTIMIZERS:
@@ -74,7 +74,7 @@ def update_times(preset: str, seq: int, reps: int) -> list[dict]:
 def _step_worker(preset: str, seq: int, b: int, m: int, steps: int) -> dict:
     state = build_state(Axes(pipeline=2), torch.device("cpu"))
     cfg = get_preset(preset, seq_length=seq, max_position_embeddings=seq)
-    spec = ModelSpec(cfg, TPGroup(), seed=1)
+    spec = ModelSpec(cfg, ModelGroups(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (m, b, seq + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for name in OPTIMIZERS:

@@ -41,8 +41,8 @@ def worker(seq: int, reps: int, tiled: bool) -> list[dict]:
     from megatron_2bw.context_parallel import blocks
     from megatron_2bw.context_parallel.group import CPGroup
     from megatron_2bw.fused import Kernels
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.transformer import TransformerLayer
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     c, rank = dist.get_world_size(), dist.get_rank()
     cp = CPGroup(dist.new_group(list(range(c))), rank, c, "p2p", tuple(range(c)))
@@ -52,7 +52,7 @@ def worker(seq: int, reps: int, tiled: bool) -> list[dict]:
     default_rows, out = blocks.TILE_ROWS, []
     for name, backend, rows in _paths(tiled):
         torch.manual_seed(0)
-        layers = [TransformerLayer(cfg, TPGroup(), 1234, i, causal=True, cp=cp, kernels=Kernels(attention=backend))
+        layers = [TransformerLayer(cfg, ModelGroups(cp=cp), 1234, i, causal=True, kernels=Kernels(attention=backend))
                   for i in range(LAYERS)]
         blocks.TILE_ROWS = default_rows if rows is None else (rows or seq)
         times, y = [], None

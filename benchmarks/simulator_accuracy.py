@@ -24,6 +24,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.local_workers import run_workers
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.planner.memory_model import Candidate
 from megatron_2bw.planner.simulator import Link, simulate, stage_costs
 
@@ -123,7 +124,6 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.planner.profiler import profile_model
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
@@ -132,7 +132,7 @@ def _timing_worker(model: dict, b: int, m: int, steps: int, rounds: int, schedul
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[dist.get_rank()]})
     cfg = ModelConfig(**model)
     state = build_state(Axes(pipeline=2), torch.device("cpu"))
-    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234)
+    spec = ModelSpec(cfg, ModelGroups.of(state), 1234)
     g = torch.Generator().manual_seed(5)
     pool = [spec.make_batch(torch.randint(0, cfg.vocab_size, (b, cfg.seq_length + 1), generator=g)) for _ in range(m)]
     x = torch.randn(b, cfg.seq_length, cfg.hidden_size)

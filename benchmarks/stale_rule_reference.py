@@ -57,11 +57,11 @@ class ProjectLM(nn.Module):
     def __init__(self, vocab: int, seq: int, hidden: int, layers: int, dropout: float, seed: int) -> None:
         super().__init__()
         from megatron_2bw.config import ModelConfig
+        from megatron_2bw.models.groups import ModelGroups
         from megatron_2bw.models.spec import ModelSpec
-        from megatron_2bw.tensor_parallel.group import TPGroup
 
         cfg = ModelConfig("gpt", layers, hidden, 4, seq, seq, vocab, hidden_dropout=dropout, attention_dropout=dropout)
-        self.spec = ModelSpec(cfg, TPGroup(), seed)
+        self.spec = ModelSpec(cfg, ModelGroups(), seed)
         self.layers = nn.ModuleList(self.spec.build(0, self.spec.num_items))
         self.loss_fn = self.spec.loss_fn()
 

@@ -10,6 +10,7 @@ import time
 import common
 from throughput_systems import LR, TORCH, WD
 
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.schedule.schedules import SCHEDULES, parse_schedule_id
 
 
@@ -23,7 +24,6 @@ class _Ctx:
         from megatron_2bw.config import ModelConfig
         from megatron_2bw.models.spec import ModelSpec
         from megatron_2bw.parallel_state import Axes, build_state
-        from megatron_2bw.tensor_parallel.group import TPGroup
 
         self.conf = conf
         self.d = dist.get_world_size()
@@ -32,7 +32,7 @@ class _Ctx:
         self.cfg = ModelConfig(**conf["model"])
         self.b = conf["micro_batch"]
         torch.manual_seed(1234)
-        self.spec = ModelSpec(self.cfg, TPGroup(), 1234)
+        self.spec = ModelSpec(self.cfg, ModelGroups(), 1234)
         self.loss_fn = self.spec.loss_fn()
         tokens = common.token_pool(self.cfg, conf["pool"], self.b)
         self.batches = [self.spec.make_batch(t) for t in tokens]  # microbatch i = batches[i % pool]
@@ -182,7 +182,6 @@ class TorchRunner(Runner):
         from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
         from megatron_2bw.models.spec import ModelSpec
-        from megatron_2bw.tensor_parallel.group import TPGroup
 
         self.ctx, self.m = ctx, m
         st = ctx.state
@@ -193,7 +192,7 @@ class TorchRunner(Runner):
             raise ValueError(f"{L} layers do not cut into {n_stages} equal virtual stages")
         placement = generate_stage_to_rank_mapping(d, n_stages, style=style) if v > 1 else {i: i for i in range(d)}
         mine = [i for i in range(n_stages) if placement[i] == r]
-        spec = ctx.spec if v == 1 else ModelSpec(ctx.cfg, TPGroup(), 1234)  # even split of L over d*v stages
+        spec = ctx.spec if v == 1 else ModelSpec(ctx.cfg, ModelGroups(), 1234)  # even split of L over d*v stages
         self.compute_s = 0.0
         self.modules = [_TorchStageModule.make(spec.build_stage(n_stages, i), first=i == 0) for i in mine]
         self.stages = [pp.PipelineStage(mod, i, n_stages, torch.device("cpu"))

@@ -12,6 +12,7 @@ import common
 from throughput_runners import EngineRunner, Runner, SingleRunner, TorchRunner, _Ctx, _stage_compute_ms, balanced_split
 from throughput_systems import OURS, paired_order, round_order, splits_of
 
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.schedule.schedules import parse_schedule_id, spec_of
 
 ALONE = ("single", "engine_d1")  # run on rank 0 while the other ranks wait at a barrier
@@ -22,12 +23,11 @@ class _Worker:
 
     def __init__(self, conf: dict) -> None:
         from megatron_2bw.models.spec import ModelSpec
-        from megatron_2bw.tensor_parallel.group import TPGroup
 
         self.conf, self.ctx = conf, _Ctx(conf)
         self.rank, self.d = self.ctx.rank, self.ctx.d
         self.splits = self._splits()
-        self.specs = {name: ModelSpec(self.ctx.cfg, TPGroup(), 1234, split=split)
+        self.specs = {name: ModelSpec(self.ctx.cfg, ModelGroups(), 1234, split=split)
                       for name, split in self.splits.items()}
         # (system, split): our schedules under every split; the others use the uniform split
         self.entries = [(s, sp) for s in paired_order(conf["systems"]) for sp in splits_of(s, self.splits)]

@@ -27,11 +27,11 @@ import torch
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.local_workers import run_workers
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import Axes, build_state
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.executor import PipelineRank
-from megatron_2bw.tensor_parallel.group import TPGroup
 
 SCHEDULES = ("2bw", "flush", "gpipe")
 
@@ -40,7 +40,7 @@ def _worker(model: dict, b: int, m: int, steps: int) -> dict:
     torch.set_num_threads(1)
     state = build_state(Axes(pipeline=2), torch.device("cpu"))
     cfg = ModelConfig(**model)
-    spec = ModelSpec(cfg, TPGroup(), seed=1)
+    spec = ModelSpec(cfg, ModelGroups(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (m, b, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     out = {}
     for schedule in SCHEDULES:
@@ -65,7 +65,7 @@ def _zero_worker(model: dict, b: int, m: int, steps: int, rounds: int) -> list[d
     torch.set_num_threads(1)
     state = build_state(Axes(data=2, pipeline=2), torch.device("cpu"))
     cfg = ModelConfig(**model)
-    spec = ModelSpec(cfg, TPGroup(), seed=1)
+    spec = ModelSpec(cfg, ModelGroups(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     get_batch = lambda mb: spec.make_batch(data[state.dp_rank * m + mb % m])  # noqa: E731
     stages = {}

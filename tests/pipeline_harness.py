@@ -15,9 +15,9 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
-from megatron_2bw.context_parallel.group import CPGroup
 from megatron_2bw.faults import FaultInjector
 from megatron_2bw.models.gpt import DocumentMasks
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.build import build_stage
@@ -25,7 +25,6 @@ from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 
@@ -88,9 +87,8 @@ def train_tiny(
     seed = 1234
     torch.manual_seed(seed)
     tracker = RNGTracker(seed, state.tp_rank)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), seed, rng=tracker,
-                     masks=DocumentMasks(7, True, True, True) if documents else None,
-                     cp=CPGroup.from_state(state, cp_comm_type) if state.c > 1 else None)
+    spec = ModelSpec(cfg, ModelGroups.of(state, cp_comm_type), seed, rng=tracker,
+                     masks=DocumentMasks(7, True, True, True) if documents else None)
     m = global_batch // (micro * w)
     pipe = PipelineConfig(schedule, micro, m, recompute=recompute, p2p_mode=p2p_mode, compensation=compensation,
                           dc_lambda=dc_lambda, ef_scale=ef_scale, virtual_stages=virtual_stages if d > 1 else None,

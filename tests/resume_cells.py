@@ -22,6 +22,7 @@ from megatron_2bw.checkpoint.trainer_reshard import read_trainer_checkpoint, wri
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer import muon
 from megatron_2bw.parallel_state import build_state
@@ -30,7 +31,6 @@ from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.schedule.schedules import get_schedule
 from megatron_2bw.schedule.stages import chunk_ranges, stage_range
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 SEED, STEPS, CUT, GLOBAL, LR = 1234, 4, 2, 8, 1e-2
@@ -77,7 +77,7 @@ def build(cell: Cell, layout: tuple[int, int, int]) -> Run:
     cfg = get_preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(SEED)
     tracker = RNGTracker(SEED, state.tp_rank)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), SEED, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups.of(state), SEED, rng=tracker)
     schedule, v, pv = SCHEDULES[cell.schedule]
     m = GLOBAL // w
     pipe = PipelineConfig(schedule, 1, m, compensation=cell.compensation, virtual_stages=v, post_validation=pv)

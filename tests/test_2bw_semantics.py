@@ -21,8 +21,8 @@ from torch import nn
 from torch.func import functional_call
 
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec, run_layers
-from megatron_2bw.tensor_parallel.group import TPGroup
 
 STEPS, B, MICRO, WD = 6, 8, 2, 0.01
 # Adam's normalization amplifies last-bit differences of near-zero gradients by ~lr; keep it small
@@ -117,7 +117,7 @@ def reference_2bw(optimizer: str, compensation: str = "none", lam: float = 0.0, 
     their definitions in compensation.py."""
     lr, stale_rule = LR[optimizer], stale
     cfg = get_preset("gpt-tiny")
-    spec = ModelSpec(cfg, TPGroup(), 1234)
+    spec = ModelSpec(cfg, ModelGroups(), 1234)
     model = nn.ModuleList(spec.build(0, spec.num_items))
     loss_fn = spec.loss_fn()
     names = [n for n, _ in model.named_parameters()]

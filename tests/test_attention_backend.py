@@ -20,6 +20,7 @@ from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError, run_cli
 from megatron_2bw.fused import Kernels
 from megatron_2bw.models.attention_core import attention, unfused_attention
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import (
@@ -29,7 +30,6 @@ from megatron_2bw.planner.layer_costs import (
     dropout_mask_bytes,
     layer_stash_bytes,
 )
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 MINIMAL = ["--model-preset", "gpt-tiny", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
@@ -119,7 +119,7 @@ def test_layer_stash_matches_the_planner_for_the_kernel_used(preset, dtype, back
                      attention_dropout=dropout, **extra)
     b, e = 2, 4 if dtype == torch.float32 else 2
     torch.manual_seed(0)
-    layer = TransformerLayer(cfg, TPGroup(), 1, 0, causal=True, rng=RNGTracker(1, 0),
+    layer = TransformerLayer(cfg, ModelGroups(), 1, 0, causal=True, rng=RNGTracker(1, 0),
                              kernels=Kernels(attention=backend)).to(dtype).train()
     measured = _saved_bytes(layer, torch.randn(b, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True))
     cluster = replace(CPU, attention_backend=backend)

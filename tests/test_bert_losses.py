@@ -23,6 +23,7 @@ from test_log_format import MEGATRON, VALID, grab
 
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState
 from megatron_2bw.pipeline.build import build_stage
@@ -59,7 +60,7 @@ def test_evaluation_mlm_loss_is_the_masked_cross_entropy():
     """``evaluate_components``' lm_loss/sop_loss against cross-entropies written out here."""
     cfg = get_preset("bert-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(5)
-    spec = ModelSpec(cfg, TPGroup.from_state(ParallelState.single()), 5)
+    spec = ModelSpec(cfg, ModelGroups(TPGroup.from_state(ParallelState.single())), 5)
     stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
                           PipelineConfig("flush", 2, 2), OptimizerConfig("adam", lr=1e-3),
                           (2, cfg.seq_length, cfg.hidden_size))

@@ -18,6 +18,7 @@ from megatron_2bw.config.families import FAMILIES
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models import families as model_families
 from megatron_2bw.models import transformer
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.planner import layer_costs
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -44,7 +45,7 @@ def _local(shape: tuple[int, ...], split: int | None, t: int) -> tuple[int, ...]
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_block_states_what_its_builder_makes(kind, t):
     cfg = get_preset(kind)
-    layer = transformer.TransformerLayer(cfg, TPGroup(None, 1 % t, t), 3, 0, causal=True)
+    layer = transformer.TransformerLayer(cfg, ModelGroups(TPGroup(None, 1 % t, t)), 3, 0, causal=True)
     stated = blocks.layer_params(cfg)
     assert [(p.name, p.shape, p.split, _local(p.shape, p.split, t)) for p in stated] == _built(layer)
     assert names.layer_suffixes(cfg) == [n for n, _ in layer.named_parameters()]
@@ -71,7 +72,7 @@ def test_the_heads_extra_parameters_are_the_familys(t):
     (with the Megatron names), and GPT's head has none; the head's count is the built one."""
     for kind in ("bert-tiny", "gpt-tiny"):
         cfg = get_preset(kind)
-        spec = ModelSpec(cfg, TPGroup(None, 0, t), 5)
+        spec = ModelSpec(cfg, ModelGroups(TPGroup(None, 0, t)), 5)
         head = spec.build(cfg.num_layers + 1, cfg.num_layers + 2)[0]
         extra = [x for x in _built(head) if not x[0].startswith("ln.") and x[0] != "word_weight"]
         stated = cfg.family.head.params(cfg, cfg.padded_vocab_size(t))
@@ -117,7 +118,7 @@ def test_one_more_mlp_builder_is_one_table_entry(monkeypatch):
     monkeypatch.setattr(ModelConfig, "mlp_block", property(lambda self: "plain"))
     cfg = get_preset("gpt-tiny")
     h, f, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.seq_length
-    model = nn.ModuleList(ModelSpec(cfg, TPGroup(), 1).build(0, cfg.num_layers + 2))
+    model = nn.ModuleList(ModelSpec(cfg, ModelGroups(), 1).build(0, cfg.num_layers + 2))
     assert isinstance(model[1].mlp, _PlainMLP)
     assert names.layer_suffixes(cfg)[-2:] == ["mlp.w_in.weight", "mlp.w_out.weight"]
     # the new MLP's 2hf; QKV and the projection with their biases (4h^2 + 4h); two LayerNorms (4h)

@@ -28,12 +28,12 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
 from megatron_2bw.faults import SAVE_FAULT_ENV
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state, coords_of
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 TOOL = os.path.join(REPO, "tools", "checkpoint_util.py")
@@ -150,7 +150,7 @@ def _stage(common: dict, t: int, d: int, w: int, zero: bool) -> tuple[PipelineRa
     state = build_state(Axes(tensor=t, data=w, pipeline=d), torch.device("cpu"))
     cfg = ck.model_config(common["config"])
     tracker = RNGTracker(1234 + 100 * state.pp_rank, state.tp_rank)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups.of(state), 1234, rng=tracker)
     opt = OptimizerConfig(**{**common["config"]["optimizer"], "use_distributed_optimizer": zero})
     stage = build_stage(lambda: spec.build_stage(d, state.pp_rank), spec.loss_fn(), state,
                           PipelineConfig("2bw", 1, 8 // w), opt, (1, cfg.seq_length, cfg.hidden_size),

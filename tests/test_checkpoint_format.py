@@ -18,12 +18,12 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.parallel_state import ParallelState
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ CPU = torch.device("cpu")
 def _stage(schedule: str = "2bw", cfg=None, optimizer: str = "adam") -> tuple[PipelineRank, ModelSpec]:
     cfg = cfg or get_preset("gpt-tiny")
     tracker = RNGTracker(7, 0)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker)
     stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
                           PipelineConfig(schedule, 1, 2), OptimizerConfig(optimizer, lr=1e-2),
                           (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker, names=GlobalNames(0, tied=WORD))

@@ -21,13 +21,13 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import ParallelState, build_state
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.executor import PipelineRank
 from megatron_2bw.pipeline.weights import GlobalNames
 from megatron_2bw.pipeline.zero import ShardLayout, gather_full
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 CPU = torch.device("cpu")
@@ -58,7 +58,7 @@ class Allocations(TorchDispatchMode):
 def _stage(state: ParallelState, dtype: str = "bf16", zero: bool = False) -> PipelineRank:
     cfg = get_preset("gpt-tiny")
     tracker = RNGTracker(7, 0)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker)
     stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), state,
                           PipelineConfig("2bw", 1, 2),
                          OptimizerConfig("adam", lr=1e-2, dtype=dtype, use_distributed_optimizer=zero),
@@ -291,7 +291,7 @@ def _bounded_d2_save(root: str) -> dict:
     state = build_state(Axes(pipeline=2), CPU)
     cfg = get_preset("gpt-tiny")
     tracker = RNGTracker(7, 0)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker)
     opt = OptimizerConfig("adam", lr=1e-2, dtype="bf16")
     stage = build_stage(lambda: spec.build_stage(2, state.pp_rank), spec.loss_fn(), state,
                           PipelineConfig("2bw", 1, 2), opt, (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.training.data_iter import MicrobatchProvider, NoStreams
 
 
@@ -130,7 +131,6 @@ def test_engine_losses_bitwise_with_prefetch():
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.parallel_state import ParallelState
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     cfg = get_preset("gpt-tiny")
     b, m, steps = 2, 2, 3
@@ -138,7 +138,7 @@ def test_engine_losses_bitwise_with_prefetch():
     for schedule in ("2bw", "flush"):
         runs = []
         for prefetch in (False, True):
-            spec = ModelSpec(cfg, TPGroup(), 1234)
+            spec = ModelSpec(cfg, ModelGroups(), 1234)
             stage = build_stage(functools.partial(spec.build_stage, 1, 0), spec.loss_fn(), ParallelState.single(),
                                 PipelineConfig(schedule, b, m), OptimizerConfig("adam", lr=1e-3),
                                 (b, cfg.seq_length, cfg.hidden_size))

@@ -11,6 +11,7 @@ from megatron_2bw.checkpoint.reshard import join_stages, merge_tensor_parallel, 
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.export.model_io import build_full_model, global_state_dict
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.tensor_parallel.group import TPGroup
 
@@ -23,7 +24,7 @@ def test_split_matches_tensor_parallel_layers(kind, t):
     full = global_state_dict(build_full_model(cfg, seed=5))
     shards = split_tensor_parallel(cfg, full, t)
     for r in range(t):
-        layers = torch.nn.ModuleList(ModelSpec(cfg, TPGroup(None, r, t), 5).build(0, cfg.num_layers + 2))
+        layers = torch.nn.ModuleList(ModelSpec(cfg, ModelGroups(TPGroup(None, r, t)), 5).build(0, cfg.num_layers + 2))
         held = dict(layers.named_parameters())
         assert set(held) == set(shards[r])
         for name, p in held.items():

@@ -14,9 +14,9 @@ from export_helpers import max_err
 from megatron_2bw.checkpoint.megatron_format import read_rank_files
 from megatron_2bw.checkpoint.trainer_format import newest_weights
 from megatron_2bw.export.checkpoints import trainer_model_config
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.schedule.stages import stage_range
-from megatron_2bw.tensor_parallel.group import TPGroup
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def _stage_logits(ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
     cfg = trainer_model_config(files[(0, 0)]["config"])
     x = None
     for r in range(2):
-        layers = torch.nn.ModuleList(ModelSpec(cfg, TPGroup(), 0).build_stage(2, r))
+        layers = torch.nn.ModuleList(ModelSpec(cfg, ModelGroups(), 0).build_stage(2, r))
         start = stage_range(cfg.num_layers, 2, r)[0]
         saved = newest_weights(files[(0, r)], cfg)  # Megatron's nested ``model`` by global name
         with torch.no_grad():

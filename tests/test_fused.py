@@ -7,6 +7,7 @@ import torch
 
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.fused import Kernels, layer_norm, select_kernels
+from megatron_2bw.models.groups import ModelGroups
 
 
 def test_cpu_auto_uses_torch_paths_and_logs_the_choice(caplog):
@@ -68,7 +69,6 @@ def test_an_apex_without_its_kernels_is_not_chosen_and_the_model_builds(fake_cud
     """Review C3: any package named apex used to switch the kernels under --fused-kernels auto."""
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     _fake_apex(tmp_path, normalization=normalization, cuda_ext=False)
     fake_cuda.syspath_prepend(str(tmp_path))
@@ -82,7 +82,7 @@ def test_an_apex_without_its_kernels_is_not_chosen_and_the_model_builds(fake_cud
         f"(ModuleNotFoundError: No module named '{absent}'))"]
     with pytest.raises(ConfigError, match=f"--fused-kernels apex needs CUDA and an importable apex .*{missing}"):
         select_kernels("apex", "cuda")
-    layers = ModelSpec(get_preset("gpt-tiny"), TPGroup(), 1, kernels=k).build_stage(1, 0)  # on the CPU
+    layers = ModelSpec(get_preset("gpt-tiny"), ModelGroups(), 1, kernels=k).build_stage(1, 0)  # on the CPU
     norms = [m for layer in layers for m in layer.modules() if "Norm" in type(m).__name__]
     assert norms and all(type(m) is torch.nn.LayerNorm for m in norms)
 

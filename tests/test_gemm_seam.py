@@ -18,6 +18,7 @@ from torch import nn
 from megatron_2bw.config.precision import RECIPES, Precision, precision_of
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
@@ -62,7 +63,7 @@ class _Seam:
 
 def _layer(kind: str) -> tuple[TransformerLayer, torch.Tensor]:
     cfg = get_preset(kind, hidden_dropout=0.0, attention_dropout=0.0)
-    layer = TransformerLayer(cfg, TPGroup(), 3, 0, causal=True)
+    layer = TransformerLayer(cfg, ModelGroups(), 3, 0, causal=True)
     torch.manual_seed(0)
     return layer, torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
 
@@ -90,7 +91,7 @@ def test_split_backward_weight_gemms_go_through_the_seam(kind, d, r, monkeypatch
     (BERT's replicated head linears and the tied logits included) gets its gradient from the seam's
     ``wgrad`` into its buffer; doubled there, exactly those gradients double against the unperturbed W."""
     cfg = get_preset(kind, hidden_dropout=0.0, attention_dropout=0.0)
-    spec = ModelSpec(cfg, TPGroup(), 7)
+    spec = ModelSpec(cfg, ModelGroups(), 7)
     layers = nn.ModuleList(spec.build_stage(d, r))
     batch = spec.make_batch(_dataset(cfg, 2))
     params = list(layers.parameters())
@@ -177,7 +178,7 @@ def test_recipe_resolved_once_and_handed_to_every_linear():
         Precision("x", "bf16", gemm="fp8-delayed")
     recipe = precision_of("bf16")
     cfg = get_preset("bert-tiny")
-    model = nn.ModuleList(ModelSpec(cfg, TPGroup(), 1, precision=recipe).build(0, cfg.num_layers + 2))
+    model = nn.ModuleList(ModelSpec(cfg, ModelGroups(), 1, precision=recipe).build(0, cfg.num_layers + 2))
     linears = [m for m in model.modules() if hasattr(m, "gemm_state")]
     assert len(linears) == 4 * cfg.num_layers + 3 and all(m.recipe is recipe for m in linears)  # + BERT's head
     assert all(getattr(m, "recipe", recipe) is recipe for m in model.modules())  # the heads' tied logits too
@@ -186,7 +187,7 @@ def test_recipe_resolved_once_and_handed_to_every_linear():
 def test_recipe_state_round_trips():
     """Empty under the native recipes; a scaled recipe's per-layer tensors (written here as one would) saved
     and restored by module path, outside the weights, and a mismatch refused."""
-    build = lambda: nn.ModuleList(ModelSpec(get_preset("gpt-tiny"), TPGroup(), 1, precision=precision_of("fp16"))
+    build = lambda: nn.ModuleList(ModelSpec(get_preset("gpt-tiny"), ModelGroups(), 1, precision=precision_of("fp16"))
                                   .build(0, 3))  # noqa: E731
     model = build()
     assert gemm.gemm_state_dict(model) == {}

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.weights import RankWeights
 from megatron_2bw.tensor_parallel import init
@@ -40,7 +41,7 @@ def _cfg(kind: str = "gpt", layers: int = 2, h: int = 64) -> ModelConfig:
 
 def _stage(cfg: ModelConfig, *, t: int = 1, tp: int = 0, d: int = 1, r: int = 0, cpu_init: bool,
            versions: int = 2) -> RankWeights:
-    spec = ModelSpec(cfg, TPGroup(None, tp, t), seed=1234)
+    spec = ModelSpec(cfg, ModelGroups(TPGroup(None, tp, t)), seed=1234)
     return RankWeights(lambda: spec.build_stage(d, r), num_versions=versions, dtype=torch.float32, device=CPU,
                         tp_rank=tp, cpu_init=cpu_init)
 
@@ -58,7 +59,7 @@ def _child(d: int, r: int) -> None:
 
     cfg = ModelConfig(kind="gpt", num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=512,
                       seq_length=32, max_position_embeddings=32)
-    spec = ModelSpec(cfg, TPGroup(), seed=1)
+    spec = ModelSpec(cfg, ModelGroups(), seed=1)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
     before = status("VmRSS")
@@ -126,7 +127,7 @@ def test_every_parameter_is_deferred_norms_included(norm, seq_par):
     from torch import nn
 
     cfg = replace(_cfg(), normalization=norm, sequence_parallel=seq_par)
-    spec = ModelSpec(cfg, TPGroup(None, 0, 2), seed=1234)
+    spec = ModelSpec(cfg, ModelGroups(TPGroup(None, 0, 2)), seed=1234)
     with init.deferred():
         mods = nn.ModuleList(spec.build_stage(1, 0))
     assert [n for n, p in mods.named_parameters() if not p.is_meta] == []

@@ -13,6 +13,7 @@ from megatron_2bw.config.arith import flops_per_step
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.models.embedding import Embedding
 from megatron_2bw.models.gpt import GPTHead
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.transformer import ParallelAttention, ParallelMLP, TransformerLayer
 from megatron_2bw.planner.layer_costs import (
     core_forward_flops,
@@ -43,7 +44,7 @@ def _count(module) -> int:
 def test_parameters_per_gpu_match_the_built_modules(name, t):
     cfg = CONFIGS[name]
     tp = TPGroup(None, 0, t)  # building needs no process group
-    assert layer_params(cfg, t) == _count(TransformerLayer(cfg, tp, 1, 0, causal=True))
+    assert layer_params(cfg, t) == _count(TransformerLayer(cfg, ModelGroups(tp), 1, 0, causal=True))
     assert embedding_params(cfg, t) == _count(Embedding(cfg, tp, 1))
     assert head_params(cfg, t) == _count(GPTHead(cfg, tp, 1, None, None))
     assert tied_params(cfg, t) == (0 if name == "llama-tiny" else cfg.padded_vocab_size(t) * cfg.hidden_size // t)
@@ -53,7 +54,7 @@ def test_parameters_per_gpu_match_the_built_modules(name, t):
 def test_layer_gemm_flops_match_torch_flop_counter(name):
     cfg = CONFIGS[name]
     b, s = 2, cfg.seq_length
-    layer = TransformerLayer(cfg, TPGroup(), 1, 0, causal=True)
+    layer = TransformerLayer(cfg, ModelGroups(), 1, 0, causal=True)
     with FlopCounterMode(display=False) as counter:
         layer(torch.randn(b, s, cfg.hidden_size), {})
     # torch's counter sees the GEMMs; on CPU the attention kernel is not counted, so add its two batched GEMMs
@@ -137,7 +138,7 @@ def _layer_stash(sp: bool) -> int:
 
     tp = TPGroup(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     cfg = _layer_cfg(sp)
-    layer = TransformerLayer(cfg, tp, 1, 0, causal=True).train()
+    layer = TransformerLayer(cfg, ModelGroups(tp), 1, 0, causal=True).train()
     s = cfg.seq_length // tp.size if sp else cfg.seq_length
     x = torch.randn(2, s, cfg.hidden_size, requires_grad=True)
     return _saved_bytes(lambda: layer(x, {}), layer)

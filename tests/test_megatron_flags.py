@@ -14,8 +14,8 @@ from megatron_2bw.cli import build_config, lr_config, parse_args
 from megatron_2bw.config import LRConfig, ModelConfig
 from megatron_2bw.errors import ConfigError
 from megatron_2bw.models.gpt import DocumentMasks, ltor_masks_and_position_ids, make_batch
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec, run_layers
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.training.lr_schedule import lr_at
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
@@ -98,14 +98,15 @@ def test_packed_documents_equal_separate_documents():
     """With --reset-position-ids and --reset-attention-mask, a window packing two documents gives each
     token the logits it gets when its document is run alone (the model's own causal path)."""
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=12, vocab_size=50)
-    spec = ModelSpec(cfg, TPGroup(), 7, masks=DocumentMasks(eod=1, reset_position_ids=True, reset_attention_mask=True))
+    spec = ModelSpec(cfg, ModelGroups(), 7,
+                     masks=DocumentMasks(eod=1, reset_position_ids=True, reset_attention_mask=True))
     layers = torch.nn.ModuleList(spec.build(0, cfg.num_layers + 2)).eval()
     doc_a = [5, 9, 13, 2, 1]  # ends with eod 1
     doc_b = [7, 3, 30, 11, 4, 8, 21]
     packed = torch.tensor([doc_a + doc_b + [0]])  # [1, s+1]
     with torch.no_grad():
         logits = run_layers(layers, spec.make_batch(packed))
-        plain = ModelSpec(cfg, TPGroup(), 7)
+        plain = ModelSpec(cfg, ModelGroups(), 7)
         alone_a = run_layers(layers, plain.make_batch(torch.tensor([doc_a + [0]])))
         alone_b = run_layers(layers, plain.make_batch(torch.tensor([doc_b + [0]])))
         unmasked = run_layers(layers, plain.make_batch(packed))
@@ -118,7 +119,7 @@ def test_packed_documents_equal_separate_documents():
 def test_eod_mask_loss_drops_the_prediction_after_an_eod():
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=40)
     tokens = torch.tensor([[4, 6, 1, 9, 12, 1, 3, 5, 7]])
-    spec = ModelSpec(cfg, TPGroup(), 3, masks=DocumentMasks(eod=1, eod_mask_loss=True))
+    spec = ModelSpec(cfg, ModelGroups(), 3, masks=DocumentMasks(eod=1, eod_mask_loss=True))
     layers = torch.nn.ModuleList(spec.build(0, cfg.num_layers + 2)).eval()
     batch = spec.make_batch(tokens)
     with torch.no_grad():
@@ -166,7 +167,7 @@ def test_padding_does_not_change_the_loss():
     for div in (1, 128):
         cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=50,
                           make_vocab_size_divisible_by=div)
-        spec = ModelSpec(cfg, TPGroup(), 3)
+        spec = ModelSpec(cfg, ModelGroups(), 3)
         layers = torch.nn.ModuleList(spec.build(0, 3)).eval()
         batch = spec.make_batch(tokens)
         with torch.no_grad():

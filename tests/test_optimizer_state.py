@@ -16,6 +16,7 @@ from megatron_2bw.checkpoint import dist_checkpoint as dc
 from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.optimizer.flat import FlatAdam, FlatSGD
 from megatron_2bw.optimizer.muon import FlatMuon, MuonMatrix
@@ -23,7 +24,6 @@ from megatron_2bw.optimizer.state import holes, whole
 from megatron_2bw.parallel_state import ParallelState
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.pipeline.weights import GlobalNames
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ def test_muon_second_moment_covers_the_adamw_elements_only():
 def _stage(optimizer: str, dtype: str = "fp32"):
     cfg = get_preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     tracker = RNGTracker(7, 0)
-    spec = ModelSpec(cfg, TPGroup(), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups(), 1234, rng=tracker)
     opt = OptimizerConfig(optimizer, lr=1e-2, dtype=dtype, sgd_momentum=0.9)
     stage = build_stage(lambda: spec.build_stage(1, 0), spec.loss_fn(), ParallelState.single(),
                         PipelineConfig("flush", 1, 2), opt, (1, cfg.seq_length, cfg.hidden_size), rng_tracker=tracker,

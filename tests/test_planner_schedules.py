@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.planner.cost_model import bubble_slots, predict, stage_times
 from megatron_2bw.planner.efficiency import EfficiencyCurve
 from megatron_2bw.planner.hardware import Cluster, load_cluster
@@ -221,7 +222,6 @@ def test_deferred_bytes_are_what_the_engine_keeps(kind):
     from megatron_2bw.config.presets import get_preset
     from megatron_2bw.models.spec import ModelSpec
     from megatron_2bw.pipeline.split_backward import accumulator, backward_input
-    from megatron_2bw.tensor_parallel.group import TPGroup
     from megatron_2bw.tensor_parallel.random import RNGTracker
 
     cfg = get_preset(kind, hidden_dropout=0.0, attention_dropout=0.0)
@@ -229,7 +229,7 @@ def test_deferred_bytes_are_what_the_engine_keeps(kind):
     kept = []
     for r in (1, 3):  # d = 4: one layer in the middle, one layer and the head last
         torch.manual_seed(0)
-        spec = ModelSpec(cfg, TPGroup(), 7, rng=RNGTracker(7, 0))
+        spec = ModelSpec(cfg, ModelGroups(), 7, rng=RNGTracker(7, 0))
         layers = nn.ModuleList(spec.build_stage(4, r))
         batch = spec.make_batch(_dataset(cfg, 2))
         x = out = torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)

@@ -43,13 +43,13 @@ from megatron_2bw.config import OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.errors import ConfigError
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import EXPERT_DATA, ParallelState, build_state
 from megatron_2bw.pipeline.build import build_stage, reductions
 from megatron_2bw.pipeline.weights import GlobalNames, RankWeights
 from megatron_2bw.schedule.stages import stage_range
 from megatron_2bw.tensor_parallel import init as tp_init
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.init import Init, parameter
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
@@ -300,7 +300,7 @@ def _gpt(two: bool, distributed: bool, schedule: str = "2bw", post_validation: b
     cfg = get_preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0)
     state = build_state(Axes(data=2, pipeline=2), CPU)
     tracker = RNGTracker(1234, 0)
-    spec = ModelSpec(cfg, TPGroup.from_state(state), 1234, rng=tracker)
+    spec = ModelSpec(cfg, ModelGroups.of(state), 1234, rng=tracker)
     m = B // 2
     opt = OptimizerConfig("adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distributed)
     start, _ = stage_range(cfg.num_layers, 2, state.pp_rank)
@@ -428,7 +428,7 @@ def test_one_domain_is_the_single_buffer():
     back to back from 0 in the same order (decayed matrices first, otherwise as the modules list them), padded
     for the distributed optimizer to ceil(N / w) * w, and one reduction over the whole storage."""
     cfg = get_preset("gpt-tiny")
-    spec = ModelSpec(cfg, TPGroup(), 1234)
+    spec = ModelSpec(cfg, ModelGroups(), 1234)
     w = RankWeights(lambda: spec.build_stage(2, 1), num_versions=2, dtype=torch.float32, device=CPU, shards=3)
     with tp_init.deferred():
         seen, named = set(), []

@@ -16,12 +16,12 @@ from pipeline_harness import _dataset
 from torch import nn
 
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.saved_release import BoxedSaves, release_unread
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
 from megatron_2bw.planner.hardware import load_cluster
 from megatron_2bw.planner.layer_costs import analytic_microbatch_costs
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 B = 2
@@ -30,7 +30,7 @@ B = 2
 def _stage(kind: str, r: int):
     cfg = get_preset(kind, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
-    spec = ModelSpec(cfg, TPGroup(), 7, rng=RNGTracker(7, 0))
+    spec = ModelSpec(cfg, ModelGroups(), 7, rng=RNGTracker(7, 0))
     layers = nn.ModuleList(spec.build_stage(4, r))  # d = 4: a layer in the middle; a layer and the head last
     return cfg, spec, layers, spec.make_batch(_dataset(cfg, B))
 

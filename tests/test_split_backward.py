@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.split_backward import accumulator, backward_input, backward_weight
 from megatron_2bw.schedule.recompute_policy import RecomputePolicy
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 
@@ -23,7 +23,7 @@ def _stage(kind: str, d: int, r: int, dropout: float = 0.0, policy: RecomputePol
     cfg = get_preset(kind, hidden_dropout=dropout, attention_dropout=dropout, **model)
     torch.manual_seed(0)
     tracker = RNGTracker(7, 0)
-    spec = ModelSpec(cfg, TPGroup(), 7, rng=tracker, recompute=policy)
+    spec = ModelSpec(cfg, ModelGroups(), 7, rng=tracker, recompute=policy)
     layers = nn.ModuleList(spec.build_stage(d, r))
     data = _dataset(cfg, 2)
     batch = spec.make_batch(data)

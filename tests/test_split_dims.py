@@ -10,12 +10,13 @@ from torch import nn
 from megatron_2bw.checkpoint.names import full_names
 from megatron_2bw.checkpoint.reshard import is_vocab, split_dim
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.tensor_parallel.group import TPGroup
 
 
 def _model(cfg, rank: int, size: int) -> dict[str, torch.Tensor]:
-    layers = ModelSpec(cfg, TPGroup(None, rank, size), 7).build(0, cfg.num_layers + 2)
+    layers = ModelSpec(cfg, ModelGroups(TPGroup(None, rank, size)), 7).build(0, cfg.num_layers + 2)
     return dict(nn.ModuleList(layers).named_parameters())
 
 

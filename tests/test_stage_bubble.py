@@ -27,12 +27,12 @@ from multiproc import run_workers
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
 from megatron_2bw.config.axes import Axes
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.parallel_state import build_state
 from megatron_2bw.pipeline.build import build_stage
 from megatron_2bw.planner.simulator import StageCosts, simulate
 from megatron_2bw.schedule.actions import Op
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.training.log_format import parse_bubble, train_log_line
 from megatron_2bw.training.step_stats import stage_dicts, stage_row, window_bubble
 
@@ -69,7 +69,7 @@ def _worker() -> list[dict]:
     torch.set_num_threads(1)
     state = build_state(Axes(pipeline=2), torch.device("cpu"))
     cfg = ModelConfig(**MODEL)
-    spec = ModelSpec(cfg, TPGroup(), seed=1)
+    spec = ModelSpec(cfg, ModelGroups(), seed=1)
     data = torch.randint(0, cfg.vocab_size, (16, B, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     out = []
     for schedule, m, steps in CASES:

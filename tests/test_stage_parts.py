@@ -19,6 +19,7 @@ from megatron_2bw.checkpoint.names import WORD
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.config.presets import get_preset
 from megatron_2bw.faults import KILL_ITER_ENV, KILL_RANK_ENV, FaultInjector
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec
 from megatron_2bw.pipeline.transport import Transport
 from megatron_2bw.pipeline.updater import Updater
@@ -26,7 +27,6 @@ from megatron_2bw.pipeline.weights import GlobalNames, RankWeights, sized_weight
 from megatron_2bw.schedule.grouping import COMM_OPS, comm_groups
 from megatron_2bw.schedule.schedules import stage_actions
 from megatron_2bw.schedule.stages import stage_range
-from megatron_2bw.tensor_parallel.group import TPGroup
 from megatron_2bw.tensor_parallel.random import RNGTracker
 from megatron_2bw.tensor_parallel.recompute import RNGSnapshot
 
@@ -84,7 +84,7 @@ def _full_names(cfg, spec: ModelSpec) -> dict[str, torch.Size]:
 @pytest.mark.parametrize("kind", ["gpt-tiny", "bert-tiny"])
 def test_global_names_are_the_full_models_names(kind):
     cfg = get_preset(kind)
-    spec = ModelSpec(cfg, TPGroup(), 1234)
+    spec = ModelSpec(cfg, ModelGroups(), 1234)
     full = _full_names(cfg, spec)
     d = 2
     seen: dict[str, torch.Size] = {}

@@ -7,6 +7,7 @@ from multiproc import run_workers
 from pipeline_harness import matching_shard
 
 from megatron_2bw.config.presets import get_preset
+from megatron_2bw.models.groups import ModelGroups
 from megatron_2bw.models.spec import ModelSpec, run_layers
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.group import TPGroup
@@ -114,7 +115,7 @@ def test_layers_match_dense_t4():
 
 def _model_outputs(kind: str, tp: TPGroup):
     cfg = get_preset(kind)
-    spec = ModelSpec(cfg, tp, seed=1234)
+    spec = ModelSpec(cfg, ModelGroups(tp), seed=1234)
     layers = spec.build(0, spec.num_items)
     g = torch.Generator().manual_seed(11)
     s = cfg.seq_length

@@ -23,9 +23,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..models.groups import ModelGroups
 from ..models.spec import ModelSpec
 from ..tensor_parallel import init
-from ..tensor_parallel.group import TPGroup
 from .names import OUTPUT, WORD, Split, head_index, rank_names, stage_names
 
 
@@ -50,7 +50,7 @@ def _split_dims(cfg: ModelConfig) -> dict[str, int | None]:
     Built once per model on the meta device, so resharding, checkpoint shards and export share the layers'
     own statement of it."""
     with init.deferred():
-        model = nn.ModuleList(ModelSpec(whole_model_config(cfg), TPGroup(), 0).build(0, cfg.num_layers + 2))
+        model = nn.ModuleList(ModelSpec(whole_model_config(cfg), ModelGroups(), 0).build(0, cfg.num_layers + 2))
     return {name: getattr(getattr(p, "init", None), "dim", None) for name, p in model.named_parameters()}
 
 

@@ -9,13 +9,13 @@ from ..checkpoint.names import full_names
 from ..checkpoint.reshard import is_vocab, pad_vocab, whole_model_config
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..models.groups import ModelGroups
 from ..models.spec import ModelSpec
-from ..tensor_parallel.group import TPGroup
 
 
 def build_full_model(cfg: ModelConfig, seed: int = 1234) -> nn.ModuleList:
     """The whole model [embedding, layers, head] at t = 1 in one module list (head tied to the embedding)."""
-    return nn.ModuleList(ModelSpec(whole_model_config(cfg), TPGroup(), seed).build(0, cfg.num_layers + 2))
+    return nn.ModuleList(ModelSpec(whole_model_config(cfg), ModelGroups(), seed).build(0, cfg.num_layers + 2))
 
 
 def global_state_dict(model: nn.ModuleList) -> dict[str, torch.Tensor]:

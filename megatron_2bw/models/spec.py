@@ -6,40 +6,50 @@ The pipeline never imports GPT or BERT; it takes a ``ModelSpec``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..config.precision import Precision
-from ..context_parallel.group import CPGroup, shard_batch
+from ..context_parallel.group import shard_batch
 from ..fused import Kernels
 from ..schedule.placement import Placement
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.stages import chunk_ranges, stage_range
-from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker
 from . import gpt
 from .embedding import Embedding
 from .families import FAMILIES
-from .moe_block import MoEGroups
+from .groups import ModelGroups
 from .transformer import TransformerLayer, apply_recompute
+
+if TYPE_CHECKING:
+    from ..context_parallel.group import CPGroup
+    from ..tensor_parallel.group import TPGroup
 
 
 @dataclass
 class ModelSpec:
     cfg: ModelConfig
-    tp: TPGroup
+    groups: ModelGroups  # the process groups every layer talks over (tensor, context, experts), built once
     seed: int
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
     split: tuple[int, ...] | None = None  # layers per stage (schedule/stages.py); None: even
     recompute: RecomputePolicy | None = None  # recomputation inside the stage (schedule/recompute_policy.py)
     masks: gpt.DocumentMasks | None = None  # GPT: --eod-mask-loss / --reset-position-ids / --reset-attention-mask
-    cp: CPGroup | None = None  # context parallelism: each microbatch's sequence sharded over its ranks
     precision: Precision | None = None  # the GEMM recipe (config/precision.py); None: the weights' dtype
-    moe: MoEGroups | None = None  # an MoE model's expert-parallel and statistics groups (moe_block.py)
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.groups.tp
+
+    @property
+    def cp(self) -> CPGroup | None:
+        """Context parallelism: each microbatch's sequence sharded over its ranks (None: whole sequences)."""
+        return self.groups.cp
 
     @property
     def num_items(self) -> int:
@@ -62,9 +72,8 @@ class ModelSpec:
                 emb = Embedding(cfg, self.tp, self.seed, rng=self.rng)
                 layers.append(emb)
             elif i <= cfg.num_layers:
-                layers.append(TransformerLayer(cfg, self.tp, self.seed, i - 1, causal=family.causal, rng=self.rng,
-                                               kernels=self.kernels, cp=self.cp, recipe=self.precision, spec=blocks,
-                                               moe=self.moe))
+                layers.append(TransformerLayer(cfg, self.groups, self.seed, i - 1, causal=family.causal, rng=self.rng,
+                                               kernels=self.kernels, recipe=self.precision, spec=blocks))
             else:
                 layers.append(family.head(cfg, self.tp, self.seed, self.kernels,
                                           emb.word.weight if emb is not None else word, recipe=self.precision))

@@ -31,6 +31,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, co
 from ..tensor_parallel.random import RNGTracker
 from ..tensor_parallel.recompute import checkpointed
 from .attention_core import attention
+from .groups import ModelGroups
 from .moe_block import MoEGroups, MoEMLP, is_moe_layer
 from .norms import norm
 from .rope import RotaryEmbedding, apply_rotary
@@ -136,14 +137,16 @@ class ParallelMLP(nn.Module):
 class BlockContext:
     """What every block builder of a layer is given besides the config: the groups, seeds and kernels."""
 
-    tp: TPGroup
+    groups: ModelGroups  # tensor, context and expert groups (groups.py)
     seed: int
     causal: bool
     rng: RNGTracker | None = None
     kernels: Kernels | None = None
-    cp: CPGroup | None = None
     recipe: Precision | None = None  # the GEMM recipe (config/precision.py); None: the operands' dtype
-    moe: MoEGroups | None = None  # the expert-parallel and statistics groups of an MoE MLP (moe_block.py)
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.groups.tp
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ class Block:
 
 def _attention(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> ParallelAttention:
     backend = ctx.kernels.attention if ctx.kernels is not None else "auto"
-    return ParallelAttention(cfg, ctx.tp, ctx.seed, prefix, ctx.causal, ctx.rng, backend, ctx.cp, recipe=ctx.recipe)
+    return ParallelAttention(cfg, ctx.tp, ctx.seed, prefix, ctx.causal, ctx.rng, backend, ctx.groups.cp,
+                             recipe=ctx.recipe)
 
 
 def _dense_mlp(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> ParallelMLP:
@@ -173,7 +177,7 @@ def _moe_mlp(cfg: ModelConfig, ctx: BlockContext, prefix: str) -> nn.Module:
     """The MoE MLP in the layers ``--moe-layer-freq`` picks, the dense one in the others."""
     if not is_moe_layer(cfg, prefix):
         return _dense_mlp(cfg, ctx, prefix)
-    return MoEMLP(cfg, ctx.tp, ctx.seed, prefix, ctx.moe or MoEGroups())
+    return MoEMLP(cfg, ctx.tp, ctx.seed, prefix, ctx.groups.moe or MoEGroups())
 
 
 # by ModelConfig.mlp_block; "moe" by ``layer_spec`` for a model with experts (its arithmetic: config/moe_arith.py)
@@ -208,13 +212,14 @@ class TransformerLayer(nn.Module):
     mlp: nn.Module
 
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, seed: int, index: int, *, causal: bool,
-        rng: RNGTracker | None = None, kernels: Kernels | None = None, cp: CPGroup | None = None,
-        recipe: Precision | None = None, spec: LayerSpec | None = None, moe: MoEGroups | None = None,
+        self, cfg: ModelConfig, groups: ModelGroups, seed: int, index: int, *, causal: bool,
+        rng: RNGTracker | None = None, kernels: Kernels | None = None, recipe: Precision | None = None,
+        spec: LayerSpec | None = None,
     ):
         super().__init__()
         prefix = f"layers.{index}"
-        ctx = BlockContext(tp, seed, causal, rng, kernels, cp, recipe, moe)
+        tp = groups.tp
+        ctx = BlockContext(groups, seed, causal, rng, kernels, recipe)
         for slot, block in (spec or layer_spec(cfg)).slots().items():  # ln1, attn, ln2, mlp
             setattr(self, slot, block.build(cfg, ctx, f"{prefix}.{slot}"))
         self.hidden_dropout = cfg.hidden_dropout

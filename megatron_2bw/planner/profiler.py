@@ -51,6 +51,7 @@ from ..config.precision import precision_of
 from ..config.presets import get_preset
 from ..errors import ConfigError
 from ..models.bert import random_samples
+from ..models.groups import ModelGroups
 from ..models.spec import ModelSpec
 from ..tensor_parallel.group import TPGroup
 from .block_timing import BlockMeasurement, measure_chain, median, resolve_device, synchronize, unique_params  # noqa: F401 - re-exported: the profiler's public names
@@ -229,7 +230,7 @@ def profile_model(
         from ..fused import select_kernels  # noqa: PLC0415
 
         kernels = select_kernels("auto", dev.type)
-    spec = ModelSpec(cfg, tp, seed, kernels=kernels, precision=precision_of(dtype))
+    spec = ModelSpec(cfg, ModelGroups(tp), seed, kernels=kernels, precision=precision_of(dtype))
     torch.manual_seed(seed)
     blocks = build_blocks(spec, dev, tdtype, chain_layers)
     prof = Profile(cfg)

@@ -42,17 +42,15 @@ from ..checkpoint import checkpointing, dist_checkpoint, formats
 from ..checkpoint.checkpoint_args import with_tokenizer_fingerprint
 from ..checkpoint.names import WORD
 from ..config.precision import precision_of
-from ..context_parallel.group import CPGroup
 from ..errors import ConfigError
 from ..faults import Faults
 from ..models.gpt import DocumentMasks
-from ..models.moe_block import MoEGroups
+from ..models.groups import ModelGroups
 from ..models.spec import ModelSpec
 from ..pipeline.build import build_stage
 from ..pipeline.weights import GlobalNames
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import STOP_LAG
-from ..tensor_parallel.group import TPGroup
 from ..tensor_parallel.random import RNGTracker, seed_everything
 from . import health, moe_metrics, signals, watchdog
 from .data_iter import MicrobatchProvider
@@ -106,12 +104,11 @@ class Trainer:
         stage_seed = tc.seed + 100 * state.pp_rank
         seed_everything(stage_seed, state.device)
         self.tracker = RNGTracker(stage_seed, state.tp_rank, state.device)
-        spec = ModelSpec(cfg.model, TPGroup.from_state(state), tc.seed, rng=self.tracker, kernels=prep.kernels,
+        groups = ModelGroups.of(state, cfg.parallel.cp_comm_type, moe=cfg.model.moe is not None)
+        spec = ModelSpec(cfg.model, groups, tc.seed, rng=self.tracker, kernels=prep.kernels,
                          split=cfg.pipeline.layer_split, recompute=RecomputePolicy.from_pipeline(cfg.pipeline),
                          masks=DocumentMasks.from_config(cfg.data, getattr(prep.tokenizer, "eod", None)),
-                         cp=CPGroup.from_state(state, cfg.parallel.cp_comm_type) if state.c > 1 else None,
-                         precision=precision_of(oc.dtype),
-                         moe=MoEGroups.from_state(state) if cfg.model.moe is not None else None)
+                         precision=precision_of(oc.dtype))
         self.spec = spec
         b = cfg.pipeline.micro_batch_size
         place = cfg.pipeline.spec.placement(state.d)
