@@ -222,6 +222,13 @@ class Layout:
     context: int = 1  # --context-parallel-size
     cp_comm_type: str = P2P  # --cp-comm-type
 
+    @classmethod
+    def of(cls, axes: Axes, micro_batch_size: int, recompute: bool, schedule: str, **choices: Any) -> Layout:
+        """The layout flags of a planned ``axes`` (its data width follows from the world; its chunks from the
+        schedule); ``choices``: the other fields (stage split, distributed optimizer, recompute policy,
+        ``cp_comm_type``)."""
+        return cls(axes.tensor, axes.pipeline, micro_batch_size, recompute, schedule, context=axes.context, **choices)
+
 
 def layout_configs(
     layout: Layout, model: ModelConfig, global_batch_size: int | None, world_size: int, p2p_mode: str = "auto",

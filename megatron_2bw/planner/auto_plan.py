@@ -39,6 +39,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from ..config import Layout, ModelConfig
+from ..config.axes import Axes
 from ..config.context import P2P
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
@@ -83,10 +84,16 @@ class PlanChoice(NamedTuple):
     cp_comm_type: str = P2P
 
     @property
+    def axes(self) -> Axes:
+        """The choice's named axes (the planner searches dense layouts: no experts)."""
+        return Axes(tensor=self.t, context=self.context, data=self.w, pipeline=self.d)
+
+    @property
     def layout(self) -> Layout:
         """The choice as the trainer's config takes it (``cli.build_config(..., layout=)``)."""
-        return Layout(self.t, self.d, self.b, self.recompute, self.schedule, self.split, self.distributed_optimizer,
-                      self.recompute_policy, context=self.context, cp_comm_type=self.cp_comm_type)
+        return Layout.of(self.axes, self.b, self.recompute, self.schedule, layer_split=self.split,
+                         distributed_optimizer=self.distributed_optimizer, recompute_policy=self.recompute_policy,
+                         cp_comm_type=self.cp_comm_type)
 
 
 @dataclass(frozen=True)

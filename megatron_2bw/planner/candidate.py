@@ -10,12 +10,14 @@ context parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from ..config import fp32_grads_for, resolve_compensation
+from ..config.axes import Axes
 from ..config.context import P2P
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
-from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
+from ..schedule.schedules import SCHEDULES, parse_schedule_id, spec_of, validate_pipeline
 from .context_costs import PLANNED_CP_COMM_TYPES
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
@@ -72,23 +74,28 @@ class Candidate:
             validate_pipeline(name, self.pipeline_parallel, self.num_micro_batches, post_validation=pv)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if self.replicas % self.expert_parallel:
-            raise ConfigError(f"--expert-model-parallel-size {self.expert_parallel} does not divide data-parallel "
-                              f"size {self.data_parallel} x --context-parallel-size {self.context_parallel}")
+        self.axes  # noqa: B018 - the named axes validate themselves (experts folded inside data x context)
+
+    @cached_property
+    def axes(self) -> Axes:
+        """The candidate's layout as the trainer's named axes (``virtual``: the schedule's chunks per rank)."""
+        chunks = 1 if self.schedule == SEQUENTIAL else spec_of(self.schedule).chunks
+        return Axes(tensor=self.tensor_parallel, context=self.context_parallel, expert=self.expert_parallel,
+                    data=self.data_parallel, pipeline=self.pipeline_parallel, virtual=chunks)
 
     @property
     def num_gpus(self) -> int:
-        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
+        return self.axes.world
 
     @property
     def replicas(self) -> int:
         """Ranks holding the same weights: the data width times the context ranks (module docstring)."""
-        return self.data_parallel * self.context_parallel
+        return self.axes.replicas
 
     @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts (the expert-data group): the replicas over the expert-parallel size."""
-        return self.replicas // self.expert_parallel
+        return self.axes.expert_data
 
     @property
     def context(self) -> tuple[int, str] | None:

@@ -44,8 +44,8 @@ def paper_model(name: str) -> ModelConfig:
 def candidate_layout(c: Candidate) -> Layout:
     """A search candidate as the trainer's layout (t, d, microbatch, recompute, schedule, stage split,
     distributed optimizer, context parallelism)."""
-    return Layout(c.tensor_parallel, c.pipeline_parallel, c.micro_batch_size, c.recompute, c.schedule, c.layer_split,
-                  c.distributed_optimizer, context=c.context_parallel, cp_comm_type=c.cp_comm_type)
+    return Layout.of(c.axes, c.micro_batch_size, c.recompute, c.schedule, layer_split=c.layer_split,
+                     distributed_optimizer=c.distributed_optimizer, cp_comm_type=c.cp_comm_type)
 
 
 def context_argv(layout: Layout, kind: str) -> list[str]:
