@@ -1,16 +1,15 @@
-"""Process groups for tensor (t), context (c), pipeline (d) and data (w) parallelism.
+"""Process groups of a layout's named axes (``config/axes.py``: tensor, context, expert, data, pipeline).
 
 Rank order follows Megatron-LM: tensor ranks are adjacent (they exchange activations every
-layer, so they belong on one server), then data-parallel replicas, then pipeline stages::
+layer, so they belong on one server), then the weight replicas, then pipeline stages::
 
-    rank = pipeline_rank * (t * w) + data_rank * t + tensor_rank
+    rank = pipeline_rank * (t * replicas) + replica_rank * t + tensor_rank
 
-With context parallelism (c > 1) the context ranks come between tensor and data ranks (Megatron's
-tp-cp-dp-pp order). The c ranks of a context group hold the same weights, so for everything that
-concerns weights (gradient reduction, the distributed optimizer's shards, checkpoints) they are
-replicas: ``w`` and ``dp_rank`` below count the weight replicas (data width x c, Megatron's data
-group "with context parallel"), the formula above holding with that ``w``; the data a rank reads
-goes by ``data_width`` and ``data_rank``.
+``replicas`` = data width x c: with context parallelism (c > 1) the context ranks come between tensor and
+data ranks (Megatron's tp-cp-dp-pp order) and hold the same weights, so for everything that concerns
+weights (gradient reduction, the distributed optimizer's shards, checkpoints) they are replicas:
+``ParallelState.replicas`` and ``dp_rank`` count them (Megatron's data group "with context parallel");
+the data a rank reads goes by ``data_width`` (``w``, the paper's data-parallel width) and ``data_rank``.
 
 Worked example, 8 processes with t = 2, d = 2, w = 2 (two servers of four GPUs)::
 
@@ -20,13 +19,15 @@ Worked example, 8 processes with t = 2, d = 2, w = 2 (two servers of four GPUs):
     embedding groups [0, 4] [1, 5] [2, 6] [3, 7]     first + last stage (tied embeddings)
     model groups     [0, 1, 4, 5] [2, 3, 6, 7]       one full model: grad norm, overflow flag
 
-Only the point-to-point activation traffic crosses servers, as PipeDream-2BW wants.
+Only the point-to-point activation traffic crosses servers, as PipeDream-2BW wants. The groups are built
+once (:func:`build_state`) into one :class:`Groups` bundle; the model's layers get theirs as
+``models.groups.ModelGroups``.
 
-Expert parallelism (size e, Megatron-Core's folding of EP inside the data x context group): of the w
-ranks of a data group, position j holds expert piece ``j % e`` (the e ranks of an expert group are
-adjacent, ``j // e`` equal) and its expert weights are replicas over the w / e ranks with the same
-``j % e``, the expert-data group. Parameters name the group they are reduced over (their reduction
-domain, ``tensor_parallel.init.Init.domain``); :meth:`ParallelState.domains` resolves the names.
+Expert parallelism (size e, Megatron-Core's folding of EP inside the data x context group): of the
+replicas, position j holds expert piece ``j % e`` (the e ranks of an expert group are adjacent, ``j // e``
+equal) and its expert weights are replicas over the replicas / e ranks with the same ``j % e``, the
+expert-data group. Parameters name the group they are reduced over (their reduction domain,
+``tensor_parallel.init.Init.domain``); :meth:`ParallelState.domains` resolves the names.
 """
 
 from __future__ import annotations

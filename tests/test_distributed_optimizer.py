@@ -105,7 +105,7 @@ def _run_updater(w: int, rank: int, group, optimizer: str) -> dict:
     for f in weights.flat:
         f.copy_(init)
     shard = ShardLayout(N_ODD, w, rank) if group is not None else None
-    red = GradReducer(dp_group=group, embedding_group=None, model_group=None, w=w if group else 1,
+    red = GradReducer(dp_group=group, embedding_group=None, model_group=None, replicas=w if group else 1,
                       shared_range=None, bucket_numel=4 * 64, has_embedding_group=False, shard=shard)
     opt = OptimizerConfig(optimizer, lr=1e-2, weight_decay=0.1, clip_grad=0.0, sgd_momentum=0.9)
     upd = Updater(weights, opt, "none", 0.0, reducer=red)

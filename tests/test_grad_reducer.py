@@ -23,7 +23,7 @@ def _blocked_peer(_):
     dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # two replicas of a 2-stage pipeline
     model = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     stage, replica = rank % 2, rank // 2
-    red = GradReducer(dp_group=dp[stage], embedding_group=None, model_group=model[replica], w=2,
+    red = GradReducer(dp_group=dp[stage], embedding_group=None, model_group=model[replica], replicas=2,
                       shared_range=None, bucket_numel=N // 2, has_embedding_group=False)
     grad = torch.full((N,), float(rank + 1))  # large enough that its all-reduce is still running below
     red.start(0, grad, [grad])

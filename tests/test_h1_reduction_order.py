@@ -330,7 +330,7 @@ def fake_dist(monkeypatch):
 
 
 def _reducer(shard: ShardLayout | None = None) -> GradReducer:
-    red = GradReducer(dp_group="dp", embedding_group="emb", model_group="model", w=2, shared_range=(0, 4),
+    red = GradReducer(dp_group="dp", embedding_group="emb", model_group="model", replicas=2, shared_range=(0, 4),
                       bucket_numel=8, has_embedding_group=True, device=torch.device("cpu"), shard=shard)
     red.poll = True  # the CUDA (NCCL) path: settle by polling completion
     return red

@@ -90,7 +90,7 @@ def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt
     bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(weights.grad_dtype).bits * 8
     reducer = GradReducer(
         dp_group=state.groups.dp, embedding_group=state.groups.embedding, model_group=state.groups.model,
-        w=state.replicas, shared_range=weights.shared_range, bucket_numel=bucket,
+        replicas=state.replicas, shared_range=weights.shared_range, bucket_numel=bucket,
         has_embedding_group=state.d > 1 and state.groups.embedding is not None and tied_apart, device=state.device,
         segments=reductions(weights, state, opt.use_distributed_optimizer),
     )

@@ -105,14 +105,14 @@ def grad_sumsq(views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SegmentReduction:
-    """How one segment ``[lo, hi)`` of the padded gradient storage is reduced: over ``group`` (``w`` ranks),
+    """How one segment ``[lo, hi)`` of the padded gradient storage is reduced: over ``group`` (``size`` ranks),
     reduce-scattered by ``shard`` (the distributed optimizer's layout of the segment; None: all-reduced),
     and ``copies``: the group across which its values are distinct (None: replicas)."""
 
     lo: int
     hi: int | None  # None: to the end of the storage
     group: object | None
-    w: int
+    size: int
     shard: ShardLayout | None = None
     copies: object | None = None
 
@@ -148,17 +148,17 @@ class _Job:
 
 
 class GradReducer:
-    def __init__(self, *, dp_group, embedding_group, model_group, w: int, shared_range: tuple[int, int] | None,
+    def __init__(self, *, dp_group, embedding_group, model_group, replicas: int, shared_range: tuple[int, int] | None,
                  bucket_numel: int, has_embedding_group: bool, device: torch.device | None = None,
                  shard: ShardLayout | None = None, segments: list[SegmentReduction] | None = None) -> None:
-        """``dp_group``/``w``: the whole data group (the norm's broadcast); ``segments``: each segment's
+        """``dp_group``/``replicas``: the whole data group (the norm's broadcast); ``segments``: each segment's
         reduction (None: one segment, the whole storage, over ``dp_group`` with the layout ``shard``)."""
         self.dp_group, self.embedding_group, self.model_group = dp_group, embedding_group, model_group
-        self.w, self.shared_range, self.bucket_numel = w, shared_range, max(int(bucket_numel), 1)
+        self.replicas, self.shared_range, self.bucket_numel = replicas, shared_range, max(int(bucket_numel), 1)
         self.use_emb = has_embedding_group and shared_range is not None
         if segments is None:
-            segments = [SegmentReduction(0, None, dp_group, w, shard)]
-        self.segments = [SegmentReduction(r.lo, r.hi, r.group, r.w, r.shard if r.w > 1 else None, r.copies)
+            segments = [SegmentReduction(0, None, dp_group, replicas, shard)]
+        self.segments = [SegmentReduction(r.lo, r.hi, r.group, r.size, r.shard if r.size > 1 else None, r.copies)
                          for r in segments]
         self.shard = self.segments[0].shard  # the first (default domain's) segment's layout, None: unsharded
         self.cuda = device is not None and device.type == "cuda"
@@ -168,7 +168,7 @@ class GradReducer:
         self.poll = self.cuda  # NCCL: settle a collective by polling its completion (see :func:`settle`)
         # replica 0's rank in the data-parallel group: the source of the norm's broadcast (also without a model
         # group where a segment's part was summed over a group of copies: those groups differ between replicas)
-        self._broadcast = w > 1 and (model_group is not None or any(r.copies is not None for r in self.segments))
+        self._broadcast = replicas > 1 and (model_group is not None or any(r.copies is not None for r in self.segments))
         self._dp_root = dist.get_global_rank(dp_group, 0) if self._broadcast else None
         self._pending: deque[_Job] = deque()  # gradient jobs (with their norm jobs), in step order
         self._emb_early: dict[int, _Job] = {}  # by step: the tied embedding's link, issued ahead of its chain
@@ -206,7 +206,7 @@ class GradReducer:
                 # every bucket issued back to back (one group, the same order on every rank, so NCCL pipelines
                 # them), then each settled in order: no link of another group starts before all have completed
                 works = [dist.all_reduce(piece[i:i + self.bucket_numel], group=r.group, async_op=True)
-                         for i in (range(0, piece.numel(), self.bucket_numel) if r.w > 1 else ())]
+                         for i in (range(0, piece.numel(), self.bucket_numel) if r.size > 1 else ())]
                 for work in works:
                     self._settle(work)
             s = grad_sumsq(views, grad.device)
