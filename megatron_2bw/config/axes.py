@@ -33,13 +33,13 @@ class Axes:
     pipeline: int = 1
     virtual: int = 1
 
-    def __post_init__(self) -> None:
-        for name in AXIS_NAMES:
-            size = getattr(self, name)
-            _require(isinstance(size, int) and size >= 1, f"the {name} axis must be an integer >= 1, got {size!r}")
-        _require(self.replicas % self.expert == 0,
-                 f"--expert-model-parallel-size {self.expert} does not divide data-parallel size {self.data} x "
-                 f"--context-parallel-size {self.context}")
+    def __post_init__(self) -> None:  # the planner builds one per candidate: checks first, messages on failure
+        if min(self.tensor, self.context, self.expert, self.data, self.pipeline, self.virtual) < 1:
+            name = next(n for n in AXIS_NAMES if getattr(self, n) < 1)
+            _require(False, f"the {name} axis must be >= 1, got {getattr(self, name)!r}")
+        if self.data * self.context % self.expert:
+            _require(False, f"--expert-model-parallel-size {self.expert} does not divide data-parallel size "
+                            f"{self.data} x --context-parallel-size {self.context}")
 
     @property
     def replicas(self) -> int:

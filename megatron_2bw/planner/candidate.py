@@ -17,7 +17,7 @@ from ..config.axes import Axes
 from ..config.context import P2P
 from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
-from ..schedule.schedules import SCHEDULES, parse_schedule_id, spec_of, validate_pipeline
+from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
 from .context_costs import PLANNED_CP_COMM_TYPES
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
@@ -79,7 +79,7 @@ class Candidate:
     @cached_property
     def axes(self) -> Axes:
         """The candidate's layout as the trainer's named axes (``virtual``: the schedule's chunks per rank)."""
-        chunks = 1 if self.schedule == SEQUENTIAL else spec_of(self.schedule).chunks
+        chunks = 1 if self.schedule == SEQUENTIAL else SCHEDULES[parse_schedule_id(self.schedule)[0]].chunks
         return Axes(tensor=self.tensor_parallel, context=self.context_parallel, expert=self.expert_parallel,
                     data=self.data_parallel, pipeline=self.pipeline_parallel, virtual=chunks)
 
