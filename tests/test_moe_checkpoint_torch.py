@@ -163,3 +163,42 @@ def test_ep2_file_holds_every_expert_as_torch_dist_does(ep2, cell):
         assert set(ref) == set(mine[family]) and mine[family][name].shape[0] == ref[name].shape[0] == 4, family
         bad = [n for n, t in ref.items() if not torch.equal(mine[family][n].reshape(t.shape), t)]
         assert not bad, (family, bad)
+
+
+def test_ep2_file_reads_and_reshards_as_torch_dist_does(ep2, tmp_path):
+    """The offline readers take the EP = 2 torch checkpoint as its torch_dist twin: the export's reader gives the
+    same model, bitwise, and tools/checkpoint_util.py reshards both to t = 2 (torch files, with the optimizer
+    state) into the same files."""
+    import torch
+    from test_offline_tools import tool
+
+    from megatron_2bw.checkpoint.megatron_format import read_rank_files
+    from megatron_2bw.export.checkpoints import load_checkpoint
+
+    mine, dist = (os.path.join(ep2["root"], c) for c in ("muon-zero", "muon-zero-dist"))
+    (a, a_opt), (b, b_opt) = load_checkpoint(mine), load_checkpoint(dist)
+    assert a.iteration == b.iteration == 4 and a_opt and b_opt and a.cfg == b.cfg
+    assert set(a.weights) == set(b.weights) and all(torch.equal(a.weights[n], b.weights[n]) for n in a.weights)
+    util, out = tool("checkpoint_util"), {}
+    for name, src in (("torch", mine), ("dist", dist)):
+        dst = str(tmp_path / name)
+        assert util.main(["--load-dir", src, "--save-dir", dst, "--target-tensor-parallel-size", "2"]) == 0
+        out[name] = read_rank_files(os.path.join(dst, "iter_0000004"))
+    assert set(out["torch"]) == set(out["dist"]) == {(0, 0), (1, 0)}
+    for key, f in out["torch"].items():
+        named = _per_name(f["stage"])
+        ref = _per_name(out["dist"][key]["stage"])
+        assert set(named) == set(ref) and "optimizer.exp_avg" in named, (set(named), set(ref))
+        for state, by_name in ref.items():
+            assert set(by_name) == set(named[state]) and all(torch.equal(named[state][n], t)
+                                                             for n, t in by_name.items()), (key, state)
+        assert named["optimizer.exp_avg"]["1.mlp.moe.experts.linear_fc1"].shape[0] == 4
+        assert torch.equal(f["model"]["language_model"]["encoder"]["layers.0.mlp.experts.linear_fc1"],
+                           out["dist"][key]["model"]["language_model"]["encoder"]["layers.0.mlp.experts.linear_fc1"])
+
+
+def _per_name(stage: dict) -> dict[str, dict]:
+    """A file's per-parameter states (2BW's older version, the master, each optimizer state) by name."""
+    out = {k: v for k, v in stage.items() if k in ("older", "master") and v is not None}
+    out.update({f"optimizer.{k}": v for k, v in stage["optimizer"].items() if isinstance(v, dict)})
+    return out
