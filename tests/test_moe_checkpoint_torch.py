@@ -3,7 +3,9 @@ rank) holds every expert's stack whole, the global expert axis, with its 2BW, ma
 expert-parallel size it was saved at. Saved at EP = 1: a resume at the saving layout replays the uninterrupted run
 bitwise, and a resume at EP = 2 gives its losses within 1e-6, Adam and Muon. Saved at EP = 2 (data rank 0 gathers
 the other expert pieces, and with the distributed optimizer their shards over the expert-data group): the same
-file layout, resumed bitwise at EP = 2 and within 1e-6 at EP = 1 and 4."""
+file layout, resumed bitwise at EP = 2 and within 1e-6 at EP = 1 and 4 (Adam and Muon, with and without the
+distributed optimizer, t = 1 and 2), bitwise the global tensors of the same run's torch_dist save, and read and
+resharded by the offline tools as that save is."""
 
 from __future__ import annotations
 
@@ -82,11 +84,15 @@ def test_reshard_of_a_model_trained_at_ep2():
 # its flags. ``adam``: no distributed optimizer, every rank's state whole. ``muon-zero``: the dense state
 # sharded over the two data ranks, the experts' not (their expert-data group is one rank). ``ef-zero-w4``: four
 # data ranks, the experts' master (2BW's ef keeps one in fp32) and Adam state sharded over expert-data groups of
-# two, 2BW's two weight versions. The two distributed cells also save in torch_dist (``-dist``), the reference
-# for the gathered state: its global tensors are written by each rank at their offsets, no gather.
+# two, 2BW's two weight versions. ``t2-zero``: two tensor ranks (each writes its file, gathering over its own
+# expert group) of two data ranks, resumed at EP 1 on two processes. The two distributed cells at t = 1 also save
+# in torch_dist (``-dist``), the reference for the gathered state: its global tensors are written by each rank at
+# their offsets, no gather.
 ZERO = ["--use-distributed-optimizer"]
 EF = ["--pipeline-schedule", "2bw", "--2bw-compensation", "ef"]
-EP2_CELLS = {"adam": (2, []), "muon-zero": (2, [*OPTIMIZERS["muon"], *ZERO]), "ef-zero-w4": (4, [*EF, *ZERO])}
+T2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+EP2_CELLS = {"adam": (2, []), "muon-zero": (2, [*OPTIMIZERS["muon"], *ZERO]), "ef-zero-w4": (4, [*EF, *ZERO]),
+             "t2-zero": (4, [*T2, *ZERO])}
 TWINS = ("muon-zero", "ef-zero-w4")
 EP1 = ["--expert-model-parallel-size", "1"]
 EP4 = ["--expert-model-parallel-size", "4", *EP2[2:]]
@@ -101,22 +107,23 @@ def _flags(extra: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory) -> dict:
     """Per cell: the uninterrupted EP = 2 run (saving at 2 and 4) and its resumes from iteration 2 at EP = 2
-    (the saving layout), EP = 1 (one process) and, for the four-rank cell and ``adam``, EP = 4."""
+    (the saving layout), EP = 1 (one process; two for ``t2-zero``) and, for ``adam`` and ``ef-zero-w4``, EP = 4."""
     root = str(tmp_path_factory.mktemp("moe_torch_ep2"))
     ck = {c: os.path.join(root, c) for c in EP2_CELLS}
-    by_world: dict[int, list] = {1: [], 2: [], 4: []}
+    saves: dict[int, list] = {2: [], 4: []}
+    resumes: dict[int, list] = {1: [], 2: [], 4: []}
     for c, (world, f) in EP2_CELLS.items():
-        by_world[world] += [(f"{c}-full", [*EP2, *_flags(f), *SAVE, "--save", ck[c]]),
-                            (f"{c}-same", [*EP2, *_flags(f), *AT2, "--load", ck[c]])]
+        saves[world] += [(f"{c}-full", [*EP2, *_flags(f), *SAVE, "--save", ck[c]]),
+                         (f"{c}-same", [*EP2, *_flags(f), *AT2, "--load", ck[c]])]
         if c in TWINS:
-            by_world[world].append((f"{c}-dist", [*EP2, *_flags(f), *SAVE, "--ckpt-format", "torch_dist",
-                                                  "--save", f"{ck[c]}-dist"]))
-        by_world[1].append((f"{c}-ep1", [*EP1, *_flags(f), *AT2, "--load", ck[c]]))
-    by_world[4] += [(f"{c}-ep4", [*EP4, *_flags(f), *AT2, "--load", ck[c]])
-                    for c, (world, f) in EP2_CELLS.items() if c == "adam" or world == 4]
+            saves[world].append((f"{c}-dist", [*EP2, *_flags(f), *SAVE, "--ckpt-format", "torch_dist",
+                                               "--save", f"{ck[c]}-dist"]))
+        resumes[2 if "--tensor-model-parallel-size" in f else 1].append(
+            (f"{c}-ep1", [*EP1, *_flags(f), *AT2, "--load", ck[c]]))
+    resumes[4] += [(f"{c}-ep4", [*EP4, *_flags(f), *AT2, "--load", ck[c]])
+                   for c, (world, f) in EP2_CELLS.items() if c in ("adam", "ef-zero-w4")]
     losses = {}
-    for world in (2, 4, 1):  # the saving runs first
-        runs = by_world[world]
+    for world, runs in ((2, saves[2]), (4, saves[4] + resumes[4]), (2, resumes[2]), (1, resumes[1])):
         got = run_workers(_session, world, runs, root, timeout=600)[0]
         losses.update({name: loss for (name, _), loss in zip(runs, got)})
     return {"root": root, "losses": losses}
