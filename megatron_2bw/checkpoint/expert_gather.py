@@ -22,6 +22,8 @@ one state beside the whole stacks built so far. Each stack is then its e pieces 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from ..optimizer.state import whole
@@ -55,15 +57,15 @@ def _over_data(shard: torch.Tensor, layout: ShardLayout, n: int, state) -> torch
     return full.view(copies, state.e, s).transpose(0, 1).reshape(state.e, copies * s)[:, :n]
 
 
-def _local_states(stage, part) -> list[tuple[str, torch.Tensor, bool]]:
+def _local_states(stage, part) -> Iterator[tuple[str, torch.Tensor, bool]]:
     """(key, this rank's tensor, sharded) of every state the file holds per parameter, in one order on every
     rank: the weight versions (``version0``, ...), then the updater's checkpoint names (``master``,
-    ``optimizer.exp_avg``, ...) in its optimizer's coordinates (the shard's with the distributed optimizer)."""
-    seg = part.seg
-    out = [(f"version{v}", seg.of(flat), False) for v, flat in enumerate(stage.weights.flat)]
-    n = part.optimizer.numel
-    out += [(k, whole(spans, n), part.shard is not None) for k, spans in part.state_spans().items()]
-    return out
+    ``optimizer.exp_avg``, ...) in its optimizer's coordinates (the shard's with the distributed optimizer).
+    One at a time: a state held in several spans is assembled on its device only while it is gathered."""
+    for v, flat in enumerate(stage.weights.flat):
+        yield f"version{v}", part.seg.of(flat), False
+    for k, spans in part.state_spans().items():
+        yield k, whole(spans, part.optimizer.numel), part.shard is not None
 
 
 def _destinations(stage, named: dict, newest: dict) -> dict[str, dict]:
