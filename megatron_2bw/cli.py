@@ -163,18 +163,12 @@ def moe_config(args: argparse.Namespace) -> MoEConfig | None:
 
 
 def refuse_unwired_moe(cfg: RunConfig) -> None:
-    """An MoE run with what is not wired for experts yet stops here in one line, never runs silently wrong:
-    saving in the torch checkpoint format at EP > 1 (its files, written by data rank 0, hold the global expert axis
-    only when that rank holds every expert; torch_dist's shards carry it at any size), and with the aux-loss-free
-    expert bias (its two versions are saved by torch_dist only)."""
+    """An MoE run with what is not wired for experts yet stops here in one line, never runs silently wrong: saving
+    the aux-loss-free expert bias in the torch checkpoint format (its two versions are saved by torch_dist only)."""
     moe = cfg.model.moe
     if moe is None:
         return
-    tc, e = cfg.training, moe.expert_model_parallel_size
-    _require(tc.save is None or tc.ckpt_format == "torch_dist" or e == 1,
-             f"--num-experts --save with --expert-model-parallel-size {e}: --ckpt-format torch writes MoE checkpoints "
-             "at expert-parallel size 1 only (its files, one per tensor and pipeline rank, hold every expert; any "
-             "size resumes from them); use --ckpt-format torch_dist")
+    tc = cfg.training
     _require(tc.save is None or tc.ckpt_format == "torch_dist" or not moe.moe_router_enable_expert_bias,
              "--moe-router-enable-expert-bias --save: the expert bias is saved in --ckpt-format torch_dist only")
 

@@ -37,13 +37,15 @@ def available() -> str | None:
     return None
 
 
-def setup(t: int) -> None:
+def setup(t: int, expert_tensor: int | None = None) -> None:
     """Megatron-Core's parallel state for ``t`` tensor ranks on the process group run_workers made (any earlier one
-    destroyed), plus the shims."""
+    destroyed), plus the shims. ``expert_tensor``: its expert tensor parallel size (None: its default, t; an MoE
+    model built by :func:`build` has experts whole on every tensor rank: 1)."""
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=1,
+                                             expert_tensor_parallel_size=expert_tensor)
     # the attention scratch buffer (GlobalMemoryBuffer) and RoPE's inv_freq go to torch.cuda.current_device()
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
@@ -83,7 +85,8 @@ def build(cfg, t: int, seed: int = 0):
 
 def moe_fields(cfg) -> dict:
     """Megatron-Core's TransformerConfig fields for our MoE config (dropless, all-gather dispatch, no balancing
-    loss: the forward alone is compared; its permutation unfused, the fused one needs CUDA)."""
+    loss: the forward alone is compared; its permutation unfused, the fused one needs CUDA; experts whole on every
+    tensor rank, expert tensor parallel size 1, as our export writes them: setup(t, expert_tensor=1))."""
     m = cfg.moe
     if m is None:
         return {}
@@ -95,7 +98,7 @@ def moe_fields(cfg) -> dict:
                 moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=m.moe_shared_expert_gate, moe_token_dispatcher_type="allgather",
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_permute_fusion=False,
-                gradient_accumulation_fusion=False)
+                gradient_accumulation_fusion=False, expert_tensor_parallel_size=1)
 
 
 def perturb(model) -> None:

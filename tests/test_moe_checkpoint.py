@@ -2,7 +2,8 @@
 global expert axis (each rank's experts at their offsets), so a run saved at EP = 2 (two data ranks) resumes at
 EP = 1 in one process and at EP = 4 on four, with its Adam or Muon state, and its losses equal the uninterrupted
 run's within 1e-6; a resume at the saving layout replays it bitwise. Bad input is one line and exit 2: an MoE
-checkpoint loaded into a dense model and the reverse, a changed --num-experts, the torch format.
+checkpoint loaded into a dense model and the reverse, a changed --num-experts, an expert bias the checkpoint lacks
+(``--ckpt-format torch`` at EP > 1: test_moe_checkpoint_torch.py).
 """
 
 from __future__ import annotations

@@ -117,9 +117,12 @@ def test_dense_is_unchanged_and_unwired_moe_refused_in_one_line():
     assert megatron_args(dense)["num_experts"] is None and megatron_args(dense)["moe_grouped_gemm"] is False
     assert build_config(parse_args([*BASE, "--num-experts", "4"], "gpt"), "gpt", 1).model.moe.num_experts == 4
     assert build_config(parse_args([*BASE, "--num-experts", "4", "--save", "/tmp/x"], "gpt"), "gpt", 1).training.save
-    with pytest.raises(ConfigError, match="--ckpt-format torch writes MoE checkpoints at expert-parallel size 1") as e:
-        build_config(parse_args([*BASE, "--num-experts", "4", "--expert-model-parallel-size", "2", "--save", "/tmp/x"],
-                                "gpt"), "gpt", 2)
+    ep2 = build_config(parse_args([*BASE, "--num-experts", "4", "--expert-model-parallel-size", "2", "--save",
+                                   "/tmp/x"], "gpt"), "gpt", 2)  # the torch format gathers every expert at a save
+    assert ep2.training.ckpt_format == "torch" and ep2.model.moe.expert_model_parallel_size == 2
+    bias = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    with pytest.raises(ConfigError, match="the expert bias is saved in --ckpt-format torch_dist only") as e:
+        build_config(parse_args([*BASE, "--num-experts", "4", *bias, "--save", "/tmp/x"], "gpt"), "gpt", 1)
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="--moe-router-topk needs --num-experts"):
         model_config(parse_args([*BASE, "--moe-router-topk", "2"], "gpt"), "gpt")
@@ -173,8 +176,9 @@ WORLD2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127
 
 
 @pytest.mark.parametrize("extra, env, line", [
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--save", "/nonexistent"], WORLD2,
-     "error: --num-experts --save with --expert-model-parallel-size 2: --ckpt-format torch writes MoE checkpoints"),
+    (["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+      "--save", "/nonexistent"], {},
+     "error: --moe-router-enable-expert-bias --save: the expert bias is saved in --ckpt-format torch_dist only"),
     (["--num-experts", "4", "--moe-router-topk", "5"], {}, "error: --moe-router-topk 5 must be between 1 and "
                                                            "--num-experts 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], WORLD2,  # a rank of 2: no peer, no hang

@@ -8,6 +8,9 @@ moe_grouped_gemm=False)``, run on the CPU in a worker process):
 - Megatron-Core -> ours: the model's own ``state_dict_for_save_checkpoint`` with Megatron's args (its MoE flags
   among them) through ``--loader mcore`` gives its logits within 1e-5, and through checkpoint_util on to
   ``--saver hf`` (Qwen2MoeForCausalLM) and back with ``--loader hf --saver mcore``, Megatron-Core's tensors again.
+At t = 2 (two processes, Megatron-Core's tensor group with experts whole on every tensor rank, expert tensor
+parallel size 1): the shared experts are split as Megatron-Core splits them (``linear_fc1`` column-parallel, its
+[gate; up] rows per rank; ``linear_fc2`` row-parallel; the gate whole), both ways, logits within 1e-5.
 The Transformer Engine names round-trip exactly (no Transformer Engine here to load them into)."""
 
 from __future__ import annotations
@@ -140,6 +143,56 @@ def test_refusals_are_one_line(tmp_path):
                                                       moe_router_enable_expert_bias=True))
     with pytest.raises(ConfigError, match="--moe-router-enable-expert-bias state is not part of the exported"):
         save_checkpoint(ex, str(tmp_path / "a"), "mcore")
-    ex, _ = _model("shared-gate")
-    with pytest.raises(ConfigError, match="shared experts at --target-tensor-parallel-size 1 only"):
-        save_checkpoint(ex, str(tmp_path / "b"), "mcore", t=2)
+
+
+SHARED = "decoder.layers.1.mlp.shared_experts."
+
+
+def _at_t2(root: str) -> dict:
+    """On two processes at t = 2: each tensor rank's file of our export into its rank of Megatron-Core's model, and
+    Megatron-Core's own files back through ``--loader mcore`` (rank 0)."""
+    import torch.distributed as dist
+
+    mref.setup(2, expert_tensor=1)
+    rank = dist.get_rank()
+    ex, ours = _model("shared-gate")
+    cfg, tokens = ex.cfg, _tokens(ex.cfg)
+    path, theirs_path = os.path.join(root, "t2_ours"), os.path.join(root, "t2_mcore")
+    if rank == 0:
+        save_checkpoint(ex, path, "mcore", t=2, transformer_impl="local")
+    dist.barrier()
+    state = read_rank_files(os.path.join(path, "iter_0000011"))[(rank, 0)]["model"]
+    model = mref.build(cfg, 2, seed=1)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    out = {"missing": sorted(missing), "unexpected": sorted(unexpected),
+           "err": max_err(mref.logits(model, tokens)[..., :cfg.vocab_size], gpt_logits(ours, tokens, cfg.vocab_size)),
+           "shared": {k[len(SHARED):]: state[k] for k in state if k.startswith(SHARED)}, "whole": ex.weights}
+    theirs = mref.build(cfg, 2, seed=5)
+    mref.perturb(theirs)
+    their_logits = mref.logits(theirs, tokens)[..., :cfg.vocab_size]
+    mref.save_torch_format(theirs, cfg, theirs_path, 2, iteration=7)
+    if rank == 0:
+        back, _ = load_checkpoint(theirs_path, "mcore")
+        mine = load_full(build_full_model(back.cfg), back.cfg, back.weights).eval()
+        out["back_err"] = max_err(gpt_logits(mine, tokens, cfg.vocab_size), their_logits)
+        again, _ = load_checkpoint(path)
+        out["round_trip"] = sorted(n for n in ex.weights if not torch.equal(again.weights[n], ex.weights[n]))
+    return out
+
+
+def test_shared_experts_at_two_tensor_ranks(tmp_path):
+    ranks = run_workers(_at_t2, 2, str(tmp_path), timeout=300)
+    whole = ranks[0]["whole"]
+    fc1, fc2, gate = (whole[f"2.mlp.moe.shared_experts.{n}"] for n in ("linear_fc1.weight", "linear_fc2.weight",
+                                                                       "gate_weight"))
+    (gate_rows, up_rows), f = fc1.chunk(2, 0), fc2.shape[1]  # SwiGLU: [gate; up], F = 48 each
+    for r, res in enumerate(ranks):
+        print(f"t=2 rank {r}: ours -> mcore max |logit diff| {res['err']:.2e}")
+        assert res["missing"] == [] and res["unexpected"] == [] and res["err"] < TOL, res
+        shared = res["shared"]  # by hand: this rank's half of the gate rows, then of the up rows; half the columns
+        assert torch.equal(shared["linear_fc1.weight"], torch.cat([gate_rows[r * f // 2:(r + 1) * f // 2],
+                                                                   up_rows[r * f // 2:(r + 1) * f // 2]]))
+        assert torch.equal(shared["linear_fc2.weight"], fc2[:, r * f // 2:(r + 1) * f // 2])
+        assert torch.equal(shared["gate_weight"], gate)
+    print(f"t=2: mcore -> ours max |logit diff| {ranks[0]['back_err']:.2e}")
+    assert ranks[0]["back_err"] < TOL and ranks[0]["round_trip"] == [], ranks[0]

@@ -304,24 +304,36 @@ def atomic_torch_save(obj, path: str) -> tuple[str, int]:
     return cw.checksum, cw.size
 
 
+def _named_state(stage) -> tuple[dict, dict] | None:
+    """(the engine state by global name, the newest weights by global name) on data-parallel rank 0; None on
+    the others, after their part of the gathers (a sharded optimizer state's over the data group; at
+    expert-parallel size e > 1, the other expert pieces', so that the file holds every expert as at e = 1)."""
+    state, w = stage.state, stage.weights
+    named = newest = None
+    if state.dp_rank == 0:
+        named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False),
+                                                          w.state_views, w.numel, w.slot(stage.step))
+    elif stage.updater.shard is not None:
+        stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
+    if state.e > 1:  # data rank 0 holds its own experts only: every stack whole, as at expert-parallel size 1
+        from .expert_gather import gather_expert_stacks  # noqa: PLC0415 - the engine's modules, at a save only
+
+        gather_expert_stacks(stage, named, newest)
+    return (named, newest) if state.dp_rank == 0 else None
+
+
 def payload(stage, *, iteration: int, tracker, consumed_samples: int, global_batch: int,
             config: dict, args: dict, fingerprints: dict | None = None) -> dict | None:
     """Everything this rank's file holds (format 3), on writing ranks (data-parallel rank 0); None on
     the others, after their part of gathering a sharded optimizer state. Tensors are views of the live
     CPU buffers, or of one host copy of device buffers (nothing is copied on the device); the file must
     be written before training goes on."""
-    state, w = stage.state, stage.weights
-    if state.e > 1:  # the same on every rank: every rank refuses before any collective of the save
-        raise ConfigError("--ckpt-format torch cannot hold expert-parallel parameters yet (its files are one per "
-                          "tensor and pipeline rank; an expert's pieces differ across the data group): use "
-                          "--ckpt-format torch_dist, whose tensors are global")
-    if state.dp_rank != 0:
-        if stage.updater.shard is not None:
-            stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
+    state = stage.state
+    gathered = _named_state(stage)
+    if gathered is None:
         return None
+    named, newest = gathered
     model = model_config(config)
-    named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False), w.state_views,
-                                                      w.numel, w.slot(stage.step))
     schedule = stage.pipe.schedule
     split = config.get("pipeline", {}).get("layer_split")
     split = list(split) if split else None

@@ -10,8 +10,9 @@ Every per-parameter tensor of ``stage`` is a dict keyed by global parameter name
 full single-stage model), not the engine's flat buffer: a checkpoint is then resharded to another
 tensor x pipeline layout exactly like the weights (``checkpoint.reshard``), and a stage whose
 parameter order differs still loads it. An MoE model's expert stacks ``[E, out, in]`` are saved whole, every
-expert (the global expert axis: written at expert-parallel size 1, where data rank 0 holds them all), and a rank
-takes its own experts of each at load, so any expert-parallel size resumes from the file.
+expert (the global expert axis: at expert-parallel size e > 1 data rank 0 gathers the other pieces first,
+``expert_gather``), and a rank takes its own experts of each at load, so any expert-parallel size resumes from
+the file.
 """
 
 from __future__ import annotations

@@ -110,8 +110,9 @@ def mcore_key(cfg: ModelConfig, name: str, d: int = 1, r: int = 0, split: Split 
 
 
 def mcore_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: int = 0, split: Split = None,
-                impl: str = "transformer_engine") -> dict:
-    """Stage ``r``'s flat Megatron-Core state dict from its (possibly tensor-sharded) tensors."""
+                impl: str = "transformer_engine", tp: tuple[int, int] = (0, 1)) -> dict:
+    """Stage ``r``'s flat Megatron-Core state dict from its (possibly tensor-sharded) tensors; ``tp``: (its tensor
+    rank, t), which cuts the shared experts (whole in ours, split in Megatron-Core's)."""
     model: dict = {}
     for name in stage_names(cfg, d, r, split):
         which = swiglu_part(name)
@@ -120,6 +121,7 @@ def mcore_model(cfg: ModelConfig, part: dict[str, torch.Tensor], d: int = 1, r: 
         value = part[name] if which is None else torch.cat([part[name], part[name.replace(".gate.", ".up.")]], 0)
         key = mcore_key(cfg, name, d, r, split, impl)
         rest = name.split(".", 1)[1]
+        value = mcore_moe.shared_piece(cfg, rest, value, *tp)
         if rest in mcore_moe.STACKS:  # one SequentialMLP per expert
             model.update(mcore_moe.expert_entries(key[: -len(mcore_moe.moe_key(rest))], rest, value))
         else:
@@ -179,8 +181,8 @@ def write_mcore_dir(root: str, ex: Exported, t: int = 1, d: int = 1, split: Spli
                     impl: str = "transformer_engine") -> str:
     """Write ``ex`` under ``root`` as Megatron-Core's torch format (pointer file last); returns the iteration dir."""
     _check_impl(impl)
-    mcore_moe.check_writable(ex.cfg, t)
-    files = ((key, {"model": mcore_model(ex.cfg, part, d, key[1], split, impl),
+    mcore_moe.check_writable(ex.cfg)
+    files = ((key, {"model": mcore_model(ex.cfg, part, d, key[1], split, impl, (key[0], t)),
                     "args": mcore_args(ex, t, d, impl, split), "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": ex.iteration})
              for key, part in reshard(ex.cfg, ex.weights, t, d, split).items())
@@ -203,6 +205,7 @@ def read_mcore_files(files: dict[tuple[int, int], dict], root: str) -> Exported:
     d = 1 + max(pp for _, pp in files)
     split = a.get("pipeline_split")
     parts = {k: from_mcore_model(cfg, f["model"], d, k[1], split) for k, f in files.items()}
+    mcore_moe.join_shared(cfg, parts)  # split over the tensor group in Megatron-Core, whole in ours
     tok = recorded_tokenizer(a)
     dtype = "fp16" if a.get("fp16") else "bf16" if a.get("bf16") else "fp32"
     weights = {n: v.float() for n, v in unshard(cfg, parts).items()}

@@ -6,7 +6,11 @@ layer ``mlp.router.weight [E, h]``, each expert as a ``SequentialMLP`` of its ow
 and ``linear_fc2.weight [h, F]``, and the shared experts as ``mlp.shared_experts.linear_fc1/linear_fc2.weight``
 with ``mlp.shared_experts.gate_weight [1, h]``. An MoE layer keeps its ``pre_mlp_layernorm`` as a module of its own
 under either implementation (no fused norm before a router). Files are written at expert-parallel size 1 (every
-expert in every file), expert tensor parallel size 1 (experts whole on every tensor rank).
+expert in every file), expert tensor parallel size 1 (experts whole on every tensor rank). Shared experts are an
+``MLP`` on the dense tensor group whatever the expert tensor parallel size: at t > 1 tensor rank r holds rows r
+of t of ``linear_fc1`` (column-parallel; with SwiGLU its own [gate; up] rows, as the dense ``linear_fc1``), columns r
+of t of ``linear_fc2`` (row-parallel) and the whole gate; our shared experts are whole on every tensor rank, so
+the export cuts them (:func:`shared_piece`) and the loader joins them (:func:`join_shared`).
 
 The MoE flags travel in ``args`` under Megatron's names (``num_experts``, ``moe_router_topk``, ...: the
 :class:`~megatron_2bw.config.moe.MoEConfig` fields), and are read back from them.
@@ -25,6 +29,8 @@ from ..config.moe import MoEConfig
 from ..errors import ConfigError
 
 STACKS = ("mlp.moe.experts.linear_fc1", "mlp.moe.experts.linear_fc2")  # our expert stacks [E, out, in]
+SHARED = "mlp.moe.shared_experts."
+SHARED_SPLIT = {"linear_fc1.weight": 0, "linear_fc2.weight": 1}  # column- and row-parallel in Megatron-Core
 # the fields of Megatron's args that shape or route an MoE model (a checkpoint's training-only ones are left)
 _READ = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
          "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
@@ -32,18 +38,53 @@ _READ = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router
          "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
-def check_writable(cfg: ModelConfig, t: int) -> None:
+def check_writable(cfg: ModelConfig) -> None:
     """What --saver mcore cannot write of an MoE model, in one line."""
     m = cfg.moe
-    if m is None:
-        return
-    if m.moe_router_enable_expert_bias:
+    if m is not None and m.moe_router_enable_expert_bias:
         raise ConfigError("--saver mcore cannot write this MoE model: its --moe-router-enable-expert-bias state is not "
                           "part of the exported weights; keep it in --ckpt-format torch_dist")
-    if t > 1 and m.moe_shared_expert_intermediate_size is not None:
-        raise ConfigError("--saver mcore writes an MoE model with shared experts at --target-tensor-parallel-size 1 "
-                          f"only (not {t}): Megatron-Core splits shared experts over the tensor group, this export "
-                          "does not")
+
+
+def _shared_dim(rest: str) -> int | None:
+    """Megatron-Core's tensor-parallel split dimension of a shared-expert weight (``rest``: our name in a layer);
+    None for the gate and for any other name."""
+    return SHARED_SPLIT.get(rest[len(SHARED):]) if rest.startswith(SHARED) else None
+
+
+def _gated(cfg: ModelConfig, rest: str) -> bool:
+    return cfg.swiglu and rest == SHARED + "linear_fc1.weight"
+
+
+def shared_piece(cfg: ModelConfig, rest: str, value: torch.Tensor, tp: int, t: int) -> torch.Tensor:
+    """Tensor rank ``tp``'s piece of the whole tensor ``value`` of our parameter ``rest`` as Megatron-Core holds it
+    (``value`` itself unless it is a split shared-expert weight)."""
+    dim = _shared_dim(rest)
+    if dim is None or t == 1:
+        return value
+    if _gated(cfg, rest):  # [gate; up] rows: this rank's rows of each
+        return torch.cat([half.chunk(t, 0)[tp] for half in value.chunk(2, 0)], 0)
+    return value.chunk(t, dim)[tp]
+
+
+def join_shared(cfg: ModelConfig, parts: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
+    """In place: every tensor rank's shared-expert weights in ``parts`` (by (tensor, pipeline) rank, our global
+    names) replaced by the whole tensor joined from all ranks' pieces (our layout holds them whole everywhere)."""
+    t = 1 + max(tp for tp, _ in parts)
+    if t == 1 or cfg.moe is None:
+        return
+    for (tp, pp), part in parts.items():
+        if tp != 0:
+            continue
+        for name in [n for n in part if _shared_dim(n.split(".", 1)[1]) is not None]:
+            pieces = [parts[(r, pp)][name] for r in range(t)]
+            if _gated(cfg, name.split(".", 1)[1]):
+                gate, up = zip(*(p.chunk(2, 0) for p in pieces))
+                whole = torch.cat([*gate, *up], 0)
+            else:
+                whole = torch.cat(pieces, _shared_dim(name.split(".", 1)[1]))
+            for r in range(t):
+                parts[(r, pp)][name] = whole
 
 
 def moe_key(rest: str) -> str:
