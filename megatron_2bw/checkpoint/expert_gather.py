@@ -43,15 +43,15 @@ def _over_experts(piece: torch.Tensor, state) -> torch.Tensor | None:
     """Rows ``[e, n]`` of every expert rank's ``n``-element ``piece`` on data rank 0 (None on the others of its
     expert group); called by data ranks 0 .. e - 1 only."""
     n = piece.numel()
-    full = gather_full(piece, ShardLayout(state.e * n, state.e, state.ep_rank), state.ep_group, everywhere=False)
+    full = gather_full(piece, ShardLayout(state.e * n, state.e, state.ep_rank), state.groups.ep, everywhere=False)
     return None if full is None else full.view(state.e, n)
 
 
 def _over_data(shard: torch.Tensor, layout: ShardLayout, n: int, state) -> torch.Tensor | None:
     """Rows ``[e, n]`` on data rank 0 of a state sharded over each piece's expert-data group (``layout``: this
     rank's shard of its piece's ``n`` elements); every rank of the data group calls it."""
-    s, copies = layout.size, state.w // state.e
-    full = gather_full(shard, ShardLayout(state.w * s, state.w, state.dp_rank), state.dp_group, everywhere=False)
+    s, copies = layout.size, state.replicas // state.e
+    full = gather_full(shard, ShardLayout(state.replicas * s, state.replicas, state.dp_rank), state.groups.dp, everywhere=False)
     if full is None:
         return None
     return full.view(copies, state.e, s).transpose(0, 1).reshape(state.e, copies * s)[:, :n]
