@@ -51,7 +51,8 @@ def _over_data(shard: torch.Tensor, layout: ShardLayout, n: int, state) -> torch
     """Rows ``[e, n]`` on data rank 0 of a state sharded over each piece's expert-data group (``layout``: this
     rank's shard of its piece's ``n`` elements); every rank of the data group calls it."""
     s, copies = layout.size, state.replicas // state.e
-    full = gather_full(shard, ShardLayout(state.replicas * s, state.replicas, state.dp_rank), state.groups.dp, everywhere=False)
+    r = state.replicas
+    full = gather_full(shard, ShardLayout(r * s, r, state.dp_rank), state.groups.dp, everywhere=False)
     if full is None:
         return None
     return full.view(copies, state.e, s).transpose(0, 1).reshape(state.e, copies * s)[:, :n]
