@@ -35,6 +35,7 @@ from .config import (
     lr_by_samples,
     train_iters_of,
 )
+from .config.context import P2P
 from .config.moe import MoEConfig
 from .config.presets import get_preset
 from .errors import ConfigError, run_cli
@@ -208,7 +209,7 @@ def layout_of(args: argparse.Namespace) -> Layout:
     """The layout the flags ask for (``--auto-plan`` replaces it with the planner's)."""
     return Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size,
                   bool(_switched(args, "pipeline.recompute")), schedule_of(args),
-                  context=args.context_parallel_size, cp_comm_type=args.cp_comm_type or "p2p")
+                  context=args.context_parallel_size, cp_comm_type=args.cp_comm_type or P2P)
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
