@@ -1,15 +1,15 @@
 """A whole training step's peak memory per context rank against the planner's figure (issue 44).
 
 Two processes (c = 2) train a tiny GPT through the engine (``ModelSpec`` + ``build_stage``, Flush, Adam, fp32)
-at s = 4096, two steps per cell, under ``benchmarks/cp_step_peak.py``'s live-bytes mode (every storage an aten
-op made and still alive, from before the model's build): the steady step's peak on the fullest context rank is
-within 5% of ``memory_model.stage_memory(...).total`` on ``context_microbatch_costs`` (weights, gradients, Adam
-state, activations, the largest block's transient), and no rank's peak is above it by more than 5% (under
-all_gather rank 0's prefixes are shorter: 4n^2 mask elements a layer against rank 1's 5n^2, which the planner
-sizes; with documents its longest prefix is the whole sequence, rank 1's three quarters of it). Cells: the ring
-on the CPU kernel with grouped heads and documents, the ring's written-out core with dropout, all_gather with
-documents (each chunk a tiled block). The same measurement against the planner's former figure (a layer's
-transient taken as a whole stash, the head's fp32 logits counted twice) is not within 5%: the comparison can fail.
+at s = 4096, one step per cell (the Adam state exists from the build on), under ``benchmarks/cp_step_peak.py``'s
+live-bytes mode (every storage an aten op made and still alive, from before the model's build): the step's peak
+on the fullest context rank is within 5% of ``memory_model.stage_memory(...).total`` on
+``context_microbatch_costs`` (weights, gradients, Adam state, activations, the largest block's transient), and no
+rank's peak is above it by more than 5% (under all_gather the planner sizes the fullest rank: with documents its
+longest key prefix is the whole sequence on rank 0, three quarters of it on rank 1). Cells: the ring on the CPU
+kernel with grouped heads and documents, the ring's written-out core with dropout, all_gather with documents (each
+chunk a tiled block). The same measurement against the planner's former figure (a layer's transient taken as a
+whole stash, the head's fp32 logits counted twice) is not within 5%: the comparison can fail.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ sys.path.insert(0, BENCH)  # benchmarks/ is a directory of scripts (see test_ben
 
 import cp_step_peak  # noqa: E402
 
-CELLS = [dict(seq=4096, c=2, comm="p2p", gqa=True, documents=True, dropout=0.0, backend="auto", steps=2),
-         dict(seq=4096, c=2, comm="p2p", gqa=False, documents=False, dropout=0.1, backend="auto", steps=2),
-         dict(seq=4096, c=2, comm="all_gather", gqa=False, documents=True, dropout=0.0, backend="auto", steps=2)]
+CELLS = [dict(seq=4096, c=2, comm="p2p", gqa=True, documents=True, dropout=0.0, backend="auto", steps=1),
+         dict(seq=4096, c=2, comm="p2p", gqa=False, documents=False, dropout=0.1, backend="auto", steps=1),
+         dict(seq=4096, c=2, comm="all_gather", gqa=False, documents=True, dropout=0.0, backend="auto", steps=1)]
 
 
 def _former_total(cell: dict) -> int:
