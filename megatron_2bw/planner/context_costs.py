@@ -310,6 +310,9 @@ def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: st
                                              dropout=model.attention_dropout > 0)
         after = after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e))
         workspace = max(workspace, block + core_output_bytes(local, b, t, e) - after)
+    elif causal and cluster.is_cpu:  # torch's CPU kernels build the prefix's boolean rows before its additive mask
+        n = model.seq_length // (2 * c)
+        workspace = max(workspace, 2 * c * n * n - after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e)))
     layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
                     core_stash_bytes=core, stash_bytes=stash, workspace_bytes=workspace)
     # the head's transient beyond its stash: the logits while the cross-entropy runs (their fp32 copy is the softmax
