@@ -3,8 +3,9 @@
 On a GPU, ``auto`` with grouped-query heads and an attention mask (``--reset-attention-mask`` at c = 1) falls to
 SDPA's math path; the planner, told about the documents (``Cluster.reset_attention_mask``, ``tools/plan.py
 --reset-attention-mask``), prices the math kernel's core (three fp32 ``[b, a, s, s]`` tensors, Q, K and V promoted)
-there and the fused kernel's log-sum-exp elsewhere; under context parallelism documents travel as ids, so the
-all_gather core is priced the same with and without them. The start-up line names the kernel in each case, and a
+there and the fused kernel's log-sum-exp elsewhere; under context parallelism documents travel as ids, so no
+core is math: the ring keeps the same with and without them, all_gather's tiled blocks their output and
+log-sum-exp. The start-up line names the kernel in each case, and a
 run logs it before its first step.
 """
 
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-
-import pytest
 
 from megatron_2bw.cli import build_config, parse_args
 from megatron_2bw.config import ModelConfig
@@ -61,13 +60,17 @@ def test_the_planner_prices_gqa_documents_auto_as_math():
     assert mha == 4 * a * s
 
 
-@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
-def test_context_parallel_documents_are_not_math(comm):
-    """c = 2: the cores get document ids, not a mask tensor: what a layer keeps is the same with documents."""
-    plain = context_microbatch_costs(GQA, H100, "bf16", 1, 1, 2, comm)
-    docs = context_microbatch_costs(GQA, replace(H100, reset_attention_mask=True), "bf16", 1, 1, 2, comm)
-    assert docs.layer.stash_bytes == plain.layer.stash_bytes
-    assert docs.layer.core_stash_bytes == plain.layer.core_stash_bytes
+def test_context_parallel_documents_are_not_math():
+    """c = 2: the cores get document ids, not a mask tensor. The ring keeps the same with documents; all_gather
+    runs each chunk as a tiled block, which keeps (bf16, b = 1, s = 4096, L = 2048 tokens a rank, 16 heads, 4
+    groups of 64) the gathered K and V and their int64 index, its output and an fp32 log-sum-exp per head and row:
+    no score-sized tensor, no ``[n, prefix]`` mask."""
+    docs = replace(H100, reset_attention_mask=True)
+    ring = [context_microbatch_costs(GQA, cl, "bf16", 1, 1, 2, "p2p").layer for cl in (H100, docs)]
+    assert ring[0].stash_bytes == ring[1].stash_bytes and ring[0].core_stash_bytes == ring[1].core_stash_bytes
+    gather = context_microbatch_costs(GQA, docs, "bf16", 1, 1, 2, "all_gather").layer
+    s, L, a, g, d = 4096, 2048, 16, 4, 64
+    assert gather.core_stash_bytes == 2 * g * s * d * 2 + 2 * 8 * s + 4 * a * L + a * L * d * 2
 
 
 def _cfg(*extra: str, world: int = 1):
