@@ -7,8 +7,9 @@ the engine (``ModelSpec`` + ``build_stage``: the trainer's stage code), and trai
 microbatch (Flush, d = 1). A :class:`LiveBytes` mode is active on the training thread from before the model is
 built: it counts the bytes of every storage an aten op created that is still alive (each storage once; a view
 of an older tensor is not new), which is what the planner models (tensors, not the allocator's cache). Each
-step's peak is the most bytes alive at once from its first op to its update; the first step creates the Adam
-state, so the steady step (the last; the median over steps after the first) is the one compared.
+step's peak is the most bytes alive at once from its first op to its update; the Adam state exists from the build
+on (the first step's peak equals the later ones'), and with ``--steps`` > 1 the median over the steps after the
+first is the one compared.
 
 The planner's figure for the same layout is ``memory_model.stage_memory(...).total`` on
 ``context_costs.context_microbatch_costs`` (the cpu-host cluster with the run's ``--attention-backend`` and
@@ -19,7 +20,16 @@ whole and for the part above the static state (activations + workspace), side by
 Not seen by the mode: allocations on the gradient reducer's worker thread (a few 4-byte norms), the kernels'
 internal scratch (a few hundred KiB per thread) and the prebuilt batches (token ids, document ids).
 
-    PYTHONPATH=$PWD python benchmarks/cp_step_peak.py --seq 16384 32768 --json docs/data/cp_step_peak.json
+``docs/data/cp_step_peak.json`` is these runs, one after the other (``J=docs/data/cp_step_peak.json``), then
+``--json $J --replan``::
+
+    PYTHONPATH=$PWD python benchmarks/cp_step_peak.py --json $J --append --seq 16384 --c 2
+    ... --seq 16384 --c 2 --comm p2p --documents none --dropout 0.1
+    ... --seq 16384 --c 4                                   (gqa, then mha)
+    ... --seq 32768 --c 4 --heads gqa --documents none
+    ... --seq 32768 --c 4 --comm p2p --heads mha --documents documents
+    ... --seq 32768 --c 2 --comm p2p --heads gqa --documents none
+    ... --seq 32768 --c 2 --comm all_gather --heads gqa
 """
 
 from __future__ import annotations
@@ -213,9 +223,8 @@ def cells(args: argparse.Namespace) -> list[dict]:
     out = []
     for seq, c, comm, gqa, documents, dropout in itertools.product(
             args.seq, args.c, args.comm, args.heads, args.documents, args.dropout):
-        backend = "auto"
         out.append(dict(seq=seq, c=c, comm=comm, gqa=gqa == "gqa", documents=documents == "documents",
-                        dropout=dropout, backend=backend, steps=args.steps))
+                        dropout=dropout, backend="auto", steps=args.steps))
     return out
 
 
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", nargs="+", default=["mha", "gqa"], choices=["mha", "gqa"])
     p.add_argument("--documents", nargs="+", default=["none", "documents"], choices=["none", "documents"])
     p.add_argument("--dropout", type=float, nargs="+", default=[0.0])
-    p.add_argument("--steps", type=int, default=2, help="steps per cell (the first creates the Adam state)")
+    p.add_argument("--steps", type=int, default=2, help="steps per cell (the median after the first is compared)")
     p.add_argument("--json", default=None, help="the results file (e.g. docs/data/cp_step_peak.json)")
     p.add_argument("--append", action="store_true", help="keep the rows already in --json (another set of cells)")
     p.add_argument("--replan", action="store_true",
