@@ -202,7 +202,7 @@ def test_plan_py_fixes_the_context_parallel_size(capsys):
     """tools/plan.py --context-parallel-size C [--cp-comm-type T]: every ranked plan has c = C (and type T),
     the best one is the search's best restricted to C, and its printed command carries C; a C that does not
     divide the GPUs is one error line, exit 2, and so is a C or type with which nothing fits (c = 1, and
-    all_gather's whole-sequence K and V at 128k tokens)."""
+    all_gather's whole-sequence K and V at 128k tokens without recomputation inside the stage)."""
     import json
 
     plan = _plan_tool()
@@ -227,7 +227,9 @@ def test_plan_py_fixes_the_context_parallel_size(capsys):
     command = capsys.readouterr().out.split("best configuration:")[1]
     assert "--context-parallel-size 2 --cp-comm-type" in command
     for bad, why in ((["--context-parallel-size", "1"], "nothing fits"),  # 128k tokens need c > 1 on 8 GPUs
-                     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], "nothing fits"),  # whole K, V
+                     # whole K and V, nothing recomputed inside the stage (with full recomputation it fits: 65.3 GiB)
+                     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--no-finer-recompute"],
+                      "nothing fits"),
                      (["--context-parallel-size", "3"], "--num-gpus 8 is not divisible by --context-parallel-size 3"),
                      (["--context-parallel-size", "0"], "--context-parallel-size must be positive"),
                      (["--cp-comm-type", "a2a"], "--cp-comm-type")):

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trainer's --attention-backend, for the activation memory (default: the cluster's, auto: "
                         "scaled_dot_product_attention's kernel on that device; flash/fused keep no s^2 tensor, "
                         "unfused/local keep Korthikanti's 5as^2b)")
+    r.add_argument("--reset-attention-mask", action="store_true",
+                   help="the trainer's --reset-attention-mask (documents): at c = 1 auto with grouped-query heads "
+                        "runs SDPA's math kernel; under context parallelism the ring's blocks take the documents' "
+                        "mask in tiles")
     r.add_argument("--max-micro-batch-size", type=int, default=64)
     r.add_argument("--memory-margin", type=parse_margin, default=None, metavar="FRACTION|N%",
                    help=f"memory a plan leaves free, of the usable memory (default {DEFAULT_MEMORY_MARGIN:.0%}%; "
@@ -266,6 +270,8 @@ def run(argv: list[str]) -> str:
     cluster = load_cluster(args.cluster)
     if args.attention_backend is not None:
         cluster = replace(cluster, attention_backend=args.attention_backend)
+    if args.reset_attention_mask:
+        cluster = replace(cluster, reset_attention_mask=True)
     if args.new_options:
         opts, largest = options_comparison(cluster), options_max_model(cluster)
         return json.dumps(options_json(opts, largest), indent=2) if args.json else format_options(opts, largest)

@@ -62,13 +62,14 @@ _WARNED: list[bool] = []
 def _warn_math_once() -> None:
     """``auto`` with grouped heads and a mask tensor (``--reset-attention-mask`` at c = 1): flash takes no mask and
     torch's memory-efficient kernel no grouped heads before pytorch#191085, so SDPA may run its math kernel (three
-    fp32 ``[b, a, s, s]`` tensors), which the planner does not count: said once per process (review 2, N8)."""
+    fp32 ``[b, a, s, s]`` tensors): said once per process at first use, beside the start-up line
+    (``config/attention_choice.py``); the planner prices it as math when told of the documents (review 2, N8)."""
     if not _WARNED:
         _WARNED.append(True)
         logging.getLogger(__name__).warning(
             "--attention-backend auto with grouped-query heads and an attention mask: torch may run its math "
-            "attention kernel (s^2 fp32 tensors, not counted by the planner); --context-parallel-size > 1 runs "
-            "documents without a mask tensor")
+            "attention kernel (s^2 fp32 tensors; tools/plan.py --reset-attention-mask prices it); "
+            "--context-parallel-size > 1 runs documents without a mask tensor")
 
 
 def attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,

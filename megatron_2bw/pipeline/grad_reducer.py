@@ -255,8 +255,17 @@ class GradReducer:
         With one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, or two streams sharing a connection) a
         stream wait on an unmatched transfer blocks every stream behind it, the worker's links included, and
         in 2BW the transfer's counterpart may come only after the peer's update, which needs those links.
-        So before a job is queued the training thread settles its unfinished transfers (``before_issue``),
-        and while one runs it enqueues no stream wait on a transfer that has not completed.
+        So before a job is queued the training thread settles its unfinished pipeline transfers (``before_issue``),
+        and while one runs it enqueues no stream wait on a pipeline transfer that has not completed.
+
+        Exempt: the collectives inside a stage (tensor-parallel all-reduces and all-gathers, sequence-parallel
+        all-gathers and reduce-scatters, the context group's ring hops, all-gathers and all-to-alls, the
+        context-parallel loss all-reduce) are still stream waits while a job runs. Their peers are the same
+        stage's other tensor and context ranks, which run the same program in lockstep: a peer misses such a
+        collective only while it is host-blocked earlier in that program, and its chain(t), which the worker
+        waits for, is coupled to this rank's through the model and data groups, not through a transfer that
+        another stage serves after its update. Inferred (review 3 G7), not replayed: ``SingleQueue``
+        (``tests/test_h1_reduction_order.py``) models one rank per stage.
         """
         return self._last is not None and not self._last.event.is_set()
 

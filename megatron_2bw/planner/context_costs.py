@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Iterable
 
-from ..config import ModelConfig
+from ..config import ModelConfig, blocks
 from ..config.arith import core_forward_flops
 from ..config.context import P2P
 from ..config.context import PLANNED_CP_COMM_TYPES as PLANNED
@@ -81,8 +81,10 @@ def context_sizes(model: ModelConfig, num_gpus: int) -> tuple[int, ...]:
 
 def ring_written(model: ModelConfig, cluster: Cluster) -> bool:
     """Whether the ring's blocks run the written-out fp32 core (``context_parallel/blocks.block_kernel``): the
-    unfused backend, or the CPU with attention dropout (its flash kernel takes none); else a fused kernel."""
-    return attention_kernel(cluster, model) in ("unfused", "math")
+    unfused backend, the CPU with attention dropout (its flash kernel takes none), or a GPU block with documents
+    (``Cluster.reset_attention_mask``: CUDA's flash op takes no mask); else a fused kernel."""
+    masked_gpu = cluster.reset_attention_mask and not cluster.is_cpu
+    return masked_gpu or attention_kernel(cluster, model) in ("unfused", "math")
 
 
 def ring_blocks(c: int, causal: bool) -> tuple[int, int]:
@@ -154,6 +156,28 @@ def ring_workspace_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, til
     return max(forward, backward)
 
 
+def gather_block_workspace_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, written: bool = False,
+                                 dropout: bool = False) -> int:
+    """all_gather with documents (``context_parallel/attention.py``): each local chunk runs as one tiled block
+    (``blocks.block_attention``) against its key prefix, the fullest rank's longest prefix the whole sequence
+    (``nk = s``). Its peak beyond what the core keeps, the larger of forward and backward: forward the block's fp32
+    output and log-sum-exp, a tile's additive mask and boolean rows ``[b, TILE_ROWS, nk]`` and its output (the
+    written-out core: its fp32 score tiles, :data:`WRITTEN_TILES`); backward the output gradient's copy, dQ and,
+    over the prefix, dK and dV in fp32, a tile's gradients and mask (the whole-sequence prefix is the gathered keys
+    themselves: no slice's gradient buffer)."""
+    a, g, hd = _per_gpu(model, t)
+    s = model.seq_length
+    n = s // (2 * c)
+    rows = min(n, RING_TILE_ROWS)
+    mask = b * rows * s * (e + 1)
+    tiles = FP32 * b * a * rows * s
+    fwd_tile, bwd_tile = (round(WRITTEN_TILES[dropout][0] * tiles), round(WRITTEN_TILES[dropout][1] * tiles)) \
+        if written else (b * a * rows * hd * e, b * hd * (rows * a + 2 * s * g) * e)
+    forward = FP32 * b * a * n * (hd + 1) + mask + fwd_tile
+    backward = b * a * n * hd * (e + FP32) + 2 * FP32 * b * g * s * hd + mask + bwd_tile
+    return max(forward, backward)
+
+
 def gather_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, kernel: str, mask_bytes: int,
                       causal: bool, mask_tensor: bool = True, cpu: bool = False) -> int:
     """What the ``all_gather`` core keeps per layer beyond the layer's own Q, K, V (module docstring) on the
@@ -181,6 +205,8 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
     e = activation_bytes(precision)
     if comm == P2P:
         return ring_core_bytes(model, b, t, c, e, causal)
+    if causal and cluster.reset_attention_mask:  # documents: each chunk a tiled block, its output and lse kept
+        return gather_core_bytes(model, b, t, c, e, "fused", 0, causal, mask_tensor=False, cpu=True)
     grouped = model.query_groups != model.num_attention_heads
     return gather_core_bytes(model, b, t, c, e, attention_kernel(cluster, model), dropout_mask_bytes(cluster, e),
                              causal, cluster.is_cpu or grouped, cluster.is_cpu)
@@ -232,11 +258,36 @@ def _exchange_seconds(model: ModelConfig, cluster: Cluster, precision: str, t: i
     return (c - 1) * kv / context_bandwidth(t, c, comm, cluster)
 
 
+def layer_grad_bytes(model: ModelConfig, b: int, t: int, e: int, hidden: int) -> int:
+    """A layer's backward beyond what is left of its stash at its fullest: the gradients of the MLP's first GEMMs'
+    outputs (``k f / t`` wide, k = 2 with SwiGLU's gate and up) less the ``hidden``-sized stash they replace, at
+    least one hidden-sized gradient. Measured by a live-tensor count on one layer (GeLU with f = 2h, 4h, 8h: 1.06,
+    3.06, 7.25 hidden-sized tensors; SwiGLU with f = 2h, 4h, 8h: 3.06, 7.12, 15.25), where the c = 1 estimate
+    (``layer_costs``) takes a whole stash."""
+    mlp = blocks.MLP_BLOCKS[model.mlp_block]
+    k = len(mlp.first(model)) if hasattr(mlp, "first") else 1
+    return max(b * model.seq_length * k * model.ffn_hidden_size * e // t - hidden, hidden)
+
+
+def core_output_bytes(model: ModelConfig, b: int, t: int, e: int) -> int:
+    """The core's output gradient ``[b, s, a d / t]``, alive while the core's backward runs."""
+    return b * model.seq_length * model.hidden_size * e // t
+
+
+def after_core_bytes(model: ModelConfig, b: int, t: int, e: int, mask_bytes: int) -> int:
+    """What a layer keeps after its core (the second norm's and the MLP's stash, the two hidden-dropout masks of
+    ``mask_bytes`` per element): not yet built while the core's forward runs, already freed when its backward
+    runs (``model``: the rank's sequence)."""
+    terms = blocks.NORM.stash(model) + blocks.MLP_BLOCKS[model.mlp_block].stash(model)
+    seq = terms.seq * e + (2 * model.hidden_size * mask_bytes if model.hidden_dropout > 0 else 0)
+    return b * model.seq_length * (seq // (t if model.sequence_parallel and t > 1 else 1) + terms.split * e // t)
+
+
 def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int, c: int,
                              comm: str, causal: bool = True) -> MicrobatchCosts:
     """``analytic_microbatch_costs`` on a rank of a ``c``-way context group (module docstring)."""
     local = replace(model, seq_length=model.seq_length // c)
-    base = analytic_microbatch_costs(local, cluster, precision, t, b)
+    base = analytic_microbatch_costs(local, cluster, precision, t, b, masked=False)  # documents travel as ids
     lay = base.layer
     core = context_core_bytes(model, cluster, precision, t, b, c, comm, causal)
     kv = 2 * model.query_groups * model.head_dim * b * (model.seq_length // c) * activation_bytes(precision) // t
@@ -247,14 +298,27 @@ def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: st
     forward = lay.forward_s - lay.core_forward_s + core_s + fwd_comm
     redo = core_s if comm == P2P else 0.0  # the ring's backward re-runs each block's forward
     backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + redo + hop
-    workspace = stash
-    if comm == P2P:  # the ring's own peak while it runs in place of its kept part (ring_workspace_bytes)
-        ring = ring_workspace_bytes(model, b, t, c, activation_bytes(precision), tiled=not causal,
+    e = activation_bytes(precision)
+    workspace = layer_grad_bytes(local, b, t, e, lay.input_bytes)
+    if comm == P2P:  # the ring's own peak, with the core's output gradient, beside what the layer holds then
+        ring = ring_workspace_bytes(model, b, t, c, e, tiled=not causal or cluster.reset_attention_mask,
                                     written=ring_written(model, cluster), dropout=model.attention_dropout > 0)
-        workspace = max(stash, stash - core + ring)
+        after = after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e))
+        workspace = max(workspace, ring + core_output_bytes(local, b, t, e) - after)
+    elif causal and cluster.reset_attention_mask:  # all_gather's tiled blocks for documents
+        block = gather_block_workspace_bytes(model, b, t, c, e, written=ring_written(model, cluster),
+                                             dropout=model.attention_dropout > 0)
+        after = after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e))
+        workspace = max(workspace, block + core_output_bytes(local, b, t, e) - after)
+    elif causal and cluster.is_cpu:  # torch's CPU kernels build the prefix's boolean rows before its additive mask
+        n = model.seq_length // (2 * c)
+        workspace = max(workspace, 2 * c * n * n - after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e)))
     layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
                     core_stash_bytes=core, stash_bytes=stash, workspace_bytes=workspace)
-    return replace(base, layer=layer)
+    # the head's transient beyond its stash: the logits while the cross-entropy runs (their fp32 copy is the softmax
+    # its stash counts), then their gradient in the activations' dtype
+    head = replace(base.head, workspace_bytes=e * b * local.seq_length * (model.padded_vocab_size(t) // t))
+    return replace(base, layer=layer, head=head)
 
 
 def dominates(x: MicrobatchCosts, y: MicrobatchCosts) -> bool:

@@ -62,6 +62,9 @@ class Cluster:
     # the run's --attention-backend (config.ATTENTION_BACKENDS): auto takes this device's default kernel
     # (``layer_costs.attention_kernel``); tools/plan.py --attention-backend sets it
     attention_backend: str = "auto"
+    # the run's --reset-attention-mask (documents): the attention takes a mask of documents, which changes the
+    # kernel (``layer_costs.attention_kernel``) and the ring's tiles (``context_costs``); tools/plan.py sets it
+    reset_attention_mask: bool = False
 
     @property
     def is_cpu(self) -> bool:

@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from ..config import ModelConfig, blocks
+from ..config import ModelConfig, attention_choice, blocks
 from ..config.arith import (  # noqa: F401 - re-exported: the planner's counts are the one arithmetic
     core_forward_flops,
     embedding_params,
@@ -109,19 +109,22 @@ def activation_bytes(precision: str) -> int:
 
 # ---- counting: parameters and FLOPs are config/arith.py's, the blocks' stash terms config/blocks.py's --------
 
-def attention_kernel(cluster: Cluster, model: ModelConfig) -> str:
+def attention_kernel(cluster: Cluster, model: ModelConfig, masked: bool = False) -> str:
     """The core the engine runs for the cluster's ``attention_backend`` (``models/attention_core.py``):
     flash/fused -> ``fused``; unfused/local -> ``unfused``; auto -> what scaled_dot_product_attention picks:
     on the CPU its flash kernel without attention dropout and its math path with it, on a GPU its fused
-    kernels where the cluster says it has them (``flash_attention``), else the paper-era unfused core."""
-    backend = cluster.attention_backend
-    if backend in ("flash", "fused"):
-        return "fused"
-    if backend in ("unfused", "local"):
-        return "unfused"
-    if cluster.is_cpu:
-        return "math" if model.attention_dropout > 0 else "fused"
-    return "fused" if cluster.flash_attention else "unfused"
+    kernels where the cluster says it has them (``flash_attention``), else the paper-era unfused core; with
+    grouped-query heads and a ``masked`` attention (documents or a padding mask at c = 1) its math path
+    (``config/attention_choice.py``, the choice the trainer logs at start-up)."""
+    gqa = model.query_groups != model.num_attention_heads
+    return attention_choice.attention_kernel_choice(cluster.attention_backend, cluster.is_cpu, gqa, masked,
+                                                    model.attention_dropout > 0, cluster.flash_attention)[0]
+
+
+def attention_masked(cluster: Cluster, model: ModelConfig) -> bool:
+    """Whether the attention of a c = 1 rank takes a mask tensor: documents (``Cluster.reset_attention_mask``,
+    the run's ``--reset-attention-mask``) or the family's padding mask (BERT)."""
+    return cluster.reset_attention_mask or model.family.padding_mask
 
 
 def dropout_mask_bytes(cluster: Cluster, e: int) -> int:
@@ -220,13 +223,16 @@ def _head_cost(model: ModelConfig, cluster: Cluster, b: int, t: int, e: int, spe
     )
 
 
-def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int) -> MicrobatchCosts:
-    """Costs of one microbatch of ``b`` on one GPU of a ``t``-way tensor group, from FLOPs and bytes."""
+def analytic_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: str, t: int, b: int,
+                              masked: bool | None = None) -> MicrobatchCosts:
+    """Costs of one microbatch of ``b`` on one GPU of a ``t``-way tensor group, from FLOPs and bytes; ``masked``:
+    whether the attention takes a mask tensor (None: :func:`attention_masked`)."""
     e = activation_bytes(precision)
     s, h = model.seq_length, model.hidden_size
     speed = cluster.peak(precision) * cluster.efficiency.layer_fraction(b, s, h, t)
     hidden = b * s * h * e  # one hidden-state tensor
-    kernel, mask = attention_kernel(cluster, model), dropout_mask_bytes(cluster, e)
+    masked = attention_masked(cluster, model) if masked is None else masked
+    kernel, mask = attention_kernel(cluster, model, masked), dropout_mask_bytes(cluster, e)
     flash = kernel == "fused"
     # what crosses stage boundaries and sits between layers: a sequence shard under sequence parallelism
     shard = hidden // t if model.sequence_parallel and t > 1 else hidden

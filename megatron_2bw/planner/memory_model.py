@@ -336,8 +336,14 @@ def activation_bytes(costs: MicrobatchCosts, cand: Candidate, num_layers: int, s
     return slice_activation_bytes(costs, cand, rank_slice(num_layers, cand, stage), stage)
 
 
-def _workspace(costs: MicrobatchCosts, part: StageSlice) -> int:
+def _workspace(costs: MicrobatchCosts, part: StageSlice, chunks: int = 1) -> int:
+    """The largest transient beyond the activations held. With one model chunk a layer's runs while its own
+    microbatch's head stash does not exist (not yet built in forward, freed by the head's backward before the
+    layers'), so on the head's stage it stands beside the activations less that stash (checked by a whole step's
+    live-tensor count under context parallelism, ``benchmarks/cp_step_peak.py``)."""
     ws = costs.layer.workspace_bytes if part.num_layers else 0
+    if part.head and chunks == 1:
+        ws = max(0, ws - costs.head.stash_bytes)
     if part.embedding:
         ws = max(ws, costs.embedding.workspace_bytes)
     if part.head:
@@ -375,7 +381,7 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         master=shard * param_bytes.master,
         optimizer_state=shard * state - muon,
         activations=slice_activation_bytes(costs, cand, part, stage),
-        workspace=_workspace(costs, part),
+        workspace=_workspace(costs, part, _chunks(cand)),
         save=save_bytes(shard, cand),
         host_save=async_save_host_bytes(dense, cand, param_bytes, x),
         speculation=speculation_bytes(costs, cand, part, stage, shard, param_bytes),
@@ -398,7 +404,12 @@ def speculation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice,
     if cand.recompute:
         stash = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
     warm = min(cand.pipeline_parallel - 1 - stage, cand.num_micro_batches) * stash
-    return kept + warm + _workspace(costs, part)
+    return kept + warm + _workspace(costs, part, _chunks(cand))
+
+
+def _chunks(cand: Candidate) -> int:
+    """Model chunks per rank of the candidate's schedule (the sequential baseline: one)."""
+    return 1 if cand.schedule == SEQUENTIAL else spec_of(cand.schedule).chunks
 
 
 def rank_slice(num_layers: int, cand: Candidate, stage: int) -> StageSlice:
