@@ -131,21 +131,20 @@ def _cell_steps(cell: dict) -> dict:
     import torch
 
     from megatron_2bw.config import ModelConfig, OptimizerConfig, PipelineConfig
-    from megatron_2bw.context_parallel.group import CPGroup
     from megatron_2bw.fused import Kernels
     from megatron_2bw.models.gpt import DocumentMasks
+    from megatron_2bw.models.groups import ModelGroups
     from megatron_2bw.models.spec import ModelSpec
-    from megatron_2bw.parallel_state import build_state
+    from megatron_2bw.parallel_state import Axes, build_state
     from megatron_2bw.pipeline.build import build_stage
-    from megatron_2bw.tensor_parallel.group import TPGroup
 
     c, b = cell["c"], 1
-    state = build_state(1, 1, c, torch.device("cpu"), c=c)
+    state = build_state(Axes(context=c), torch.device("cpu"))
     cfg = ModelConfig(**model_dict(cell))
-    cp = CPGroup.from_state(state, cell["comm"])
     masks = DocumentMasks(eod=0, reset_attention_mask=True) if cell["documents"] else None
     torch.manual_seed(1234)
-    spec = ModelSpec(cfg, TPGroup(), 1234, cp=cp, kernels=Kernels(attention=cell["backend"]), masks=masks)
+    spec = ModelSpec(cfg, ModelGroups.of(state, cell["comm"]), 1234, kernels=Kernels(attention=cell["backend"]),
+                     masks=masks)
     batches = [spec.make_batch(x) for x in common.token_pool(cfg, 2, b)]  # documents of about 256 tokens (eod 0)
     pipe = PipelineConfig("flush", b, 1, track_memory=False)
     opt = OptimizerConfig("adam", lr=1e-4, dtype="fp32")
