@@ -386,6 +386,7 @@ def gpt_2bw_killed(corpus, gpt_2bw_run, tmp_path_factory) -> KilledRun:
     stragglers = processes_with(str(out))
     _kill(stragglers)
     metrics = str(out / "restarted.jsonl")
+    # the relaunch a user makes: a plain launch (forked ranks; a failure is run again under the real torchrun)
     restarted = torchrun(gpt_2bw_run.script, [*gpt_2bw_run.args, "--save", save, "--load", save,
-                                              "--save-interval", "10", "--metrics-file", metrics], real=True)
+                                              "--save-interval", "10", "--metrics-file", metrics])
     return KilledRun(killed, restarted, read_metrics(metrics) if os.path.exists(metrics) else [], save, stragglers)
