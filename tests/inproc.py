@@ -55,10 +55,10 @@ def _rank_main(script: str, args: list[str], env: dict[str, str], cwd: str, out:
     os.environ.update(env)
     os.chdir(cwd)
     fsize, umask = limits
-    if fsize is not None:  # bash's ``ulimit -f``: soft and hard (the output files count too: keep it above them)
+    if fsize is not None:  # bash's ``ulimit -f``: whole KiB, soft and hard (the output files count too: keep above)
         import resource
 
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize // 1024 * 1024,) * 2)
     if umask is not None:
         os.umask(umask)
     sys.argv = [script, *args]
