@@ -104,6 +104,12 @@ def wait_for_quiet(max_cpus: float, timeout_s: float, sample_s: float = 1.0) -> 
 
 
 # ---------------------------------------------------------------------------------------- processes
+# How workers start: "spawn", a fresh interpreter each, so what a benchmark measures of a process (its resident
+# memory) holds nothing of another's. The smoke tests, which check the JSON and its arithmetic and not the numbers
+# of a process, fork them from their preloaded server instead ("forkserver": no torch import per worker).
+START_METHOD = "spawn"
+
+
 def spawn(fn: Callable, world: int, *args: Any, timeout: float = 1800.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` spawned gloo processes (1 torch thread each, no core pinning).
 
@@ -114,7 +120,7 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 1800.0) -> list
     from megatron_2bw.local_workers import run_workers
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch loads there
-    return run_workers(fn, world, *args, timeout=timeout, pg_timeout=300.0)
+    return run_workers(fn, world, *args, timeout=timeout, pg_timeout=300.0, start_method=START_METHOD)
 
 
 def median(xs: Iterable[float]) -> float | None:

@@ -179,12 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in upd:
         print(f"update stage {row['stage']} {row['optimizer']:5s}: {row['update_s'] * 1e3:8.1f} ms "
               f"({row['params']} params, {row['muon_param_share']:.2f} in Muon matrices, state {row['state_bytes']} B)")
-    rounds = [run_workers(_step_worker, 2, args.preset, args.seq, args.micro_batch, args.m, args.steps, timeout=900)
-              for _ in range(args.rounds)]
+    rounds = [run_workers(_step_worker, 2, args.preset, args.seq, args.micro_batch, args.m, args.steps, timeout=900,
+                          start_method=common.START_METHOD) for _ in range(args.rounds)]
     step = {o: [statistics.median(rd[k][o] for rd in rounds) for k in range(2)] for o in OPTIMIZERS}
     for o in OPTIMIZERS:
         print(f"2bw step d=2 {o:5s}: {max(step[o]) * 1e3:.1f} ms (stages {[round(x * 1e3, 1) for x in step[o]]})")
-    tp = run_workers(_tp_worker, 2, cfg.hidden_size, args.reps, timeout=900)
+    tp = run_workers(_tp_worker, 2, cfg.hidden_size, args.reps, timeout=900, start_method=common.START_METHOD)
     tp_med = {k: statistics.median(r[k] for r in tp) for k in tp[0]}
     print(f"t=2, one layer's matrices (h={cfg.hidden_size}): gather+NS {tp_med['gather'] * 1e3:.1f} ms, distributed NS "
           f"{tp_med['distributed'] * 1e3:.1f} ms, all-gather alone {tp_med['allgather_only'] * 1e3:.2f} ms, unsplit NS "

@@ -33,7 +33,8 @@ if [[ ! -s "${PREFIX}_text_document.idx" ]]; then
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok_$VOCAB.model" --append-eod
 fi
 
-NGPU=${NGPU:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}
+source scripts/launch_lib.sh
+NGPU=${NGPU:-$(gpu_count "$PYTHON")}
 if [[ "$NGPU" -ge 2 ]]; then
   NPROC=$(( NGPU / 2 * 2 )); PP=2; DEVICE=cuda
 elif [[ "$NGPU" -eq 1 ]]; then

@@ -1,4 +1,14 @@
-# Shell functions shared by run_local.sh and slurm_launch.sh (sourced, not run).
+# Shell functions shared by run_local.sh, demo.sh and slurm_launch.sh (sourced, not run).
+
+# gpu_count PYTHON: torch's CUDA device count; 0 without importing torch (1-3 s) on a host with no GPU device
+# node at all (NVIDIA /dev/nvidiaN, ROCm /dev/kfd, WSL /dev/dxg), where torch could find none either.
+gpu_count() {
+  if compgen -G '/dev/nvidia[0-9]*' >/dev/null || [[ -e /dev/kfd || -e /dev/dxg ]]; then
+    "$1" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
+  else
+    echo 0
+  fi
+}
 
 # torchrun_signal_flags PYTHON SHUTDOWN_TIMEOUT WHO: the signal flags this torch's torchrun accepts,
 # one word per line. --signals-to-handle (torch >= 2.9) lets SIGUSR1 reach the trainers and

@@ -24,7 +24,8 @@ fi
 SCRIPT=${1:?usage: scripts/run_local.sh pretrain_gpt.py|pretrain_bert.py FLAGS...}
 shift
 
-NGPU=${NGPU:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)}
+source scripts/launch_lib.sh
+NGPU=${NGPU:-$(gpu_count "$PYTHON")}
 if [[ "$NGPU" -gt 0 ]]; then
   DEVICE=${DEVICE:-cuda}
   NPROC=${NPROC:-$NGPU}
@@ -53,7 +54,6 @@ if [[ "$VALIDATE" == 1 ]]; then
   fi
 fi
 
-source scripts/launch_lib.sh
 mapfile -t SIGNAL_ARGS < <(torchrun_signal_flags "$PYTHON" "$SHUTDOWN_TIMEOUT" run_local)  # what this torch accepts
 
 echo "run_local: $NPROC process(es) on $DEVICE (max restarts $MAX_RESTARTS)" >&2

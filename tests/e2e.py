@@ -2,7 +2,8 @@
 
 ``run(cmd, timeout=...)`` starts a command in its own process group and, if it outlives
 ``timeout``, kills the group and every descendant (torchrun gives each worker its own session):
-a hang fails the test, it never blocks CI. ``torchrun(...)`` runs an entry point's ranks on CPU
+a hang fails the test, it never blocks CI; ``python`` on an entry point or a tool is forked from the
+tests' preloaded server instead (tests/inproc.py). ``torchrun(...)`` runs an entry point's ranks on CPU
 (gloo), forked from the tests' preloaded server with torchrun's environment (tests/inproc.py), or
 with ``real=True`` under ``python -m torch.distributed.run --standalone`` itself.
 
@@ -183,10 +184,33 @@ def start(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str = REPO)
     return Started(cmd, env, cwd)
 
 
-def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT,
-        cwd: str = REPO) -> Result:
-    """Run ``cmd`` in a new process group; on timeout kill it and all its descendants and fail (a hang)."""
+def run(cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT, cwd: str = REPO,
+        fresh: bool = False, fsize: int | None = None, umask: int | None = None) -> Result:
+    """Run ``cmd``; on timeout kill it and all its descendants and fail (a hang). ``fsize`` (bytes, bash's
+    ``ulimit -f``) and ``umask`` limit the process. ``python <entry point>`` (``pretrain_*.py``, ``tools/*.py``)
+    is forked from the preloaded server (tests/inproc.py: no interpreter start, no torch import) unless ``fresh``
+    (what a new interpreter does is the test's subject), a fault variable is set or $E2E_REAL_TORCHRUN is 1;
+    anything else runs in a new process group."""
+    env = env if env is not None else clean_env()
+    if not fresh and _entry_point(cmd) and not any(k in env for k in FAULT_ENVS) and os.environ.get(REAL_ENV) != "1":
+        import inproc
+
+        return inproc.run_script(cmd, env=env, timeout=timeout, cwd=cwd, fsize=fsize, umask=umask)
+    if fsize is not None or umask is not None:
+        setup = (f"ulimit -f {fsize // 1024}; " if fsize is not None else "") + \
+            (f"umask {umask:03o}; " if umask is not None else "")
+        cmd = ["bash", "-c", setup + 'exec "$@"', "bash", *cmd]
     return start(cmd, env=env, cwd=cwd).finish(timeout)
+
+
+def _entry_point(cmd: list[str]) -> bool:
+    """``cmd`` is ``python`` on one of the project's entry points or tools (not a test's own child script)."""
+    if len(cmd) < 2 or cmd[0] != PY or not cmd[1].endswith(".py"):
+        return False
+    path = os.path.abspath(os.path.join(REPO, cmd[1]))
+    folder, name = os.path.split(path)
+    return os.path.isfile(path) and (folder == os.path.join(REPO, "tools") or (folder == REPO
+                                                                                and name.startswith("pretrain_")))
 
 
 def torchrun_cmd(script: str, args: list[str], *, nproc: int = 4, launcher: tuple[str, ...] = ("--standalone",)
@@ -195,7 +219,7 @@ def torchrun_cmd(script: str, args: list[str], *, nproc: int = 4, launcher: tupl
             *args]
 
 
-REAL_ENV = "E2E_REAL_TORCHRUN"  # 1: every launch under the real torchrun (to compare, or to rule the launcher out)
+REAL_ENV = "E2E_REAL_TORCHRUN"  # 1: every launch a real process (torchrun, python): to compare, or to rule them out
 FAULT_ENVS = (KILL_RANK_ENV, KILL_ITER_ENV, KILL_PLAN_ENV, POISON_ENV)
 
 
@@ -362,6 +386,7 @@ def gpt_2bw_killed(corpus, gpt_2bw_run, tmp_path_factory) -> KilledRun:
     stragglers = processes_with(str(out))
     _kill(stragglers)
     metrics = str(out / "restarted.jsonl")
+    # the relaunch a user makes: a plain launch (forked ranks; a failure is run again under the real torchrun)
     restarted = torchrun(gpt_2bw_run.script, [*gpt_2bw_run.args, "--save", save, "--load", save,
-                                              "--save-interval", "10", "--metrics-file", metrics], real=True)
+                                              "--save-interval", "10", "--metrics-file", metrics])
     return KilledRun(killed, restarted, read_metrics(metrics) if os.path.exists(metrics) else [], save, stragglers)

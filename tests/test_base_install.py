@@ -41,7 +41,7 @@ def child(tmp_path_factory) -> dict:
     corpus = shared_corpus(tmp_path_factory)
     work = tmp_path_factory.mktemp("base_install")
     res = run([PY, os.path.join(REPO, "tests", "base_install_child.py"), str(work),
-               os.path.join(corpus.dir, "corpus.jsonl")], env=clean_env(PYTHONPATH=REPO), timeout=400)
+               os.path.join(corpus.dir, "corpus.jsonl")], env=clean_env(PYTHONPATH=REPO), timeout=400, fresh=True)
     assert res.returncode == 0, res.describe()
     with open(work / "results.json", encoding="utf-8") as f:
         return json.load(f)

@@ -24,6 +24,8 @@ import throughput_systems  # noqa: E402
 
 from megatron_2bw.tensor_parallel.gemm import SEAM_NODE  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("forked_bench_workers")  # conftest.py: workers forked, not spawned
+
 
 def _load(path) -> dict:
     with open(path) as f:

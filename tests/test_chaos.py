@@ -74,7 +74,7 @@ def test_sigterm_to_the_launcher_saves_and_a_relaunch_ends_bitwise(gpt_2bw_run, 
     assert re.search(rf"exiting at iteration {stopped} after SIGTERM", res.stderr), res.describe()
     end = [r for r in read_metrics(m1) if r["type"] == "end"]
     assert end and end[0]["reason"] == "signal" and end[0]["completed_iterations"] == stopped
-    again = torchrun(gpt_2bw_run.script, [*args, "--load", save, "--metrics-file", m2], real=True)
+    again = torchrun(gpt_2bw_run.script, [*args, "--load", save, "--metrics-file", m2])  # a plain relaunch
     assert again.returncode == 0, again.describe()
     assert f"resumed from iteration {stopped}" in again.stderr
     got = {**train_losses(read_metrics(m1)), **train_losses(read_metrics(m2))}

@@ -33,11 +33,11 @@ def _moe_lines(log: str) -> list[dict[str, float]]:
     return out
 
 
-def test_moe_study_two_steps(tmp_path):
+def test_moe_study_two_steps(tmp_path, study_data_dir):
     js = tmp_path / "moe.json"
     cmd = [sys.executable, os.path.join(BENCH, "convergence_moe.py"), "--max-iters", "2", "--eval-iters", "1",
            "--models", "moe", "--optimizers", "adamw", "--pipelines", "flush", "2bw", "--regimes", "aggressive",
-           "--seeds", "7", "--data-dir", str(tmp_path / "data"), "--vocab", "500", "--corpus-mb", "0.3",
+           "--seeds", "7", "--data-dir", study_data_dir, "--vocab", "500", "--corpus-mb", "0.3",
            "--out-dir", str(tmp_path / "runs"), "--json", str(js)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)

@@ -22,11 +22,11 @@ def _run(cmd, timeout):
     return proc
 
 
-def test_convergence_quick(tmp_path):
+def test_convergence_quick(tmp_path, study_data_dir):
     js, png = tmp_path / "conv.json", tmp_path / "conv.png"
     seeds = [1234, 7]
     _run([sys.executable, os.path.join(BENCH, "convergence.py"), "--quick", "--json", str(js), "--png", str(png),
-          "--seeds", *map(str, seeds), "--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data")],
+          "--seeds", *map(str, seeds), "--out-dir", str(tmp_path / "runs"), "--data-dir", study_data_dir],
          timeout=150)
     data = json.loads(js.read_text())
     assert png.is_file() and png.stat().st_size > 1000

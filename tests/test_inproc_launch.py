@@ -1,11 +1,14 @@
 """The tests' in-process launcher (tests/inproc.py) against the real torchrun: the same run gives bitwise the
 same losses and the same log lines (timings aside); a rank's failure is status 1 with its output kept; a hang
-is killed at the timeout and fails."""
+is killed at the timeout and fails; the one-process form (``e2e.run`` of a tool) keeps the process's status, its
+environment and the limits a test sets."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import signal
 import textwrap
 
 import inproc
@@ -90,3 +93,27 @@ def test_hang_is_killed_and_fails(tmp_path):
     for rank in (0, 1):
         pid = int((tmp_path / f"pid{rank}").read_text())
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_one_process_form_keeps_status_environment_path_and_limits(tmp_path):
+    """``e2e.run`` of a tool: the process's own status (3; a signal as subprocess reports it), exactly the given
+    environment (no launcher variables), the script's folder first on ``sys.path``, and ``ulimit -f``/umask
+    applied inside it (a write past the limit is EFBIG, a new file 0o600 under umask 077)."""
+    script = _script(tmp_path, """
+        import os, sys
+        print(sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)), "RANK" in os.environ,
+              os.environ["ONLY_HERE"], os.getcwd())
+        open("small", "w").write("x")
+        print(oct(os.stat("small").st_mode & 0o777))
+        try:
+            open("big", "wb").write(b"x" * 20000)
+        except OSError as e:
+            print("refused", e.errno)
+        sys.exit(3)
+    """)
+    res = inproc.run_script(["python", script, "--a"], env=clean_env(ONLY_HERE="yes"), timeout=60, cwd=str(tmp_path),
+                            fsize=10000, umask=0o077)
+    assert res.returncode == 3, res.describe()
+    assert res.stdout.splitlines() == [f"['--a'] True False yes {tmp_path}", "0o600", f"refused {errno.EFBIG}"]
+    killed = _script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    assert inproc.run_script(["python", killed], env=clean_env(), timeout=60).returncode == -signal.SIGTERM

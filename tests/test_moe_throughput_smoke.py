@@ -17,6 +17,8 @@ sys.path.insert(0, BENCH)
 import moe_throughput  # noqa: E402
 import moe_throughput_worker  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("forked_bench_workers")  # conftest.py: workers forked, not spawned
+
 
 def test_moe_throughput_quick(tmp_path):
     out = tmp_path / "moe.json"

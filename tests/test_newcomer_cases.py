@@ -45,14 +45,7 @@ def trainer(corpus, save: str | None, iters: int, *extra: str, data: list[str] |
             str(iters), "--lr", "1e-3", "--device", "cpu", "--log-interval", "1", "--eval-iters", "1",
             "--eval-interval", "100", *(data if data is not None else corpus.data_args()),
             *(["--save", save, "--load", save] if save else []), *extra]
-    return run(shell([PY, os.path.join(REPO, script), *argv], limit=limit), env=clean_env(PYTHONPATH=REPO),
-               timeout=180)
-
-
-def shell(cmd: list[str], *, limit: int | None = None, umask: str | None = None) -> list[str]:
-    """``cmd`` under bash with a file size limit (``ulimit -f``, in KiB) and/or a umask."""
-    setup = (f"ulimit -f {limit // 1024}; " if limit else "") + (f"umask {umask}; " if umask else "")
-    return ["bash", "-c", setup + 'exec "$@"', "bash", *cmd]
+    return run([PY, os.path.join(REPO, script), *argv], env=clean_env(PYTHONPATH=REPO), timeout=180, fsize=limit)
 
 
 def errors(res) -> list[str]:
@@ -161,7 +154,7 @@ def test_an_export_past_the_disk_is_one_line_and_leaves_no_target(base_ckpt, tmp
     out = str(tmp_path / "hf")
     cmd = [PY, os.path.join(REPO, "tools", "checkpoint_util.py"), "--load-dir", base_ckpt, "--save-dir", out,
            "--saver", "hf"]
-    res = run(shell(cmd, limit=FILE_LIMIT), env=clean_env(PYTHONPATH=REPO), timeout=180)
+    res = run(cmd, env=clean_env(PYTHONPATH=REPO), timeout=180, fsize=FILE_LIMIT)
     one_error(res, os.path.join(out, "model.safetensors"), "File too large")
     assert not os.path.exists(out) and os.listdir(tmp_path) == []  # no target, no temporary left
 
@@ -189,8 +182,8 @@ def test_no_space_left_is_named_with_the_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("saver", ["hf", "megatron"])
 def test_exports_are_readable_under_umask_022(base_ckpt, tmp_path, saver):
     out = str(tmp_path / saver)
-    res = run(shell([PY, os.path.join(REPO, "tools", "checkpoint_util.py"), "--load-dir", base_ckpt, "--save-dir",
-                     out, "--saver", saver], umask="022"), env=clean_env(PYTHONPATH=REPO), timeout=180)
+    res = run([PY, os.path.join(REPO, "tools", "checkpoint_util.py"), "--load-dir", base_ckpt, "--save-dir", out,
+               "--saver", saver], umask=0o022, env=clean_env(PYTHONPATH=REPO), timeout=180)
     assert res.returncode == 0, res.describe()
     modes = {os.path.relpath(os.path.join(top, n), out): os.stat(os.path.join(top, n)).st_mode & 0o777
              for top, dirs, files in os.walk(out) for n in dirs + files}

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import sysconfig
+from collections import deque
 from typing import Iterator
 
 from megatron_2bw.cli import OneLineParser, run_cli
@@ -72,25 +73,33 @@ def module_document(path: str) -> str:
             tree = ast.parse(f.read(), filename=path)
     except (SyntaxError, ValueError, UnicodeDecodeError, OSError):
         return ""
-    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    docstrings = {
-        id(n.body[0].value)
-        for n in ast.walk(tree)
-        if isinstance(n, kinds) and n.body and isinstance(n.body[0], ast.Expr)
-    }
-    # Long non-docstring literals carry real prose too (pydoc_data/topics.py is the language reference).
-    strings = sorted(
-        (
-            n
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Constant)
-            and isinstance(n.value, str)
-            and (id(n) in docstrings or len(n.value) >= LONG_LITERAL)
-        ),
-        key=lambda n: (n.lineno, n.col_offset),
-    )
-    docs = (clean_docstring(inspect.cleandoc(n.value)) for n in strings)
+    docs = (clean_docstring(inspect.cleandoc(n.value)) for n in _prose_literals(tree))
     return "\n".join(d for d in docs if d)
+
+
+def _prose_literals(tree: ast.AST) -> list[ast.Constant]:
+    """The docstrings (module, class, function) and the other string constants of at least LONG_LITERAL
+    characters (pydoc_data/topics.py is the language reference), in source order (ties in ``ast.walk``'s order).
+    One breadth-first walk by hand, ``ast.walk``'s order without its generators (which cost more than the parse):
+    a definition is met before the docstring it holds."""
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings: set[int] = set()
+    found, queue = [], deque([tree])
+    while queue:
+        node = queue.popleft()
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, str) and (id(node) in docstrings or len(node.value) >= LONG_LITERAL):
+                found.append(node)
+            continue
+        if isinstance(node, kinds) and node.body and isinstance(node.body[0], ast.Expr):
+            docstrings.add(id(node.body[0].value))
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if isinstance(value, list):
+                queue.extend(v for v in value if isinstance(v, ast.AST))
+            elif isinstance(value, ast.AST):
+                queue.append(value)
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
 
 
 def split_document(text: str, max_chars: int = DOC_CHARS) -> list[str]:

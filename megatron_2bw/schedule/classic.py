@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -167,5 +168,10 @@ class _Interleaved(ScheduleSpec):
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
         """Each step fills, drains, reduces and applies on its own, like Flush; its transfers are placed
         in rounds (:func:`lower_rounds`)."""
-        rounds = lower_rounds(self.placement(d), tuple(tuple(self.rounds(d, q, 0, m)) for q in range(d)))[r]
-        return _flushed_steps(self, rounds, m, first_step, num_steps)
+        return _flushed_steps(self, self._lowered(d, m)[r], m, first_step, num_steps)
+
+    @functools.lru_cache(maxsize=1 << 10)  # noqa: B019 - specs are frozen module-level singletons
+    def _lowered(self, d: int, m: int) -> tuple[tuple[tuple[Op, int, int], ...], ...]:
+        """Every rank's lowered program of one step, made once per (d, m): the planner's replays ask for it per
+        rank and per candidate, and building the rounds to look :func:`lower_rounds` up cost as much as a replay."""
+        return lower_rounds(self.placement(d), tuple(tuple(self.rounds(d, q, 0, m)) for q in range(d)))

@@ -53,9 +53,15 @@ class _ZBV(_ZeroBubble):
         return _ZeroBubble.bubble_time(self, d, m, f / 2, b / 2, w / 2)
 
     def actions(self, d: int, r: int, m: int, first_step: int, num_steps: int) -> list[Action]:
-        rounds = lower_rounds(self.placement(d), tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))[r]
         cut = validation_cut(d, r) if self.post_validation else None
-        return _flushed_steps(self, rounds, m, first_step, num_steps, cut)
+        return _flushed_steps(self, _zbv_lowered(self.placement(d), d, m)[r], m, first_step, num_steps, cut)
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _zbv_lowered(place: Placement, d: int, m: int) -> tuple[tuple[tuple[Op, int, int], ...], ...]:
+    """Every rank's lowered program of one step, made once per layout: the planner's replays ask for it per rank
+    and per candidate, and building the rounds to look :func:`lower_rounds` up cost as much as a replay."""
+    return lower_rounds(place, tuple(tuple((x,) for x in _zbv_order(d, q, m)) for q in range(d)))
 
 
 @functools.lru_cache(maxsize=1 << 12)
