@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import e2e
+import pytest
 from e2e import PY, REPO, clean_env, read_metrics, run
 
 from megatron_2bw.config.presets import get_preset
@@ -43,3 +44,31 @@ def test_multi_process_job_needs_a_profile_file(corpus):
     assert lines == ["error: --auto-plan with 4 processes needs --auto-plan-profile FILE made beforehand "
                      "(a single-process --auto-plan run or tools/profile_model.py writes it): "
                      "ranks must not profile apart"]
+
+
+def test_the_runs_attention_settings_reach_the_planner(monkeypatch):
+    """The kernel the planner counts attention memory for is the run's: ``--attention-backend`` and
+    ``--reset-attention-mask`` reach the cluster of its request, over the preset's (the search with them is
+    the planner's tests')."""
+    import megatron_2bw.planner.auto_plan as planner
+    from megatron_2bw.cli import parse_args
+    from megatron_2bw.training.auto_layout import plan_layout
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def request(model, cluster, *a, **k):  # the search's request: what it would plan for, then stop
+        seen["cluster"] = cluster
+        raise Stop
+
+    monkeypatch.setattr(planner, "PlanRequest", request)
+    monkeypatch.setattr(planner, "profile_or_load", lambda *a, **k: (None, False))
+    tokens = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
+    for flags, want in [(["--attention-backend", "unfused", "--reset-attention-mask"], ("unfused", True)),
+                        ([], ("auto", False))]:
+        args = parse_args([*COMMON, "--auto-plan", "--cluster", "dgx-h100", *tokens, *flags], "gpt")
+        with pytest.raises(Stop):
+            plan_layout(args, "gpt", 1)
+        assert (seen["cluster"].attention_backend, seen["cluster"].reset_attention_mask) == want

@@ -198,13 +198,17 @@ def auto_plan_details(
     warmup: int = 2, reps: int = 5, log_fn: Callable[[str], None] | None = None, fp32_grads: bool | None = None,
     distributed_optimizer_options: tuple[bool, ...] = (False, True), compensation: str = "auto",
     memory_margin: float = DEFAULT_MEMORY_MARGIN, recompute_policies: tuple[RecomputePolicy, ...] = FINER_RECOMPUTE,
-    optimizer: str = "adam",
+    optimizer: str = "adam", attention_backend: str | None = None, reset_attention_mask: bool | None = None,
 ) -> AutoPlan:
-    """:func:`auto_plan` with everything behind the choice (see the module docstring)."""
+    """:func:`auto_plan` with everything behind the choice (see the module docstring). ``attention_backend`` and
+    ``reset_attention_mask``: the run's ``--attention-backend`` and ``--reset-attention-mask`` (None: the
+    cluster's), which decide the attention kernel the memory is counted for."""
     from .profiler import resolve_device  # noqa: PLC0415
 
     dev = resolve_device(device)
     cl = _cluster(cluster, dev, num_gpus)
+    run = {"attention_backend": attention_backend, "reset_attention_mask": reset_attention_mask}
+    cl = replace(cl, **{k: v for k, v in run.items() if v is not None})
     sizes = tuple(micro_batch_sizes_to_profile or [b for b in micro_batch_sizes(max_micro_batch_size)
                                                    if b <= global_batch])
     costs, here = profile_or_load(model_cfg, profile_path=profile_path, device=dev, precision=precision, sizes=sizes,

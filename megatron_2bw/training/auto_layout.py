@@ -67,7 +67,8 @@ def plan_layout(args: argparse.Namespace, kind: str, world: int) -> tuple[Layout
                        device=device, precision=precision_of(args), fp32_grads=opt.fp32_grads,
                        distributed_optimizer_options=sharding,
                        compensation=getattr(args, "2bw_compensation", None) or "none", optimizer=opt.optimizer,
-                       **finer)
+                       attention_backend=args.attention_backend,
+                       reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)), **finer)
     inner = f" +recompute {choice.recompute_policy.label}" if choice.recompute_policy else ""
     cp = f" c={choice.context} ({choice.cp_comm_type})" if choice.context > 1 else ""  # Layout carries both
     log.info(" --auto-plan chose t=%d%s d=%d w=%d micro-batch %d%s, schedule %s, layers per stage %s%s", choice.t, cp,
