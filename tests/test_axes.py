@@ -39,6 +39,7 @@ def test_groups_of_a_five_axis_layout_match_the_hand_written_ones():
         tp, replica, pp = axes.coords(rank)
         assert axes.rank(tp, replica, pp) == rank
         assert rank in groups["tensor"][pp * axes.replicas + replica]
+    assert axes.stage_ranks(1) == sorted(r for g in HAND_22222["tensor"][4:] for r in g) == list(range(8, 16))
 
 
 def test_a_layout_without_context_or_experts_has_no_such_groups():

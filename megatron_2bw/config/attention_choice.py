@@ -16,9 +16,27 @@ math fallback is a c = 1 case only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from .context import P2P
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
+
 _MATH_WHY = ("grouped-query heads with an attention mask: SDPA's flash kernel takes no mask and its memory-efficient "
              "kernel no grouped heads (before pytorch#191085), so it runs its math path (three fp32 [b, a, s, s] "
              "tensors); --attention-backend unfused keeps fewer, --context-parallel-size > 1 passes documents as ids")
+
+
+def grouped(model: ModelConfig) -> bool:
+    """Grouped-query heads (fewer key/value heads than query heads)."""
+    return model.query_groups != model.num_attention_heads
+
+
+def takes_mask(model: ModelConfig, reset_attention_mask: bool) -> bool:
+    """Whether attention at c = 1 takes a mask tensor: documents (``--reset-attention-mask``) or the family's
+    padding mask (BERT)."""
+    return reset_attention_mask or model.family.padding_mask
 
 
 def attention_kernel_choice(backend: str, cpu: bool, gqa: bool, masked: bool, dropout: bool,
@@ -40,16 +58,24 @@ def attention_kernel_choice(backend: str, cpu: bool, gqa: bool, masked: bool, dr
     return "fused", "SDPA's flash or memory-efficient kernel"
 
 
+def ring_written(backend: str, cpu: bool, masked: bool, dropout: bool, fused_kernels: bool = True) -> str | None:
+    """Why the ring's blocks (p2p) run the written-out fp32 core in tiles where no kernel takes them
+    (``context_parallel/blocks.block_kernel``); None where a kernel runs them."""
+    if backend in ("unfused", "local"):
+        return "the unfused backend"
+    if cpu:
+        return "the CPU with attention dropout" if dropout else None  # the CPU flash kernel takes no dropout
+    if masked:
+        return "documents on a GPU: CUDA's flash op takes no mask"
+    return None if fused_kernels else "no fused attention kernel on this device"
+
+
 def startup_line(backend: str, device: str, gqa: bool, masked: bool, dropout: bool, context: int,
-                 cp_comm_type: str = "p2p") -> str:
-    """The start-up log line: what ``backend`` runs in this run (the kernel the planner prices). Under context
-    parallelism the ring's blocks (p2p) run the written-out fp32 core in tiles where no kernel takes them: the
-    unfused backend, the CPU with attention dropout, a GPU block with documents (``context_parallel/blocks.py``)."""
+                 cp_comm_type: str = P2P) -> str:
+    """The start-up log line: what ``backend`` runs in this run (the kernel the planner prices)."""
     cpu = device == "cpu"
-    if context > 1 and cp_comm_type == "p2p":
-        why = ("the unfused backend" if backend in ("unfused", "local") else "the CPU with attention dropout"
-               if cpu and dropout else "documents on a GPU: CUDA's flash op takes no mask" if masked and not cpu
-               else None)
+    if context > 1 and cp_comm_type == P2P:
+        why = ring_written(backend, cpu, masked, dropout)
         if why is not None:
             return (f"attention: --attention-backend {backend} runs the ring's blocks on the written-out fp32 core "
                     f"in tiles ({why})")

@@ -64,6 +64,11 @@ class Axes:
         t, r = self.tensor, self.replicas
         return rank % t, (rank // t) % r, rank // (t * r)
 
+    def stage_ranks(self, pipeline: int) -> list[int]:
+        """Every rank of pipeline stage ``pipeline`` (its tensor x replica ranks: contiguous in this order)."""
+        n = self.tensor * self.replicas
+        return list(range(pipeline * n, (pipeline + 1) * n))
+
     def groups(self) -> dict[str, list[list[int]]]:
         """Every process group of the layout as lists of global ranks (``data``: the replicas; ``context``,
         ``expert`` (adjacent replica positions), ``expert_data`` (strided) and ``expert_copies`` (the expert

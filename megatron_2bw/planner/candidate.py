@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..schedule.recompute_policy import RecomputePolicy
 from ..schedule.schedules import SCHEDULES, parse_schedule_id, validate_pipeline
 from .context_costs import PLANNED_CP_COMM_TYPES
+from .spec_cache import spec_of
 
 # Inter-layer model parallelism without pipelining: one microbatch at a time through the stages.
 # A baseline of the paper's comparison, not a schedule of the trainer.
@@ -79,7 +80,7 @@ class Candidate:
     @cached_property
     def axes(self) -> Axes:
         """The candidate's layout as the trainer's named axes (``virtual``: the schedule's chunks per rank)."""
-        chunks = 1 if self.schedule == SEQUENTIAL else SCHEDULES[parse_schedule_id(self.schedule)[0]].chunks
+        chunks = 1 if self.schedule == SEQUENTIAL else spec_of(self.schedule).chunks
         return Axes(tensor=self.tensor_parallel, context=self.context_parallel, expert=self.expert_parallel,
                     data=self.data_parallel, pipeline=self.pipeline_parallel, virtual=chunks)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 from typing import Iterable
 
-from ..config import ModelConfig, blocks
+from ..config import ModelConfig, attention_choice, blocks
 from ..config.arith import core_forward_flops
 from ..config.context import P2P
 from ..config.context import PLANNED_CP_COMM_TYPES as PLANNED
@@ -83,8 +83,8 @@ def ring_written(model: ModelConfig, cluster: Cluster) -> bool:
     """Whether the ring's blocks run the written-out fp32 core (``context_parallel/blocks.block_kernel``): the
     unfused backend, the CPU with attention dropout (its flash kernel takes none), or a GPU block with documents
     (``Cluster.reset_attention_mask``: CUDA's flash op takes no mask); else a fused kernel."""
-    masked_gpu = cluster.reset_attention_mask and not cluster.is_cpu
-    return masked_gpu or attention_kernel(cluster, model) in ("unfused", "math")
+    return attention_choice.ring_written(cluster.attention_backend, cluster.is_cpu, cluster.reset_attention_mask,
+                                         model.attention_dropout > 0, cluster.flash_attention) is not None
 
 
 def ring_blocks(c: int, causal: bool) -> tuple[int, int]:
@@ -104,7 +104,7 @@ def ring_core_bytes(model: ModelConfig, b: int, t: int, c: int, e: int, causal: 
     blocks' work differs, not what is kept), with or without causality."""
     a, g, hd = _per_gpu(model, t)
     rows = a * b * model.seq_length // c  # this rank's query rows, every head
-    grouped = model.query_groups != model.num_attention_heads
+    grouped = attention_choice.grouped(model)
     return rows * hd * e * (2 if grouped else 1) + FP32 * rows
 
 
@@ -207,7 +207,7 @@ def context_core_bytes(model: ModelConfig, cluster: Cluster, precision: str, t: 
         return ring_core_bytes(model, b, t, c, e, causal)
     if causal and cluster.reset_attention_mask:  # documents: each chunk a tiled block, its output and lse kept
         return gather_core_bytes(model, b, t, c, e, "fused", 0, causal, mask_tensor=False, cpu=True)
-    grouped = model.query_groups != model.num_attention_heads
+    grouped = attention_choice.grouped(model)
     return gather_core_bytes(model, b, t, c, e, attention_kernel(cluster, model), dropout_mask_bytes(cluster, e),
                              causal, cluster.is_cpu or grouped, cluster.is_cpu)
 
@@ -217,7 +217,7 @@ def keeps_layer_qkv(model: ModelConfig, cluster: Cluster, comm: str) -> bool:
     views of it always (with grouped heads K and V are views, Q a copy it counts). At all_gather, not with
     grouped heads (Q is a regrouped copy) nor in the unfused core (each chunk's Q, regrouped for its GEMM, is a
     copy): those keep Q's copy alone, and K and V are the gathered ones."""
-    grouped = model.query_groups != model.num_attention_heads
+    grouped = attention_choice.grouped(model)
     return comm == P2P or not grouped and attention_kernel(cluster, model) != "unfused"
 
 
@@ -300,19 +300,19 @@ def context_microbatch_costs(model: ModelConfig, cluster: Cluster, precision: st
     backward = lay.backward_s - 2 * lay.core_forward_s + 2 * core_s + redo + hop
     e = activation_bytes(precision)
     workspace = layer_grad_bytes(local, b, t, e, lay.input_bytes)
-    if comm == P2P:  # the ring's own peak, with the core's output gradient, beside what the layer holds then
+    # a core's transient stands beside what the layer holds then: not what it keeps after its core
+    after = after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e))
+    if comm == P2P:  # the ring's own peak, with the core's output gradient
         ring = ring_workspace_bytes(model, b, t, c, e, tiled=not causal or cluster.reset_attention_mask,
                                     written=ring_written(model, cluster), dropout=model.attention_dropout > 0)
-        after = after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e))
         workspace = max(workspace, ring + core_output_bytes(local, b, t, e) - after)
     elif causal and cluster.reset_attention_mask:  # all_gather's tiled blocks for documents
         block = gather_block_workspace_bytes(model, b, t, c, e, written=ring_written(model, cluster),
                                              dropout=model.attention_dropout > 0)
-        after = after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e))
         workspace = max(workspace, block + core_output_bytes(local, b, t, e) - after)
     elif causal and cluster.is_cpu:  # torch's CPU kernels build the prefix's boolean rows before its additive mask
         n = model.seq_length // (2 * c)
-        workspace = max(workspace, 2 * c * n * n - after_core_bytes(local, b, t, e, dropout_mask_bytes(cluster, e)))
+        workspace = max(workspace, 2 * c * n * n - after)
     layer = replace(lay, forward_s=forward, backward_s=backward, core_forward_s=core_s + fwd_comm,
                     core_stash_bytes=core, stash_bytes=stash, workspace_bytes=workspace)
     # the head's transient beyond its stash: the logits while the cross-entropy runs (their fp32 copy is the softmax

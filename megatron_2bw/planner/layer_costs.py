@@ -116,15 +116,15 @@ def attention_kernel(cluster: Cluster, model: ModelConfig, masked: bool = False)
     kernels where the cluster says it has them (``flash_attention``), else the paper-era unfused core; with
     grouped-query heads and a ``masked`` attention (documents or a padding mask at c = 1) its math path
     (``config/attention_choice.py``, the choice the trainer logs at start-up)."""
-    gqa = model.query_groups != model.num_attention_heads
-    return attention_choice.attention_kernel_choice(cluster.attention_backend, cluster.is_cpu, gqa, masked,
+    return attention_choice.attention_kernel_choice(cluster.attention_backend, cluster.is_cpu,
+                                                    attention_choice.grouped(model), masked,
                                                     model.attention_dropout > 0, cluster.flash_attention)[0]
 
 
 def attention_masked(cluster: Cluster, model: ModelConfig) -> bool:
     """Whether the attention of a c = 1 rank takes a mask tensor: documents (``Cluster.reset_attention_mask``,
     the run's ``--reset-attention-mask``) or the family's padding mask (BERT)."""
-    return cluster.reset_attention_mask or model.family.padding_mask
+    return attention_choice.takes_mask(model, cluster.reset_attention_mask)
 
 
 def dropout_mask_bytes(cluster: Cluster, e: int) -> int:

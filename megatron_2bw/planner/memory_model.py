@@ -381,7 +381,7 @@ def slice_memory(costs: MicrobatchCosts, cand: Candidate, part: StageSlice, stag
         master=shard * param_bytes.master,
         optimizer_state=shard * state - muon,
         activations=slice_activation_bytes(costs, cand, part, stage),
-        workspace=_workspace(costs, part, _chunks(cand)),
+        workspace=_workspace(costs, part, cand.axes.virtual),
         save=save_bytes(shard, cand),
         host_save=async_save_host_bytes(dense, cand, param_bytes, x),
         speculation=speculation_bytes(costs, cand, part, stage, shard, param_bytes),
@@ -404,12 +404,7 @@ def speculation_bytes(costs: MicrobatchCosts, cand: Candidate, part: StageSlice,
     if cand.recompute:
         stash = costs.embedding.input_bytes if part.embedding else costs.layer.input_bytes
     warm = min(cand.pipeline_parallel - 1 - stage, cand.num_micro_batches) * stash
-    return kept + warm + _workspace(costs, part, _chunks(cand))
-
-
-def _chunks(cand: Candidate) -> int:
-    """Model chunks per rank of the candidate's schedule (the sequential baseline: one)."""
-    return 1 if cand.schedule == SEQUENTIAL else spec_of(cand.schedule).chunks
+    return kept + warm + _workspace(costs, part, cand.axes.virtual)
 
 
 def rank_slice(num_layers: int, cand: Candidate, stage: int) -> StageSlice:

@@ -161,12 +161,12 @@ def _prepare(cfg: RunConfig, rank: int, tokenizer: object | None, validate_only:
 
 def attention_line(cfg: RunConfig) -> str:
     """What ``--attention-backend`` runs in this run, said at start-up (the kernel the planner prices, N8)."""
-    from ..config.attention_choice import startup_line
+    from ..config.attention_choice import grouped, startup_line, takes_mask
 
     m = cfg.model
-    masked = cfg.data.reset_attention_mask or m.family.padding_mask
-    return startup_line(cfg.system.attention_backend, cfg.system.device, m.query_groups != m.num_attention_heads,
-                        masked, m.attention_dropout > 0, cfg.parallel.context, cfg.parallel.cp_comm_type)
+    return startup_line(cfg.system.attention_backend, cfg.system.device, grouped(m),
+                        takes_mask(m, cfg.data.reset_attention_mask), m.attention_dropout > 0, cfg.parallel.context,
+                        cfg.parallel.cp_comm_type)
 
 
 def _note_overwrite_ignored(prep: Prepared, resumes: bool) -> None:

@@ -45,8 +45,7 @@ def stage_group(state) -> object | None:
         return None
     mine = None
     for pp in range(state.d):
-        ranks = [pp * state.t * state.replicas + i for i in range(state.t * state.replicas)]
-        g = dist.new_group(ranks, timeout=state.timeout)
+        g = dist.new_group(state.axes.stage_ranks(pp), timeout=state.timeout)
         mine = g if pp == state.pp_rank else mine
     return mine
 

@@ -59,7 +59,8 @@ def restore(sd: dict, stage, tracker, device: torch.device, *, load_optim: bool 
             _zero_cut_rows(buf, base + start, max(lo, base + start), min(hi, base + start + buf.numel()), params)
         chunks += span_chunks(family, spans, base, lo, hi, params, writing=False)
         read.add(family)
-    moe = getattr(stage_model(sd["config"]), "moe", None)  # None: a test model without a model config
+    model = stage_model(sd["config"])  # None: a model built by hand, without a model config
+    moe = model.moe if model is not None else None
     router_chunks, router = load_router_chunks(keys, moe.num_experts) if moe is not None else ([], {})
     try:
         dcp.load({}, storage_reader=dcp.FileSystemReader(sd["path"]),
