@@ -281,11 +281,14 @@ def initialize(
     device: str | None = None,
     timeout_minutes: float = 10.0,
     expert: int = 1,
+    tied_embedding: bool = True,
 ) -> ParallelState:
     """Start ``torch.distributed`` (if the world has more than one process) and build all groups.
 
     The layout is checked against the world size before any group or collective exists. ``expert``: the
     expert-parallel size (``--expert-model-parallel-size``), folded inside the data x context ranks.
+    ``tied_embedding``: whether a tied word embedding is summed between the first and the last stage's ranks
+    (:attr:`~megatron_2bw.config.run.RunConfig.tied_across_ranks`); without it no embedding group is made.
     """
     env = distributed_env()
     world = int(env["world_size"])
@@ -310,7 +313,7 @@ def initialize(
             # NCCL: create the communicators now, so a first batch_isend_irecv among a subset of ranks is legal
             device_id=dev if dev.type == "cuda" else None,
         )
-    return build_state(axes, dev, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return build_state(axes, dev, timeout=datetime.timedelta(minutes=timeout_minutes), tied_embedding=tied_embedding)
 
 
 _TIMEOUT: list[datetime.timedelta | None] = [None]  # the last build_state's group timeout
@@ -321,14 +324,16 @@ def group_timeout() -> datetime.timedelta | None:
     return _TIMEOUT[0]
 
 
-def build_state(axes: Axes, device: torch.device, *, timeout: datetime.timedelta | None = None) -> ParallelState:
+def build_state(axes: Axes, device: torch.device, *, timeout: datetime.timedelta | None = None,
+                tied_embedding: bool = True) -> ParallelState:
     """Create every group of the layout (all ranks call ``new_group`` in the same order).
 
     ``timeout`` (``--distributed-timeout-minutes``) applies to every group: ``new_group`` does not
     inherit the default group's, it takes torch's default (10 min NCCL, 30 min gloo). Groups made later
     (the checkpoint's gloo group) take it from :func:`group_timeout`. No group is made for the pipeline
     ranks: nothing reduces over them (transfers use the default group), and on NCCL every group is a
-    communicator with its own device memory.
+    communicator with its own device memory. For the same reason no embedding group is made without
+    ``tied_embedding`` (an untied output layer, or a V placement whose first and last stage share a rank).
     """
     _TIMEOUT[0] = timeout
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -339,7 +344,7 @@ def build_state(axes: Axes, device: torch.device, *, timeout: datetime.timedelta
     mine: dict[str, object | None] = {}
     for name, ranks_lists in lists.items():
         mine[name] = None
-        if name == "pipeline":
+        if name == "pipeline" or (name == "embedding" and not tied_embedding):
             continue
         for ranks in ranks_lists:
             g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None

@@ -64,6 +64,56 @@ def test_groups_on_8_processes_match_documented_layout():
         assert (prev, nxt) == ((None, rank + 4) if pp_rank == 0 else (rank - 4, None))
 
 
+def _embedding_group_worker() -> tuple[list[int] | None, list[int] | None, int]:
+    """The embedding group with and without a tied embedding between ranks; the other groups alike."""
+    made = []
+    real = dist.new_group
+
+    def counting(ranks, **kw):
+        made.append(list(ranks))
+        return real(ranks, **kw)
+
+    dist.new_group = counting
+    try:
+        tied = build_state(Axes(pipeline=2), torch.device("cpu"))
+        n_tied = len(made)
+        apart = build_state(Axes(pipeline=2), torch.device("cpu"), tied_embedding=False)
+    finally:
+        dist.new_group = real
+    ranks = dist.get_process_group_ranks(tied.groups.embedding) if tied.groups.embedding is not None else None
+    return ranks, apart.groups.embedding, len(made) - 2 * n_tied
+
+
+def test_no_embedding_group_where_no_tied_embedding_crosses_ranks():
+    """Review 3 N14: the embedding group is a communicator of its own on NCCL; a V placement (first and last
+    stage on rank 0) or an untied output layer sums nothing over it, so the run makes none."""
+    for ranks, apart, fewer in run_workers(_embedding_group_worker, 2):
+        assert ranks == [0, 1] and apart is None and fewer == -1  # one group fewer: the embedding's
+
+
+@pytest.mark.parametrize(("flags", "tied"), [
+    (["--pipeline-schedule", "2bw"], True),
+    (["--pipeline-schedule", "flush"], True),
+    (["--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "1"], True),
+    (["--pipeline-schedule", "zb-v"], False),  # the embedding and the head both on rank 0
+    (["--pipeline-schedule", "2bw", "--untie-embeddings-and-output-weights"], False),
+])
+def test_the_run_says_whether_its_tied_embedding_crosses_ranks(flags, tied):
+    from megatron_2bw.cli import build_config, parse_args
+
+    argv = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--lr", "1e-3", "--device", "cpu",
+            "--data-path", "d", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "t.model",
+            *flags]
+    assert build_config(parse_args(argv, "gpt"), "gpt", 2).tied_across_ranks is tied
+    if flags[1] not in ("2bw", "flush"):  # the others need two stages
+        return
+    one_stage = [a if a != "2" or argv[i - 1] != "--pipeline-model-parallel-size" else "1"
+                 for i, a in enumerate(argv)]
+    assert build_config(parse_args(one_stage, "gpt"), "gpt", 1).tied_across_ranks is False
+
+
 def _peer_leaves_worker() -> tuple[str, bool] | None:
     """Rank 1 leaves the job; rank 0's receive from it fails: the error a rank sees when a peer dies."""
     if dist.get_rank() == 1:

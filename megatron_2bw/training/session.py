@@ -89,6 +89,7 @@ def run(prep, faults: Faults | None = None) -> int:
             cfg.parallel, backend=cfg.system.backend, device=cfg.system.device,
             timeout_minutes=cfg.system.timeout_minutes,
             expert=cfg.model.moe.expert_model_parallel_size if cfg.model.moe is not None else 1,
+            tied_embedding=cfg.tied_across_ranks,
         )
     except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
         print(f"error: rank {prep.rank}: {rendezvous_failure(e)}", file=sys.stderr, flush=True)
