@@ -28,7 +28,9 @@ MFU and its memory against the planner's model; and those of ``gpu_probe_overlap
 allocator's out-of-memory retry synchronizes the device (``allocator retry sync``), the batch prefetch
 (``prefetch batches`` / ``prefetch h2d``), GEMMs on fewer SMs (``compute on fewer SMs``), the update's host
 wait against a GPU backlog (``update wait gpu backlog``) and, with 2 GPUs, the last stage's step time with
-the tied embedding against untied (``tied embedding d=2 last stage``). The JSON is written after every section,
+the tied embedding against untied (``tied embedding d=2 last stage``); and ``gpu_probe_reserve.py``'s device memory
+outside torch's allocator (the context, libraries, one-rank NCCL communicators) against the presets' reserve
+(``reserve outside the allocator``, review 3 N14). The JSON is written after every section,
 to ``--out`` (default ``$OUT/gpu_check.json``, else the temporary directory); rows that would start after ``--budget-s``
 (450 s: the whole script within 8 minutes on one H200) are skipped and say so.
 
@@ -309,6 +311,7 @@ def _sections(env: dict, deadline: float):
     import gpu_probe
     import gpu_probe_cp as cp
     import gpu_probe_overlap as overlap
+    import gpu_probe_reserve as reserve
     import gpu_probe_sdpa
     from gpu_check_memory import check_checkpoint_memory
 
@@ -330,6 +333,7 @@ def _sections(env: dict, deadline: float):
     yield "checkpoint memory", lambda: check_checkpoint_memory(device, "bf16", kernels)
     yield "update wait", lambda: [overlap.update_wait_row(device, deadline)]
     yield "trainer stage", lambda: gpu_probe.trainer_stage_rows(device, env["steps"], env["warmup"], deadline)
+    yield "reserve", lambda: [reserve.reserve_row(device, env["name"])]  # after a training stage: its libraries loaded
     if env["cuda"] or env["cpu_trainer"]:
         yield "trainer resume", lambda: [gpu_probe.trainer_resume_row(device, deadline)]
     else:

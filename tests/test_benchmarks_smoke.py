@@ -194,7 +194,7 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
                      "async staging pinned exact", "allocator retry sync PYTORCH_CUDA_ALLOC_CONF=unset",
                      "allocator retry sync PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                      "prefetch h2d gpt-tiny b=2 s=64", "compute on fewer SMs", "update wait gpu backlog",
-                     "tied embedding d=2 last stage"}
+                     "tied embedding d=2 last stage", "reserve outside the allocator"}
     assert checks["environment"]["torch"] == torch.__version__
     sdpa = [c for k, c in checks.items() if k.startswith("sdpa ")]
     assert len(sdpa) == 2 * 2 * 2 * 3 and all(c["kernel"] for c in sdpa)  # shapes x masks x dtypes x backends
