@@ -5,6 +5,14 @@
   unfused core in fp32 on the same q, k, v, with and without dropout (dropout: the backward run twice gives the
   same gradients, the replay), and reports the block kernel chosen and the peak memory of a block of n = 4096,
   16 heads (the whole-block ring would have held about 5 fp32 blocks of 1 GiB).
+- ``cp core p2p documents``: the same ring with documents (ids ``[b, s]``; on CUDA a masked block runs the
+  written-out core in tiles) against the unfused core under the documents' mask.
+- In both, the ring's own peak (the device's allocated bytes beyond its inputs, forward and backward each from its
+  start, as ``tests/test_context_parallel_long.py`` counts live tensors on the CPU) against the planner's
+  ``ring_workspace_bytes`` for the kernel the block ran: a peak above the plan by more than ``PLAN_SLACK`` fails
+  (the planner would under-reserve). This checks on the device the two ways the planner prices the ring there: the
+  flash kernel, and a masked block as the written-out core. One GPU runs c = 1 (two chunks, no hop in forward), so
+  the peak can read below the plan by a hop's buffers; a reading above it is the planner under-counting.
 - ``cp prefix``: ``attention(auto|fused, q[:, :, :n], k[:, :, :3n], ...)`` (a chunk against its key prefix,
   bottom-right causal), MHA and grouped heads, head dim 128, dropout 0 and 0.1: the difference from the unfused
   core (p = 0) and the peak memory.
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 PASS, FAIL, INFO = "pass", "FAIL", "info"
 TOL = {"bfloat16": 3e-2, "float32": 1e-4}  # bf16 inputs against an fp32 reference: a few bf16 ulps
+PLAN_SLACK = 0.10  # the allocator's rounding and a kernel's own scratch, beyond the live-tensor count the plan models
 
 
 def _row(name: str, status: str, detail: str = "", **numbers) -> dict:
@@ -56,8 +65,64 @@ def _cp_core_worker(n: int, heads: int, hd: int) -> dict:
         ring_attention(cp, *y, None, 0.1, True).backward(dout.to(dtype))
         grads.append([t.grad for t in y])
     replay = all(torch.equal(a, b) for a, b in zip(*grads))
+    # documents: three of them, the ring's blocks build their rows from the ids
+    ids = (torch.arange(2 * n, device=device) * 3 // (2 * n))[None]
+    r = [t.detach().requires_grad_() for t in full]
+    ref = unfused_attention(*r, (ids[:, :, None] == ids[:, None, :])[:, None], 0.0, True)
+    ref.backward(dout_all)
+    y = [t.detach().clone().requires_grad_() for t in x]
+    out = ring_attention(cp, *y, ids, 0.0, True)
+    out.backward(dout.to(dtype))
+    err_docs = max(float((a.float() - b.index_select(2, idx)).abs().max() / b.abs().max()) for a, b in
+                   zip((out, *(t.grad for t in y)), (ref, *(t.grad for t in r))))
+    del ref, r, out, y
+    peaks = {docs: _phase_peaks(cp, x, ids if docs else None, dout.to(dtype)) for docs in (False, True)}
     return {"kernel": block_kernel(x[0], 0.0, "auto"), "err": err, "replay": replay, "dtype": str(dtype),
-            "peak_GiB": None if peak is None else peak / 2**30}
+            "peak_GiB": None if peak is None else peak / 2**30, "kernel_docs": block_kernel(x[0], 0.0, "auto", True),
+            "err_docs": err_docs, "peaks": peaks}
+
+
+def _phase_peaks(cp, x, ids, dout) -> tuple[int, int] | None:
+    """The ring's forward and backward peaks (CUDA: allocated bytes beyond each phase's start); None on the CPU."""
+    import torch
+
+    from megatron_2bw.context_parallel.ring import ring_attention
+
+    y = [t.detach().clone().requires_grad_() for t in x]
+    if not y[0].is_cuda:
+        ring_attention(cp, *y, ids, 0.0, True).backward(dout)
+        return None
+    dev = y[0].device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out = ring_attention(cp, *y, ids, 0.0, True)
+    torch.cuda.synchronize(dev)
+    fwd = torch.cuda.max_memory_allocated(dev) - base
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    out.backward(dout)
+    torch.cuda.synchronize(dev)
+    return fwd, torch.cuda.max_memory_allocated(dev) - base
+
+
+def plan_bytes(n: int, heads: int, hd: int, dtype: str, documents: bool, kernel: str) -> int:
+    """The planner's ring workspace for the worker's shapes: one rank (c = 1) holding both chunks, b = 1."""
+    from megatron_2bw.config import ModelConfig
+    from megatron_2bw.planner.context_costs import ring_workspace_bytes
+
+    cfg = ModelConfig("gpt", 2, heads * hd, heads, 2 * n, 2 * n, 256)
+    return ring_workspace_bytes(cfg, 1, 1, 1, 4 if dtype == "float32" else 2, tiled=documents,
+                                written=kernel == "written")
+
+
+def _peak_verdict(peaks: tuple[int, int] | None, plan: int) -> tuple[bool, str, float | None]:
+    """Whether the measured peak is within the plan (and the slack), the words, the ratio."""
+    if peaks is None:
+        return True, f"plan {plan / 2**20:.0f} MiB (the peak is measured on CUDA)", None
+    ratio = max(peaks) / plan
+    return ratio <= 1 + PLAN_SLACK, (f"peak fwd {peaks[0] / 2**20:.0f} / bwd {peaks[1] / 2**20:.0f} MiB, "
+                                     f"{ratio:.2f}x the plan's {plan / 2**20:.0f} MiB"), ratio
 
 
 def cp_core_rows(device, small: bool) -> list[dict]:
@@ -72,10 +137,16 @@ def cp_core_rows(device, small: bool) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - a crash or a hang of the child is this row's failure
         return [_row("cp core p2p", FAIL, str(e).splitlines()[-1][:200])]
     dt = got["dtype"].removeprefix("torch.")
-    ok = got["err"] <= TOL[dt] and got["replay"]
-    return [_row("cp core p2p", PASS if ok else FAIL,
-                 f"kernel {got['kernel']}, {dt}, relative error {got['err']:.1e} vs unfused fp32, dropout replay "
-                 f"{'equal' if got['replay'] else 'DIFFERS'}", max_allocated_GiB=got["peak_GiB"])]
+    rows = []
+    for docs in (False, True):
+        kernel, err = (got["kernel_docs"], got["err_docs"]) if docs else (got["kernel"], got["err"])
+        fits, words, ratio = _peak_verdict(got["peaks"][docs], plan_bytes(n, heads, hd, dt, docs, kernel))
+        ok = err <= TOL[dt] and fits and (docs or got["replay"])
+        replay = "" if docs else f", dropout replay {'equal' if got['replay'] else 'DIFFERS'}"
+        rows.append(_row("cp core p2p documents" if docs else "cp core p2p", PASS if ok else FAIL,
+                         f"kernel {kernel}, {dt}, relative error {err:.1e} vs unfused fp32{replay}; {words}",
+                         max_allocated_GiB=None if docs else got["peak_GiB"], peak_over_plan=ratio))
+    return rows
 
 
 def prefix_rows(device, small: bool) -> list[dict]:
