@@ -119,7 +119,7 @@ def plan_bytes(n: int, heads: int, hd: int, dtype: str, documents: bool, kernel:
 def _peak_verdict(peaks: tuple[int, int] | None, plan: int) -> tuple[bool, str, float | None]:
     """Whether the measured peak is within the plan (and the slack), the words, the ratio."""
     if peaks is None:
-        return True, f"plan {plan / 2**20:.0f} MiB (the peak is measured on CUDA)", None
+        return True, f"plan {plan / 2**20:.2f} MiB (the peak is measured on CUDA)", None
     ratio = max(peaks) / plan
     return ratio <= 1 + PLAN_SLACK, (f"peak fwd {peaks[0] / 2**20:.0f} / bwd {peaks[1] / 2**20:.0f} MiB, "
                                      f"{ratio:.2f}x the plan's {plan / 2**20:.0f} MiB"), ratio
