@@ -203,9 +203,14 @@ def check_fp16_large_gradient(device) -> dict:
 
 
 # ------------------------------------------------------------------ checkpoint save and resume
-def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
+def _d2_worker(w: int, steps: int, model: str = "gpt-355m", settle: bool = True,
+               sleep: bool = True) -> tuple[list[float], list[float]]:
     """One rank of 2BW + the distributed optimizer at d = 2 (``run_workers`` has set this rank's GPU;
-    on a CPU-only gloo world the same code runs on the CPU)."""
+    on a CPU-only gloo world the same code runs on the CPU): the losses and the host time of each update.
+
+    ``settle`` False takes out the rule that settles transfers on the host while the reducer is busy
+    (``GradReducer.busy``; review 3 G6 asks what it costs), by unwiring it here, not by a library switch;
+    ``sleep`` False drops the last stage's GPU sleep (a step time of the model itself)."""
     import torch
 
     from megatron_2bw.checkpoint.names import WORD
@@ -230,7 +235,7 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
         a stream wait on a transfer could sit ahead of the reducer's links); without it a fast GPU may never
         let the host run ahead and a deadlock would not show."""
         built = spec.build_stage(2, state.pp_rank)
-        if device.type == "cuda" and state.pp_rank == 1:
+        if sleep and device.type == "cuda" and state.pp_rank == 1:
             built[-1].register_forward_hook(lambda *_: torch.cuda._sleep(20_000_000))
         return built
 
@@ -242,9 +247,13 @@ def _d2_worker(w: int, steps: int, model: str = "gpt-355m") -> list[float]:
     g = torch.Generator().manual_seed(11 + state.dp_rank)
     tokens = torch.randint(0, cfg.vocab_size, (2 * m, b, cfg.seq_length + 1), generator=g)
     batches = [{k: v.to(device) for k, v in spec.make_batch(t).items()} for t in tokens]
-    res = stage.train(steps, lambda mb: batches[mb % len(batches)], lambda t: 1e-4)
+    if not settle:
+        stage.transport.settle_while = stage.reducer.before_issue = None
+    times: list[float] = []
+    res = stage.train(steps, lambda mb: batches[mb % len(batches)], lambda t: 1e-4,
+                      on_update=lambda r: times.append(time.perf_counter()))
     _sync(device)
-    return [r.loss for r in res if r.loss is not None]
+    return [r.loss for r in res if r.loss is not None], times
 
 
 def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
@@ -266,7 +275,7 @@ def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
         try:
             out = run_workers(_d2_worker, 2 * w, w, steps, timeout=D2_TIMEOUT_S, pg_timeout=D2_TIMEOUT_S,
                               backend="nccl")
-            losses = [x for r in out for x in r]
+            losses = [x for r, _ in out for x in r]
             ok = bool(losses) and all(math.isfinite(x) for x in losses)
             rows.append(_row(name, PASS if ok else FAIL, f"{steps} steps in {time.perf_counter() - t0:.0f} s"
                              + ("" if ok else f": losses {losses}")))
@@ -278,6 +287,33 @@ def check_d2(n_gpus: int, steps: int = 4) -> list[dict]:
             else:
                 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = old
     return rows
+
+
+def check_settle_cost(n_gpus: int, steps: int = 10) -> list[dict]:
+    """Review 3 G6: the step time of 2BW + the distributed optimizer at d = 2 (GPT-355M, b = 2, m = 4: small
+    microbatches, where the host settling transfers while the reducer runs would show) with the rule and without it,
+    each the median of the steady steps' update-to-update times on the last stage. Measured (info); without the rule
+    a hang is the hazard the rule exists for and is reported as such."""
+    from megatron_2bw.local_workers import run_workers
+
+    name = "d=2 settle rule cost"
+    if n_gpus < 2:
+        return [_row(name, NEEDS_GPU, "needs 2 or more GPUs")]
+    w, medians = max(1, n_gpus // 2), {}
+    for settle in (True, False):
+        try:
+            out = run_workers(_d2_worker, 2 * w, w, steps, "gpt-355m", settle, False, timeout=D2_TIMEOUT_S,
+                              pg_timeout=D2_TIMEOUT_S, backend="nccl")
+        except Exception as e:  # noqa: BLE001 - a hang without the rule is the hazard, not a fault of the engine
+            if settle:
+                return [_row(name, FAIL, f"with the rule: {type(e).__name__}: {str(e).splitlines()[0][:160]}")]
+            return [_row(name, "info", f"without the rule it did not finish ({type(e).__name__}): the hazard")]
+        times = out[-1][1]  # the last rank is on the last stage
+        gaps = [b - a for a, b in zip(times[2:], times[3:])]  # the steady steps
+        medians[settle] = sorted(gaps)[len(gaps) // 2]
+    return [_row(name, "info", f"step {medians[True] * 1e3:.1f} ms with the rule, {medians[False] * 1e3:.1f} ms "
+                 f"without: {medians[True] / medians[False]:.3f}x", with_rule_s=medians[True],
+                 without_rule_s=medians[False])]
 
 
 # ------------------------------------------------------------------ main
@@ -346,6 +382,7 @@ def _sections(env: dict, deadline: float):
             yield f"train {model} {dtype}", lambda model=model, dtype=dtype, peak=peak: check_training(
                 model, dtype, device, env["steps"], env["warmup"], env["m"], kernels, peak)
     yield "d=2", lambda: check_d2(env["n_gpus"])
+    yield "d=2 settle rule cost", lambda: check_settle_cost(env["n_gpus"])
     yield "tied embedding d=2", lambda: [overlap.tied_d2_row(env["n_gpus"], deadline)]
 
 

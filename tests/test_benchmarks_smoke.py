@@ -4,6 +4,7 @@ JSON schema its README documents. Timings are not checked (the CI machine is sha
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -194,7 +195,8 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
                      "async staging pinned exact", "allocator retry sync PYTORCH_CUDA_ALLOC_CONF=unset",
                      "allocator retry sync PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                      "prefetch h2d gpt-tiny b=2 s=64", "compute on fewer SMs", "update wait gpu backlog",
-                     "tied embedding d=2 last stage", "reserve outside the allocator"}
+                     "tied embedding d=2 last stage", "reserve outside the allocator",
+                     "d=2 settle rule cost"}
     assert checks["environment"]["torch"] == torch.__version__
     sdpa = [c for k, c in checks.items() if k.startswith("sdpa ")]
     assert len(sdpa) == 2 * 2 * 2 * 3 and all(c["kernel"] for c in sdpa)  # shapes x masks x dtypes x backends
@@ -221,6 +223,21 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     # P4: the prefetching provider's batches equal the direct ones, every one after the first served ahead
     assert checks["prefetch batches gpt-tiny b=2 s=64"]["detail"].startswith("12 microbatches with prefetch == without")
     assert checks["update wait gpu backlog"]["steps"]["0.0"]["update_wait_s"] >= 0  # P3: the code ran
+
+
+def test_gpu_check_settle_cost_worker_on_the_cpu():
+    """The device script's G6 row unwires the settle rule in its worker, not in the library: on gloo (where the rule
+    does nothing) the losses are the same bitwise with and without it, and each rank times every update."""
+    import gpu_check
+
+    from megatron_2bw.local_workers import run_workers
+
+    got = {settle: run_workers(gpu_check._d2_worker, 2, 1, 3, "gpt-tiny", settle, False, timeout=300)
+           for settle in (True, False)}
+    for settle, ranks in got.items():
+        assert all(len(times) == 3 and times == sorted(times) for _, times in ranks), settle
+        assert len(ranks[-1][0]) == 3 and all(math.isfinite(x) for x in ranks[-1][0])  # the last stage's losses
+    assert got[True][-1][0] == got[False][-1][0]
 
 
 def test_muon_throughput_quick(tmp_path):
