@@ -209,3 +209,32 @@ def _per_name(stage: dict) -> dict[str, dict]:
     out = {k: v for k, v in stage.items() if k in ("older", "master") and v is not None}
     out.update({f"optimizer.{k}": v for k, v in stage["optimizer"].items() if isinstance(v, dict)})
     return out
+
+
+def test_the_updater_leaves_the_expert_segment_to_the_expert_gather():
+    """At an EP > 1 torch-format save the expert segment's master and optimizer state are gathered once, by the
+    expert gather: the updater's ``state_dict(skip=...)`` neither gathers nor copies that segment (its range
+    stays zeros for the gather to fill) and places every other segment as before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_2bw.pipeline.updater import Updater
+
+    class Part:
+        def __init__(self, start: int, values: torch.Tensor):
+            self.seg, self.values, self.calls = SimpleNamespace(of=lambda t: t[start:start + len(values)]), values, 0
+
+        def full(self, everywhere: bool, copy: bool) -> dict:
+            self.calls += 1
+            return {"master": self.values.clone(), "optimizer.exp_avg": 2 * self.values}
+
+    dense, experts = Part(0, torch.arange(1.0, 5.0)), Part(6, torch.arange(10.0, 13.0))
+    up = Updater.__new__(Updater)
+    up.reducer, up.parts, up.weights = None, [dense, experts], SimpleNamespace(numel=9)
+    up.scaler, up.state_scalars = SimpleNamespace(state_dict=dict), dict
+    sd = up.state_dict(everywhere=False, copy=False, skip=frozenset({1}))
+    assert experts.calls == 0 and dense.calls == 1
+    assert sd["master"].tolist() == [1, 2, 3, 4, 0, 0, 0, 0, 0]
+    assert sd["optimizer"]["exp_avg"].tolist() == [2, 4, 6, 8, 0, 0, 0, 0, 0]
+    assert up.state_dict()["master"].tolist() == [1, 2, 3, 4, 0, 0, 10, 11, 12] and experts.calls == 1

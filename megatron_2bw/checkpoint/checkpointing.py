@@ -310,14 +310,17 @@ def _named_state(stage) -> tuple[dict, dict] | None:
     expert-parallel size e > 1, the other expert pieces', so that the file holds every expert as at e = 1)."""
     state, w = stage.state, stage.weights
     named = newest = None
-    if state.dp_rank == 0:
-        named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False),
-                                                          w.state_views, w.numel, w.slot(stage.step))
-    elif stage.updater.shard is not None:
-        stage.updater.state_dict(everywhere=False, copy=False)  # the gather to data-parallel rank 0 is a collective
+    skip: frozenset[int] = frozenset()
     if state.e > 1:  # data rank 0 holds its own experts only: every stack whole, as at expert-parallel size 1
-        from .expert_gather import gather_expert_stacks  # noqa: PLC0415 - the engine's modules, at a save only
+        from .expert_gather import expert_segments, gather_expert_stacks  # noqa: PLC0415 - at a save only
 
+        skip = expert_segments(w)  # gathered once, by the expert gather, not first by the updater's
+    if state.dp_rank == 0:
+        named, newest = trainer_format.named_engine_state(stage.state_dict(everywhere=False, copy=False, skip=skip),
+                                                          w.state_views, w.numel, w.slot(stage.step))
+    elif stage.updater.shard is not None:  # the gather to data-parallel rank 0 is a collective
+        stage.updater.state_dict(everywhere=False, copy=False, skip=skip)
+    if state.e > 1:
         gather_expert_stacks(stage, named, newest)
     return (named, newest) if state.dp_rank == 0 else None
 

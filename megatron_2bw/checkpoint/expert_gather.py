@@ -31,12 +31,19 @@ from ..parallel_state import EXPERT_DATA
 from ..pipeline.segment_update import OPT
 from ..pipeline.zero import ShardLayout, gather_full
 
-__all__ = ["gather_expert_stacks"]
+__all__ = ["expert_segments", "gather_expert_stacks"]
 
 
 def _expert_segment(weights) -> tuple[int, object] | None:
     """(index, segment) of the stage's expert segment; None on a stage without experts."""
     return next(((i, s) for i, s in enumerate(weights.segments) if s.domain == EXPERT_DATA), None)
+
+
+def expert_segments(weights) -> frozenset[int]:
+    """The expert segment's index, for the updater's state to leave out at a save (:func:`gather_expert_stacks`
+    gathers it whole, the updater's own gather would be a second one, of data rank 0's piece); empty without one."""
+    found = _expert_segment(weights)
+    return frozenset() if found is None else frozenset({found[0]})
 
 
 def _over_experts(piece: torch.Tensor, state) -> torch.Tensor | None:

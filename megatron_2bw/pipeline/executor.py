@@ -467,17 +467,18 @@ class PipelineRank(PostValidation):
         return self._means(total[0], num_microbatches)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, everywhere: bool = True, copy: bool = True) -> dict:
+    def state_dict(self, everywhere: bool = True, copy: bool = True, skip: frozenset[int] = frozenset()) -> dict:
         """Both weight versions (2BW), the fp32 master, optimizer and scaler state, and the step, in the
         unsharded layout, on the CPU (with the distributed optimizer a collective of the data-parallel
         group, whose gathered tensors reach only data-parallel rank 0 when ``everywhere`` is False).
+        ``skip``: the updater's segments left zeros in the master and optimizer state (``Updater.state_dict``).
 
         ``copy`` True: a snapshot; False (a save, written before training goes on): CPU buffers
         themselves, device buffers copied straight to the host, never cloned on the device."""
         w = self.weights
         self.reducer.wait_all()
         return {"step": self.step, "schedule": self.pipe.schedule, "names": w.names,
-                "versions": [host(f, copy) for f in w.flat], **self.updater.state_dict(everywhere, copy)}
+                "versions": [host(f, copy) for f in w.flat], **self.updater.state_dict(everywhere, copy, skip)}
 
     def load_state_dict(self, sd: dict) -> None:
         w = self.weights

@@ -115,16 +115,20 @@ class SegmentUpdate:
         load_whole(self.state_spans()[name], full if self.shard is None else self.shard.take(full, torch.float32))
 
 
-def place(parts: list[SegmentUpdate], fulls: list[torch.Tensor | None], numel: int) -> torch.Tensor | None:
+def place(parts: list[SegmentUpdate], fulls: list[torch.Tensor | None], numel: int,
+          skip: frozenset[int] = frozenset()) -> torch.Tensor | None:
     """The stage's whole tensor (``numel`` elements, zeros between segments) from each segment's whole one:
-    the one tensor itself when there is one segment; None where a segment's is (not gathered here)."""
+    the one tensor itself when there is one segment; None where a segment's is (not gathered here). The
+    segments in ``skip`` (of several) stay zeros: their caller fills them in (the torch format's expert gather)."""
     if len(parts) == 1:
         return fulls[0]
-    if any(f is None for f in fulls):
+    kept = [f for i, f in enumerate(fulls) if i not in skip]
+    if not kept or any(f is None for f in kept):
         return None
-    out = torch.zeros(numel, dtype=fulls[0].dtype)
-    for p, f in zip(parts, fulls):
-        p.seg.of(out).copy_(f)
+    out = torch.zeros(numel, dtype=kept[0].dtype)
+    for i, (p, f) in enumerate(zip(parts, fulls)):
+        if i not in skip:
+            p.seg.of(out).copy_(f)
     return out
 
 

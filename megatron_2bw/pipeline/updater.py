@@ -298,18 +298,24 @@ class Updater:
         """Bytes of the fp32 master copy (this rank's shard with the distributed optimizer)."""
         return sum(p.master.numel() * p.master.element_size() for p in self.parts if p.master is not None)
 
-    def state_dict(self, everywhere: bool = True, copy: bool = True) -> dict:
+    def state_dict(self, everywhere: bool = True, copy: bool = True, skip: frozenset[int] = frozenset()) -> dict:
         """The master, optimizer and scaler state (keys ``master``, ``optimizer``, ``scaler``) on the CPU, in
         the unsharded layout (whole stage tensors, zeros between segments); with the distributed optimizer
         every rank of each segment's domain must call it, and with ``everywhere`` False only data-parallel
         rank 0 receives the gathered tensors (None elsewhere).
 
         ``copy`` True: a snapshot. ``copy`` False (a save that writes before training goes on): the live
-        tensors where they are on the CPU already. Never a copy on the device (gpu-review C4)."""
+        tensors where they are on the CPU already. Never a copy on the device (gpu-review C4).
+
+        ``skip``: segments (of several) neither gathered nor copied, left zeros: a caller that gathers them
+        itself (the torch format's expert stacks at expert-parallel size > 1) would otherwise gather them twice."""
         if self.reducer is not None:
             self.reducer.wait_all()  # no all-gather may be left running beside the state's gather
-        fulls = [p.full(everywhere, copy) for p in self.parts]
-        full = {k: place(self.parts, [f[k] for f in fulls], self.weights.numel) for k in fulls[0]}
+        skip = skip if len(self.parts) > 1 else frozenset()
+        fulls = [None if i in skip else p.full(everywhere, copy) for i, p in enumerate(self.parts)]
+        keys = next(f for f in fulls if f is not None)
+        full = {k: place(self.parts, [None if f is None else f[k] for f in fulls], self.weights.numel, skip)
+                for k in keys}
         return {
             "master": full.get("master"),
             "optimizer": {**{k[len(OPT):]: v for k, v in full.items() if k.startswith(OPT)}, **self.state_scalars()},
