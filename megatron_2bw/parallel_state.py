@@ -84,8 +84,8 @@ class Groups:
     """This process's groups of the layout, built once (None: a group of one): tensor, replicas (``dp``:
     data x context, Megatron's data group with context parallel), context, expert (token dispatch, the training
     thread), expert-data, the expert ranks again for the gradient reducer's thread, embedding (first and last
-    stage: tied embeddings; None where the run sums no tied embedding between ranks) and model (one full model: norms, overflow). No pipeline group: transfers go over
-    the default group's communicator."""
+    stage: tied embeddings; None where no tied embedding is summed between ranks) and model (one full model:
+    norms, overflow). No pipeline group: transfers go over the default group's communicator."""
 
     tp: object | None = None
     dp: object | None = None

@@ -303,7 +303,8 @@ def test_the_trainer_is_built_inside_the_watchdogs_start_up(monkeypatch):
     monkeypatch.setattr(loop.watchdog, "start_watchdog", lambda *a, **k: dog)
     monkeypatch.setattr(loop, "Trainer", FakeTrainer)
     system = types.SimpleNamespace(stall_timeout_s=5.0, timeout_minutes=1.0, device="cpu", backend="gloo")
-    cfg = types.SimpleNamespace(system=system, parallel=None, model=types.SimpleNamespace(moe=None))  # a dense model
+    cfg = types.SimpleNamespace(system=system, parallel=None, model=types.SimpleNamespace(moe=None),  # a dense model
+                                tied_across_ranks=False)
     prep = types.SimpleNamespace(cfg=cfg, loaded_iteration=None)
     assert loop.run(prep, faults=None) == 0
     assert seen == {"paused_while_built": True, "paused_while_training": False}

@@ -471,10 +471,9 @@ class PipelineRank(PostValidation):
         """Both weight versions (2BW), the fp32 master, optimizer and scaler state, and the step, in the
         unsharded layout, on the CPU (with the distributed optimizer a collective of the data-parallel
         group, whose gathered tensors reach only data-parallel rank 0 when ``everywhere`` is False).
-        ``skip``: the updater's segments left zeros in the master and optimizer state (``Updater.state_dict``).
 
-        ``copy`` True: a snapshot; False (a save, written before training goes on): CPU buffers
-        themselves, device buffers copied straight to the host, never cloned on the device."""
+        ``copy`` True: a snapshot; False (a save, written before training goes on): CPU buffers themselves,
+        device buffers copied straight to the host, never cloned on the device. ``skip``: the updater's."""
         w = self.weights
         self.reducer.wait_all()
         return {"step": self.step, "schedule": self.pipe.schedule, "names": w.names,
