@@ -225,6 +225,24 @@ def test_gpu_check_cpu_form(tmp_path, capsys):
     assert checks["update wait gpu backlog"]["steps"]["0.0"]["update_wait_s"] >= 0  # P3: the code ran
 
 
+def test_gpu_check_training_rows_hold_the_budget(monkeypatch):
+    """Review 3 G12: a training row checks the budget before each of its systems (a 1.3B system runs about a
+    minute), so the script ends within a system of ``--budget-s``; a system past it is one info row, not run."""
+    import gpu_check
+    import torch
+
+    from megatron_2bw.fused import select_kernels
+
+    ran = []
+    monkeypatch.setattr(gpu_check.gpu, "run_plain", lambda *a, **k: ran.append("plain"))
+    monkeypatch.setattr(gpu_check.gpu, "run_engine", lambda *a, **k: ran.append("engine"))
+    rows = gpu_check.check_training("gpt-tiny", "fp32", torch.device("cpu"), 1, 1, 2, select_kernels("auto", "cpu"),
+                                    None, deadline=time.perf_counter() - 1)
+    assert not ran and [r["status"] for r in rows] == ["info"] * 3
+    assert all("budget is spent" in r["detail"] for r in rows)
+    assert gpu_check.BUDGET_S + 60 <= 420  # a system or a section past the budget still ends within the call
+
+
 def test_gpu_check_settle_cost_worker_on_the_cpu():
     """The device script's G6 row unwires the settle rule in its worker, not in the library: on gloo (where the rule
     does nothing) the losses are the same bitwise with and without it, and each rank times every update."""
