@@ -74,6 +74,8 @@ def sdpa_rows(device) -> list[dict]:
                         q.grad = k.grad = v.grad = None
                     s2 = 3 * b * a * s * s * 4 / 2**20  # the math path's three fp32 [b, a, s, s] tensors
                     note = " (runs here although refused at start-up)" if refused and cuda else ""
+                    # the planner prices a math core as those three tensors (layer_costs): how the peak compares
+                    math_ratio = peak / s2 if peak is not None and "math" in kernel else None
                     rows.append(_row(name, PASS, kernel + note, kernel=kernel, peak_MiB=peak,
-                                     math_s2_MiB=s2, refused=refused))
+                                     math_s2_MiB=s2, math_peak_over_plan=math_ratio, refused=refused))
     return rows
