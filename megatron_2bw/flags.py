@@ -134,6 +134,8 @@ MOE_FLAGS: tuple[Flag, ...] = (
          help="FFN size of all shared experts together (default: none)"),
     Flag("--moe-shared-expert-gate", "moe.moe_shared_expert_gate", MOE, const=True, kinds=_GPT,
          help="sigmoid gate on the shared experts (Qwen2-MoE)"),
+    Flag("--moe-shared-expert-overlap", "moe.moe_shared_expert_overlap", MOE, const=True, kinds=_GPT,
+         help="run the shared experts while the dispatch all-to-all is in flight (alltoall dispatcher)"),
     Flag("--moe-grouped-gemm", "moe.moe_grouped_gemm", MOE, const=True, kinds=_GPT,
          help="torch._grouped_mm for the experts where it runs"),
     Flag("--expert-model-parallel-size", "moe.expert_model_parallel_size", MOE, int, kinds=_GPT,

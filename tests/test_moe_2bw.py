@@ -33,6 +33,7 @@ ROUTING_CELLS = [  # (name, extra flags)
     ("ep2-layer-recompute", (*TWO_STAGES, "--expert-model-parallel-size", "2", "--moe-layer-recompute",
                              "--moe-token-dispatcher-type", "alltoall")),
 ]
+SHARED = ("--moe-shared-expert-intermediate-size", "48", "--moe-token-dispatcher-type", "alltoall")
 EP2 = ("--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
        "--global-batch-size", "8")  # m = 4 per data rank: zb-v needs 3
 SCHEDULE_CELLS = [  # (name, reference, extra flags): world 4 (d 2 x w 2, EP 2 inside w)
@@ -43,9 +44,18 @@ SCHEDULE_CELLS = [  # (name, reference, extra flags): world 4 (d 2 x w 2, EP 2 i
     ("zb-h2", "flush", (*EP2, "--pipeline-schedule", "zb-h2")),
     ("zb-v", "flush", (*EP2, "--pipeline-schedule", "zb-v")),
     ("zb-h1-pv", "flush", (*EP2, "--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation")),
+    # the shared experts computed while the tokens travel: under 2BW with MoE-layer recomputation (the replay
+    # overlaps too) and under zb-h1 (the overlapped backward split into input and weight gradients)
+    ("2bw-shared-overlap", "2bw-shared", (*EP2, "--pipeline-schedule", "2bw", *SHARED, "--moe-shared-expert-overlap",
+                                          "--moe-layer-recompute")),
+    ("zb-h1-shared-overlap", "flush-shared", (*EP2, "--pipeline-schedule", "zb-h1", *SHARED,
+                                              "--moe-shared-expert-overlap")),
 ]
 SCHEDULE_REFS = {"2bw": ("--num-layers", "4", "--global-batch-size", "8", "--pipeline-schedule", "2bw"),
-                 "flush": ("--num-layers", "4", "--global-batch-size", "8", "--pipeline-schedule", "flush")}
+                 "flush": ("--num-layers", "4", "--global-batch-size", "8", "--pipeline-schedule", "flush"),
+                 "2bw-shared": ("--num-layers", "4", "--global-batch-size", "8", "--pipeline-schedule", "2bw", *SHARED),
+                 "flush-shared": ("--num-layers", "4", "--global-batch-size", "8", "--pipeline-schedule", "flush",
+                                  *SHARED)}
 
 
 def _watch_routing(log: list) -> None:

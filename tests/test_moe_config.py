@@ -47,6 +47,8 @@ def test_defaults_are_megatron_cores():
     ({"moe_router_enable_expert_bias": True}, "needs --moe-router-score-function sigmoid"),
     ({"moe_pad_expert_input_to_capacity": True}, "needs --moe-expert-capacity-factor"),
     ({"moe_shared_expert_gate": True}, "needs --moe-shared-expert-intermediate-size"),
+    ({"moe_shared_expert_intermediate_size": 16, "moe_shared_expert_overlap": True},
+     "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall"),
     ({"moe_layer_freq": (0, 2)}, "must hold 0s and 1s"),
 ])
 def test_bad_moe_config_is_one_line(kw, message):
@@ -84,7 +86,8 @@ MOE_ARGV = ["--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-layer-fr
             "--moe-z-loss-coeff", "1e-3", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
             "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.5",
             "--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity",
-            "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate", "--moe-grouped-gemm",
+            "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate", "--moe-shared-expert-overlap",
+            "--moe-grouped-gemm",
             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--moe-layer-recompute"]
 WANT = MoEConfig(8, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1, 1, 1), moe_router_topk=4,
                  moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
@@ -93,7 +96,8 @@ WANT = MoEConfig(8, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1, 1, 1), moe_rou
                  moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
                  moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.5, moe_token_drop_policy="position",
                  moe_pad_expert_input_to_capacity=True, moe_shared_expert_intermediate_size=64,
-                 moe_shared_expert_gate=True, moe_grouped_gemm=True, expert_model_parallel_size=2,
+                 moe_shared_expert_gate=True, moe_shared_expert_overlap=True, moe_grouped_gemm=True,
+                 expert_model_parallel_size=2,
                  moe_layer_recompute=True)
 
 

@@ -24,6 +24,7 @@ H, E = 8, 8
 SHAPES = ((5, 2), (3, 2))  # (s, b) of rank 0 and rank 1
 CASES = {
     "alltoall": {"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+    "alltoall_shared_overlap": {"moe_token_dispatcher_type": "alltoall", "moe_shared_expert_overlap": True},
     "allgather": {"moe_token_dispatcher_type": "allgather"},
     "alltoall_capacity": {"moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": 1.0,
                           "moe_pad_expert_input_to_capacity": True},
@@ -121,6 +122,51 @@ def _worker() -> dict[str, dict[str, float]]:
     for balancing in ("aux_loss", "seq_aux_loss"):
         out[f"split_sequences_{balancing}"] = _split_sequence_case(balancing)
     return out
+
+
+def _overlap_order() -> tuple[list[str], float, float]:
+    """The events of one EP = 2 call with ``--moe-shared-expert-overlap``, forward and backward; the output's and
+    the input gradient's difference from the same layer without the overlap (same weights and tokens)."""
+    from megatron_2bw.moe import comm
+
+    rank = dist.get_rank()
+    cfg = MoEConfig(E, moe_ffn_hidden_size=8, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                    moe_shared_expert_intermediate_size=12, moe_token_dispatcher_type="alltoall",
+                    expert_model_parallel_size=2)
+    torch.manual_seed(0)
+    plain = MoELayer(cfg, H, gated=True, ep_group=dist.group.WORLD).train()
+    over = MoELayer(replace(cfg, moe_shared_expert_overlap=True), H, gated=True, ep_group=dist.group.WORLD).train()
+    over.load_state_dict(plain.state_dict())
+    events: list[str] = []
+    issue, wait = comm._InFlight.issue, comm._InFlight.wait
+    comm._InFlight.issue = lambda self, *a: (events.append("issue"), issue(self, *a))[1]
+    comm._InFlight.wait = lambda self: (events.append("wait"), wait(self))[1]
+    shared = over.shared_experts
+    shared.register_forward_hook(lambda *_: events.append("shared forward"))
+    for name in ("linear_fc2", "linear_fc1"):  # backward reaches fc2 first
+        getattr(shared, name).register_full_backward_hook(lambda *_, n=name: events.append(f"shared {n} backward"))
+    x, g = _data(rank)
+    try:
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        y = over(xs[0])
+        events.append("backward")
+        (y * g).sum().backward()
+    finally:
+        comm._InFlight.issue, comm._InFlight.wait = issue, wait
+    y_plain = plain(xs[1])
+    (y_plain * g).sum().backward()
+    return events, _rel(y, y_plain), _rel(xs[0].grad, xs[1].grad)
+
+
+def test_shared_experts_run_while_the_tokens_travel():
+    """``--moe-shared-expert-overlap``: the shared experts' forward runs between the dispatch all-to-all's issue and
+    its wait, and their backward between the issue and the wait of its gradient's all-to-all (the engine's order,
+    not a second stream); the result equals the layer's without the overlap (the output bitwise: the same
+    operations; the input gradient within 1e-6: its three parts are summed in another order)."""
+    for events, out_diff, grad_diff in run_workers(_overlap_order, 2, timeout=120):
+        assert events == ["issue", "shared forward", "wait", "backward", "issue", "shared linear_fc2 backward",
+                          "shared linear_fc1 backward", "wait"], events
+        assert out_diff == 0.0 and grad_diff <= 1e-6, (out_diff, grad_diff)
 
 
 def test_expert_parallel_equals_ep1():

@@ -255,3 +255,31 @@ def test_moe_stash_is_what_autograd_keeps(name):
     tokens = 16 * 4
     want = MOE_MLP.stash(model).full * tokens * 4 + router_stash_bytes(model) * tokens
     assert 1.0 <= sum(seen.values()) / want < 1.05
+
+
+def test_shared_expert_overlap_hides_the_dispatch_behind_the_shared_experts():
+    """``--moe-shared-expert-overlap``: the dispatch all-to-all runs beside the shared experts' forward (and beside
+    their replay with --moe-layer-recompute), its gradient's beside their backward (twice the forward): each hides
+    at most itself. The shared experts' forward is priced from their multiply-adds (per token s x h x 3 with
+    SwiGLU against the routed experts' k x F x h x 3); without shared experts the flag changes nothing."""
+    b, width = 2, 8192  # a shared block as wide as 4 Mixtral experts: 2x the routed work per token at top-2
+    shared = replace(MIXTRAL, moe=replace(MIXTRAL.moe, moe_shared_expert_intermediate_size=width,
+                                          moe_token_dispatcher_type="alltoall"))
+    plain = analytic_microbatch_costs(shared, H100, "bf16", 1, b)
+    assert plain.moe.shared_forward_s / plain.moe.expert_forward_s == pytest.approx(width / (K * F), rel=1e-12)
+    one = alltoall_seconds(plain, 1, 8, H100, 1.0)
+    over_model = replace(shared, moe=replace(shared.moe, moe_shared_expert_overlap=True))
+    for recompute in (False, True):
+        m = replace(over_model, moe=replace(over_model.moe, moe_layer_recompute=recompute))
+        base = replace(m, moe=replace(m.moe, moe_shared_expert_overlap=False))
+        over, without = (for_experts(analytic_microbatch_costs(x, H100, "bf16", 1, b), 1, 8, H100, 1.0)
+                         for x in (m, base))
+        s = over.moe.shared_forward_s
+        assert over.alltoall_s[0] == pytest.approx(without.alltoall_s[0] - min(one, s), rel=1e-12)
+        hidden = min(one, 2 * s) + (min(one, s) if recompute else 0.0)
+        assert over.alltoall_s[1] == pytest.approx(without.alltoall_s[1] - hidden, rel=1e-12)
+        assert over.layer.forward_s < without.layer.forward_s
+    no_shared = replace(MIXTRAL, moe=replace(MIXTRAL.moe, moe_shared_expert_overlap=True))
+    a, z = (for_experts(analytic_microbatch_costs(x, H100, "bf16", 1, b), 1, 8, H100, 1.0)
+            for x in (no_shared, MIXTRAL))
+    assert a.alltoall_s == z.alltoall_s and a.layer == z.layer

@@ -51,6 +51,7 @@ class MoEConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: int | None = None  # all shared experts together
     moe_shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x w) scales the shared experts' output
+    moe_shared_expert_overlap: bool = False  # the shared experts run while the dispatch all-to-all is in flight
     moe_grouped_gemm: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1  # only 1 is built
@@ -70,6 +71,11 @@ class MoEConfig:
         _require(s is None or s > 0, f"--moe-shared-expert-intermediate-size must be positive, got {s}")
         _require(not self.moe_shared_expert_gate or s is not None,
                  "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        # Megatron-Core's rule: with shared experts the overlap needs the all-to-all dispatcher (without them the
+        # flag has nothing to overlap and is accepted, as there)
+        _require(not (self.moe_shared_expert_overlap and s is not None
+                      and self.moe_token_dispatcher_type != "alltoall"),
+                 "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall")
         f = self.moe_layer_freq
         if isinstance(f, int):
             _require(f >= 1, f"--moe-layer-freq must be >= 1, got {f}")

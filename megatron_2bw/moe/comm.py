@@ -6,6 +6,11 @@
   gradient of a rank's rows over the ranks (a reduce-scatter, done as all-reduce + slice: gloo has no
   reduce-scatter of uneven parts).
 - ``reduce_scatter_rows``: the reverse of ``gather_rows`` (forward sums, backward gathers).
+- ``all_to_all_beside``: ``all_to_all`` with other work run while it is in flight, both ways
+  (``--moe-shared-expert-overlap``): :func:`start_all_to_all` issues it and returns at once, the work runs,
+  :func:`wait_all_to_all` waits. In backward the order reverses by itself: autograd runs the later-made
+  ``wait``'s backward first (it issues the gradient's all-to-all), then the work's backward (made between the
+  two), then the ``start``'s (it waits), the engine taking ready nodes latest-made first.
 """
 
 from __future__ import annotations
@@ -35,6 +40,65 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:r]):...]`` to rank r; what each rank sends here, in rank order."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class _InFlight:
+    """One all-to-all issued and not yet waited for, in forward and then in backward: its work, the tensors it
+    reads and writes (kept alive until it completes), the splits and the group."""
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group) -> None:
+        self.splits, self.group = (out_splits, in_splits), group
+        self.work = self.sent = self.received = None
+
+    def issue(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        self.sent = x.contiguous()
+        self.received = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.work = dist.all_to_all_single(self.received, self.sent, out_splits, in_splits, group=self.group,
+                                           async_op=True)
+        return self.received
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        out, self.work, self.sent, self.received = self.received, None, None, None
+        return out
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):  # type: ignore[override]
+        ctx.flight = flight
+        return flight.issue(x, *flight.splits)
+
+    @staticmethod
+    def backward(ctx, _placeholder):  # type: ignore[override]
+        return ctx.flight.wait(), None  # the gradient's all-to-all, issued by _Wait's backward
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, flight):  # type: ignore[override]
+        ctx.flight = flight
+        flight.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.flight.splits
+        ctx.flight.issue(grad, in_splits, out_splits)
+        return grad, None  # a placeholder: _Start's backward returns the real gradient once it arrives
+
+
+def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group
+                     ) -> tuple[torch.Tensor, _InFlight]:
+    """``all_to_all`` issued, not waited for: (its output, not to be read before :func:`wait_all_to_all`,
+    and the handle to wait on)."""
+    flight = _InFlight(out_splits, in_splits, group)
+    return _Start.apply(x, flight), flight
+
+
+def wait_all_to_all(out: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+    """The output of :func:`start_all_to_all`, once it has arrived."""
+    return _Wait.apply(out, flight)
 
 
 def _gather(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:

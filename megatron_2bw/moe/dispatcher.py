@@ -8,16 +8,21 @@ rows (weighted by the routing probabilities on the way back):
   the rows (one all-to-all with uneven splits), and re-orders the received rank-major chunks expert-major;
 - ``allgather``: every rank gathers all the group's tokens and routing, computes its own experts' share of
   every token, and the shares are summed back onto the owning ranks (a reduce-scatter).
+
+``dispatch(..., beside=f)`` runs ``f()`` (the shared experts) and keeps its result in the handle: with the
+all-to-all dispatcher over more than one rank, while the rows are in flight, forward and backward
+(``--moe-shared-expert-overlap``); otherwise after the dispatch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .comm import all_to_all, gather_rows, gather_sizes, reduce_scatter_rows
+from .comm import all_to_all, gather_rows, gather_sizes, reduce_scatter_rows, start_all_to_all, wait_all_to_all
 from .permute import Permutation, permute, sort_chunks, unpermute
 
 
@@ -27,6 +32,7 @@ class _Handle:
     splits: tuple[list[int], list[int]] = ([], [])  # all-to-all: (rows received per rank, sent per rank)
     chunks: torch.Tensor | None = None  # received rows per (source rank, local expert)
     sizes: list[int] | None = None  # all-gather: tokens per rank
+    beside: torch.Tensor | None = None  # what ``dispatch``'s ``beside`` returned
 
 
 class _Dispatcher:
@@ -41,12 +47,15 @@ class _Dispatcher:
         self.first = self.rank * self.num_local
 
 
+Beside = Callable[[], torch.Tensor] | None
+
+
 class AllToAllDispatcher(_Dispatcher):
-    def dispatch(self, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    def dispatch(self, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, beside: Beside = None
                  ) -> tuple[torch.Tensor, list[int], _Handle]:
         rows, perm = permute(hidden, routing_map, probs)
         if self.size == 1:
-            return rows, perm.counts.tolist(), _Handle(perm)
+            return rows, perm.counts.tolist(), _Handle(perm, beside=None if beside is None else beside())
         p, e = self.size, self.num_local
         counts = perm.counts.to(torch.int64)
         received = torch.empty_like(counts)
@@ -54,8 +63,14 @@ class AllToAllDispatcher(_Dispatcher):
         chunks = received.view(p, e)
         send = counts.view(p, e).sum(dim=1).tolist()
         recv = chunks.sum(dim=1).tolist()
-        rows = sort_chunks(all_to_all(rows, recv, send, self.group), chunks, p, e)
-        return rows, chunks.sum(dim=0).tolist(), _Handle(perm, (recv, send), chunks)
+        if beside is None:
+            rows, done = all_to_all(rows, recv, send, self.group), None
+        else:  # the rows travel while beside() computes (forward; its backward while their gradient travels)
+            rows, flight = start_all_to_all(rows, recv, send, self.group)
+            done = beside()
+            rows = wait_all_to_all(rows, flight)
+        rows = sort_chunks(rows, chunks, p, e)
+        return rows, chunks.sum(dim=0).tolist(), _Handle(perm, (recv, send), chunks, beside=done)
 
     def combine(self, rows: torch.Tensor, h: _Handle) -> torch.Tensor:
         if self.size > 1:
@@ -67,7 +82,7 @@ class AllToAllDispatcher(_Dispatcher):
 
 
 class AllGatherDispatcher(_Dispatcher):
-    def dispatch(self, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    def dispatch(self, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, beside: Beside = None
                  ) -> tuple[torch.Tensor, list[int], _Handle]:
         sizes = None
         if self.size > 1:
@@ -77,7 +92,7 @@ class AllGatherDispatcher(_Dispatcher):
             routing_map = gather_rows(routing_map.to(torch.uint8), sizes, self.group).bool()
         mine = slice(self.first, self.first + self.num_local)
         rows, perm = permute(hidden, routing_map[:, mine], probs[:, mine])
-        return rows, perm.counts.tolist(), _Handle(perm, sizes=sizes)
+        return rows, perm.counts.tolist(), _Handle(perm, sizes=sizes, beside=None if beside is None else beside())
 
     def combine(self, rows: torch.Tensor, h: _Handle) -> torch.Tensor:
         out = unpermute(rows, h.perm)

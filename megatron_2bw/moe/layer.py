@@ -100,10 +100,12 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         route = self.router(tokens, s, b, expert_bias=expert_bias, count_tokens=count_tokens)
-        rows, counts, handle = self.dispatcher.dispatch(tokens, route.routing_map, route.probs)
+        shared = self.shared_experts
+        beside = (lambda: shared(tokens)) if shared is not None and self.cfg.moe_shared_expert_overlap else None
+        rows, counts, handle = self.dispatcher.dispatch(tokens, route.routing_map, route.probs, beside)
         y = self.dispatcher.combine(self.experts(rows, counts), handle)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+        if shared is not None:
+            y = y + (handle.beside if beside is not None else shared(tokens))
         if record and self.training and not replaying():  # once per microbatch: its first forward
             self.last_stats = MoEStats(route.losses, route.tokens_per_expert.detach(), route.dropped)
         return y.view(s, b, h).to(x.dtype)

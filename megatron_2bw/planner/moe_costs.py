@@ -18,8 +18,10 @@ all-gather forward and one backward in place of the dense MLP's all-reduces), an
 - The token all-to-all: dispatch and combine in the forward and their transposes in the backward, 4 per MoE
   layer and microbatch (6 with ``--moe-layer-recompute``, which re-runs the forward's two), each
   ``tokens x k x h x dtype`` bytes per rank (tokens: the rank's microbatch, ``b s / c`` under context
-  parallelism), ``(e - 1) / e`` of it leaving the rank (``alltoall_seconds``). Nothing overlaps it in this
-  trainer: it is inside the layer's forward and backward times, on every schedule's critical path.
+  parallelism), ``(e - 1) / e`` of it leaving the rank (``alltoall_seconds``). It is inside the layer's forward
+  and backward times, on every schedule's critical path, except what ``--moe-shared-expert-overlap`` hides: the
+  dispatch runs beside the shared experts' forward (and beside their replay under ``--moe-layer-recompute``),
+  its gradient's all-to-all beside their backward (twice the forward's GEMMs), each hiding at most itself.
 - Load: dropless routing is priced at the busiest rank's load (the all-to-all waits for it and so does the next
   layer). ``expert_load`` is the busiest expert's tokens over the mean (the trainer logs it per layer as
   max/mean); with ``--moe-router-force-load-balancing`` it is 1 (how published MoE throughputs are taken),
@@ -92,8 +94,15 @@ def alltoall_per_layer(mc: MicrobatchCosts, t: int, e: int, cluster: Cluster, lo
     """``(forward, backward)`` all-to-all seconds of one layer (the mean over the layers) per microbatch."""
     if mc.moe is None:
         return 0.0, 0.0
-    one = alltoall_seconds(mc, t, e, cluster, load) * mc.moe.moe_share
-    return mc.moe.forward_alltoalls * one, (mc.moe.alltoalls - mc.moe.forward_alltoalls) * one
+    m = mc.moe
+    one = alltoall_seconds(mc, t, e, cluster, load) * m.moe_share
+    fwd, bwd = m.forward_alltoalls * one, (m.alltoalls - m.forward_alltoalls) * one
+    if m.shared_overlap and one > 0:  # module docstring: each overlapped all-to-all hides behind shared work
+        shared = m.moe_share * m.shared_forward_s
+        replayed = m.alltoalls - 2 * m.forward_alltoalls  # 2 with --moe-layer-recompute: its dispatch hides too
+        fwd -= min(one, shared)
+        bwd -= min(one, 2 * shared) + (min(one, shared) if replayed else 0.0)
+    return fwd, bwd
 
 
 def for_experts(mc: MicrobatchCosts, t: int, e: int, cluster: Cluster, load: float) -> MicrobatchCosts:
@@ -130,13 +139,15 @@ def _moe_mlp(model: ModelConfig, b: int, e: int, speed: float, bandwidth: float,
     tokens, k, f = b * s, moe.moe_router_topk, moe.moe_ffn_hidden_size
     routed = 2 * tokens * MOE_MLP.routed_macs(model) * pad / speed
     gemm = 2 * tokens * (MOE_MLP.macs(model) - MOE_MLP.routed_macs(model)) / speed + routed
+    shared = 2 * tokens * (MOE_MLP.macs(model) - MOE_MLP.routed_macs(model) - moe.num_experts * h) / speed
     act = (3 if model.swiglu else 2) * f
     memory = e * tokens * k * pad * (MOE_ROW_PASSES * h + act) / bandwidth if bandwidth else 0.0
     rows = tokens * k * (3 * h + (4 if model.swiglu else 2) * f) * e  # the routed part of the stash
     stash = MOE_MLP.stash(model).full * tokens * e + round(rows * (pad - 1)) + router_stash_bytes(model) * tokens
     if moe.moe_layer_recompute:  # only the block's input is kept; the backward re-runs the forward
         stash, rows = tokens * h * e, 0
-    return {"forward": gemm + memory, "gemm": gemm, "routed": routed, "stash": stash, "rows": round(rows * pad),
+    return {"forward": gemm + memory, "gemm": gemm, "routed": routed, "shared": shared, "stash": stash,
+            "rows": round(rows * pad),
             "caught": MOE_MLP.wgrad_stash(model).full * tokens * e,
             "read": MOE_MLP.wgrad_input(model).full * tokens * e,
             "params": MOE_MLP.param_terms(model).full - MOE_MLP.expert_params(model)}
@@ -190,5 +201,6 @@ def with_experts(dense: MicrobatchCosts, model: ModelConfig, cluster: Cluster, p
     costs = MoECosts(moe.num_experts, MOE_MLP.expert_params(model),
                      b * model.seq_length * moe.moe_router_topk * model.hidden_size * e * pad,
                      ALLTOALLS + (2 if moe.moe_layer_recompute else 0), FORWARD_ALLTOALLS, phi, x["routed"],
-                     x["rows"], moe.moe_expert_capacity_factor, moe.moe_pad_expert_input_to_capacity)
+                     x["rows"], moe.moe_expert_capacity_factor, moe.moe_pad_expert_input_to_capacity,
+                     x["shared"], moe.moe_shared_expert_overlap and bool(moe.moe_shared_expert_intermediate_size))
     return replace(dense, layer=layer, moe=costs)
