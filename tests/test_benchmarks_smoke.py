@@ -258,6 +258,20 @@ def test_gpu_check_settle_cost_worker_on_the_cpu():
     assert got[True][-1][0] == got[False][-1][0]
 
 
+def test_moe_shared_overlap_quick(tmp_path):
+    """The shared-expert overlap benchmark at tiny sizes: its schema, every time positive, one ratio per round."""
+    import moe_shared_overlap
+
+    out = tmp_path / "mso.json"
+    assert moe_shared_overlap.main(["--tokens", "64", "--hidden", "32", "--moe-ffn-hidden-size", "32",
+                                    "--moe-shared-expert-intermediate-size", "64", "--calls", "2", "--rounds", "2",
+                                    "--json", str(out)]) == 0
+    data = _load(out)
+    assert len(data["speedup_per_round"]) == 2 and data["speedup"] > 0
+    assert data["with_s"] > 0 and data["without_s"] > 0 and data["alltoall_s_per_call"] > 0
+    assert data["shared_s_per_call"] > 0 and data["config"]["ep"] == 2
+
+
 def test_muon_throughput_quick(tmp_path):
     """Muon vs AdamW (update, 2BW step at d = 2) and the t = 2 gather vs distributed Newton-Schulz: the schema,
     and the two TP variants compute the same orthogonalization (to bf16 precision)."""
@@ -380,7 +394,8 @@ def test_benchmarks_doc_is_what_the_report_rebuilds(tmp_path):
     rebuilt, data = _regenerate(tmp_path, committed)
     norm = lambda text: re.sub(r" on \d{4}-\d\d-\d\d \d\d:\d\d UTC", " on DATE", text.replace(data, "docs/data"))  # noqa: E731
     assert norm(rebuilt).splitlines() == norm(committed).splitlines()
-    assert [name for _, name, _ in kept_notes.extract(committed)] == ["moe-throughput", "memory-context-parallel",
+    assert [name for _, name, _ in kept_notes.extract(committed)] == ["moe-throughput", "moe-shared-overlap",
+                                                                       "memory-context-parallel",
                                                                        "moe-2bw-reading", "ef-published"]
 
 
