@@ -1,6 +1,6 @@
 """``--moe-shared-expert-overlap`` on CPU: one MoE layer with shared experts at expert-parallel size EP (EP gloo
-processes, the ``alltoall`` dispatcher), its forward and backward with the shared experts computed while the
-dispatched tokens travel and without, side by side.
+processes, the ``alltoall`` dispatcher), its forward and backward with the shared experts' two halves computed
+while the dispatched tokens and the experts' outputs travel (and their gradients) and without, side by side.
 
 Each round times ``--calls`` forward+backward calls of the two layers (the same weights and tokens) one after the
 other, in alternating order; per round the ratio of the medians (without over with: above 1 is a saving), and over
@@ -55,15 +55,6 @@ def _worker(a: dict) -> dict:
     layers[True].load_state_dict(layers[False].state_dict())
     g = torch.Generator().manual_seed(10 + rank)
     x = torch.randn(a["tokens"], 1, a["hidden"], generator=g)
-    a2a_s = [0.0]
-    real = dist.all_to_all_single
-
-    def timed(*args, **kw):  # the seconds the caller spends issuing, or in, an all-to-all (waits are not here)
-        t0 = time.perf_counter()
-        out = real(*args, **kw)
-        if not kw.get("async_op"):
-            a2a_s[0] += time.perf_counter() - t0
-        return out
 
     def call(layer) -> float:
         xi = x.clone().requires_grad_(True)
@@ -81,23 +72,42 @@ def _worker(a: dict) -> dict:
             for over in ((False, True) if (r + i) % 2 == 0 else (True, False)):
                 times[over].append(call(layers[over]))
         rounds.append({k: statistics.median(v) for k, v in times.items()})
-    a2a = []
+    return {"rounds": rounds, "a2a_s": _alltoall_seconds(lambda: call(layers[False]), a["calls"]),
+            "shared_s": _alone(layers[False].shared_experts, x.reshape(-1, a["hidden"]), a["calls"])}
+
+
+def _alltoall_seconds(run, calls: int) -> float:
+    """The median over ``calls`` runs of the seconds spent in ``all_to_all_single`` (the layer without overlap:
+    every all-to-all is a blocking call)."""
+    import torch.distributed as dist
+
+    spent, real, per_call = [0.0], dist.all_to_all_single, []
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        out = real(*args, **kw)
+        spent[0] += time.perf_counter() - t0
+        return out
+
     dist.all_to_all_single = timed
     try:
-        for _ in range(a["calls"]):
-            a2a_s[0] = 0.0
-            call(layers[False])
-            a2a.append(a2a_s[0])
+        for _ in range(calls):
+            spent[0] = 0.0
+            run()
+            per_call.append(spent[0])
     finally:
         dist.all_to_all_single = real
-    shared = layers[False].shared_experts
-    xs = x.reshape(-1, a["hidden"])
-    alone = []
-    for _ in range(a["calls"]):
+    return statistics.median(per_call)
+
+
+def _alone(shared, x, calls: int) -> float:
+    """The shared experts' forward and backward alone, median seconds."""
+    times = []
+    for _ in range(calls):
         t0 = time.perf_counter()
-        shared(xs.clone().requires_grad_(True)).square().mean().backward()
-        alone.append(time.perf_counter() - t0)
-    return {"rounds": rounds, "a2a_s": statistics.median(a2a), "shared_s": statistics.median(alone)}
+        shared(x.clone().requires_grad_(True)).square().mean().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,9 +142,10 @@ def _overlap_order() -> tuple[list[str], float, float]:
     comm._InFlight.issue = lambda self, *a: (events.append("issue"), issue(self, *a))[1]
     comm._InFlight.wait = lambda self: (events.append("wait"), wait(self))[1]
     shared = over.shared_experts
-    shared.register_forward_hook(lambda *_: events.append("shared forward"))
-    for name in ("linear_fc2", "linear_fc1"):  # backward reaches fc2 first
-        getattr(shared, name).register_full_backward_hook(lambda *_, n=name: events.append(f"shared {n} backward"))
+    for name in ("linear_fc1", "linear_fc2"):
+        layer = getattr(shared, name)
+        layer.register_forward_hook(lambda *_, n=name: events.append(f"shared {n} forward"))
+        layer.register_full_backward_hook(lambda *_, n=name: events.append(f"shared {n} backward"))
     x, g = _data(rank)
     try:
         xs = [x.clone().requires_grad_(True) for _ in range(2)]
@@ -159,12 +160,14 @@ def _overlap_order() -> tuple[list[str], float, float]:
 
 
 def test_shared_experts_run_while_the_tokens_travel():
-    """``--moe-shared-expert-overlap``: the shared experts' forward runs between the dispatch all-to-all's issue and
-    its wait, and their backward between the issue and the wait of its gradient's all-to-all (the engine's order,
-    not a second stream); the result equals the layer's without the overlap (the output bitwise: the same
-    operations; the input gradient within 1e-6: its three parts are summed in another order)."""
+    """``--moe-shared-expert-overlap``: the shared experts' first linear runs between the dispatch all-to-all's issue
+    and its wait, their second between the combine's; in backward the second's between the issue and the wait of
+    the combine's gradient all-to-all, the first's between the dispatch's (autograd's own order, no second
+    stream). The result equals the layer's without the overlap (the output bitwise: the same operations; the
+    input gradient within 1e-6: its parts are summed in another order)."""
     for events, out_diff, grad_diff in run_workers(_overlap_order, 2, timeout=120):
-        assert events == ["issue", "shared forward", "wait", "backward", "issue", "shared linear_fc2 backward",
+        assert events == ["issue", "shared linear_fc1 forward", "wait", "issue", "shared linear_fc2 forward", "wait",
+                          "backward", "issue", "shared linear_fc2 backward", "wait", "issue",
                           "shared linear_fc1 backward", "wait"], events
         assert out_diff == 0.0 and grad_diff <= 1e-6, (out_diff, grad_diff)
 

@@ -257,16 +257,19 @@ def test_moe_stash_is_what_autograd_keeps(name):
     assert 1.0 <= sum(seen.values()) / want < 1.05
 
 
-def test_shared_expert_overlap_hides_the_dispatch_behind_the_shared_experts():
-    """``--moe-shared-expert-overlap``: the dispatch all-to-all runs beside the shared experts' forward (and beside
-    their replay with --moe-layer-recompute), its gradient's beside their backward (twice the forward): each hides
-    at most itself. The shared experts' forward is priced from their multiply-adds (per token s x h x 3 with
-    SwiGLU against the routed experts' k x F x h x 3); without shared experts the flag changes nothing."""
-    b, width = 2, 8192  # a shared block as wide as 4 Mixtral experts: 2x the routed work per token at top-2
+def test_shared_expert_overlap_hides_the_all_to_alls_behind_the_shared_experts():
+    """``--moe-shared-expert-overlap``: the dispatch all-to-all runs beside the shared experts' first linear, the
+    combine beside their second (both again beside the replay with --moe-layer-recompute), each one's gradient
+    beside that half's backward (twice its forward): each hides at most itself. The halves are priced from their
+    multiply-adds (per token 2 s h and s h with SwiGLU, against the routed experts' k x F x h x 3); without shared
+    experts the flag changes nothing."""
+    b, width = 2, 1024  # its first half's backward outlasts an all-to-all here, its second's does not
     shared = replace(MIXTRAL, moe=replace(MIXTRAL.moe, moe_shared_expert_intermediate_size=width,
                                           moe_token_dispatcher_type="alltoall"))
     plain = analytic_microbatch_costs(shared, H100, "bf16", 1, b)
-    assert plain.moe.shared_forward_s / plain.moe.expert_forward_s == pytest.approx(width / (K * F), rel=1e-12)
+    first, second = plain.moe.shared_forward_s
+    assert first == pytest.approx(2 * second, rel=1e-12)
+    assert (first + second) / plain.moe.expert_forward_s == pytest.approx(width / (K * F), rel=1e-12)
     one = alltoall_seconds(plain, 1, 8, H100, 1.0)
     over_model = replace(shared, moe=replace(shared.moe, moe_shared_expert_overlap=True))
     for recompute in (False, True):
@@ -274,10 +277,12 @@ def test_shared_expert_overlap_hides_the_dispatch_behind_the_shared_experts():
         base = replace(m, moe=replace(m.moe, moe_shared_expert_overlap=False))
         over, without = (for_experts(analytic_microbatch_costs(x, H100, "bf16", 1, b), 1, 8, H100, 1.0)
                          for x in (m, base))
-        s = over.moe.shared_forward_s
-        assert over.alltoall_s[0] == pytest.approx(without.alltoall_s[0] - min(one, s), rel=1e-12)
-        hidden = min(one, 2 * s) + (min(one, s) if recompute else 0.0)
+        halves = over.moe.shared_forward_s
+        assert over.alltoall_s[0] == pytest.approx(without.alltoall_s[0] - sum(min(one, s) for s in halves),
+                                                   rel=1e-12)
+        hidden = sum(min(one, 2 * s) + (min(one, s) if recompute else 0.0) for s in halves)
         assert over.alltoall_s[1] == pytest.approx(without.alltoall_s[1] - hidden, rel=1e-12)
+        assert 0 < hidden < without.alltoall_s[1]  # some hidden, not all: the test's sizes cut both ways
         assert over.layer.forward_s < without.layer.forward_s
     no_shared = replace(MIXTRAL, moe=replace(MIXTRAL.moe, moe_shared_expert_overlap=True))
     a, z = (for_experts(analytic_microbatch_costs(x, H100, "bf16", 1, b), 1, 8, H100, 1.0)

@@ -6,8 +6,8 @@
   gradient of a rank's rows over the ranks (a reduce-scatter, done as all-reduce + slice: gloo has no
   reduce-scatter of uneven parts).
 - ``reduce_scatter_rows``: the reverse of ``gather_rows`` (forward sums, backward gathers).
-- ``all_to_all_beside``: ``all_to_all`` with other work run while it is in flight, both ways
-  (``--moe-shared-expert-overlap``): :func:`start_all_to_all` issues it and returns at once, the work runs,
+- ``start_all_to_all`` / ``wait_all_to_all``: ``all_to_all`` with other work run while it is in flight, both
+  ways (``--moe-shared-expert-overlap``): :func:`start_all_to_all` issues it and returns at once, the work runs,
   :func:`wait_all_to_all` waits. In backward the order reverses by itself: autograd runs the later-made
   ``wait``'s backward first (it issues the gradient's all-to-all), then the work's backward (made between the
   two), then the ``start``'s (it waits), the engine taking ready nodes latest-made first.

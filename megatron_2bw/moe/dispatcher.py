@@ -9,9 +9,10 @@ rows (weighted by the routing probabilities on the way back):
 - ``allgather``: every rank gathers all the group's tokens and routing, computes its own experts' share of
   every token, and the shares are summed back onto the owning ranks (a reduce-scatter).
 
-``dispatch(..., beside=f)`` runs ``f()`` (the shared experts) and keeps its result in the handle: with the
-all-to-all dispatcher over more than one rank, while the rows are in flight, forward and backward
-(``--moe-shared-expert-overlap``); otherwise after the dispatch.
+``dispatch(..., beside=f)`` and ``combine(..., beside=g)`` run ``f()`` and ``g()`` (the shared experts' two
+halves) and keep their results in the handle (``during_dispatch``, ``during_combine``): with the all-to-all
+dispatcher over more than one rank, while the rows are in flight, forward and backward
+(``--moe-shared-expert-overlap``); otherwise after the exchange.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class _Handle:
     splits: tuple[list[int], list[int]] = ([], [])  # all-to-all: (rows received per rank, sent per rank)
     chunks: torch.Tensor | None = None  # received rows per (source rank, local expert)
     sizes: list[int] | None = None  # all-gather: tokens per rank
-    beside: torch.Tensor | None = None  # what ``dispatch``'s ``beside`` returned
+    during_dispatch: object = None  # what ``dispatch``'s ``beside`` returned
+    during_combine: object = None  # what ``combine``'s ``beside`` returned
 
 
 class _Dispatcher:
@@ -47,7 +49,18 @@ class _Dispatcher:
         self.first = self.rank * self.num_local
 
 
-Beside = Callable[[], torch.Tensor] | None
+Beside = Callable[[], object] | None
+
+
+def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group, beside: Beside
+              ) -> tuple[torch.Tensor, object]:
+    """The rows' all-to-all, with ``beside()`` run while they travel (and its backward while their gradient
+    travels back: ``comm.start_all_to_all``); ``beside``'s result (None without it)."""
+    if beside is None:
+        return all_to_all(rows, out_splits, in_splits, group), None
+    rows, flight = start_all_to_all(rows, out_splits, in_splits, group)
+    done = beside()
+    return wait_all_to_all(rows, flight), done
 
 
 class AllToAllDispatcher(_Dispatcher):
@@ -55,7 +68,7 @@ class AllToAllDispatcher(_Dispatcher):
                  ) -> tuple[torch.Tensor, list[int], _Handle]:
         rows, perm = permute(hidden, routing_map, probs)
         if self.size == 1:
-            return rows, perm.counts.tolist(), _Handle(perm, beside=None if beside is None else beside())
+            return rows, perm.counts.tolist(), _Handle(perm, during_dispatch=None if beside is None else beside())
         p, e = self.size, self.num_local
         counts = perm.counts.to(torch.int64)
         received = torch.empty_like(counts)
@@ -63,21 +76,18 @@ class AllToAllDispatcher(_Dispatcher):
         chunks = received.view(p, e)
         send = counts.view(p, e).sum(dim=1).tolist()
         recv = chunks.sum(dim=1).tolist()
-        if beside is None:
-            rows, done = all_to_all(rows, recv, send, self.group), None
-        else:  # the rows travel while beside() computes (forward; its backward while their gradient travels)
-            rows, flight = start_all_to_all(rows, recv, send, self.group)
-            done = beside()
-            rows = wait_all_to_all(rows, flight)
+        rows, done = _exchange(rows, recv, send, self.group, beside)
         rows = sort_chunks(rows, chunks, p, e)
-        return rows, chunks.sum(dim=0).tolist(), _Handle(perm, (recv, send), chunks, beside=done)
+        return rows, chunks.sum(dim=0).tolist(), _Handle(perm, (recv, send), chunks, during_dispatch=done)
 
-    def combine(self, rows: torch.Tensor, h: _Handle) -> torch.Tensor:
+    def combine(self, rows: torch.Tensor, h: _Handle, beside: Beside = None) -> torch.Tensor:
         if self.size > 1:
             p, e = self.size, self.num_local
             rows = sort_chunks(rows, h.chunks.t(), e, p)  # expert-major back to rank-major
             recv, send = h.splits
-            rows = all_to_all(rows, send, recv, self.group)
+            rows, h.during_combine = _exchange(rows, send, recv, self.group, beside)
+        elif beside is not None:
+            h.during_combine = beside()
         return unpermute(rows, h.perm)
 
 
@@ -92,10 +102,13 @@ class AllGatherDispatcher(_Dispatcher):
             routing_map = gather_rows(routing_map.to(torch.uint8), sizes, self.group).bool()
         mine = slice(self.first, self.first + self.num_local)
         rows, perm = permute(hidden, routing_map[:, mine], probs[:, mine])
-        return rows, perm.counts.tolist(), _Handle(perm, sizes=sizes, beside=None if beside is None else beside())
+        return rows, perm.counts.tolist(), _Handle(perm, sizes=sizes,
+                                                   during_dispatch=None if beside is None else beside())
 
-    def combine(self, rows: torch.Tensor, h: _Handle) -> torch.Tensor:
+    def combine(self, rows: torch.Tensor, h: _Handle, beside: Beside = None) -> torch.Tensor:
         out = unpermute(rows, h.perm)
+        if beside is not None:
+            h.during_combine = beside()
         return out if self.size == 1 else reduce_scatter_rows(out, h.sizes, self.group)
 
 

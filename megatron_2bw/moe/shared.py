@@ -27,7 +27,15 @@ class SharedExperts(nn.Module):
                 p.normal_(0.0, init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear_fc2(activation(self.linear_fc1(x), self.gated))
-        if self.gate_weight is not None:
-            out = torch.sigmoid(F.linear(x, self.gate_weight)) * out
-        return out
+        return self.second(*self.first(x))
+
+    def first(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first linear and the activation, and the gate's score (None without a gate): what runs beside
+        the dispatch all-to-all under ``--moe-shared-expert-overlap``."""
+        gate = torch.sigmoid(F.linear(x, self.gate_weight)) if self.gate_weight is not None else None
+        return activation(self.linear_fc1(x), self.gated), gate
+
+    def second(self, hidden: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The second linear, scaled by the gate's score: what runs beside the combine all-to-all."""
+        out = self.linear_fc2(hidden)
+        return out if gate is None else gate * out

@@ -116,8 +116,9 @@ class MoECosts:
     routed_stash_bytes: int  # the rows an MoE layer keeps for the routed experts, balanced
     capacity: float | None = None  # --moe-expert-capacity-factor: an expert's tokens are cut at c x the mean
     padded: bool = False  # --moe-pad-expert-input-to-capacity: every expert gets exactly its capacity
-    shared_forward_s: float = 0.0  # the shared experts' forward GEMMs of one MoE layer, one microbatch
-    shared_overlap: bool = False  # --moe-shared-expert-overlap: they run while the dispatch all-to-all travels
+    # the shared experts' forward GEMMs of one MoE layer and microbatch: the first linear (and the gate's), the second
+    shared_forward_s: tuple[float, float] = (0.0, 0.0)
+    shared_overlap: bool = False  # --moe-shared-expert-overlap: each half runs while an all-to-all travels
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ all-gather forward and one backward in place of the dense MLP's all-reduces), an
   ``tokens x k x h x dtype`` bytes per rank (tokens: the rank's microbatch, ``b s / c`` under context
   parallelism), ``(e - 1) / e`` of it leaving the rank (``alltoall_seconds``). It is inside the layer's forward
   and backward times, on every schedule's critical path, except what ``--moe-shared-expert-overlap`` hides: the
-  dispatch runs beside the shared experts' forward (and beside their replay under ``--moe-layer-recompute``),
-  its gradient's all-to-all beside their backward (twice the forward's GEMMs), each hiding at most itself.
+  dispatch runs beside the shared experts' first linear, the combine beside their second (and both again beside
+  the replay under ``--moe-layer-recompute``), each one's gradient beside that half's backward (twice its
+  forward's GEMMs); an all-to-all hides at most itself.
 - Load: dropless routing is priced at the busiest rank's load (the all-to-all waits for it and so does the next
   layer). ``expert_load`` is the busiest expert's tokens over the mean (the trainer logs it per layer as
   max/mean); with ``--moe-router-force-load-balancing`` it is 1 (how published MoE throughputs are taken),
@@ -98,10 +99,10 @@ def alltoall_per_layer(mc: MicrobatchCosts, t: int, e: int, cluster: Cluster, lo
     one = alltoall_seconds(mc, t, e, cluster, load) * m.moe_share
     fwd, bwd = m.forward_alltoalls * one, (m.alltoalls - m.forward_alltoalls) * one
     if m.shared_overlap and one > 0:  # module docstring: each overlapped all-to-all hides behind shared work
-        shared = m.moe_share * m.shared_forward_s
-        replayed = m.alltoalls - 2 * m.forward_alltoalls  # 2 with --moe-layer-recompute: its dispatch hides too
-        fwd -= min(one, shared)
-        bwd -= min(one, 2 * shared) + (min(one, shared) if replayed else 0.0)
+        halves = [m.moe_share * s for s in m.shared_forward_s]  # beside the dispatch, beside the combine
+        replayed = m.alltoalls > 2 * m.forward_alltoalls  # --moe-layer-recompute: the replay overlaps as well
+        fwd -= sum(min(one, s) for s in halves)
+        bwd -= sum(min(one, 2 * s) + (min(one, s) if replayed else 0.0) for s in halves)
     return fwd, bwd
 
 
@@ -139,7 +140,9 @@ def _moe_mlp(model: ModelConfig, b: int, e: int, speed: float, bandwidth: float,
     tokens, k, f = b * s, moe.moe_router_topk, moe.moe_ffn_hidden_size
     routed = 2 * tokens * MOE_MLP.routed_macs(model) * pad / speed
     gemm = 2 * tokens * (MOE_MLP.macs(model) - MOE_MLP.routed_macs(model)) / speed + routed
-    shared = 2 * tokens * (MOE_MLP.macs(model) - MOE_MLP.routed_macs(model) - moe.num_experts * h) / speed
+    width = moe.moe_shared_expert_intermediate_size or 0  # the first linear (and the gate), the second
+    shared = (2 * tokens * ((2 if model.swiglu else 1) * width * h + h * moe.moe_shared_expert_gate) / speed,
+              2 * tokens * width * h / speed)
     act = (3 if model.swiglu else 2) * f
     memory = e * tokens * k * pad * (MOE_ROW_PASSES * h + act) / bandwidth if bandwidth else 0.0
     rows = tokens * k * (3 * h + (4 if model.swiglu else 2) * f) * e  # the routed part of the stash
