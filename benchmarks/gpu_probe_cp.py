@@ -20,13 +20,10 @@
 
 from __future__ import annotations
 
-PASS, FAIL, INFO = "pass", "FAIL", "info"
+from gpu_probe import FAIL, INFO, PASS, _row
+
 TOL = {"bfloat16": 3e-2, "float32": 1e-4}  # bf16 inputs against an fp32 reference: a few bf16 ulps
 PLAN_SLACK = 0.10  # the allocator's rounding and a kernel's own scratch, beyond the live-tensor count the plan models
-
-
-def _row(name: str, status: str, detail: str = "", **numbers) -> dict:
-    return dict(check=name, status=status, detail=detail, **numbers)
 
 
 def _cp_core_worker(n: int, heads: int, hd: int) -> dict:

@@ -18,13 +18,10 @@ It passes when the context and libraries plus six such communicators fit the pre
 
 from __future__ import annotations
 
-PASS, FAIL, NEEDS_GPU = "pass", "FAIL", "needs GPU"
+from gpu_probe import FAIL, NEEDS_GPU, PASS, _row
+
 COMMUNICATORS = 6  # per rank at c > 1: world, tensor, data, embedding, model, context (review 3, N14)
 NAME = "reserve outside the allocator"
-
-
-def _row(name: str, status: str, detail: str = "", **numbers) -> dict:
-    return dict(check=name, status=status, detail=detail, **numbers)
 
 
 def preset_of(device_name: str) -> str:

@@ -42,6 +42,13 @@ class MoEMLPArith(BlockArith):
         return moe.num_experts * h + active_width(model, moe_layer=True) * h * (3 if model.swiglu else 2)
 
 
+    def shared_macs(self, model: Model) -> tuple[int, int]:
+        """Per token, the shared experts' two halves (:meth:`params`' shapes): the first linear and the gate (what
+        runs beside the dispatch under ``--moe-shared-expert-overlap``), the second (beside the combine)."""
+        shared = [p for p in self.params(model) if ".shared_experts." in p.name]
+        second = sum(math.prod(p.shape) for p in shared if ".linear_fc2." in p.name)
+        return sum(math.prod(p.shape) for p in shared) - second, second
+
     def routed_macs(self, model: Model) -> int:
         """The k routed experts' share of :meth:`macs` (what an uneven expert load stretches)."""
         moe = model.moe

@@ -354,8 +354,7 @@ class RunConfig:
         """Whether the tied word embedding is summed between two ranks: the output layer shares it and the
         first and the last stage are on different ranks (not in a V placement, which holds both on rank 0).
         Without it the run makes no embedding group (on NCCL, a communicator with its own device memory)."""
-        place = self.pipeline.spec.placement(self.parallel.pipeline)
-        return self.model.tied_output and place.rank(0) != place.rank(place.num_stages - 1)
+        return self.model.tied_output and self.pipeline.spec.placement(self.parallel.pipeline).ends_apart
 
     def with_vocab(self, vocab_size: int) -> "RunConfig":
         """The model's vocabulary is the tokenizer's (as in Megatron)."""

@@ -63,12 +63,17 @@ def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], g
     return wait_all_to_all(rows, flight), done
 
 
+def _after(beside: Beside) -> object:
+    """``beside()`` where nothing travels to run it beside (one rank, the all-gather dispatcher); None without it."""
+    return None if beside is None else beside()
+
+
 class AllToAllDispatcher(_Dispatcher):
     def dispatch(self, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, beside: Beside = None
                  ) -> tuple[torch.Tensor, list[int], _Handle]:
         rows, perm = permute(hidden, routing_map, probs)
         if self.size == 1:
-            return rows, perm.counts.tolist(), _Handle(perm, during_dispatch=None if beside is None else beside())
+            return rows, perm.counts.tolist(), _Handle(perm, during_dispatch=_after(beside))
         p, e = self.size, self.num_local
         counts = perm.counts.to(torch.int64)
         received = torch.empty_like(counts)
@@ -86,8 +91,8 @@ class AllToAllDispatcher(_Dispatcher):
             rows = sort_chunks(rows, h.chunks.t(), e, p)  # expert-major back to rank-major
             recv, send = h.splits
             rows, h.during_combine = _exchange(rows, send, recv, self.group, beside)
-        elif beside is not None:
-            h.during_combine = beside()
+        else:
+            h.during_combine = _after(beside)
         return unpermute(rows, h.perm)
 
 
@@ -102,13 +107,11 @@ class AllGatherDispatcher(_Dispatcher):
             routing_map = gather_rows(routing_map.to(torch.uint8), sizes, self.group).bool()
         mine = slice(self.first, self.first + self.num_local)
         rows, perm = permute(hidden, routing_map[:, mine], probs[:, mine])
-        return rows, perm.counts.tolist(), _Handle(perm, sizes=sizes,
-                                                   during_dispatch=None if beside is None else beside())
+        return rows, perm.counts.tolist(), _Handle(perm, sizes=sizes, during_dispatch=_after(beside))
 
     def combine(self, rows: torch.Tensor, h: _Handle, beside: Beside = None) -> torch.Tensor:
         out = unpermute(rows, h.perm)
-        if beside is not None:
-            h.during_combine = beside()
+        h.during_combine = _after(beside)
         return out if self.size == 1 else reduce_scatter_rows(out, h.sizes, self.group)
 
 

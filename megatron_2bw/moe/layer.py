@@ -101,17 +101,13 @@ class MoELayer(nn.Module):
         tokens = x.reshape(s * b, h)
         route = self.router(tokens, s, b, expert_bias=expert_bias, count_tokens=count_tokens)
         shared = self.shared_experts
-        if shared is not None and self.cfg.moe_shared_expert_overlap:  # each half beside one all-to-all
-            rows, counts, handle = self.dispatcher.dispatch(tokens, route.routing_map, route.probs,
-                                                            lambda: shared.first(tokens))
-            y = self.dispatcher.combine(self.experts(rows, counts), handle,
-                                        lambda: shared.second(*handle.during_dispatch))
-            y = y + handle.during_combine
-        else:
-            rows, counts, handle = self.dispatcher.dispatch(tokens, route.routing_map, route.probs)
-            y = self.dispatcher.combine(self.experts(rows, counts), handle)
-            if shared is not None:
-                y = y + shared(tokens)
+        overlap = shared is not None and self.cfg.moe_shared_expert_overlap  # each half beside one all-to-all
+        rows, counts, handle = self.dispatcher.dispatch(tokens, route.routing_map, route.probs,
+                                                        (lambda: shared.first(tokens)) if overlap else None)
+        y = self.dispatcher.combine(self.experts(rows, counts), handle,
+                                    (lambda: shared.second(*handle.during_dispatch)) if overlap else None)
+        if shared is not None:
+            y = y + (handle.during_combine if overlap else shared(tokens))
         if record and self.training and not replaying():  # once per microbatch: its first forward
             self.last_stats = MoEStats(route.losses, route.tokens_per_expert.detach(), route.dropped)
         return y.view(s, b, h).to(x.dtype)

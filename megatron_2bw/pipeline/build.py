@@ -85,13 +85,12 @@ def build_parts(build: Callable, state: ParallelState, pipe: PipelineConfig, opt
     state.loss_stage = place.rank(place.num_stages - 1)  # the loss's rank (rank 0 in a V)
     weights, bounds = _weights(build, state, opt, pipe, place.chunks, names, cpu_init)
     transport = transport or _transport(state, pipe, place, act_shape, opt.torch_dtype)
-    # the tied word embedding is all-reduced between ranks only where the embedding and the head are apart
-    tied_apart = place.rank(0) != place.rank(place.num_stages - 1)
     bucket = int(opt.dp_bucket_mb * 2**20) // torch.finfo(weights.grad_dtype).bits * 8
     reducer = GradReducer(
         dp_group=state.groups.dp, embedding_group=state.groups.embedding, model_group=state.groups.model,
         replicas=state.replicas, shared_range=weights.shared_range, bucket_numel=bucket,
-        has_embedding_group=state.d > 1 and state.groups.embedding is not None and tied_apart, device=state.device,
+        # the tied word embedding is all-reduced between ranks only where the embedding and the head are apart
+        has_embedding_group=state.groups.embedding is not None and place.ends_apart, device=state.device,
         segments=reductions(weights, state, opt.use_distributed_optimizer),
     )
     # while the reducer has links to run, no stream wait on an unmatched transfer sits ahead of them (its busy())

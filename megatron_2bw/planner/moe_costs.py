@@ -140,9 +140,7 @@ def _moe_mlp(model: ModelConfig, b: int, e: int, speed: float, bandwidth: float,
     tokens, k, f = b * s, moe.moe_router_topk, moe.moe_ffn_hidden_size
     routed = 2 * tokens * MOE_MLP.routed_macs(model) * pad / speed
     gemm = 2 * tokens * (MOE_MLP.macs(model) - MOE_MLP.routed_macs(model)) / speed + routed
-    width = moe.moe_shared_expert_intermediate_size or 0  # the first linear (and the gate), the second
-    shared = (2 * tokens * ((2 if model.swiglu else 1) * width * h + h * moe.moe_shared_expert_gate) / speed,
-              2 * tokens * width * h / speed)
+    shared = tuple(2 * tokens * macs / speed for macs in MOE_MLP.shared_macs(model))  # the two halves
     act = (3 if model.swiglu else 2) * f
     memory = e * tokens * k * pad * (MOE_ROW_PASSES * h + act) / bandwidth if bandwidth else 0.0
     rows = tokens * k * (3 * h + (4 if model.swiglu else 2) * f) * e  # the routed part of the stash

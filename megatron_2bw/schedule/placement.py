@@ -80,6 +80,12 @@ class Placement:
         """Whether chunk ``c`` of rank ``r`` is the model's last virtual stage (it holds the head and the loss)."""
         return self.stage(r, c) == self.num_stages - 1
 
+    @property
+    def ends_apart(self) -> bool:
+        """Whether the model's first and last virtual stages are on different ranks (not in a V, nor at d = 1):
+        where a tied word embedding is summed between two ranks."""
+        return self.rank(0) != self.rank(self.num_stages - 1)
+
     def neighbour(self, r: int, a: Action) -> int | None:
         """The virtual stage a transfer of rank ``r`` talks to (None past either end of the model)."""
         s = self.stage(r, a.chunk) + TRANSFERS[a.op][0]
